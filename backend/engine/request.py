@@ -1,0 +1,144 @@
+"""SamplingParams, RequestOutput, Request: plain Python, no torch."""
+
+import enum
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 0  # 0 = until EOS or the end of the context
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # <= 0 = off (LocalAI sends -1 for kimi)
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF semantics on prompt + output tokens; 1 = off
+    presence_penalty: float = 0.0  # OpenAI semantics on output tokens
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None  # None = drawn by the engine
+    ignore_eos: bool = False
+    stop_token_ids: tuple = ()
+    logit_bias: dict = field(default_factory=dict)  # token id -> bias added to the logit
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0..20 alternatives per token (needs logprobs)
+
+    def validate(self, vocab_size: int) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0 (0 = until EOS), got {self.max_tokens!r}")
+        if not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an integer (<= 0 = off), got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")
+        for t, b in self.logit_bias.items():
+            if not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ValueError(f"logit_bias: {t!r} is not a token id in [0, {vocab_size})")
+            if not isinstance(b, (int, float)) or math.isnan(b):
+                raise ValueError(f"logit_bias[{t}] must be a number, got {b!r}")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    token_ids: list  # new token ids since the previous output
+    logprobs: Optional[list] = None  # per new token: {"token_id", "logprob", "top": [(id, logprob), ...]}
+    finished: bool = False
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
+    error: Optional[str] = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far
+    prompt_time_s: float = 0.0  # arrival -> first token
+    gen_time_s: float = 0.0  # first token -> this output
+
+
+_ids = itertools.count()
+
+
+class Request:
+    """One generation request: its token ids, progress, memory and status (the scheduler's noun)."""
+
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "seed", "num_computed_tokens",
+                 "state_slot", "block_ids", "status", "finish_reason", "error", "arrival_time", "first_token_time",
+                 "num_preemptions", "pending_logprobs", "num_sent_tokens")
+
+    def __init__(self, prompt_token_ids, params: SamplingParams, request_id: Optional[str] = None, seed: int = 0):
+        self.request_id = request_id if request_id is not None else f"req-{next(_ids)}"
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list = []
+        self.params = params
+        # noise for token i of this request is a pure function of (seed, i): independent of the batch
+        self.seed = params.seed if params.seed is not None else seed
+        self.num_computed_tokens = 0  # tokens whose KV / state is in the caches
+        self.state_slot = 0  # KDA slot, 0 = none
+        self.block_ids: list = []  # MLA pages, in order
+        self.status = RequestStatus.WAITING
+        self.finish_reason: Optional[str] = None
+        self.error: Optional[str] = None
+        self.arrival_time = time.monotonic()
+        self.first_token_time: Optional[float] = None
+        self.num_preemptions = 0
+        self.pending_logprobs: list = []  # logprob entries not yet delivered
+        self.num_sent_tokens = 0  # output tokens already delivered to the stream
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_id(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def __repr__(self):
+        return (f"Request({self.request_id}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens}, slot={self.state_slot}, "
+                f"blocks={len(self.block_ids)})")
