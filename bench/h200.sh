@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device-tool call: carried wheels -> GPU kernel tests at Kimi shapes -> benchmarks.
+# Usage (device tool, carry [".whl"]): bash bench/h200.sh [tests|bench|all] [extra pytest args]
+# Logs go to $OUT (or ./.out) so they come back even when a step fails.
+set -u
+what=${1:-all}; shift || true
+OUT=${OUT:-$PWD/.out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  if [ -f .whl/flashinfer-trim.tar.xz ]; then tar -xJf .whl/flashinfer-trim.tar.xz -C /tmp/site; fi
+fi
+export FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=12
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/gpu.txt"
+rc=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest tests/kernels -m gpu -q -x --timeout=600 -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu_tests.log" \
+    || rc=1
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  for b in ${BENCHES:-kda mla moe}; do
+    [ -f bench/$b.py ] || continue
+    echo "== bench/$b.py"; timeout ${BENCH_TIMEOUT:-240} python3 bench/$b.py 2>&1 | tee "$OUT/bench_$b.log" || rc=1
+  done
+fi
+exit $rc
