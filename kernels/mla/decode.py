@@ -1,0 +1,333 @@
+"""Paged absorbed-MLA decode (one query token per sequence), split-KV + LSE merge.
+
+Stage 1, grid (N, head_blocks, num_splits): a program owns BLOCK_H heads of one sequence and one contiguous range of
+key tiles. Each BLOCK_N x (L + R) latent tile is loaded once and feeds both ``S = q_lat c^T + q_pe kpe^T``
+([BLOCK_H x BLOCK_N] tl.dot, MQA: one K row for all heads) and ``acc += P c`` (c = first L columns of the same tile).
+Online softmax in base 2 (scale * log2(e) folded in), fp32 accumulation. With one split the program writes the final
+output directly; otherwise it writes the normalised partial and its LSE, and stage 2 merges the non-empty splits.
+
+Graph capture: the grid depends only on N, H and ``num_splits`` (a host int fixed at capture; the default comes from
+``block_table.shape`` and N). The actual split length is computed on the device from ``seq_lens`` (at least
+MIN_SPLIT_TOKENS keys per split); splits past the sequence end exit at once and are skipped by the merge.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 256  # smallest split worth a program (keys)
+MAX_SPLITS = 256
+
+# GPU tile configuration (Hopper, L=512/R=64): BLOCK_H=32 heads share each K tile, one 64-token tile per step.
+GPU_BLOCK_H = 32
+GPU_BLOCK_N = 64
+GPU_WARPS = 8
+GPU_STAGES = 2
+
+
+@triton.jit
+def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # The Triton interpreter (CPU CI) multiplies bf16 operands as raw uint16: upcast there (values already rounded).
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _mla_decode_stage1(
+    q_ptr,
+    qpe_ptr,
+    cache_ptr,
+    bt_ptr,
+    seqlen_ptr,
+    out_ptr,
+    opart_ptr,
+    lse_ptr,
+    H,
+    num_splits,
+    qk_scale,  # scale * log2(e)
+    s_qn,
+    s_qh,
+    s_pn,
+    s_ph,
+    s_cp,
+    s_cr,
+    s_btn,
+    s_on,
+    s_oh,
+    s_wn,
+    s_wh,
+    s_ws,
+    s_ln,
+    s_lh,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    DIRECT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    n = tl.program_id(0)
+    hb = tl.program_id(1)
+    sid = tl.program_id(2)
+
+    seq_len = tl.load(seqlen_ptr + n)
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tps = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_TILES)
+    t_begin = sid * tps
+    t_end = tl.minimum(t_begin + tps, n_tiles)
+    if DIRECT or t_begin < t_end:  # empty splits (never the only one) are skipped by the merge
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < H
+        offs_l = tl.arange(0, BLOCK_L)
+        offs_r = tl.arange(0, BLOCK_R)
+        lmask = offs_l < L
+        rmask = offs_r < R
+        offs_n = tl.arange(0, BLOCK_N)
+
+        q = tl.load(
+            q_ptr + n.to(tl.int64) * s_qn + heads[:, None] * s_qh + offs_l[None, :],
+            mask=hmask[:, None] & lmask[None, :],
+            other=0.0,
+        ).to(cache_ptr.dtype.element_ty)
+        qpe = tl.load(
+            qpe_ptr + n.to(tl.int64) * s_pn + heads[:, None] * s_ph + offs_r[None, :],
+            mask=hmask[:, None] & rmask[None, :],
+            other=0.0,
+        ).to(cache_ptr.dtype.element_ty)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+        bt_row = bt_ptr + n.to(tl.int64) * s_btn
+
+        for t in range(t_begin, t_end):
+            tok = t * BLOCK_N + offs_n
+            tmask = tok < seq_len
+            page = tl.load(bt_row + tok // BS, mask=tmask, other=0).to(tl.int64)
+            row = cache_ptr + page * s_cp + (tok % BS).to(tl.int64) * s_cr
+            c = tl.load(row[:, None] + offs_l[None, :], mask=tmask[:, None] & lmask[None, :], other=0.0)
+            kpe = tl.load(row[:, None] + L + offs_r[None, :], mask=tmask[:, None] & rmask[None, :], other=0.0)
+            s = _dot(q, tl.trans(c), DOT_PREC, UPCAST)
+            s += _dot(qpe, tl.trans(kpe), DOT_PREC, UPCAST)
+            s = s * qk_scale
+            s = tl.where(tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, DOT_PREC, UPCAST)
+            m_i = m_new
+
+        has = l_i > 0
+        inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+        o = acc * inv[:, None]
+        omask = hmask[:, None] & lmask[None, :]
+        if DIRECT:
+            tl.store(
+                out_ptr + n.to(tl.int64) * s_on + heads[:, None] * s_oh + offs_l[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=omask,
+            )
+        else:
+            tl.store(
+                opart_ptr + n.to(tl.int64) * s_wn + heads[:, None] * s_wh + sid * s_ws + offs_l[None, :],
+                o,
+                mask=omask,
+            )
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + n.to(tl.int64) * s_ln + heads * s_lh + sid, lse, mask=hmask)
+
+
+@triton.jit
+def _mla_decode_stage2(
+    seqlen_ptr,
+    opart_ptr,
+    lse_ptr,
+    out_ptr,
+    num_splits,
+    s_wn,
+    s_wh,
+    s_ws,
+    s_ln,
+    s_lh,
+    s_on,
+    s_oh,
+    L: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_L2: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    lb = tl.program_id(2)
+    seq_len = tl.load(seqlen_ptr + n)
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tps = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_TILES)
+    n_active = tl.cdiv(n_tiles, tps)  # splits [0, n_active) are non-empty
+
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_l = lb * BLOCK_L2 + tl.arange(0, BLOCK_L2)
+    lmask = offs_l < L
+    lse_row = lse_ptr + n.to(tl.int64) * s_ln + h * s_lh
+    mx = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, n_active, BLOCK_S):
+        sm = s0 + offs_s < n_active
+        mx = tl.maximum(mx, tl.load(lse_row + s0 + offs_s, mask=sm, other=float("-inf")))
+    m = tl.max(mx, 0)
+
+    acc = tl.zeros([BLOCK_L2], tl.float32)
+    den = tl.zeros([BLOCK_S], tl.float32)
+    part_row = opart_ptr + n.to(tl.int64) * s_wn + h * s_wh
+    for s0 in range(0, n_active, BLOCK_S):
+        sidx = s0 + offs_s
+        sm = sidx < n_active
+        lse = tl.load(lse_row + sidx, mask=sm, other=float("-inf"))
+        w = tl.where(sm, tl.exp2(lse - m), 0.0)
+        o = tl.load(part_row + sidx[:, None] * s_ws + offs_l[None, :], mask=sm[:, None] & lmask[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        den += w
+    d = tl.sum(den, 0)
+    res = tl.where(d > 0, acc / tl.where(d > 0, d, 1.0), 0.0)
+    tl.store(out_ptr + n.to(tl.int64) * s_on + h * s_oh + offs_l, res.to(out_ptr.dtype.element_ty), mask=lmask)
+
+
+def _upcast(dtype) -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1" and dtype in (torch.bfloat16, torch.float16)
+
+
+_SM_COUNT = {}
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _block_h(H: int) -> int:
+    return min(GPU_BLOCK_H, max(16, triton.next_power_of_2(H)))
+
+
+def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: int = 32, num_sms: int = 132) -> int:
+    """Host heuristic from shapes only (graph-capturable): aim for ~2 programs per SM, at least MIN_SPLIT_TOKENS keys
+    per split for the longest possible sequence (max_blocks * block_size), at most MAX_SPLITS."""
+    head_blocks = triton.cdiv(num_heads, _block_h(num_heads))
+    programs = max(1, batch * head_blocks)
+    splits = triton.cdiv(2 * num_sms, programs)
+    max_useful = max(1, triton.cdiv(max_blocks * block_size, MIN_SPLIT_TOKENS))
+    return int(max(1, min(splits, max_useful, MAX_SPLITS)))
+
+
+def mla_decode_triton(
+    q_lat, q_pe, cache, block_table, seq_lens, scale, num_splits=None, block_n=None, min_split_tokens=None
+):
+    N, H, L = q_lat.shape
+    R = q_pe.shape[2]
+    NB, BS, D = cache.shape
+    assert D == L + R and q_pe.shape[:2] == (N, H)
+    assert block_table.shape[0] >= N and seq_lens.shape[0] >= N
+    assert cache.stride(2) == 1
+    if q_lat.stride(2) != 1:
+        q_lat = q_lat.contiguous()
+    if q_pe.stride(2) != 1:
+        q_pe = q_pe.contiguous()
+    if block_table.dtype != torch.int32:
+        block_table = block_table.to(torch.int32)
+    if seq_lens.dtype != torch.int32:
+        seq_lens = seq_lens.to(torch.int32)
+    out = torch.empty(N, H, L, dtype=q_lat.dtype, device=q_lat.device)
+    if N == 0:
+        return out
+    on_gpu = q_lat.is_cuda
+    BLOCK_H = _block_h(H)
+    BLOCK_N = block_n or (GPU_BLOCK_N if on_gpu else 16)
+    if num_splits is None:
+        num_splits = default_num_splits(N, block_table.shape[1], BS, H, _num_sms(q_lat.device))
+    num_splits = max(1, int(num_splits))
+    min_tiles = max(1, (min_split_tokens or MIN_SPLIT_TOKENS) // BLOCK_N)
+    BLOCK_L = triton.next_power_of_2(L)
+    BLOCK_R = triton.next_power_of_2(R)
+    direct = num_splits == 1
+    dot_prec = "ieee" if cache.dtype == torch.float32 else "tf32"
+    if direct:
+        opart = out  # unused
+        lse = seq_lens  # unused
+        wstr = (0, 0, 0)
+        lstr = (0, 0)
+    else:
+        opart = torch.empty(N, H, num_splits, L, dtype=torch.float32, device=q_lat.device)
+        lse = torch.empty(N, H, num_splits, dtype=torch.float32, device=q_lat.device)
+        wstr = opart.stride()[:3]
+        lstr = lse.stride()[:2]
+    kw = dict(num_warps=GPU_WARPS, num_stages=GPU_STAGES) if on_gpu else {}
+    grid = (N, triton.cdiv(H, BLOCK_H), num_splits)
+    _mla_decode_stage1[grid](
+        q_lat,
+        q_pe,
+        cache,
+        block_table,
+        seq_lens,
+        out,
+        opart,
+        lse,
+        H,
+        num_splits,
+        float(scale) * LOG2E,
+        q_lat.stride(0),
+        q_lat.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        *wstr,
+        *lstr,
+        L=L,
+        R=R,
+        BLOCK_L=BLOCK_L,
+        BLOCK_R=BLOCK_R,
+        BS=BS,
+        BLOCK_N=BLOCK_N,
+        BLOCK_H=BLOCK_H,
+        MIN_TILES=min_tiles,
+        DIRECT=direct,
+        DOT_PREC=dot_prec,
+        UPCAST=_upcast(cache.dtype),
+        **kw,
+    )
+    if not direct:
+        BLOCK_L2 = min(BLOCK_L, 128)
+        BLOCK_S = min(32, triton.next_power_of_2(num_splits))
+        _mla_decode_stage2[(N, H, triton.cdiv(L, BLOCK_L2))](
+            seq_lens,
+            opart,
+            lse,
+            out,
+            num_splits,
+            *wstr,
+            *lstr,
+            out.stride(0),
+            out.stride(1),
+            L=L,
+            BLOCK_N=BLOCK_N,
+            MIN_TILES=min_tiles,
+            BLOCK_S=BLOCK_S,
+            BLOCK_L2=BLOCK_L2,
+            num_warps=4,
+        )
+    return out
