@@ -1,0 +1,201 @@
+"""Continuous batching with chunked prefill and preemption by recompute (pure Python, no torch).
+
+One rule (vLLM v1): a request needs `num_tokens - num_computed_tokens` more tokens; each step gives running requests
+first (a decode needs 1), then admits waiting ones, within `max_num_batched_tokens` and `max_num_seqs`. There is no
+prefill or decode phase: a long prompt is simply cut by the budget. Out of pages, the newest running request is
+preempted: its pages and slot go back, and it is recomputed from scratch later (its output tokens so far are kept and
+recomputed as part of its prompt).
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from backend.engine.memory import BlockPool, StatePool
+from backend.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    request: Request
+    start: int  # tokens already in the caches (num_computed_tokens before this step)
+    num_new_tokens: int
+    sample: bool  # this chunk reaches the end of the known tokens: a new token is sampled
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.start > 0
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list  # ScheduledSeq: the num_decodes decodes first, then prefill chunks
+    num_decodes: int = 0
+    num_tokens: int = 0
+    preempted: list = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def is_decode_only(self) -> bool:
+        return bool(self.seqs) and self.num_decodes == len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_pool: BlockPool, state_pool: StatePool, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids=()):
+        assert max_num_seqs >= 1 and max_num_batched_tokens >= 1
+        assert max_num_seqs <= state_pool.capacity, "more sequences than KDA state slots"
+        assert max_model_len <= block_pool.capacity * block_pool.block_size, "max_model_len exceeds the page pool"
+        self.blocks = block_pool
+        self.states = state_pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def check(self, req: Request) -> None:
+        """Rejects up front a request that could never run."""
+        n, m = req.num_prompt_tokens, req.params.max_tokens
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens; max_model_len is {self.max_model_len} "
+                             f"(prompt + at least one new token must fit)")
+        if n + m > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds max_model_len "
+                             f"({self.max_model_len})")
+
+    def add(self, req: Request) -> None:
+        self.check(req)
+        self.waiting.append(req)
+
+    def find(self, request_id: str):
+        for req in self.running:
+            if req.request_id == request_id:
+                return req
+        for req in self.waiting:
+            if req.request_id == request_id:
+                return req
+        return None
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled, preempted = [], []
+        i = 0
+        # running requests, oldest first
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            while n == 0:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+                n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            if n == 0:
+                break
+            scheduled.append(self._take(req, n))
+            budget -= n
+            i += 1
+        # admission, FCFS, only when nobody was preempted this step
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            # the whole known sequence must fit in free pages, not just the first chunk: avoids admit-then-preempt
+            if not self.states.can_allocate() or not self.blocks.can_allocate(self.blocks.blocks_for(req.num_tokens)):
+                break
+            self.waiting.popleft()
+            req.state_slot = self.states.allocate()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            scheduled.append(self._take(req, n))
+            budget -= n
+        decodes = [s for s in scheduled if s.is_decode]
+        prefills = [s for s in scheduled if not s.is_decode]
+        return SchedulerOutput(decodes + prefills, len(decodes), sum(s.num_new_tokens for s in scheduled), preempted)
+
+    def _fit(self, req: Request, n: int) -> int:
+        """Largest m <= n whose pages can be allocated for `req` now."""
+        bs = self.blocks.block_size
+        room = (len(req.block_ids) + self.blocks.num_free) * bs - req.num_computed_tokens
+        return max(0, min(n, room))
+
+    def _take(self, req: Request, n: int) -> ScheduledSeq:
+        need = self.blocks.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+        if need > 0:
+            req.block_ids += self.blocks.allocate(need)
+        return ScheduledSeq(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        if req.block_ids:
+            self.blocks.free(req.block_ids)
+            req.block_ids = []
+        if req.state_slot:
+            self.states.free(req.state_slot)
+            req.state_slot = 0
+
+    def update(self, out: SchedulerOutput, sampled: list) -> list:
+        """Advances the scheduled requests by one step; `sampled` holds one token per seq with `sample` set.
+
+        Returns the requests that got a token or finished."""
+        touched, j = [], 0
+        for s in out.seqs:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if not s.sample:
+                continue
+            token = sampled[j]
+            j += 1
+            req.output_token_ids.append(token)
+            touched.append(req)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.finish(req, reason)
+        assert j == len(sampled), f"{len(sampled)} sampled tokens for {j} sampling sequences"
+        return touched
+
+    def _stop_reason(self, req: Request, token: int):
+        p = req.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if p.max_tokens and len(req.output_token_ids) >= p.max_tokens:
+            return "length"
+        if req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, req: Request, reason: str, error: str = None) -> None:
+        if req.status == RequestStatus.FINISHED:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.error = error
+
+    def abort(self, request_id: str):
+        req = self.find(request_id)
+        if req is not None:
+            self.finish(req, "abort")
+        return req
