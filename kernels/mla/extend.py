@@ -1,0 +1,185 @@
+"""Paged absorbed-MLA extend (chunked prefill / continuation): varlen, causal, flash-attention-style online softmax.
+
+New tokens' latents are already in the cache (store_latent ran first). Query i of sequence p (q_len = cu[p+1]-cu[p])
+sits at key position ``seq_lens[p] - q_len + i`` and sees keys ``<=`` that position (bottom-right aligned).
+
+Grid (P, cdiv(max_query_len, BLOCK_T), cdiv(H, BLOCK_H)). A program packs BLOCK_T query tokens x BLOCK_H heads into the
+M = BLOCK_T * BLOCK_H rows of one tile (row m: token m // BLOCK_H, head m % BLOCK_H): every latent tile it loads feeds
+all of them (MQA), both as K (S = q_lat c^T + q_pe kpe^T) and as V (acc += P c).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .decode import LOG2E, _dot, _upcast
+
+GPU_ROWS = 64  # BLOCK_T * BLOCK_H (fp32 acc 64 x 512 = 128 KB of registers over 8 warps)
+GPU_BLOCK_N = 32
+GPU_WARPS = 8
+GPU_STAGES = 2
+
+
+@triton.jit
+def _mla_extend_kernel(
+    q_ptr,
+    qpe_ptr,
+    cache_ptr,
+    bt_ptr,
+    cu_ptr,
+    seqlen_ptr,
+    out_ptr,
+    H,
+    qk_scale,
+    s_qt,
+    s_qh,
+    s_pt,
+    s_ph,
+    s_cp,
+    s_cr,
+    s_btn,
+    s_ot,
+    s_oh,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    p = tl.program_id(0)
+    tb = tl.program_id(1)
+    hb = tl.program_id(2)
+    q_begin = tl.load(cu_ptr + p)
+    q_len = tl.load(cu_ptr + p + 1) - q_begin
+    seq_len = tl.load(seqlen_ptr + p)
+    t0 = tb * BLOCK_T
+    if t0 < q_len:
+        M: tl.constexpr = BLOCK_T * BLOCK_H
+        offs_m = tl.arange(0, M)
+        t_rel = t0 + offs_m // BLOCK_H
+        heads = hb * BLOCK_H + offs_m % BLOCK_H
+        rmask_m = (t_rel < q_len) & (heads < H)
+        tok_q = (q_begin + t_rel).to(tl.int64)
+        pos = seq_len - q_len + t_rel  # key position of each row's query
+        offs_l = tl.arange(0, BLOCK_L)
+        offs_r = tl.arange(0, BLOCK_R)
+        lmask = offs_l < L
+        rmask = offs_r < R
+        offs_n = tl.arange(0, BLOCK_N)
+
+        q = tl.load(
+            q_ptr + tok_q[:, None] * s_qt + heads[:, None] * s_qh + offs_l[None, :],
+            mask=rmask_m[:, None] & lmask[None, :],
+            other=0.0,
+        ).to(cache_ptr.dtype.element_ty)
+        qpe = tl.load(
+            qpe_ptr + tok_q[:, None] * s_pt + heads[:, None] * s_ph + offs_r[None, :],
+            mask=rmask_m[:, None] & rmask[None, :],
+            other=0.0,
+        ).to(cache_ptr.dtype.element_ty)
+
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, BLOCK_L], tl.float32)
+        bt_row = bt_ptr + p.to(tl.int64) * s_btn
+        # keys needed by the last query of this tile
+        kv_end = tl.minimum(seq_len, seq_len - q_len + tl.minimum(t0 + BLOCK_T, q_len))
+        for k0 in range(0, kv_end, BLOCK_N):
+            tok = k0 + offs_n
+            tmask = tok < kv_end
+            page = tl.load(bt_row + tok // BS, mask=tmask, other=0).to(tl.int64)
+            row = cache_ptr + page * s_cp + (tok % BS).to(tl.int64) * s_cr
+            c = tl.load(row[:, None] + offs_l[None, :], mask=tmask[:, None] & lmask[None, :], other=0.0)
+            kpe = tl.load(row[:, None] + L + offs_r[None, :], mask=tmask[:, None] & rmask[None, :], other=0.0)
+            s = _dot(q, tl.trans(c), DOT_PREC, UPCAST)
+            s += _dot(qpe, tl.trans(kpe), DOT_PREC, UPCAST)
+            s = s * qk_scale
+            vis = tmask[None, :] & (tok[None, :] <= pos[:, None])
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            alpha = tl.exp2(m_i - m_safe)
+            pr = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            acc = acc * alpha[:, None] + _dot(pr.to(c.dtype), c, DOT_PREC, UPCAST)
+            m_i = m_new
+
+        has = l_i > 0
+        inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+        o = acc * inv[:, None]
+        tl.store(
+            out_ptr + tok_q[:, None] * s_ot + heads[:, None] * s_oh + offs_l[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=rmask_m[:, None] & lmask[None, :],
+        )
+
+
+def mla_extend_triton(
+    q_lat, q_pe, cache, block_table, cu_seqlens, seq_lens, scale, max_query_len=None, block_n=None, rows=None
+):
+    """``max_query_len`` (host int) sizes the grid; without it the grid covers T query tokens per sequence (correct,
+    programs past a sequence's end exit at once) — pass it for large batches."""
+    T, H, L = q_lat.shape
+    R = q_pe.shape[2]
+    NB, BS, D = cache.shape
+    P = seq_lens.shape[0]
+    assert D == L + R and q_pe.shape[:2] == (T, H) and cu_seqlens.shape[0] == P + 1
+    assert cache.stride(2) == 1
+    if q_lat.stride(2) != 1:
+        q_lat = q_lat.contiguous()
+    if q_pe.stride(2) != 1:
+        q_pe = q_pe.contiguous()
+    if block_table.dtype != torch.int32:
+        block_table = block_table.to(torch.int32)
+    if seq_lens.dtype != torch.int32:
+        seq_lens = seq_lens.to(torch.int32)
+    if cu_seqlens.dtype != torch.int32:
+        cu_seqlens = cu_seqlens.to(torch.int32)
+    # rows not covered by cu_seqlens stay zero (matches the reference)
+    out = torch.zeros(T, H, L, dtype=q_lat.dtype, device=q_lat.device)
+    if T == 0 or P == 0:
+        return out
+    on_gpu = q_lat.is_cuda
+    rows = rows or GPU_ROWS
+    BLOCK_H = min(triton.next_power_of_2(H), rows)
+    BLOCK_T = max(1, rows // BLOCK_H)
+    BLOCK_N = block_n or (GPU_BLOCK_N if on_gpu else 16)
+    mq = T if max_query_len is None else max(1, int(max_query_len))
+    grid = (P, triton.cdiv(mq, BLOCK_T), triton.cdiv(H, BLOCK_H))
+    kw = dict(num_warps=GPU_WARPS, num_stages=GPU_STAGES) if on_gpu else {}
+    _mla_extend_kernel[grid](
+        q_lat,
+        q_pe,
+        cache,
+        block_table,
+        cu_seqlens,
+        seq_lens,
+        out,
+        H,
+        float(scale) * LOG2E,
+        q_lat.stride(0),
+        q_lat.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        L=L,
+        R=R,
+        BLOCK_L=triton.next_power_of_2(L),
+        BLOCK_R=triton.next_power_of_2(R),
+        BS=BS,
+        BLOCK_N=BLOCK_N,
+        BLOCK_T=BLOCK_T,
+        BLOCK_H=BLOCK_H,
+        DOT_PREC="ieee" if cache.dtype == torch.float32 else "tf32",
+        UPCAST=_upcast(cache.dtype),
+        **kw,
+    )
+    return out
