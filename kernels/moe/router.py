@@ -1,0 +1,163 @@
+"""Triton MoE router: fp32 logits (x @ gate_w.T) -> sigmoid -> +bias (selection only) -> top-k -> renorm -> scale.
+
+Two kernels, no host sync (CUDA-graph capturable):
+  1. ``_router_logits_kernel``: logits [T, E] fp32 = x @ gate_w.T with fp32 accumulation. For bf16/fp16 inputs the
+     products are exact in fp32, so this equals the reference ``x.float() @ gate_w.float().T`` up to summation order;
+     fp32 inputs use ``input_precision="ieee"`` (no TF32).
+  2. ``_router_topk_kernel``: per token row, k rounds of "take the max of (sigmoid + bias), lowest expert index on
+     ties", weights from the unbiased (or, with ``biased_weights``, biased) scores, renormalised and scaled.
+
+Tie-breaking matches ``moe_router_ref``: descending selection score, equal scores -> lower expert index first;
+``topk_ids[:, 0]`` is the best expert.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# The Triton interpreter multiplies the raw uint16 storage of bf16 operands in tl.dot; under TRITON_INTERPRET=1
+# the kernels upcast dot operands to fp32 (exact for bf16/fp16 products, so results are unchanged).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_mode(dtype: torch.dtype) -> int:
+    """0: native tensor-core dot (bf16/fp16, fp32 accumulate); 1: fp32 operands, exact IEEE fp32 dot."""
+    return 1 if (dtype == torch.float32 or INTERPRET) else 0
+
+
+@triton.jit
+def dot_acc(a, b, acc, MODE: tl.constexpr):
+    """acc += a @ b with fp32 accumulation (MODE from ``dot_mode``)."""
+    if MODE == 1:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b.to(a.dtype), acc)
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr, w_ptr, out_ptr, T, E, D,
+    stride_xt, stride_we, stride_ot,
+    BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    offs_t = pid_t * BT + tl.arange(0, BT)
+    offs_e = pid_e * BE + tl.arange(0, BE)
+    offs_k = tl.arange(0, BK)
+    t_ok = offs_t < T
+    e_ok = offs_e < E
+    x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
+    w_ptrs = w_ptr + offs_e[None, :].to(tl.int64) * stride_we + offs_k[:, None]  # [BK, BE]
+    acc = tl.zeros((BT, BE), dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        k_ok = offs_k < D - k0
+        a = tl.load(x_ptrs, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None] & e_ok[None, :], other=0.0)
+        acc = dot_acc(a, b, acc, MODE)
+        x_ptrs += BK
+        w_ptrs += BK
+    o_ptrs = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + offs_e[None, :]
+    tl.store(o_ptrs, acc, mask=t_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def _router_topk_kernel(
+    logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, T, E, stride_lt, scale,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_t = pid * BT + tl.arange(0, BT)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_k = tl.arange(0, BLOCK_K)
+    t_ok = offs_t < T
+    e_ok = offs_e < E
+    mask = t_ok[:, None] & e_ok[None, :]
+    logits = tl.load(logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + offs_e[None, :], mask=mask, other=0.0)
+    scores = tl.sigmoid(logits)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)
+        sel = scores + b[None, :]
+    else:
+        sel = scores
+    if BIASED_WEIGHTS:
+        wsrc = sel
+    else:
+        wsrc = scores
+    neg_inf = float("-inf")
+    sel = tl.where(mask, sel, neg_inf)
+    top_w = tl.zeros((BT, BLOCK_K), dtype=tl.float32)
+    top_i = tl.zeros((BT, BLOCK_K), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        m = tl.max(sel, axis=1)
+        cand = tl.where(sel == m[:, None], offs_e[None, :], BLOCK_E)
+        idx = tl.min(cand, axis=1)
+        hit = offs_e[None, :] == idx[:, None]
+        wv = tl.sum(tl.where(hit, wsrc, 0.0), axis=1)
+        top_w = tl.where(offs_k[None, :] == j, wv[:, None], top_w)
+        top_i = tl.where(offs_k[None, :] == j, idx[:, None], top_i)
+        sel = tl.where(hit, neg_inf, sel)
+    if RENORM:
+        denom = tl.sum(top_w, axis=1) + 1e-20
+        top_w = top_w / denom[:, None]
+    top_w = top_w * scale
+    omask = t_ok[:, None] & (offs_k[None, :] < TOP_K)
+    optr = offs_t[:, None].to(tl.int64) * TOP_K + offs_k[None, :]
+    tl.store(w_out_ptr + optr, top_w, mask=omask)
+    tl.store(id_out_ptr + optr, top_i, mask=omask)
+
+
+def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
+    """x [T, D] @ gate_w[E, D].T -> fp32 [T, E], fp32 accumulation (no TF32)."""
+    T, D = x.shape
+    E = gate_w.shape[0]
+    x = x.contiguous()
+    gate_w = gate_w.contiguous()
+    if gate_w.dtype != x.dtype:
+        gate_w = gate_w.to(x.dtype)
+    out = torch.empty(T, E, device=x.device, dtype=torch.float32)
+    if T == 0:
+        return out
+    is_fp32 = x.dtype == torch.float32
+    BT = 16 if T <= 16 else (32 if T <= 256 else 64)
+    # decode: many small expert tiles so that the gate weight is streamed by many SMs
+    BE = 16 if T <= 64 else 64
+    BE = min(BE, max(16, triton.next_power_of_2(E)))
+    BK = min(64 if is_fp32 else 128, max(16, triton.next_power_of_2(D)))
+    grid = (triton.cdiv(T, BT), triton.cdiv(E, BE))
+    _router_logits_kernel[grid](
+        x, gate_w, out, T, E, D, x.stride(0), gate_w.stride(0), out.stride(0),
+        BT=BT, BE=BE, BK=BK, MODE=dot_mode(x.dtype), num_warps=4, num_stages=2 if is_fp32 else 3,
+    )
+    return out
+
+
+def router_topk_triton(logits, bias, top_k, routed_scaling_factor=1.0, renormalize=True, biased_weights=False):
+    """logits [T, E] fp32 -> (topk_weights [T, k] fp32, topk_ids [T, k] int32)."""
+    T, E = logits.shape
+    w = torch.empty(T, top_k, device=logits.device, dtype=torch.float32)
+    ids = torch.empty(T, top_k, device=logits.device, dtype=torch.int32)
+    if T == 0:
+        return w, ids
+    assert 1 <= top_k <= E
+    logits = logits.contiguous()
+    BLOCK_E = triton.next_power_of_2(E)
+    BT = max(1, min(16, 2048 // BLOCK_E))
+    has_bias = bias is not None
+    bias_arg = bias.contiguous() if has_bias else logits
+    _router_topk_kernel[(triton.cdiv(T, BT),)](
+        logits, bias_arg, w, ids, T, E, logits.stride(0), float(routed_scaling_factor),
+        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BT=BT, BLOCK_E=BLOCK_E,
+        HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights), RENORM=bool(renormalize), num_warps=4,
+    )
+    return w, ids
+
+
+def moe_router_triton(x, gate_w, bias, top_k, routed_scaling_factor=1.0, renormalize=True, biased_weights=False):
+    """Same contract as ``moe_router_ref``."""
+    logits = router_logits_triton(x, gate_w)
+    return router_topk_triton(logits, bias, top_k, routed_scaling_factor, renormalize, biased_weights)
