@@ -1,0 +1,119 @@
+"""Kimi Delta Attention, mixer level: short conv + SiLU, gate, L2 norm, beta, delta rule, gated RMSNorm.
+
+kda_prefill(qkv [T, 2HK+HV], conv_w [C, W] f32, z [T, HK], b [T, H], A_log [H] f32, dt_bias [HK] f32,
+            r [T, HV], o_norm_w [V], eps, conv_state [S, W-1, C], rec_state [S, H, K, V] f32,
+            cu_seqlens [P+1] i32, state_slots [P] i32, has_initial_state [P] bool) -> [T, HV] (qkv.dtype)
+kda_decode(qkv [N, C], conv_w, z [N, HK], b [N, H], A_log, dt_bias, r [N, HV], o_norm_w, eps,
+           conv_state, rec_state, state_slots [N] i32) -> [N, HV]
+
+Both update conv_state and rec_state in place at the given slots. H = b.shape[1], K = z.shape[1] // H,
+V = r.shape[1] // H (K = V = 128 for Kimi; K != V is supported for tests). scale = K ** -0.5.
+On CUDA (or KIMI_KERNELS=triton) the Triton kernels run, otherwise the torch references (docs/design.md).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kernels._dispatch import use_triton
+from kernels.conv import short_conv_decode_ref, short_conv_prefill, short_conv_prefill_ref
+from kernels.kda.ref import (
+    kda_chunk_ref,
+    kda_core_ref,
+    kda_gate_ref,
+    kda_recurrent_ref,
+    kda_varlen_ref,
+    l2norm_ref,
+)
+from kernels.norm import gated_rmsnorm, gated_rmsnorm_ref
+
+__all__ = [
+    "kda_prefill", "kda_decode", "kda_prefill_ref", "kda_decode_ref",
+    "kda_gate_ref", "l2norm_ref", "kda_recurrent_ref", "kda_chunk_ref", "kda_varlen_ref", "kda_core_ref",
+]
+
+
+def _dims(z: torch.Tensor, b: torch.Tensor, r: torch.Tensor):
+    H = b.shape[-1]
+    K = z.shape[-1] // H
+    V = r.shape[-1] // H
+    return H, K, V
+
+
+def _split_qkv(y: torch.Tensor, H: int, K: int, V: int):
+    T = y.shape[0]
+    q = y[:, : H * K].reshape(T, H, K)
+    k = y[:, H * K: 2 * H * K].reshape(T, H, K)
+    v = y[:, 2 * H * K:].reshape(T, H, V)
+    return q, k, v
+
+
+def _chunk_kda_fwd():
+    try:
+        from kernels.kda.chunk import chunk_kda_fwd  # owned by the chunk-kernel engineer
+    except ImportError:
+        return None
+    return chunk_kda_fwd
+
+
+# --------------------------------------------------------------------------------------------------- prefill
+def kda_prefill_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
+                    cu_seqlens, state_slots, has_initial_state=None, mode: str = "chunk"):
+    H, K, V = _dims(z, b, r)
+    T = qkv.shape[0]
+    y = short_conv_prefill_ref(qkv, conv_w, conv_state, cu_seqlens, state_slots, has_initial_state)
+    q, k, v = _split_qkv(y, H, K, V)
+    o = kda_core_ref(q, k, v, z, A_log, dt_bias, b, K ** -0.5, rec_state, cu_seqlens, state_slots,
+                     has_initial_state, mode=mode)                        # [T, H, V] qkv.dtype
+    return gated_rmsnorm_ref(o, r.reshape(T, H, V), o_norm_w, eps).reshape(T, H * V)
+
+
+def kda_prefill(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
+                cu_seqlens, state_slots, has_initial_state: Optional[torch.Tensor] = None):
+    if not use_triton(qkv):
+        return kda_prefill_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
+                               cu_seqlens, state_slots, has_initial_state)
+    H, K, V = _dims(z, b, r)
+    T = qkv.shape[0]
+    if has_initial_state is None:
+        has_initial_state = torch.ones(state_slots.shape[0], dtype=torch.bool, device=qkv.device)
+    y = short_conv_prefill(qkv, conv_w, conv_state, cu_seqlens, state_slots, has_initial_state)   # [T, C]
+    q, k, v = (t.contiguous() for t in _split_qkv(y, H, K, V))
+    chunk_kda_fwd = _chunk_kda_fwd()
+    if chunk_kda_fwd is not None:
+        o = chunk_kda_fwd(q, k, v, z, A_log, dt_bias, b, K ** -0.5, rec_state, cu_seqlens, state_slots,
+                          has_initial_state)
+    else:  # until kernels/kda/chunk.py lands: torch chunk reference (host syncs; correct, slow)
+        o = kda_core_ref(q, k, v, z, A_log, dt_bias, b, K ** -0.5, rec_state, cu_seqlens, state_slots,
+                         has_initial_state)
+    return gated_rmsnorm(o, r.reshape(T, H, V), o_norm_w, eps).reshape(T, H * V)
+
+
+# --------------------------------------------------------------------------------------------------- decode
+def kda_decode_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state, state_slots):
+    H, K, V = _dims(z, b, r)
+    N = qkv.shape[0]
+    y = short_conv_decode_ref(qkv, conv_w, conv_state, state_slots)
+    q, k, v = _split_qkv(y, H, K, V)
+    g = kda_gate_ref(z, A_log, dt_bias)                                   # [N, H, K] fp32
+    beta = torch.sigmoid(b.float())                                       # [N, H]
+    slots = state_slots.long()
+    h0 = rec_state[slots]                                                 # [N, H, K, V]
+    o, ht = kda_recurrent_ref(l2norm_ref(q)[:, None], l2norm_ref(k)[:, None], v[:, None], g[:, None],
+                              beta[:, None], K ** -0.5, initial_state=h0)
+    rec_state[slots] = ht.to(rec_state.dtype)
+    return gated_rmsnorm_ref(o[:, 0], r.reshape(N, H, V), o_norm_w, eps).reshape(N, H * V)
+
+
+def kda_decode(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state, state_slots):
+    if not use_triton(qkv):
+        return kda_decode_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
+                              state_slots)
+    try:
+        from kernels.kda.recurrent import kda_decode_triton
+    except ImportError:
+        return kda_decode_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
+                              state_slots)
+    return kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
+                             state_slots)

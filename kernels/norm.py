@@ -1,0 +1,118 @@
+"""RMSNorm and the KDA output gated RMSNorm (sigmoid gate), Triton kernels + torch references.
+
+rmsnorm(x [T, D], w [D], eps) -> [T, D]:     y = w * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype)
+gated_rmsnorm(o [T, H, V], r [T, H, V], w [V], eps) -> [T, H, V]:
+                                               y = o_f32 * rsqrt(mean(o_f32^2) + eps) * w * sigmoid(r_f32)  (fp32 math)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._dispatch import use_triton
+
+
+# --------------------------------------------------------------------------------------------------- references
+def rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (w * xn).to(x.dtype)
+
+
+def gated_rmsnorm_ref(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    of = o.float()
+    y = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * w.float() * torch.sigmoid(r.float())
+    return y.to(o.dtype)
+
+
+# --------------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr, w_ptr, y_ptr,
+    stride_x, stride_y,
+    D, eps,
+    BD: tl.constexpr,
+):
+    # one program per row; x [T, D], w [D], y [T, D]
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BD)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    xn = (x * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)    # round like the reference: (x/rms).to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = w * xn
+    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(
+    o_ptr, r_ptr, w_ptr, y_ptr,
+    stride_o, stride_r, stride_y,       # row (token*head) strides; the last dim is contiguous
+    V, eps,
+    BV: tl.constexpr, ROWS: tl.constexpr,
+):
+    # o, r, y viewed as [T*H, V]; ROWS rows per program
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BV)
+    n_rows = tl.num_programs(0).to(tl.int64) * ROWS
+    cmask = cols < V
+    return_mask = cmask[None, :] & (rows[:, None] < n_rows)
+    o = tl.load(o_ptr + rows[:, None] * stride_o + cols[None, :], mask=return_mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=return_mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / V + eps)                 # [ROWS]
+    y = o * rstd[:, None] * w[None, :] * tl.sigmoid(r)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=return_mask)
+
+
+# --------------------------------------------------------------------------------------------------- wrappers
+def rmsnorm_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    shape = x.shape
+    D = shape[-1]
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0] == 0:
+        return y.reshape(shape)
+    BD = triton.next_power_of_2(D)
+    _rmsnorm_kernel[(x2.shape[0],)](x2, w, y, x2.stride(0), y.stride(0), D, eps, BD=BD,
+                                     num_warps=4 if BD <= 4096 else 8)
+    return y.reshape(shape)
+
+
+def gated_rmsnorm_triton(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    shape = o.shape
+    V = w.numel()
+    o2 = o.reshape(-1, V)
+    r2 = r.reshape(-1, V)
+    if o2.stride(-1) != 1:
+        o2 = o2.contiguous()
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    y = torch.empty(o2.shape, dtype=o.dtype, device=o.device)
+    R = o2.shape[0]
+    if R == 0:
+        return y.reshape(shape)
+    BV = triton.next_power_of_2(V)
+    ROWS = 1
+    while ROWS < 8 and R % (ROWS * 2) == 0 and ROWS * 2 * BV <= 2048:
+        ROWS *= 2
+    _gated_rmsnorm_kernel[(R // ROWS,)](o2, r2, w, y, o2.stride(0), r2.stride(0), y.stride(0), V, eps,
+                                        BV=BV, ROWS=ROWS, num_warps=4)
+    return y.reshape(shape)
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(x):
+        return rmsnorm_triton(x, w, eps)
+    return rmsnorm_ref(x, w, eps)
+
+
+def gated_rmsnorm(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(o):
+        return gated_rmsnorm_triton(o, r, w, eps)
+    return gated_rmsnorm_ref(o, r.reshape(o.shape), w, eps)
