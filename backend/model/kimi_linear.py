@@ -1,0 +1,240 @@
+"""Kimi-Linear (KDA + NoPE MLA hybrid, MoE FFN) over a paged latent cache and a KDA state pool.
+
+Shapes: T tokens in the step (decodes first), D hidden, H heads, K = V KDA head dim, L kv_lora_rank,
+R qk_rope_head_dim, E experts, I expert dim. Every heavy op is a kernels.* call (docs/design.md).
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.config import ModelConfig
+from backend.model.batch import ForwardBatch, KimiCache
+from kernels.kda import kda_decode, kda_prefill
+from kernels.mla import mla_decode, mla_extend, store_latent
+from kernels.moe import fused_moe, moe_router
+from kernels.norm import rmsnorm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rmsnorm(x, self.weight, self.eps)
+
+
+def _linear(in_dim: int, out_dim: int, dtype: torch.dtype) -> nn.Linear:
+    return nn.Linear(in_dim, out_dim, bias=False, dtype=dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, cache_index: int, dtype: torch.dtype):
+        super().__init__()
+        d, h, k = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        self.cache_index, self.eps = cache_index, cfg.rms_norm_eps
+        self.qkv_proj = _linear(d, 3 * h * k, dtype)
+        # fp32 like vLLM: the gate and the conv are sensitive to bf16 rounding
+        self.conv_weight = nn.Parameter(torch.empty(3 * h * k, cfg.conv_size, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(h, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(h * k, dtype=torch.float32))
+        self.f_a_proj, self.f_b_proj = _linear(d, k, dtype), _linear(k, h * k, dtype)
+        self.b_proj = _linear(d, h, dtype)
+        self.g_a_proj, self.g_b_proj = _linear(d, k, dtype), _linear(k, h * k, dtype)
+        self.o_norm = RMSNorm(k, cfg.rms_norm_eps, dtype)
+        self.o_proj = _linear(h * k, d, dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
+        qkv = self.qkv_proj(x)                      # [T, 3HK] pre-conv q | k | v
+        z = self.f_b_proj(self.f_a_proj(x))         # [T, HK] forget-gate logits
+        b = self.b_proj(x)                          # [T, H] beta logits
+        r = self.g_b_proj(self.g_a_proj(x))         # [T, HV] output-gate logits
+        conv_state, rec_state = cache.conv_state[self.cache_index], cache.rec_state[self.cache_index]
+        common = (self.A_log, self.dt_bias)
+        nd, outs = batch.num_decodes, []
+        if nd:
+            outs.append(kda_decode(qkv[:nd], self.conv_weight, z[:nd], b[:nd], *common, r[:nd], self.o_norm.weight,
+                                   self.eps, conv_state, rec_state, batch.state_slots[:nd]))
+        if nd < x.shape[0]:
+            outs.append(kda_prefill(qkv[nd:], self.conv_weight, z[nd:], b[nd:], *common, r[nd:], self.o_norm.weight,
+                                    self.eps, conv_state, rec_state, batch.prefill_cu_seqlens,
+                                    batch.state_slots[nd:], batch.has_initial_state[nd:]))
+        return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+
+
+class KimiMLA(nn.Module):
+    """NoPE MLA. Runtime form is absorbed over the latent: q_lat = W_UK^T q_nope, attn = W_UV out_lat."""
+
+    def __init__(self, cfg: ModelConfig, cache_index: int, dtype: torch.dtype):
+        super().__init__()
+        d, h, lat = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
+        self.cache_index, self.num_heads, self.kv_lora_rank = cache_index, h, lat
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.scale = cfg.qk_head_dim ** -0.5
+        self.expanded = False  # test switch: decompress keys/values and attend per head
+        self.q_proj = _linear(d, h * cfg.qk_head_dim, dtype)
+        self.kv_a_proj_with_mqa = _linear(d, lat + self.rope, dtype)
+        self.kv_a_layernorm = RMSNorm(lat, cfg.kv_a_layernorm_eps, dtype)
+        self.kv_b_proj = _linear(lat, h * (self.nope + self.v_dim), dtype)
+        self.o_proj = _linear(h * self.v_dim, d, dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
+        q = self.q_proj(x).view(-1, self.num_heads, self.nope + self.rope)
+        q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]          # [T, H, nope], [T, H, R] (no rotary)
+        ckv = self.kv_a_proj_with_mqa(x)                                # [T, L+R]
+        c = self.kv_a_layernorm(ckv[:, :self.kv_lora_rank].contiguous())
+        latent_cache = cache.latent[self.cache_index]
+        store_latent(torch.cat([c, ckv[:, self.kv_lora_rank:]], dim=-1), latent_cache, batch.slot_mapping)
+        attend = self._attend_expanded if self.expanded else self._attend_absorbed
+        out = attend(q_nope, q_pe.contiguous(), latent_cache, batch)  # [T, H, V]
+        return self.o_proj(out.flatten(1))
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, :self.nope], w[:, self.nope:]                      # [H, nope, L], [H, V, L]
+
+    def _attend_absorbed(self, q_nope, q_pe, latent_cache, batch: ForwardBatch) -> torch.Tensor:
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.einsum("thn,hnl->thl", q_nope, w_uk)              # [T, H, L]
+        nd, outs = batch.num_decodes, []
+        if nd:
+            outs.append(mla_decode(q_lat[:nd], q_pe[:nd], latent_cache, batch.block_table[:nd],
+                                   batch.seq_lens[:nd], self.scale))
+        if nd < q_lat.shape[0]:
+            outs.append(mla_extend(q_lat[nd:], q_pe[nd:], latent_cache, batch.block_table[nd:],
+                                   batch.prefill_cu_seqlens, batch.seq_lens[nd:], self.scale))
+        out_lat = torch.cat(outs) if len(outs) > 1 else outs[0]       # [T, H, L]
+        return torch.einsum("thl,hvl->thv", out_lat, w_uv)
+
+    def _attend_expanded(self, q_nope, q_pe, latent_cache, batch: ForwardBatch) -> torch.Tensor:
+        """Plain multi-head attention over keys/values decompressed from the cached latents (testing)."""
+        cu, seq_lens = batch.cu_seqlens.tolist(), batch.seq_lens.tolist()
+        block_size = latent_cache.shape[1]
+        outs = []
+        for n in range(len(seq_lens)):
+            pages = batch.block_table[n, :(seq_lens[n] + block_size - 1) // block_size].long()
+            lat = latent_cache[pages].flatten(0, 1)[:seq_lens[n]]          # [S, L+R]
+            kv = self.kv_b_proj(lat[:, :self.kv_lora_rank]).view(-1, self.num_heads, self.nope + self.v_dim)
+            k_pe = lat[:, None, self.kv_lora_rank:].expand(-1, self.num_heads, -1)
+            k = torch.cat([kv[..., :self.nope], k_pe], dim=-1)            # [S, H, nope+R]
+            q = torch.cat([q_nope[cu[n]:cu[n + 1]], q_pe[cu[n]:cu[n + 1]]], dim=-1)   # [Q, H, nope+R]
+            start = seq_lens[n] - q.shape[0]
+            mask = torch.ones(q.shape[0], seq_lens[n], dtype=torch.bool, device=q.device).tril(start)
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                                 kv[..., self.nope:].transpose(0, 1), attn_mask=mask,
+                                                 scale=self.scale)
+            outs.append(out.transpose(0, 1))
+        return torch.cat(outs)
+
+
+class KimiMLP(nn.Module):
+    def __init__(self, dim: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj, self.up_proj = _linear(dim, inter, dtype), _linear(dim, inter, dtype)
+        self.down_proj = _linear(inter, dim, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class KimiRouter(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype))
+        # selection-only bias, fp32 like the HF router math
+        self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts, dtype=torch.float32))
+
+
+class KimiMoE(nn.Module):
+    """Sigmoid router (bias for selection), top-k routed SwiGLU experts, plus an always-on unscaled shared expert."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        e, d, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.top_k, self.scaling = cfg.num_experts_per_token, cfg.routed_scaling_factor
+        self.renormalize, self.biased_weights = cfg.moe_renormalize, cfg.router_biased_weights
+        self.gate = KimiRouter(cfg, dtype)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * inter, d, dtype=dtype))  # per expert cat(w1 gate, w3 up)
+        self.w2 = nn.Parameter(torch.empty(e, d, inter, dtype=dtype))
+        self.shared_experts = KimiMLP(d, inter * cfg.num_shared_experts, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = moe_router(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, self.scaling,
+                                  self.renormalize, self.biased_weights)
+        return fused_moe(x, self.w13, self.w2, weights, ids) + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int, dtype: torch.dtype):
+        super().__init__()
+        if cfg.is_kda(i):
+            self.self_attn = KimiDeltaAttention(cfg, cfg.kda_layers.index(i), dtype)
+        else:
+            self.self_attn = KimiMLA(cfg, cfg.mla_layers.index(i), dtype)
+        self.is_moe = cfg.is_moe(i)
+        if self.is_moe:
+            self.block_sparse_moe = KimiMoE(cfg, dtype)
+        else:
+            self.mlp = KimiMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, cache)
+        ffn = self.block_sparse_moe if self.is_moe else self.mlp
+        return h + ffn(self.post_attention_layernorm(h))
+
+
+class KimiModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            h = layer(h, batch, cache)
+        return self.norm(h)
+
+
+class KimiLinearForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.config, self.dtype = cfg, dtype
+        self.model = KimiModel(cfg, dtype)
+        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, dtype)
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
+        """-> final-normed hidden states [T, D]; updates KDA state slots and MLA pages in place."""
+        return self.model(batch, cache)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+        """lm_head on the sampled positions only -> fp32 [M, vocab]."""
+        return self.lm_head(hidden[logits_index]).float()
+
+    def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int) -> KimiCache:
+        """Zeroed KDA state pool (slot 0 null) and MLA latent pages (page 0 null)."""
+        cfg, dev = self.config, self.device
+        h, k = cfg.kda_num_heads, cfg.kda_head_dim
+        n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
+        return KimiCache(
+            conv_state=[torch.zeros(num_slots, cfg.conv_size - 1, 3 * h * k, dtype=self.dtype, device=dev)
+                        for _ in range(n_kda)],
+            rec_state=[torch.zeros(num_slots, h, k, k, dtype=torch.float32, device=dev) for _ in range(n_kda)],
+            latent=[torch.zeros(num_blocks, block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=self.dtype,
+                                device=dev) for _ in range(n_mla)],
+            block_size=block_size,
+        )

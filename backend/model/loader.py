@@ -1,0 +1,260 @@
+"""Strict safetensors loader: headers validated first, memory-mapped reads, one tensor at a time.
+
+The checkpoint keeps the official names. Packed parameters are filled from several checkpoint tensors:
+
+    checkpoint tensor (per layer prefix)           -> model parameter [shape]
+    self_attn.{q,k,v}_proj.weight      (KDA)       -> self_attn.qkv_proj.weight [3*H*K, D], rows q | k | v
+    self_attn.{q,k,v}_conv1d.weight    [C, 1, W]   -> self_attn.conv_weight [3*C, W] fp32, rows q | k | v
+    self_attn.A_log                    [1, 1, H, 1] -> self_attn.A_log [H] fp32
+    self_attn.dt_bias                  [H*K]       -> self_attn.dt_bias fp32
+    block_sparse_moe.experts.{e}.w1/w3.weight      -> block_sparse_moe.w13 [E, 2I, D] (w1 rows, then w3 rows)
+    block_sparse_moe.experts.{e}.w2.weight         -> block_sparse_moe.w2 [E, D, I]
+    block_sparse_moe.gate.e_score_correction_bias  -> same name, fp32
+Every other tensor maps to the parameter of the same name.
+"""
+import json
+import logging
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from backend.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
+_MAX_HEADER = 100 << 20
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    shape: tuple[int, ...]  # shape in the checkpoint
+    param: str              # model parameter it fills
+    index: tuple = ()       # where in the parameter (() = the whole parameter)
+
+
+def read_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Validate a safetensors header without reading tensor data -> {name: (dtype, shape)}."""
+    name = os.path.basename(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{name}: truncated file (no header length)")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise CheckpointError(f"{name}: header length {n} is larger than allowed or than the file")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise CheckpointError(f"{name}: cannot read: {e}") from e
+    except (ValueError, UnicodeDecodeError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{name}: header is not valid JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{name}: header is not a JSON object")
+    header.pop("__metadata__", None)
+    return _check_entries(name, header, size - 8 - n)
+
+
+def _check_entries(file: str, header: dict, data_size: int) -> dict:
+    out, spans = {}, []
+    for key, e in header.items():
+        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+            raise CheckpointError(f"{file}: tensor {key}: malformed header entry")
+        dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+        if dtype not in _ITEMSIZE:
+            raise CheckpointError(f"{file}: tensor {key}: dtype {dtype!r} not in {sorted(_ITEMSIZE)}")
+        if not isinstance(shape, list) or not all(type(s) is int and 0 <= s < 1 << 40 for s in shape):
+            raise CheckpointError(f"{file}: tensor {key}: bad shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise CheckpointError(f"{file}: tensor {key}: bad data_offsets {offsets!r}")
+        begin, end = offsets
+        nbytes = _ITEMSIZE[dtype]
+        for s in shape:
+            nbytes *= s
+        if not 0 <= begin <= end or end - begin != nbytes:
+            raise CheckpointError(f"{file}: tensor {key}: data_offsets {offsets} do not match shape {shape}")
+        if end > data_size:
+            raise CheckpointError(f"{file}: tensor {key}: data ends at {end}, past the end of the file "
+                                  f"({data_size} data bytes): truncated?")
+        spans.append((begin, end, key))
+        out[key] = (dtype, tuple(shape))
+    spans.sort()
+    for (_, end0, k0), (begin1, _, k1) in zip(spans, spans[1:]):
+        if begin1 < end0:
+            raise CheckpointError(f"{file}: tensors {k0} and {k1} overlap")
+    return out
+
+
+def checkpoint_files(path: str) -> dict[str, dict]:
+    """{file path: {tensor name: (dtype, shape)}} for a single file or an index + shards, all headers checked."""
+    index = os.path.join(path, _INDEX)
+    if os.path.exists(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{_INDEX}: unreadable or no weight_map: {e}") from e
+        by_file = {}
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or os.path.basename(file) != file:
+                raise CheckpointError(f"{_INDEX}: tensor {name}: bad shard name {file!r}")
+            by_file.setdefault(file, set()).add(name)
+    elif os.path.exists(os.path.join(path, _SINGLE)):
+        by_file = {_SINGLE: None}
+    else:
+        raise CheckpointError(f"no {_INDEX} or {_SINGLE} in {path}")
+    files = {}
+    for file, listed in sorted(by_file.items()):
+        full = os.path.join(path, file)
+        if not os.path.isfile(full):
+            raise CheckpointError(f"missing shard file {file}")
+        header = read_header(full)
+        if listed is not None and set(header) != listed:
+            absent, extra = sorted(listed - set(header)), sorted(set(header) - listed)
+            raise CheckpointError(f"{file}: index lists tensors {absent[:5]} not in the file, "
+                                  f"file holds tensors {extra[:5]} not in the index")
+        files[full] = header
+    return files
+
+
+def _kda_plan(cfg: ModelConfig, p: str) -> dict:
+    d, hk, h, w = cfg.hidden_size, cfg.kda_num_heads * cfg.kda_head_dim, cfg.kda_num_heads, cfg.conv_size
+    k = cfg.kda_head_dim
+    plan = {}
+    for j, x in enumerate("qkv"):
+        rows = slice(j * hk, (j + 1) * hk)
+        plan[f"{p}{x}_proj.weight"] = Target((hk, d), p + "qkv_proj.weight", (rows,))
+        plan[f"{p}{x}_conv1d.weight"] = Target((hk, 1, w), p + "conv_weight", (rows,))
+    plan[p + "A_log"] = Target((1, 1, h, 1), p + "A_log")
+    for name, shape in (("dt_bias", (hk,)), ("f_a_proj.weight", (k, d)), ("f_b_proj.weight", (hk, k)),
+                        ("b_proj.weight", (h, d)), ("g_a_proj.weight", (k, d)), ("g_b_proj.weight", (hk, k)),
+                        ("o_norm.weight", (cfg.kda_head_dim,)), ("o_proj.weight", (d, hk))):
+        plan[p + name] = Target(shape, p + name)
+    return plan
+
+
+def _mla_plan(cfg: ModelConfig, p: str) -> dict:
+    d, h, lat, rope = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    shapes = {"q_proj.weight": (h * cfg.qk_head_dim, d), "kv_a_proj_with_mqa.weight": (lat + rope, d),
+              "kv_a_layernorm.weight": (lat,), "kv_b_proj.weight": (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), lat),
+              "o_proj.weight": (d, h * cfg.v_head_dim)}
+    return {p + n: Target(s, p + n) for n, s in shapes.items()}
+
+
+def _mlp_plan(d: int, inter: int, p: str) -> dict:
+    shapes = {"gate_proj.weight": (inter, d), "up_proj.weight": (inter, d), "down_proj.weight": (d, inter)}
+    return {p + n: Target(s, p + n) for n, s in shapes.items()}
+
+
+def _moe_plan(cfg: ModelConfig, p: str) -> dict:
+    d, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    plan = {p + "gate.weight": Target((e, d), p + "gate.weight"),
+            p + "gate.e_score_correction_bias": Target((e,), p + "gate.e_score_correction_bias")}
+    for i in range(e):
+        plan[f"{p}experts.{i}.w1.weight"] = Target((inter, d), p + "w13", (i, slice(0, inter)))
+        plan[f"{p}experts.{i}.w3.weight"] = Target((inter, d), p + "w13", (i, slice(inter, 2 * inter)))
+        plan[f"{p}experts.{i}.w2.weight"] = Target((d, inter), p + "w2", (i,))
+    plan.update(_mlp_plan(d, inter * cfg.num_shared_experts, p + "shared_experts."))
+    return plan
+
+
+def checkpoint_plan(cfg: ModelConfig) -> dict[str, Target]:
+    """Every tensor the checkpoint must hold -> its shape and where it goes in the model."""
+    d = cfg.hidden_size
+    plan = {"model.embed_tokens.weight": Target((cfg.vocab_size, d), "model.embed_tokens.weight"),
+            "model.norm.weight": Target((d,), "model.norm.weight")}
+    if not cfg.tie_word_embeddings:
+        plan["lm_head.weight"] = Target((cfg.vocab_size, d), "lm_head.weight")
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            plan[p + n] = Target((d,), p + n)
+        plan.update(_kda_plan(cfg, p + "self_attn.") if cfg.is_kda(i) else _mla_plan(cfg, p + "self_attn."))
+        if cfg.is_moe(i):
+            plan.update(_moe_plan(cfg, p + "block_sparse_moe."))
+        else:
+            plan.update(_mlp_plan(d, cfg.intermediate_size, p + "mlp."))
+    return plan
+
+
+def _check_names(plan: dict, files: dict):
+    seen = {}
+    for file, header in files.items():
+        for name, (_, shape) in header.items():
+            if name in seen:
+                raise CheckpointError(f"tensor {name} is in both {os.path.basename(seen[name])} and "
+                                      f"{os.path.basename(file)}")
+            seen[name] = file
+            if name not in plan:
+                raise CheckpointError(f"unexpected tensor {name} in {os.path.basename(file)}")
+            if shape != plan[name].shape:
+                raise CheckpointError(f"tensor {name} has shape {list(shape)}, expected {list(plan[name].shape)}")
+    missing = sorted(set(plan) - set(seen))
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if
+                                                                  len(missing) > 1 else ""))
+
+
+def load_weights(model: torch.nn.Module, path: str, plan: dict[str, Target]):
+    """Copy every checkpoint tensor into its parameter (dtype/device converted); each element written once."""
+    files = checkpoint_files(path)
+    _check_names(plan, files)
+    params = dict(model.named_parameters())
+    written, parts = {name: 0 for name in params}, set()
+    total, done = sum(_nbytes(h) for h in files.values()), 0
+    for i, (file, header) in enumerate(files.items()):
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in header:
+                    target = plan[name]
+                    part = (target.param, repr(target.index))
+                    assert part not in parts, f"{part} loaded twice"
+                    parts.add(part)
+                    dst = params[target.param].data[target.index]
+                    dst.copy_(f.get_tensor(name).reshape(dst.shape))
+                    written[target.param] += dst.numel()
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise CheckpointError(f"{os.path.basename(file)}: cannot read: {e}") from e
+        done += _nbytes(header)
+        log.info("loaded shard %d/%d %s (%.1f/%.1f MB)", i + 1, len(files), os.path.basename(file),
+                 done / 1e6, total / 1e6)
+    bad = [n for n, p in params.items() if written[n] != p.numel()]
+    assert not bad, f"parameters not loaded exactly once: {bad[:5]}"
+
+
+def _nbytes(header: dict) -> int:
+    total = 0
+    for dtype, shape in header.values():
+        n = _ITEMSIZE[dtype]
+        for s in shape:
+            n *= s
+        total += n
+    return total
+
+
+def load_model(path: str, device="cpu", dtype: torch.dtype = torch.bfloat16, **options):
+    """Build KimiLinearForCausalLM for the checkpoint at `path` and load it strictly.
+
+    options go to ModelConfig (router_biased_weights, kv_a_layernorm_eps).
+    """
+    from backend.model.kimi_linear import KimiLinearForCausalLM
+
+    cfg = ModelConfig.from_dir(path, **options)
+    with torch.device("meta"):
+        model = KimiLinearForCausalLM(cfg, dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+    load_weights(model, path, checkpoint_plan(cfg))
+    return model.eval().requires_grad_(False)
