@@ -1,0 +1,355 @@
+"""KDA chunked prefill (Triton): gate + L2 norm + beta + chunked delta rule, varlen, slot-pool state.
+
+Entry point: ``chunk_kda_fwd`` (called by kernels/kda/__init__.py ``kda_prefill`` on the Triton path).
+
+Two launches:
+
+1. ``_kda_intra_kernel`` -- one program per (chunk, head), chunk size BT = 64, fully parallel. It fuses the
+   L2 norm of q and k, beta = sigmoid(b), the gate g = -exp(A_log) softplus(z + dt_bias) and its chunk-local
+   cumsum (kept in log2 units, G2 = G / ln 2, so every exponential is exp2), builds the intra-chunk matrices
+   and the WY/UT transform and writes per chunk:
+       qg  = scale * qn * exp2(G)                [BT, K]     (inter-chunk read of the state)
+       kg  = kn * exp2(G_last - G)               [BT, K]     (state update)
+       w   = M @ (beta * kn * exp2(G))           [BT, K]
+       u   = M @ (beta * v)                      [BT, V]
+       Aqk = tril(Dqk)                           [BT, BT]    (scale folded in)
+       gl  = G_last                              [K]  fp32, log2 units
+   with M = (I + diag(beta) StrictTril(Dkk))^-1.
+   Dkk / Dqk: the 16x16 diagonal sub-blocks are computed exactly per pair (exp2(G_r - G_s), s <= r); the
+   off-diagonal sub-blocks use tensor-core dots with the anchor "last row of the previous sub-chunk", so both
+   factors are exp2 of a non-positive number. Nothing can overflow for any gate magnitude (Kimi's gate has no
+   lower bound). The 16x16 diagonal blocks of (I+L) are inverted by forward substitution (fp32), and the 64x64
+   inverse is assembled as (I - N + N^2 - N^3) Di with N = Di L_off (N is strictly block-lower, N^4 = 0).
+2. ``_kda_state_kernel`` -- one program per (V tile, sequence, head): the sequential pass over the sequence's
+   chunks with the fp32 state in registers, fused with the output:
+       vn = u - w @ h ;  o = qg @ h + Aqk @ vn ;  h = exp2(gl) * h + kg^T @ vn
+   The initial state is read from rec_state[state_slots[p]] when has_initial_state[p] (zeros otherwise) and the
+   final state is written back there (fla layout [S, H, K, V], fp32). No other slot is touched.
+
+Precision: all accumulation in fp32. For bf16 inputs the intermediates (qg, kg, w, u, Aqk) are stored in bf16
+and the state is cast to bf16 as an MMA operand (as fla does); the intra-chunk matrices use tf32. For fp32 inputs
+everything is stored in fp32 and the dots use IEEE fp32 (slow, for tests/oracles).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+BT = 64          # chunk size
+BC = 16          # sub-chunk (diagonal block) size
+RCP_LN2 = 1.4426950408889634
+
+# launch configuration (tunable)
+INTRA_BK = 64
+INTRA_BV = 64
+INTRA_NUM_WARPS = 8
+STATE_BV = 64
+STATE_NUM_WARPS = 4
+STATE_NUM_STAGES = 2
+
+
+@triton.jit
+def _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K: tl.constexpr):
+    """Chunk-local inclusive cumsum (log2 units) of g = -exp(A_log) softplus(z + dt_bias); padded rows -> 0."""
+    zz = tl.load(z + tok[:, None] * stride_z + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+    zz = zz + tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+    sp = tl.where(zz > 20.0, zz, tl.log(1.0 + tl.exp(tl.minimum(zz, 20.0))))
+    g = tl.where(m2, neg_a * sp, 0.0)
+    return tl.cumsum(g, 0)
+
+
+@triton.jit
+def _kda_intra_kernel(
+    q, k, v, z, A_log, dt_bias, b, chunk_idx, cu_seqlens,
+    qg_out, kg_out, w_out, u_out, a_out, gl_out,
+    stride_q, stride_k, stride_v, stride_z, stride_b, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    NB: tl.constexpr = BT // BC
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n = tl.load(chunk_idx + i_c * 2).to(tl.int64)
+    i_t = tl.load(chunk_idx + i_c * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    rows = tl.arange(0, BT)
+    rmask = rows < (eos - t0)
+    tok = t0 + rows                                     # int64 token index
+    cblk = (i_c.to(tl.int64) * H + i_h) * BT            # first row of this (chunk, head) in the scratch buffers
+
+    # ---- L2 norms and beta
+    sq = tl.zeros([BT], dtype=tl.float32)
+    sk = tl.zeros([BT], dtype=tl.float32)
+    for kb in tl.static_range(0, K, BK):
+        c = kb + tl.arange(0, BK)
+        m2 = rmask[:, None] & (c < K)[None, :]
+        bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        sq += tl.sum(bq * bq, 1)
+        sk += tl.sum(bk * bk, 1)
+    rq = scale / tl.sqrt(sq + 1e-6)
+    rk = 1.0 / tl.sqrt(sk + 1e-6)
+    bb = tl.load(b + tok * stride_b + i_h, mask=rmask, other=0.0).to(tl.float32)
+    beta = tl.where(rmask, tl.sigmoid(bb), 0.0)
+    neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
+
+    r16 = tl.arange(0, BC)
+    b4 = tl.arange(0, NB)
+    rblk = rows // BC
+    a_off_kk = tl.zeros([BT, BT], dtype=tl.float32)     # off-diagonal blocks of Dkk (strictly block-lower)
+    a_off_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)      # diagonal blocks
+    d_qk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+
+    # ---- pass 1 over K tiles: gate cumsum, qg / kg / gl, intra-chunk matrices
+    for kb in tl.static_range(0, K, BK):
+        c = kb + tl.arange(0, BK)
+        cm = c < K
+        m2 = rmask[:, None] & cm[None, :]
+        bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        bq = bq * rq[:, None]
+        bk = bk * rk[:, None]
+        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K)    # [BT, BK], <= 0
+        gl = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), 0)                    # G of the last row
+        tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
+        o_k = (cblk + rows)[:, None] * K + c[None, :]
+        tl.store(qg_out + o_k, (bq * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :])
+        tl.store(kg_out + o_k, (bk * tl.exp2(tl.minimum(gl[None, :] - G, 0.0))).to(kg_out.dtype.element_ty),
+                 mask=cm[None, :])
+
+        G3 = tl.reshape(G, [NB, BC, BK])
+        q3 = tl.reshape(bq, [NB, BC, BK])
+        k3 = tl.reshape(bk, [NB, BC, BK])
+        blast = tl.sum(tl.where((r16 == BC - 1)[None, :, None], G3, 0.0), 1)           # [NB, BK] block-last G
+        # anchor of block j = last G of block j-1 (0 for block 0)
+        anc = tl.sum(tl.where((b4[:, None, None] - 1) == b4[None, :, None], blast[None, :, :], 0.0), 1)
+        e3 = tl.exp2(tl.minimum(G3 - anc[:, None, :], 0.0))
+        qa = tl.reshape(q3 * e3, [BT, BK])
+        ka = tl.reshape(k3 * e3, [BT, BK])
+        for i in tl.static_range(1, NB):
+            anc_i = tl.sum(tl.where((b4 == i)[:, None], anc, 0.0), 0)                # [BK]
+            kb_i = tl.where((rows < i * BC)[:, None], bk * tl.exp2(tl.minimum(anc_i[None, :] - G, 0.0)), 0.0)
+            sel = (rblk == i)[:, None]
+            kb_t = tl.trans(kb_i)
+            a_off_kk += tl.where(sel, tl.dot(ka, kb_t, input_precision=PREC), 0.0)
+            a_off_qk += tl.where(sel, tl.dot(qa, kb_t, input_precision=PREC), 0.0)
+        # diagonal 16x16 blocks, exact per pair: column s of every block at once
+        for s in range(BC):
+            ss = (r16 == s)[None, :, None]
+            kp = tl.sum(tl.where(ss, k3, 0.0), 1)                                     # [NB, BK]
+            gp = tl.sum(tl.where(ss, G3, 0.0), 1)
+            e = tl.where((r16 >= s)[None, :, None], tl.exp2(tl.minimum(G3 - gp[:, None, :], 0.0)), 0.0)
+            e = e * kp[:, None, :]
+            dk = tl.sum(k3 * e, 2)                                                     # [NB, BC]
+            dq = tl.sum(q3 * e, 2)
+            cs = (r16 == s)[None, None, :]
+            d_kk += tl.where(cs, dk[:, :, None], 0.0)
+            d_qk += tl.where(cs, dq[:, :, None], 0.0)
+
+    # ---- inverse of (I + diag(beta) StrictTril(Dkk))
+    rr = r16[None, :, None]
+    cc = r16[None, None, :]
+    beta3 = tl.reshape(beta, [NB, BC])
+    l3 = tl.where(rr > cc, d_kk * beta3[:, :, None], 0.0)
+    q3d = tl.where(rr >= cc, d_qk, 0.0)
+    l_off = a_off_kk * beta[:, None]
+    di3 = tl.where(rr == cc, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+    for r in range(1, BC):
+        a_r = tl.sum(tl.where(rr == r, l3, 0.0), 1)                                     # [NB, BC] row r of L
+        nr = tl.sum(a_r[:, :, None] * di3, 1)                                          # [NB, BC]
+        di3 = tl.where(rr == r, di3 - nr[:, None, :], di3)
+    same = b4[:, None, None, None] == b4[None, None, :, None]
+    di = tl.reshape(tl.where(same, di3[:, :, None, :], 0.0), [BT, BT])
+    a_qk = a_off_qk + tl.reshape(tl.where(same, q3d[:, :, None, :], 0.0), [BT, BT])
+    cols = tl.arange(0, BT)
+    tl.store(a_out + (cblk + rows)[:, None] * BT + cols[None, :], a_qk.to(a_out.dtype.element_ty))
+    nmat = tl.dot(di, l_off, input_precision=PREC)
+    m = di
+    for _ in tl.static_range(NB - 1):
+        m = di - tl.dot(nmat, m, input_precision=PREC)
+
+    # ---- pass 2: w = M (beta kn exp2(G)), u = M (beta v)
+    for kb in tl.static_range(0, K, BK):
+        c = kb + tl.arange(0, BK)
+        cm = c < K
+        m2 = rmask[:, None] & cm[None, :]
+        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K)
+        x = bk * (rk * beta)[:, None] * tl.exp2(G)
+        wv = tl.dot(m, x, input_precision=PREC)
+        tl.store(w_out + (cblk + rows)[:, None] * K + c[None, :], wv.to(w_out.dtype.element_ty), mask=cm[None, :])
+    for vb in tl.static_range(0, V, BV):
+        c = vb + tl.arange(0, BV)
+        cm = c < V
+        m2 = rmask[:, None] & cm[None, :]
+        bv = tl.load(v + tok[:, None] * stride_v + i_h * V + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        uv = tl.dot(m, bv * beta[:, None], input_precision=PREC)
+        tl.store(u_out + (cblk + rows)[:, None] * V + c[None, :], uv.to(u_out.dtype.element_ty), mask=cm[None, :])
+
+
+@triton.jit
+def _kda_state_kernel(
+    qg_in, kg_in, w_in, u_in, a_in, gl_in, o, rec_state,
+    cu_seqlens, chunk_offsets, state_slots, has_initial_state,
+    stride_o, stride_s,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_h = tl.program_id(2)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    slot = tl.load(state_slots + i_n).to(tl.int64)
+    h0i = tl.load(has_initial_state + i_n).to(tl.int32)
+    nt = (eos - bos + BT - 1) // BT
+
+    kk = tl.arange(0, K)
+    vv = i_v * BV + tl.arange(0, BV)
+    vm = vv < V
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BT)
+    p_h = rec_state + slot * stride_s + i_h * K * V + kk[:, None] * V + vv[None, :]
+    vm_h0 = vm & ((tl.zeros([BV], dtype=tl.int32) + h0i) != 0)
+    h = tl.load(p_h, mask=vm_h0[None, :], other=0.0).to(tl.float32)
+    dt = w_in.dtype.element_ty
+
+    for it in range(nt):
+        cg = c0 + it
+        r0 = (cg * H + i_h) * BT
+        o_k = (r0 + rows)[:, None] * K + kk[None, :]
+        b_w = tl.load(w_in + o_k)
+        b_qg = tl.load(qg_in + o_k)
+        b_kg = tl.load(kg_in + o_k)
+        b_u = tl.load(u_in + (r0 + rows)[:, None] * V + vv[None, :], mask=vm[None, :], other=0.0).to(tl.float32)
+        b_a = tl.load(a_in + (r0 + rows)[:, None] * BT + cols[None, :])
+        b_gl = tl.load(gl_in + (cg * H + i_h) * K + kk)
+        hb = h.to(dt)
+        vn = b_u - tl.dot(b_w, hb, input_precision=PREC)
+        vnb = vn.to(dt)
+        b_o = tl.dot(b_qg, hb, input_precision=PREC) + tl.dot(b_a, vnb, input_precision=PREC)
+        tok = bos + it * BT + rows
+        tl.store(o + tok[:, None] * stride_o + i_h * V + vv[None, :], b_o.to(o.dtype.element_ty),
+                 mask=(tok < eos)[:, None] & vm[None, :])
+        h = h * tl.exp2(b_gl)[:, None] + tl.dot(tl.trans(b_kg), vnb, input_precision=PREC)
+
+    tl.store(p_h, h.to(rec_state.dtype.element_ty), mask=vm[None, :])
+
+
+def _is_pow2(x: int) -> bool:
+    return x >= 16 and (x & (x - 1)) == 0
+
+
+def prepare_chunk_meta(cu: Sequence[int], device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Host-side varlen metadata: chunk_idx [NT, 2] int32 (sequence, chunk in sequence), chunk_offsets [P] int32."""
+    idx, offs, n = [], [], 0
+    for p in range(len(cu) - 1):
+        nc = (cu[p + 1] - cu[p] + BT - 1) // BT
+        offs.append(n)
+        for c in range(nc):
+            idx.extend((p, c))
+        n += nc
+    chunk_idx = torch.tensor(idx if idx else [0, 0], dtype=torch.int32, device=device).view(-1, 2)
+    chunk_offsets = torch.tensor(offs if offs else [0], dtype=torch.int32, device=device)
+    return chunk_idx, chunk_offsets, n
+
+
+def chunk_kda_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    z: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+    rec_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[Sequence[int]] = None,
+) -> torch.Tensor:
+    """KDA prefill over packed varlen sequences, state read from / written to the slot pool in place.
+
+    q, k [T, H, K], v [T, H, V] (post-conv+SiLU, pre-L2-norm; token stride may be padded, last dims contiguous);
+    z [T, H*K] raw gate input; A_log [H] fp32; dt_bias [H*K] fp32; b [T, H] beta logits; scale (K**-0.5);
+    rec_state [S, H, K, V] fp32 pool; cu_seqlens [P+1] int32; state_slots [P] int32;
+    has_initial_state [P] bool (None = all True). Returns o [T, H, V] in v.dtype (tokens outside
+    [cu[0], cu[-1]) are zero). ``out`` may be given to write in place; ``cu_seqlens_cpu`` avoids a host sync.
+    """
+    T, H, K = q.shape
+    V = v.shape[-1]
+    assert k.shape == (T, H, K) and v.shape[:2] == (T, H), (q.shape, k.shape, v.shape)
+    assert _is_pow2(K) and _is_pow2(V), "K and V must be powers of two >= 16"
+    assert z.shape[0] == T and z.shape[-1] == H * K and b.shape[0] == T and b.shape[-1] == H
+    assert rec_state.shape[1:] == (H, K, V) and rec_state.is_contiguous()
+    dev = q.device
+    if z.dim() == 3:
+        z = z.reshape(T, H * K)
+    for t in (q, k, v):
+        assert t.stride(-1) == 1 and t.stride(-2) == t.shape[-1], "head and channel dims must be contiguous"
+    if z.stride(-1) != 1:
+        z = z.contiguous()
+    if b.stride(-1) != 1:
+        b = b.contiguous()
+    A_log = A_log.reshape(-1).float().contiguous()
+    dt_bias = dt_bias.reshape(-1).float().contiguous()
+    cu = [int(x) for x in (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.tolist())]
+    P = len(cu) - 1
+    cu_dev = cu_seqlens.to(device=dev, dtype=torch.int32)
+    slots = state_slots.to(device=dev, dtype=torch.int32)
+    if has_initial_state is None:
+        hi = torch.ones(P, dtype=torch.int8, device=dev)
+    else:
+        hi = has_initial_state.to(device=dev, dtype=torch.int8)
+
+    if out is None:
+        full = cu[0] == 0 and cu[-1] == T
+        o = (torch.empty if full else torch.zeros)(T, H, V, dtype=v.dtype, device=dev)
+    else:
+        o = out
+        assert o.shape == (T, H, V) and o.stride(-1) == 1 and o.stride(-2) == V
+        if cu[0] > 0:
+            o[: cu[0]].zero_()
+        if cu[-1] < T:
+            o[cu[-1]:].zero_()
+    if P == 0:
+        return o
+
+    chunk_idx, chunk_offsets, NT = prepare_chunk_meta(cu, dev)
+    fp32 = q.dtype == torch.float32 and v.dtype == torch.float32
+    sdt = torch.float32 if fp32 else torch.bfloat16
+    prec = "ieee" if fp32 else "tf32"
+    n_rows = max(NT, 1) * H * BT
+    qg = torch.empty(n_rows, K, dtype=sdt, device=dev)
+    kg = torch.empty(n_rows, K, dtype=sdt, device=dev)
+    w = torch.empty(n_rows, K, dtype=sdt, device=dev)
+    u = torch.empty(n_rows, V, dtype=sdt, device=dev)
+    a = torch.empty(n_rows, BT, dtype=sdt, device=dev)
+    gl = torch.empty(max(NT, 1) * H, K, dtype=torch.float32, device=dev)
+
+    if NT > 0:
+        _kda_intra_kernel[(NT, H)](
+            q, k, v, z, A_log, dt_bias, b, chunk_idx, cu_dev,
+            qg, kg, w, u, a, gl,
+            q.stride(0), k.stride(0), v.stride(0), z.stride(0), b.stride(0), float(scale),
+            H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
+            num_warps=INTRA_NUM_WARPS,
+        )
+    bv = min(V, STATE_BV)
+    _kda_state_kernel[(triton.cdiv(V, bv), P, H)](
+        qg, kg, w, u, a, gl, o, rec_state,
+        cu_dev, chunk_offsets, slots, hi,
+        o.stride(0), rec_state.stride(0),
+        H=H, K=K, V=V, BT=BT, BV=bv, PREC=prec,
+        num_warps=STATE_NUM_WARPS, num_stages=STATE_NUM_STAGES,
+    )
+    return o
