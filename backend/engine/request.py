@@ -59,7 +59,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < 1e-5  # below this, logits / T overflows: treat as greedy
 
     @property
     def wants_logprobs(self) -> bool:

@@ -1,0 +1,190 @@
+"""Device sampling with per-request parameters; no host sync until `SamplerOutput.to_host` (one `.tolist()`).
+
+Order (vLLM v1): logit_bias -> repetition penalty (HF: prompt + output tokens) -> presence/frequency penalties
+(OpenAI: output tokens) -> greedy argmax for temperature-0 rows | temperature -> min-p -> top-k -> top-p -> sample.
+Sampling is an exponential race, argmax(p / E) with E ~ Exp(1), where E for token v of request r at output step i
+is a counter-based hash of (seed_r, i, v): the same seed gives the same tokens whatever else is in the batch, and
+nothing stateful lives on the device. Logprobs are the log_softmax of the processed logits (the distribution that was
+sampled from; the penalised logits for greedy rows), -inf clamped to -9999 (OpenAI's convention).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from backend.engine.request import Request
+
+_M32 = 0xFFFFFFFF
+LOGPROB_FLOOR = -9999.0
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """Bijective 32-bit integer mix (lowbias32 shape; multipliers < 2^31 so int64 products never overflow)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x1B873593) & _M32
+    return x ^ (x >> 16)
+
+
+def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """E[m, v] ~ Exp(1), a pure function of (seeds[m], steps[m], v). seeds, steps: [M] int64 -> [M, V] fp32."""
+    key = _mix32(_mix32(_mix32(steps & _M32) ^ (seeds & _M32)) ^ ((seeds >> 32) & _M32))
+    v = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(_mix32(key[:, None] ^ v[None, :]) ^ 0x2545F491)
+    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1)
+    return -torch.log(u)
+
+
+def _to_device(data, dtype, device) -> torch.Tensor:
+    t = torch.tensor(data, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Device tensors describing the M rows sampled this step (built by `build`, consumed by `sample`)."""
+    greedy: torch.Tensor  # [M] bool
+    temperature: torch.Tensor  # [M] f32, 1 on greedy rows
+    all_greedy: bool
+    top_k: Optional[torch.Tensor]  # [M] i64, V where off
+    top_p: Optional[torch.Tensor]  # [M] f32
+    min_p: Optional[torch.Tensor]  # [M] f32
+    seeds: torch.Tensor  # [M] i64
+    steps: torch.Tensor  # [M] i64: index of the output token being sampled
+    rep_penalty: Optional[torch.Tensor]  # [M] f32
+    rep_index: Optional[tuple]  # (rows, cols) of prompt + output tokens of rows with a repetition penalty
+    presence: Optional[torch.Tensor]  # [M] f32
+    frequency: Optional[torch.Tensor]  # [M] f32
+    out_index: Optional[tuple]  # (rows, cols) of output tokens (with repeats) of rows with presence/frequency
+    bias: Optional[tuple]  # (rows, cols, values)
+    num_top_logprobs: int  # -1 = no logprobs this step
+    wants_logprobs: list  # [M] bool (host)
+    top_counts: list  # [M] int (host): top_logprobs asked per row
+
+    @staticmethod
+    def build(reqs: list, vocab_size: int, device: torch.device) -> "SamplingMetadata":
+        M = len(reqs)
+        ps = [r.params for r in reqs]
+        greedy = [p.greedy for p in ps]
+        floats = [[1.0 if p.greedy else p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
+                  [p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
+                  [p.frequency_penalty for p in ps]]
+        ints = [[p.top_k if p.top_k > 0 else vocab_size for p in ps], [r.seed % (1 << 63) for r in reqs],
+                [len(r.output_token_ids) for r in reqs]]
+        f = _to_device(floats, torch.float32, device)
+        i = _to_device(ints, torch.int64, device)
+        sampled = [not g for g in greedy]
+        use = lambda pred: any(s and pred(p) for s, p in zip(sampled, ps))  # noqa: E731
+        rep_rows, rep_cols, out_rows, out_cols, b_rows, b_cols, b_vals = [], [], [], [], [], [], []
+        for m, (r, p) in enumerate(zip(reqs, ps)):
+            if p.repetition_penalty != 1.0:
+                toks = set(r.prompt_token_ids)
+                toks.update(r.output_token_ids)
+                rep_rows += [m] * len(toks)
+                rep_cols += toks
+            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+                out_rows += [m] * len(r.output_token_ids)
+                out_cols += r.output_token_ids
+            if p.logit_bias:
+                b_rows += [m] * len(p.logit_bias)
+                b_cols += p.logit_bias.keys()
+                b_vals += p.logit_bias.values()
+        idx = lambda rows, cols: (_to_device(rows, torch.int64, device), _to_device(cols, torch.int64, device))  # noqa
+        wants = [p.wants_logprobs for p in ps]
+        return SamplingMetadata(
+            greedy=_to_device(greedy, torch.bool, device), temperature=f[0], all_greedy=all(greedy),
+            top_k=i[0] if use(lambda p: p.top_k > 0) else None, top_p=f[1] if use(lambda p: p.top_p < 1.0) else None,
+            min_p=f[2] if use(lambda p: p.min_p > 0.0) else None, seeds=i[1], steps=i[2],
+            rep_penalty=f[3] if rep_rows else None, rep_index=idx(rep_rows, rep_cols) if rep_rows else None,
+            presence=f[4] if out_rows else None, frequency=f[5] if out_rows else None,
+            out_index=idx(out_rows, out_cols) if out_rows else None,
+            bias=(*idx(b_rows, b_cols), _to_device(b_vals, torch.float32, device)) if b_rows else None,
+            num_top_logprobs=max((p.top_logprobs for p in ps if p.wants_logprobs), default=-1),
+            wants_logprobs=wants, top_counts=[p.top_logprobs for p in ps])
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [M] i64
+    logprobs: Optional[torch.Tensor]  # [M] f32, the sampled token's
+    top_ids: Optional[torch.Tensor]  # [M, k] i64
+    top_logprobs: Optional[torch.Tensor]  # [M, k] f32
+
+    def to_host(self, md: SamplingMetadata) -> tuple:
+        """-> (token ids, per row None or {"token_id", "logprob", "top": [(id, logprob), ...]}); one host sync."""
+        if self.logprobs is None:
+            return self.token_ids.tolist(), [None] * len(md.wants_logprobs)
+        # ids travel as fp64 (exact) so that ids and logprobs come back in one transfer
+        packed = torch.cat([self.token_ids[:, None].double(), self.logprobs[:, None].double(),
+                            self.top_ids.double(), self.top_logprobs.double()], dim=1).tolist()
+        k = self.top_ids.shape[1]
+        ids, entries = [], []
+        for row, want, n in zip(packed, md.wants_logprobs, md.top_counts):
+            tok = int(row[0])
+            ids.append(tok)
+            if not want:
+                entries.append(None)
+                continue
+            top = [(int(row[2 + j]), row[2 + k + j]) for j in range(n)]
+            entries.append({"token_id": tok, "logprob": row[1], "top": top})
+        return ids, entries
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if md.bias is not None:
+        rows, cols, vals = md.bias
+        logits.index_put_((rows, cols), vals, accumulate=True)
+    if md.rep_index is not None:
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[md.rep_index] = True
+        pen = md.rep_penalty[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
+    if md.out_index is not None:
+        counts = torch.zeros_like(logits)
+        counts.index_put_(md.out_index, torch.ones_like(md.out_index[0], dtype=logits.dtype), accumulate=True)
+        logits = logits - md.frequency[:, None] * counts - md.presence[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_filters(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """min-p, top-k, top-p on temperature-scaled logits x [M, V]; removed tokens get -inf."""
+    if md.min_p is not None:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < md.min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    if md.top_k is None and md.top_p is None:
+        return x
+    xs, order = torch.sort(x, dim=-1, descending=True)
+    drop = torch.zeros_like(xs, dtype=torch.bool)
+    if md.top_k is not None:
+        rank = torch.arange(x.shape[-1], device=x.device)
+        drop |= rank[None, :] >= md.top_k[:, None]
+        xs = xs.masked_fill(drop, float("-inf"))
+    if md.top_p is not None:
+        ps = torch.softmax(xs, dim=-1)
+        before = torch.cumsum(ps, dim=-1) - ps  # mass of strictly better tokens; the best one always stays
+        drop |= before >= md.top_p[:, None]
+    xs = xs.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, xs)
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    """logits [M, V] fp32 (modified in place) -> SamplerOutput on the device."""
+    logits = apply_penalties(logits, md)
+    ids = logits.argmax(dim=-1)
+    processed = logits
+    if not md.all_greedy:
+        x = apply_filters(logits / md.temperature[:, None], md)
+        probs = torch.softmax(x, dim=-1)
+        race = probs / exponential_noise(md.seeds, md.steps, logits.shape[-1])
+        ids = torch.where(md.greedy, ids, race.argmax(dim=-1))
+        processed = torch.where(md.greedy[:, None], logits, x)
+    if md.num_top_logprobs < 0:
+        return SamplerOutput(ids, None, None, None)
+    lp = torch.log_softmax(processed, dim=-1).clamp_(min=LOGPROB_FLOOR)
+    chosen = lp.gather(1, ids[:, None])[:, 0]
+    top_lp, top_ids = lp.topk(max(md.num_top_logprobs, 1), dim=-1)
+    return SamplerOutput(ids, chosen, top_ids, top_lp)

@@ -1,0 +1,180 @@
+"""Sampler semantics on CPU: each parameter shows its effect; seeding and batch-composition independence."""
+
+import math
+
+import pytest
+import torch
+
+from backend.engine.request import Request, SamplingParams
+from backend.engine.sampler import LOGPROB_FLOOR, SamplingMetadata, exponential_noise, sample
+
+CPU = torch.device("cpu")
+
+
+def rq(prompt=(1,), output=(), seed=0, **kw):
+    r = Request(list(prompt), SamplingParams(**kw), seed=seed)
+    r.output_token_ids = list(output)
+    return r
+
+
+def run(logits, reqs):
+    md = SamplingMetadata.build(reqs, logits.shape[-1], CPU)
+    return sample(logits.clone(), md).to_host(md)
+
+
+def freqs(logits_row, n=4000, **kw):
+    """Empirical distribution over n rows with different seeds."""
+    reqs = [rq(seed=s, **kw) for s in range(n)]
+    ids, _ = run(logits_row.expand(n, -1), reqs)
+    return torch.bincount(torch.tensor(ids), minlength=logits_row.shape[-1]).double() / n
+
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+LOGITS = PROBS.log()
+
+
+def test_noise_is_exponential_and_deterministic():
+    seeds = torch.tensor([0, 1, 2**40 + 3, 2**62 + 5])
+    steps = torch.tensor([0, 0, 7, 123456])
+    e = exponential_noise(seeds, steps, 50_000)
+    assert torch.equal(e, exponential_noise(seeds, steps, 50_000))
+    assert (e > 0).all() and torch.isfinite(e).all()
+    assert abs(e.mean().item() - 1.0) < 0.02 and abs(e.var().item() - 1.0) < 0.05
+    # rows with different (seed, step) are not the same stream
+    assert not torch.equal(e[0], e[1]) and not torch.equal(e[2], e[3])
+    assert abs(torch.corrcoef(e[:2])[0, 1].item()) < 0.02
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 100)
+    ids, lps = run(logits, [rq(temperature=0.0) for _ in range(5)])
+    assert ids == logits.argmax(-1).tolist() and lps == [None] * 5
+
+
+def test_temperature_matches_softmax():
+    f = freqs(LOGITS, temperature=1.0)
+    assert torch.allclose(f, PROBS.double(), atol=0.03)
+    f = freqs(LOGITS, temperature=0.5)
+    assert torch.allclose(f, torch.softmax(LOGITS / 0.5, -1).double(), atol=0.03)
+    f = freqs(LOGITS, temperature=3.0)
+    assert torch.allclose(f, torch.softmax(LOGITS / 3.0, -1).double(), atol=0.03)
+
+
+def test_top_k():
+    f = freqs(LOGITS, top_k=2)
+    assert f[2:].sum() == 0
+    assert torch.allclose(f[:2], (PROBS[:2] / PROBS[:2].sum()).double(), atol=0.03)
+    assert (freqs(LOGITS, top_k=-1) > 0).all()  # LocalAI sends -1: off
+
+
+def test_top_p():
+    f = freqs(LOGITS, top_p=0.7)  # 0.5 + 0.3 reach 0.7: tokens 0 and 1 stay
+    assert f[2:].sum() == 0 and torch.allclose(f[:2], torch.tensor([0.625, 0.375]).double(), atol=0.03)
+    f = freqs(LOGITS, top_p=0.3)  # the best token always stays
+    assert f[0] == 1.0
+
+
+def test_min_p():
+    f = freqs(LOGITS, min_p=0.2)  # threshold 0.2 * 0.5 = 0.1: token 3 (0.05) goes
+    assert f[3] == 0 and (f[:3] > 0).all()
+    assert torch.allclose(f[:3], (PROBS[:3] / PROBS[:3].sum()).double(), atol=0.03)
+
+
+def test_top_k_top_p_min_p_combined():
+    f = freqs(LOGITS, top_k=3, top_p=0.9, min_p=0.2)
+    assert f[3] == 0 and (f[:3] > 0).all()
+    f = freqs(LOGITS, top_k=3, top_p=0.6)
+    assert f[2:].sum() == 0
+
+
+def test_repetition_penalty_hf_semantics():
+    logits = torch.tensor([[2.0, 1.5, -1.0, -1.2, 0.0]])
+    # token 0 in the prompt: 2.0 / 2 = 1.0 < 1.5
+    ids, _ = run(logits, [rq(prompt=(0,), temperature=0.0, repetition_penalty=2.0)])
+    assert ids == [1]
+    # seen negative logits are multiplied: token 2 (-1.0 -> -2.0) falls below token 3
+    logits = torch.tensor([[-1.0, -1.2, -5.0]])
+    ids, _ = run(logits, [rq(prompt=(2,), output=(0,), temperature=0.0, repetition_penalty=2.0)])
+    assert ids == [1]
+    ids, _ = run(logits, [rq(prompt=(2,), output=(0,), temperature=0.0, repetition_penalty=1.0)])
+    assert ids == [0]
+
+
+def test_presence_and_frequency_penalties_openai_semantics():
+    logits = torch.tensor([[3.0, 2.5, 2.0, 0.0]])
+    # token 0 twice in the output: 3 - 2 * 0.4 = 2.2 < 2.5
+    ids, _ = run(logits, [rq(output=(0, 0), temperature=0.0, frequency_penalty=0.4)])
+    assert ids == [1]
+    ids, _ = run(logits, [rq(output=(0,), temperature=0.0, frequency_penalty=0.4)])
+    assert ids == [0]
+    ids, _ = run(logits, [rq(output=(0, 0, 0), temperature=0.0, presence_penalty=0.6)])
+    assert ids == [1]
+    # prompt tokens are not penalised by presence/frequency
+    ids, _ = run(logits, [rq(prompt=(0, 0, 0), temperature=0.0, presence_penalty=5.0, frequency_penalty=5.0)])
+    assert ids == [0]
+
+
+def test_logit_bias():
+    logits = torch.tensor([[3.0, 2.5, 2.0, 0.0]])
+    ids, _ = run(logits, [rq(temperature=0.0, logit_bias={0: -100.0})])
+    assert ids == [1]
+    f = freqs(LOGITS, n=500, logit_bias={3: 100.0})
+    assert f[3] == 1.0
+
+
+def test_seeded_reproducible_and_batch_composition_independent():
+    torch.manual_seed(0)
+    V = 1000
+    row = torch.randn(V) * 2
+    mine = [rq(seed=1234, output=[5] * step, temperature=0.8, top_p=0.95) for step in range(20)]
+    alone = [run(row[None], [r])[0][0] for r in mine]
+    assert alone == [run(row[None], [r])[0][0] for r in mine]
+    assert len(set(alone)) > 5  # it does sample
+    # same request inside batches of other requests (greedy and sampled), at various positions
+    for pos, others in ((0, 3), (2, 5), (7, 7)):
+        for step, r in enumerate(mine):
+            batch = [rq(seed=s, temperature=1.0 + s % 2, top_k=s % 5) for s in range(others)]
+            batch.insert(pos, r)
+            batch.append(rq(temperature=0.0))
+            logits = torch.randn(len(batch), V)
+            logits[pos] = row
+            assert run(logits, batch)[0][pos] == alone[step]
+    other_seed = [run(row[None], [rq(seed=99, output=[5] * s, temperature=0.8, top_p=0.95)])[0][0] for s in range(20)]
+    assert other_seed != alone
+
+
+def test_logprobs_of_processed_logits():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0], [0.0, 1.0, 2.0, 3.0, 4.0]])
+    reqs = [rq(temperature=0.0, logprobs=True, top_logprobs=3), rq(temperature=0.5, top_k=2, logprobs=True)]
+    ids, lps = run(logits, reqs)
+    ref0 = torch.log_softmax(logits[0], -1)
+    assert ids[0] == 0 and lps[0]["token_id"] == 0 and math.isclose(lps[0]["logprob"], ref0[0].item(), rel_tol=1e-5)
+    assert [t for t, _ in lps[0]["top"]] == [0, 1, 2]
+    assert all(math.isclose(lp, ref0[t].item(), rel_tol=1e-5) for t, lp in lps[0]["top"])
+    # row 1: temperature 0.5 then top-2 -> a two-token distribution
+    ref1 = torch.log_softmax(logits[1, 3:] / 0.5, -1)
+    assert ids[1] in (3, 4) and lps[1]["top"] == []
+    assert math.isclose(lps[1]["logprob"], ref1[ids[1] - 3].item(), rel_tol=1e-5)
+    # removed tokens show the floor, not -inf
+    ids, lps = run(logits[1:], [rq(temperature=0.5, top_k=2, logprobs=True, top_logprobs=4)])
+    assert [lp for _, lp in lps[0]["top"][2:]] == [LOGPROB_FLOOR, LOGPROB_FLOOR]
+    # rows without logprobs in a step that has some get None
+    ids, lps = run(logits, [rq(temperature=0.0), rq(temperature=0.0, top_logprobs=2)])
+    assert lps[0] is None and len(lps[1]["top"]) == 2
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 5000)
+    reqs = [rq(seed=s, output=[1, 2, 3], temperature=0.7, top_p=0.9, top_k=50, min_p=0.01,
+               repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.2, logit_bias={7: 2.0},
+               logprobs=True, top_logprobs=5) for s in range(8)]
+    cpu_ids, _ = run(logits, reqs)
+    dev = torch.device("cuda")
+    md = SamplingMetadata.build(reqs, 5000, dev)
+    gpu_ids, _ = sample(logits.to(dev), md).to_host(md)
+    assert gpu_ids == cpu_ids
+    noise = exponential_noise(torch.tensor([3, 2**50]), torch.tensor([1, 9]), 1000)
+    gpu_noise = exponential_noise(torch.tensor([3, 2**50], device=dev), torch.tensor([1, 9], device=dev), 1000)
+    torch.testing.assert_close(gpu_noise.cpu(), noise, rtol=1e-6, atol=0)
