@@ -23,6 +23,18 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@triton.jit
+def cast_to(v, DT: tl.constexpr, EMUL_RTNE: tl.constexpr):
+    """v.to(DT). The interpreter truncates fp32 -> bf16 (GPUs round to nearest even); with EMUL_RTNE (= INTERPRET)
+    the rounding is done by hand so CPU CI sees the GPU numerics."""
+    if EMUL_RTNE and DT == tl.bfloat16:
+        b = v.to(tl.float32).to(tl.uint32, bitcast=True)
+        b = b + 0x7FFF + ((b >> 16) & 1)
+        return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(DT)
+
+
 def dot_mode(dtype: torch.dtype) -> int:
     """0: native tensor-core dot (bf16/fp16, fp32 accumulate); 1: fp32 operands, exact IEEE fp32 dot."""
     return 1 if (dtype == torch.float32 or INTERPRET) else 0

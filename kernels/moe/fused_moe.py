@@ -1,0 +1,300 @@
+"""Fused MoE (routed experts) in Triton: align/sort -> grouped GEMM w13 + SiLU*up -> grouped GEMM w2 -> fp32 combine.
+
+Pipeline (no host sync anywhere; every size comes from tensor shapes, so it is CUDA-graph capturable):
+
+1. **Align** (``moe_align``): the M = T*k (token, slot) assignments, flat index ``i = t*k + j``, are grouped by
+   expert, each expert's group padded up to a multiple of BLOCK_M. Outputs
+   ``sorted_ids [max_padded] i32`` (flat assignment index, padding = sentinel ``M``), ``expert_ids [max_blocks] i32``
+   (the expert of each BLOCK_M block) and ``num_post [1] i32`` (padded total; blocks at or past it exit at once).
+   ``max_padded = roundup(M + min(M, E) * (BLOCK_M - 1), BLOCK_M)`` bounds the padded total from shapes only.
+   Small M: one Triton program (stable sort of the keys ``expert*BLOCK + i`` with ``tl.sort``, ``tl.histogram``).
+   Large M: a handful of capturable torch ops (stable ``torch.sort``, scatter_add, cumsum, scatter).
+   Within an expert, assignments keep their flat order (stable), so the result is deterministic.
+2. **GEMM 1** (``_moe_gemm1_kernel``): per (block, N tile): rows gathered from x, gate and up tiles of the block's
+   expert ``w13[e]`` (read once per block of up to BLOCK_M tokens), two fp32 accumulators,
+   ``silu(gate) * up`` in fp32, stored (x.dtype) into ``inter [M, I]`` at the flat assignment row.
+3. **GEMM 2** (``_moe_gemm2_kernel``): ``y [M, D] = inter @ w2[e].T`` per block, stored in x.dtype (like HF, whose
+   per-expert ``F.linear`` output is x.dtype).
+4. **Combine** (``_moe_combine_kernel``): ``out[t] = sum_j w[t, j] * y[t*k + j]`` in fp32 (j ascending), cast to
+   x.dtype. No atomics: bit-deterministic.
+
+Expert ids must lie in [0, E).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe.router import INTERPRET, cast_to, dot_acc, dot_mode
+
+# Largest M = T*k aligned by the single-program Triton align kernel; above it the torch path is used.
+ALIGN_SMALL_MAX = 2048
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. align
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _moe_align_small_kernel(
+    ids_ptr, sorted_ptr, expert_ids_ptr, npost_ptr, scratch_ptr, M, E, max_padded,
+    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BM: tl.constexpr, FILL: tl.constexpr,
+):
+    offs = tl.arange(0, BLOCK)
+    valid = offs < M
+    e = tl.load(ids_ptr + offs, mask=valid, other=E).to(tl.int32)  # padding lanes -> expert E (sorted last)
+    # sentinel everywhere (the real rows are scattered over it after the barrier)
+    for start in range(0, max_padded, FILL):
+        o = start + tl.arange(0, FILL)
+        tl.store(sorted_ptr + o, tl.zeros((FILL,), dtype=tl.int32) + M, mask=o < max_padded)
+    # per-expert counts, padded counts, exclusive starts
+    eo = tl.arange(0, BLOCK_E)
+    counts = tl.histogram(e, BLOCK_E)
+    counts = tl.where(eo < E, counts, 0)
+    padded = (counts + BM - 1) // BM * BM
+    pend = tl.cumsum(padded, axis=0)
+    uend = tl.cumsum(counts, axis=0)
+    tl.store(scratch_ptr + eo, pend - padded)
+    tl.store(scratch_ptr + BLOCK_E + eo, uend - counts)
+    tl.store(npost_ptr, tl.sum(padded, axis=0))
+    # stable sort by expert: keys are unique (expert, flat index)
+    keys = tl.sort(e * BLOCK + offs)
+    se = keys // BLOCK
+    sidx = keys % BLOCK
+    tl.debug_barrier()
+    sv = se < E
+    pstart = tl.load(scratch_ptr + se, mask=sv, other=0)
+    ustart = tl.load(scratch_ptr + BLOCK_E + se, mask=sv, other=0)
+    pos = pstart + (offs - ustart)
+    tl.store(sorted_ptr + pos, sidx, mask=sv)
+    # every block of an expert starts with a real row, so the first row of each block names its expert
+    tl.store(expert_ids_ptr + pos // BM, se, mask=sv & (pos % BM == 0))
+
+
+def max_padded_size(M: int, E: int, block_m: int) -> int:
+    n = M + min(M, E) * (block_m - 1)
+    return triton.cdiv(n, block_m) * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """-> (sorted_ids [max_padded] i32, expert_ids [max_blocks] i32, num_post [1] i32). See module docstring."""
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    M = flat.numel()
+    E = num_experts
+    max_padded = max_padded_size(M, E, block_m)
+    max_blocks = max_padded // block_m
+    if M <= ALIGN_SMALL_MAX:
+        sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+        expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+        num_post = torch.empty(1, dtype=torch.int32, device=dev)
+        BLOCK = max(16, triton.next_power_of_2(M))
+        BLOCK_E = max(16, triton.next_power_of_2(E + 1))
+        scratch = torch.empty(2 * BLOCK_E, dtype=torch.int32, device=dev)
+        _moe_align_small_kernel[(1,)](
+            flat.contiguous(), sorted_ids, expert_ids, num_post, scratch, M, E, max_padded,
+            BLOCK=BLOCK, BLOCK_E=BLOCK_E, BM=block_m, FILL=1024, num_warps=8 if BLOCK >= 1024 else 4,
+        )
+        return sorted_ids, expert_ids, num_post
+    # large M: capturable torch ops (no .item(), no boolean indexing)
+    flat = flat.to(torch.int64)
+    se, order = torch.sort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pend = torch.cumsum(padded, 0)
+    pstart = pend - padded
+    ustart = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(M, device=dev) - ustart[se] + pstart[se]
+    sorted_ids = torch.full((max_padded,), M, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, pos, order.to(torch.int32))
+    expert_ids = torch.zeros(max_blocks + 1, dtype=torch.int32, device=dev)
+    blk = torch.where(pos % block_m == 0, pos // block_m, torch.full_like(pos, max_blocks))
+    expert_ids.scatter_(0, blk, se.to(torch.int32))
+    num_post = pend[-1:].to(torch.int32)
+    return sorted_ids, expert_ids[:max_blocks], num_post
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2./3. grouped GEMMs
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _moe_gemm1_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
+    M, N, K, stride_xm, stride_we, stride_wn, stride_om,
+    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, INTERP: tl.constexpr,
+):
+    """inter[idx, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, N + n]) for the rows idx of one block."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    npost = tl.load(npost_ptr)
+    if pid_m * BM >= npost:
+        return
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    idx = tl.load(sorted_ptr + offs_m)
+    row_ok = idx < M
+    tok = (idx // TOP_K).to(tl.int64)
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BK)
+    a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+    g_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
+    u_ptrs = g_ptrs + N * stride_wn
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        bmask = k_ok[:, None] & n_ok[None, :]
+        bg = tl.load(g_ptrs, mask=bmask, other=0.0)
+        bu = tl.load(u_ptrs, mask=bmask, other=0.0)
+        acc_g = dot_acc(a, bg, acc_g, MODE)
+        acc_u = dot_acc(a, bu, acc_u, MODE)
+        a_ptrs += BK
+        g_ptrs += BK
+        u_ptrs += BK
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    o_ptrs = out_ptr + idx[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, cast_to(act, out_ptr.dtype.element_ty, INTERP), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_gemm2_kernel(
+    a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
+    M, N, K, stride_am, stride_we, stride_wn, stride_om,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, INTERP: tl.constexpr,
+):
+    """y[idx, n] = inter[idx] . w2[e, n] for the rows idx of one block."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    npost = tl.load(npost_ptr)
+    if pid_m * BM >= npost:
+        return
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    idx = tl.load(sorted_ptr + offs_m)
+    row_ok = idx < M
+    row = idx.to(tl.int64)
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BK)
+    a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = dot_acc(a, b, acc, MODE)
+        a_ptrs += BK
+        b_ptrs += BK
+    o_ptrs = out_ptr + row[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, cast_to(acc, out_ptr.dtype.element_ty, INTERP), mask=row_ok[:, None] & n_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. combine
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, D, TOP_K: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BD + tl.arange(0, BD)
+    ok = offs < D
+    acc = tl.zeros((BD,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        wj = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+        yj = tl.load(y_ptr + (t * TOP_K + j) * D + offs, mask=ok, other=0.0).to(tl.float32)
+        acc += wj * yj
+    tl.store(out_ptr + t * D + offs, cast_to(acc, out_ptr.dtype.element_ty, INTERP), mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# configs (from shapes only; no autotuning, so capture-safe)
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoEConfig:
+    BM: int
+    BN1: int  # GEMM1 N tile (per gate / up accumulator)
+    BN2: int
+    BK: int
+    num_warps: int
+    num_stages: int
+
+
+def get_config(M: int, E: int, dtype: torch.dtype) -> MoEConfig:
+    """Tiles for H200 by the number of assignments M = T*k. Decode: BLOCK_M 16 (tl.dot minimum), narrow N tiles so
+    that the few selected experts' weights are streamed by many SMs; prefill: 128x128-class tensor-core tiles."""
+    per_expert = M / max(E, 1)
+    if M <= 64:  # T <= 8 at k=8
+        cfg = MoEConfig(16, 32, 64, 128, 4, 4)
+    elif per_expert <= 4:  # T <= ~128
+        cfg = MoEConfig(16, 64, 64, 128, 4, 4)
+    elif per_expert <= 24:
+        cfg = MoEConfig(32, 64, 128, 64, 4, 4)
+    elif per_expert <= 96:
+        cfg = MoEConfig(64, 64, 128, 64, 4, 3)
+    else:
+        cfg = MoEConfig(128, 64, 128, 64, 8, 3)
+    if dtype == torch.float32:  # fp32 operands: halve the pipeline depth to fit shared memory
+        cfg = MoEConfig(cfg.BM, cfg.BN1, min(cfg.BN2, 64), min(cfg.BK, 64), cfg.num_warps, 2)
+    return cfg
+
+
+def _fit(b: int, n: int) -> int:
+    return max(16, min(b, triton.next_power_of_2(n)))
+
+
+def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, config: MoEConfig | None = None):
+    """Same contract as ``fused_moe_ref``. ``out`` (optional, [T, D] x.dtype) is fully overwritten."""
+    T, D = x.shape
+    E, N2, Dw = w13.shape
+    inter_dim = N2 // 2
+    assert Dw == D and w2.shape == (E, D, inter_dim), (w13.shape, w2.shape)
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == T
+    top_k = topk_ids.shape[1]
+    M = T * top_k
+    if out is None:
+        out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    x = x.contiguous()
+    w13 = w13.contiguous()
+    w2 = w2.contiguous()
+    if w13.dtype != x.dtype:
+        w13 = w13.to(x.dtype)
+    if w2.dtype != x.dtype:
+        w2 = w2.to(x.dtype)
+    cfg = config or get_config(M, E, x.dtype)
+    BM = cfg.BM
+    sorted_ids, expert_ids, num_post = moe_align(topk_ids.to(torch.int32), E, BM)
+    max_blocks = expert_ids.numel()
+    mode = dot_mode(x.dtype)
+
+    inter = torch.empty(M, inter_dim, dtype=x.dtype, device=x.device)
+    BN1 = _fit(cfg.BN1, inter_dim)
+    BK1 = _fit(cfg.BK, D)
+    _moe_gemm1_kernel[(max_blocks * triton.cdiv(inter_dim, BN1),)](
+        x, w13, inter, sorted_ids, expert_ids, num_post,
+        M, inter_dim, D, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        TOP_K=top_k, BM=BM, BN=BN1, BK=BK1, MODE=mode, INTERP=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    y = torch.empty(M, D, dtype=x.dtype, device=x.device)
+    BN2 = _fit(cfg.BN2, D)
+    BK2 = _fit(cfg.BK, inter_dim)
+    _moe_gemm2_kernel[(max_blocks * triton.cdiv(D, BN2),)](
+        inter, w2, y, sorted_ids, expert_ids, num_post,
+        M, D, inter_dim, inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BM=BM, BN=BN2, BK=BK2, MODE=mode, INTERP=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    assert out.is_contiguous() and out.shape == (T, D)
+    BD = min(1024, triton.next_power_of_2(D))
+    _moe_combine_kernel[(T, triton.cdiv(D, BD))](
+        y, topk_weights.contiguous(), out, D, TOP_K=top_k, BD=BD, INTERP=INTERPRET, num_warps=4,
+    )
+    return out

@@ -1,0 +1,313 @@
+"""MoE router + fused MoE: Triton kernels vs torch references.
+
+CPU: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_moe.py -q   (small shapes)
+GPU: python -m pytest tests/kernels/test_moe.py -q                       (adds the Kimi-shape tests)
+"""
+import os
+
+import pytest
+import torch
+
+from kernels.moe import fused_moe, fused_moe_ref, moe_router, moe_router_ref
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+HAS_CUDA = torch.cuda.is_available()
+needs_triton = pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
+DEV = "cuda" if HAS_CUDA else "cpu"
+
+
+def rms_ratio(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def make_moe(T, D, I, E, k, dtype, device=DEV, ids=None):
+    x = torch.randn(T, D, device=device).to(dtype)
+    w13 = (torch.randn(E, 2 * I, D, device=device) / D**0.5).to(dtype)
+    w2 = (torch.randn(E, D, I, device=device) / I**0.5).to(dtype)
+    if ids is None:
+        ids = torch.stack([torch.randperm(E, device=device)[:k] for _ in range(T)]) if T else \
+            torch.empty(0, k, dtype=torch.long, device=device)
+    w = torch.rand(T, k, device=device) + 0.1
+    return x, w13, w2, w, ids.to(torch.int32)
+
+
+# ------------------------------------------------------------------------------------------------ references
+def test_router_ref_semantics():
+    T, D, E, k = 6, 16, 8, 3
+    x, g, b = torch.randn(T, D), torch.randn(E, D), torch.randn(E) * 0.5
+    w, ids = moe_router_ref(x, g, b, k, 2.446, True)
+    s = torch.sigmoid(x.float() @ g.float().T)
+    exp_ids = torch.topk(s + b, k, dim=-1).indices
+    assert torch.equal(ids.long(), exp_ids)
+    ws = s.gather(1, exp_ids)
+    torch.testing.assert_close(w, ws / ws.sum(-1, keepdim=True) * 2.446)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    # biased weights: HF remote-code aliasing, weights from s + bias
+    wb, idsb = moe_router_ref(x, g, b, k, 2.446, True, biased_weights=True)
+    assert torch.equal(idsb, ids)
+    wsb = (s + b).gather(1, exp_ids)
+    torch.testing.assert_close(wb, wsb / wsb.sum(-1, keepdim=True) * 2.446)
+    # no renormalize: raw scores times the factor
+    wn, _ = moe_router_ref(x, g, b, k, 2.0, False)
+    torch.testing.assert_close(wn, ws * 2.0)
+    # zero bias: both flags agree
+    w0, _ = moe_router_ref(x, g, torch.zeros(E), k, 1.0, True)
+    w1, _ = moe_router_ref(x, g, torch.zeros(E), k, 1.0, True, biased_weights=True)
+    torch.testing.assert_close(w0, w1)
+
+
+def test_fused_moe_ref_matches_dense_loop():
+    T, D, I, E, k = 5, 16, 8, 4, 2
+    x, w13, w2, w, ids = make_moe(T, D, I, E, k, torch.float32, "cpu")
+    out = fused_moe_ref(x, w13, w2, w, ids)
+    exp = torch.zeros(T, D)
+    for t in range(T):
+        for j in range(k):
+            e = ids[t, j]
+            h = w13[e] @ x[t]
+            exp[t] += w[t, j] * (w2[e] @ (torch.nn.functional.silu(h[:I]) * h[I:]))
+    torch.testing.assert_close(out, exp, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_dispatch_uses_ref(monkeypatch):
+    import kernels._dispatch as d
+
+    monkeypatch.setattr(d, "_FORCE", "")
+    x, g, b = torch.randn(4, 16), torch.randn(8, 16), torch.randn(8)
+    w, ids = moe_router(x, g, b, 2, 2.446, True)
+    wr, ir = moe_router_ref(x, g, b, 2, 2.446, True)
+    assert torch.equal(w, wr) and torch.equal(ids, ir)
+    xx, w13, w2, ww, ii = make_moe(4, 16, 8, 8, 2, torch.float32, "cpu")
+    assert torch.equal(fused_moe(xx, w13, w2, ww, ii), fused_moe_ref(xx, w13, w2, ww, ii))
+
+
+# ------------------------------------------------------------------------------------------------ router
+@needs_triton
+@pytest.mark.parametrize("T", [1, 3, 17, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_triton(T, dtype):
+    from kernels.moe.router import moe_router_triton
+
+    D, E, k = 48, 12, 3
+    x = torch.randn(T, D, device=DEV).to(dtype)
+    g = torch.randn(E, D, device=DEV).to(dtype)
+    b = torch.randn(E, device=DEV) * 0.3
+    for biased in (False, True):
+        for renorm in (True, False):
+            w, ids = moe_router_triton(x, g, b, k, 2.446, renorm, biased)
+            wr, ir = moe_router_ref(x, g, b, k, 2.446, renorm, biased)
+            assert ids.dtype == torch.int32 and w.dtype == torch.float32
+            assert torch.equal(ids, ir)
+            torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
+    w, ids = moe_router_triton(x, g, None, k, 1.0, True)
+    wr, ir = moe_router_ref(x, g, None, k, 1.0, True)
+    assert torch.equal(ids, ir)
+    torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
+
+
+@needs_triton
+def test_router_ties_lower_index_first():
+    from kernels.moe.router import moe_router_triton, router_topk_triton
+
+    # logits with exact ties: expert pairs (0,5), (2,3,7) share a score
+    logits = torch.tensor([[1.0, -1.0, 2.0, 2.0, 0.0, 1.0, -3.0, 2.0],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]], device=DEV)
+    for k in (1, 3, 5):
+        w, ids = router_topk_triton(logits, None, k, 1.0, True)
+        # reference on the same logits: stable descending sort
+        s = torch.sigmoid(logits)
+        exp = torch.sort(s, dim=-1, descending=True, stable=True)[1][:, :k]
+        assert torch.equal(ids.long(), exp)
+    assert ids[0].tolist() == [2, 3, 7, 0, 5]
+    assert ids[1].tolist() == [0, 1, 2, 3, 4]
+    # the full path (x @ gate) with duplicated gate rows -> identical logits
+    x = torch.randn(5, 32, device=DEV)
+    g = torch.randn(4, 32, device=DEV).repeat(2, 1)  # expert e and e+4 tie
+    w, ids = moe_router_triton(x, g, None, 3, 1.0, True)
+    wr, ir = moe_router_ref(x, g, None, 3, 1.0, True)
+    assert torch.equal(ids, ir)
+
+
+# ------------------------------------------------------------------------------------------------ align
+def _check_align(ids, E, BM, sorted_ids, expert_ids, num_post):
+    M = ids.numel()
+    flat = ids.reshape(-1).long().cpu()
+    n = int(num_post.item())
+    s = sorted_ids[:n].long().cpu()
+    ex = expert_ids[: n // BM].long().cpu()
+    counts = torch.bincount(flat, minlength=E)
+    assert n == int(((counts + BM - 1) // BM * BM).sum())
+    real = s[s < M]
+    assert torch.equal(torch.sort(real)[0], torch.arange(M))  # every assignment exactly once
+    assert torch.all(s[s >= M] == M)  # padding = sentinel M
+    for blk in range(n // BM):
+        rows = s[blk * BM:(blk + 1) * BM]
+        rows = rows[rows < M]
+        assert rows.numel() > 0
+        assert torch.all(flat[rows] == ex[blk])
+        assert torch.all(rows[1:] > rows[:-1])  # stable within an expert
+
+
+@needs_triton
+@pytest.mark.parametrize("T,k,E,BM", [(1, 2, 8, 16), (17, 3, 8, 16), (40, 2, 8, 32), (5, 1, 256, 16)])
+def test_align(T, k, E, BM):
+    from kernels.moe.fused_moe import max_padded_size, moe_align
+
+    ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(T)]).int()
+    sorted_ids, expert_ids, num_post = moe_align(ids, E, BM)
+    assert sorted_ids.numel() == max_padded_size(T * k, E, BM)
+    _check_align(ids, E, BM, sorted_ids, expert_ids, num_post)
+
+
+@needs_triton
+def test_align_torch_path_matches_kernel(monkeypatch):
+    import kernels.moe.fused_moe as fm
+
+    T, k, E, BM = 40, 3, 8, 16
+    ids = torch.randint(0, E, (T, k), device=DEV, dtype=torch.int32)
+    ids[:, 0] = 2  # a heavy expert
+    a = fm.moe_align(ids, E, BM)
+    monkeypatch.setattr(fm, "ALIGN_SMALL_MAX", 0)
+    b = fm.moe_align(ids, E, BM)
+    _check_align(ids, E, BM, *b)
+    n = int(a[2].item())
+    assert torch.equal(a[2], b[2]) and torch.equal(a[0][:n], b[0][:n]) and torch.equal(a[1][: n // BM], b[1][: n // BM])
+
+
+# ------------------------------------------------------------------------------------------------ fused_moe
+def _tol(dtype):
+    return 5e-3 if dtype == torch.bfloat16 else 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [1, 3, 17, 40])
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe(T, k, dtype):
+    from kernels.moe.fused_moe import fused_moe_triton
+
+    D, I, E = 64, 32, 8
+    x, w13, w2, w, ids = make_moe(T, D, I, E, k, dtype)
+    out = fused_moe_triton(x, w13, w2, w, ids)
+    assert out.dtype == dtype and out.shape == (T, D)
+    # vs the fp32 reference on the same (rounded) inputs; bf16 kernel rounds inter and expert outputs to bf16
+    ref32 = fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)
+    assert rms_ratio(out, ref32) <= _tol(dtype)
+    if dtype == torch.bfloat16:  # vs the HF-like bf16 reference (which rounds more often itself)
+        assert rms_ratio(out, fused_moe_ref(x, w13, w2, w, ids)) <= 1e-2
+
+
+@needs_triton
+@pytest.mark.parametrize("case", ["one_expert", "zero_token_experts", "sparse_ids"])
+def test_fused_moe_routing_patterns(case):
+    from kernels.moe.fused_moe import fused_moe_triton
+
+    T, D, I, E, k = 20, 32, 32, 8, 2
+    if case == "one_expert":  # all tokens to expert 5 (both slots: duplicate ids must also work)
+        ids = torch.full((T, k), 5, device=DEV)
+    elif case == "zero_token_experts":  # only experts 1 and 6 used
+        ids = torch.stack([torch.tensor([1, 6]), torch.tensor([6, 1])] * (T // 2)).to(DEV)
+    else:  # E larger than the number of assignments; top expert E-1
+        E = 64
+        ids = torch.stack([torch.tensor([E - 1, t % 7]) for t in range(T)]).to(DEV)
+    x, w13, w2, w, ids = make_moe(T, D, I, E, k, torch.float32, ids=ids)
+    out = fused_moe_triton(x, w13, w2, w, ids)
+    assert rms_ratio(out, fused_moe_ref(x, w13, w2, w, ids)) <= 1e-5
+
+
+@needs_triton
+def test_fused_moe_nan_prefill_and_deterministic():
+    from kernels.moe.fused_moe import fused_moe_triton
+
+    T, D, I, E, k = 17, 64, 32, 8, 3
+    x, w13, w2, w, ids = make_moe(T, D, I, E, k, torch.bfloat16)
+    out = torch.full((T, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    fused_moe_triton(x, w13, w2, w, ids, out=out)
+    assert torch.isfinite(out).all()
+    again = fused_moe_triton(x, w13, w2, w, ids)
+    assert torch.equal(out, again)
+
+
+@needs_triton
+@pytest.mark.parametrize("bm", [32, 64])
+def test_fused_moe_other_tiles_and_torch_align(bm, monkeypatch):
+    import kernels.moe.fused_moe as fm
+
+    T, D, I, E, k = 40, 48, 32, 8, 3
+    x, w13, w2, w, ids = make_moe(T, D, I, E, k, torch.float32)
+    cfg = fm.MoEConfig(bm, 16, 32, 16, 4, 2)  # D=48, I=32: exercises K/N tails
+    ref = fused_moe_ref(x, w13, w2, w, ids)
+    out = fm.fused_moe_triton(x, w13, w2, w, ids, config=cfg)
+    assert rms_ratio(out, ref) <= 1e-5
+    monkeypatch.setattr(fm, "ALIGN_SMALL_MAX", 0)
+    out2 = fm.fused_moe_triton(x, w13, w2, w, ids, config=cfg)
+    assert torch.equal(out, out2)
+
+
+@needs_triton
+def test_fused_moe_empty():
+    from kernels.moe.fused_moe import fused_moe_triton
+
+    x, w13, w2, w, ids = make_moe(0, 32, 16, 8, 2, torch.float32)
+    assert fused_moe_triton(x, w13, w2, w, ids).shape == (0, 32)
+
+
+# ------------------------------------------------------------------------------------------------ GPU, Kimi shapes
+KIMI = dict(D=2304, I=1024, E=256, k=8, scale=2.446)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 1000])
+def test_kimi_router_gpu(T):
+    D, E, k = KIMI["D"], KIMI["E"], KIMI["k"]
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    g = (torch.randn(E, D, device="cuda") / D**0.5).to(torch.bfloat16)
+    b = torch.randn(E, device="cuda") * 0.05
+    w, ids = moe_router(x, g, b, k, KIMI["scale"], True)
+    wr, ir = moe_router_ref(x, g, b, k, KIMI["scale"], True)
+    # ids must match except where the k-th / (k+1)-th selection scores are within fp32 summation noise
+    sel = torch.sigmoid(x.float() @ g.float().T) + b
+    top = torch.sort(sel, dim=-1, descending=True)[0]
+    clear = (top[:, k - 1] - top[:, k]) > 1e-5
+    same = (ids == ir).all(-1)
+    assert bool(same[clear].all())
+    torch.testing.assert_close(w[same], wr[same], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 1000])
+def test_kimi_fused_moe_gpu(T):
+    D, I, E, k = KIMI["D"], KIMI["I"], KIMI["E"], KIMI["k"]
+    x, w13, w2, _, _ = make_moe(T, D, I, E, k, torch.bfloat16, "cuda", ids=torch.zeros(T, k, dtype=torch.long))
+    g = (torch.randn(E, D, device="cuda") / D**0.5).to(torch.bfloat16)
+    w, ids = moe_router(x, g, torch.randn(E, device="cuda") * 0.05, k, KIMI["scale"], True)
+    out = fused_moe(x, w13, w2, w, ids)
+    ref32 = fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)
+    assert rms_ratio(out, ref32) <= 5e-3
+    assert rms_ratio(out, fused_moe_ref(x, w13, w2, w, ids)) <= 1e-2
+    assert torch.equal(out, fused_moe(x, w13, w2, w, ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [4, 3000])
+def test_kimi_fused_moe_cuda_graph(T):
+    D, I, E, k = KIMI["D"], KIMI["I"], KIMI["E"], KIMI["k"]
+    x, w13, w2, _, _ = make_moe(T, D, I, E, k, torch.bfloat16, "cuda", ids=torch.zeros(T, k, dtype=torch.long))
+    g = (torch.randn(E, D, device="cuda") / D**0.5).to(torch.bfloat16)
+    b = torch.randn(E, device="cuda") * 0.05
+
+    def step(inp):
+        w, ids = moe_router(inp, g, b, k, KIMI["scale"], True)
+        return fused_moe(inp, w13, w2, w, ids)
+
+    step(x)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(x)
+    x2 = torch.randn_like(x)
+    x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, step(x2))
