@@ -123,16 +123,20 @@ if [ "${1:-}" == "--protogen" ]; then
 fi
 
 pickPython() {
-    local want="${PYTHON_VERSION:-}"
+    # a candidate must run (pyenv shims exist for versions that are not selected) and be >= 3.10
+    local want="${PYTHON_VERSION:-}" cands=()
     if [ -n "${want}" ]; then
-        if command -v "python${want}" >/dev/null 2>&1; then echo "python${want}"; return 0; fi
-        echo "install.sh: profile ${PROFILE} needs Python ${want} (python${want} not found on PATH)" >&2
-        return 1
+        cands=("python${want}")
+    else
+        cands=(python3 python3.12 python3.11 python3.10)
     fi
-    for p in python3.12 python3.11 python3.10 python3; do
-        if command -v "$p" >/dev/null 2>&1; then echo "$p"; return 0; fi
+    for p in "${cands[@]}"; do
+        if command -v "$p" >/dev/null 2>&1 && \
+           "$p" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' >/dev/null 2>&1; then
+            echo "$p"; return 0
+        fi
     done
-    echo "install.sh: no python3 found" >&2
+    echo "install.sh: no usable Python found (tried: ${cands[*]}; profile ${PROFILE} needs ${want:->= 3.10})" >&2
     return 1
 }
 

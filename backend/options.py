@@ -1,0 +1,240 @@
+"""LoadModel (ModelOptions) -> where the model is + engine settings + server settings. Pure Python, no torch.
+
+Sources, later ones win: ModelOptions fields (ContextSize, MaxModelLen, DType, Seed, GPUMemoryUtilization,
+EnforceEager), then `Options` ("key:value" strings, unknown keys logged and ignored), then `EngineArgs` (a JSON
+object, strict: an unknown key is an error).
+"""
+
+import difflib
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+log = logging.getLogger("kimi-linear")
+
+# key -> (type, meaning). Engine keys go to EngineConfig when it has a field of that name.
+ENGINE_KEYS = {
+    "max_model_len": (int, "max tokens per sequence (prompt + output); overrides ContextSize/MaxModelLen"),
+    "max_num_seqs": (int, "most sequences in one batch"),
+    "max_num_batched_tokens": (int, "token budget of one engine step (chunked prefill)"),
+    "block_size": (int, "MLA latent cache page size in tokens"),
+    "gpu_memory_utilization": (float, "fraction of device memory the engine may use"),
+    "enforce_eager": (bool, "no CUDA graphs for decode"),
+    "dtype": (str, "bfloat16 | float16 | float32 (default: the checkpoint's)"),
+    "device": (str, "cuda | cpu (default: cuda if available)"),
+    "router_biased_weights": (bool, "MoE: weight experts by the bias-corrected scores"),
+    "seed": (int, "default sampling seed of requests that set none"),
+    "num_state_slots": (int, "KDA state slots (default: max_num_seqs + 1)"),
+    "num_blocks": (int, "MLA pages (default: sized from gpu_memory_utilization)"),
+    "cuda_graph_max_bs": (int, "largest decode batch captured in a CUDA graph"),
+}
+SERVER_KEYS = {
+    "tool_parser": (str, "kimi_k2 (default) | none: parse Kimi tool-call markup into ToolCallDelta"),
+    "default_max_tokens": (int, "max new tokens when a request sets none (0 = until EOS / end of context)"),
+}
+ALL_KEYS = {**ENGINE_KEYS, **SERVER_KEYS}
+TOOL_PARSERS = ("kimi_k2", "none")
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
+          "float32": "float32", "fp32": "float32", "float": "float32", "auto": None, "": None}
+
+
+class OptionsError(ValueError):
+    """A LoadModel setting is wrong; the message says which and what would be right."""
+
+
+@dataclass
+class LoadSpec:
+    model_dir: str
+    model_name: str  # ModelOptions.Model: the identity LocalAI checks requests against
+    engine: dict = field(default_factory=dict)  # EngineConfig keyword arguments (only keys in ENGINE_KEYS)
+    tool_parser: str = "kimi_k2"
+    default_max_tokens: int = 0
+    ignored: list = field(default_factory=list)  # option keys logged and ignored
+
+
+def normalize_key(key: str) -> str:
+    return key.strip().lstrip("-").replace("-", "_").lower()
+
+
+def coerce(value: str):
+    """'true'/'false' -> bool, ints, floats, else the stripped string (LocalAI's parse_options rule)."""
+    v = value.strip()
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    try:
+        return int(v)
+    except ValueError:
+        pass
+    try:
+        return float(v)
+    except ValueError:
+        return v
+
+
+def parse_options(options) -> dict:
+    """["key:value", ...] -> {key: coerced value}. Entries without ':' are flags set to True."""
+    out = {}
+    for opt in options:
+        if not opt or not opt.strip():
+            continue
+        if ":" in opt:
+            k, v = opt.split(":", 1)
+            out[normalize_key(k)] = coerce(v)
+        else:
+            out[normalize_key(opt)] = True
+    return out
+
+
+def _typed(key: str, value, source: str):
+    typ = ALL_KEYS[key][0]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, (int, float)) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
+            return value.lower() in ("true", "yes", "1", "on")
+    elif typ is int:
+        if isinstance(value, bool):
+            pass
+        elif isinstance(value, int):
+            return value
+        elif isinstance(value, float) and value.is_integer():
+            return int(value)
+        elif isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                f = float(value)
+                if math.isfinite(f):
+                    return f
+            except ValueError:
+                pass
+    else:
+        if isinstance(value, str):
+            return value
+    raise OptionsError(f"{source} '{key}': expected {typ.__name__}, got {value!r} ({ALL_KEYS[key][1]})")
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, list(ALL_KEYS), n=1)
+    return f" did you mean '{close[0]}'?" if close else f" known keys: {', '.join(sorted(ALL_KEYS))}"
+
+
+def resolve_model_dir(model_file: str, model: str, model_path: str, launch_cwd: str | None = None) -> str:
+    """ModelFile if it exists, else Model (absolute, relative to ModelPath, or to the launch directory)."""
+    tried = []
+    if model_file:
+        if os.path.exists(model_file):
+            return os.path.abspath(model_file)
+        tried.append(model_file)
+    if model:
+        cands = [model] if os.path.isabs(model) else []
+        if not os.path.isabs(model):
+            if model_path:
+                cands.append(os.path.join(model_path, model))
+            cands.append(os.path.join(launch_cwd or os.getcwd(), model))
+        for c in cands:
+            if os.path.exists(c):
+                return os.path.abspath(c)
+            tried.append(c)
+    if not tried:
+        raise OptionsError("no model given: set parameters.model in the model YAML (ModelOptions.Model/ModelFile)")
+    raise OptionsError(
+        "model directory not found (tried: " + ", ".join(tried) + "). Put the Hugging Face checkpoint "
+        "(config.json, *.safetensors, tokenizer files) in a directory under the models path and set "
+        "parameters.model to its name, or give an absolute path")
+
+
+def build_load_spec(request, launch_cwd: str | None = None) -> LoadSpec:
+    """ModelOptions -> LoadSpec. Raises OptionsError with an actionable message."""
+    if request.TensorParallelSize > 1:
+        raise OptionsError(f"tensor_parallel_size={request.TensorParallelSize} is not supported yet: this backend "
+                           "runs on one GPU (remove tensor_parallel_size or set it to 1)")
+    model_dir = resolve_model_dir(request.ModelFile, request.Model, request.ModelPath, launch_cwd)
+    if not os.path.isdir(model_dir):
+        raise OptionsError(f"{model_dir} is a file; the model must be a checkpoint directory (config.json + "
+                           "safetensors shards + tokenizer files)")
+    spec = LoadSpec(model_dir=model_dir, model_name=request.Model or request.ModelFile)
+    settings = {}
+    # 1. ModelOptions fields (proto3: 0 / "" / false = not set)
+    if request.MaxModelLen > 0:
+        settings["max_model_len"] = request.MaxModelLen
+    elif request.ContextSize > 0:
+        settings["max_model_len"] = request.ContextSize
+    if request.DType:
+        settings["dtype"] = request.DType
+    if request.Seed:
+        settings["seed"] = request.Seed
+    if request.GPUMemoryUtilization:
+        settings["gpu_memory_utilization"] = request.GPUMemoryUtilization
+    if request.EnforceEager:
+        settings["enforce_eager"] = True
+    # 2. Options: tolerant
+    for key, value in parse_options(request.Options).items():
+        if key not in ALL_KEYS:
+            log.warning("LoadModel: ignoring unknown option '%s' (known: %s)", key, ", ".join(sorted(ALL_KEYS)))
+            spec.ignored.append(key)
+            continue
+        settings[key] = _typed(key, value, "option")
+    # 3. EngineArgs: strict JSON object
+    if request.EngineArgs.strip():
+        try:
+            args = json.loads(request.EngineArgs)
+        except json.JSONDecodeError as e:
+            raise OptionsError(f"engine_args is not valid JSON: {e}") from None
+        if not isinstance(args, dict):
+            raise OptionsError(f"engine_args must be a JSON object, got {type(args).__name__}")
+        for raw_key, value in args.items():
+            key = normalize_key(raw_key)
+            if key not in ALL_KEYS:
+                raise OptionsError(f"unknown engine_args key '{raw_key}'.{_suggest(key)}")
+            settings[key] = _typed(key, value, "engine_args")
+    # checks and split
+    for key, value in settings.items():
+        if key in SERVER_KEYS:
+            setattr(spec, key, value)
+        else:
+            spec.engine[key] = value
+    if "dtype" in spec.engine:
+        d = str(spec.engine["dtype"]).lower()
+        if d not in DTYPES:
+            raise OptionsError(f"dtype '{spec.engine['dtype']}' is not supported (bfloat16, float16, float32)")
+        if DTYPES[d] is None:
+            del spec.engine["dtype"]
+        else:
+            spec.engine["dtype"] = DTYPES[d]
+    gmu = spec.engine.get("gpu_memory_utilization")
+    if gmu is not None and not 0.0 < gmu <= 1.0:
+        raise OptionsError(f"gpu_memory_utilization must be in (0, 1], got {gmu}")
+    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_state_slots",
+                "num_blocks", "cuda_graph_max_bs"):
+        if key in spec.engine and spec.engine[key] <= 0:
+            raise OptionsError(f"{key} must be a positive integer, got {spec.engine[key]}")
+    if spec.tool_parser not in TOOL_PARSERS:
+        raise OptionsError(f"tool_parser '{spec.tool_parser}' is not supported ({', '.join(TOOL_PARSERS)})")
+    if spec.default_max_tokens < 0:
+        raise OptionsError(f"default_max_tokens must be >= 0, got {spec.default_max_tokens}")
+    return spec
+
+
+def engine_config(config_cls, engine_kwargs: dict):
+    """EngineConfig(**known kwargs); keys this EngineConfig has no field for are logged and skipped."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config_cls)} if dataclasses.is_dataclass(config_cls) else None
+    kwargs = {}
+    for k, v in engine_kwargs.items():
+        if names is not None and k not in names:
+            log.warning("LoadModel: engine setting '%s' is not supported by this engine build; ignored", k)
+            continue
+        kwargs[k] = v
+    return config_cls(**kwargs)

@@ -1,0 +1,211 @@
+"""PredictOptions -> prompt token ids + SamplingParams + stop strings; logprobs -> OpenAI JSON. No torch.
+
+LocalAI semantics (proto3: 0 / "" / false mean "not set"):
+  Temperature 0 = greedy;  TopK <= 0 = off (LocalAI sends -1 for Kimi);  TopP 0 = 1.0;  MinP 0 = off;
+  Penalty 0 = 1.0 (off);  Tokens 0 = the load's default_max_tokens (0 = until EOS / end of context);
+  Seed 0 = the load's seed, else drawn by the engine;  Logprobs > 0 or TopLogprobs > 0 = return logprobs.
+"""
+
+import json
+import math
+
+from backend.engine.request import MAX_TOP_LOGPROBS, SamplingParams
+
+
+class BadRequest(ValueError):
+    """The request is malformed; answered with INVALID_ARGUMENT and this message."""
+
+
+def messages_to_dicts(messages) -> list:
+    """proto Message -> chat-template dicts (tool_calls JSON decoded, function.arguments decoded to objects)."""
+    out = []
+    for i, m in enumerate(messages):
+        d = {"role": m.role, "content": m.content or ""}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            d["reasoning_content"] = m.reasoning_content
+        if m.tool_calls:
+            try:
+                calls = json.loads(m.tool_calls)
+            except json.JSONDecodeError as e:
+                raise BadRequest(f"Messages[{i}].tool_calls is not valid JSON: {e}") from None
+            if not isinstance(calls, list):
+                raise BadRequest(f"Messages[{i}].tool_calls must be a JSON array")
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except json.JSONDecodeError:
+                        pass
+            d["tool_calls"] = calls
+        out.append(d)
+    return out
+
+
+def _tools(request):
+    if not request.Tools.strip():
+        return None
+    try:
+        tools = json.loads(request.Tools)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"Tools is not valid JSON: {e}") from None
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise BadRequest("Tools must be a JSON array of OpenAI tool objects")
+    choice = request.ToolChoice.strip()
+    if choice:
+        try:
+            parsed = json.loads(choice)
+        except json.JSONDecodeError:
+            parsed = choice  # LocalAI may send a bare string
+        if parsed == "none":
+            return None
+    return tools or None
+
+
+def _template_kwargs(request) -> dict:
+    kw = {}
+    meta = dict(request.Metadata)
+    raw = meta.pop("chat_template_kwargs", "")
+    for k in ("enable_thinking", "thinking"):
+        if k in meta:
+            kw[k] = meta[k].strip().lower() in ("true", "1", "yes", "on")
+    if "reasoning_effort" in meta and meta["reasoning_effort"]:
+        kw["reasoning_effort"] = meta["reasoning_effort"]
+    if raw.strip():
+        try:
+            extra = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise BadRequest(f"Metadata['chat_template_kwargs'] is not valid JSON: {e}") from None
+        if not isinstance(extra, dict):
+            raise BadRequest("Metadata['chat_template_kwargs'] must be a JSON object")
+        kw.update(extra)
+    for k in ("messages", "tools", "add_generation_prompt"):
+        kw.pop(k, None)
+    return kw
+
+
+def prompt_text(request, tok) -> str:
+    """The text to tokenize: Messages through the chat template (UseTokenizerTemplate), else Prompt."""
+    if request.UseTokenizerTemplate and len(request.Messages) > 0:
+        return tok.apply_chat_template(messages_to_dicts(request.Messages), tools=_tools(request),
+                                       add_generation_prompt=True, **_template_kwargs(request))
+    if request.Tools.strip():
+        _tools(request)  # still reject invalid JSON
+    return request.Prompt
+
+
+def prompt_ids(request, tok) -> list:
+    text = prompt_text(request, tok)
+    if not text:
+        raise BadRequest("empty prompt: set Prompt, or UseTokenizerTemplate with Messages")
+    ids = tok.encode(text)
+    if not ids:
+        raise BadRequest("the prompt encodes to no tokens")
+    return ids
+
+
+def _finite(name, v):
+    if not math.isfinite(v):
+        raise BadRequest(f"{name} must be a finite number, got {v}")
+    return v
+
+
+def logit_bias(raw: str) -> dict:
+    if not raw.strip():
+        return {}
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"LogitBias is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest('LogitBias must be a JSON object {"token_id": bias}')
+    out = {}
+    for k, v in obj.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise BadRequest(f"LogitBias key {k!r} is not a token id") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise BadRequest(f"LogitBias[{k}] must be a finite number, got {v!r}")
+        out[tid] = float(max(-100.0, min(100.0, v)))
+    return out
+
+
+def sampling_params(request, eos_token_ids=(), default_max_tokens: int = 0, default_seed=None) -> tuple:
+    """PredictOptions -> (SamplingParams, stop strings). Raises BadRequest."""
+    temperature = _finite("Temperature", request.Temperature)
+    if temperature < 0:
+        raise BadRequest(f"Temperature must be >= 0 (0 = greedy), got {temperature}")
+    top_p = _finite("TopP", request.TopP)
+    if top_p == 0:
+        top_p = 1.0
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"TopP must be in (0, 1], got {top_p}")
+    min_p = _finite("MinP", request.MinP)
+    if not 0 <= min_p <= 1:
+        raise BadRequest(f"MinP must be in [0, 1], got {min_p}")
+    penalty = _finite("Penalty", request.Penalty)
+    if penalty == 0:
+        penalty = 1.0
+    if penalty < 0:
+        raise BadRequest(f"Penalty (repeat_penalty) must be > 0 (1 = off), got {penalty}")
+    presence = _finite("PresencePenalty", request.PresencePenalty)
+    frequency = _finite("FrequencyPenalty", request.FrequencyPenalty)
+    for name, v in (("PresencePenalty", presence), ("FrequencyPenalty", frequency)):
+        if not -2.0 <= v <= 2.0:
+            raise BadRequest(f"{name} must be in [-2, 2], got {v}")
+    max_tokens = request.Tokens if request.Tokens > 0 else default_max_tokens
+    top_logprobs = max(request.TopLogprobs, 0)
+    if top_logprobs > MAX_TOP_LOGPROBS:
+        raise BadRequest(f"TopLogprobs must be <= {MAX_TOP_LOGPROBS}, got {top_logprobs}")
+    want_logprobs = request.Logprobs > 0 or top_logprobs > 0
+    seed = request.Seed if request.Seed != 0 else default_seed
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(temperature),
+        top_k=request.TopK if request.TopK > 0 else 0,
+        top_p=float(top_p),
+        min_p=float(min_p),
+        repetition_penalty=float(penalty),
+        presence_penalty=float(presence),
+        frequency_penalty=float(frequency),
+        seed=seed,
+        ignore_eos=request.IgnoreEOS,
+        stop_token_ids=() if request.IgnoreEOS else tuple(eos_token_ids),
+        logit_bias=logit_bias(request.LogitBias),
+        logprobs=want_logprobs,
+        top_logprobs=top_logprobs,
+    )
+    stops = [s for s in request.StopPrompts if s]
+    return params, stops
+
+
+# ----------------------------------------------------------------------------------------------- logprobs
+
+def _token_info(tok, token_id):
+    try:
+        raw = tok.id_to_bytes(token_id)
+    except Exception:  # noqa: BLE001 - an id outside the tokenizer: still report it
+        raw = b""
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def logprob_entry(tok, entry) -> dict:
+    """Engine entry {"token_id", "logprob", "top": [(id, logprob), ...]} -> OpenAI logprobs.content item."""
+    tid = int(entry["token_id"])
+    text, raw = _token_info(tok, tid)
+    out = {"id": tid, "token": text, "bytes": raw, "logprob": float(entry["logprob"]), "top_logprobs": []}
+    for t, lp in entry.get("top") or ():
+        ttext, traw = _token_info(tok, int(t))
+        out["top_logprobs"].append({"id": int(t), "token": ttext, "bytes": traw, "logprob": float(lp)})
+    return out
+
+
+def logprobs_json(entries: list) -> bytes:
+    return json.dumps({"content": entries}, ensure_ascii=False).encode("utf-8")

@@ -1,0 +1,556 @@
+"""LocalAI gRPC backend server for Kimi-Linear (grpc.aio).
+
+    python -m backend.server --addr 127.0.0.1:50051          (run.sh does this; LocalAI passes --addr)
+
+Nothing heavy is imported at module load: torch, the model and the engine are imported inside LoadModel, which
+runs in a worker thread so Health/Status answer while a checkpoint loads. All Predict/PredictStream calls go to
+the one engine, which batches them (continuous batching in its own thread); the event loop only detokenizes.
+"""
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+from concurrent import futures
+
+import grpc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import backend_pb2  # noqa: E402  (generated into the repo root by `make protogen`)
+import backend_pb2_grpc  # noqa: E402
+
+from backend.options import OptionsError, build_load_spec, engine_config  # noqa: E402
+
+log = logging.getLogger("kimi-linear")
+
+MAX_WORKERS = int(os.environ.get("PYTHON_GRPC_MAX_WORKERS", "1"))
+MAX_MESSAGE_BYTES = 50 * 1024 * 1024  # LocalAI's Python backends use 50 MB both ways
+GRPC_OPTIONS = [
+    ("grpc.max_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+UNINITIALIZED = backend_pb2.StatusResponse.UNINITIALIZED
+BUSY = backend_pb2.StatusResponse.BUSY
+READY = backend_pb2.StatusResponse.READY
+ERROR = backend_pb2.StatusResponse.ERROR
+
+
+class _Loaded:
+    """What one successful LoadModel produced."""
+
+    def __init__(self, engine, tok, spec, max_model_len, vocab_size, device, dtype):
+        self.engine = engine
+        self.tok = tok
+        self.spec = spec
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.device = device
+        self.dtype = dtype
+
+
+class _Throughput:
+    """Tokens generated in the last `window` seconds -> tokens/s (for GetMetrics)."""
+
+    def __init__(self, window=10.0):
+        self.window = window
+        self.events = deque()  # (t, n)
+        self.total_generated = 0
+        self.total_prompt = 0
+
+    def add(self, n):
+        now = time.monotonic()
+        self.events.append((now, n))
+        self.total_generated += n
+        self._trim(now)
+
+    def rate(self):
+        now = time.monotonic()
+        self._trim(now)
+        if not self.events:
+            return 0.0
+        span = max(now - self.events[0][0], 1e-3)
+        return sum(n for _, n in self.events) / span
+
+    def _trim(self, now):
+        while self.events and now - self.events[0][0] > self.window:
+            self.events.popleft()
+
+
+class _Pipeline:
+    """Engine token ids -> text: detokenize, cut at stop strings, split Kimi tool-call markup from content."""
+
+    def __init__(self, tok, stops, parse_tools):
+        from backend.tokenizer import IncrementalDetokenizer, StopStringMatcher
+        from backend.toolcalls import ToolCallStreamParser
+
+        self.detok = IncrementalDetokenizer(tok, skip_ids=tok.eos_token_ids)
+        self.stops = StopStringMatcher(stops)
+        self.tools = ToolCallStreamParser() if parse_tools else None
+        self.stopped = False
+
+    def push(self, token_id):
+        """-> (content delta, tool-call deltas); sets .stopped when a stop string completes."""
+        text, stop = self.stops.feed(self.detok.push(token_id))
+        if stop is not None:
+            self.stopped = True
+        return self._content(text, final=False)
+
+    def finish(self):
+        text = ""
+        if not self.stopped:
+            text, _ = self.stops.feed(self.detok.flush())
+            text += self.stops.flush()
+        return self._content(text, final=True)
+
+    def _content(self, text, final):
+        if self.tools is None:
+            return text, []
+        content, deltas = self.tools.feed(text)
+        if final:
+            c2, d2 = self.tools.finish()
+            content, deltas = content + c2, deltas + d2
+        return content, deltas
+
+
+def _tool_deltas(deltas):
+    return [backend_pb2.ToolCallDelta(index=d["index"], id=d.get("id", ""), name=d.get("name", ""),
+                                      arguments=d.get("arguments", "")) for d in deltas]
+
+
+def _merge_tool_deltas(deltas):
+    """Streamed deltas -> one full delta per call (arguments concatenated), as a non-streamed reply carries."""
+    calls = {}
+    for d in deltas:
+        c = calls.setdefault(d["index"], {"index": d["index"], "id": "", "name": "", "arguments": ""})
+        c["id"] = d.get("id") or c["id"]
+        c["name"] = d.get("name") or c["name"]
+        c["arguments"] += d.get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
+
+
+def _memory_usage():
+    breakdown = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    breakdown["rss"] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    total = breakdown.get("rss", 0)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                breakdown["cuda_allocated"] = int(torch.cuda.memory_allocated())
+                breakdown["cuda_reserved"] = int(torch.cuda.memory_reserved())
+                total = breakdown["cuda_reserved"]
+        except Exception:  # noqa: BLE001 - memory figures are best effort
+            pass
+    return backend_pb2.MemoryUsageData(total=total, breakdown=breakdown)
+
+
+class BackendServicer(backend_pb2_grpc.BackendServicer):
+    def __init__(self):
+        self._loaded = None
+        self._state = UNINITIALIZED
+        self._last_error = ""
+        self._load_lock = asyncio.Lock()
+        self._active = 0
+        self._throughput = _Throughput()
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    async def Health(self, request, context):
+        return backend_pb2.Reply(message=b"OK")
+
+    async def Status(self, request, context):
+        state = self._state
+        if state == READY and self._active > 0:
+            state = BUSY
+        return backend_pb2.StatusResponse(state=state, memory=_memory_usage())
+
+    async def LoadModel(self, request, context):
+        async with self._load_lock:
+            try:
+                spec = build_load_spec(request, os.environ.get("KIMI_LAUNCH_CWD"))
+            except OptionsError as e:
+                log.error("LoadModel: %s", e)
+                return backend_pb2.Result(success=False, message=str(e))
+            if self._loaded is not None:
+                old, self._loaded = self._loaded, None
+                await asyncio.to_thread(self._release, old)
+            self._state = BUSY
+            t0 = time.monotonic()
+            log.info("LoadModel: loading %s (%s)", spec.model_dir, spec.engine)
+            try:
+                loaded = await asyncio.to_thread(self._load_sync, spec)
+            except Exception as e:  # noqa: BLE001 - any load failure becomes an actionable Result
+                msg = f"could not load Kimi-Linear from {spec.model_dir}: {type(e).__name__}: {e}"
+                log.exception("LoadModel failed")
+                self._state, self._last_error = ERROR, msg
+                return backend_pb2.Result(success=False, message=msg)
+            self._loaded, self._state, self._last_error = loaded, READY, ""
+            msg = (f"Kimi-Linear loaded from {spec.model_dir} in {time.monotonic() - t0:.1f}s "
+                   f"(device={loaded.device}, dtype={loaded.dtype}, max_model_len={loaded.max_model_len})")
+            if spec.ignored:
+                msg += f"; ignored unknown options: {', '.join(spec.ignored)}"
+            log.info("LoadModel: %s", msg)
+            return backend_pb2.Result(success=True, message=msg)
+
+    def _load_sync(self, spec):
+        from backend.engine import LLMEngine
+        try:
+            from backend.engine import EngineConfig
+        except ImportError:
+            from backend.config import EngineConfig
+        from backend.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(spec.model_dir)
+        engine = LLMEngine.from_config(spec.model_dir, engine_config(EngineConfig, spec.engine))
+        try:
+            cfg = getattr(engine, "config", None)
+            max_len = getattr(cfg, "max_model_len", None) or spec.engine.get("max_model_len")
+            model_cfg = getattr(engine, "model_config", None)
+            vocab = getattr(model_cfg, "vocab_size", None) or tok.vocab_size
+            device = str(getattr(engine, "device", getattr(cfg, "device", "?")))
+            dtype = str(getattr(engine, "dtype", getattr(cfg, "dtype", "?"))).replace("torch.", "")
+        except Exception:
+            engine.shutdown()
+            raise
+        return _Loaded(engine, tok, spec, max_len, vocab, device, dtype)
+
+    @staticmethod
+    def _release(loaded):
+        try:
+            loaded.engine.shutdown()
+        finally:
+            import gc
+
+            gc.collect()
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    async def Free(self, request, context):
+        async with self._load_lock:
+            if self._loaded is None:
+                self._state = UNINITIALIZED
+                return backend_pb2.Result(success=True, message="no model loaded")
+            old, self._loaded = self._loaded, None
+            self._state = UNINITIALIZED
+            try:
+                await asyncio.to_thread(self._release, old)
+            except Exception as e:  # noqa: BLE001
+                return backend_pb2.Result(success=False, message=f"free failed: {type(e).__name__}: {e}")
+            return backend_pb2.Result(success=True, message="model freed")
+
+    async def shutdown(self):
+        if self._loaded is not None:
+            old, self._loaded = self._loaded, None
+            await asyncio.to_thread(self._release, old)
+
+    # ------------------------------------------------------------------------------------------ helpers
+
+    async def _require_model(self, request, context):
+        loaded = self._loaded
+        if loaded is None:
+            detail = "no model loaded: call LoadModel first"
+            if self._state == ERROR and self._last_error:
+                detail += f" (last load failed: {self._last_error})"
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, detail)
+        ident = getattr(request, "ModelIdentity", "")
+        if ident and loaded.spec.model_name and ident != loaded.spec.model_name:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"model identity mismatch: request for '{ident}', "
+                                f"this backend serves '{loaded.spec.model_name}'")
+        return loaded
+
+    def _build(self, request, loaded):
+        """-> (prompt ids, SamplingParams, stops) or raises BadRequest/ValueError."""
+        from backend.predict import BadRequest, prompt_ids, sampling_params
+        from backend.tokenizer import TemplateError, TokenizerError
+
+        try:
+            ids = prompt_ids(request, loaded.tok)
+        except (TemplateError, TokenizerError) as e:
+            raise BadRequest(str(e)) from None
+        params, stops = sampling_params(request, loaded.tok.eos_token_ids, loaded.spec.default_max_tokens,
+                                        loaded.spec.engine.get("seed"))
+        params.validate(loaded.vocab_size)
+        if loaded.max_model_len and len(ids) >= loaded.max_model_len:
+            raise BadRequest(f"the prompt has {len(ids)} tokens but the context is {loaded.max_model_len} tokens "
+                             "(context_size): shorten the prompt or raise context_size")
+        return ids, params, stops
+
+    async def _generate(self, request, context):
+        """Async generator of ("delta", content, tool_deltas) then one ("final", info)."""
+        from backend.predict import BadRequest, logprob_entry
+
+        loaded = await self._require_model(request, context)
+        error = None
+        try:
+            ids, params, stops = self._build(request, loaded)
+        except (BadRequest, ValueError, TypeError) as e:
+            error = str(e)
+        if error is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        try:
+            stream = loaded.engine.add_request(ids, params)
+        except ValueError as e:
+            error = (grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # noqa: BLE001
+            log.exception("add_request failed")
+            error = (grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        if error is not None:
+            await context.abort(*error)
+
+        pipe = _Pipeline(loaded.tok, stops, loaded.spec.tool_parser != "none")
+        request_id = getattr(stream, "request_id", None)
+        finished = False
+        self._active += 1
+        self._throughput.total_prompt += len(ids)
+        n_out, logprobs, last, failure = 0, [], None, None
+        try:
+            async for out in stream:
+                last = out
+                if out.logprobs:
+                    logprobs.extend(out.logprobs)
+                for tid in out.token_ids:
+                    n_out += 1
+                    content, deltas = pipe.push(tid)
+                    if content or deltas:
+                        yield "delta", content, deltas
+                    if pipe.stopped:
+                        break
+                self._throughput.add(len(out.token_ids))
+                if out.finished:
+                    finished = True
+                    if out.finish_reason == "error":
+                        failure = out.error or "engine error"
+                    break
+                if pipe.stopped:
+                    break
+            if failure is not None:
+                await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {failure}")
+            content, deltas = pipe.finish()
+            if content or deltas:
+                yield "delta", content, deltas
+            info = {
+                "tokens": n_out,
+                "prompt_tokens": len(ids),
+                "prompt_ms": 1000.0 * (getattr(last, "prompt_time_s", 0.0) or 0.0),
+                "gen_ms": 1000.0 * (getattr(last, "gen_time_s", 0.0) or 0.0),
+                "finish_reason": "stop" if pipe.stopped else getattr(last, "finish_reason", None),
+                "logprobs": ([logprob_entry(loaded.tok, e) for e in logprobs[:n_out]]
+                             if params.wants_logprobs else None),
+            }
+            yield "final", info
+        finally:
+            self._active -= 1
+            if not finished and request_id is not None:
+                try:
+                    loaded.engine.abort(request_id)
+                except Exception:  # noqa: BLE001 - the request may already be gone
+                    log.debug("abort(%s) failed", request_id, exc_info=True)
+
+    # ------------------------------------------------------------------------------------------ inference
+
+    async def Predict(self, request, context):
+        from backend.predict import logprobs_json
+
+        text, deltas, info = [], [], None
+        gen = self._generate(request, context)
+        try:
+            async for kind, *rest in gen:
+                if kind == "delta":
+                    text.append(rest[0])
+                    deltas.extend(rest[1])
+                else:
+                    info = rest[0]
+        finally:
+            await gen.aclose()
+        content = "".join(text)
+        reply = backend_pb2.Reply(
+            message=content.encode("utf-8"), tokens=info["tokens"], prompt_tokens=info["prompt_tokens"],
+            timing_prompt_processing=info["prompt_ms"], timing_token_generation=info["gen_ms"],
+            chat_deltas=[backend_pb2.ChatDelta(content=content, tool_calls=_tool_deltas(_merge_tool_deltas(deltas)))])
+        if info["logprobs"] is not None:
+            reply.logprobs = logprobs_json(info["logprobs"])
+        return reply
+
+    async def PredictStream(self, request, context):
+        from backend.predict import logprobs_json
+
+        gen = self._generate(request, context)
+        try:
+            async for kind, *rest in gen:
+                if kind == "delta":
+                    content, deltas = rest
+                    yield backend_pb2.Reply(
+                        message=content.encode("utf-8"),
+                        chat_deltas=[backend_pb2.ChatDelta(content=content, tool_calls=_tool_deltas(deltas))])
+                else:
+                    info = rest[0]
+                    reply = backend_pb2.Reply(
+                        message=b"", tokens=info["tokens"], prompt_tokens=info["prompt_tokens"],
+                        timing_prompt_processing=info["prompt_ms"], timing_token_generation=info["gen_ms"])
+                    if info["logprobs"] is not None:
+                        reply.logprobs = logprobs_json(info["logprobs"])
+                    yield reply
+        finally:
+            await gen.aclose()
+
+    async def TokenizeString(self, request, context):
+        from backend.predict import BadRequest, prompt_text
+        from backend.tokenizer import TemplateError, TokenizerError
+
+        loaded = await self._require_model(request, context)
+        error = None
+        try:
+            tokens = loaded.tok.encode(prompt_text(request, loaded.tok))
+        except (BadRequest, TemplateError, TokenizerError, ValueError, TypeError) as e:
+            error = (grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # noqa: BLE001
+            error = (grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        if error is not None:
+            await context.abort(*error)
+        return backend_pb2.TokenizationResponse(length=len(tokens), tokens=tokens)
+
+    async def Detokenize(self, request, context):
+        loaded = await self._require_model(request, context)
+        bad = [t for t in request.tokens if not 0 <= t < loaded.tok.vocab_size]
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token ids outside the vocabulary (size {loaded.tok.vocab_size}): {bad[:8]}")
+        return backend_pb2.DetokenizeResponse(content=loaded.tok.decode(list(request.tokens)))
+
+    async def GetMetrics(self, request, context):
+        import json
+
+        stats = {}
+        loaded = self._loaded
+        if loaded is not None:
+            try:
+                stats = dict(loaded.engine.stats())
+            except Exception:  # noqa: BLE001
+                stats = {}
+        stats.setdefault("active_requests", self._active)
+        for k in ("num_waiting", "waiting"):
+            if k in stats:
+                stats.setdefault("queue_depth", stats[k])
+        return backend_pb2.MetricsResponse(
+            slot_id=0, prompt_json_for_slot=json.dumps(stats, default=str),
+            tokens_per_second=self._throughput.rate(),
+            tokens_generated=min(self._throughput.total_generated, 2**31 - 1),
+            prompt_tokens_processed=min(self._throughput.total_prompt, 2**31 - 1))
+
+
+def _unimplemented(name):
+    async def handler(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            f"{name} is not implemented by the kimi-linear backend (a text-generation backend)")
+    return handler
+
+
+def _unimplemented_stream(name):
+    async def handler(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            f"{name} is not implemented by the kimi-linear backend (a text-generation backend)")
+        yield  # pragma: no cover - makes this an async generator
+    return handler
+
+
+def _fill_unimplemented():
+    """Every RPC of the proto that BackendServicer does not serve answers UNIMPLEMENTED with a message."""
+    service = backend_pb2.DESCRIPTOR.services_by_name["Backend"]
+    for m in service.methods:
+        if m.name in BackendServicer.__dict__:
+            continue
+        factory = _unimplemented_stream if m.server_streaming else _unimplemented
+        setattr(BackendServicer, m.name, factory(m.name))
+
+
+_fill_unimplemented()
+
+
+def _interceptors():
+    """LocalAI's shared interceptors (bearer auth, model identity, parent watch) when run inside its tree."""
+    here = os.path.dirname(ROOT)
+    for p in (os.path.join(ROOT, "common"), os.path.join(here, "common")):
+        if os.path.isfile(os.path.join(p, "grpc_auth.py")) and p not in sys.path:
+            sys.path.insert(0, p)
+    try:
+        from grpc_auth import get_auth_interceptors  # type: ignore
+    except ImportError:
+        token = os.environ.get("LOCALAI_GRPC_AUTH_TOKEN", "")
+        return [_TokenAuth(token)] if token else []
+    return list(get_auth_interceptors(aio=True))
+
+
+class _TokenAuth(grpc.aio.ServerInterceptor):
+    """Bearer-token check (LOCALAI_GRPC_AUTH_TOKEN) for standalone runs without LocalAI's common/."""
+
+    def __init__(self, token):
+        self._expected = "Bearer " + token
+
+    async def intercept_service(self, continuation, details):
+        import hmac
+
+        auth = dict(details.invocation_metadata or ()).get("authorization", "")
+        if not hmac.compare_digest(auth, self._expected):
+            async def deny(request, context):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid token")
+            return grpc.unary_unary_rpc_method_handler(deny)
+        return await continuation(details)
+
+
+async def serve(addr):
+    server = grpc.aio.server(migration_thread_pool=futures.ThreadPoolExecutor(max_workers=MAX_WORKERS),
+                             options=GRPC_OPTIONS, interceptors=_interceptors())
+    servicer = BackendServicer()
+    backend_pb2_grpc.add_BackendServicer_to_server(servicer, server)
+    port = server.add_insecure_port(addr)
+    if port == 0:
+        raise SystemExit(f"kimi-linear: cannot listen on {addr}")
+    await server.start()
+    log.info("kimi-linear backend listening on %s (pid %d)", addr, os.getpid())
+    print(f"Server started. Listening on: {addr}", file=sys.stderr, flush=True)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    waiter = asyncio.ensure_future(server.wait_for_termination())
+    await asyncio.wait([waiter, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    log.info("kimi-linear backend stopping")
+    await server.stop(5)
+    try:
+        await asyncio.wait_for(servicer.shutdown(), timeout=30)
+    except Exception:  # noqa: BLE001
+        log.exception("engine shutdown failed")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Kimi-Linear LocalAI gRPC backend")
+    ap.add_argument("--addr", default="localhost:50051", help="HOST:PORT to listen on")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("KIMI_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(args.addr))
+
+
+if __name__ == "__main__":
+    main()
