@@ -2,9 +2,9 @@
 
 store_latent(latent [T, L+R], cache [NB, BS, L+R], slot_mapping [T] i64)            (in place; -1 = skip)
 mla_decode(q_lat [N, H, L], q_pe [N, H, R], cache, block_table [N, MB] i32, seq_lens [N] i32, scale,
-           num_splits=None) -> [N, H, L]
+           num_splits=None, out=None) -> [N, H, L]
 mla_extend(q_lat [T, H, L], q_pe [T, H, R], cache, block_table [P, MB] i32, cu_seqlens [P+1] i32,
-           seq_lens [P] i32, scale, max_query_len=None) -> [T, H, L]
+           seq_lens [P] i32, scale, max_query_len=None, out=None) -> [T, H, L]
 
 CUDA tensors run Triton, CPU tensors the torch reference unless KIMI_KERNELS=triton (kernels/_dispatch.py).
 """
@@ -38,21 +38,32 @@ def store_latent(latent, cache, slot_mapping):
     return store_latent_ref(latent, cache, slot_mapping)
 
 
-def mla_decode(q_lat, q_pe, cache, block_table, seq_lens, scale, num_splits=None):
-    """``num_splits`` (host int): split-KV count; default from N and block_table.shape (graph-capturable)."""
+def mla_decode(q_lat, q_pe, cache, block_table, seq_lens, scale, num_splits=None, out=None):
+    """``num_splits`` (host int): split-KV count; default from N and block_table.shape (graph-capturable).
+    ``out`` (optional [N, H, L]): written in full and returned."""
     if use_triton(q_lat):
         from .decode import mla_decode_triton
 
-        return mla_decode_triton(q_lat, q_pe, cache, block_table, seq_lens, scale, num_splits=num_splits)
-    return mla_decode_ref(q_lat, q_pe, cache, block_table, seq_lens, scale)
+        return mla_decode_triton(q_lat, q_pe, cache, block_table, seq_lens, scale, num_splits=num_splits, out=out)
+    res = mla_decode_ref(q_lat, q_pe, cache, block_table, seq_lens, scale)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
 
 
-def mla_extend(q_lat, q_pe, cache, block_table, cu_seqlens, seq_lens, scale, max_query_len=None):
-    """``max_query_len`` (optional host int, e.g. ForwardBatch.max_query_len) only sizes the Triton grid."""
+def mla_extend(q_lat, q_pe, cache, block_table, cu_seqlens, seq_lens, scale, max_query_len=None, out=None):
+    """``max_query_len`` (optional host int, e.g. ForwardBatch.max_query_len) only sizes the Triton grid.
+    ``out`` (optional [T, H, L]): written on the rows covered by cu_seqlens and returned."""
     if use_triton(q_lat):
         from .extend import mla_extend_triton
 
         return mla_extend_triton(
-            q_lat, q_pe, cache, block_table, cu_seqlens, seq_lens, scale, max_query_len=max_query_len
+            q_lat, q_pe, cache, block_table, cu_seqlens, seq_lens, scale, max_query_len=max_query_len, out=out
         )
-    return mla_extend_ref(q_lat, q_pe, cache, block_table, cu_seqlens, seq_lens, scale)
+    res = mla_extend_ref(q_lat, q_pe, cache, block_table, cu_seqlens, seq_lens, scale)
+    if out is None:
+        return res
+    n = int(cu_seqlens[-1])
+    out[:n].copy_(res[:n])
+    return out

@@ -232,8 +232,18 @@ def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: 
 
 
 def mla_decode_triton(
-    q_lat, q_pe, cache, block_table, seq_lens, scale, num_splits=None, block_n=None, min_split_tokens=None
+    q_lat,
+    q_pe,
+    cache,
+    block_table,
+    seq_lens,
+    scale,
+    num_splits=None,
+    out=None,
+    block_n=None,
+    min_split_tokens=None,
 ):
+    """See kernels/mla/__init__.py. ``out`` (optional [N, H, L], last dim contiguous) is written in full."""
     N, H, L = q_lat.shape
     R = q_pe.shape[2]
     NB, BS, D = cache.shape
@@ -248,7 +258,9 @@ def mla_decode_triton(
         block_table = block_table.to(torch.int32)
     if seq_lens.dtype != torch.int32:
         seq_lens = seq_lens.to(torch.int32)
-    out = torch.empty(N, H, L, dtype=q_lat.dtype, device=q_lat.device)
+    if out is None:
+        out = torch.empty(N, H, L, dtype=q_lat.dtype, device=q_lat.device)
+    assert out.shape == (N, H, L) and out.stride(2) == 1
     if N == 0:
         return out
     on_gpu = q_lat.is_cuda

@@ -119,10 +119,21 @@ def _mla_extend_kernel(
 
 
 def mla_extend_triton(
-    q_lat, q_pe, cache, block_table, cu_seqlens, seq_lens, scale, max_query_len=None, block_n=None, rows=None
+    q_lat,
+    q_pe,
+    cache,
+    block_table,
+    cu_seqlens,
+    seq_lens,
+    scale,
+    max_query_len=None,
+    out=None,
+    block_n=None,
+    rows=None,
 ):
     """``max_query_len`` (host int) sizes the grid; without it the grid covers T query tokens per sequence (correct,
-    programs past a sequence's end exit at once) — pass it for large batches."""
+    programs past a sequence's end exit at once) — pass it for large batches. Without ``out`` the result is zero
+    outside ``cu_seqlens``; a given ``out`` [T, H, L] is written on the rows ``cu_seqlens`` covers only."""
     T, H, L = q_lat.shape
     R = q_pe.shape[2]
     NB, BS, D = cache.shape
@@ -140,7 +151,9 @@ def mla_extend_triton(
     if cu_seqlens.dtype != torch.int32:
         cu_seqlens = cu_seqlens.to(torch.int32)
     # rows not covered by cu_seqlens stay zero (matches the reference)
-    out = torch.zeros(T, H, L, dtype=q_lat.dtype, device=q_lat.device)
+    if out is None:
+        out = torch.zeros(T, H, L, dtype=q_lat.dtype, device=q_lat.device)
+    assert out.shape == (T, H, L) and out.stride(2) == 1
     if T == 0 or P == 0:
         return out
     on_gpu = q_lat.is_cuda

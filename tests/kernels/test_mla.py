@@ -1,0 +1,367 @@
+"""Paged MLA kernels vs the torch references.
+
+CPU (interpreter): TRITON_INTERPRET=1 python -m pytest tests/kernels/test_mla.py -q
+GPU (Kimi shapes too): python -m pytest tests/kernels/test_mla.py -q
+"""
+import os
+
+import pytest
+import torch
+
+from kernels.mla import mla_decode, mla_extend, store_latent
+from kernels.mla.ref import mla_decode_ref, mla_extend_ref, store_latent_ref
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+HAS_CUDA = torch.cuda.is_available()
+from kernels.mla.cache import store_latent_triton  # noqa: E402
+from kernels.mla.decode import default_num_splits, mla_decode_triton  # noqa: E402
+from kernels.mla.extend import mla_extend_triton  # noqa: E402
+
+CPU_ONLY_TESTS = {"test_ref_cpu_path", "test_default_num_splits"}
+
+
+@pytest.fixture(autouse=True)
+def _needs_triton(request):
+    if not (HAS_CUDA or INTERPRET) and request.node.originalname not in CPU_ONLY_TESTS:
+        pytest.skip("Triton MLA kernels need CUDA or TRITON_INTERPRET=1")
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+# small interpreter shapes
+H, L, R, BS = 4, 32, 16, 16
+SCALE = 0.2
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def bit_equal(a, b):
+    return a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def check_close(out, ref, dtype):
+    out = out.float()
+    ref = ref.float()
+    assert torch.isfinite(out).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    else:
+        err = (out - ref).abs()
+        rms = err.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)
+        assert rms <= 5e-3, f"rms ratio {rms}"
+        assert err.max() <= 1e-2 * ref.abs().max() + 1e-3, f"max err {err.max()} vs {ref.abs().max()}"
+
+
+def make_paged(lens, dtype, nb=None, bs=BS, l=L, r=R, poison=True, max_blocks=None, device=DEV):
+    """Cache with random latents in each sequence's first len rows on shuffled pages; everything else (page 0,
+    unused pages, the tail of each last page) NaN when poison. Returns cache, block_table, seq_lens."""
+    nblk = [(s + bs - 1) // bs for s in lens]
+    mb = max_blocks or max(1, max(nblk))
+    nb = nb or (sum(nblk) + 5)
+    fill = float("nan") if poison else 0.0
+    cache = torch.full((nb, bs, l + r), fill, dtype=dtype, device=device)
+    perm = (torch.randperm(nb - 1) + 1).tolist()
+    bt = torch.zeros(len(lens), mb, dtype=torch.int32)
+    slots = []
+    k = 0
+    for i, s in enumerate(lens):
+        pages = perm[k : k + nblk[i]]
+        k += nblk[i]
+        bt[i, : nblk[i]] = torch.tensor(pages, dtype=torch.int32)
+        slots += [pages[j // bs] * bs + j % bs for j in range(s)]
+    if slots:
+        lat = torch.randn(len(slots), l + r, device=device).to(dtype)
+        store_latent_ref(lat, cache, torch.tensor(slots, dtype=torch.int64, device=device))
+    return cache, bt.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+
+
+# ---------------------------------------------------------------- store_latent
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_latent(dtype):
+    nb, T = 6, 20
+    cache = torch.randn(nb, BS, L + R, device=DEV).to(dtype)
+    before = cache.clone()
+    slots = torch.randperm(nb * BS)[:T].to(torch.int64)
+    slots[[2, 7, 11]] = -1
+    lat = torch.randn(T, L + R, device=DEV).to(dtype)
+    store_latent_triton(lat, cache, slots.to(DEV))
+    expect = before.clone()
+    store_latent_ref(lat, expect, slots.to(DEV))
+    assert bit_equal(cache, expect)
+    flat, fb = cache.view(-1, L + R), before.view(-1, L + R)
+    keep = slots >= 0
+    assert bit_equal(flat[slots[keep]], lat[keep])
+    untouched = torch.ones(nb * BS, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    assert bit_equal(flat[untouched.to(DEV)], fb[untouched.to(DEV)])
+
+
+def test_store_latent_empty_and_all_skipped():
+    cache = torch.randn(3, BS, L + R, device=DEV)
+    before = cache.clone()
+    store_latent_triton(torch.randn(0, L + R, device=DEV), cache, torch.zeros(0, dtype=torch.int64, device=DEV))
+    store_latent_triton(torch.randn(4, L + R, device=DEV), cache, torch.full((4,), -1, dtype=torch.int64, device=DEV))
+    assert bit_equal(cache, before)
+
+
+# ---------------------------------------------------------------- decode
+
+DEC_LENS = [1, 63, 64, 65, 150, 0]  # last: padded lane (block row = page 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+def test_decode_matches_ref(dtype, num_splits):
+    cache, bt, sl = make_paged(DEC_LENS, dtype, max_blocks=12)
+    N = len(DEC_LENS)
+    q = torch.randn(N, H, L, device=DEV).to(dtype)
+    qp = torch.randn(N, H, R, device=DEV).to(dtype)
+    cache_before = cache.clone()
+    out = torch.full((N, H, L), float("nan"), dtype=dtype, device=DEV)
+    res = mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=num_splits, out=out, min_split_tokens=16)
+    assert res.data_ptr() == out.data_ptr() and res.dtype == dtype
+    ref = mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, SCALE)
+    check_close(out, ref, dtype)
+    assert (out[-1] == 0).all()  # padded lane: zeros
+    assert bit_equal(cache, cache_before)  # decode never writes the cache
+
+
+def test_decode_split_invariance():
+    lens = [150, 97, 17, 1]
+    cache, bt, sl = make_paged(lens, torch.float32)
+    q = torch.randn(len(lens), 3, L, device=DEV)  # H=3: masked head rows
+    qp = torch.randn(len(lens), 3, R, device=DEV)
+    o1 = mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=1)
+    for ns in (2, 5, 64):
+        on = mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=ns, min_split_tokens=16)
+        torch.testing.assert_close(on, o1, atol=1e-5, rtol=1e-5)
+    ref = mla_decode_ref(q, qp, cache, bt, sl, SCALE)
+    check_close(o1, ref, torch.float32)
+
+
+def test_decode_all_padded():
+    cache, bt, sl = make_paged([0, 0], torch.bfloat16, max_blocks=4)
+    q = torch.randn(2, H, L, device=DEV).bfloat16()
+    qp = torch.randn(2, H, R, device=DEV).bfloat16()
+    for ns in (1, 4):
+        out = torch.full((2, H, L), float("nan"), dtype=torch.bfloat16, device=DEV)
+        mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=ns, out=out, min_split_tokens=16)
+        assert (out == 0).all()
+
+
+def test_default_num_splits():
+    assert default_num_splits(1, 2048, 64, 32, 132) >= 128  # long context at batch 1: many splits
+    assert default_num_splits(128, 128, 64, 32, 132) <= 3
+    assert default_num_splits(1, 1, 64, 32, 132) == 1
+    assert default_num_splits(4, 16, 16, 4, 132) == 1  # 256 keys max -> a single split
+    for b in (1, 8, 64, 128):
+        assert 1 <= default_num_splits(b, 2048, 64) <= 256
+
+
+# ---------------------------------------------------------------- extend
+
+# (seq_len after the step, new tokens)
+EXT_MIX = [(1, 1), (63, 63), (64, 10), (65, 65), (150, 33), (0, 0), (20, 1)]
+
+
+def _extend_inputs(mix, dtype, h=H):
+    lens = [s for s, _ in mix]
+    qls = [q for _, q in mix]
+    cache, bt, sl = make_paged(lens, dtype)
+    cu = torch.tensor([0] + qls).cumsum(0).to(torch.int32).to(DEV)
+    T = int(cu[-1])
+    q = torch.randn(T, h, L, device=DEV).to(dtype)
+    qp = torch.randn(T, h, R, device=DEV).to(dtype)
+    return cache, bt, sl, cu, q, qp, max(qls)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [16, 64])
+def test_extend_matches_ref(dtype, rows):
+    cache, bt, sl, cu, q, qp, mq = _extend_inputs(EXT_MIX, dtype)
+    before = cache.clone()
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEV)
+    res = mla_extend_triton(q, qp, cache, bt, cu, sl, SCALE, max_query_len=mq, out=out, rows=rows)
+    assert res.data_ptr() == out.data_ptr()
+    ref = mla_extend_ref(q.float(), qp.float(), cache.float(), bt, cu, sl, SCALE)
+    check_close(out, ref, dtype)
+    assert bit_equal(cache, before)
+
+
+def test_extend_no_max_query_len_odd_heads():
+    cache, bt, sl, cu, q, qp, _ = _extend_inputs([(40, 7), (70, 70)], torch.float32, h=3)
+    out = mla_extend_triton(q, qp, cache, bt, cu, sl, SCALE)
+    check_close(out, mla_extend_ref(q, qp, cache, bt, cu, sl, SCALE), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_after_extend_and_chunked_extend(dtype):
+    """Prefill 101 tokens in one extend == two chunks (60 + 41) == decode of the last token."""
+    S, c1 = 101, 60
+    nb = 12
+    cache = torch.full((nb, BS, L + R), float("nan"), dtype=dtype, device=DEV)
+    pages = (torch.randperm(nb - 1)[: (S + BS - 1) // BS] + 1).to(torch.int32)
+    bt = torch.zeros(1, 8, dtype=torch.int32)
+    bt[0, : len(pages)] = pages
+    bt = bt.to(DEV)
+    slots = torch.tensor([int(pages[j // BS]) * BS + j % BS for j in range(S)], dtype=torch.int64, device=DEV)
+    lat = torch.randn(S, L + R, device=DEV).to(dtype)
+    q = torch.randn(S, H, L, device=DEV).to(dtype)
+    qp = torch.randn(S, H, R, device=DEV).to(dtype)
+    i32 = dict(dtype=torch.int32, device=DEV)
+
+    # chunk 1, then chunk 2 (store before each extend, as the model does)
+    store_latent(lat[:c1], cache, slots[:c1])
+    o1 = mla_extend_triton(q[:c1], qp[:c1], cache, bt, torch.tensor([0, c1], **i32), torch.tensor([c1], **i32), SCALE)
+    store_latent(lat[c1:], cache, slots[c1:])
+    o2 = mla_extend_triton(
+        q[c1:], qp[c1:], cache, bt, torch.tensor([0, S - c1], **i32), torch.tensor([S], **i32), SCALE
+    )
+    # one shot
+    o_all = mla_extend_triton(q, qp, cache, bt, torch.tensor([0, S], **i32), torch.tensor([S], **i32), SCALE)
+    chunked = torch.cat([o1, o2])
+    ref = mla_extend_ref(q.float(), qp.float(), cache.float(), bt, torch.tensor([0, S], **i32), torch.tensor([S], **i32), SCALE)
+    check_close(o_all, ref, dtype)
+    check_close(chunked, ref, dtype)
+    if dtype == torch.float32:
+        torch.testing.assert_close(chunked, o_all, atol=1e-5, rtol=1e-5)
+    # decode of the last token == last row of the one-shot extend
+    for ns in (1, 4):
+        d = mla_decode_triton(q[-1:], qp[-1:], cache, bt, torch.tensor([S], **i32), SCALE, num_splits=ns, min_split_tokens=16)
+        check_close(d, ref[-1:], dtype)
+        if dtype == torch.float32:
+            torch.testing.assert_close(d, o_all[-1:], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def test_public_api_dispatch():
+    lens = [33, 5]
+    cache, bt, sl = make_paged(lens, torch.float32, poison=False)
+    q = torch.randn(2, H, L, device=DEV)
+    qp = torch.randn(2, H, R, device=DEV)
+    ref = mla_decode_ref(q, qp, cache, bt, sl, SCALE)
+    check_close(mla_decode(q, qp, cache, bt, sl, SCALE), ref, torch.float32)
+    out = torch.full_like(q, float("nan"))
+    mla_decode(q, qp, cache, bt, sl, SCALE, out=out)
+    check_close(out, ref, torch.float32)
+    cu = torch.tensor([0, 2, 3], dtype=torch.int32, device=DEV)
+    qe, qpe = torch.randn(3, H, L, device=DEV), torch.randn(3, H, R, device=DEV)
+    check_close(mla_extend(qe, qpe, cache, bt, cu, sl, SCALE), mla_extend_ref(qe, qpe, cache, bt, cu, sl, SCALE), torch.float32)
+
+
+def test_ref_cpu_path():
+    """The CPU reference path used by the model: decode == last extend row, padded lanes zero."""
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn(5, 8, 12, generator=g)
+    bt = torch.tensor([[3, 1, 0], [0, 0, 0]], dtype=torch.int32)
+    sl = torch.tensor([13, 0], dtype=torch.int32)
+    q = torch.randn(13, 2, 8, generator=g)
+    qp = torch.randn(13, 2, 4, generator=g)
+    e = mla_extend_ref(q, qp, cache, bt[:1], torch.tensor([0, 13], dtype=torch.int32), sl[:1], 0.5)
+    d = mla_decode_ref(q[[12, 0]], qp[[12, 0]], cache, bt, sl, 0.5)
+    torch.testing.assert_close(d[0], e[-1])
+    assert (d[1] == 0).all()
+    # explicit softmax for row 0 (sees key 0 only) -> exactly c_0
+    torch.testing.assert_close(e[0], cache[3, 0, :8].expand(2, 8))
+
+
+# ---------------------------------------------------------------- GPU, Kimi shapes
+
+KH, KL, KR, KBS = 32, 512, 64, 64
+KSCALE = 192 ** -0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_gpu_decode_kimi(num_splits):
+    lens = [1, 63, 64, 65, 4097, 0, 1000]
+    cache, bt, sl = make_paged(lens, torch.bfloat16, bs=KBS, l=KL, r=KR, device="cuda", max_blocks=80)
+    N = len(lens)
+    q = torch.randn(N, KH, KL, device="cuda").bfloat16()
+    qp = torch.randn(N, KH, KR, device="cuda").bfloat16()
+    out = torch.full((N, KH, KL), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mla_decode(q, qp, cache, bt, sl, KSCALE, num_splits=num_splits, out=out)
+    ref = mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, KSCALE)
+    check_close(out, ref, torch.bfloat16)
+    assert (out[5] == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_decode_fp32_kimi():
+    lens = [4097, 65, 1]
+    cache, bt, sl = make_paged(lens, torch.float32, bs=KBS, l=KL, r=KR, device="cuda")
+    q = torch.randn(3, KH, KL, device="cuda")
+    qp = torch.randn(3, KH, KR, device="cuda")
+    for ns in (1, 16):
+        out = mla_decode(q, qp, cache, bt, sl, KSCALE, num_splits=ns)
+        check_close(out, mla_decode_ref(q, qp, cache, bt, sl, KSCALE), torch.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_extend_kimi():
+    mix = [(4097, 200), (65, 65), (1, 1), (0, 0), (300, 1)]
+    lens = [s for s, _ in mix]
+    cache, bt, sl = make_paged(lens, torch.bfloat16, bs=KBS, l=KL, r=KR, device="cuda")
+    cu = torch.tensor([0] + [q for _, q in mix]).cumsum(0).to(torch.int32).cuda()
+    T = int(cu[-1])
+    q = torch.randn(T, KH, KL, device="cuda").bfloat16()
+    qp = torch.randn(T, KH, KR, device="cuda").bfloat16()
+    out = torch.full((T, KH, KL), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mla_extend(q, qp, cache, bt, cu, sl, KSCALE, max_query_len=200, out=out)
+    ref = mla_extend_ref(q.float(), qp.float(), cache.float(), bt, cu, sl, KSCALE)
+    check_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_extend_full_prefill_4097():
+    S = 4097
+    cache, bt, sl = make_paged([S], torch.bfloat16, bs=KBS, l=KL, r=KR, device="cuda")
+    cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
+    q = torch.randn(S, KH, KL, device="cuda").bfloat16()
+    qp = torch.randn(S, KH, KR, device="cuda").bfloat16()
+    out = mla_extend(q, qp, cache, bt, cu, sl, KSCALE)
+    ref = mla_extend_ref(q.float(), qp.float(), cache.float(), bt, cu, sl, KSCALE)
+    check_close(out, ref, torch.bfloat16)
+    d = mla_decode(q[-1:], qp[-1:], cache, bt, sl, KSCALE)
+    check_close(d, ref[-1:], torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_store_latent_kimi():
+    cache = torch.randn(20, KBS, KL + KR, device="cuda").bfloat16()
+    expect = cache.clone()
+    slots = torch.randperm(20 * KBS, device="cuda")[:300]
+    slots[::7] = -1
+    lat = torch.randn(300, KL + KR, device="cuda").bfloat16()
+    store_latent(lat, cache, slots)
+    store_latent_ref(lat, expect, slots)
+    assert bit_equal(cache, expect)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_cuda_graph():
+    """Captured once, replayed with new seq_lens / block tables (no host sync inside)."""
+    N, MB = 8, 80
+    cache, bt, sl = make_paged([4097] * N, torch.bfloat16, bs=KBS, l=KL, r=KR, device="cuda", max_blocks=MB)
+    q = torch.randn(N, KH, KL, device="cuda").bfloat16()
+    qp = torch.randn(N, KH, KR, device="cuda").bfloat16()
+    s_bt, s_sl = bt.clone(), sl.clone()
+    out = torch.empty(N, KH, KL, dtype=torch.bfloat16, device="cuda")
+    ns = default_num_splits(N, MB, KBS, KH)
+    mla_decode(q, qp, cache, s_bt, s_sl, KSCALE, num_splits=ns, out=out)  # warm up / compile
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mla_decode(q, qp, cache, s_bt, s_sl, KSCALE, num_splits=ns, out=out)
+    for lens in ([4097] * N, [1, 0, 64, 65, 3000, 17, 0, 4000]):
+        new_sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        s_sl.copy_(new_sl)
+        perm = bt[torch.randperm(N, device="cuda")]
+        s_bt.copy_(perm)
+        g.replay()
+        torch.cuda.synchronize()
+        check_close(out, mla_decode_ref(q.float(), qp.float(), cache.float(), perm, new_sl, KSCALE), torch.bfloat16)
