@@ -60,3 +60,20 @@ def make_kda_tokens(T: int, H: int, K: int, V: int, dtype=torch.float32, device=
 
 def slice_tokens(tok: dict, a: int, b: int) -> dict:
     return {k: v[a:b] for k, v in tok.items()}
+
+
+def bf16_tol() -> float:
+    """fla's bf16 tolerance (5e-3) on a GPU. Triton's CPU interpreter *truncates* fp32 -> bf16 casts (round toward
+    zero, measured with triton 3.9), which roughly doubles the error of each rounding point, so interpreter runs get
+    1.5e-2."""
+    return 5e-3 if torch.cuda.is_available() else 1.5e-2
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern view (NaN-safe exact comparisons)."""
+    it = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(it)
+
+
+def assert_bits_equal(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(bits(a), bits(b)), f"{name}: not bit-identical"

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from kernels._dispatch import use_triton
-from kernels.conv import short_conv_decode_ref, short_conv_prefill, short_conv_prefill_ref
+from kernels.conv import short_conv_decode_ref, short_conv_prefill_ref, short_conv_prefill_triton
 from kernels.kda.ref import (
     kda_chunk_ref,
     kda_core_ref,
@@ -26,10 +26,11 @@ from kernels.kda.ref import (
     kda_varlen_ref,
     l2norm_ref,
 )
-from kernels.norm import gated_rmsnorm, gated_rmsnorm_ref
+from kernels.kda.recurrent import kda_decode_triton
+from kernels.norm import gated_rmsnorm_ref, gated_rmsnorm_triton
 
 __all__ = [
-    "kda_prefill", "kda_decode", "kda_prefill_ref", "kda_decode_ref",
+    "kda_prefill", "kda_decode", "kda_prefill_ref", "kda_decode_ref", "kda_prefill_triton", "kda_decode_triton",
     "kda_gate_ref", "l2norm_ref", "kda_recurrent_ref", "kda_chunk_ref", "kda_varlen_ref", "kda_core_ref",
 ]
 
@@ -74,11 +75,18 @@ def kda_prefill(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state,
     if not use_triton(qkv):
         return kda_prefill_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
                                cu_seqlens, state_slots, has_initial_state)
+    return kda_prefill_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
+                              cu_seqlens, state_slots, has_initial_state)
+
+
+def kda_prefill_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
+                       cu_seqlens, state_slots, has_initial_state: Optional[torch.Tensor] = None):
+    """Triton path: conv kernels -> chunk_kda_fwd (kernels/kda/chunk.py) -> gated RMSNorm kernel."""
     H, K, V = _dims(z, b, r)
     T = qkv.shape[0]
     if has_initial_state is None:
         has_initial_state = torch.ones(state_slots.shape[0], dtype=torch.bool, device=qkv.device)
-    y = short_conv_prefill(qkv, conv_w, conv_state, cu_seqlens, state_slots, has_initial_state)   # [T, C]
+    y = short_conv_prefill_triton(qkv, conv_w, conv_state, cu_seqlens, state_slots, has_initial_state)  # [T, C]
     q, k, v = (t.contiguous() for t in _split_qkv(y, H, K, V))
     chunk_kda_fwd = _chunk_kda_fwd()
     if chunk_kda_fwd is not None:
@@ -87,32 +95,38 @@ def kda_prefill(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state,
     else:  # until kernels/kda/chunk.py lands: torch chunk reference (host syncs; correct, slow)
         o = kda_core_ref(q, k, v, z, A_log, dt_bias, b, K ** -0.5, rec_state, cu_seqlens, state_slots,
                          has_initial_state)
-    return gated_rmsnorm(o, r.reshape(T, H, V), o_norm_w, eps).reshape(T, H * V)
+    return gated_rmsnorm_triton(o, r.reshape(T, H, V), o_norm_w, eps).reshape(T, H * V)
 
 
 # --------------------------------------------------------------------------------------------------- decode
 def kda_decode_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state, state_slots):
+    """Reference decode step. Lanes with slot <= 0 (padding) read/write no state and output zeros, like the kernel."""
     H, K, V = _dims(z, b, r)
     N = qkv.shape[0]
-    y = short_conv_decode_ref(qkv, conv_w, conv_state, state_slots)
+    slots = state_slots.long()
+    live = slots > 0
+    cs = conv_state[slots].clone()                                        # [N, W-1, C]
+    cs[~live] = 0
+    y = short_conv_decode_ref(qkv, conv_w, cs, torch.arange(N, device=qkv.device))   # shifts cs
+    conv_state[slots[live]] = cs[live]
     q, k, v = _split_qkv(y, H, K, V)
     g = kda_gate_ref(z, A_log, dt_bias)                                   # [N, H, K] fp32
     beta = torch.sigmoid(b.float())                                       # [N, H]
-    slots = state_slots.long()
-    h0 = rec_state[slots]                                                 # [N, H, K, V]
-    o, ht = kda_recurrent_ref(l2norm_ref(q)[:, None], l2norm_ref(k)[:, None], v[:, None], g[:, None],
+    h0 = rec_state[slots].clone()                                         # [N, H, K, V]
+    h0[~live] = 0
+    o, ht = kda_recurrent_ref(l2norm_ref(q)[:, None], l2norm_ref(k)[:, None], v.float()[:, None], g[:, None],
                               beta[:, None], K ** -0.5, initial_state=h0)
-    rec_state[slots] = ht.to(rec_state.dtype)
-    return gated_rmsnorm_ref(o[:, 0], r.reshape(N, H, V), o_norm_w, eps).reshape(N, H * V)
+    rec_state[slots[live]] = ht[live].to(rec_state.dtype)
+    o = o[:, 0].float()
+    o[~live] = 0
+    return gated_rmsnorm_ref(o, r.reshape(N, H, V), o_norm_w, eps).to(qkv.dtype).reshape(N, H * V)
 
 
 def kda_decode(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state, state_slots):
+    """Fused Triton decode (kernels/kda/recurrent.py: 2 launches, graph-capturable) or the torch reference.
+
+    Triton path: lanes with slot 0 (padding) touch no state and output zeros."""
     if not use_triton(qkv):
-        return kda_decode_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
-                              state_slots)
-    try:
-        from kernels.kda.recurrent import kda_decode_triton
-    except ImportError:
         return kda_decode_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
                               state_slots)
     return kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
