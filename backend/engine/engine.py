@@ -1,0 +1,281 @@
+"""LLMEngine: a dedicated thread loops schedule -> execute -> update; requests come in through an inbox and their
+outputs go out through RequestStreams (async or blocking iterators)."""
+
+import asyncio
+import logging
+import queue
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from backend.engine.memory import BlockPool, StatePool
+from backend.engine.request import Request, RequestOutput, SamplingParams
+from backend.engine.scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_model_len: int = 0  # 0 = min(model_max_length, what the page pool holds)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    block_size: int = 64
+    num_blocks: int = 0  # MLA pages incl. the null page; 0 = from gpu_memory_utilization (CUDA) or max_num_seqs
+    num_slots: int = 0  # KDA slots incl. the null slot; 0 = max_num_seqs + 1
+    gpu_memory_utilization: float = 0.9
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto = cuda if available
+    enforce_eager: bool = False
+    max_graph_batch_size: int = 0  # 0 = max_num_seqs
+    seed: int = 0  # seeds of requests that bring none
+    eos_token_ids: tuple = ()  # () = config.json's
+
+    def __post_init__(self):
+        import torch
+
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "num_blocks", "num_slots", "max_graph_batch_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_blocks == 1 or self.num_slots == 1:
+            raise ValueError("num_blocks and num_slots count the null page/slot: use 0 (auto) or >= 2")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+class RequestStream:
+    """Outputs of one request: `async for out in stream` (on the loop that added it) or `for out in stream`."""
+
+    def __init__(self, request_id: str, engine: "LLMEngine", loop):
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._q = queue.SimpleQueue()
+        self._event = asyncio.Event() if loop is not None else None
+        self._done = False
+
+    def put(self, out: RequestOutput) -> None:
+        """Engine thread."""
+        self._q.put(out)
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._event.set)
+            except RuntimeError:  # the loop is closed: nobody listens any more
+                pass
+
+    def _take(self, out: RequestOutput) -> RequestOutput:
+        if out.finished:
+            self._done = True
+        return out
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        assert self._event is not None, "this stream was created outside an event loop: iterate it with `for`"
+        while True:
+            try:
+                return self._take(self._q.get_nowait())
+            except queue.Empty:
+                if self._done:
+                    raise StopAsyncIteration
+            self._event.clear()
+            if self._q.empty():
+                await self._event.wait()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> RequestOutput:
+        if self._done and self._q.empty():
+            raise StopIteration
+        return self._take(self._q.get())
+
+    def abort(self) -> None:
+        self._engine.abort(self.request_id)
+
+
+class LLMEngine:
+    def __init__(self, runner, cfg: EngineConfig):
+        self.cfg = cfg
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+        self.max_model_len = runner.max_model_len
+        eos = cfg.eos_token_ids or runner.config.eos_token_ids
+        self.scheduler = Scheduler(BlockPool(runner.num_blocks, runner.block_size), StatePool(runner.num_slots),
+                                   runner.max_num_seqs, cfg.max_num_batched_tokens, runner.max_model_len, eos)
+        self._rng = random.Random(cfg.seed)
+        self._lock = threading.Condition()
+        self._inbox: list = []
+        self._streams: dict = {}
+        self._stop = False
+        self._totals = dict(steps=0, prompt_tokens=0, output_tokens=0, finished=0, errors=0, aborted=0)
+        self._recent = deque()  # (time, tokens) of recent steps, for tokens/s
+        self._thread = threading.Thread(target=self._loop, name="kimi-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, model_dir: str, cfg: EngineConfig = None) -> "LLMEngine":
+        from backend.engine.runner import ModelRunner
+
+        cfg = cfg or EngineConfig()
+        return cls(ModelRunner(model_dir, cfg), cfg)
+
+    # API (any thread)
+    def add_request(self, prompt_ids, params: SamplingParams = None, request_id: str = None) -> RequestStream:
+        """Raises ValueError for bad parameters or a request that can never fit."""
+        params = params or SamplingParams()
+        params.validate(self.vocab_size)
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        with self._lock:
+            req = Request(prompt_ids, params, request_id, seed=self._rng.getrandbits(63))
+            if req.request_id in self._streams:
+                raise ValueError(f"request id {req.request_id!r} is already in use")
+            self.scheduler.check(req)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            stream = RequestStream(req.request_id, self, loop)
+            if self._stop:
+                raise RuntimeError("the engine is shut down")
+            self._streams[req.request_id] = stream
+            self._inbox.append(("add", req))
+            self._lock.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancels a request (its final output has finish_reason "abort"); unknown or finished ids are ignored."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+            self._lock.notify()
+
+    def generate(self, prompts: list, params: SamplingParams = None) -> list:
+        """Blocking helper: -> the output token ids of each prompt."""
+        streams = [self.add_request(p, params) for p in prompts]
+        return [[t for out in s for t in out.token_ids] for s in streams]
+
+    def stats(self) -> dict:
+        s, now = self.scheduler, time.monotonic()
+        recent = [(t, n) for t, n in list(self._recent) if now - t < 10.0]
+        span = now - recent[0][0] if recent else 0.0
+        return dict(
+            running=len(s.running), waiting=len(s.waiting) + sum(op == "add" for op, _ in list(self._inbox)),
+            free_blocks=s.blocks.num_free, num_blocks=s.blocks.capacity, block_size=s.blocks.block_size,
+            free_slots=s.states.num_free, num_slots=s.states.capacity, max_num_seqs=s.max_num_seqs,
+            max_model_len=s.max_model_len, kv_capacity_tokens=s.blocks.capacity * s.blocks.block_size,
+            preemptions=s.num_preemptions, tokens_per_s=sum(n for _, n in recent) / span if span > 0 else 0.0,
+            **self._totals)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        self._thread.join()
+
+    # engine thread
+    def _loop(self):
+        while True:
+            with self._lock:
+                while not self._inbox and not self.scheduler.has_unfinished and not self._stop:
+                    self._lock.wait()
+                inbox, self._inbox = self._inbox, []
+                stop = self._stop
+            for op, arg in inbox:
+                if op == "add":
+                    self.scheduler.add(arg)
+                    self._totals["prompt_tokens"] += arg.num_prompt_tokens
+                else:
+                    self._abort(arg, "abort")
+            if stop:
+                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self._abort(req.request_id, "abort", "the engine is shutting down")
+                return
+            if self.scheduler.has_unfinished:
+                self.step()
+
+    def _abort(self, request_id: str, reason: str, error: str = None):
+        req = self.scheduler.find(request_id)
+        if req is None:
+            return
+        self.scheduler.finish(req, reason, error)
+        self._totals["aborted" if reason == "abort" else "errors"] += 1
+        self._emit(req)
+
+    def step(self) -> None:
+        """One scheduling step; an exception fails the requests of this step only."""
+        try:
+            out = self.scheduler.schedule()
+        except Exception as e:  # a scheduler bug: fail everything rather than spin
+            log.exception("schedule() failed")
+            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self._abort(req.request_id, "error", f"scheduler error: {e!r}")
+            return
+        if out.is_empty:
+            time.sleep(0.001)
+            return
+        try:
+            ids, logprobs = self.runner.execute(out)
+            self._attach_logprobs(out, logprobs)
+            touched = self.scheduler.update(out, ids)
+        except Exception as e:
+            log.exception("step failed for %d requests", len(out.seqs))
+            self._fail(out, e)
+            return
+        self._totals["steps"] += 1
+        self._totals["output_tokens"] += len(ids)
+        self._recent.append((time.monotonic(), len(ids)))
+        while len(self._recent) > 1000:
+            self._recent.popleft()
+        now = time.monotonic()
+        for req in touched:
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.is_finished:
+                self._totals["finished"] += 1
+            self._emit(req)
+
+    def _attach_logprobs(self, out: SchedulerOutput, logprobs: list):
+        for s, lp in zip((s for s in out.seqs if s.sample), logprobs):
+            if lp is not None:
+                s.request.pending_logprobs.append(lp)
+
+    def _fail(self, out: SchedulerOutput, e: Exception):
+        for s in out.seqs:
+            req = s.request
+            if not req.is_finished:
+                self.scheduler.finish(req, "error", f"{type(e).__name__}: {e}")
+                self._totals["errors"] += 1
+            self._emit(req)
+
+    def _emit(self, req: Request):
+        new = req.output_token_ids[req.num_sent_tokens:]
+        req.num_sent_tokens = len(req.output_token_ids)
+        lps = req.pending_logprobs if req.params.wants_logprobs else None
+        req.pending_logprobs = []
+        now = time.monotonic()
+        first = req.first_token_time
+        out = RequestOutput(
+            request_id=req.request_id, token_ids=new, logprobs=lps, finished=req.is_finished,
+            finish_reason=req.finish_reason, error=req.error, num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_token_ids),
+            prompt_time_s=(first if first is not None else now) - req.arrival_time,
+            gen_time_s=now - first if first is not None else 0.0)
+        if req.is_finished:
+            stream = self._streams.pop(req.request_id, None)
+        else:
+            stream = self._streams.get(req.request_id)
+        if stream is not None:
+            stream.put(out)

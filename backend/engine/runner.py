@@ -1,0 +1,231 @@
+"""ModelRunner: owns every tensor (weights, KDA state slots, MLA pages, graph buffers); turns a SchedulerOutput into
+a ForwardBatch, runs the model, samples on the device and syncs once per step.
+
+Decode-only steps replay CUDA graphs captured for padded batch sizes; padding lanes point at the null slot 0 and the
+null page 0 (slot_mapping -1: nothing is stored; seq_lens 1: they read the never-written, zeroed page 0, so their
+activations stay finite). Mixed steps and CPU run eagerly.
+"""
+
+import logging
+import time
+
+import torch
+
+from backend.engine.sampler import SamplingMetadata, sample
+from backend.engine.scheduler import SchedulerOutput
+from backend.model.batch import ForwardBatch
+from backend.model.loader import load_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_GIB = 1 << 30
+
+
+def graph_batch_sizes(max_bs: int) -> list:
+    sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 16))
+    return sorted({s for s in sizes if s < max_bs} | {max_bs})
+
+
+def _pinned(data, dtype, device) -> torch.Tensor:
+    t = torch.tensor(data, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _tokens(r, a: int, n: int) -> list:
+    """r's tokens [a, a + n) without copying the whole sequence."""
+    p = r.num_prompt_tokens
+    if a + n <= p:
+        return r.prompt_token_ids[a:a + n]
+    if a >= p:
+        return r.output_token_ids[a - p:a - p + n]
+    return r.prompt_token_ids[a:] + r.output_token_ids[:a + n - p]
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, cfg):
+        """cfg: an EngineConfig (backend/engine/engine.py)."""
+        self.device = torch.device(cfg.device)
+        self.dtype = _DTYPES[cfg.dtype]
+        self.block_size = cfg.block_size
+        t0 = time.monotonic()
+        self.model = load_model(model_dir, self.device, self.dtype)
+        self.config = self.model.config
+        self.vocab_size = self.config.vocab_size
+        log.info("loaded %s in %.1f s (%s, %s)", model_dir, time.monotonic() - t0, self.device, cfg.dtype)
+        self.num_slots = cfg.num_slots or cfg.max_num_seqs + 1
+        self.max_num_seqs = min(cfg.max_num_seqs, self.num_slots - 1)
+        self.num_blocks = cfg.num_blocks or self._auto_num_blocks(cfg)
+        capacity = (self.num_blocks - 1) * self.block_size
+        self.max_model_len = cfg.max_model_len or min(self.config.model_max_length, capacity)
+        if self.max_model_len > capacity:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the MLA page pool ({self.num_blocks - 1} "
+                             f"pages of {self.block_size} = {capacity} tokens): lower it or give more memory")
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.cache = self.model.allocate_cache(self.num_slots, self.num_blocks, self.block_size)
+        log.info("KV capacity: %d tokens in %d pages of %d; %d KDA state slots (%d sequences); max_model_len %d",
+                 capacity, self.num_blocks - 1, self.block_size, self.num_slots - 1, self.max_num_seqs,
+                 self.max_model_len)
+        self.graphs, self.graph_vars = {}, {}
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            self._capture_graphs(min(cfg.max_graph_batch_size or self.max_num_seqs, self.max_num_seqs))
+
+    # memory sizing
+    def slot_bytes(self) -> int:
+        c = self.config
+        conv = (c.conv_size - 1) * 3 * c.kda_num_heads * c.kda_head_dim * self.dtype.itemsize
+        rec = c.kda_num_heads * c.kda_head_dim * c.kda_head_dim * 4
+        return len(c.kda_layers) * (conv + rec)
+
+    def page_bytes(self) -> int:
+        c = self.config
+        return len(c.mla_layers) * self.block_size * (c.kv_lora_rank + c.qk_rope_head_dim) * self.dtype.itemsize
+
+    def _auto_num_blocks(self, cfg) -> int:
+        want_len = cfg.max_model_len or self.config.model_max_length
+        if self.device.type != "cuda":
+            # enough for every sequence at full length
+            return 1 + self.max_num_seqs * -(-want_len // self.block_size)
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = self._profile_activations(cfg)
+        budget = total * cfg.gpu_memory_utilization - (total - free) - peak - self.num_slots * self.slot_bytes()
+        num_blocks = int(budget // self.page_bytes())
+        log.info("memory: %.1f GiB total, %.1f GiB free after weights, activation peak %.2f GiB, %d KDA slots "
+                 "%.2f GiB -> %d pages (%.2f GiB)", total / _GIB, free / _GIB, peak / _GIB, self.num_slots,
+                 self.num_slots * self.slot_bytes() / _GIB, num_blocks, num_blocks * self.page_bytes() / _GIB)
+        if num_blocks < 2 + -(-want_len // self.block_size) // 8:
+            raise ValueError(f"not enough GPU memory for the MLA cache: {num_blocks} pages; lower max_num_seqs or "
+                             f"max_num_batched_tokens, or raise gpu_memory_utilization")
+        return num_blocks
+
+    def _profile_activations(self, cfg) -> int:
+        """Peak activation memory of a max_num_batched_tokens prefill (nano-vllm's warmup)."""
+        n = cfg.max_num_batched_tokens
+        if cfg.max_model_len:
+            n = min(n, cfg.max_model_len)
+        pages = -(-n // self.block_size)
+        cache = self.model.allocate_cache(2, pages + 1, self.block_size)
+        batch = ForwardBatch.build([([0] * n, 0, 1, list(range(1, pages + 1)))], 0, self.block_size, self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self.model.compute_logits(self.model(batch, cache), batch.logits_index)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del cache, batch
+        torch.cuda.empty_cache()
+        # sampling on max_num_seqs rows: logits, sort and noise buffers
+        return peak + 8 * self.max_num_seqs * self.vocab_size * 4
+
+    # batch building
+    def prepare(self, out: SchedulerOutput, width: int = 0) -> ForwardBatch:
+        """Host lists -> one int64 and one int32 transfer -> ForwardBatch views. width: block-table columns."""
+        bs = self.block_size
+        ids, slot_mapping, logits_index = [], [], []
+        cu, seq_lens, slots, has_init, table = [0], [], [], [], []
+        width = width or max(len(s.request.block_ids) for s in out.seqs)
+        for s in out.seqs:
+            r, a, n = s.request, s.start, s.num_new_tokens
+            ids += _tokens(r, a, n)
+            blocks = r.block_ids
+            slot_mapping += [blocks[p // bs] * bs + p % bs for p in range(a, a + n)]
+            cu.append(cu[-1] + n)
+            if s.sample:
+                logits_index.append(cu[-1] - 1)
+            seq_lens.append(a + n)
+            slots.append(r.state_slot)
+            has_init.append(int(a > 0))
+            table += blocks + [0] * (width - len(blocks))
+        nd, N, T = out.num_decodes, len(out.seqs), len(ids)
+        pcu = [c - cu[nd] for c in cu[nd:]]
+        i64 = _pinned(ids + slot_mapping + logits_index, torch.int64, self.device)
+        i32 = _pinned(cu + pcu + seq_lens + slots + has_init + table, torch.int32, self.device)
+        o = [0]
+        for k in (N + 1, len(pcu), N, N, N, N * width):
+            o.append(o[-1] + k)
+        return ForwardBatch(
+            input_ids=i64[:T], num_decodes=nd, cu_seqlens=i32[o[0]:o[1]], prefill_cu_seqlens=i32[o[1]:o[2]],
+            seq_lens=i32[o[2]:o[3]], state_slots=i32[o[3]:o[4]], has_initial_state=i32[o[4]:o[5]] != 0,
+            block_table=i32[o[5]:o[6]].view(N, width), slot_mapping=i64[T:2 * T], logits_index=i64[2 * T:],
+            max_query_len=max(s.num_new_tokens for s in out.seqs))
+
+    # execution
+    @torch.no_grad()
+    def execute(self, out: SchedulerOutput) -> tuple:
+        """-> (token ids, logprob entries) for the scheduled sequences that sample, in order; one host sync."""
+        reqs = [s.request for s in out.seqs if s.sample]
+        n = len(out.seqs)
+        if out.is_decode_only and self.graphs and n <= max(self.graphs):
+            logits = self._replay(out)
+            if len(reqs) < n:
+                rows = [i for i, s in enumerate(out.seqs) if s.sample]
+                logits = logits[torch.tensor(rows, device=self.device)]
+        else:
+            batch = self.prepare(out)
+            hidden = self.model(batch, self.cache)
+            logits = self.model.compute_logits(hidden, batch.logits_index)
+        if not reqs:
+            return [], []
+        md = SamplingMetadata.build(reqs, self.vocab_size, self.device)
+        return sample(logits, md).to_host(md)
+
+    # CUDA graphs
+    def _capture_graphs(self, max_bs: int):
+        t0 = time.monotonic()
+        dev, mb = self.device, self.max_blocks_per_seq
+        v = self.graph_vars = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
+            state_slots=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            block_table=torch.zeros(max_bs, mb, dtype=torch.int32, device=dev),
+            cu_seqlens=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=dev),
+            has_initial_state=torch.ones(max_bs, dtype=torch.bool, device=dev),
+            logits_index=torch.arange(max_bs, dtype=torch.int64, device=dev),
+        )
+        v["logits"] = torch.zeros(max_bs, self.vocab_size, dtype=torch.float32, device=dev)
+        pool = torch.cuda.graph_pool_handle()
+        # largest first, so that smaller graphs reuse the pool
+        for bs in reversed(graph_batch_sizes(max_bs)):
+            batch = ForwardBatch(
+                input_ids=v["input_ids"][:bs], num_decodes=bs, cu_seqlens=v["cu_seqlens"][:bs + 1],
+                prefill_cu_seqlens=v["prefill_cu_seqlens"], seq_lens=v["seq_lens"][:bs],
+                state_slots=v["state_slots"][:bs], has_initial_state=v["has_initial_state"][:bs],
+                block_table=v["block_table"][:bs], slot_mapping=v["slot_mapping"][:bs],
+                logits_index=v["logits_index"][:bs], max_query_len=1)
+            # warmup outside the capture: Triton compiles and autotunes here
+            v["logits"][:bs] = self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                v["logits"][:bs] = self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(dev)
+        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs),
+                 sorted(self.graphs), time.monotonic() - t0)
+
+    def _replay(self, out: SchedulerOutput) -> torch.Tensor:
+        n, bs_tok = len(out.seqs), self.block_size
+        bs = min(b for b in self.graphs if b >= n)
+        mb, v = self.max_blocks_per_seq, self.graph_vars
+        ids, slot_mapping, seq_lens, slots, table = [], [], [], [], []
+        for s in out.seqs:
+            r, p = s.request, s.start
+            ids.append(r.token_id(p))
+            slot_mapping.append(r.block_ids[p // bs_tok] * bs_tok + p % bs_tok)
+            seq_lens.append(p + 1)
+            slots.append(r.state_slot)
+            table += r.block_ids + [0] * (mb - len(r.block_ids))
+        pad = bs - n
+        i64 = _pinned(ids + [0] * pad + slot_mapping + [-1] * pad, torch.int64, self.device)
+        i32 = _pinned(seq_lens + [1] * pad + slots + [0] * pad + table + [0] * (pad * mb), torch.int32, self.device)
+        v["input_ids"][:bs].copy_(i64[:bs])
+        v["slot_mapping"][:bs].copy_(i64[bs:])
+        v["seq_lens"][:bs].copy_(i32[:bs])
+        v["state_slots"][:bs].copy_(i32[bs:2 * bs])
+        v["block_table"][:bs].copy_(i32[2 * bs:].view(bs, mb))
+        self.graphs[bs].replay()
+        return v["logits"][:n]
