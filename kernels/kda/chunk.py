@@ -32,6 +32,7 @@ everything is stored in fp32 and the dots use IEEE fp32 (slow, for tests/oracles
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -49,6 +50,18 @@ INTRA_NUM_WARPS = 8
 STATE_BV = 64
 STATE_NUM_WARPS = 4
 STATE_NUM_STAGES = 2
+
+
+@triton.jit
+def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation. fp32 operands use PREC; low-precision operands go to the tensor cores as is
+    (UPCAST=True computes them in fp32 instead: the Triton interpreter mis-handles bf16 dots)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision=PREC)
+    else:
+        return tl.dot(a, b)
 
 
 @triton.jit
@@ -199,7 +212,7 @@ def _kda_state_kernel(
     cu_seqlens, chunk_offsets, state_slots, has_initial_state,
     stride_o, stride_s,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -232,15 +245,19 @@ def _kda_state_kernel(
         b_a = tl.load(a_in + (r0 + rows)[:, None] * BT + cols[None, :])
         b_gl = tl.load(gl_in + (cg * H + i_h) * K + kk)
         hb = h.to(dt)
-        vn = b_u - tl.dot(b_w, hb, input_precision=PREC)
+        vn = b_u - _mm(b_w, hb, PREC, UPCAST)
         vnb = vn.to(dt)
-        b_o = tl.dot(b_qg, hb, input_precision=PREC) + tl.dot(b_a, vnb, input_precision=PREC)
+        b_o = _mm(b_qg, hb, PREC, UPCAST) + _mm(b_a, vnb, PREC, UPCAST)
         tok = bos + it * BT + rows
         tl.store(o + tok[:, None] * stride_o + i_h * V + vv[None, :], b_o.to(o.dtype.element_ty),
                  mask=(tok < eos)[:, None] & vm[None, :])
-        h = h * tl.exp2(b_gl)[:, None] + tl.dot(tl.trans(b_kg), vnb, input_precision=PREC)
+        h = h * tl.exp2(b_gl)[:, None] + _mm(tl.trans(b_kg), vnb, PREC, UPCAST)
 
     tl.store(p_h, h.to(rec_state.dtype.element_ty), mask=vm[None, :])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _is_pow2(x: int) -> bool:
@@ -349,7 +366,7 @@ def chunk_kda_fwd(
         qg, kg, w, u, a, gl, o, rec_state,
         cu_dev, chunk_offsets, slots, hi,
         o.stride(0), rec_state.stride(0),
-        H=H, K=K, V=V, BT=BT, BV=bv, PREC=prec,
+        H=H, K=K, V=V, BT=BT, BV=bv, PREC=prec, UPCAST=(not fp32) and _interpreting(),
         num_warps=STATE_NUM_WARPS, num_stages=STATE_NUM_STAGES,
     )
     return o
