@@ -123,7 +123,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 def _moe_gemm1_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
     M, N, K, stride_xm, stride_we, stride_wn, stride_om,
-    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, INTERP: tl.constexpr,
+    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+    MODE: tl.constexpr, INTERP: tl.constexpr,
 ):
     """inter[idx, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, N + n]) for the rows idx of one block."""
     pid = tl.program_id(0)
@@ -147,11 +148,16 @@ def _moe_gemm1_kernel(
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        bmask = k_ok[:, None] & n_ok[None, :]
-        bg = tl.load(g_ptrs, mask=bmask, other=0.0)
-        bu = tl.load(u_ptrs, mask=bmask, other=0.0)
+        if EVEN_K:  # no K mask: keeps the contiguous K loads vectorised
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            bmask = k_ok[:, None] & n_ok[None, :]
+            bg = tl.load(g_ptrs, mask=bmask, other=0.0)
+            bu = tl.load(u_ptrs, mask=bmask, other=0.0)
         acc_g = dot_acc(a, bg, acc_g, MODE)
         acc_u = dot_acc(a, bu, acc_u, MODE)
         a_ptrs += BK
@@ -166,7 +172,8 @@ def _moe_gemm1_kernel(
 def _moe_gemm2_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
     M, N, K, stride_am, stride_we, stride_wn, stride_om,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, INTERP: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """y[idx, n] = inter[idx] . w2[e, n] for the rows idx of one block."""
     pid = tl.program_id(0)
@@ -188,9 +195,13 @@ def _moe_gemm2_kernel(
     b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = dot_acc(a, b, acc, MODE)
         a_ptrs += BK
         b_ptrs += BK
@@ -282,7 +293,8 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, config: MoECo
     _moe_gemm1_kernel[(max_blocks * triton.cdiv(inter_dim, BN1),)](
         x, w13, inter, sorted_ids, expert_ids, num_post,
         M, inter_dim, D, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        TOP_K=top_k, BM=BM, BN=BN1, BK=BK1, MODE=mode, INTERP=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TOP_K=top_k, BM=BM, BN=BN1, BK=BK1, EVEN_K=D % BK1 == 0, MODE=mode, INTERP=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     y = torch.empty(M, D, dtype=x.dtype, device=x.device)
     BN2 = _fit(cfg.BN2, D)
@@ -290,7 +302,8 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, config: MoECo
     _moe_gemm2_kernel[(max_blocks * triton.cdiv(D, BN2),)](
         inter, w2, y, sorted_ids, expert_ids, num_post,
         M, D, inter_dim, inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BM=BM, BN=BN2, BK=BK2, MODE=mode, INTERP=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BM=BM, BN=BN2, BK=BK2, EVEN_K=inter_dim % BK2 == 0, MODE=mode, INTERP=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     assert out.is_contiguous() and out.shape == (T, D)
     BD = min(1024, triton.next_power_of_2(D))

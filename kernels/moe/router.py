@@ -53,7 +53,7 @@ def dot_acc(a, b, acc, MODE: tl.constexpr):
 def _router_logits_kernel(
     x_ptr, w_ptr, out_ptr, T, E, D,
     stride_xt, stride_we, stride_ot,
-    BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
+    BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
@@ -66,9 +66,13 @@ def _router_logits_kernel(
     w_ptrs = w_ptr + offs_e[None, :].to(tl.int64) * stride_we + offs_k[:, None]  # [BK, BE]
     acc = tl.zeros((BT, BE), dtype=tl.float32)
     for k0 in range(0, D, BK):
-        k_ok = offs_k < D - k0
-        a = tl.load(x_ptrs, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None] & e_ok[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=t_ok[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=e_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < D - k0
+            a = tl.load(x_ptrs, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & e_ok[None, :], other=0.0)
         acc = dot_acc(a, b, acc, MODE)
         x_ptrs += BK
         w_ptrs += BK
@@ -143,7 +147,7 @@ def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
     grid = (triton.cdiv(T, BT), triton.cdiv(E, BE))
     _router_logits_kernel[grid](
         x, gate_w, out, T, E, D, x.stride(0), gate_w.stride(0), out.stride(0),
-        BT=BT, BE=BE, BK=BK, MODE=dot_mode(x.dtype), num_warps=4, num_stages=2 if is_fp32 else 3,
+        BT=BT, BE=BE, BK=BK, EVEN_K=D % BK == 0, MODE=dot_mode(x.dtype), num_warps=4, num_stages=2 if is_fp32 else 3,
     )
     return out
 
