@@ -111,7 +111,7 @@ def _router_topk_kernel(
     for j in tl.static_range(TOP_K):
         m = tl.max(sel, axis=1)
         cand = tl.where(sel == m[:, None], offs_e[None, :], BLOCK_E)
-        idx = tl.min(cand, axis=1)
+        idx = tl.minimum(tl.min(cand, axis=1), E - 1)  # NaN rows match nothing: keep the id in range anyway
         hit = offs_e[None, :] == idx[:, None]
         wv = tl.sum(tl.where(hit, wsrc, 0.0), axis=1)
         top_w = tl.where(offs_k[None, :] == j, wv[:, None], top_w)
