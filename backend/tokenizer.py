@@ -10,6 +10,7 @@
 import base64
 import codecs
 import functools
+import itertools
 import json
 import os
 import re
@@ -331,7 +332,13 @@ class TemplateLimits:
         self.max_range = max_range
 
 
-_PADDING_METHODS = {"center", "ljust", "rjust", "zfill", "expandtabs"}
+# a printf / str.format width or precision of 9+ digits
+_HUGE_WIDTH = re.compile(r"%[-+ #0]*\d{9,}|%[-+ #0]*\d*\.\d{9,}|\{[^{}]*:[^{}]*\d{9,}[^{}]*\}")
+
+
+def _check_format(fmt):
+    if isinstance(fmt, str) and _HUGE_WIDTH.search(fmt):
+        raise TemplateError("chat template format spec with a huge width")
 
 
 class _Budget:
@@ -357,23 +364,34 @@ class _Budget:
 class _KimiSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     """HF-compatible environment (trim_blocks, lstrip_blocks, loopcontrols) with budgets on every step."""
 
-    intercepted_binops = frozenset(["*", "**", "+"])
+    intercepted_binops = frozenset(["*", "**", "+", "%"])
 
     def __init__(self, limits):
         super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         self.limits = limits
         self._local = threading.local()
         self.budget = _Budget(limits)
-        self.filters = {name: self._guard_filter(f) for name, f in self.filters.items()}
-        self.filters["tojson"] = self._guard_filter(_tojson)
+        self.filters = {name: self._guard_filter(name, f) for name, f in self.filters.items()}
+        self.filters["tojson"] = self._guard_filter("tojson", _tojson)
         self.globals.update(range=self._range, raise_exception=_raise_exception, strftime_now=_strftime_now)
 
-    def _guard_filter(self, f):
+    def _guard_filter(self, name, f):
+        skip = 1 if getattr(f, "jinja_pass_arg", None) is None else 2   # the filtered value is not checked
+
         @functools.wraps(f)
         def guarded(*args, **kwargs):
             self.budget.tick()
+            self._check_args(args[skip:], kwargs.values())
+            if name == "format" and args:
+                _check_format(args[skip - 1])
             return self.budget.check_size(f(*args, **kwargs))
         return guarded
+
+    def _check_args(self, *groups):
+        """Refuse widths/counts that would build huge values before Python builds them."""
+        for a in itertools.chain(*groups):
+            if isinstance(a, int) and not isinstance(a, bool) and abs(a) > self.limits.max_output_chars:
+                raise TemplateError(f"chat template argument {a} is too large")
 
     def _range(self, *args):
         r = range(*args)
@@ -403,15 +421,30 @@ class _KimiSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
         __self.budget.tick()
-        if getattr(__obj, "__name__", None) in _PADDING_METHODS and isinstance(getattr(__obj, "__self__", None), str):
-            width = max([a for a in args if isinstance(a, int)] or [0])
-            __self.budget.check_size(" " * min(width, __self.limits.max_output_chars + 1))
+        if isinstance(getattr(__obj, "__self__", None), str):   # str methods: 'a'.ljust(10**10)
+            __self._check_args(args, kwargs.values())
         return __self.budget.check_size(super().call(__context, __obj, *args, **kwargs))
+
+    def wrap_str_format(self, value):
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+        fmt = value.__self__
+
+        @functools.wraps(wrapped)
+        def checked(*args, **kwargs):   # '{:>9999999999}'.format(x), '{:>{}}'.format(x, 10**10)
+            _check_format(fmt)
+            self._check_args(args, kwargs.values())
+            return wrapped(*args, **kwargs)
+        return checked
 
     def call_binop(self, context, operator, left, right):
         self.budget.tick()
-        if operator == "**" and isinstance(right, int) and abs(right) > 64:
-            raise TemplateError(f"chat template power with exponent {right} (limit 64)")
+        if operator == "**" and isinstance(left, int) and isinstance(right, int):
+            if abs(left) > 1 and abs(left).bit_length() * abs(right) > 1_000_000:
+                raise TemplateError(f"chat template power {left} ** {right} is too large")
+        if operator == "%" and isinstance(left, str):
+            _check_format(left)
         if operator == "*":
             n = right if isinstance(right, int) else left if isinstance(left, int) else 0
             seq = left if isinstance(right, int) else right
@@ -481,7 +514,7 @@ def render_chat_template(template, context, limits=None):
     except RecursionError as e:
         raise TemplateError("chat template recursed too deeply") from e
     except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError,
-            ZeroDivisionError, OverflowError) as e:
+            ZeroDivisionError, OverflowError, MemoryError) as e:
         raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
     return "".join(out)
 
