@@ -1,6 +1,8 @@
 """H200 benchmark: Kimi-Linear routed MoE (E=256, top-8, D=2304, I=1024, bf16).
 
-    python bench/moe.py [--tokens 1,8,64,256,1024,8192] [--no-check]
+    python bench/moe.py [--tokens 1,8,64,256,1024,8192] [--no-check] [--no-ref] [--sweep]
+
+--sweep also times a grid of tile configs per T (CUDA-graph replay) and prints the best, for tuning get_config.
 
 For each T: our Triton fused_moe (eager and CUDA-graph replay), the router, a dense torch reference (per-expert loop,
 fused_moe_ref) and torch._grouped_mm when this torch has it; plus the roofline bound:
@@ -21,7 +23,7 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.moe import fused_moe, fused_moe_ref, moe_router  # noqa: E402
-from kernels.moe.fused_moe import get_config  # noqa: E402
+from kernels.moe.fused_moe import MoEConfig, fused_moe_triton, get_config  # noqa: E402
 
 D, I, E, K, SCALE = 2304, 1024, 256, 8, 2.446
 HBM_BW = 4.8e12
@@ -58,11 +60,48 @@ def grouped_mm_moe(x, w13t, w2t, w, ids):
     return out.to(x.dtype)
 
 
+# (BM, BN1, BN2, BK, warps, stages); each variant compiles once: use a --tokens subset to stay within 10 minutes
+SWEEP = [MoEConfig(*c) for c in [
+    # decode / small M
+    (16, 32, 64, 128, 4, 4), (16, 32, 64, 64, 4, 4), (16, 32, 32, 128, 4, 4), (16, 64, 64, 128, 4, 4),
+    (16, 64, 64, 64, 4, 5), (16, 64, 128, 128, 4, 3), (16, 32, 64, 256, 4, 3), (16, 64, 64, 128, 8, 4),
+    # mid
+    (32, 64, 128, 64, 4, 4), (32, 64, 64, 128, 4, 3), (32, 32, 64, 128, 4, 4), (64, 64, 128, 64, 4, 3),
+    (64, 64, 64, 64, 4, 4), (64, 128, 128, 64, 8, 3),
+    # prefill
+    (128, 64, 128, 64, 8, 3), (128, 64, 128, 64, 8, 4), (128, 128, 128, 64, 8, 3), (128, 64, 256, 64, 8, 3),
+    (128, 64, 128, 32, 4, 4), (64, 64, 256, 64, 8, 3),
+]]
+
+
+def sweep(args, w13, w2, gate, bias):
+    print("\nconfig sweep (CUDA-graph replay, us); config = BM,BN1,BN2,BK,warps,stages")
+    for T in [int(t) for t in args.tokens.split(",")]:
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        w, ids = moe_router(x, gate, bias, K, SCALE, True)
+        res = []
+        for c in SWEEP:
+            if c.BM > 16 and T * K < 8 * c.BM:
+                continue
+            try:
+                ms = t_ms(lambda: fused_moe_triton(x, w13, w2, w, ids, config=c), graph=True)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                print(f"  T={T} {c}: {type(exc).__name__}")
+                continue
+            res.append((ms * 1e3, c))
+        res.sort(key=lambda r: r[0])
+        cur = get_config(T * K, E, torch.bfloat16)
+        cur_t = next((t for t, c in res if c == cur), float("nan"))
+        top = ", ".join(f"{t:.1f}us {c.BM},{c.BN1},{c.BN2},{c.BK},{c.num_warps},{c.num_stages}" for t, c in res[:5])
+        print(f"T={T:>5}: default {cur_t:.1f}us; best: {top}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,8,64,256,1024,8192")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-ref", action="store_true", help="skip the slow per-expert-loop reference timing")
+    ap.add_argument("--sweep", action="store_true", help="time a grid of tile configs per T")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
@@ -118,6 +157,8 @@ def main():
               f"{bound * 1e6:>8.1f} {pct:>6.1f}% {tbs:>6.2f} {tfl:>7.1f}")
         rows.append(f"| {T} | {uniq} | {cfg} | {ours:.1f} | {ours_g:.1f} | {rt:.1f} | {ref_t:.1f} | {gmm_t:.1f} | "
                     f"{bound * 1e6:.1f} | {pct:.0f}% | {tbs:.2f} | {tfl:.0f} |")
+    if args.sweep:
+        sweep(args, w13, w2, gate, bias)
     print()
     print("| T | unique experts | config | fused_moe us | graph us | router us | per-expert loop us | "
           "torch grouped_mm us | bound us | % of bound | TB/s | TFLOP/s |")
