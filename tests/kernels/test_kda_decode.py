@@ -1,0 +1,195 @@
+"""Fused KDA decode (kernels/kda/recurrent.py) vs the mixer-level reference; slot-pool semantics; continuity."""
+import pytest
+import torch
+
+from kernels.kda import kda_decode_ref, kda_decode_triton, kda_prefill_ref
+from kernels.testing import (
+    assert_bits_equal,
+    assert_close,
+    bf16_tol,
+    make_kda_layer,
+    make_kda_tokens,
+    slice_tokens,
+)
+from tests.kernels.conftest import requires_triton
+
+pytestmark = requires_triton
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-5
+
+
+def _clone(L):
+    return {k: v.clone() for k, v in L.items()}
+
+
+def _decode(fn, L, tok, slots, **kw):
+    return fn(tok["qkv"], L["conv_w"], tok["z"], tok["b"], L["A_log"], L["dt_bias"], tok["r"], L["o_norm_w"], EPS,
+              L["conv_state"], L["rec_state"], slots, **kw)
+
+
+def _prefill(L, tok, cu, slots, his, mode="chunk"):
+    return kda_prefill_ref(tok["qkv"], L["conv_w"], tok["z"], tok["b"], L["A_log"], L["dt_bias"], tok["r"],
+                           L["o_norm_w"], EPS, L["conv_state"], L["rec_state"], cu, slots, his, mode=mode)
+
+
+def _i32(x):
+    return torch.tensor(x, dtype=torch.int32, device=DEV)
+
+
+@pytest.mark.parametrize("N", [1, 5])
+@pytest.mark.parametrize("KV", [(16, 16), (32, 16), (16, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_vs_ref(N, KV, dtype):
+    K, V = KV
+    H, S = 2, 12
+    L = make_kda_layer(H, K, V, S, device=DEV, conv_dtype=dtype)
+    tok = make_kda_tokens(N, H, K, V, dtype=dtype, device=DEV)
+    slots = (torch.randperm(S - 1, device=DEV)[:N] + 1).to(torch.int32)
+    A, B = _clone(L), _clone(L)
+    y_ref = _decode(kda_decode_ref, A, tok, slots)
+    y_tri = _decode(kda_decode_triton, B, tok, slots)
+    tol = 2e-5 if dtype == torch.float32 else bf16_tol()
+    assert y_tri.dtype == dtype and y_tri.shape == (N, H * V)
+    assert_close("o", y_tri, y_ref, tol)
+    assert_close("rec_state", B["rec_state"], A["rec_state"], 1e-5 if dtype == torch.float32 else bf16_tol())
+    assert torch.equal(B["conv_state"], A["conv_state"])          # shifted copies of the inputs: exact
+    untouched = [s for s in range(S) if s not in slots.tolist()]
+    for s in untouched:
+        assert_bits_equal(f"rec slot {s}", B["rec_state"][s], L["rec_state"][s])
+        assert_bits_equal(f"conv slot {s}", B["conv_state"][s], L["conv_state"][s])
+
+
+@pytest.mark.parametrize("BV", [8, 16, 32])
+def test_decode_tile_sizes(BV):
+    H, K, V, N, S = 2, 32, 32, 3, 5
+    L = make_kda_layer(H, K, V, S, device=DEV)
+    tok = make_kda_tokens(N, H, K, V, device=DEV)
+    slots = _i32([4, 1, 2])
+    A, B = _clone(L), _clone(L)
+    y_ref = _decode(kda_decode_ref, A, tok, slots)
+    y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV)
+    assert_close("o", y_tri, y_ref, 2e-5)
+    assert_close("state", B["rec_state"], A["rec_state"], 1e-5)
+
+
+def test_padded_lanes_and_poison():
+    # lanes pointing at the null slot 0 change no real slot, read nothing (slot 0 full of NaN) and output zeros;
+    # slots outside the batch stay bit-identical (1e30 / NaN)
+    H, K, V, S = 2, 16, 16, 8
+    L = make_kda_layer(H, K, V, S, device=DEV)
+    L["rec_state"][0] = float("nan")
+    L["conv_state"][0] = float("nan")
+    L["rec_state"][5] = 1e30
+    L["conv_state"][6] = float("nan")
+    tok = make_kda_tokens(5, H, K, V, device=DEV)
+    slots = _i32([3, 0, 1, 0, 2])
+    B = _clone(L)
+    y = _decode(kda_decode_triton, B, tok, slots)
+    assert torch.isfinite(y).all()
+    assert torch.equal(y[1], torch.zeros_like(y[1])) and torch.equal(y[3], torch.zeros_like(y[3]))
+    for s in (0, 4, 5, 6, 7):
+        assert_bits_equal(f"rec slot {s}", B["rec_state"][s], L["rec_state"][s])
+        assert_bits_equal(f"conv slot {s}", B["conv_state"][s], L["conv_state"][s])
+    # real lanes equal a batch without the padding
+    A = _clone(L)
+    real = [0, 2, 4]
+    y_real = _decode(kda_decode_triton, A, {k: v[real] for k, v in tok.items()}, slots[real])
+    assert torch.equal(y[real], y_real)
+    assert torch.equal(A["rec_state"][1:4], B["rec_state"][1:4])
+    # the reference has the same padded-lane semantics
+    R = _clone(L)
+    y_ref = _decode(kda_decode_ref, R, tok, slots)
+    assert torch.equal(y_ref[1], torch.zeros_like(y_ref[1]))
+    assert_close("o", y, y_ref, 2e-5)
+    assert_bits_equal("ref slot 0", R["rec_state"][0], L["rec_state"][0])
+
+
+def test_strong_gates():
+    # gate magnitudes far below -20 per step: decays flush to zero, nothing overflows
+    H, K, V, S = 2, 16, 16, 4
+    L = make_kda_layer(H, K, V, S, device=DEV)
+    L["A_log"] = torch.tensor([3.0, 0.0], device=DEV)               # exp(A_log) = 20, 1
+    tok = make_kda_tokens(3, H, K, V, device=DEV, z_scale=30.0)     # softplus up to ~100 -> g down to ~ -2000
+    slots = _i32([1, 2, 3])
+    A, B = _clone(L), _clone(L)
+    for step in range(3):
+        t = {k: v.roll(step, 0) for k, v in tok.items()}
+        y_ref = _decode(kda_decode_ref, A, t, slots)
+        y_tri = _decode(kda_decode_triton, B, t, slots)
+        assert torch.isfinite(y_tri).all() and torch.isfinite(B["rec_state"]).all()
+        assert_close("o", y_tri, y_ref, 2e-5)
+        assert_close("state", B["rec_state"], A["rec_state"], 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multi_step_decode(dtype):
+    H, K, V, S, N = 2, 16, 32, 6, 4
+    L = make_kda_layer(H, K, V, S, device=DEV, conv_dtype=dtype)
+    slots = _i32([5, 2, 3, 1])
+    A, B = _clone(L), _clone(L)
+    tol = 2e-5 if dtype == torch.float32 else bf16_tol()
+    for step in range(4):
+        tok = make_kda_tokens(N, H, K, V, dtype=dtype, device=DEV, seed=10 + step)
+        y_ref = _decode(kda_decode_ref, A, tok, slots)
+        y_tri = _decode(kda_decode_triton, B, tok, slots, BV=32)
+        assert_close(f"o step {step}", y_tri, y_ref, tol)
+    assert_close("state", B["rec_state"], A["rec_state"], 1e-5 if dtype == torch.float32 else bf16_tol())
+
+
+@pytest.mark.parametrize("T,k", [(1, 3), (63, 3), (64, 2), (65, 4)])
+def test_decode_continues_ref_prefill(T, k):
+    # ONE state layout for prefill and decode (guards the vLLM #41292 class of bug, K != V so a transpose
+    # cannot pass): ref prefill(T) + k Triton decode steps == ref prefill(T + k), outputs and states
+    H, K, V, S = 2, 16, 32, 4
+    L = make_kda_layer(H, K, V, S, device=DEV)
+    tok = make_kda_tokens(T + k, H, K, V, device=DEV)
+    slot = _i32([2])
+    A = _clone(L)
+    y_full = _prefill(A, tok, _i32([0, T + k]), slot, torch.tensor([False], device=DEV), mode="recurrent")
+    B = _clone(L)
+    ys = [_prefill(B, slice_tokens(tok, 0, T), _i32([0, T]), slot, torch.tensor([False], device=DEV))]
+    for t in range(T, T + k):
+        ys.append(_decode(kda_decode_triton, B, slice_tokens(tok, t, t + 1), slot))
+    assert_close("o", torch.cat(ys)[T:], y_full[T:], 2e-5)
+    assert_close("o prefix", torch.cat(ys)[:T], y_full[:T], 2e-5)
+    assert_close("rec", B["rec_state"][2], A["rec_state"][2], 1e-5)
+    assert torch.equal(B["conv_state"][2], A["conv_state"][2])
+
+
+# ----------------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 8, 64, 256])
+def test_decode_kimi_gpu(N):
+    H, K, V = 32, 128, 128
+    S = N + 2
+    L = make_kda_layer(H, K, V, S, device="cuda", conv_dtype=torch.bfloat16)
+    slots = (torch.randperm(S - 1, device="cuda")[:N] + 1).to(torch.int32)
+    A, B = _clone(L), _clone(L)
+    for step in range(4):
+        tok = make_kda_tokens(N, H, K, V, dtype=torch.bfloat16, device="cuda", seed=step)
+        y_ref = _decode(kda_decode_ref, A, tok, slots)
+        y_tri = _decode(kda_decode_triton, B, tok, slots)
+        assert_close("o", y_tri, y_ref, 5e-3)
+    assert_close("state", B["rec_state"], A["rec_state"], 5e-3)
+    assert torch.equal(B["conv_state"], A["conv_state"])
+
+
+@pytest.mark.gpu
+def test_decode_cuda_graph_gpu():
+    H, K, V, N, S = 32, 128, 128, 8, 12
+    L = make_kda_layer(H, K, V, S, device="cuda", conv_dtype=torch.bfloat16)
+    tok = make_kda_tokens(N, H, K, V, dtype=torch.bfloat16, device="cuda")
+    slots = _i32([3, 1, 0, 0, 7, 2, 0, 11])
+    A, B = _clone(L), _clone(L)
+    y_eager = [_decode(kda_decode_triton, A, tok, slots) for _ in range(3)]
+    _decode(kda_decode_triton, _clone(L), tok, slots)   # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):                           # recorded, not executed: B's pools are untouched
+        y_static = _decode(kda_decode_triton, B, tok, slots)
+    for step in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_static, y_eager[step])
+    assert torch.equal(B["rec_state"], A["rec_state"]) and torch.equal(B["conv_state"], A["conv_state"])
+    assert_bits_equal("null slot", B["rec_state"][0], L["rec_state"][0])
