@@ -107,7 +107,8 @@ class RequestStream:
 
 
 class LLMEngine:
-    def __init__(self, runner, cfg: EngineConfig):
+    def __init__(self, runner, cfg: EngineConfig, start: bool = True):
+        """start=False: no engine thread; the caller drives `step()` (benchmarks, tests)."""
         self.cfg = cfg
         self.runner = runner
         self.vocab_size = runner.vocab_size
@@ -123,7 +124,8 @@ class LLMEngine:
         self._totals = dict(steps=0, prompt_tokens=0, output_tokens=0, finished=0, errors=0, aborted=0)
         self._recent = deque()  # (time, tokens) of recent steps, for tokens/s
         self._thread = threading.Thread(target=self._loop, name="kimi-engine", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
 
     @classmethod
     def from_config(cls, model_dir: str, cfg: EngineConfig = None) -> "LLMEngine":
@@ -183,7 +185,10 @@ class LLMEngine:
         with self._lock:
             self._stop = True
             self._lock.notify()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
+        else:
+            self.step()
 
     # engine thread
     def _loop(self):
@@ -191,20 +196,27 @@ class LLMEngine:
             with self._lock:
                 while not self._inbox and not self.scheduler.has_unfinished and not self._stop:
                     self._lock.wait()
-                inbox, self._inbox = self._inbox, []
                 stop = self._stop
-            for op, arg in inbox:
-                if op == "add":
-                    self.scheduler.add(arg)
-                    self._totals["prompt_tokens"] += arg.num_prompt_tokens
-                else:
-                    self._abort(arg, "abort")
             if stop:
-                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    self._abort(req.request_id, "abort", "the engine is shutting down")
+                self._drain_inbox()
                 return
-            if self.scheduler.has_unfinished:
-                self.step()
+            self.step()
+
+    def _drain_inbox(self) -> bool:
+        """Applies pending adds and aborts; -> whether the engine is stopping (everything then aborted)."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            stop = self._stop
+        for op, arg in inbox:
+            if op == "add":
+                self.scheduler.add(arg)
+                self._totals["prompt_tokens"] += arg.num_prompt_tokens
+            else:
+                self._abort(arg, "abort")
+        if stop:
+            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self._abort(req.request_id, "abort", "the engine is shutting down")
+        return stop
 
     def _abort(self, request_id: str, reason: str, error: str = None):
         req = self.scheduler.find(request_id)
@@ -215,7 +227,9 @@ class LLMEngine:
         self._emit(req)
 
     def step(self) -> None:
-        """One scheduling step; an exception fails the requests of this step only."""
+        """Applies the inbox, then runs one scheduling step; an exception fails the requests of this step only."""
+        if self._drain_inbox() or not self.scheduler.has_unfinished:
+            return
         try:
             out = self.scheduler.schedule()
         except Exception as e:  # a scheduler bug: fail everything rather than spin

@@ -45,16 +45,18 @@ def _tokens(r, a: int, n: int) -> list:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, cfg):
-        """cfg: an EngineConfig (backend/engine/engine.py)."""
+    def __init__(self, model_dir: str, cfg, model=None):
+        """cfg: an EngineConfig (backend/engine/engine.py); model: an already built model (benchmarks)."""
         self.device = torch.device(cfg.device)
         self.dtype = _DTYPES[cfg.dtype]
         self.block_size = cfg.block_size
-        t0 = time.monotonic()
-        self.model = load_model(model_dir, self.device, self.dtype)
+        if model is None:
+            t0 = time.monotonic()
+            model = load_model(model_dir, self.device, self.dtype)
+            log.info("loaded %s in %.1f s (%s, %s)", model_dir, time.monotonic() - t0, self.device, cfg.dtype)
+        self.model = model
         self.config = self.model.config
         self.vocab_size = self.config.vocab_size
-        log.info("loaded %s in %.1f s (%s, %s)", model_dir, time.monotonic() - t0, self.device, cfg.dtype)
         self.num_slots = cfg.num_slots or cfg.max_num_seqs + 1
         self.max_num_seqs = min(cfg.max_num_seqs, self.num_slots - 1)
         self.num_blocks = cfg.num_blocks or self._auto_num_blocks(cfg)
