@@ -18,10 +18,10 @@ ARG_BEGIN = "<|tool_call_argument_begin|>"
 CALL_END = "<|tool_call_end|>"
 
 _SECTION_RE = re.compile(
-    "(?:" + "|".join(map(re.escape, SECTION_BEGINS)) + ")(.*?)(?:" + "|".join(map(re.escape, SECTION_ENDS)) + "|$)",
+    "(?:" + "|".join(map(re.escape, SECTION_BEGINS)) + ")(.*?)(?:" + "|".join(map(re.escape, SECTION_ENDS)) + r"|\Z)",
     re.DOTALL)
 _CALL_RE = re.compile(re.escape(CALL_BEGIN) + r"(.*?)" + re.escape(ARG_BEGIN) + r"(.*?)(?:" + re.escape(CALL_END)
-                      + "|$)", re.DOTALL)
+                      + r"|\Z)", re.DOTALL)
 
 
 def split_call_id(raw_id):
