@@ -50,16 +50,15 @@ class KimiDeltaAttention(nn.Module):
         z = self.f_b_proj(self.f_a_proj(x))         # [T, HK] forget-gate logits
         b = self.b_proj(x)                          # [T, H] beta logits
         r = self.g_b_proj(self.g_a_proj(x))         # [T, HV] output-gate logits
-        conv_state, rec_state = cache.conv_state[self.cache_index], cache.rec_state[self.cache_index]
-        common = (self.A_log, self.dt_bias)
-        nd, outs = batch.num_decodes, []
+        conv, rec = cache.conv_state[self.cache_index], cache.rec_state[self.cache_index]
+        w, nd, outs = self.o_norm.weight, batch.num_decodes, []
         if nd:
-            outs.append(kda_decode(qkv[:nd], self.conv_weight, z[:nd], b[:nd], *common, r[:nd], self.o_norm.weight,
-                                   self.eps, conv_state, rec_state, batch.state_slots[:nd]))
+            outs.append(kda_decode(qkv[:nd], self.conv_weight, z[:nd], b[:nd], self.A_log, self.dt_bias, r[:nd], w,
+                                   self.eps, conv, rec, batch.state_slots[:nd]))
         if nd < x.shape[0]:
-            outs.append(kda_prefill(qkv[nd:], self.conv_weight, z[nd:], b[nd:], *common, r[nd:], self.o_norm.weight,
-                                    self.eps, conv_state, rec_state, batch.prefill_cu_seqlens,
-                                    batch.state_slots[nd:], batch.has_initial_state[nd:]))
+            outs.append(kda_prefill(qkv[nd:], self.conv_weight, z[nd:], b[nd:], self.A_log, self.dt_bias, r[nd:], w,
+                                    self.eps, conv, rec, batch.prefill_cu_seqlens, batch.state_slots[nd:],
+                                    batch.has_initial_state[nd:]))
         return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 
 
