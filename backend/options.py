@@ -26,9 +26,9 @@ ENGINE_KEYS = {
     "device": (str, "cuda | cpu (default: cuda if available)"),
     "router_biased_weights": (bool, "MoE: weight experts by the bias-corrected scores"),
     "seed": (int, "default sampling seed of requests that set none"),
-    "num_state_slots": (int, "KDA state slots (default: max_num_seqs + 1)"),
-    "num_blocks": (int, "MLA pages (default: sized from gpu_memory_utilization)"),
-    "cuda_graph_max_bs": (int, "largest decode batch captured in a CUDA graph"),
+    "num_slots": (int, "KDA state slots incl. the null slot (default: max_num_seqs + 1)"),
+    "num_blocks": (int, "MLA pages incl. the null page (default: sized from gpu_memory_utilization)"),
+    "max_graph_batch_size": (int, "largest decode batch captured in a CUDA graph (default: max_num_seqs)"),
 }
 SERVER_KEYS = {
     "tool_parser": (str, "kimi_k2 (default) | none: parse Kimi tool-call markup into ToolCallDelta"),
@@ -215,8 +215,8 @@ def build_load_spec(request, launch_cwd: str | None = None) -> LoadSpec:
     gmu = spec.engine.get("gpu_memory_utilization")
     if gmu is not None and not 0.0 < gmu <= 1.0:
         raise OptionsError(f"gpu_memory_utilization must be in (0, 1], got {gmu}")
-    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_state_slots",
-                "num_blocks", "cuda_graph_max_bs"):
+    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_slots",
+                "num_blocks", "max_graph_batch_size"):
         if key in spec.engine and spec.engine[key] <= 0:
             raise OptionsError(f"{key} must be a positive integer, got {spec.engine[key]}")
     if spec.tool_parser not in TOOL_PARSERS:

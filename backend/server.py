@@ -218,12 +218,11 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         tok = load_tokenizer(spec.model_dir)
         engine = LLMEngine.from_config(spec.model_dir, engine_config(EngineConfig, spec.engine))
         try:
-            cfg = getattr(engine, "config", None)
-            max_len = getattr(cfg, "max_model_len", None) or spec.engine.get("max_model_len")
-            model_cfg = getattr(engine, "model_config", None)
-            vocab = getattr(model_cfg, "vocab_size", None) or tok.vocab_size
-            device = str(getattr(engine, "device", getattr(cfg, "device", "?")))
-            dtype = str(getattr(engine, "dtype", getattr(cfg, "dtype", "?"))).replace("torch.", "")
+            cfg = getattr(engine, "cfg", None) or getattr(engine, "config", None)
+            max_len = getattr(engine, "max_model_len", None) or getattr(cfg, "max_model_len", 0)
+            vocab = getattr(engine, "vocab_size", None) or tok.vocab_size
+            device = str(getattr(cfg, "device", "?"))
+            dtype = str(getattr(cfg, "dtype", "?")).replace("torch.", "")
         except Exception:
             engine.shutdown()
             raise
@@ -450,7 +449,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
                 stats.setdefault("queue_depth", stats[k])
         return backend_pb2.MetricsResponse(
             slot_id=0, prompt_json_for_slot=json.dumps(stats, default=str),
-            tokens_per_second=self._throughput.rate(),
+            tokens_per_second=float(stats.get("tokens_per_s", self._throughput.rate())),
             tokens_generated=min(self._throughput.total_generated, 2**31 - 1),
             prompt_tokens_processed=min(self._throughput.total_prompt, 2**31 - 1))
 

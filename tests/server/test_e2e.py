@@ -1,0 +1,295 @@
+"""End to end: `run.sh --addr` subprocess (as LocalAI spawns it) serving a tiny fp32 checkpoint on the CPU with the
+real engine and model. Greedy text must equal backend/model/generate.py's greedy_generate."""
+
+import json
+import math
+import os
+import shutil
+import threading
+import time
+
+import grpc
+import pytest
+
+from server_harness import BackendProcess, pb
+
+N = 16
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from tools.tiny_checkpoint import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("models")
+    write_tiny_checkpoint(str(root / "tiny-kimi"), seed=3, dtype="float32")
+    return root
+
+
+@pytest.fixture(scope="module")
+def srv(ckpt, tmp_path_factory):
+    p = BackendProcess(str(tmp_path_factory.mktemp("log") / "backend.log"))
+    yield p
+    p.close()
+
+
+def load_opts(ckpt, **kw):
+    o = dict(Model="tiny-kimi", ModelPath=str(ckpt), ContextSize=256, Options=["max_num_seqs:8", "dtype:float32"])
+    o.update(kw)
+    return pb.ModelOptions(**o)
+
+
+@pytest.fixture
+def loaded(srv, ckpt):
+    if srv.stub.Status(pb.HealthMessage()).state != pb.StatusResponse.READY:
+        r = srv.stub.LoadModel(load_opts(ckpt), timeout=300)
+        assert r.success, r.message
+    return srv
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """(tokenizer, greedy(prompt, n) -> (ids, text)) straight through the model API."""
+    import torch
+
+    from backend.model.generate import greedy_generate
+    from backend.model.loader import load_model
+    from backend.tokenizer import load_tokenizer
+
+    d = str(ckpt / "tiny-kimi")
+    tok = load_tokenizer(d)
+    model = load_model(d, "cpu", torch.float32)
+
+    def greedy(prompt, n=N):
+        with torch.no_grad():
+            ids = greedy_generate(model, tok.encode(prompt), n, stop_ids=tuple(tok.eos_token_ids))
+        return ids, tok.decode([i for i in ids if i not in tok.eos_token_ids])
+
+    return tok, greedy
+
+
+def text_of(chunks):
+    return b"".join(c.message for c in chunks).decode()
+
+
+def test_health_fast_and_uninitialized(srv):
+    assert srv.startup_s < 30, f"Health took {srv.startup_s:.1f}s (LocalAI waits ~40s)"
+    assert srv.stub.Health(pb.HealthMessage()).message == b"OK"
+
+
+def test_load_failures_then_good_load(srv, ckpt, tmp_path):
+    def fails(opts, needle):
+        r = srv.stub.LoadModel(opts, timeout=300)
+        assert not r.success and needle in r.message, r.message
+        assert srv.stub.Health(pb.HealthMessage()).message == b"OK"
+
+    fails(load_opts(ckpt, Model="does-not-exist"), "not found")
+    fails(load_opts(ckpt, TensorParallelSize=2), "tensor_parallel_size")
+    fails(load_opts(ckpt, EngineArgs='{"max_num_seq": 4}'), "max_num_seqs")
+    fails(load_opts(ckpt, EngineArgs="{bad json"), "JSON")
+    bad = tmp_path / "truncated"
+    shutil.copytree(ckpt / "tiny-kimi", bad)
+    shard = sorted(p for p in os.listdir(bad) if p.endswith(".safetensors"))[-1]
+    size = os.path.getsize(bad / shard)
+    with open(bad / shard, "r+b") as f:
+        f.truncate(size // 2)
+    fails(load_opts(ckpt, Model=str(bad)), shard)
+    assert srv.stub.Status(pb.HealthMessage()).state == pb.StatusResponse.ERROR
+    code = None
+    try:
+        srv.stub.Predict(pb.PredictOptions(Prompt="x"))
+    except grpc.RpcError as e:
+        code = e.code()
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    # the next good request is served; Health answers while the model loads
+    seen, done = [], threading.Event()
+    result = {}
+
+    def load():
+        result["r"] = srv.stub.LoadModel(load_opts(ckpt, ModelFile=str(ckpt / "tiny-kimi"), Model="tiny-kimi"),
+                                         timeout=300)
+        done.set()
+
+    t = threading.Thread(target=load)
+    t.start()
+    while not done.is_set():
+        t0 = time.monotonic()
+        assert srv.stub.Health(pb.HealthMessage(), timeout=5).message == b"OK"
+        assert time.monotonic() - t0 < 2.0
+        seen.append(srv.stub.Status(pb.HealthMessage(), timeout=5).state)
+        time.sleep(0.1)
+    t.join()
+    assert result["r"].success, result["r"].message
+    assert "max_model_len=256" in result["r"].message
+    assert pb.StatusResponse.BUSY in seen
+    assert srv.stub.Status(pb.HealthMessage()).state == pb.StatusResponse.READY
+    assert srv.stub.Predict(pb.PredictOptions(Prompt="hello", Tokens=4)).tokens >= 1
+
+
+def test_greedy_matches_model_api(loaded, reference):
+    tok, greedy = reference
+    for prompt in ("Hello world", "人工智能是计算机科学的一个分支"):
+        ids, text = greedy(prompt)
+        r = loaded.stub.Predict(pb.PredictOptions(Prompt=prompt, Tokens=N, Temperature=0, TopK=-1, TopP=0.95))
+        assert r.message.decode() == text
+        assert r.tokens == len(ids) and r.prompt_tokens == len(tok.encode(prompt))
+        chunks = list(loaded.stub.PredictStream(pb.PredictOptions(Prompt=prompt, Tokens=N, Temperature=0)))
+        assert text_of(chunks) == text
+        final = chunks[-1]
+        assert final.tokens == len(ids) and final.prompt_tokens == r.prompt_tokens
+        assert final.timing_prompt_processing > 0 and final.timing_token_generation > 0
+
+
+def test_tokenize_string_equals_tokenizer(loaded, reference):
+    tok, _ = reference
+    for text in ("Hello world", "def f(x):\n  return x", "你好 🎉"):
+        r = loaded.stub.TokenizeString(pb.PredictOptions(Prompt=text))
+        assert list(r.tokens) == tok.encode(text) and r.length == len(r.tokens)
+    msgs = [pb.Message(role="user", content="hi")]
+    r = loaded.stub.TokenizeString(pb.PredictOptions(UseTokenizerTemplate=True, Messages=msgs))
+    assert list(r.tokens) == tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]))
+
+
+def test_chat_request_through_template(loaded, reference):
+    tok, greedy = reference
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is Kimi?"}], add_generation_prompt=True)
+    _, text = greedy(prompt)
+    r = loaded.stub.Predict(pb.PredictOptions(UseTokenizerTemplate=True, Tokens=N,
+                                              Messages=[pb.Message(role="user", content="What is Kimi?")]))
+    assert r.prompt_tokens == len(tok.encode(prompt))
+    # tool-call markup (none expected from random weights) would be split off; plain text must match
+    if "<|tool_calls_section_begin|>" not in text:
+        assert r.message.decode() == text
+
+
+def sample(stub, prompt="Once upon a time", n=N, **kw):
+    kw.setdefault("Temperature", 1.0)
+    return stub.Predict(pb.PredictOptions(Prompt=prompt, Tokens=n, **kw)).message.decode()
+
+
+def test_seeded_sampling_reproducible(loaded, reference):
+    _, greedy = reference
+    a = sample(loaded.stub, Seed=1234)
+    assert sample(loaded.stub, Seed=1234) == a
+    others = {sample(loaded.stub, Seed=s) for s in (1, 2, 3)}
+    assert len(others | {a}) > 1, "different seeds never changed the sample"
+    assert (others | {a}) != {greedy("Once upon a time")[1]}, "temperature 1 looks greedy"
+
+
+def test_sampling_parameters_have_effect(loaded, reference):
+    tok, greedy = reference
+    prompt = "Once upon a time"
+    g = greedy(prompt)[1]
+    hot = dict(Temperature=5.0)
+    # filters that keep only the argmax make a hot sampler greedy
+    for seed in (11, 12):
+        assert sample(loaded.stub, prompt, Seed=seed, TopK=1, **hot) == g
+        assert sample(loaded.stub, prompt, Seed=seed, TopP=1e-6, **hot) == g
+        assert sample(loaded.stub, prompt, Seed=seed, MinP=1.0, **hot) == g
+    # ... while the hot sampler alone is not
+    assert any(sample(loaded.stub, prompt, Seed=s, **hot) != g for s in (11, 12, 13))
+    # logit bias forces a token
+    tid = tok.encode(" the")[0]
+    r = loaded.stub.Predict(pb.PredictOptions(Prompt=prompt, Tokens=5, Temperature=0,
+                                              LogitBias=json.dumps({str(tid): 100})))
+    assert r.message.decode() == tok.decode([tid] * 5) and r.tokens == 5
+    # penalties change greedy decoding somewhere over a few prompts
+    prompts = ["Once upon a time", "the the the the the", "Hello, world! Hello, world!"]
+    base = {p: greedy(p, 24)[1] for p in prompts}
+    for field, value in (("Penalty", 3.0), ("PresencePenalty", 2.0), ("FrequencyPenalty", 2.0)):
+        outs = {p: sample(loaded.stub, p, n=24, Temperature=0, **{field: value}) for p in prompts}
+        assert outs != base, f"{field}={value} had no effect"
+    # Tokens caps the output; IgnoreEOS keeps going through EOS (biased to EOS to make sure it comes)
+    eos = tok.eos_token_ids[0]
+    r = loaded.stub.Predict(pb.PredictOptions(Prompt=prompt, Tokens=6, Temperature=0,
+                                              LogitBias=json.dumps({str(eos): 100})))
+    assert r.tokens == 1 and r.message == b""
+    r = loaded.stub.Predict(pb.PredictOptions(Prompt=prompt, Tokens=6, Temperature=0, IgnoreEOS=True,
+                                              LogitBias=json.dumps({str(eos): 100})))
+    assert r.tokens == 6
+
+
+def test_stop_prompts_and_logprobs(loaded, reference):
+    tok, greedy = reference
+    ids, text = greedy("Hello world", 24)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    if stop:
+        r = loaded.stub.Predict(pb.PredictOptions(Prompt="Hello world", Tokens=24, StopPrompts=[stop]))
+        assert r.message.decode() == text[:text.index(stop)]
+        chunks = list(loaded.stub.PredictStream(pb.PredictOptions(Prompt="Hello world", Tokens=24,
+                                                                  StopPrompts=[stop])))
+        assert text_of(chunks) == text[:text.index(stop)]
+    r = loaded.stub.Predict(pb.PredictOptions(Prompt="Hello world", Tokens=8, Logprobs=3, TopLogprobs=3))
+    lp = json.loads(r.logprobs)["content"]
+    assert [e["id"] for e in lp] == ids[:8]
+    for e in lp:
+        assert e["logprob"] <= 0 and len(e["top_logprobs"]) == 3
+        assert e["top_logprobs"][0]["id"] == e["id"]  # greedy: the chosen token is the most likely
+        assert math.isclose(e["top_logprobs"][0]["logprob"], e["logprob"], abs_tol=1e-4)
+
+
+def test_bad_inputs_invalid_argument_server_survives(loaded):
+    bad = [dict(Temperature=math.nan), dict(Temperature=-1.0), dict(LogitBias="{"), dict(Tools="nope"),
+           dict(Prompt="word " * 400)]
+    for kw in bad:
+        req = pb.PredictOptions(**{"Prompt": "hi", "Tokens": 2, **kw})
+        with pytest.raises(grpc.RpcError) as ei:
+            loaded.stub.Predict(req)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
+        with pytest.raises(grpc.RpcError) as ei:
+            list(loaded.stub.PredictStream(req))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert loaded.stub.Health(pb.HealthMessage()).message == b"OK"
+    assert loaded.stub.Predict(pb.PredictOptions(Prompt="hi", Tokens=2)).tokens >= 1
+
+
+def test_concurrent_streams_match_solo(loaded):
+    prompts = [f"Request number {i}: tell me about item {i * 7}" for i in range(8)]
+    solo = [loaded.stub.Predict(pb.PredictOptions(Prompt=p, Tokens=N, Temperature=0)).message.decode()
+            for p in prompts]
+    results, errors = [None] * 8, []
+
+    def run(i):
+        try:
+            chunks = list(loaded.stub.PredictStream(pb.PredictOptions(Prompt=prompts[i], Tokens=N, Temperature=0),
+                                                    timeout=120))
+            results[i] = (text_of(chunks), chunks[-1].tokens)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    assert loaded.stub.Health(pb.HealthMessage(), timeout=5).message == b"OK"
+    assert time.monotonic() - t0 < 2.0
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    assert [r[0] for r in results] == solo
+    assert all(r[1] >= 1 for r in results)
+
+
+def test_cancel_frees_engine_request(loaded):
+    it = loaded.stub.PredictStream(pb.PredictOptions(Prompt="Tell me a long story", Tokens=200, IgnoreEOS=True))
+    next(it)
+    it.cancel()
+    deadline = time.monotonic() + 20
+    stats = {}
+    while time.monotonic() < deadline:
+        stats = json.loads(loaded.stub.GetMetrics(pb.MetricsRequest()).prompt_json_for_slot)
+        if stats.get("running", 0) == 0 and stats.get("waiting", 0) == 0 and stats.get("active_requests") == 0:
+            break
+        time.sleep(0.1)
+    assert stats.get("running") == 0 and stats.get("active_requests") == 0, stats
+    assert stats.get("free_slots") == stats.get("num_slots") - 1 or stats.get("free_slots") == stats.get("num_slots")
+    assert loaded.stub.Predict(pb.PredictOptions(Prompt="hi", Tokens=2)).tokens >= 1
+
+
+def test_free_then_predict_is_failed_precondition(loaded):
+    r = loaded.stub.Free(pb.HealthMessage())
+    assert r.success
+    assert loaded.stub.Status(pb.HealthMessage()).state == pb.StatusResponse.UNINITIALIZED
+    with pytest.raises(grpc.RpcError) as ei:
+        loaded.stub.Predict(pb.PredictOptions(Prompt="hi"))
+    assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert loaded.stub.Health(pb.HealthMessage()).message == b"OK"
