@@ -108,7 +108,8 @@ def main():
     dt = torch.bfloat16
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     peak = bf16_peak()
-    print(f"measured bf16 matmul peak (8192^3 torch.mm): {peak / 1e12:.0f} TFLOP/s;  HBM bound uses {HBM_BW / 1e12} TB/s")
+    print(f"measured bf16 matmul peak (8192^3 torch.mm): {peak / 1e12:.0f} TFLOP/s; "
+          f"HBM bound uses {HBM_BW / 1e12} TB/s")
     w13 = (torch.randn(E, 2 * I, D, device=dev) / D**0.5).to(dt)
     w2 = (torch.randn(E, D, I, device=dev) / I**0.5).to(dt)
     gate = (torch.randn(E, D, device=dev) / D**0.5).to(dt)
