@@ -186,7 +186,8 @@ class KimiTokenizer:
         raise TokenizerError(f"token id {token_id} outside the vocabulary (size {self.vocab_size})")
 
     def decode_bytes(self, ids):
-        return b"".join(self.id_to_bytes(i) for i in ids)
+        base, n = self._bpe.token_bytes, self.n_base
+        return b"".join(base[i] if 0 <= i < n else self.id_to_bytes(i) for i in ids)
 
     def decode(self, ids):
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
