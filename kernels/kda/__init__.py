@@ -87,7 +87,7 @@ def kda_prefill_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv
     if has_initial_state is None:
         has_initial_state = torch.ones(state_slots.shape[0], dtype=torch.bool, device=qkv.device)
     y = short_conv_prefill_triton(qkv, conv_w, conv_state, cu_seqlens, state_slots, has_initial_state)  # [T, C]
-    q, k, v = (t.contiguous() for t in _split_qkv(y, H, K, V))
+    q, k, v = _split_qkv(y, H, K, V)                     # strided views: chunk_kda_fwd takes a token stride
     chunk_kda_fwd = _chunk_kda_fwd()
     if chunk_kda_fwd is not None:
         o = chunk_kda_fwd(q, k, v, z, A_log, dt_bias, b, K ** -0.5, rec_state, cu_seqlens, state_slots,
