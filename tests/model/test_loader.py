@@ -7,7 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from backend.model.batch import ForwardBatch
 from backend.model.loader import CheckpointError, load_model, read_header
+from tests.reference_model import reference_logits
+from tools.tiny_checkpoint import write_tiny_checkpoint
 
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -164,3 +167,15 @@ def test_garbage_header(tmp_path):
     path.write_bytes(b"\x01\x02")
     with pytest.raises(CheckpointError, match="truncated"):
         read_header(str(path))
+
+
+def test_tied_embeddings(tmp_path):
+    path = write_tiny_checkpoint(str(tmp_path / "tied"), tokenizer=None, seed=4, dtype="float32",
+                                 tie_word_embeddings=True)
+    assert "lm_head.weight" not in _index(path)["weight_map"]
+    model = load_model(path, "cpu", torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = [7, 8, 9, 10]
+    batch = ForwardBatch.build([(ids, 0, 1, [1])], 0, 16, "cpu", logits_positions=list(range(4)))
+    logits = model.compute_logits(model(batch, model.allocate_cache(2, 2, 16)), batch.logits_index)
+    torch.testing.assert_close(logits.double(), reference_logits(path, ids), atol=1e-4, rtol=1e-4)
