@@ -78,6 +78,7 @@ class _TiktokenBPE:
         self.enc = tiktoken.Encoding(name=os.path.basename(path), pat_str=KIMI_PAT_STR,
                                      mergeable_ranks=self.ranks, special_tokens={})
         self.n_base = len(self.ranks)
+        self.added = {}
         self.token_bytes = [b""] * self.n_base
         for tok, rank in self.ranks.items():
             self.token_bytes[rank] = tok
@@ -246,7 +247,7 @@ def load_tokenizer(model_dir, eos_token_ids=None, template_limits=None):
     """
     cfg = _read_json(os.path.join(model_dir, "tokenizer_config.json"), required=False) or {}
     bpe = _load_bpe(model_dir)
-    specials = _special_tokens(cfg, bpe.n_base, model_dir)
+    specials = _special_tokens(cfg, bpe, model_dir)
     bos, eos, pad, unk = (_token_name(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token"))
     bos = bos or "[BOS]"
     eos = eos or "[EOS]"
@@ -270,15 +271,17 @@ def _load_bpe(model_dir):
     raise TokenizerError(f"{model_dir}: no tiktoken.model or tokenizer.json")
 
 
-def _special_tokens(cfg, n_base, model_dir):
-    named = {}
+def _special_tokens(cfg, bpe, model_dir):
+    """content -> id for the 256 special slots: tokenizer_config.json's added_tokens_decoder, else the
+    tokenizer.json's added_tokens, else <|reserved_token_{id}|>."""
+    named = dict(bpe.added)
     for key, entry in (cfg.get("added_tokens_decoder") or {}).items():
-        content = entry["content"] if isinstance(entry, dict) else str(entry)
-        tid = int(key)
+        named[int(key)] = entry["content"] if isinstance(entry, dict) else str(entry)
+    n_base = bpe.n_base
+    for tid, content in named.items():
         if not n_base <= tid < n_base + NUM_RESERVED_SPECIAL:
-            raise TokenizerError(f"{model_dir}/tokenizer_config.json: special id {tid} ({content!r}) outside "
+            raise TokenizerError(f"{model_dir}: special token {content!r} has id {tid}, outside the special range "
                                  f"[{n_base}, {n_base + NUM_RESERVED_SPECIAL})")
-        named[tid] = content
     ids = range(n_base, n_base + NUM_RESERVED_SPECIAL)
     return {named.get(i, f"<|reserved_token_{i}|>"): i for i in ids}
 

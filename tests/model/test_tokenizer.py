@@ -298,3 +298,22 @@ def test_stop_strings_random_splits(text, stops, cuts):
     want = text[:min(hits)[0]] if hits else text
     assert out == want
     assert (stop is not None) == bool(hits)
+
+
+def test_json_kind_takes_special_names_from_tokenizer_json(tmp_path, json_tok):
+    write_tokenizer_files(str(tmp_path), kind="json")
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del cfg["added_tokens_decoder"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.special_ids == json_tok.special_ids
+    assert tok.encode(SAMPLES[6]) == json_tok.encode(SAMPLES[6])
+
+
+def test_special_id_outside_the_special_range_is_refused(tmp_path):
+    write_tokenizer_files(str(tmp_path))
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["added_tokens_decoder"]["3"] = {"content": "<|bad|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TokenizerError, match="outside the special range"):
+        load_tokenizer(str(tmp_path))
