@@ -22,6 +22,7 @@ Expert ids must lie in [0, E).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,8 @@ import triton.language as tl
 from kernels.moe.router import INTERPRET, cast_to, dot_acc, dot_mode
 
 # Largest M = T*k aligned by the single-program Triton align kernel; above it the torch path is used.
-ALIGN_SMALL_MAX = 2048
+# KIMI_MOE_ALIGN=torch forces the torch path for every M (fallback switch).
+ALIGN_SMALL_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") == "torch" else 2048
 
 
 # ----------------------------------------------------------------------------------------------------------------
