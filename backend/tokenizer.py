@@ -257,6 +257,9 @@ def load_tokenizer(model_dir, eos_token_ids=None, template_limits=None):
         if name not in specials:
             raise TokenizerError(f"{model_dir}: special token {name!r} is not in the vocabulary")
     eos_list = [eos] + [int(i) for i in eos_token_ids]
+    bad = [i for i in eos_list[1:] if not 0 <= i < bpe.n_base + NUM_RESERVED_SPECIAL]
+    if bad:
+        raise TokenizerError(f"{model_dir}: eos_token_id {bad} outside the vocabulary")
     return KimiTokenizer(bpe, specials, bos, eos_list, pad if pad in specials else None,
                          unk if unk in specials else None, _chat_template(model_dir, cfg), template_limits)
 

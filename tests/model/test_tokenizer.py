@@ -317,3 +317,8 @@ def test_special_id_outside_the_special_range_is_refused(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(TokenizerError, match="outside the special range"):
         load_tokenizer(str(tmp_path))
+
+
+def test_eos_id_outside_the_vocabulary_is_refused(tiny_dir):
+    with pytest.raises(TokenizerError, match="eos_token_id"):
+        load_tokenizer(tiny_dir[0], eos_token_ids=[tiny_dir[1]["vocab_size"]])
