@@ -46,20 +46,21 @@ def read_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Validate a safetensors header without reading tensor data -> {name: (dtype, shape)}."""
     name = os.path.basename(path)
     try:
-        size = os.path.getsize(path)
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{name}: truncated file (no header length)")
-            (n,) = struct.unpack("<Q", prefix)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"{name}: header length {n} is larger than allowed or than the file")
-            header = json.loads(f.read(n))
+            n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+            # the length is checked before anything of that size is read
+            raw = f.read(n) if 0 <= n <= min(_MAX_HEADER, size - 8) else None
     except OSError as e:
         raise CheckpointError(f"{name}: cannot read: {e}") from e
-    except (ValueError, UnicodeDecodeError) as e:
-        if isinstance(e, CheckpointError):
-            raise
+    if n < 0:
+        raise CheckpointError(f"{name}: truncated file (no header length)")
+    if raw is None:
+        raise CheckpointError(f"{name}: header length {n} is larger than allowed or than the file")
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{name}: header is not valid JSON: {e}") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{name}: header is not a JSON object")
