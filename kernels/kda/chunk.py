@@ -53,15 +53,20 @@ STATE_NUM_STAGES = 2
 
 
 @triton.jit
-def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with fp32 accumulation. fp32 operands use PREC; low-precision operands go to the tensor cores as is
-    (UPCAST=True computes them in fp32 instead: the Triton interpreter mis-handles bf16 dots)."""
-    if UPCAST:
+def _mm(a, b, PREC: tl.constexpr, MODE: tl.constexpr):
+    """a @ b with fp32 accumulation. MODE 0: fp32 operands at PREC; 1: low-precision (bf16) operands on the tensor
+    cores; 2: upcast to fp32 first (the Triton interpreter mis-handles bf16 dots)."""
+    if MODE == 2:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision=PREC)
-    else:
+    elif MODE == 1:
         return tl.dot(a, b)
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _softplus(x):
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
 
 
 @triton.jit
@@ -69,8 +74,7 @@ def _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K: tl.co
     """Chunk-local inclusive cumsum (log2 units) of g = -exp(A_log) softplus(z + dt_bias); padded rows -> 0."""
     zz = tl.load(z + tok[:, None] * stride_z + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
     zz = zz + tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)[None, :]
-    sp = tl.where(zz > 20.0, zz, tl.log(1.0 + tl.exp(tl.minimum(zz, 20.0))))
-    g = tl.where(m2, neg_a * sp, 0.0)
+    g = tl.where(m2, neg_a * _softplus(zz), 0.0)
     return tl.cumsum(g, 0)
 
 
@@ -114,6 +118,7 @@ def _kda_intra_kernel(
     r16 = tl.arange(0, BC)
     b4 = tl.arange(0, NB)
     rblk = rows // BC
+    rk3 = tl.reshape(rk, [NB, BC])
     a_off_kk = tl.zeros([BT, BT], dtype=tl.float32)     # off-diagonal blocks of Dkk (strictly block-lower)
     a_off_qk = tl.zeros([BT, BT], dtype=tl.float32)
     d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)      # diagonal blocks
@@ -129,6 +134,7 @@ def _kda_intra_kernel(
         bq = bq * rq[:, None]
         bk = bk * rk[:, None]
         G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K)    # [BT, BK], <= 0
+        dtb = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
         gl = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), 0)                    # G of the last row
         tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
         o_k = (cblk + rows)[:, None] * K + c[None, :]
@@ -152,15 +158,23 @@ def _kda_intra_kernel(
             kb_t = tl.trans(kb_i)
             a_off_kk += tl.where(sel, tl.dot(ka, kb_t, input_precision=PREC), 0.0)
             a_off_qk += tl.where(sel, tl.dot(qa, kb_t, input_precision=PREC), 0.0)
-        # diagonal 16x16 blocks, exact per pair: column s of every block at once
-        for s in range(BC):
-            ss = (r16 == s)[None, :, None]
-            kp = tl.sum(tl.where(ss, k3, 0.0), 1)                                     # [NB, BK]
-            gp = tl.sum(tl.where(ss, G3, 0.0), 1)
-            e = tl.where((r16 >= s)[None, :, None], tl.exp2(tl.minimum(G3 - gp[:, None, :], 0.0)), 0.0)
-            e = e * kp[:, None, :]
-            dk = tl.sum(k3 * e, 2)                                                     # [NB, BC]
-            dq = tl.sum(q3 * e, 2)
+        # diagonal 16x16 blocks, exact per pair: column s of every block at once, s descending, with
+        # P[r] = exp2(G_r - G_s) = P_prev[r] * exp2(g_{s+1}) (every factor <= 1; row s starts at 1, rows < s are 0)
+        pdec = tl.zeros([NB, BC, BK], dtype=tl.float32)
+        f = tl.zeros([NB, BK], dtype=tl.float32)
+        for j in range(BC):
+            s = BC - 1 - j
+            pdec = tl.where(r16[None, :, None] == s, 1.0, pdec * f[:, None, :])
+            tok_s = t0 + b4 * BC + s                                                   # [NB] partner rows
+            m2s = (tok_s < eos)[:, None] & cm[None, :]
+            rk_s = tl.sum(tl.where((r16 == s)[None, :], rk3, 0.0), 1)                 # [NB]
+            ks = tl.load(k + tok_s[:, None] * stride_k + i_h * K + c[None, :], mask=m2s, other=0.0).to(tl.float32)
+            ks = ks * rk_s[:, None]
+            zs = tl.load(z + tok_s[:, None] * stride_z + i_h * K + c[None, :], mask=m2s, other=0.0).to(tl.float32)
+            f = tl.exp2(tl.where(m2s, neg_a * _softplus(zs + dtb[None, :]), 0.0))
+            kpe = pdec * ks[:, None, :]
+            dk = tl.sum(k3 * kpe, 2)                                                   # [NB, BC]
+            dq = tl.sum(q3 * kpe, 2)
             cs = (r16 == s)[None, None, :]
             d_kk += tl.where(cs, dk[:, :, None], 0.0)
             d_qk += tl.where(cs, dq[:, :, None], 0.0)
@@ -212,7 +226,7 @@ def _kda_state_kernel(
     cu_seqlens, chunk_offsets, state_slots, has_initial_state,
     stride_o, stride_s,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MM: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -245,13 +259,13 @@ def _kda_state_kernel(
         b_a = tl.load(a_in + (r0 + rows)[:, None] * BT + cols[None, :])
         b_gl = tl.load(gl_in + (cg * H + i_h) * K + kk)
         hb = h.to(dt)
-        vn = b_u - _mm(b_w, hb, PREC, UPCAST)
+        vn = b_u - _mm(b_w, hb, PREC, MM)
         vnb = vn.to(dt)
-        b_o = _mm(b_qg, hb, PREC, UPCAST) + _mm(b_a, vnb, PREC, UPCAST)
+        b_o = _mm(b_qg, hb, PREC, MM) + _mm(b_a, vnb, PREC, MM)
         tok = bos + it * BT + rows
         tl.store(o + tok[:, None] * stride_o + i_h * V + vv[None, :], b_o.to(o.dtype.element_ty),
                  mask=(tok < eos)[:, None] & vm[None, :])
-        h = h * tl.exp2(b_gl)[:, None] + _mm(tl.trans(b_kg), vnb, PREC, UPCAST)
+        h = h * tl.exp2(b_gl)[:, None] + _mm(tl.trans(b_kg), vnb, PREC, MM)
 
     tl.store(p_h, h.to(rec_state.dtype.element_ty), mask=vm[None, :])
 
@@ -366,7 +380,7 @@ def chunk_kda_fwd(
         qg, kg, w, u, a, gl, o, rec_state,
         cu_dev, chunk_offsets, slots, hi,
         o.stride(0), rec_state.stride(0),
-        H=H, K=K, V=V, BT=BT, BV=bv, PREC=prec, UPCAST=(not fp32) and _interpreting(),
+        H=H, K=K, V=V, BT=BT, BV=bv, PREC=prec, MM=0 if fp32 else (2 if _interpreting() else 1),
         num_warps=STATE_NUM_WARPS, num_stages=STATE_NUM_STAGES,
     )
     return o
