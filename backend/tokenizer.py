@@ -381,6 +381,7 @@ class _KimiSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         self.filters = {name: self._guard_filter(name, f) for name, f in self.filters.items()}
         self.filters["tojson"] = self._guard_filter("tojson", _tojson)
         self.globals.update(range=self._range, raise_exception=_raise_exception, strftime_now=_strftime_now)
+        self.globals.pop("lipsum", None)   # generates unbounded text outside the step budget
 
     def _guard_filter(self, name, f):
         skip = 1 if getattr(f, "jinja_pass_arg", None) is None else 2   # the filtered value is not checked
