@@ -212,7 +212,9 @@ class ModelRunner:
     def _replay(self, out: SchedulerOutput) -> torch.Tensor:
         n, bs_tok = len(out.seqs), self.block_size
         bs = min(b for b in self.graphs if b >= n)
-        mb, v = self.max_blocks_per_seq, self.graph_vars
+        v = self.graph_vars
+        # only the used columns are refreshed: the kernel never reads pages past ceil(seq_len / block_size)
+        w = max(len(s.request.block_ids) for s in out.seqs)
         ids, slot_mapping, seq_lens, slots, table = [], [], [], [], []
         for s in out.seqs:
             r, p = s.request, s.start
@@ -220,14 +222,14 @@ class ModelRunner:
             slot_mapping.append(r.block_ids[p // bs_tok] * bs_tok + p % bs_tok)
             seq_lens.append(p + 1)
             slots.append(r.state_slot)
-            table += r.block_ids + [0] * (mb - len(r.block_ids))
+            table += r.block_ids + [0] * (w - len(r.block_ids))
         pad = bs - n
         i64 = _pinned(ids + [0] * pad + slot_mapping + [-1] * pad, torch.int64, self.device)
-        i32 = _pinned(seq_lens + [1] * pad + slots + [0] * pad + table + [0] * (pad * mb), torch.int32, self.device)
+        i32 = _pinned(seq_lens + [1] * pad + slots + [0] * pad + table + [0] * (pad * w), torch.int32, self.device)
         v["input_ids"][:bs].copy_(i64[:bs])
         v["slot_mapping"][:bs].copy_(i64[bs:])
         v["seq_lens"][:bs].copy_(i32[:bs])
         v["state_slots"][:bs].copy_(i32[bs:2 * bs])
-        v["block_table"][:bs].copy_(i32[2 * bs:].view(bs, mb))
+        v["block_table"][:bs, :w].copy_(i32[2 * bs:].view(bs, w))
         self.graphs[bs].replay()
         return v["logits"][:n]
