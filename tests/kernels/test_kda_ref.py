@@ -134,3 +134,21 @@ def test_varlen_pool(mode):
         assert torch.allclose(pool[slots[p]], s_p, atol=1e-5)
     for s in (0, 4):   # untouched slots
         assert torch.equal(pool[s], pool0[s])
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_kernel(dtype):
+    from kernels.kda.gate import kda_gate_triton
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    H, K, T = 2, 16, 5
+    z = (torch.randn(T, H * K, device=dev) * 30).to(dtype)
+    A_log = torch.tensor([3.0, -1.0], device=dev)
+    dt_bias = torch.randn(H * K, device=dev)
+    g = kda_gate_triton(z, A_log, dt_bias)
+    ref = kda_gate_ref(z, A_log, dt_bias)
+    assert g.shape == (T, H, K) and g.dtype == torch.float32
+    assert torch.allclose(g, ref, rtol=1e-5, atol=1e-6)
+    assert (g <= 0).all()

@@ -1,0 +1,199 @@
+"""H200 benchmark: KDA decode step (and, through a hook, the chunked prefill), Kimi-Linear shapes.
+
+    python bench/kda.py [--batch 1,8,64,256] [--sweep] [--no-prefill] [--no-fla]
+
+Decode: one token per sequence, H=32, K=V=128, bf16 activations, fp32 state pool [S, H, K, V] updated in place at
+random slots (slot 0 null). Rows:
+  * ours      kernels.kda.kda_decode_triton: the whole mixer step (conv update + gate + L2 norm + beta + delta rule +
+              gated RMSNorm), 2 launches; timed eager (do_bench) and inside a CUDA graph (do_bench_cudagraph);
+  * fla       fla-core `fused_recurrent_kda_fwd` (gate, l2norm, beta sigmoid in kernel, in-place pool through
+              ssm_state_indices) when `fla` is importable: the recurrence only (no conv, no output norm).
+Bandwidth: state bytes = N*H*K*V*4 read + the same written; compared with a device-to-device copy of a 1 GiB buffer
+measured in the same run (copy BW = 2 * bytes / t). us per layer = time of one call; the model has 20 KDA layers.
+--sweep times BV x num_warps per N (CUDA graph) to tune kernels/kda/recurrent.py::_pick_bv.
+Prefill: `bench_prefill()` below calls bench/kda_prefill.py (the chunk kernel owner's benchmark) when present.
+Prints a table and markdown rows for BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import triton
+import triton.testing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from kernels.kda import kda_decode_ref  # noqa: E402
+from kernels.kda.recurrent import kda_decode_triton  # noqa: E402
+from kernels.testing import assert_close, make_kda_layer, make_kda_tokens  # noqa: E402
+
+H, K, V, W = 32, 128, 128, 4
+EPS = 1e-5
+N_KDA_LAYERS = 20
+
+
+def t_ms(fn, graph=False):
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def copy_bandwidth(nbytes=1 << 30):
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = t_ms(lambda: b.copy_(a))
+    del a, b
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def _setup(N):
+    S = N + 1
+    L = make_kda_layer(H, K, V, S, device="cuda", conv_dtype=torch.bfloat16)
+    tok = make_kda_tokens(N, H, K, V, dtype=torch.bfloat16, device="cuda")
+    slots = (torch.randperm(N, device="cuda") + 1).to(torch.int32)
+    return L, tok, slots
+
+
+def _ours(L, tok, slots, **kw):
+    return lambda: kda_decode_triton(tok["qkv"], L["conv_w"], tok["z"], tok["b"], L["A_log"], L["dt_bias"], tok["r"],
+                                     L["o_norm_w"], EPS, L["conv_state"], L["rec_state"], slots, **kw)
+
+
+def _fla_fn(L, tok, slots):
+    """fla-core fused_recurrent_kda (recurrence only) on the same pool, or None if fla is not importable."""
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except Exception as e:  # noqa: BLE001
+        print(f"# fla not importable: {type(e).__name__}: {e}")
+        return None
+    N = tok["qkv"].shape[0]
+    qkv = tok["qkv"]
+    q = qkv[:, : H * K].reshape(1, N, H, K)
+    k = qkv[:, H * K: 2 * H * K].reshape(1, N, H, K)
+    v = qkv[:, 2 * H * K:].reshape(1, N, H, V)
+    g = tok["z"].reshape(1, N, H, K)
+    beta = tok["b"].reshape(1, N, H)
+    cu = torch.arange(N + 1, dtype=torch.int32, device="cuda")
+    state = L["rec_state"].clone()
+
+    def fn():
+        return fused_recurrent_kda_fwd(
+            q=q, k=k, v=v, g=g, beta=beta, A_log=L["A_log"], dt_bias=L["dt_bias"], scale=K ** -0.5,
+            initial_state=state, inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=slots,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    try:
+        fn()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        print(f"# fla fused_recurrent_kda_fwd failed: {type(e).__name__}: {e}")
+        return None
+    return fn
+
+
+def check(N=8):
+    L, tok, slots = _setup(N)
+    A = {k: v.clone() for k, v in L.items()}
+    y = _ours(L, tok, slots)()
+    y_ref = kda_decode_ref(tok["qkv"], A["conv_w"], tok["z"], tok["b"], A["A_log"], A["dt_bias"], tok["r"],
+                           A["o_norm_w"], EPS, A["conv_state"], A["rec_state"], slots)
+    assert_close("decode o", y, y_ref, 5e-3)
+    assert_close("decode state", L["rec_state"], A["rec_state"], 5e-3)
+    print(f"# check vs reference at N={N}: ok")
+
+
+def bench_decode(batches, use_fla=True):
+    bw_copy = copy_bandwidth()
+    print(f"# device copy bandwidth: {bw_copy / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")
+    hdr = (f"{'N':>5} {'impl':<12} {'us/layer':>9} {'graph us':>9} {'tok/s/layer':>12} {'state GB/s':>11} "
+           f"{'% copy':>7} {'20 layers us':>13}")
+    print(hdr)
+    rows = []
+    for N in batches:
+        L, tok, slots = _setup(N)
+        state_bytes = 2 * N * H * K * V * 4
+        impls = [("ours", _ours(L, tok, slots))]
+        if use_fla:
+            f = _fla_fn(L, tok, slots)
+            if f is not None:
+                impls.append(("fla-core", f))
+        for name, fn in impls:
+            ms = t_ms(fn)
+            ms_g = t_ms(fn, graph=True)
+            best = min(ms, ms_g)
+            bw = state_bytes / (best * 1e-3)
+            r = dict(N=N, impl=name, us=ms * 1e3, us_g=ms_g * 1e3, tps=N / (best * 1e-3), bw=bw,
+                     pct=100 * bw / bw_copy, l20=N_KDA_LAYERS * best * 1e3)
+            rows.append(r)
+            print(f"{N:>5} {name:<12} {r['us']:>9.2f} {r['us_g']:>9.2f} {r['tps']:>12.3g} {bw / 1e9:>11.0f} "
+                  f"{r['pct']:>6.1f}% {r['l20']:>13.1f}")
+        del L, tok, slots
+        torch.cuda.empty_cache()
+    print("\n| KDA decode (H=32, K=V=128) | N | eager us/layer | graph us/layer | state GB/s | % of copy BW |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        what = "ours (conv+gate+delta+norm, 2 launches)" if r["impl"] == "ours" else "fla-core 0.6 fused_recurrent (core only)"
+        print(f"| {what} | {r['N']} | {r['us']:.2f} | {r['us_g']:.2f} | {r['bw'] / 1e9:.0f} | {r['pct']:.1f}% |")
+    print(f"\ncopy bandwidth measured in this run: {bw_copy / 1e12:.2f} TB/s")
+    return rows
+
+
+def sweep_decode(batches):
+    print("\n# BV x num_warps sweep (CUDA graph, us/layer)")
+    for N in batches:
+        L, tok, slots = _setup(N)
+        res = []
+        for bv in (4, 8, 16, 32, 64):
+            for nw in (1, 2, 4, 8):
+                per_thread = bv * K // (32 * nw)
+                if per_thread < 4 or per_thread > 128:   # idle threads / register spills: skip
+                    continue
+                try:
+                    ms = t_ms(_ours(L, tok, slots, BV=bv, num_warps=nw), graph=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"N={N} BV={bv} warps={nw}: {type(e).__name__}")
+                    continue
+                res.append((ms * 1e3, bv, nw))
+        res.sort()
+        print(f"N={N}: " + ", ".join(f"BV{bv}/w{nw}={us:.2f}" for us, bv, nw in res[:6]))
+        del L, tok, slots
+        torch.cuda.empty_cache()
+
+
+def bench_prefill():
+    """Prefill slot: runs bench/kda_prefill.py::bench_prefill (owned by the chunk-kernel engineer) if present."""
+    try:
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
+        import kda_prefill  # noqa: F401
+    except ImportError:
+        print("# bench/kda_prefill.py not present")
+        return None
+    print("\n== prefill (bench/kda_prefill.py)")
+    return kda_prefill.bench_prefill()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="1,8,64,256")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--no-check", action="store_true")
+    a = ap.parse_args()
+    batches = [int(x) for x in a.batch.split(",")]
+    torch.manual_seed(0)
+    if not a.no_check:
+        check()
+    bench_decode(batches, use_fla=not a.no_fla)
+    if a.sweep:
+        sweep_decode(batches)
+    if not a.no_prefill:
+        bench_prefill()
+
+
+if __name__ == "__main__":
+    main()
