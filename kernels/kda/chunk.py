@@ -47,7 +47,7 @@ RCP_LN2 = 1.4426950408889634
 INTRA_BK = 64
 INTRA_BV = 64
 INTRA_NUM_WARPS = 8
-STATE_BV = 64
+STATE_BV = None          # None: 64, or 32 when (V/64) * P * H programs would not fill the GPU twice
 STATE_NUM_WARPS = 4
 STATE_NUM_STAGES = 2
 
@@ -274,6 +274,18 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_SMS: dict = {}
+
+
+def _num_sms(dev) -> int:
+    if dev.type != "cuda":
+        return 1
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
 def _is_pow2(x: int) -> bool:
     return x >= 16 and (x & (x - 1)) == 0
 
@@ -375,7 +387,8 @@ def chunk_kda_fwd(
             H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
             num_warps=INTRA_NUM_WARPS,
         )
-    bv = min(V, STATE_BV)
+    bv = STATE_BV or (64 if _interpreting() or triton.cdiv(V, 64) * P * H >= 2 * _num_sms(dev) else 32)
+    bv = min(V, bv)
     _kda_state_kernel[(triton.cdiv(V, bv), P, H)](
         qg, kg, w, u, a, gl, o, rec_state,
         cu_dev, chunk_offsets, slots, hi,

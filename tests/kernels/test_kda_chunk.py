@@ -204,3 +204,16 @@ def test_gpu_fp32_and_split():
     o2 = chunk_kda_fwd(*args(slice(cut, T)), pool_b, one([0, T - cut]), one([2]), yes)
     assert rel_rms(torch.cat([o1, o2]), o_full) <= 1e-4
     assert rel_rms(pool_b[2], pool_a[2]) <= 1e-4
+
+
+def test_tiling_fp32(monkeypatch):
+    """Several K tiles in the intra kernel and several V tiles in both kernels (as at K = V = 128 on the GPU)."""
+    import kernels.kda.chunk as chunk_mod
+
+    monkeypatch.setattr(chunk_mod, "INTRA_BK", 16)
+    monkeypatch.setattr(chunk_mod, "INTRA_BV", 16)
+    monkeypatch.setattr(chunk_mod, "STATE_BV", 16)
+    T = 100
+    inp = make_inputs(T, H=1, K=32, V=64, strong_gate=True)
+    res = run_pair(inp, [0, 37, T], [2, 1], [True, False])
+    check(*res, [2, 1], FP32_TOL)
