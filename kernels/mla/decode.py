@@ -20,20 +20,26 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # smallest split worth a program (keys)
 MAX_SPLITS = 256
 
-# GPU tile configuration (Hopper, L=512/R=64): BLOCK_H=32 heads share each K tile, one 64-token tile per step.
-GPU_BLOCK_H = 32
-GPU_BLOCK_N = 64
-GPU_WARPS = 8
-GPU_STAGES = 2
+# GPU tile configuration (Hopper, L=512/R=64), per cache dtype: BLOCK_H heads share each K tile of BLOCK_N tokens.
+# bf16 (32, 64, 8 warps, 2 stages): 135 KB smem, 255 regs (ptxas, sm_90, Triton 3.9); (32, 32, 8, 3): 86 KB, 188 regs.
+# fp32 (tests only; IEEE dots run on FMA units): BLOCK_N 32, 1 stage = 147 KB smem. bench/mla.py sweeps these.
+DECODE_CFG = {
+    "16bit": dict(block_h=32, block_n=64, num_warps=8, num_stages=2),
+    "fp32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1),
+}
+GPU_BLOCK_H = 32  # heads per program cap (the default split heuristic assumes it)
 
 
 @triton.jit
-def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     # The Triton interpreter (CPU CI) multiplies bf16 operands as raw uint16: upcast there (values already rounded).
+    # IEEE: fp32 operands without TF32 (fp32 caches must match the fp32 reference).
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
     else:
-        return tl.dot(a, b, input_precision=DOT_PREC)
+        return tl.dot(a, b)
 
 
 @triton.jit
@@ -72,7 +78,7 @@ def _mla_decode_stage1(
     BLOCK_H: tl.constexpr,
     MIN_TILES: tl.constexpr,
     DIRECT: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     n = tl.program_id(0)
@@ -84,7 +90,9 @@ def _mla_decode_stage1(
     tps = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_TILES)
     t_begin = sid * tps
     t_end = tl.minimum(t_begin + tps, n_tiles)
-    if DIRECT or t_begin < t_end:  # empty splits (never the only one) are skipped by the merge
+    # Empty splits are skipped by the merge (never written); with one split the program always writes (zeros if empty).
+    active = (t_end > t_begin) | (num_splits == 1)
+    if active:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
         offs_l = tl.arange(0, BLOCK_L)
@@ -116,15 +124,15 @@ def _mla_decode_stage1(
             row = cache_ptr + page * s_cp + (tok % BS).to(tl.int64) * s_cr
             c = tl.load(row[:, None] + offs_l[None, :], mask=tmask[:, None] & lmask[None, :], other=0.0)
             kpe = tl.load(row[:, None] + L + offs_r[None, :], mask=tmask[:, None] & rmask[None, :], other=0.0)
-            s = _dot(q, tl.trans(c), DOT_PREC, UPCAST)
-            s += _dot(qpe, tl.trans(kpe), DOT_PREC, UPCAST)
+            s = _dot(q, tl.trans(c), IEEE, UPCAST)
+            s += _dot(qpe, tl.trans(kpe), IEEE, UPCAST)
             s = s * qk_scale
             s = tl.where(tmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, DOT_PREC, UPCAST)
+            acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, IEEE, UPCAST)
             m_i = m_new
 
         has = l_i > 0
@@ -217,8 +225,12 @@ def _num_sms(device) -> int:
     return _SM_COUNT[idx]
 
 
-def _block_h(H: int) -> int:
-    return min(GPU_BLOCK_H, max(16, triton.next_power_of_2(H)))
+def _block_h(H: int, cap: int = GPU_BLOCK_H) -> int:
+    return min(cap, max(16, triton.next_power_of_2(H)))
+
+
+def _gpu_cfg(table, dtype):
+    return dict(table["fp32" if dtype == torch.float32 else "16bit"])
 
 
 def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: int = 32, num_sms: int = 132) -> int:
@@ -242,8 +254,10 @@ def mla_decode_triton(
     out=None,
     block_n=None,
     min_split_tokens=None,
+    config=None,
 ):
-    """See kernels/mla/__init__.py. ``out`` (optional [N, H, L], last dim contiguous) is written in full."""
+    """See kernels/mla/__init__.py. ``out`` (optional [N, H, L], last dim contiguous) is written in full.
+    ``config`` (dict like DECODE_CFG's entries) overrides the GPU tiles (bench sweeps)."""
     N, H, L = q_lat.shape
     R = q_pe.shape[2]
     NB, BS, D = cache.shape
@@ -264,8 +278,11 @@ def mla_decode_triton(
     if N == 0:
         return out
     on_gpu = q_lat.is_cuda
-    BLOCK_H = _block_h(H)
-    BLOCK_N = block_n or (GPU_BLOCK_N if on_gpu else 16)
+    cfg = _gpu_cfg(DECODE_CFG, cache.dtype)
+    if config:
+        cfg.update(config)
+    BLOCK_H = _block_h(H, cfg["block_h"])
+    BLOCK_N = block_n or (cfg["block_n"] if on_gpu else 16)
     if num_splits is None:
         num_splits = default_num_splits(N, block_table.shape[1], BS, H, _num_sms(q_lat.device))
     num_splits = max(1, int(num_splits))
@@ -273,7 +290,6 @@ def mla_decode_triton(
     BLOCK_L = triton.next_power_of_2(L)
     BLOCK_R = triton.next_power_of_2(R)
     direct = num_splits == 1
-    dot_prec = "ieee" if cache.dtype == torch.float32 else "tf32"
     if direct:
         opart = out  # unused
         lse = seq_lens  # unused
@@ -284,7 +300,7 @@ def mla_decode_triton(
         lse = torch.empty(N, H, num_splits, dtype=torch.float32, device=q_lat.device)
         wstr = opart.stride()[:3]
         lstr = lse.stride()[:2]
-    kw = dict(num_warps=GPU_WARPS, num_stages=GPU_STAGES) if on_gpu else {}
+    kw = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) if on_gpu else {}
     grid = (N, triton.cdiv(H, BLOCK_H), num_splits)
     _mla_decode_stage1[grid](
         q_lat,
@@ -318,7 +334,7 @@ def mla_decode_triton(
         BLOCK_H=BLOCK_H,
         MIN_TILES=min_tiles,
         DIRECT=direct,
-        DOT_PREC=dot_prec,
+        IEEE=cache.dtype == torch.float32,
         UPCAST=_upcast(cache.dtype),
         **kw,
     )

@@ -11,12 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode import LOG2E, _dot, _upcast
+from .decode import LOG2E, _dot, _gpu_cfg, _upcast
 
-GPU_ROWS = 64  # BLOCK_T * BLOCK_H (fp32 acc 64 x 512 = 128 KB of registers over 8 warps)
-GPU_BLOCK_N = 32
-GPU_WARPS = 8
-GPU_STAGES = 2
+# rows = BLOCK_T * BLOCK_H. ptxas (sm_90, Triton 3.9), bf16: rows 32 / BLOCK_N 32 / 8 warps / 3 stages = 86 KB smem,
+# 254 regs, no spill; rows 64 uses wgmma but spills (255 regs + 400..2000 B stack). bench/mla.py sweeps these.
+EXTEND_CFG = {
+    "16bit": dict(rows=32, block_n=32, num_warps=8, num_stages=3),
+    "fp32": dict(rows=32, block_n=32, num_warps=8, num_stages=1),
+}
 
 
 @triton.jit
@@ -47,7 +49,7 @@ def _mla_extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     p = tl.program_id(0)
@@ -57,8 +59,8 @@ def _mla_extend_kernel(
     q_len = tl.load(cu_ptr + p + 1) - q_begin
     seq_len = tl.load(seqlen_ptr + p)
     t0 = tb * BLOCK_T
+    M: tl.constexpr = BLOCK_T * BLOCK_H
     if t0 < q_len:
-        M: tl.constexpr = BLOCK_T * BLOCK_H
         offs_m = tl.arange(0, M)
         t_rel = t0 + offs_m // BLOCK_H
         heads = hb * BLOCK_H + offs_m % BLOCK_H
@@ -95,8 +97,8 @@ def _mla_extend_kernel(
             row = cache_ptr + page * s_cp + (tok % BS).to(tl.int64) * s_cr
             c = tl.load(row[:, None] + offs_l[None, :], mask=tmask[:, None] & lmask[None, :], other=0.0)
             kpe = tl.load(row[:, None] + L + offs_r[None, :], mask=tmask[:, None] & rmask[None, :], other=0.0)
-            s = _dot(q, tl.trans(c), DOT_PREC, UPCAST)
-            s += _dot(qpe, tl.trans(kpe), DOT_PREC, UPCAST)
+            s = _dot(q, tl.trans(c), IEEE, UPCAST)
+            s += _dot(qpe, tl.trans(kpe), IEEE, UPCAST)
             s = s * qk_scale
             vis = tmask[None, :] & (tok[None, :] <= pos[:, None])
             s = tl.where(vis, s, float("-inf"))
@@ -105,7 +107,7 @@ def _mla_extend_kernel(
             alpha = tl.exp2(m_i - m_safe)
             pr = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(pr, 1)
-            acc = acc * alpha[:, None] + _dot(pr.to(c.dtype), c, DOT_PREC, UPCAST)
+            acc = acc * alpha[:, None] + _dot(pr.to(c.dtype), c, IEEE, UPCAST)
             m_i = m_new
 
         has = l_i > 0
@@ -130,6 +132,7 @@ def mla_extend_triton(
     out=None,
     block_n=None,
     rows=None,
+    config=None,
 ):
     """``max_query_len`` (host int) sizes the grid; without it the grid covers T query tokens per sequence (correct,
     programs past a sequence's end exit at once) — pass it for large batches. Without ``out`` the result is zero
@@ -157,13 +160,16 @@ def mla_extend_triton(
     if T == 0 or P == 0:
         return out
     on_gpu = q_lat.is_cuda
-    rows = rows or GPU_ROWS
+    cfg = _gpu_cfg(EXTEND_CFG, cache.dtype)
+    if config:
+        cfg.update(config)
+    rows = rows or (cfg["rows"] if on_gpu else 64)
     BLOCK_H = min(triton.next_power_of_2(H), rows)
     BLOCK_T = max(1, rows // BLOCK_H)
-    BLOCK_N = block_n or (GPU_BLOCK_N if on_gpu else 16)
+    BLOCK_N = block_n or (cfg["block_n"] if on_gpu else 16)
     mq = T if max_query_len is None else max(1, int(max_query_len))
     grid = (P, triton.cdiv(mq, BLOCK_T), triton.cdiv(H, BLOCK_H))
-    kw = dict(num_warps=GPU_WARPS, num_stages=GPU_STAGES) if on_gpu else {}
+    kw = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) if on_gpu else {}
     _mla_extend_kernel[grid](
         q_lat,
         q_pe,
@@ -191,7 +197,7 @@ def mla_extend_triton(
         BLOCK_N=BLOCK_N,
         BLOCK_T=BLOCK_T,
         BLOCK_H=BLOCK_H,
-        DOT_PREC="ieee" if cache.dtype == torch.float32 else "tf32",
+        IEEE=cache.dtype == torch.float32,
         UPCAST=_upcast(cache.dtype),
         **kw,
     )
