@@ -86,9 +86,9 @@ class ModelRunner:
         return len(c.mla_layers) * self.block_size * (c.kv_lora_rank + c.qk_rope_head_dim) * self.dtype.itemsize
 
     def _auto_num_blocks(self, cfg) -> int:
-        want_len = cfg.max_model_len or self.config.model_max_length
         if self.device.type != "cuda":
             # enough for every sequence at full length
+            want_len = cfg.max_model_len or self.config.model_max_length
             return 1 + self.max_num_seqs * -(-want_len // self.block_size)
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
@@ -98,9 +98,9 @@ class ModelRunner:
         log.info("memory: %.1f GiB total, %.1f GiB free after weights, activation peak %.2f GiB, %d KDA slots "
                  "%.2f GiB -> %d pages (%.2f GiB)", total / _GIB, free / _GIB, peak / _GIB, self.num_slots,
                  self.num_slots * self.slot_bytes() / _GIB, num_blocks, num_blocks * self.page_bytes() / _GIB)
-        if num_blocks < 2 + -(-want_len // self.block_size) // 8:
-            raise ValueError(f"not enough GPU memory for the MLA cache: {num_blocks} pages; lower max_num_seqs or "
-                             f"max_num_batched_tokens, or raise gpu_memory_utilization")
+        if num_blocks < 2:
+            raise ValueError(f"no GPU memory left for the MLA cache ({budget / _GIB:.2f} GiB): lower max_num_seqs "
+                             f"or max_num_batched_tokens, or raise gpu_memory_utilization")
         return num_blocks
 
     def _profile_activations(self, cfg) -> int:
@@ -176,8 +176,26 @@ class ModelRunner:
     # CUDA graphs
     def _capture_graphs(self, max_bs: int):
         t0 = time.monotonic()
+        self.graph_vars = self._make_graph_vars(max_bs)
+        logits, pool = self.graph_vars["logits"], torch.cuda.graph_pool_handle()
+        # largest first, so that smaller graphs reuse the pool
+        for bs in reversed(graph_batch_sizes(max_bs)):
+            batch = self.static_batch(bs)
+            # warmup outside the capture: Triton compiles and autotunes here
+            logits[:bs] = self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                logits[:bs] = self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs),
+                 sorted(self.graphs), time.monotonic() - t0)
+
+    def _make_graph_vars(self, max_bs: int) -> dict:
+        """Static decode inputs; at rest every lane is a padding lane (null slot, null page, nothing stored)."""
         dev, mb = self.device, self.max_blocks_per_seq
-        v = self.graph_vars = dict(
+        return dict(
             input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
             slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
             seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
@@ -187,27 +205,17 @@ class ModelRunner:
             prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=dev),
             has_initial_state=torch.ones(max_bs, dtype=torch.bool, device=dev),
             logits_index=torch.arange(max_bs, dtype=torch.int64, device=dev),
+            logits=torch.zeros(max_bs, self.vocab_size, dtype=torch.float32, device=dev),
         )
-        v["logits"] = torch.zeros(max_bs, self.vocab_size, dtype=torch.float32, device=dev)
-        pool = torch.cuda.graph_pool_handle()
-        # largest first, so that smaller graphs reuse the pool
-        for bs in reversed(graph_batch_sizes(max_bs)):
-            batch = ForwardBatch(
-                input_ids=v["input_ids"][:bs], num_decodes=bs, cu_seqlens=v["cu_seqlens"][:bs + 1],
-                prefill_cu_seqlens=v["prefill_cu_seqlens"], seq_lens=v["seq_lens"][:bs],
-                state_slots=v["state_slots"][:bs], has_initial_state=v["has_initial_state"][:bs],
-                block_table=v["block_table"][:bs], slot_mapping=v["slot_mapping"][:bs],
-                logits_index=v["logits_index"][:bs], max_query_len=1)
-            # warmup outside the capture: Triton compiles and autotunes here
-            v["logits"][:bs] = self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                v["logits"][:bs] = self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)
-            pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(dev)
-        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs),
-                 sorted(self.graphs), time.monotonic() - t0)
+
+    def static_batch(self, bs: int) -> ForwardBatch:
+        v = self.graph_vars
+        return ForwardBatch(
+            input_ids=v["input_ids"][:bs], num_decodes=bs, cu_seqlens=v["cu_seqlens"][:bs + 1],
+            prefill_cu_seqlens=v["prefill_cu_seqlens"], seq_lens=v["seq_lens"][:bs],
+            state_slots=v["state_slots"][:bs], has_initial_state=v["has_initial_state"][:bs],
+            block_table=v["block_table"][:bs], slot_mapping=v["slot_mapping"][:bs],
+            logits_index=v["logits_index"][:bs], max_query_len=1)
 
     def _replay(self, out: SchedulerOutput) -> torch.Tensor:
         n, bs_tok = len(out.seqs), self.block_size

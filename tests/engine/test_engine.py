@@ -251,6 +251,39 @@ def test_gpu_engine_matches_alone(tiny_dir, enforce_eager):
         torch.cuda.empty_cache()
 
 
+class EagerGraph:
+    """Stands in for a captured CUDA graph on CPU: replay runs the model on the runner's static buffers."""
+
+    def __init__(self, runner, bs):
+        self.runner, self.bs = runner, bs
+
+    def replay(self):
+        r = self.runner
+        batch = r.static_batch(self.bs)
+        r.graph_vars["logits"][:self.bs] = r.model.compute_logits(r.model(batch, r.cache), batch.logits_index)
+
+
+def test_graph_replay_path_with_padding_lanes(tiny_dir):
+    """The decode-graph path (static buffers, padded lanes on slot 0 / page 0) gives the tokens of each request alone."""
+    eng = make_engine(tiny_dir, max_num_seqs=7, max_num_batched_tokens=512)
+    try:
+        r = eng.runner
+        r.graph_vars = r._make_graph_vars(8)
+        r.graphs = {b: EagerGraph(r, b) for b in (1, 2, 4, 8)}
+        replays = []
+        real = r._replay
+        r._replay = lambda out: replays.append(len(out.seqs)) or real(out)
+        work = workload(10, seed=5)
+        ref = alone(eng, work)
+        streams = [eng.add_request(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in work]
+        assert [collect(s)[0] for s in streams] == ref
+        assert replays and any(n not in (1, 2, 4, 8) for n in replays)  # padded batches were replayed
+        assert torch.count_nonzero(r.cache.latent[0][0]) == 0  # the null page is never written
+        assert_pools_full(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_stream_from_another_thread(engine):
     out = {}
 
