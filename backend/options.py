@@ -175,7 +175,7 @@ def build_load_spec(request, launch_cwd: str | None = None) -> LoadSpec:
     if request.Seed:
         settings["seed"] = request.Seed
     if request.GPUMemoryUtilization:
-        settings["gpu_memory_utilization"] = request.GPUMemoryUtilization
+        settings["gpu_memory_utilization"] = round(float(request.GPUMemoryUtilization), 6)  # float32 on the wire
     if request.EnforceEager:
         settings["enforce_eager"] = True
     # 2. Options: tolerant

@@ -161,18 +161,25 @@ def test_chat_request_through_template(loaded, reference):
         assert r.message.decode() == text
 
 
-def sample(stub, prompt="Once upon a time", n=N, **kw):
+def req(prompt="Once upon a time", n=N, **kw):
     kw.setdefault("Temperature", 1.0)
-    return stub.Predict(pb.PredictOptions(Prompt=prompt, Tokens=n, **kw)).message.decode()
+    return pb.PredictOptions(Prompt=prompt, Tokens=n, **kw)
+
+
+def run_all(stub, reqs):
+    """Predict many requests at once (the engine batches them) -> texts, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as ex:
+        return [r.message.decode() for r in ex.map(lambda q: stub.Predict(q, timeout=300), reqs)]
 
 
 def test_seeded_sampling_reproducible(loaded, reference):
     _, greedy = reference
-    a = sample(loaded.stub, Seed=1234)
-    assert sample(loaded.stub, Seed=1234) == a
-    others = {sample(loaded.stub, Seed=s) for s in (1, 2, 3)}
-    assert len(others | {a}) > 1, "different seeds never changed the sample"
-    assert (others | {a}) != {greedy("Once upon a time")[1]}, "temperature 1 looks greedy"
+    a, a2, *others = run_all(loaded.stub, [req(Seed=1234), req(Seed=1234), req(Seed=1), req(Seed=2), req(Seed=3)])
+    assert a2 == a
+    assert len(set(others) | {a}) > 1, "different seeds never changed the sample"
+    assert (set(others) | {a}) != {greedy("Once upon a time")[1]}, "temperature 1 looks greedy"
 
 
 def test_sampling_parameters_have_effect(loaded, reference):
@@ -180,24 +187,27 @@ def test_sampling_parameters_have_effect(loaded, reference):
     prompt = "Once upon a time"
     g = greedy(prompt)[1]
     hot = dict(Temperature=5.0)
-    # filters that keep only the argmax make a hot sampler greedy
-    for seed in (11, 12):
-        assert sample(loaded.stub, prompt, Seed=seed, TopK=1, **hot) == g
-        assert sample(loaded.stub, prompt, Seed=seed, TopP=1e-6, **hot) == g
-        assert sample(loaded.stub, prompt, Seed=seed, MinP=1.0, **hot) == g
-    # ... while the hot sampler alone is not
-    assert any(sample(loaded.stub, prompt, Seed=s, **hot) != g for s in (11, 12, 13))
+    # filters that keep only the argmax make a hot sampler greedy, while the hot sampler alone is not
+    filtered = [req(prompt, Seed=seed, **f, **hot) for seed in (11, 12)
+                for f in (dict(TopK=1), dict(TopP=1e-6), dict(MinP=1.0))]
+    plain = [req(prompt, Seed=s, **hot) for s in (11, 12, 13)]
+    # penalties change greedy decoding somewhere over a few prompts
+    prompts = ["Once upon a time", "the the the the the", "Hello, world! Hello, world!"]
+    penal = [(field, value) for field, value in (("Penalty", 3.0), ("PresencePenalty", 2.0),
+                                                 ("FrequencyPenalty", 2.0))]
+    penal_reqs = [req(p, n=24, Temperature=0, **{f: v}) for f, v in penal for p in prompts]
+    out = run_all(loaded.stub, filtered + plain + penal_reqs)
+    assert out[:len(filtered)] == [g] * len(filtered)
+    assert any(o != g for o in out[len(filtered):len(filtered) + len(plain)])
+    base = [greedy(p, 24)[1] for p in prompts]
+    pen_out = out[len(filtered) + len(plain):]
+    for k, (field, value) in enumerate(penal):
+        assert pen_out[k * 3:(k + 1) * 3] != base, f"{field}={value} had no effect"
     # logit bias forces a token
     tid = tok.encode(" the")[0]
     r = loaded.stub.Predict(pb.PredictOptions(Prompt=prompt, Tokens=5, Temperature=0,
                                               LogitBias=json.dumps({str(tid): 100})))
     assert r.message.decode() == tok.decode([tid] * 5) and r.tokens == 5
-    # penalties change greedy decoding somewhere over a few prompts
-    prompts = ["Once upon a time", "the the the the the", "Hello, world! Hello, world!"]
-    base = {p: greedy(p, 24)[1] for p in prompts}
-    for field, value in (("Penalty", 3.0), ("PresencePenalty", 2.0), ("FrequencyPenalty", 2.0)):
-        outs = {p: sample(loaded.stub, p, n=24, Temperature=0, **{field: value}) for p in prompts}
-        assert outs != base, f"{field}={value} had no effect"
     # Tokens caps the output; IgnoreEOS keeps going through EOS (biased to EOS to make sure it comes)
     eos = tok.eos_token_ids[0]
     r = loaded.stub.Predict(pb.PredictOptions(Prompt=prompt, Tokens=6, Temperature=0,
