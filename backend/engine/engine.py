@@ -26,22 +26,23 @@ class EngineConfig:
     num_blocks: int = 0  # MLA pages incl. the null page; 0 = from gpu_memory_utilization (CUDA) or max_num_seqs
     num_slots: int = 0  # KDA slots incl. the null slot; 0 = max_num_seqs + 1
     gpu_memory_utilization: float = 0.9
-    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"  # auto = cuda if available
+    dtype: str = "auto"  # auto (or None) = the checkpoint's on CUDA, float32 on CPU
+    device: str = "auto"  # auto (or None) = cuda if available
     enforce_eager: bool = False
     max_graph_batch_size: int = 0  # 0 = max_num_seqs
     seed: int = 0  # seeds of requests that bring none
     eos_token_ids: tuple = ()  # () = config.json's
+    router_biased_weights: bool = False  # ModelConfig option (HF remote-code router aliasing)
 
     def __post_init__(self):
         import torch
 
-        if self.device == "auto":
+        if self.device in ("auto", None):
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
-        if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.dtype is None:
+            self.dtype = "auto"
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

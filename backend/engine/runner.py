@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from backend.config import ModelConfig
 from backend.engine.sampler import SamplingMetadata, sample
 from backend.engine.scheduler import SchedulerOutput
 from backend.model.batch import ForwardBatch
@@ -48,13 +49,16 @@ class ModelRunner:
     def __init__(self, model_dir: str, cfg, model=None):
         """cfg: an EngineConfig (backend/engine/engine.py); model: an already built model (benchmarks)."""
         self.device = torch.device(cfg.device)
-        self.dtype = _DTYPES[cfg.dtype]
         self.block_size = cfg.block_size
         if model is None:
+            dtype = cfg.dtype
+            if dtype == "auto":
+                dtype = ModelConfig.from_dir(model_dir).dtype if self.device.type == "cuda" else "float32"
             t0 = time.monotonic()
-            model = load_model(model_dir, self.device, self.dtype)
-            log.info("loaded %s in %.1f s (%s, %s)", model_dir, time.monotonic() - t0, self.device, cfg.dtype)
+            model = load_model(model_dir, self.device, _DTYPES[dtype], router_biased_weights=cfg.router_biased_weights)
+            log.info("loaded %s in %.1f s (%s, %s)", model_dir, time.monotonic() - t0, self.device, dtype)
         self.model = model
+        self.dtype = model.dtype
         self.config = self.model.config
         self.vocab_size = self.config.vocab_size
         self.num_slots = cfg.num_slots or cfg.max_num_seqs + 1
