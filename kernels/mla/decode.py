@@ -234,11 +234,13 @@ def _gpu_cfg(table, dtype):
 
 
 def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: int = 32, num_sms: int = 132) -> int:
-    """Host heuristic from shapes only (graph-capturable): aim for ~2 programs per SM, at least MIN_SPLIT_TOKENS keys
-    per split for the longest possible sequence (max_blocks * block_size), at most MAX_SPLITS."""
+    """Host heuristic from shapes only (graph-capturable). The bf16 stage-1 config holds one program per SM (135 KB
+    smem, 255 regs x 256 threads), so aim at one full wave: floor(#SM / (batch * head_blocks)) splits (at least 1),
+    at most one split per MIN_SPLIT_TOKENS keys of the longest possible sequence (max_blocks * block_size), at most
+    MAX_SPLITS. Short sequences use fewer splits at run time (split length >= MIN_SPLIT_TOKENS)."""
     head_blocks = triton.cdiv(num_heads, _block_h(num_heads))
     programs = max(1, batch * head_blocks)
-    splits = triton.cdiv(2 * num_sms, programs)
+    splits = num_sms // programs
     max_useful = max(1, triton.cdiv(max_blocks * block_size, MIN_SPLIT_TOKENS))
     return int(max(1, min(splits, max_useful, MAX_SPLITS)))
 

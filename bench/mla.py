@@ -1,0 +1,380 @@
+"""H200 benchmark for the paged MLA kernels (Kimi shape: H=32, L=512, R=64, page 64, bf16).
+
+    python bench/mla.py                 # decode grid + extend + a small config/split sweep
+    python bench/mla.py --quick         # fewer shapes, no sweep
+    python bench/mla.py --no-sweep --no-dense
+
+Decode: B in {1, 8, 64, 128} x S in {1k, 8k, 64k, 128k}; effective bandwidth = cache bytes read (1152 B per key) /
+time, beside the device copy bandwidth measured in this run, a dense torch implementation (gather + matmul) and
+FlashInfer's MLA decode (fa3) when `import flashinfer` works. Times: triton.testing.do_bench (L2 flushed, median);
+"graph" = CUDA-graph replay with an L2 flush inside, flush time subtracted. Extend: 8k-token prefill (causal) and an
+8k-token chunk after an 8k prefix. Prints a table and markdown rows.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import triton  # noqa: E402
+
+from kernels.mla import decode as dec  # noqa: E402
+from kernels.mla import extend as ext  # noqa: E402
+from kernels.mla.decode import default_num_splits, mla_decode_triton  # noqa: E402
+from kernels.mla.extend import mla_extend_triton  # noqa: E402
+from kernels.mla.ref import mla_decode_ref, mla_extend_ref  # noqa: E402
+
+H, L, R, BS = 32, 512, 64, 64
+D = L + R
+SCALE = 192 ** -0.5
+ROW_BYTES = D * 2
+DT = torch.bfloat16
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
+
+
+_FLUSH = None
+
+
+def bench_graph(fn, iters=20):
+    """CUDA-graph replay time per call with an L2 flush before each call (flush cost subtracted)."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g_both, g_flush = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_both):
+        for _ in range(iters):
+            _FLUSH.zero_()
+            fn()
+    with torch.cuda.graph(g_flush):
+        for _ in range(iters):
+            _FLUSH.zero_()
+    t_both = bench(g_both.replay)
+    t_flush = bench(g_flush.replay)
+    return max(t_both - t_flush, 1e-9) / iters
+
+
+def copy_bandwidth():
+    x = torch.empty(2 << 30, dtype=torch.int8, device="cuda")
+    y = torch.empty_like(x)
+    t = bench(lambda: y.copy_(x))
+    del x, y
+    return 2 * (2 << 30) / t
+
+
+class Pool:
+    """One big cache; each case takes shuffled pages from it."""
+
+    def __init__(self, max_tokens):
+        self.nb = max_tokens // BS + 8
+        self.cache = torch.empty(self.nb, BS, D, dtype=DT, device="cuda")
+        # fill in slices to keep the temporary small
+        step = 4096
+        for i in range(0, self.nb, step):
+            self.cache[i : i + step].normal_()
+        self.cache[0].zero_()
+
+    def tables(self, B, S):
+        mb = triton.cdiv(S, BS)
+        assert B * mb < self.nb
+        perm = torch.randperm(self.nb - 1, device="cuda")[: B * mb] + 1
+        bt = perm.view(B, mb).to(torch.int32)
+        sl = torch.full((B,), S, dtype=torch.int32, device="cuda")
+        return bt, sl
+
+
+def dense_decode(q_lat, q_pe, cache, bt, sl, scale):
+    """Gather the pages into a contiguous [B, S, 576] tensor, then two bmm (equal lengths only)."""
+    B = q_lat.shape[0]
+    S = int(sl[0])
+    kv = cache[bt.long()].view(B, -1, D)[:, :S]
+    s = torch.bmm(q_lat, kv[:, :, :L].transpose(1, 2)) + torch.bmm(q_pe, kv[:, :, L:].transpose(1, 2))
+    p = torch.softmax(s.float() * scale, dim=-1).to(q_lat.dtype)
+    return torch.bmm(p, kv[:, :, :L])
+
+
+class FlashInferMLA:
+    def __init__(self):
+        import flashinfer  # noqa: F401
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+        self.ws = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+        try:
+            self.w = BatchMLAPagedAttentionWrapper(self.ws, backend="fa3")
+        except TypeError:
+            self.w = BatchMLAPagedAttentionWrapper(self.ws)
+
+    def plan(self, bt, sl, qo_lens, causal):
+        B = bt.shape[0]
+        dev = bt.device
+        qo_indptr = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+        qo_indptr[1:] = torch.cumsum(qo_lens, 0)
+        npages = (sl + BS - 1) // BS
+        kv_indptr = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+        kv_indptr[1:] = torch.cumsum(npages, 0)
+        kv_indices = torch.cat([bt[b, : int(npages[b])] for b in range(B)]).to(torch.int32)
+        kw = dict(
+            num_heads=H, head_dim_ckv=L, head_dim_kpe=R, page_size=BS, causal=causal, sm_scale=SCALE,
+            q_data_type=DT, kv_data_type=DT,
+        )
+        try:
+            from flashinfer.mla import MLAPlanMetadata
+
+            self.w.plan(metadata=MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, sl), **kw)
+        except (ImportError, TypeError):
+            self.w.plan(qo_indptr, kv_indptr, kv_indices, sl, H, L, R, BS, causal, SCALE, DT, DT)
+        self.packed = None
+
+    def run(self, q_lat, q_pe, cache):
+        if self.packed is None:
+            try:
+                q = torch.cat([q_lat, q_pe], -1)
+                o = self.w.run(query=q, kv_cache=cache)
+                self.packed = True
+                self.q = q
+                return o
+            except TypeError:
+                self.packed = False
+        if self.packed:
+            return self.w.run(query=self.q, kv_cache=cache)
+        return self.w.run(q_lat, q_pe, cache[:, :, :L], cache[:, :, L:])
+
+
+def rel_err(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def check_small():
+    """Quick correctness check on the device before timing (mixed lengths, splits on and off)."""
+    lens = [1, 63, 64, 65, 4097, 0]
+    nb = sum(triton.cdiv(s, BS) for s in lens) + 4
+    cache = torch.randn(nb, BS, D, device="cuda").to(DT)
+    perm = (torch.randperm(nb - 1) + 1).tolist()
+    bt = torch.zeros(len(lens), 80, dtype=torch.int32)
+    k = 0
+    for i, s in enumerate(lens):
+        n = triton.cdiv(s, BS)
+        bt[i, :n] = torch.tensor(perm[k : k + n])
+        k += n
+    bt, sl = bt.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(lens), H, L, device="cuda").to(DT)
+    qp = torch.randn(len(lens), H, R, device="cuda").to(DT)
+    ref = mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, SCALE)
+    for ns in (1, 8, None):
+        e = rel_err(mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=ns), ref)
+        print(f"check decode num_splits={ns}: rel err {e:.2e}")
+        assert e < 1e-2
+    cu = torch.tensor([0, 1, 30, 64, 65, 265, 265], dtype=torch.int32, device="cuda")
+    T = 265
+    qe = torch.randn(T, H, L, device="cuda").to(DT)
+    qpe = torch.randn(T, H, R, device="cuda").to(DT)
+    ref = mla_extend_ref(qe.float(), qpe.float(), cache.float(), bt, cu, sl, SCALE)
+    e = rel_err(mla_extend_triton(qe, qpe, cache, bt, cu, sl, SCALE, max_query_len=200), ref)
+    print(f"check extend: rel err {e:.2e}")
+    assert e < 1e-2
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--no-dense", action="store_true")
+    ap.add_argument("--no-flashinfer", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_properties(0)
+    print(f"device: {dev.name}, {dev.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
+    check_small()
+    copy_bw = copy_bandwidth()
+    print(f"device copy bandwidth (read+write): {copy_bw / 1e12:.2f} TB/s")
+
+    fi = None
+    if not args.no_flashinfer:
+        try:
+            fi = FlashInferMLA()
+            import flashinfer
+
+            print(f"flashinfer {flashinfer.__version__}")
+        except Exception as e:  # noqa: BLE001
+            print(f"flashinfer unavailable: {type(e).__name__}: {e}")
+
+    Bs = [1, 8, 64, 128]
+    Ss = [1024, 8192, 65536, 131072]
+    if args.quick:
+        Bs, Ss = [1, 64], [8192, 131072]
+    max_tokens = max(b * s for b in Bs for s in Ss)
+    pool = Pool(max_tokens + 1024)
+
+    rows = []
+    hdr = (
+        f"{'B':>4} {'S':>7} {'splits':>6} {'triton us':>10} {'TB/s':>6} {'graph us':>9} {'TB/s':>6} "
+        f"{'dense us':>9} {'TB/s':>6} {'FI us':>8} {'TB/s':>6} {'vs FI':>6}"
+    )
+    print("\n== decode ==\n" + hdr)
+    for B in Bs:
+        for S in Ss:
+            bt, sl = pool.tables(B, S)
+            q = torch.randn(B, H, L, device="cuda").to(DT)
+            qp = torch.randn(B, H, R, device="cuda").to(DT)
+            nbytes = B * S * ROW_BYTES
+            ns = default_num_splits(B, bt.shape[1], BS, H, dev.multi_processor_count)
+            out = torch.empty(B, H, L, dtype=DT, device="cuda")
+
+            def run_t():
+                mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, num_splits=ns, out=out)
+
+            t_tr = bench(run_t)
+            t_g = bench_graph(run_t)
+            t_dense = t_fi = None
+            if not args.no_dense and B * S <= (8 << 20):
+                try:
+                    o_d = dense_decode(q, qp, pool.cache, bt, sl, SCALE)
+                    err = rel_err(out, o_d)
+                    if err > 2e-2:
+                        print(f"  WARNING dense vs triton rel err {err:.2e}")
+                    t_dense = bench(lambda: dense_decode(q, qp, pool.cache, bt, sl, SCALE))
+                    del o_d
+                except torch.OutOfMemoryError:
+                    pass
+            if fi is not None:
+                try:
+                    fi.plan(bt, sl, torch.ones(B, dtype=torch.int32, device="cuda"), causal=False)
+                    o_fi = fi.run(q, qp, pool.cache)
+                    err = rel_err(out, o_fi.view(B, H, L))
+                    if err > 2e-2:
+                        print(f"  WARNING flashinfer vs triton rel err {err:.2e}")
+                    t_fi = bench(lambda: fi.run(q, qp, pool.cache))
+                except Exception as e:  # noqa: BLE001
+                    print(f"  flashinfer failed at B={B} S={S}: {type(e).__name__}: {e}")
+            best = min(t_tr, t_g)
+            r = dict(B=B, S=S, ns=ns, tr=t_tr, g=t_g, dense=t_dense, fi=t_fi, bytes=nbytes)
+            rows.append(r)
+
+            def f(t):
+                return (f"{t * 1e6:9.1f}", f"{nbytes / t / 1e12:6.2f}") if t else (f"{'-':>9}", f"{'-':>6}")
+
+            vs = f"{t_fi / best:6.2f}" if t_fi else f"{'-':>6}"
+            print(
+                f"{B:>4} {S:>7} {ns:>6} {t_tr * 1e6:10.1f} {nbytes / t_tr / 1e12:6.2f} {' '.join(f(t_g))} "
+                f"{' '.join(f(t_dense))} {f(t_fi)[0][1:]} {f(t_fi)[1]} {vs}",
+                flush=True,
+            )
+
+    print("\nmarkdown (decode; TB/s = cache bytes / time; copy = %.2f TB/s):" % (copy_bw / 1e12))
+    print("| B | S | splits | Triton µs | Triton TB/s | graph µs | graph TB/s | dense TB/s | FlashInfer TB/s | Triton/FI |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        bw = lambda t: f"{r['bytes'] / t / 1e12:.2f}" if t else "-"  # noqa: E731
+        best = min(r["tr"], r["g"])
+        vs = f"{r['fi'] / best:.2f}x" if r["fi"] else "-"
+        print(
+            f"| {r['B']} | {r['S']} | {r['ns']} | {r['tr'] * 1e6:.1f} | {bw(r['tr'])} | {r['g'] * 1e6:.1f} | "
+            f"{bw(r['g'])} | {bw(r['dense'])} | {bw(r['fi'])} | {vs} |"
+        )
+
+    # ------------------------------------------------------------------ extend
+    print("\n== extend (bf16, causal) ==")
+    ext_rows = []
+    for prefix, n_new in ((0, 8192), (8192, 8192), (65536, 512)):
+        S = prefix + n_new
+        bt, sl = pool.tables(1, S)
+        cu = torch.tensor([0, n_new], dtype=torch.int32, device="cuda")
+        q = torch.randn(n_new, H, L, device="cuda").to(DT)
+        qp = torch.randn(n_new, H, R, device="cuda").to(DT)
+        pairs = n_new * prefix + n_new * (n_new + 1) // 2
+        flops = 2 * H * (D + L) * pairs
+        res = {}
+        for name, cfg in (("default", None), ("rows64", dict(rows=64, block_n=32, num_stages=2))):
+            try:
+                fn = lambda: mla_extend_triton(q, qp, pool.cache, bt, cu, sl, SCALE, max_query_len=n_new, config=cfg)  # noqa: E731
+                res[name] = bench(fn)
+            except Exception as e:  # noqa: BLE001
+                print(f"  extend {name} failed: {type(e).__name__}: {e}")
+        t_fi = None
+        if fi is not None:
+            try:
+                fi.plan(bt, sl, torch.tensor([n_new], dtype=torch.int32, device="cuda"), causal=True)
+                fi.packed = None
+                fi.run(q, qp, pool.cache)
+                t_fi = bench(lambda: fi.run(q, qp, pool.cache))
+            except Exception as e:  # noqa: BLE001
+                print(f"  flashinfer extend failed: {type(e).__name__}: {e}")
+        line = f"prefix {prefix:>6} new {n_new:>5}: " + ", ".join(
+            f"{k} {t * 1e3:.3f} ms ({flops / t / 1e12:.0f} TFLOP/s)" for k, t in res.items()
+        )
+        if t_fi:
+            line += f", flashinfer {t_fi * 1e3:.3f} ms ({flops / t_fi / 1e12:.0f} TFLOP/s)"
+        print(line, flush=True)
+        ext_rows.append((prefix, n_new, res, t_fi, flops))
+    print("\n| prefix | new tokens | Triton ms (TFLOP/s) | rows64 ms | FlashInfer ms |")
+    print("|---|---|---|---|---|")
+    for prefix, n_new, res, t_fi, flops in ext_rows:
+        d = res.get("default")
+        r64 = res.get("rows64")
+        print(
+            f"| {prefix} | {n_new} | {d * 1e3:.3f} ({flops / d / 1e12:.0f}) | "
+            f"{(f'{r64 * 1e3:.3f}' if r64 else '-')} | {(f'{t_fi * 1e3:.3f}' if t_fi else '-')} |"
+            if d
+            else f"| {prefix} | {n_new} | - | - | - |"
+        )
+
+    # ------------------------------------------------------------------ sweep
+    if args.no_sweep:
+        return
+    print("\n== decode config sweep (eager, L2 flushed; TB/s) ==")
+    cfgs = [
+        dict(block_h=32, block_n=64, num_warps=8, num_stages=2),
+        dict(block_h=32, block_n=32, num_warps=8, num_stages=3),
+        dict(block_h=32, block_n=32, num_warps=4, num_stages=2),
+        dict(block_h=32, block_n=64, num_warps=4, num_stages=2),
+        dict(block_h=16, block_n=64, num_warps=4, num_stages=2),
+        dict(block_h=16, block_n=32, num_warps=4, num_stages=3),
+    ]
+    shapes = [(1, 131072), (8, 8192), (64, 8192), (128, 8192), (128, 1024)]
+    print("config".ljust(48) + "".join(f"B{b}/S{s // 1024}k".rjust(12) for b, s in shapes))
+    for cfg in cfgs:
+        line = str(tuple(cfg.values())).ljust(48)
+        for B, S in shapes:
+            bt, sl = pool.tables(B, S)
+            q = torch.randn(B, H, L, device="cuda").to(DT)
+            qp = torch.randn(B, H, R, device="cuda").to(DT)
+            hb = triton.cdiv(H, cfg["block_h"])
+            ns = max(1, min(triton.cdiv(2 * dev.multi_processor_count, B * hb), triton.cdiv(S, 256), 256))
+            try:
+                t = bench(lambda: mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, num_splits=ns, config=cfg))
+                line += f"{B * S * ROW_BYTES / t / 1e12:12.2f}"
+            except Exception as e:  # noqa: BLE001
+                line += f"{type(e).__name__[:11]:>12}"
+        print(line, flush=True)
+
+    print("\n== split sweep, default config (TB/s, eager) ==")
+    for B, S in ((1, 131072), (1, 8192), (8, 65536), (64, 8192), (128, 8192)):
+        bt, sl = pool.tables(B, S)
+        q = torch.randn(B, H, L, device="cuda").to(DT)
+        qp = torch.randn(B, H, R, device="cuda").to(DT)
+        out = []
+        for ns in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+            if ns > triton.cdiv(S, 64):
+                break
+            t = bench(lambda: mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, num_splits=ns, min_split_tokens=64))
+            out.append(f"{ns}:{B * S * ROW_BYTES / t / 1e12:.2f}")
+        dflt = default_num_splits(B, bt.shape[1], BS, H, dev.multi_processor_count)
+        print(f"B={B} S={S} (default {dflt}): " + " ".join(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
