@@ -10,7 +10,8 @@ random slots (slot 0 null). Rows:
               ssm_state_indices) when `fla` is importable: the recurrence only (no conv, no output norm).
 Bandwidth: state bytes = N*H*K*V*4 read + the same written; compared with a device-to-device copy of a 1 GiB buffer
 measured in the same run (copy BW = 2 * bytes / t). us per layer = time of one call; the model has 20 KDA layers.
---sweep times BV x num_warps per N (CUDA graph) to tune kernels/kda/recurrent.py::_pick_bv.
+--sweep times BV x num_warps per N (CUDA graph) to tune kernels/kda/recurrent.py::_pick_bv (BV=128 = V is the
+single-launch path).
 Prefill: `bench_prefill()` below calls bench/kda_prefill.py (the chunk kernel owner's benchmark) when present.
 Prints a table and markdown rows for BENCHMARKS.md.
 """
@@ -147,7 +148,7 @@ def sweep_decode(batches):
     for N in batches:
         L, tok, slots = _setup(N)
         res = []
-        for bv in (4, 8, 16, 32, 64):
+        for bv in (4, 8, 16, 32, 64, 128):
             for nw in (1, 2, 4, 8):
                 per_thread = bv * K // (32 * nw)
                 if per_thread < 4 or per_thread > 128:   # idle threads / register spills: skip

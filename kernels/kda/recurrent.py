@@ -10,6 +10,8 @@ K2 `_kda_decode_post_kernel`, grid (H, N): gated RMSNorm of o over V (sigmoid ga
     conv state shift for the head's q, k, v channels. It runs after K1 so that no program of K1 reads a conv
     state that another has already shifted.
 
+With BV >= V (one program per head) K1 does K2's work itself and the step is one launch.
+
 Lanes whose slot is <= 0 (the null slot, CUDA-graph padding) read and write no state and output zeros, so padded
 lanes cost almost no bandwidth and never touch a real slot. No host syncs, no data-dependent shapes: the whole
 step is CUDA-graph capturable.
@@ -24,15 +26,37 @@ import triton.language as tl
 
 
 @triton.jit
+def _gated_norm_store(o, r_row, w_ptr, y_row, o_v, m_v, eps, V: tl.constexpr):
+    # o [BVF] fp32 (zeros past V) -> y = o * rsqrt(mean(o^2) + eps) * w * sigmoid(r)
+    r = tl.load(r_row + o_v, mask=m_v, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + o_v, mask=m_v, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / V + eps)
+    y = o * rstd * w * tl.sigmoid(r)
+    tl.store(y_row + o_v, y.to(y_row.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _conv_shift(cs, x_row, c, m, stride_cs_w, W: tl.constexpr):
+    # conv state rows (oldest first) of channels c: row j <- row j+1, row W-2 <- x (same layout for every access,
+    # so each channel is loaded and stored by the same thread)
+    for j in tl.static_range(W - 2):
+        tl.store(cs + j * stride_cs_w + c, tl.load(cs + (j + 1) * stride_cs_w + c, mask=m), mask=m)
+    tl.store(cs + (W - 2) * stride_cs_w + c, tl.load(x_row + c, mask=m).to(cs.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _kda_decode_kernel(
     qkv_ptr, convw_ptr, convs_ptr, z_ptr, b_ptr, alog_ptr, dtb_ptr, slot_ptr, state_ptr, o_ptr,
-    stride_qkv, stride_z, stride_b,
+    r_ptr, nw_ptr, y_ptr,
+    stride_qkv, stride_z, stride_b, stride_r, stride_y,
     stride_cs_s, stride_cs_w,
     stride_s_s, stride_s_h,
-    scale,
+    scale, eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, SINGLE: tl.constexpr,
 ):
+    # SINGLE (BV >= V, one program per (sequence, head)): the program owns all of the head's channels, so it also
+    # does the gated RMSNorm (y [N, H*V]) and the conv-state shift itself: the whole step is one launch.
     # qkv [N, 2HK+HV]; conv_w [C, W] f32; conv_state [S, W-1, C]; z [N, HK]; b [N, H]; A_log [H]; dt_bias [HK]
     # state [S, H, K, V] f32 (k-row stride V, v contiguous); o [N, H, V] f32 scratch
     i_v = tl.program_id(0).to(tl.int64)
@@ -89,7 +113,14 @@ def _kda_decode_kernel(
     S = S + k[:, None] * u[None, :]                                   # rank-1 write
     o = tl.sum(S * q[:, None], axis=0)                                # [BV], read the updated state
     tl.store(s_ptrs, S, mask=m_s)
-    tl.store(o_ptr + (i_n * H + i_h) * V + o_v, o, mask=o_v < V)     # padded lanes store zeros
+    if SINGLE:
+        _gated_norm_store(o, r_ptr + i_n * stride_r + i_h * V, nw_ptr, y_ptr + i_n * stride_y + i_h * V,
+                          o_v, o_v < V, eps, V)
+        _conv_shift(cs, x_row, c_q, m_k, stride_cs_w, W)
+        _conv_shift(cs, x_row, c_k, m_k, stride_cs_w, W)
+        _conv_shift(cs, x_row, c_v, m_v, stride_cs_w, W)
+    else:
+        tl.store(o_ptr + (i_n * H + i_h) * V + o_v, o, mask=o_v < V)  # padded lanes store zeros
 
 
 @triton.jit
@@ -106,11 +137,7 @@ def _kda_decode_post_kernel(
     o_v = tl.arange(0, BVF).to(tl.int64)
     m_v = o_v < V
     o = tl.load(o_ptr + (i_n * H + i_h) * V + o_v, mask=m_v, other=0.0)
-    r = tl.load(r_ptr + i_n * stride_r + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + o_v, mask=m_v, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / V + eps)
-    y = o * rstd * w * tl.sigmoid(r)
-    tl.store(y_ptr + i_n * stride_y + i_h * V + o_v, y.to(y_ptr.dtype.element_ty), mask=m_v)
+    _gated_norm_store(o, r_ptr + i_n * stride_r + i_h * V, w_ptr, y_ptr + i_n * stride_y + i_h * V, o_v, m_v, eps, V)
 
     slot = tl.load(slot_ptr + i_n).to(tl.int64)
     cs = convs_ptr + slot * stride_cs_s
@@ -118,17 +145,9 @@ def _kda_decode_post_kernel(
     o_k = tl.arange(0, BK).to(tl.int64)
     m_k = (o_k < K) & ((o_k * 0 + slot) > 0)
     m_vv = m_v & ((o_v * 0 + slot) > 0)
-    c_q = i_h * K + o_k
-    c_k = H * K + i_h * K + o_k
-    c_v = 2 * H * K + i_h * V + o_v
-    for j in tl.static_range(W - 2):                                  # row j <- row j+1
-        tl.store(cs + j * stride_cs_w + c_q, tl.load(cs + (j + 1) * stride_cs_w + c_q, mask=m_k), mask=m_k)
-        tl.store(cs + j * stride_cs_w + c_k, tl.load(cs + (j + 1) * stride_cs_w + c_k, mask=m_k), mask=m_k)
-        tl.store(cs + j * stride_cs_w + c_v, tl.load(cs + (j + 1) * stride_cs_w + c_v, mask=m_vv), mask=m_vv)
-    dt = convs_ptr.dtype.element_ty
-    tl.store(cs + (W - 2) * stride_cs_w + c_q, tl.load(x_row + c_q, mask=m_k).to(dt), mask=m_k)
-    tl.store(cs + (W - 2) * stride_cs_w + c_k, tl.load(x_row + c_k, mask=m_k).to(dt), mask=m_k)
-    tl.store(cs + (W - 2) * stride_cs_w + c_v, tl.load(x_row + c_v, mask=m_vv).to(dt), mask=m_vv)
+    _conv_shift(cs, x_row, i_h * K + o_k, m_k, stride_cs_w, W)
+    _conv_shift(cs, x_row, H * K + i_h * K + o_k, m_k, stride_cs_w, W)
+    _conv_shift(cs, x_row, 2 * H * K + i_h * V + o_v, m_vv, stride_cs_w, W)
 
 
 def _pick_bv(N: int, H: int, V: int) -> int:
@@ -166,21 +185,26 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
     out = torch.empty(N, H * V, dtype=qkv.dtype, device=qkv.device)
     if N == 0:
         return out
-    if o_scratch is None:
-        o_scratch = torch.empty(N, H, V, dtype=torch.float32, device=qkv.device)
     BK = triton.next_power_of_2(K)
     if BV is None:
         BV = _pick_bv(N, H, V)
+    BV = min(BV, triton.next_power_of_2(V))
+    single = BV >= V
     if num_warps is None:
-        num_warps = 1 if BV <= 8 else (2 if BV <= 16 else 4)
+        num_warps = 1 if BV <= 8 else (2 if BV <= 16 else (4 if BV <= 32 else 8))
+    if o_scratch is None and not single:
+        o_scratch = torch.empty(N, H, V, dtype=torch.float32, device=qkv.device)
     _kda_decode_kernel[(triton.cdiv(V, BV), H, N)](
-        qkv, conv_w, conv_state, z, b, A_log, dt_bias, state_slots, rec_state, o_scratch,
-        qkv.stride(0), z.stride(0), b.stride(0),
+        qkv, conv_w, conv_state, z, b, A_log, dt_bias, state_slots, rec_state, o_scratch if not single else out,
+        r, o_norm_w, out,
+        qkv.stride(0), z.stride(0), b.stride(0), r.stride(0), out.stride(0),
         conv_state.stride(0), conv_state.stride(1),
         rec_state.stride(0), rec_state.stride(1),
-        K ** -0.5,
-        H=H, K=K, V=V, W=W, BK=BK, BV=BV, num_warps=num_warps,
+        K ** -0.5, eps,
+        H=H, K=K, V=V, W=W, BK=BK, BV=BV, SINGLE=single, num_warps=num_warps,
     )
+    if single:
+        return out
     _kda_decode_post_kernel[(H, N)](
         o_scratch, r, o_norm_w, out, qkv, conv_state, state_slots,
         r.stride(0), out.stride(0), qkv.stride(0), conv_state.stride(0), conv_state.stride(1),

@@ -61,15 +61,19 @@ def test_decode_vs_ref(N, KV, dtype):
 
 @pytest.mark.parametrize("BV", [8, 16, 32])
 def test_decode_tile_sizes(BV):
-    H, K, V, N, S = 2, 32, 32, 3, 5
+    # BV = 32 = V is the single-launch path (norm + conv shift in the same program); padded lane included
+    H, K, V, N, S = 2, 32, 32, 4, 5
     L = make_kda_layer(H, K, V, S, device=DEV)
+    L["rec_state"][0] = float("nan")
     tok = make_kda_tokens(N, H, K, V, device=DEV)
-    slots = _i32([4, 1, 2])
+    slots = _i32([4, 1, 0, 2])
     A, B = _clone(L), _clone(L)
     y_ref = _decode(kda_decode_ref, A, tok, slots)
     y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV)
     assert_close("o", y_tri, y_ref, 2e-5)
-    assert_close("state", B["rec_state"], A["rec_state"], 1e-5)
+    assert_close("state", B["rec_state"][1:], A["rec_state"][1:], 1e-5)
+    assert torch.equal(B["conv_state"], A["conv_state"])
+    assert_bits_equal("null slot", B["rec_state"][0], L["rec_state"][0])
 
 
 def test_padded_lanes_and_poison():
@@ -159,7 +163,8 @@ def test_decode_continues_ref_prefill(T, k):
 # ----------------------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [1, 8, 64, 256])
-def test_decode_kimi_gpu(N):
+@pytest.mark.parametrize("BV", [None, 128])          # default pick (2 launches) and the single-launch path
+def test_decode_kimi_gpu(N, BV):
     H, K, V = 32, 128, 128
     S = N + 2
     L = make_kda_layer(H, K, V, S, device="cuda", conv_dtype=torch.bfloat16)
@@ -168,7 +173,7 @@ def test_decode_kimi_gpu(N):
     for step in range(4):
         tok = make_kda_tokens(N, H, K, V, dtype=torch.bfloat16, device="cuda", seed=step)
         y_ref = _decode(kda_decode_ref, A, tok, slots)
-        y_tri = _decode(kda_decode_triton, B, tok, slots)
+        y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV)
         assert_close("o", y_tri, y_ref, 5e-3)
     assert_close("state", B["rec_state"], A["rec_state"], 5e-3)
     assert torch.equal(B["conv_state"], A["conv_state"])
