@@ -12,7 +12,7 @@ TOL = dict(atol=1e-4, rtol=1e-4)
 def step(model, cache, seqs, num_decodes=0) -> torch.Tensor:
     """One forward over seqs [(ids, num_cached, slot, pages)] -> fp32 logits of every token [T, vocab]."""
     total = sum(len(s[0]) for s in seqs)
-    batch = ForwardBatch.build(seqs, num_decodes, BS, "cpu", logits_positions=list(range(total)))
+    batch = ForwardBatch.build(seqs, num_decodes, BS, model.device, logits_positions=list(range(total)))
     return model.compute_logits(model(batch, cache), batch.logits_index)
 
 
@@ -113,3 +113,14 @@ def test_bf16_model_close_to_reference(fp32_dir):
     # bf16 rounding may flip a near-tied MoE top-k choice at some position, so judge most rows, not every row
     row_err = (logits - ref).norm(dim=-1) / ref.norm(dim=-1)
     assert (row_err < 0.06).float().mean() >= 0.8, row_err
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu(fp32_model, fp32_dir):
+    cpu = _mixed_batch(fp32_model, fp32_model.allocate_cache(5, 25, BS))
+    model = load_model(fp32_dir, "cuda", torch.float32)
+    cuda = _mixed_batch(model, model.allocate_cache(5, 25, BS))
+    torch.testing.assert_close(cuda.cpu(), cpu, atol=2e-3, rtol=2e-3)
+    bf16 = load_model(fp32_dir, "cuda", torch.bfloat16)
+    row_err = (_mixed_batch(bf16, bf16.allocate_cache(5, 25, BS)).cpu() - cpu).norm(dim=-1) / cpu.norm(dim=-1)
+    assert (row_err < 0.1).float().mean() >= 0.8, row_err
