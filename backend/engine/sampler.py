@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import triton
+import triton.language as tl
 
-from backend.engine.request import Request
+from kernels._dispatch import use_triton
 
 _M32 = 0xFFFFFFFF
 LOGPROB_FLOOR = -9999.0
@@ -35,6 +37,57 @@ def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int)
     bits = _mix32(_mix32(key[:, None] ^ v[None, :]) ^ 0x2545F491)
     u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1)
     return -torch.log(u)
+
+
+def race_argmax_ref(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """argmax(probs / E) per row, E from exponential_noise. probs [M, V] fp32 -> [M] i64."""
+    return (probs / exponential_noise(seeds, steps, probs.shape[-1])).argmax(dim=-1)
+
+
+_RACE_BLOCK = 4096
+
+
+def race_argmax(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """race_argmax_ref fused in one Triton pass (noise never materialised) on CUDA, the reference on CPU."""
+    if not use_triton(probs):
+        return race_argmax_ref(probs, seeds, steps)
+    M, V = probs.shape
+    nb = triton.cdiv(V, _RACE_BLOCK)
+    vals = torch.empty(M, nb, dtype=torch.float32, device=probs.device)
+    idx = torch.empty(M, nb, dtype=torch.int64, device=probs.device)
+    _race_kernel[(M, nb)](probs, probs.stride(0), seeds, steps, vals, idx, V, nb, BLOCK=_RACE_BLOCK)
+    return idx.gather(1, vals.argmax(dim=1, keepdim=True))[:, 0]
+
+
+@triton.jit
+def _mix32_tl(x):
+    # the steps of _mix32 on uint32: products wrap, i.e. the "& 0xFFFFFFFF" of the torch version
+    x = x ^ (x >> 16)
+    x = x * tl.full((1,), 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full((1,), 0x1B873593, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _race_kernel(p_ptr, stride_p, seeds_ptr, steps_ptr, vals_ptr, idx_ptr, V, NB, BLOCK: tl.constexpr):
+    """Program (row, block): the best p / E of BLOCK tokens, with E recomputed from (seed, step, token)."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    m_v = offs < V
+    p = tl.load(p_ptr + row * stride_p + offs, mask=m_v, other=0.0)
+    seed = tl.load(seeds_ptr + row)
+    step = tl.load(steps_ptr + row)
+    k = _mix32_tl((step & 0xFFFFFFFF).to(tl.uint32))
+    k = _mix32_tl(k ^ (seed & 0xFFFFFFFF).to(tl.uint32))
+    k = _mix32_tl(k ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    bits = _mix32_tl(_mix32_tl(k ^ offs.to(tl.uint32)) ^ tl.full((1,), 0x2545F491, tl.uint32))
+    u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    q = tl.where(m_v, p / -tl.log(u), -1.0)
+    best = tl.argmax(q, axis=0)
+    tl.store(vals_ptr + row * NB + blk, tl.max(q, axis=0))
+    tl.store(idx_ptr + row * NB + blk, (blk * BLOCK + best).to(tl.int64))
 
 
 def _to_device(data, dtype, device) -> torch.Tensor:
@@ -153,8 +206,8 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 def apply_filters(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """min-p, top-k, top-p on temperature-scaled logits x [M, V]; removed tokens get -inf."""
     if md.min_p is not None:
-        probs = torch.softmax(x, dim=-1)
-        x = x.masked_fill(probs < md.min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+        # p < min_p * p_max  <=>  x < x_max + log(min_p)  (min_p = 0: log = -inf, nothing removed)
+        x = x.masked_fill(x < x.amax(dim=-1, keepdim=True) + torch.log(md.min_p)[:, None], float("-inf"))
     if md.top_k is None and md.top_p is None:
         return x
     xs, order = torch.sort(x, dim=-1, descending=True)
@@ -179,8 +232,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     if not md.all_greedy:
         x = apply_filters(logits / md.temperature[:, None], md)
         probs = torch.softmax(x, dim=-1)
-        race = probs / exponential_noise(md.seeds, md.steps, logits.shape[-1])
-        ids = torch.where(md.greedy, ids, race.argmax(dim=-1))
+        ids = torch.where(md.greedy, ids, race_argmax(probs, md.seeds, md.steps))
         processed = torch.where(md.greedy[:, None], logits, x)
     if md.num_top_logprobs < 0:
         return SamplerOutput(ids, None, None, None)

@@ -1,6 +1,9 @@
 """Sampler semantics on CPU: each parameter shows its effect; seeding and batch-composition independence."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -163,6 +166,27 @@ def test_logprobs_of_processed_logits():
     assert lps[0] is None and len(lps[1]["top"]) == 2
 
 
+_RACE_SCRIPT = """
+import torch
+from backend.engine.sampler import race_argmax, race_argmax_ref
+torch.manual_seed(0)
+seeds, steps = torch.tensor([0, 1, 2**40 + 3, 2**62 + 5, 7, 7]), torch.tensor([0, 0, 7, 123456, 1, 2])
+for probs in (torch.softmax(torch.randn(6, 9000) * 3, -1), torch.full((6, 9000), 1 / 9000)):
+    assert torch.equal(race_argmax(probs, seeds, steps), race_argmax_ref(probs, seeds, steps))
+print("OK")
+"""
+
+
+def test_race_kernel_matches_reference_interpreted():
+    """The fused Triton race (CUDA path) against the torch reference, through the Triton interpreter on CPU.
+    A flat distribution makes the winner depend on every bit of the hash."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1", KIMI_KERNELS="triton", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", _RACE_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
 @pytest.mark.gpu
 def test_cuda_matches_cpu():
     torch.manual_seed(0)
@@ -175,6 +199,10 @@ def test_cuda_matches_cpu():
     md = SamplingMetadata.build(reqs, 5000, dev)
     gpu_ids, _ = sample(logits.to(dev), md).to_host(md)
     assert gpu_ids == cpu_ids
+    probs = torch.softmax(torch.randn(64, 163840, device=dev), -1)
+    seeds, steps = torch.randint(0, 2**62, (64,), device=dev), torch.randint(0, 10**6, (64,), device=dev)
+    from backend.engine.sampler import race_argmax, race_argmax_ref
+    assert torch.equal(race_argmax(probs, seeds, steps), race_argmax_ref(probs, seeds, steps))
     noise = exponential_noise(torch.tensor([3, 2**50]), torch.tensor([1, 9]), 1000)
     gpu_noise = exponential_noise(torch.tensor([3, 2**50], device=dev), torch.tensor([1, 9], device=dev), 1000)
     torch.testing.assert_close(gpu_noise.cpu(), noise, rtol=1e-6, atol=0)
