@@ -289,6 +289,10 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         if loaded.max_model_len and len(ids) >= loaded.max_model_len:
             raise BadRequest(f"the prompt has {len(ids)} tokens but the context is {loaded.max_model_len} tokens "
                              "(context_size): shorten the prompt or raise context_size")
+        if loaded.max_model_len and params.max_tokens > loaded.max_model_len - len(ids):
+            # LocalAI configs often set max_tokens == context_size: generate until the context is full (as
+            # llama.cpp does) instead of refusing the request
+            params.max_tokens = loaded.max_model_len - len(ids)
         return ids, params, stops
 
     async def _generate(self, request, context):

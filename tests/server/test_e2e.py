@@ -250,6 +250,10 @@ def test_bad_inputs_invalid_argument_server_survives(loaded):
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert loaded.stub.Health(pb.HealthMessage()).message == b"OK"
     assert loaded.stub.Predict(pb.PredictOptions(Prompt="hi", Tokens=2)).tokens >= 1
+    # max_tokens larger than the context is capped to what fits, not refused
+    r = loaded.stub.Predict(pb.PredictOptions(Prompt="hi", Tokens=100000, Temperature=0,
+                                              LogitBias=json.dumps({"0": 100})))
+    assert r.tokens == 256 - r.prompt_tokens
 
 
 def test_concurrent_streams_match_solo(loaded):

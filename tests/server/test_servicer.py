@@ -104,9 +104,13 @@ def test_stop_strings_cut_and_abort(aio, tok, stop):
 
 def test_tokens_limit_and_ignore_eos(aio, tok):
     eng = FakeEngine(script_text(tok, RESPONSE))
-    aio.install(eng, tok)
+    aio.install(eng, tok, max_model_len=64)
     r = aio.stub.Predict(pb.PredictOptions(Prompt="x", Tokens=3))
     assert r.tokens == 3 and r.message.decode() == tok.decode(tok.encode(RESPONSE)[:3])
+    # max_tokens beyond the context (LocalAI configs often set max_tokens == context_size) is capped
+    prompt = tok.encode("Say something")
+    aio.stub.Predict(pb.PredictOptions(Prompt="Say something", Tokens=4096))
+    assert eng.requests[-1][2].max_tokens == 64 - len(prompt)
     aio.stub.Predict(pb.PredictOptions(Prompt="x", IgnoreEOS=True))
     assert eng.requests[-1][2].ignore_eos and eng.requests[-1][2].stop_token_ids == ()
 
