@@ -242,8 +242,9 @@ def main():
     t = time.perf_counter()
     model = random_model(cfg, dev)
     torch.cuda.synchronize()
+    n_params = sum(p.numel() for p in model.parameters())
     print(f"random model: {args.layers} layers ({len(cfg.kda_layers)} KDA, {len(cfg.mla_layers)} MLA), "
-          f"{sum(p.numel() for p in model.parameters()) / 1e9:.1f} B parameters, built in {time.perf_counter() - t:.0f} s")
+          f"{n_params / 1e9:.1f} B parameters, built in {time.perf_counter() - t:.0f} s")
 
     max_bs = max(args.decode_batches)
     max_len = max(args.prefill + [args.decode_context + args.decode_steps + 64]) + 64

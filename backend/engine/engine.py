@@ -201,7 +201,12 @@ class LLMEngine:
             if stop:
                 self._drain_inbox()
                 return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # a bug outside the guarded parts of step(): fail everyone, never hang streams
+                log.exception("engine step crashed")
+                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self._abort(req.request_id, "error", f"engine error: {e!r}")
 
     def _drain_inbox(self) -> bool:
         """Applies pending adds and aborts; -> whether the engine is stopping (everything then aborted)."""

@@ -264,7 +264,7 @@ class EagerGraph:
 
 
 def test_graph_replay_path_with_padding_lanes(tiny_dir):
-    """The decode-graph path (static buffers, padded lanes on slot 0 / page 0) gives the tokens of each request alone."""
+    """The decode-graph path (static buffers, padded lanes on slot 0 / page 0) gives each request's tokens alone."""
     eng = make_engine(tiny_dir, max_num_seqs=7, max_num_batched_tokens=512)
     try:
         r = eng.runner
