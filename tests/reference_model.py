@@ -92,9 +92,11 @@ def moe(x, p, cfg, biased):
     out = []
     for xt in x:
         s = torch.sigmoid(p["gate.weight"] @ xt)
-        idx = torch.topk(s + bias, cfg["num_experts_per_token"]).indices
-        # HF remote code: an in-place += through a view also biases the weighting scores
-        w = (s + bias)[idx] if biased else s[idx]
+        # HF remote code takes a view here, so its in-place += also biases the scores that weight the experts
+        choice = s.view(-1) if biased else s.clone()
+        choice += bias
+        idx = torch.topk(choice, cfg["num_experts_per_token"]).indices
+        w = s[idx]
         if cfg["moe_renormalize"]:
             w = w / (w.sum() + 1e-20)
         w = w * cfg["routed_scaling_factor"]

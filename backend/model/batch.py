@@ -28,6 +28,7 @@ class ForwardBatch:
 
         logits_positions: token indices in the packed batch; None = the last token of every sequence.
         """
+        assert 0 <= num_decodes <= len(seqs)
         assert all(len(s[0]) == 1 for s in seqs[:num_decodes]), "decode sequences carry one token"
         assert all(len(s[0]) >= 1 for s in seqs), "every sequence carries a token"
         lens = [len(ids) for ids, _, _, _ in seqs]
