@@ -71,8 +71,10 @@ def _conv_prefill_kernel(
     i_c = tl.program_id(1).to(tl.int64)
     t = i_t * BT + tl.arange(0, BT).to(tl.int64)                        # [BT]
     c = i_c * BC + tl.arange(0, BC).to(tl.int64)                        # [BC]
-    mt = t < T
     mc = c < C
+    cu0 = tl.load(cu_ptr).to(tl.int64)
+    cuP = tl.load(cu_ptr + P).to(tl.int64)
+    mt = (t >= cu0) & (t < cuP)                                         # tokens outside every sequence -> 0
     # sequence of each token: largest p with cu[p] <= t (binary search over cu_seqlens[0..P])
     lo = tl.zeros([BT], dtype=tl.int64)
     hi = tl.zeros([BT], dtype=tl.int64) + (P - 1)                       # answer in [0, P-1]
@@ -99,7 +101,7 @@ def _conv_prefill_kernel(
         acc += (xv + sv) * wj[None, :]
     y = acc * tl.sigmoid(acc)
     tl.store(y_ptr + t[:, None] * stride_y + c[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=mt[:, None] & mc[None, :])
+             mask=(t < T)[:, None] & mc[None, :])
 
 
 @triton.jit
@@ -168,19 +170,21 @@ def _check_state(x, w, conv_state):
     assert conv_state.stride(2) == 1 and w.is_contiguous()
 
 
-def short_conv_prefill_triton(x, w, conv_state, cu_seqlens, state_slots, has_initial_state=None):
+def short_conv_prefill_triton(x, w, conv_state, cu_seqlens, state_slots, has_initial_state=None, out=None):
+    """Triton varlen prefill; `out` [T, C] (optional) is fully written (zeros outside the sequences)."""
     if x.stride(1) != 1:
         x = x.contiguous()
     _check_state(x, w, conv_state)
     T, C = x.shape
     W = w.shape[1]
     P = state_slots.shape[0]
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if out is None else out
+    assert y.shape == (T, C) and y.stride(1) == 1
     if has_initial_state is None:
         has_initial_state = torch.ones(P, dtype=torch.bool, device=x.device)
     his = has_initial_state.to(torch.int8)
     if P == 0:
-        return y
+        return y.zero_()
     BT, BC = 16, 128
     LOG_P = max(1, (P).bit_length())
     if T > 0:
@@ -197,13 +201,14 @@ def short_conv_prefill_triton(x, w, conv_state, cu_seqlens, state_slots, has_ini
     return y
 
 
-def short_conv_decode_triton(x, w, conv_state, state_slots):
+def short_conv_decode_triton(x, w, conv_state, state_slots, out=None):
     if x.stride(1) != 1:
         x = x.contiguous()
     _check_state(x, w, conv_state)
     N, C = x.shape
     W = w.shape[1]
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if out is None else out
+    assert y.shape == (N, C) and y.stride(1) == 1
     if N == 0:
         return y
     BC = 256

@@ -59,13 +59,13 @@ def _gated_rmsnorm_kernel(
     cols = tl.arange(0, BV)
     n_rows = tl.num_programs(0).to(tl.int64) * ROWS
     cmask = cols < V
-    return_mask = cmask[None, :] & (rows[:, None] < n_rows)
-    o = tl.load(o_ptr + rows[:, None] * stride_o + cols[None, :], mask=return_mask, other=0.0).to(tl.float32)
-    r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=return_mask, other=0.0).to(tl.float32)
+    mask = cmask[None, :] & (rows[:, None] < n_rows)
+    o = tl.load(o_ptr + rows[:, None] * stride_o + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / V + eps)                 # [ROWS]
     y = o * rstd[:, None] * w[None, :] * tl.sigmoid(r)
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=return_mask)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------- wrappers
@@ -84,7 +84,8 @@ def rmsnorm_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     return y.reshape(shape)
 
 
-def gated_rmsnorm_triton(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rmsnorm_triton(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     shape = o.shape
     V = w.numel()
     o2 = o.reshape(-1, V)
@@ -93,7 +94,11 @@ def gated_rmsnorm_triton(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps:
         o2 = o2.contiguous()
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
-    y = torch.empty(o2.shape, dtype=o.dtype, device=o.device)
+    if out is None:
+        y = torch.empty(o2.shape, dtype=o.dtype, device=o.device)
+    else:
+        y = out.view(o2.shape)
+        assert y.stride(-1) == 1 and y.stride(0) == V
     R = o2.shape[0]
     if R == 0:
         return y.reshape(shape)
@@ -103,7 +108,7 @@ def gated_rmsnorm_triton(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps:
         ROWS *= 2
     _gated_rmsnorm_kernel[(R // ROWS,)](o2, r2, w, y, o2.stride(0), r2.stride(0), y.stride(0), V, eps,
                                         BV=BV, ROWS=ROWS, num_warps=4)
-    return y.reshape(shape)
+    return y.reshape(shape) if out is None else out
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

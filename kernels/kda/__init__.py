@@ -80,8 +80,10 @@ def kda_prefill(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state,
 
 
 def kda_prefill_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
-                       cu_seqlens, state_slots, has_initial_state: Optional[torch.Tensor] = None):
-    """Triton path: conv kernels -> chunk_kda_fwd (kernels/kda/chunk.py) -> gated RMSNorm kernel."""
+                       cu_seqlens, state_slots, has_initial_state: Optional[torch.Tensor] = None,
+                       out: Optional[torch.Tensor] = None):
+    """Triton path: conv kernels -> chunk_kda_fwd (kernels/kda/chunk.py) -> gated RMSNorm kernel.
+    `out` [T, H*V] (optional) is fully written; tokens outside [cu[0], cu[-1]) get zeros."""
     H, K, V = _dims(z, b, r)
     T = qkv.shape[0]
     if has_initial_state is None:
@@ -95,7 +97,8 @@ def kda_prefill_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv
     else:  # until kernels/kda/chunk.py lands: torch chunk reference (host syncs; correct, slow)
         o = kda_core_ref(q, k, v, z, A_log, dt_bias, b, K ** -0.5, rec_state, cu_seqlens, state_slots,
                          has_initial_state)
-    return gated_rmsnorm_triton(o, r.reshape(T, H, V), o_norm_w, eps).reshape(T, H * V)
+    y = gated_rmsnorm_triton(o, r.reshape(T, H, V), o_norm_w, eps, out=out)
+    return y.reshape(T, H * V)
 
 
 # --------------------------------------------------------------------------------------------------- decode

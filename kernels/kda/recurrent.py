@@ -164,8 +164,9 @@ def _pick_bv(N: int, H: int, V: int) -> int:
 
 def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state, state_slots,
                       BV: Optional[int] = None, num_warps: Optional[int] = None,
-                      o_scratch: Optional[torch.Tensor] = None):
-    """Fused KDA decode step (see module doc). Shapes as kernels.kda.kda_decode. Returns [N, H*V] (qkv.dtype)."""
+                      o_scratch: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None):
+    """Fused KDA decode step (see module doc). Shapes as kernels.kda.kda_decode. Returns [N, H*V] (qkv.dtype),
+    written into `out` when given (every element is written, padded lanes get zeros)."""
     N = qkv.shape[0]
     H = b.shape[-1]
     K = z.shape[-1] // H
@@ -182,7 +183,9 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
     assert A_log.dtype == torch.float32 and dt_bias.dtype == torch.float32
     for t in (qkv, z, b, r):
         assert t.stride(-1) == 1
-    out = torch.empty(N, H * V, dtype=qkv.dtype, device=qkv.device)
+    if out is None:
+        out = torch.empty(N, H * V, dtype=qkv.dtype, device=qkv.device)
+    assert out.shape == (N, H * V) and out.stride(1) == 1
     if N == 0:
         return out
     BK = triton.next_power_of_2(K)

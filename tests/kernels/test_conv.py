@@ -127,3 +127,23 @@ def test_conv_kimi_gpu(lens):
     sl = (torch.randperm(79, device=DEV)[:64] + 1).to(torch.int32)
     assert_close("decode", short_conv_decode_triton(xd, w, s_tri, sl), short_conv_decode_ref(xd, w, s_ref, sl), 5e-3)
     assert torch.equal(s_ref, s_tri)
+
+
+def test_outputs_fully_written_and_uncovered_tokens():
+    # NaN-prefilled outputs come back fully written; tokens outside [cu[0], cu[-1]) are zero and read nothing
+    C, T = 40, 12
+    x, w, state = _setup([T], C)
+    cu = torch.tensor([2, 3, 9], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([1, 4], dtype=torch.int32, device=DEV)
+    his = torch.tensor([True, False], device=DEV)
+    s_ref, s_tri = state.clone(), state.clone()
+    out = torch.full((T, C), float("nan"), device=DEV)
+    y = short_conv_prefill_triton(x, w, s_tri, cu, slots, his, out=out)
+    y_ref = short_conv_prefill_ref(x, w, s_ref, cu, slots, his)
+    assert y is out and torch.isfinite(out).all()
+    assert torch.equal(out[:2], torch.zeros_like(out[:2])) and torch.equal(out[9:], torch.zeros_like(out[9:]))
+    assert_close("y", out, y_ref, 1e-5)
+    assert torch.equal(s_tri, s_ref)
+    outd = torch.full((2, C), float("nan"), device=DEV)
+    short_conv_decode_triton(x[:2], w, s_tri, slots, out=outd)
+    assert_close("decode", outd, short_conv_decode_ref(x[:2], w, s_ref, slots), 1e-5)

@@ -69,7 +69,7 @@ def test_decode_tile_sizes(BV):
     slots = _i32([4, 1, 0, 2])
     A, B = _clone(L), _clone(L)
     y_ref = _decode(kda_decode_ref, A, tok, slots)
-    y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV)
+    y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV, out=torch.full((N, H * V), float("nan"), device=DEV))
     assert_close("o", y_tri, y_ref, 2e-5)
     assert_close("state", B["rec_state"][1:], A["rec_state"][1:], 1e-5)
     assert torch.equal(B["conv_state"], A["conv_state"])
@@ -88,8 +88,9 @@ def test_padded_lanes_and_poison():
     tok = make_kda_tokens(5, H, K, V, device=DEV)
     slots = _i32([3, 0, 1, 0, 2])
     B = _clone(L)
-    y = _decode(kda_decode_triton, B, tok, slots)
-    assert torch.isfinite(y).all()
+    out = torch.full((5, H * V), float("nan"), device=DEV)       # NaN-prefilled output comes back fully written
+    y = _decode(kda_decode_triton, B, tok, slots, out=out)
+    assert y is out and torch.isfinite(y).all()
     assert torch.equal(y[1], torch.zeros_like(y[1])) and torch.equal(y[3], torch.zeros_like(y[3]))
     for s in (0, 4, 5, 6, 7):
         assert_bits_equal(f"rec slot {s}", B["rec_state"][s], L["rec_state"][s])

@@ -109,6 +109,28 @@ def test_prefill_vs_ref(lens, dtype):
 
 
 @requires_triton
+def test_strong_gates_uncovered_tokens_and_out():
+    # gates far below -20 per step (exp(A_log) = 20, |z| up to ~100); cu_seqlens not covering all tokens;
+    # NaN-prefilled output comes back fully written (zeros outside the sequences)
+    H, K, V, S = 2, 16, 16, 4
+    L = make_kda_layer(H, K, V, S, device=DEV)
+    L["A_log"] = torch.tensor([3.0, 0.5], device=DEV)
+    tok = make_kda_tokens(75, H, K, V, device=DEV, z_scale=30.0)
+    cu = _i32([1, 2, 72])
+    slots = _i32([1, 3])
+    his = torch.tensor([True, False], device=DEV)
+    A, B = _clone(L), _clone(L)
+    y_ref = _prefill(kda_prefill_ref, A, tok, cu, slots, his)
+    out = torch.full((75, H * V), float("nan"), device=DEV)
+    y = _prefill(kda_prefill_triton, B, tok, cu, slots, his, out=out)
+    assert torch.isfinite(out).all() and torch.isfinite(B["rec_state"]).all()
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[72:], torch.zeros_like(out[72:]))
+    assert_close("o", y, y_ref, 2e-4)
+    assert_close("rec", B["rec_state"], A["rec_state"], 2e-4)
+    assert torch.equal(B["conv_state"], A["conv_state"])
+
+
+@requires_triton
 def test_split_prefill_equals_one_shot():
     H, K, V, S, T = 2, 16, 16, 3, 130
     L = make_kda_layer(H, K, V, S, device=DEV)

@@ -67,3 +67,13 @@ def test_gated_rmsnorm_kimi_gpu(T):
     x = torch.randn(T, 2304, device="cuda", dtype=torch.bfloat16)
     wx = torch.rand(2304, device="cuda", dtype=torch.bfloat16)
     assert_close("rms", rmsnorm_triton(x, wx, 1e-5), rmsnorm_ref(x, wx, 1e-5), 5e-3)
+
+
+def test_gated_rmsnorm_out_fully_written():
+    o = torch.randn(3, 2, 16, device=DEV)
+    r = torch.randn(3, 2, 16, device=DEV)
+    w = torch.randn(16, device=DEV)
+    out = torch.full((3, 32), float("nan"), device=DEV)
+    y = gated_rmsnorm_triton(o, r, w, 1e-5, out=out)
+    assert y is out and torch.isfinite(out).all()
+    assert_close("out", out.view(3, 2, 16), gated_rmsnorm_ref(o, r, w, 1e-5), 1e-5)
