@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import shutil
 import struct
@@ -179,3 +180,16 @@ def test_tied_embeddings(tmp_path):
     batch = ForwardBatch.build([(ids, 0, 1, [1])], 0, 16, "cpu", logits_positions=list(range(4)))
     logits = model.compute_logits(model(batch, model.allocate_cache(2, 2, 16)), batch.logits_index)
     torch.testing.assert_close(logits.double(), reference_logits(path, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_plan_matches_official_inventory():
+    from backend.config import ModelConfig
+    from backend.model.loader import checkpoint_plan
+    from tests.model.test_config import OFFICIAL
+
+    plan = checkpoint_plan(ModelConfig.from_dict(OFFICIAL))
+    # kimi-linear.md §2: 20,493 tensors, 49,122,681,728 parameters
+    assert len(plan) == 20493
+    assert sum(math.prod(t.shape) for t in plan.values()) == 49_122_681_728
+    assert plan["model.layers.3.self_attn.kv_b_proj.weight"].shape == (8192, 512)
+    assert plan["model.layers.0.self_attn.A_log"].shape == (1, 1, 32, 1)
