@@ -74,9 +74,9 @@ def _fla_fn(L, tok, slots):
         return None
     N = tok["qkv"].shape[0]
     qkv = tok["qkv"]
-    q = qkv[:, : H * K].reshape(1, N, H, K)
-    k = qkv[:, H * K: 2 * H * K].reshape(1, N, H, K)
-    v = qkv[:, 2 * H * K:].reshape(1, N, H, V)
+    q = qkv[:, : H * K].reshape(1, N, H, K).contiguous()     # fla indexes token-contiguous tensors
+    k = qkv[:, H * K: 2 * H * K].reshape(1, N, H, K).contiguous()
+    v = qkv[:, 2 * H * K:].reshape(1, N, H, V).contiguous()
     g = tok["z"].reshape(1, N, H, K)
     beta = tok["b"].reshape(1, N, H)
     cu = torch.arange(N + 1, dtype=torch.int32, device="cuda")
