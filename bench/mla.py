@@ -3,6 +3,7 @@
     python bench/mla.py                 # decode grid + extend + a small config/split sweep
     python bench/mla.py --quick         # fewer shapes, no sweep
     python bench/mla.py --no-sweep --no-dense
+    python bench/mla.py --ptxas         # no GPU needed: compile for sm_90 offline, print smem / regs / spills
 
 Decode: B in {1, 8, 64, 128} x S in {1k, 8k, 64k, 128k}; effective bandwidth = cache bytes read (1152 B per key) /
 time, beside the device copy bandwidth measured in this run, a dense torch implementation (gather + matmul) and
@@ -188,13 +189,82 @@ def check_small():
     assert e < 1e-2
 
 
+def ptxas_report(arch=90):
+    """Compile the kernels for sm_<arch> without a GPU (Triton's bundled ptxas) and print resource usage, for the
+    configurations in DECODE_CFG / EXTEND_CFG and a few alternatives. Strides and pointers get the 16-byte
+    divisibility the JIT infers for the Kimi shapes."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+
+    def build(fn, ptrs, consts, num_warps, num_stages, label):
+        floats = {"qk_scale"}
+        sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
+        div = [n for n in fn.arg_names if n not in consts and n not in floats and n != "num_splits"]
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
+        cexpr = {(fn.arg_names.index(k),): v for k, v in consts.items()}
+        k = triton.compile(
+            ASTSource(fn=fn, signature=sig, constexprs=cexpr, attrs=attrs),
+            target=target,
+            options=dict(num_warps=num_warps, num_stages=num_stages),
+        )
+        ptx = k.asm["ptx"]
+        mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
+        res = "?"
+        try:
+            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+                f.write(k.asm["cubin"])
+            out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+            res = " ".join(x.strip().split(" SHARED")[0] for x in out.splitlines() if "REG" in x)
+            os.unlink(f.name)
+        except OSError:
+            pass
+        print(f"{label:<60} smem {k.metadata.shared / 1024:6.1f} KB  {res:<22} {mma:<8} cp.async {ptx.count('cp.async.cg')}")
+
+    for dtn, dts in (("16bit", "*bf16"), ("fp32", "*fp32")):
+        ieee = dtn == "fp32"
+        dcfgs = [dec.DECODE_CFG[dtn]]
+        ecfgs = [ext.EXTEND_CFG[dtn]]
+        if not ieee:
+            dcfgs += [dict(block_h=32, block_n=32, num_warps=8, num_stages=3), dict(block_h=16, block_n=64, num_warps=4, num_stages=2)]
+            ecfgs += [dict(rows=64, block_n=32, num_warps=8, num_stages=2)]
+        for c in dcfgs:
+            build(
+                dec._mla_decode_stage1,
+                dict(q_ptr=dts, qpe_ptr=dts, cache_ptr=dts, bt_ptr="*i32", seqlen_ptr="*i32", out_ptr=dts,
+                     opart_ptr="*fp32", lse_ptr="*fp32"),
+                dict(L=L, R=R, BLOCK_L=L, BLOCK_R=R, BS=BS, BLOCK_N=c["block_n"], BLOCK_H=c["block_h"], MIN_TILES=4,
+                     DIRECT=False, IEEE=ieee, UPCAST=False),
+                c["num_warps"], c["num_stages"], f"decode {dtn} {c}",
+            )
+        for c in ecfgs:
+            bh = min(H, c["rows"])
+            build(
+                ext._mla_extend_kernel,
+                dict(q_ptr=dts, qpe_ptr=dts, cache_ptr=dts, bt_ptr="*i32", cu_ptr="*i32", seqlen_ptr="*i32",
+                     out_ptr=dts),
+                dict(L=L, R=R, BLOCK_L=L, BLOCK_R=R, BS=BS, BLOCK_N=c["block_n"], BLOCK_T=c["rows"] // bh,
+                     BLOCK_H=bh, IEEE=ieee, UPCAST=False),
+                c["num_warps"], c["num_stages"], f"extend {dtn} {c}",
+            )
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--ptxas", action="store_true", help="offline sm_90 compile report (no GPU)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--no-flashinfer", action="store_true")
     args = ap.parse_args()
+    if args.ptxas:
+        ptxas_report()
+        return
     torch.manual_seed(0)
     dev = torch.cuda.get_device_properties(0)
     print(f"device: {dev.name}, {dev.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")

@@ -21,8 +21,10 @@ MIN_SPLIT_TOKENS = 256  # smallest split worth a program (keys)
 MAX_SPLITS = 256
 
 # GPU tile configuration (Hopper, L=512/R=64), per cache dtype: BLOCK_H heads share each K tile of BLOCK_N tokens.
-# bf16 (32, 64, 8 warps, 2 stages): 135 KB smem, 255 regs (ptxas, sm_90, Triton 3.9); (32, 32, 8, 3): 86 KB, 188 regs.
-# fp32 (tests only; IEEE dots run on FMA units): BLOCK_N 32, 1 stage = 147 KB smem. bench/mla.py sweeps these.
+# ptxas for sm_90 (Triton 3.9, 16-byte-divisible strides as the JIT specialises them; `python bench/mla.py --ptxas`):
+# bf16 (32, 64, 8 warps, 2 stages): 115 KB smem, 194 regs, no spill, 16-byte cp.async pipelined tiles;
+# (32, 32, 8, 3): 76 KB, 172 regs. fp32 (tests only; IEEE dots run on FMA units, spill): BLOCK_N 32, 1 stage = 147 KB.
+# bench/mla.py sweeps these on the GPU.
 DECODE_CFG = {
     "16bit": dict(block_h=32, block_n=64, num_warps=8, num_stages=2),
     "fp32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1),
@@ -234,8 +236,8 @@ def _gpu_cfg(table, dtype):
 
 
 def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: int = 32, num_sms: int = 132) -> int:
-    """Host heuristic from shapes only (graph-capturable). The bf16 stage-1 config holds one program per SM (135 KB
-    smem, 255 regs x 256 threads), so aim at one full wave: floor(#SM / (batch * head_blocks)) splits (at least 1),
+    """Host heuristic from shapes only (graph-capturable). The bf16 stage-1 config holds one program per SM (115 KB
+    smem, 194 regs x 256 threads), so aim at one full wave: floor(#SM / (batch * head_blocks)) splits (at least 1),
     at most one split per MIN_SPLIT_TOKENS keys of the longest possible sequence (max_blocks * block_size), at most
     MAX_SPLITS. Short sequences use fewer splits at run time (split length >= MIN_SPLIT_TOKENS)."""
     head_blocks = triton.cdiv(num_heads, _block_h(num_heads))

@@ -13,8 +13,9 @@ import triton.language as tl
 
 from .decode import LOG2E, _dot, _gpu_cfg, _upcast
 
-# rows = BLOCK_T * BLOCK_H. ptxas (sm_90, Triton 3.9), bf16: rows 32 / BLOCK_N 32 / 8 warps / 3 stages = 86 KB smem,
-# 254 regs, no spill; rows 64 uses wgmma but spills (255 regs + 400..2000 B stack). bench/mla.py sweeps these.
+# rows = BLOCK_T * BLOCK_H. ptxas (sm_90, Triton 3.9, `python bench/mla.py --ptxas`), bf16: rows 32 / BLOCK_N 32 /
+# 8 warps / 3 stages = 76 KB smem, 172 regs, no spill (mma.sync); rows 64 / 2 stages uses wgmma, 147 KB, 255 regs +
+# 64 B stack. bench/mla.py times both.
 EXTEND_CFG = {
     "16bit": dict(rows=32, block_n=32, num_warps=8, num_stages=3),
     "fp32": dict(rows=32, block_n=32, num_warps=8, num_stages=1),
