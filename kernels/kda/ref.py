@@ -110,8 +110,8 @@ def kda_chunk_ref(
     beta: torch.Tensor,
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = True,
     chunk_size: int = 64,
+    output_final_state: bool = True,
     use_qk_l2norm: bool = False,
 ):
     """Chunked WY/UT form (spec §1.2), mathematically identical to kda_recurrent_ref.
