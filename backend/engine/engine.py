@@ -8,7 +8,7 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from backend.engine.memory import BlockPool, StatePool
 from backend.engine.request import Request, RequestOutput, SamplingParams
@@ -110,7 +110,10 @@ class RequestStream:
 class LLMEngine:
     def __init__(self, runner, cfg: EngineConfig, start: bool = True):
         """start=False: no engine thread; the caller drives `step()` (benchmarks, tests)."""
-        self.cfg = cfg
+        # the settings in effect, "auto" values resolved by the runner
+        self.cfg = replace(cfg, dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device),
+                           max_model_len=runner.max_model_len, max_num_seqs=runner.max_num_seqs,
+                           num_blocks=runner.num_blocks, num_slots=runner.num_slots)
         self.runner = runner
         self.vocab_size = runner.vocab_size
         self.max_model_len = runner.max_model_len
