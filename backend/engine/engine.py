@@ -49,6 +49,9 @@ class EngineConfig:
         for name in ("max_model_len", "num_blocks", "num_slots", "max_graph_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every running sequence needs a token each step")
         if self.num_blocks == 1 or self.num_slots == 1:
             raise ValueError("num_blocks and num_slots count the null page/slot: use 0 (auto) or >= 2")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
