@@ -185,7 +185,7 @@ def short_conv_prefill_triton(x, w, conv_state, cu_seqlens, state_slots, has_ini
     his = has_initial_state.to(torch.int8)
     if P == 0:
         return y.zero_()
-    BT, BC = 16, 128
+    BT, BC = 32, 128
     LOG_P = max(1, (P).bit_length())
     if T > 0:
         _conv_prefill_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
