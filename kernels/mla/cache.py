@@ -36,7 +36,7 @@ def store_latent_triton(latent: torch.Tensor, cache: torch.Tensor, slot_mapping:
         return
     if latent.stride(1) != 1:
         latent = latent.contiguous()
-    slot_mapping = slot_mapping.to(torch.int64)
+    slot_mapping = slot_mapping.to(torch.int64).contiguous()
     _store_latent_kernel[(T,)](
         latent,
         cache,

@@ -272,10 +272,10 @@ def mla_decode_triton(
         q_lat = q_lat.contiguous()
     if q_pe.stride(2) != 1:
         q_pe = q_pe.contiguous()
-    if block_table.dtype != torch.int32:
-        block_table = block_table.to(torch.int32)
-    if seq_lens.dtype != torch.int32:
-        seq_lens = seq_lens.to(torch.int32)
+    if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+        block_table = block_table.to(torch.int32).contiguous()
+    if seq_lens.dtype != torch.int32 or seq_lens.stride(0) != 1:
+        seq_lens = seq_lens.to(torch.int32).contiguous()
     if out is None:
         out = torch.empty(N, H, L, dtype=q_lat.dtype, device=q_lat.device)
     assert out.shape == (N, H, L) and out.stride(2) == 1
