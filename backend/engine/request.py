@@ -52,8 +52,8 @@ class SamplingParams:
         for t, b in self.logit_bias.items():
             if not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise ValueError(f"logit_bias: {t!r} is not a token id in [0, {vocab_size})")
-            if not isinstance(b, (int, float)) or math.isnan(b):
-                raise ValueError(f"logit_bias[{t}] must be a number, got {b!r}")
+            if not isinstance(b, (int, float)) or not math.isfinite(b):
+                raise ValueError(f"logit_bias[{t}] must be a finite number, got {b!r}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
 
