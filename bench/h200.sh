@@ -17,13 +17,13 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/gpu.txt"
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest tests/kernels -m gpu -q -x --timeout=600 -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu_tests.log" \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest ${TEST_PATHS:-tests} -m gpu -q --timeout=120 -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu_tests.log" \
     || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for b in ${BENCHES:-kda mla moe}; do
     [ -f bench/$b.py ] || continue
-    echo "== bench/$b.py"; timeout ${BENCH_TIMEOUT:-240} python3 bench/$b.py 2>&1 | tee "$OUT/bench_$b.log" || rc=1
+    args_var="ARGS_$b"; echo "== bench/$b.py ${!args_var:-}"; timeout ${BENCH_TIMEOUT:-240} python3 bench/$b.py ${!args_var:-} 2>&1 | tee "$OUT/bench_$b.log" || rc=1
   done
 fi
 exit $rc
