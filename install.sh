@@ -92,6 +92,13 @@ fi
 
 if [ -n "${libbackend}" ] && [ "x${KIMI_STANDALONE:-}" != "xtrue" ]; then
     cd "${backend_dir}"
+    # libbackend's default interpreter is 3.10; the backend is developed and tested on 3.11/3.12, and 3.12.12
+    # (python-build-standalone 20251120) is the portable build LocalAI already uses for its l4t13 images.
+    if [ -z "${PYTHON_VERSION:-}" ]; then
+        PYTHON_VERSION="3.12"
+        PYTHON_PATCH="12"
+        PY_STANDALONE_TAG="20251120"
+    fi
     # shellcheck disable=SC1090
     source "${libbackend}"
     if [ "${1:-}" == "--protogen" ]; then

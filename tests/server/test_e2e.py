@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 
+from backend.toolcalls import parse_tool_calls
 from server_harness import BackendProcess, pb
 
 N = 16
@@ -62,7 +63,8 @@ def reference(ckpt):
     def greedy(prompt, n=N):
         with torch.no_grad():
             ids = greedy_generate(model, tok.encode(prompt), n, stop_ids=tuple(tok.eos_token_ids))
-        return ids, tok.decode([i for i in ids if i not in tok.eos_token_ids])
+        # the server splits Kimi tool-call markup off the content (random weights rarely emit it)
+        return ids, parse_tool_calls(tok.decode([i for i in ids if i not in tok.eos_token_ids]))[0]
 
     return tok, greedy
 
@@ -156,9 +158,7 @@ def test_chat_request_through_template(loaded, reference):
     r = loaded.stub.Predict(pb.PredictOptions(UseTokenizerTemplate=True, Tokens=N,
                                               Messages=[pb.Message(role="user", content="What is Kimi?")]))
     assert r.prompt_tokens == len(tok.encode(prompt))
-    # tool-call markup (none expected from random weights) would be split off; plain text must match
-    if "<|tool_calls_section_begin|>" not in text:
-        assert r.message.decode() == text
+    assert r.message.decode() == text
 
 
 def req(prompt="Once upon a time", n=N, **kw):
