@@ -283,6 +283,8 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             ids = prompt_ids(request, loaded.tok)
         except (TemplateError, TokenizerError) as e:
             raise BadRequest(str(e)) from None
+        if request.Grammar:
+            log.warning("Grammar constraints are not supported by this backend; generating unconstrained")
         params, stops = sampling_params(request, loaded.tok.eos_token_ids, loaded.spec.default_max_tokens,
                                         loaded.spec.engine.get("seed"))
         params.validate(loaded.vocab_size)

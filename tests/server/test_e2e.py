@@ -307,3 +307,12 @@ def test_free_then_predict_is_failed_precondition(loaded):
         loaded.stub.Predict(pb.PredictOptions(Prompt="hi"))
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert loaded.stub.Health(pb.HealthMessage()).message == b"OK"
+
+
+def test_sigterm_stops_promptly(tmp_path):
+    p = BackendProcess(str(tmp_path / "sigterm.log"))
+    try:
+        p.proc.terminate()
+        assert p.proc.wait(15) == 0, p.read_log()
+    finally:
+        p.close()
