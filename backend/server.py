@@ -309,6 +309,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             error = str(e)
         if error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        pipe = _Pipeline(loaded.tok, stops, loaded.spec.tool_parser != "none")
         try:
             stream = loaded.engine.add_request(ids, params)
         except ValueError as e:
@@ -319,7 +320,6 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         if error is not None:
             await context.abort(*error)
 
-        pipe = _Pipeline(loaded.tok, stops, loaded.spec.tool_parser != "none")
         request_id = getattr(stream, "request_id", None)
         finished = False
         self._active += 1
