@@ -96,6 +96,16 @@ class Pool:
         sl = torch.full((B,), S, dtype=torch.int32, device="cuda")
         return bt, sl
 
+    def tables_varlen(self, lens):
+        """Mixed lengths; block_table width = the longest (unused entries = page 0)."""
+        mb = triton.cdiv(max(lens), BS)
+        B = len(lens)
+        perm = torch.randperm(self.nb - 1, device="cuda")[: B * mb] + 1
+        bt = perm.view(B, mb).to(torch.int32)
+        for i, s in enumerate(lens):
+            bt[i, triton.cdiv(s, BS) :] = 0
+        return bt, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
 
 def dense_decode(q_lat, q_pe, cache, bt, sl, scale):
     """Gather the pages into a contiguous [B, S, 576] tensor, then two bmm (equal lengths only)."""
@@ -205,7 +215,7 @@ def ptxas_report(arch=90):
     def build(fn, ptrs, consts, num_warps, num_stages, label):
         floats = {"qk_scale"}
         sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
-        div = [n for n in fn.arg_names if n not in consts and n not in floats and n != "num_splits"]
+        div = [n for n in fn.arg_names if n not in consts and n not in floats and n not in ("N", "G")]
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
         cexpr = {(fn.arg_names.index(k),): v for k, v in consts.items()}
         k = triton.compile(
@@ -238,9 +248,16 @@ def ptxas_report(arch=90):
                 dec._mla_decode_stage1,
                 dict(q_ptr=dts, qpe_ptr=dts, cache_ptr=dts, bt_ptr="*i32", seqlen_ptr="*i32", out_ptr=dts,
                      opart_ptr="*fp32", lse_ptr="*fp32"),
-                dict(L=L, R=R, BLOCK_L=L, BLOCK_R=R, BS=BS, BLOCK_N=c["block_n"], BLOCK_H=c["block_h"], MIN_TILES=4,
-                     DIRECT=False, IEEE=ieee, UPCAST=False),
+                dict(L=L, R=R, BLOCK_L=L, BLOCK_R=R, BS=BS, BLOCK_N=c["block_n"], BLOCK_H=c["block_h"], BLOCK_B=128,
+                     MIN_TILES=4, DIRECT=False, IEEE=ieee, UPCAST=False),
                 c["num_warps"], c["num_stages"], f"decode {dtn} {c}",
+            )
+        if not ieee:
+            build(
+                dec._mla_decode_stage2,
+                dict(seqlen_ptr="*i32", opart_ptr="*fp32", lse_ptr="*fp32", out_ptr=dts),
+                dict(L=L, BLOCK_N=64, BLOCK_B=128, MIN_TILES=4, BLOCK_S=32, BLOCK_L2=128),
+                4, 2, "decode stage 2 (merge)",
             )
         for c in ecfgs:
             bh = min(H, c["rows"])
@@ -355,6 +372,36 @@ def main():
             f"| {r['B']} | {r['S']} | {r['ns']} | {r['tr'] * 1e6:.1f} | {bw(r['tr'])} | {r['g'] * 1e6:.1f} | "
             f"{bw(r['g'])} | {bw(r['dense'])} | {bw(r['fi'])} | {vs} |"
         )
+
+    # ------------------------------------------------------------------ mixed lengths
+    print("\n== decode, mixed lengths (balanced schedule vs one program per sequence) ==")
+    mixes = {
+        "1x128k + 63x2k": [131072] + [2048] * 63,
+        "8x32k + 120x1k": [32768] * 8 + [1024] * 120,
+        "4x8k + 28x512": [8192] * 4 + [512] * 28,
+    }
+    for name, lens in mixes.items():
+        if sum(lens) + 1024 > pool.nb * BS:
+            continue
+        bt, sl = pool.tables_varlen(lens)
+        B = len(lens)
+        q = torch.randn(B, H, L, device="cuda").to(DT)
+        qp = torch.randn(B, H, R, device="cuda").to(DT)
+        nbytes = sum(lens) * ROW_BYTES
+        ns = default_num_splits(B, bt.shape[1], BS, H, dev.multi_processor_count)
+        res = {}
+        for label, k in (("default", ns), ("splits=1", 1)):
+            res[label] = bench(lambda: mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, num_splits=k))
+        line = f"{name:<18} " + "  ".join(f"{k} {t * 1e6:.1f} us {nbytes / t / 1e12:.2f} TB/s" for k, t in res.items())
+        if fi is not None:
+            try:
+                fi.plan(bt, sl, torch.ones(B, dtype=torch.int32, device="cuda"), causal=False)
+                fi.run(q, qp, pool.cache)
+                t = bench(lambda: fi.run(q, qp, pool.cache))
+                line += f"  flashinfer {t * 1e6:.1f} us {nbytes / t / 1e12:.2f} TB/s"
+            except Exception as e:  # noqa: BLE001
+                line += f"  flashinfer failed: {type(e).__name__}"
+        print(line, flush=True)
 
     # ------------------------------------------------------------------ extend
     print("\n== extend (bf16, causal) ==")

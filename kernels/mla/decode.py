@@ -1,14 +1,19 @@
-"""Paged absorbed-MLA decode (one query token per sequence), split-KV + LSE merge.
+"""Paged absorbed-MLA decode (one query token per sequence), split-KV with a balanced schedule + LSE merge.
 
-Stage 1, grid (N, head_blocks, num_splits): a program owns BLOCK_H heads of one sequence and one contiguous range of
-key tiles. Each BLOCK_N x (L + R) latent tile is loaded once and feeds both ``S = q_lat c^T + q_pe kpe^T``
-([BLOCK_H x BLOCK_N] tl.dot, MQA: one K row for all heads) and ``acc += P c`` (c = first L columns of the same tile).
-Online softmax in base 2 (scale * log2(e) folded in), fp32 accumulation. With one split the program writes the final
-output directly; otherwise it writes the normalised partial and its LSE, and stage 2 merges the non-empty splits.
+Stage 1: a program owns BLOCK_H heads and one work unit (a contiguous range of key tiles of one sequence). Each
+BLOCK_N x (L + R) latent tile is loaded once and feeds both ``S = q_lat c^T + q_pe kpe^T`` ([BLOCK_H x BLOCK_N]
+tl.dot, MQA: one K row for all heads) and ``acc += P c`` (c = first L columns of the same tile). Online softmax in
+base 2 (scale * log2(e) folded in), fp32 accumulation.
 
-Graph capture: the grid depends only on N, H and ``num_splits`` (a host int fixed at capture; the default comes from
-``block_table.shape`` and N). The actual split length is computed on the device from ``seq_lens`` (at least
-MIN_SPLIT_TOKENS keys per split); splits past the sequence end exit at once and are skipped by the merge.
+* ``num_splits == 1``: grid (N, head_blocks), one program per sequence writes the final output (zeros if empty).
+* ``num_splits = k > 1``: work budget G = N * k. Every program derives the same schedule from ``seq_lens`` on the
+  device (_unit_plan): one split length for the whole batch, ``max(MIN_SPLIT_TOKENS, total keys / G)``, so a long
+  sequence gets many units and short ones few, and all units cost about the same (FlashMLA-style balance, mixed
+  lengths included). At most G + N units: grid (G + N, head_blocks); programs without a unit exit at once. Units
+  write a normalised fp32 partial and its LSE; stage 2 (grid (N, H, L / 128)) merges a sequence's non-empty units.
+
+Graph capture: grids depend only on N, H and ``num_splits`` (a host int fixed at capture; the default comes from
+N and ``block_table.shape``); lengths are read on the device only. No host sync.
 """
 import os
 
@@ -45,6 +50,27 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _unit_plan(seqlen_ptr, N, G, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
+    """Balanced split schedule, computed identically by every program from seq_lens (no host sync).
+
+    A split length (in key tiles) common to the batch, ``max(MIN_TILES, cdiv(total_tiles, G))``, cuts sequence b into
+    ``nsp_b = cdiv(tiles_b, split)`` work units of ``slen_b = cdiv(tiles_b, nsp_b)`` tiles (the last may be short or,
+    rarely, empty). Units are numbered sequence after sequence from ``first_b``; there are at most G + N of them."""
+    offs_b = tl.arange(0, BLOCK_B)
+    bm = offs_b < N
+    lens = tl.load(seqlen_ptr + offs_b, mask=bm, other=0)
+    lens = tl.maximum(lens, 0)
+    tiles = (lens + BLOCK_N - 1) // BLOCK_N
+    total = tl.sum(tiles, 0)
+    split = tl.maximum((total + G - 1) // G, MIN_TILES)
+    nsp = (tiles + split - 1) // split
+    slen = (tiles + tl.maximum(nsp, 1) - 1) // tl.maximum(nsp, 1)
+    last = tl.cumsum(nsp, 0)  # inclusive
+    first = last - nsp
+    return offs_b, bm, lens, tiles, nsp, slen, first, last
+
+
+@triton.jit
 def _mla_decode_stage1(
     q_ptr,
     qpe_ptr,
@@ -54,8 +80,9 @@ def _mla_decode_stage1(
     out_ptr,
     opart_ptr,
     lse_ptr,
+    N,
     H,
-    num_splits,
+    G,
     qk_scale,  # scale * log2(e)
     s_qn,
     s_qh,
@@ -66,11 +93,9 @@ def _mla_decode_stage1(
     s_btn,
     s_on,
     s_oh,
-    s_wn,
+    s_wu,
     s_wh,
-    s_ws,
-    s_ln,
-    s_lh,
+    s_lu,
     L: tl.constexpr,
     R: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -78,22 +103,29 @@ def _mla_decode_stage1(
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     MIN_TILES: tl.constexpr,
     DIRECT: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    n = tl.program_id(0)
+    u = tl.program_id(0)  # DIRECT: the sequence; else the work unit
     hb = tl.program_id(1)
-    sid = tl.program_id(2)
-
-    seq_len = tl.load(seqlen_ptr + n)
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tps = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_TILES)
-    t_begin = sid * tps
-    t_end = tl.minimum(t_begin + tps, n_tiles)
-    # Empty splits are skipped by the merge (never written); with one split the program always writes (zeros if empty).
-    active = (t_end > t_begin) | (num_splits == 1)
+    if DIRECT:
+        n = u
+        seq_len = tl.load(seqlen_ptr + n)
+        t_begin = 0
+        t_end = tl.cdiv(seq_len, BLOCK_N)
+        active = n >= 0  # always: writes zeros for empty sequences
+    else:
+        offs_b, bm, lens, tiles, nsp, slen, first, last = _unit_plan(seqlen_ptr, N, G, BLOCK_B, BLOCK_N, MIN_TILES)
+        n = tl.sum(tl.where(bm & (last <= u), 1, 0), 0)  # sequence holding unit u (N: none)
+        sel = offs_b == n
+        seq_len = tl.sum(tl.where(sel, lens, 0), 0)
+        sl = tl.sum(tl.where(sel, slen, 0), 0)
+        t_begin = (u - tl.sum(tl.where(sel, first, 0), 0)) * sl
+        t_end = tl.minimum(t_begin + sl, tl.sum(tl.where(sel, tiles, 0), 0))
+        active = (n < N) & (t_begin < t_end)  # empty units are skipped by the merge (never written)
     if active:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
@@ -148,13 +180,9 @@ def _mla_decode_stage1(
                 mask=omask,
             )
         else:
-            tl.store(
-                opart_ptr + n.to(tl.int64) * s_wn + heads[:, None] * s_wh + sid * s_ws + offs_l[None, :],
-                o,
-                mask=omask,
-            )
+            tl.store(opart_ptr + u.to(tl.int64) * s_wu + heads[:, None] * s_wh + offs_l[None, :], o, mask=omask)
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-            tl.store(lse_ptr + n.to(tl.int64) * s_ln + heads * s_lh + sid, lse, mask=hmask)
+            tl.store(lse_ptr + u.to(tl.int64) * s_lu + heads, lse, mask=hmask)
 
 
 @triton.jit
@@ -163,16 +191,16 @@ def _mla_decode_stage2(
     opart_ptr,
     lse_ptr,
     out_ptr,
-    num_splits,
-    s_wn,
+    N,
+    G,
+    s_wu,
     s_wh,
-    s_ws,
-    s_ln,
-    s_lh,
+    s_lu,
     s_on,
     s_oh,
     L: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     MIN_TILES: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_L2: tl.constexpr,
@@ -180,30 +208,32 @@ def _mla_decode_stage2(
     n = tl.program_id(0)
     h = tl.program_id(1)
     lb = tl.program_id(2)
-    seq_len = tl.load(seqlen_ptr + n)
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tps = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_TILES)
-    n_active = tl.cdiv(n_tiles, tps)  # splits [0, n_active) are non-empty
+    offs_b, bm, lens, tiles, nsp, slen, first, last = _unit_plan(seqlen_ptr, N, G, BLOCK_B, BLOCK_N, MIN_TILES)
+    sel = offs_b == n
+    u0 = tl.sum(tl.where(sel, first, 0), 0)
+    cnt = tl.sum(tl.where(sel, nsp, 0), 0)
+    sl = tl.sum(tl.where(sel, slen, 0), 0)
+    nt = tl.sum(tl.where(sel, tiles, 0), 0)
 
     offs_s = tl.arange(0, BLOCK_S)
     offs_l = lb * BLOCK_L2 + tl.arange(0, BLOCK_L2)
     lmask = offs_l < L
-    lse_row = lse_ptr + n.to(tl.int64) * s_ln + h * s_lh
     mx = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    for s0 in range(0, n_active, BLOCK_S):
-        sm = s0 + offs_s < n_active
-        mx = tl.maximum(mx, tl.load(lse_row + s0 + offs_s, mask=sm, other=float("-inf")))
+    for k0 in range(0, cnt, BLOCK_S):
+        k = k0 + offs_s
+        ok = (k < cnt) & (k * sl < nt)  # non-empty units only
+        mx = tl.maximum(mx, tl.load(lse_ptr + (u0 + k).to(tl.int64) * s_lu + h, mask=ok, other=float("-inf")))
     m = tl.max(mx, 0)
 
     acc = tl.zeros([BLOCK_L2], tl.float32)
     den = tl.zeros([BLOCK_S], tl.float32)
-    part_row = opart_ptr + n.to(tl.int64) * s_wn + h * s_wh
-    for s0 in range(0, n_active, BLOCK_S):
-        sidx = s0 + offs_s
-        sm = sidx < n_active
-        lse = tl.load(lse_row + sidx, mask=sm, other=float("-inf"))
-        w = tl.where(sm, tl.exp2(lse - m), 0.0)
-        o = tl.load(part_row + sidx[:, None] * s_ws + offs_l[None, :], mask=sm[:, None] & lmask[None, :], other=0.0)
+    for k0 in range(0, cnt, BLOCK_S):
+        k = k0 + offs_s
+        ok = (k < cnt) & (k * sl < nt)
+        uu = (u0 + k).to(tl.int64)
+        lse = tl.load(lse_ptr + uu * s_lu + h, mask=ok, other=float("-inf"))
+        w = tl.where(ok, tl.exp2(lse - m), 0.0)
+        o = tl.load(opart_ptr + uu[:, None] * s_wu + h * s_wh + offs_l[None, :], mask=ok[:, None] & lmask[None, :], other=0.0)
         acc += tl.sum(w[:, None] * o, 0)
         den += w
     d = tl.sum(den, 0)
@@ -236,13 +266,14 @@ def _gpu_cfg(table, dtype):
 
 
 def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: int = 32, num_sms: int = 132) -> int:
-    """Host heuristic from shapes only (graph-capturable). The bf16 stage-1 config holds one program per SM (115 KB
-    smem, 194 regs x 256 threads), so aim at one full wave: floor(#SM / (batch * head_blocks)) splits (at least 1),
-    at most one split per MIN_SPLIT_TOKENS keys of the longest possible sequence (max_blocks * block_size), at most
-    MAX_SPLITS. Short sequences use fewer splits at run time (split length >= MIN_SPLIT_TOKENS)."""
+    """Host heuristic from shapes only (graph-capturable): the work-unit budget per sequence of the balanced schedule.
+    The bf16 stage-1 config holds one program per SM (115 KB smem, 194 regs x 256 threads), so aim at about one wave,
+    G = batch * splits ~ #SM / head_blocks, but at least 2 so mixed-length batches stay balanced (the merge costs
+    ~1-2 % of the cache traffic); 1 (no split, no merge) only when no sequence can exceed MIN_SPLIT_TOKENS keys;
+    at most MAX_SPLITS."""
     head_blocks = triton.cdiv(num_heads, _block_h(num_heads))
     programs = max(1, batch * head_blocks)
-    splits = num_sms // programs
+    splits = max(2, num_sms // programs)
     max_useful = max(1, triton.cdiv(max_blocks * block_size, MIN_SPLIT_TOKENS))
     return int(max(1, min(splits, max_useful, MAX_SPLITS)))
 
@@ -293,20 +324,22 @@ def mla_decode_triton(
     min_tiles = max(1, (min_split_tokens or MIN_SPLIT_TOKENS) // BLOCK_N)
     BLOCK_L = triton.next_power_of_2(L)
     BLOCK_R = triton.next_power_of_2(R)
+    BLOCK_B = triton.next_power_of_2(N)
     direct = num_splits == 1
+    G = N * num_splits  # work-unit budget of the balanced schedule
+    n_units = N if direct else G + N
     if direct:
         opart = out  # unused
         lse = seq_lens  # unused
-        wstr = (0, 0, 0)
-        lstr = (0, 0)
+        wstr = (0, 0)
+        lstr = 0
     else:
-        opart = torch.empty(N, H, num_splits, L, dtype=torch.float32, device=q_lat.device)
-        lse = torch.empty(N, H, num_splits, dtype=torch.float32, device=q_lat.device)
-        wstr = opart.stride()[:3]
-        lstr = lse.stride()[:2]
+        opart = torch.empty(n_units, H, L, dtype=torch.float32, device=q_lat.device)
+        lse = torch.empty(n_units, H, dtype=torch.float32, device=q_lat.device)
+        wstr = opart.stride()[:2]
+        lstr = lse.stride(0)
     kw = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) if on_gpu else {}
-    grid = (N, triton.cdiv(H, BLOCK_H), num_splits)
-    _mla_decode_stage1[grid](
+    _mla_decode_stage1[(n_units, triton.cdiv(H, BLOCK_H))](
         q_lat,
         q_pe,
         cache,
@@ -315,8 +348,9 @@ def mla_decode_triton(
         out,
         opart,
         lse,
+        N,
         H,
-        num_splits,
+        G,
         float(scale) * LOG2E,
         q_lat.stride(0),
         q_lat.stride(1),
@@ -328,7 +362,7 @@ def mla_decode_triton(
         out.stride(0),
         out.stride(1),
         *wstr,
-        *lstr,
+        lstr,
         L=L,
         R=R,
         BLOCK_L=BLOCK_L,
@@ -336,6 +370,7 @@ def mla_decode_triton(
         BS=BS,
         BLOCK_N=BLOCK_N,
         BLOCK_H=BLOCK_H,
+        BLOCK_B=BLOCK_B,
         MIN_TILES=min_tiles,
         DIRECT=direct,
         IEEE=cache.dtype == torch.float32,
@@ -344,19 +379,21 @@ def mla_decode_triton(
     )
     if not direct:
         BLOCK_L2 = min(BLOCK_L, 128)
-        BLOCK_S = min(32, triton.next_power_of_2(num_splits))
+        BLOCK_S = min(32, triton.next_power_of_2(num_splits + 1))
         _mla_decode_stage2[(N, H, triton.cdiv(L, BLOCK_L2))](
             seq_lens,
             opart,
             lse,
             out,
-            num_splits,
+            N,
+            G,
             *wstr,
-            *lstr,
+            lstr,
             out.stride(0),
             out.stride(1),
             L=L,
             BLOCK_N=BLOCK_N,
+            BLOCK_B=BLOCK_B,
             MIN_TILES=min_tiles,
             BLOCK_S=BLOCK_S,
             BLOCK_L2=BLOCK_L2,

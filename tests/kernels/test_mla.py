@@ -141,6 +141,20 @@ def test_decode_split_invariance():
     check_close(o1, ref, torch.float32)
 
 
+@pytest.mark.parametrize("num_splits", [2, 9])
+def test_decode_balanced_mixed_lengths(num_splits):
+    """One long sequence among many short and padded ones: the balanced schedule gives the long one many units."""
+    lens = [3, 0, 300, 17, 1, 0, 5, 64, 2, 33, 0, 7, 1, 16]
+    cache, bt, sl = make_paged(lens, torch.float32)
+    N = len(lens)
+    q = torch.randn(N, H, L, device=DEV)
+    qp = torch.randn(N, H, R, device=DEV)
+    out = torch.full((N, H, L), float("nan"), device=DEV)
+    mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=num_splits, out=out, min_split_tokens=16)
+    check_close(out, mla_decode_ref(q, qp, cache, bt, sl, SCALE), torch.float32)
+    assert (out[torch.tensor(lens) == 0] == 0).all()
+
+
 def test_decode_all_padded():
     cache, bt, sl = make_paged([0, 0], torch.bfloat16, max_blocks=4)
     q = torch.randn(2, H, L, device=DEV).bfloat16()
