@@ -153,9 +153,13 @@ def _kda_intra_kernel(
         e3 = tl.exp2(tl.minimum(G3 - anc[:, None, :], 0.0))
         qa = tl.reshape(q3 * e3, [BT, BK])
         ka = tl.reshape(k3 * e3, [BT, BK])
+        # column factor for row block i: k_s exp2(anc_i - G_s) = [k_s exp2(blast_j - G_s)] * exp2(anc_i - blast_j)
+        # for s in block j < i (both factors <= 1)
+        kbase3 = k3 * tl.exp2(tl.minimum(blast[:, None, :] - G3, 0.0))
         for i in tl.static_range(1, NB):
             anc_i = tl.sum(tl.where((b4 == i)[:, None], anc, 0.0), 0)                # [BK]
-            kb_i = tl.where((rows < i * BC)[:, None], bk * tl.exp2(tl.minimum(anc_i[None, :] - G, 0.0)), 0.0)
+            fac = tl.where((b4 < i)[:, None], tl.exp2(tl.minimum(anc_i[None, :] - blast, 0.0)), 0.0)
+            kb_i = tl.reshape(kbase3 * fac[:, None, :], [BT, BK])
             sel = (rblk == i)[:, None]
             kb_t = tl.trans(kb_i)
             a_off_kk = tl.dot(tl.where(sel, ka, 0.0), kb_t, a_off_kk, input_precision=PREC)
