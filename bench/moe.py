@@ -23,7 +23,7 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.moe import fused_moe, fused_moe_ref, moe_router  # noqa: E402
-from kernels.moe.fused_moe import MoEConfig, fused_moe_triton, get_config  # noqa: E402
+from kernels.moe.fused import MoEConfig, fused_moe_triton, get_config  # noqa: E402
 
 D, I, E, K, SCALE = 2304, 1024, 256, 8, 2.446
 HBM_BW = 4.8e12

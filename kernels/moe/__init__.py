@@ -36,7 +36,7 @@ def fused_moe(
 ) -> torch.Tensor:
     """Routed experts, weighted and summed in fp32 -> [T, D] in x.dtype. w13 = cat(w1, w3) [E, 2I, D], w2 [E, D, I]."""
     if use_triton(x):
-        from kernels.moe.fused_moe import fused_moe_triton
+        from kernels.moe.fused import fused_moe_triton
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

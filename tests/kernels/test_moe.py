@@ -152,7 +152,7 @@ def _check_align(ids, E, BM, sorted_ids, expert_ids, num_post):
 @needs_triton
 @pytest.mark.parametrize("T,k,E,BM", [(1, 2, 8, 16), (17, 3, 8, 16), (40, 2, 8, 32), (5, 1, 256, 16)])
 def test_align(T, k, E, BM):
-    from kernels.moe.fused_moe import max_padded_size, moe_align
+    from kernels.moe.fused import max_padded_size, moe_align
 
     ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(T)]).int()
     sorted_ids, expert_ids, num_post = moe_align(ids, E, BM)
@@ -162,7 +162,7 @@ def test_align(T, k, E, BM):
 
 @needs_triton
 def test_align_torch_path_matches_kernel(monkeypatch):
-    import kernels.moe.fused_moe as fm
+    import kernels.moe.fused as fm
 
     T, k, E, BM = 40, 3, 8, 16
     ids = torch.randint(0, E, (T, k), device=DEV, dtype=torch.int32)
@@ -185,7 +185,7 @@ def _tol(dtype):
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe(T, k, dtype):
-    from kernels.moe.fused_moe import fused_moe_triton
+    from kernels.moe.fused import fused_moe_triton
 
     D, I, E = 64, 32, 8
     x, w13, w2, w, ids = make_moe(T, D, I, E, k, dtype)
@@ -201,7 +201,7 @@ def test_fused_moe(T, k, dtype):
 @needs_triton
 @pytest.mark.parametrize("case", ["one_expert", "zero_token_experts", "sparse_ids"])
 def test_fused_moe_routing_patterns(case):
-    from kernels.moe.fused_moe import fused_moe_triton
+    from kernels.moe.fused import fused_moe_triton
 
     T, D, I, E, k = 20, 32, 32, 8, 2
     if case == "one_expert":  # all tokens to expert 5 (both slots: duplicate ids must also work)
@@ -218,7 +218,7 @@ def test_fused_moe_routing_patterns(case):
 
 @needs_triton
 def test_fused_moe_nan_prefill_and_deterministic():
-    from kernels.moe.fused_moe import fused_moe_triton
+    from kernels.moe.fused import fused_moe_triton
 
     T, D, I, E, k = 17, 64, 32, 8, 3
     x, w13, w2, w, ids = make_moe(T, D, I, E, k, torch.bfloat16)
@@ -232,7 +232,7 @@ def test_fused_moe_nan_prefill_and_deterministic():
 @needs_triton
 @pytest.mark.parametrize("bm", [32, 64])
 def test_fused_moe_other_tiles_and_torch_align(bm, monkeypatch):
-    import kernels.moe.fused_moe as fm
+    import kernels.moe.fused as fm
 
     T, D, I, E, k = 40, 48, 24, 8, 3
     x, w13, w2, w, ids = make_moe(T, D, I, E, k, torch.float32)
@@ -247,7 +247,7 @@ def test_fused_moe_other_tiles_and_torch_align(bm, monkeypatch):
 
 @needs_triton
 def test_fused_moe_empty():
-    from kernels.moe.fused_moe import fused_moe_triton
+    from kernels.moe.fused import fused_moe_triton
 
     x, w13, w2, w, ids = make_moe(0, 32, 16, 8, 2, torch.float32)
     assert fused_moe_triton(x, w13, w2, w, ids).shape == (0, 32)
