@@ -3,7 +3,7 @@
 New tokens' latents are already in the cache (store_latent ran first). Query i of sequence p (q_len = cu[p+1]-cu[p])
 sits at key position ``seq_lens[p] - q_len + i`` and sees keys ``<=`` that position (bottom-right aligned).
 
-Grid (P, cdiv(max_query_len, BLOCK_T), cdiv(H, BLOCK_H)). A program packs BLOCK_T query tokens x BLOCK_H heads into the
+Grid (cdiv(max_query_len, BLOCK_T), P, cdiv(H, BLOCK_H)), query tiles last to first. A program packs BLOCK_T query tokens x BLOCK_H heads into the
 M = BLOCK_T * BLOCK_H rows of one tile (row m: token m // BLOCK_H, head m % BLOCK_H): every latent tile it loads feeds
 all of them (MQA), both as K (S = q_lat c^T + q_pe kpe^T) and as V (acc += P c).
 """
@@ -53,8 +53,9 @@ def _mla_extend_kernel(
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    p = tl.program_id(0)
-    tb = tl.program_id(1)
+    # query tiles run last-to-first (grid axis 0 is launched first): the longest causal rows start first
+    tb = tl.num_programs(0) - 1 - tl.program_id(0)
+    p = tl.program_id(1)
     hb = tl.program_id(2)
     q_begin = tl.load(cu_ptr + p)
     q_len = tl.load(cu_ptr + p + 1) - q_begin
@@ -169,7 +170,7 @@ def mla_extend_triton(
     BLOCK_T = max(1, rows // BLOCK_H)
     BLOCK_N = block_n or (cfg["block_n"] if on_gpu else 16)
     mq = T if max_query_len is None else max(1, int(max_query_len))
-    grid = (P, triton.cdiv(mq, BLOCK_T), triton.cdiv(H, BLOCK_H))
+    grid = (triton.cdiv(mq, BLOCK_T), P, triton.cdiv(H, BLOCK_H))
     kw = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) if on_gpu else {}
     _mla_extend_kernel[grid](
         q_lat,
