@@ -153,9 +153,10 @@ def test_split_prefill_equals_one_shot():
     assert torch.equal(pool_b[2], pool_a[2]) and (pool_b[0] == 0).all()
 
 
-def test_bf16_small():
+@pytest.mark.parametrize("strong_gate", [False, True])
+def test_bf16_small(strong_gate):
     T = 130
-    inp = make_inputs(T, dtype=torch.bfloat16)
+    inp = make_inputs(T, dtype=torch.bfloat16, strong_gate=strong_gate)
     res = run_pair(inp, [0, 7, T], [1, 2], [True, False])
     assert res[0].dtype == torch.bfloat16
     check(*res, [1, 2], BF16_TOL if torch.cuda.is_available() else BF16_TOL_INTERP)
