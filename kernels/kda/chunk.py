@@ -15,11 +15,13 @@ Two launches:
        Aqk = tril(Dqk)                           [BT, BT]    (scale folded in)
        gl  = G_last                              [K]  fp32, log2 units
    with M = (I + diag(beta) StrictTril(Dkk))^-1.
-   Dkk / Dqk: the 16x16 diagonal sub-blocks are exact per pair: exp2(G_r - G_s) for s <= r is built as a
-   product of per-token factors exp2(g_t) <= 1 (descending over s); the off-diagonal sub-blocks use tensor-core
-   dots with the anchor "last row of the previous sub-chunk", so both factors are exp2 of a non-positive number.
-   Nothing can overflow for any gate magnitude (Kimi's gate has no
-   lower bound). The 16x16 diagonal blocks of (I+L) are inverted by forward substitution (fp32), and the 64x64
+   Dkk / Dqk are built in three parts, every exponential being exp2 of a non-positive number so nothing can
+   overflow for any gate magnitude (Kimi's gate has no lower bound):
+     * between different 16-row sub-chunks: tensor-core dots, anchor = last row of the previous sub-chunk;
+     * inside a 16-row sub-chunk, rows 8..15 x columns 0..7: batched 16x16 dots, anchor = row 7;
+     * the 8x8 diagonal blocks exactly per pair: exp2(G_r - G_s), s <= r, as a running product of the per-token
+       factors exp2(g_t) <= 1 (CUDA cores).
+   The 16x16 diagonal blocks of (I+L) are inverted by forward substitution (fp32), and the 64x64
    inverse is assembled as (I - N + N^2 - N^3) Di with N = Di L_off (N is strictly block-lower, N^4 = 0).
 2. ``_kda_state_kernel`` -- one program per (V tile, sequence, head): the sequential pass over the sequence's
    chunks with the fp32 state in registers, fused with the output:
@@ -45,7 +47,7 @@ BC = 16          # sub-chunk (diagonal block) size
 RCP_LN2 = 1.4426950408889634
 
 # launch configuration (tunable)
-# (checked offline with triton 3.9 for sm_90, K = V = 128: no register spills; intra 236 regs,
+# (checked offline with triton 3.9 for sm_90, K = V = 128: no register spills; intra 244 regs,
 #  state 202 regs / 147 KB smem at BV=64 with 8 warps, 162 regs / 131 KB at BV=32 with 4 warps)
 INTRA_BK = 32
 INTRA_BV = 64
@@ -87,7 +89,8 @@ def _kda_intra_kernel(
     qg_out, kg_out, w_out, u_out, a_out, gl_out,
     stride_q, stride_k, stride_v, stride_z, stride_b, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     NB: tl.constexpr = BT // BC
     i_c = tl.program_id(0)
@@ -121,11 +124,17 @@ def _kda_intra_kernel(
     r16 = tl.arange(0, BC)
     b4 = tl.arange(0, NB)
     rblk = rows // BC
-    rk3 = tl.reshape(rk, [NB, BC])
-    a_off_kk = tl.zeros([BT, BT], dtype=tl.float32)     # off-diagonal blocks of Dkk (strictly block-lower)
+    NE: tl.constexpr = BT // BE                         # exact blocks (BE = BC / 2 rows)
+    re_ = tl.arange(0, BE)
+    be_ = tl.arange(0, NE)
+    rke = tl.reshape(rk, [NE, BE])
+    odd = (be_ % 2) == 1
+    a_off_kk = tl.zeros([BT, BT], dtype=tl.float32)     # Dkk between different 16-blocks (strictly block-lower)
     a_off_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)      # diagonal blocks
-    d_qk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    a_mid_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)  # second half x first half of each 16-block (batched)
+    a_mid_qk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    d_kk = tl.zeros([NE, BE, BE], dtype=tl.float32)      # exact BE x BE diagonal blocks
+    d_qk = tl.zeros([NE, BE, BE], dtype=tl.float32)
 
     # ---- pass 1 over K tiles: gate cumsum, qg / kg / gl, intra-chunk matrices
     for kb in range(0, K, BK):
@@ -165,43 +174,60 @@ def _kda_intra_kernel(
             kb_t = tl.trans(kb_i)
             a_off_kk = tl.dot(tl.where(sel, ka, 0.0), kb_t, a_off_kk, input_precision=PREC)
             a_off_qk = tl.dot(tl.where(sel, qa, 0.0), kb_t, a_off_qk, input_precision=PREC)
-        # diagonal 16x16 blocks, exact per pair: column s of every block at once, s descending, with
+        # second half x first half of every 16-block: anchor = last row of the first half (both factors <= 1)
+        Ge = tl.reshape(G, [NE, BE, BK])
+        qe = tl.reshape(bq, [NE, BE, BK])
+        ke = tl.reshape(bk, [NE, BE, BK])
+        blast_e = tl.sum(tl.where((re_ == BE - 1)[None, :, None], Ge, 0.0), 1)       # [NE, BK]
+        anc_e = tl.sum(tl.where((be_[:, None, None] - 1) == be_[None, :, None], blast_e[None, :, :], 0.0), 1)
+        rfac = tl.where(odd[:, None, None], tl.exp2(tl.minimum(Ge - anc_e[:, None, :], 0.0)), 0.0)
+        cfac = tl.where(odd[:, None, None], 0.0, tl.exp2(tl.minimum(blast_e[:, None, :] - Ge, 0.0)))
+        kc_t = tl.permute(tl.reshape(ke * cfac, [NB, BC, BK]), (0, 2, 1))
+        a_mid_kk = tl.dot(tl.reshape(ke * rfac, [NB, BC, BK]), kc_t, a_mid_kk, input_precision=PREC)
+        a_mid_qk = tl.dot(tl.reshape(qe * rfac, [NB, BC, BK]), kc_t, a_mid_qk, input_precision=PREC)
+        # exact BE x BE diagonal blocks: column s of every block at once, s descending, with
         # P[r] = exp2(G_r - G_s) = P_prev[r] * exp2(g_{s+1}) (every factor <= 1; row s starts at 1, rows < s are 0)
-        pdec = tl.zeros([NB, BC, BK], dtype=tl.float32)
-        f = tl.zeros([NB, BK], dtype=tl.float32)
-        for j in range(BC):
-            s = BC - 1 - j
-            pdec = tl.where(r16[None, :, None] == s, 1.0, pdec * f[:, None, :])
-            tok_s = t0 + b4 * BC + s                                                   # [NB] partner rows
+        pdec = tl.zeros([NE, BE, BK], dtype=tl.float32)
+        f = tl.zeros([NE, BK], dtype=tl.float32)
+        for j in range(BE):
+            s = BE - 1 - j
+            pdec = tl.where(re_[None, :, None] == s, 1.0, pdec * f[:, None, :])
+            tok_s = t0 + be_ * BE + s                                                  # [NE] partner rows
             m2s = (tok_s < eos)[:, None] & cm[None, :]
-            rk_s = tl.sum(tl.where((r16 == s)[None, :], rk3, 0.0), 1)                 # [NB]
+            rk_s = tl.sum(tl.where((re_ == s)[None, :], rke, 0.0), 1)                 # [NE]
             ks = tl.load(k + tok_s[:, None] * stride_k + i_h * K + c[None, :], mask=m2s, other=0.0).to(tl.float32)
             ks = ks * rk_s[:, None]
             zs = tl.load(z + tok_s[:, None] * stride_z + i_h * K + c[None, :], mask=m2s, other=0.0).to(tl.float32)
             f = tl.exp2(tl.where(m2s, neg_a * _softplus(zs + dtb[None, :]), 0.0))
             kpe = pdec * ks[:, None, :]
-            dk = tl.sum(k3 * kpe, 2)                                                   # [NB, BC]
-            dq = tl.sum(q3 * kpe, 2)
-            cs = (r16 == s)[None, None, :]
+            dk = tl.sum(ke * kpe, 2)                                                   # [NE, BE]
+            dq = tl.sum(qe * kpe, 2)
+            cs = (re_ == s)[None, None, :]
             d_kk += tl.where(cs, dk[:, :, None], 0.0)
             d_qk += tl.where(cs, dq[:, :, None], 0.0)
 
-    # ---- inverse of (I + diag(beta) StrictTril(Dkk))
+    # ---- assemble the 16x16 diagonal blocks, inverse of (I + diag(beta) StrictTril(Dkk))
+    cols = tl.arange(0, BT)
+    rre = re_[None, :, None]
+    cce = re_[None, None, :]
+    same_e = be_[:, None, None, None] == be_[None, None, :, None]
+    same = b4[:, None, None, None] == b4[None, None, :, None]
+    dkk_e = tl.reshape(tl.where(same_e, tl.where(rre > cce, d_kk, 0.0)[:, :, None, :], 0.0), [BT, BT])
+    d16 = tl.sum(tl.where(same, tl.reshape(dkk_e, [NB, BC, NB, BC]), 0.0), 2) + a_mid_kk   # [NB, BC, BC]
+    dqk_in = (tl.reshape(tl.where(same_e, tl.where(rre >= cce, d_qk, 0.0)[:, :, None, :], 0.0), [BT, BT])
+              + tl.reshape(tl.where(same, a_mid_qk[:, :, None, :], 0.0), [BT, BT]))    # [BT, BT] within 16-blocks
     rr = r16[None, :, None]
     cc = r16[None, None, :]
     beta3 = tl.reshape(beta, [NB, BC])
-    l3 = tl.where(rr > cc, d_kk * beta3[:, :, None], 0.0)
-    q3d = tl.where(rr >= cc, d_qk, 0.0)
+    l3 = tl.where(rr > cc, d16 * beta3[:, :, None], 0.0)
     l_off = a_off_kk * beta[:, None]
     di3 = tl.where(rr == cc, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
     for r in range(1, BC):
         a_r = tl.sum(tl.where(rr == r, l3, 0.0), 1)                                     # [NB, BC] row r of L
         nr = tl.sum(a_r[:, :, None] * di3, 1)                                          # [NB, BC]
         di3 = tl.where(rr == r, di3 - nr[:, None, :], di3)
-    same = b4[:, None, None, None] == b4[None, None, :, None]
     di = tl.reshape(tl.where(same, di3[:, :, None, :], 0.0), [BT, BT])
-    a_qk = a_off_qk + tl.reshape(tl.where(same, q3d[:, :, None, :], 0.0), [BT, BT])
-    cols = tl.arange(0, BT)
+    a_qk = a_off_qk + dqk_in
     tl.store(a_out + (cblk + rows)[:, None] * BT + cols[None, :], a_qk.to(a_out.dtype.element_ty))
     nmat = tl.dot(di, l_off, input_precision=PREC)
     m = di
@@ -297,7 +323,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                   dict(q=lp, k=lp, v=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_idx="*i32",
                        cu_seqlens="*i32", qg_out=sd, kg_out=sd, w_out=sd, u_out=sd, a_out=sd, gl_out="*fp32",
                        stride_q="i32", stride_k="i32", stride_v="i32", stride_z="i32", stride_b="i32", scale="fp32"),
-                  dict(H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec),
+                  dict(H=H, K=K, V=V, BT=BT, BC=BC, BE=BC // 2, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec),
                   dict(num_warps=INTRA_NUM_WARPS)),
         "state": (_kda_state_kernel,
                   dict(qg_in=sd, kg_in=sd, w_in=sd, u_in=sd, a_in=sd, gl_in="*fp32", o=lp, rec_state="*fp32",
@@ -440,7 +466,7 @@ def chunk_kda_fwd(
             q, k, v, z, A_log, dt_bias, b, chunk_idx, cu_dev,
             qg, kg, w, u, a, gl,
             q.stride(0), k.stride(0), v.stride(0), z.stride(0), b.stride(0), float(scale),
-            H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
+            H=H, K=K, V=V, BT=BT, BC=BC, BE=BC // 2, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
             num_warps=INTRA_NUM_WARPS,
         )
     bv = STATE_BV or (64 if _interpreting() or triton.cdiv(V, 64) * P * H >= 2 * _num_sms(dev) else 32)
