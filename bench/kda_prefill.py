@@ -19,10 +19,12 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 H, K, V = 32, 128, 128
+DEVICE = "cuda"
 CASES = [("T=4k", [4096]), ("T=16k", [16384]), ("T=64k", [65536]), ("varlen 16x1k", [1024] * 16)]
 
 
-def _inputs(lens, device="cuda", dtype=torch.bfloat16):
+def _inputs(lens, device=None, dtype=torch.bfloat16):
+    device = device or DEVICE
     T = sum(lens)
     g = torch.Generator(device=device).manual_seed(0)
     rn = lambda *s: torch.randn(*s, device=device, generator=g)
@@ -41,10 +43,10 @@ def _ours(x):
     from kernels.kda.chunk import chunk_kda_fwd
 
     P = len(x["cu"]) - 1
-    pool = torch.zeros(P + 1, H, K, V, device="cuda", dtype=torch.float32)
-    cu_t = torch.tensor(x["cu"], dtype=torch.int32, device="cuda")
-    slots = torch.arange(1, P + 1, dtype=torch.int32, device="cuda")
-    hi = torch.zeros(P, dtype=torch.bool, device="cuda")
+    pool = torch.zeros(P + 1, H, K, V, device=DEVICE, dtype=torch.float32)
+    cu_t = torch.tensor(x["cu"], dtype=torch.int32, device=DEVICE)
+    slots = torch.arange(1, P + 1, dtype=torch.int32, device=DEVICE)
+    hi = torch.zeros(P, dtype=torch.bool, device=DEVICE)
     out = torch.empty_like(x["v"])
 
     def fn():
@@ -72,10 +74,10 @@ def _fla(x):
         from kernels.kda.ref import kda_gate_ref
         g = kda_gate_ref(x["z"], x["A_log"], x["dt_bias"])[None]
     if P > 1:
-        kw["cu_seqlens"] = torch.tensor(x["cu"], dtype=torch.long, device="cuda")
+        kw["cu_seqlens"] = torch.tensor(x["cu"], dtype=torch.long, device=DEVICE)
         if "cu_seqlens_cpu" in params:
             kw["cu_seqlens_cpu"] = torch.tensor(x["cu"], dtype=torch.long)
-    h0 = torch.zeros(P, H, K, V, device="cuda", dtype=torch.float32)
+    h0 = torch.zeros(P, H, K, V, device=DEVICE, dtype=torch.float32)
     res = {}
 
     def fn():
