@@ -102,7 +102,7 @@ class KimiMLA(nn.Module):
                                    batch.seq_lens[:nd], self.scale))
         if nd < q_lat.shape[0]:
             outs.append(mla_extend(q_lat[nd:], q_pe[nd:], latent_cache, batch.block_table[nd:],
-                                   batch.prefill_cu_seqlens, batch.seq_lens[nd:], self.scale))
+                                   batch.prefill_cu_seqlens, batch.seq_lens[nd:], self.scale, batch.max_query_len))
         out_lat = torch.cat(outs) if len(outs) > 1 else outs[0]       # [T, H, L]
         return torch.einsum("thl,hvl->thv", out_lat, w_uv)
 
