@@ -85,18 +85,23 @@ def _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K: tl.co
 
 @triton.jit
 def _kda_intra_kernel(
-    q, k, v, z, A_log, dt_bias, b, chunk_idx, cu_seqlens,
+    q, k, v, z, A_log, dt_bias, b, chunk_offsets, cu_seqlens, n_seq,
     qg_out, kg_out, w_out, u_out, a_out, gl_out,
     stride_q, stride_k, stride_v, stride_z, stride_b, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
     NB: tl.constexpr = BT // BC
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_n = tl.load(chunk_idx + i_c * 2).to(tl.int64)
-    i_t = tl.load(chunk_idx + i_c * 2 + 1).to(tl.int64)
+    # the grid is an upper bound on the number of chunks (no host sync): find this chunk's sequence on device
+    if i_c >= tl.load(chunk_offsets + n_seq):
+        return
+    pidx = tl.arange(0, PB)
+    offs = tl.load(chunk_offsets + 1 + pidx, mask=pidx < n_seq, other=2147483647)
+    i_n = tl.sum((offs <= i_c).to(tl.int32), 0).to(tl.int64)                    # coff[n] <= i_c < coff[n+1]
+    i_t = (i_c - tl.load(chunk_offsets + i_n)).to(tl.int64)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     t0 = bos + i_t * BT
@@ -256,7 +261,7 @@ def _kda_intra_kernel(
 @triton.jit
 def _kda_state_kernel(
     qg_in, kg_in, w_in, u_in, a_in, gl_in, o, rec_state,
-    cu_seqlens, chunk_offsets, state_slots, has_initial_state,
+    cu_seqlens, chunk_offsets, state_slots, has_initial_state, n_seq, n_tok,
     stride_o, stride_s,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MM: tl.constexpr,
@@ -305,6 +310,19 @@ def _kda_state_kernel(
 
     tl.store(p_h + o_kv, h.to(rec_state.dtype.element_ty))
 
+    # tokens outside [cu[0], cu[-1]) get zeros (first / last sequence's programs)
+    zero = tl.zeros([BT, BV], dtype=o.dtype.element_ty)
+    if i_n == 0:
+        for t0z in range(0, bos.to(tl.int32), BT):
+            tz = t0z + rows
+            tl.store(o + tz.to(tl.int64)[:, None] * stride_o + i_h * V + vv[None, :], zero,
+                     mask=(tz < bos)[:, None])
+    if i_n == n_seq - 1:
+        for t0z in range(eos.to(tl.int32), n_tok, BT):
+            tz = t0z + rows
+            tl.store(o + tz.to(tl.int64)[:, None] * stride_o + i_h * V + vv[None, :], zero,
+                     mask=(tz < n_tok)[:, None])
+
 
 def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16: bool = True, state_bv: int = 64,
                    state_warps: int = 8) -> dict:
@@ -320,15 +338,17 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
     prec = "tf32" if bf16 else "ieee"
     specs = {
         "intra": (_kda_intra_kernel,
-                  dict(q=lp, k=lp, v=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_idx="*i32",
-                       cu_seqlens="*i32", qg_out=sd, kg_out=sd, w_out=sd, u_out=sd, a_out=sd, gl_out="*fp32",
+                  dict(q=lp, k=lp, v=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
+                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, w_out=sd, u_out=sd, a_out=sd,
+                       gl_out="*fp32",
                        stride_q="i32", stride_k="i32", stride_v="i32", stride_z="i32", stride_b="i32", scale="fp32"),
-                  dict(H=H, K=K, V=V, BT=BT, BC=BC, BE=BC // 2, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec),
+                  dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BE=BC // 2, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV),
+                       PREC=prec),
                   dict(num_warps=INTRA_NUM_WARPS)),
         "state": (_kda_state_kernel,
                   dict(qg_in=sd, kg_in=sd, w_in=sd, u_in=sd, a_in=sd, gl_in="*fp32", o=lp, rec_state="*fp32",
                        cu_seqlens="*i32", chunk_offsets="*i32", state_slots="*i32", has_initial_state="*i8",
-                       stride_o="i32", stride_s="i32"),
+                       n_seq="i32", n_tok="i32", stride_o="i32", stride_s="i32"),
                   dict(H=H, K=K, V=V, BT=BT, BV=state_bv, PREC=prec, MM=1 if bf16 else 0),
                   dict(num_warps=state_warps, num_stages=STATE_NUM_STAGES)),
     }
@@ -372,20 +392,6 @@ def _is_pow2(x: int) -> bool:
     return x >= 16 and (x & (x - 1)) == 0
 
 
-def prepare_chunk_meta(cu: Sequence[int], device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Host-side varlen metadata: chunk_idx [NT, 2] int32 (sequence, chunk in sequence), chunk_offsets [P] int32."""
-    idx, offs, n = [], [], 0
-    for p in range(len(cu) - 1):
-        nc = (cu[p + 1] - cu[p] + BT - 1) // BT
-        offs.append(n)
-        for c in range(nc):
-            idx.extend((p, c))
-        n += nc
-    chunk_idx = torch.tensor(idx if idx else [0, 0], dtype=torch.int32, device=device).view(-1, 2)
-    chunk_offsets = torch.tensor(offs if offs else [0], dtype=torch.int32, device=device)
-    return chunk_idx, chunk_offsets, n
-
-
 def chunk_kda_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -408,7 +414,8 @@ def chunk_kda_fwd(
     z [T, H*K] raw gate input; A_log [H] fp32; dt_bias [H*K] fp32; b [T, H] beta logits; scale (K**-0.5);
     rec_state [S, H, K, V] fp32 pool; cu_seqlens [P+1] int32; state_slots [P] int32;
     has_initial_state [P] bool (None = all True). Returns o [T, H, V] in v.dtype (tokens outside
-    [cu[0], cu[-1]) are zero). ``out`` may be given to write in place; ``cu_seqlens_cpu`` avoids a host sync.
+    [cu[0], cu[-1]) are zero). ``out`` may be given to write in place. No host sync: varlen metadata is built
+    on the device; the optional host copy ``cu_seqlens_cpu`` only sizes the chunk grid exactly.
     """
     T, H, K = q.shape
     V = v.shape[-1]
@@ -427,29 +434,31 @@ def chunk_kda_fwd(
         b = b.contiguous()
     A_log = A_log.reshape(-1).float().contiguous()
     dt_bias = dt_bias.reshape(-1).float().contiguous()
-    cu = [int(x) for x in (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.tolist())]
-    P = len(cu) - 1
+    P = cu_seqlens.numel() - 1
     cu_dev = cu_seqlens.to(device=dev, dtype=torch.int32)
     slots = state_slots.to(device=dev, dtype=torch.int32)
     if has_initial_state is None:
         hi = torch.ones(P, dtype=torch.int8, device=dev)
     else:
         hi = has_initial_state.to(device=dev, dtype=torch.int8)
-
     if out is None:
-        full = cu[0] == 0 and cu[-1] == T
-        o = (torch.empty if full else torch.zeros)(T, H, V, dtype=v.dtype, device=dev)
+        o = torch.empty(T, H, V, dtype=v.dtype, device=dev)
     else:
         o = out
         assert o.shape == (T, H, V) and o.stride(-1) == 1 and o.stride(-2) == V
-        if cu[0] > 0:
-            o[: cu[0]].zero_()
-        if cu[-1] < T:
-            o[cu[-1]:].zero_()
-    if P == 0:
-        return o
+    if P <= 0:
+        return o.zero_()
 
-    chunk_idx, chunk_offsets, NT = prepare_chunk_meta(cu, dev)
+    # varlen metadata on device (no host sync): chunk_offsets[n] = chunks before sequence n; the intra grid is
+    # the upper bound cdiv(T, BT) + P (exact when cu_seqlens_cpu is given); surplus programs exit at once
+    chunk_offsets = torch.zeros(P + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(torch.div(cu_dev[1:] - cu_dev[:-1] + (BT - 1), BT, rounding_mode="floor"), 0,
+                 out=chunk_offsets[1:])
+    if cu_seqlens_cpu is not None:
+        cu = [int(x) for x in cu_seqlens_cpu]
+        NT = sum((cu[i + 1] - cu[i] + BT - 1) // BT for i in range(P))
+    else:
+        NT = triton.cdiv(T, BT) + P
     fp32 = q.dtype == torch.float32 and v.dtype == torch.float32
     sdt = torch.float32 if fp32 else torch.bfloat16
     prec = "ieee" if fp32 else "tf32"
@@ -463,17 +472,18 @@ def chunk_kda_fwd(
 
     if NT > 0:
         _kda_intra_kernel[(NT, H)](
-            q, k, v, z, A_log, dt_bias, b, chunk_idx, cu_dev,
+            q, k, v, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P,
             qg, kg, w, u, a, gl,
             q.stride(0), k.stride(0), v.stride(0), z.stride(0), b.stride(0), float(scale),
-            H=H, K=K, V=V, BT=BT, BC=BC, BE=BC // 2, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
+            PB=max(16, triton.next_power_of_2(P)), H=H, K=K, V=V, BT=BT, BC=BC, BE=BC // 2,
+            BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
             num_warps=INTRA_NUM_WARPS,
         )
     bv = STATE_BV or (64 if _interpreting() or triton.cdiv(V, 64) * P * H >= 2 * _num_sms(dev) else 32)
     bv = min(V, bv)
     _kda_state_kernel[(triton.cdiv(V, bv), P, H)](
         qg, kg, w, u, a, gl, o, rec_state,
-        cu_dev, chunk_offsets, slots, hi,
+        cu_dev, chunk_offsets, slots, hi, P, T,
         o.stride(0), rec_state.stride(0),
         H=H, K=K, V=V, BT=BT, BV=bv, PREC=prec, MM=0 if fp32 else (2 if _interpreting() else 1),
         num_warps=STATE_NUM_WARPS or (8 if bv >= 64 else 4), num_stages=STATE_NUM_STAGES,

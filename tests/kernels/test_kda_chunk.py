@@ -37,7 +37,8 @@ def make_inputs(T, H=2, K=16, V=32, dtype=torch.float32, device=DEV, strong_gate
         k = x[:, H * K: 2 * H * K].view(T, H, K)
         v = x[:, 2 * H * K:].view(T, H, V)
     else:
-        q, k, v = torch.randn(T, H, K, generator=g), torch.randn(T, H, K, generator=g), torch.randn(T, H, V, generator=g)
+        q, k = torch.randn(T, H, K, generator=g), torch.randn(T, H, K, generator=g)
+        v = torch.randn(T, H, V, generator=g)
     z = torch.randn(T, H * K, generator=g) * 2.0
     A_log = torch.randn(H, generator=g) * 0.5
     dt_bias = torch.randn(H * K, generator=g) * 0.5
@@ -123,6 +124,28 @@ def test_varlen_fp32_poison():
     check(*res, slots, FP32_TOL)
     # zero-length sequence with an initial state keeps it; without one it gets zeros
     assert torch.equal(res[2][7], res[4][7])
+
+
+def test_many_sequences_device_metadata():
+    """P > 16 sequences (device-side chunk -> sequence search), empty ones included, with and without the host
+    copy of cu_seqlens (exact vs upper-bound grid)."""
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(0, 70, (21,), generator=g).tolist()
+    lens[3], lens[10] = 0, 1
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    T = cu[-1]
+    slots = list(range(1, 22))
+    has_init = [bool(i % 3) for i in range(21)]
+    inp = make_inputs(T, H=1, K=16, V=16)
+    res = run_pair(inp, cu, slots, has_init, S=24)
+    check(*res, slots, FP32_TOL)
+    pool = res[4].clone()
+    o2 = chunk_kda_fwd(inp["q"], inp["k"], inp["v"], inp["z"], inp["A_log"], inp["dt_bias"], inp["b"], 0.25, pool,
+                       torch.tensor(cu, dtype=torch.int32, device=DEV), torch.tensor(slots, dtype=torch.int32,
+                       device=DEV), torch.tensor(has_init, device=DEV), cu_seqlens_cpu=cu)
+    assert torch.equal(o2, res[0]) and torch.equal(pool, res[2])
 
 
 def test_tokens_outside_cu_are_zero():
