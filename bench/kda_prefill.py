@@ -5,6 +5,7 @@ Cases: single sequence T = 4k, 16k, 64k, and varlen 16 x 1k. Timing: triton.test
 Both sides do the whole core op: L2 norm of q/k, gate activation from the raw z (A_log, dt_bias), beta sigmoid,
 the chunked delta rule, initial-state read and final-state write.
 Run: python bench/kda_prefill.py   (prints one line per case and, when fla is importable, the ratio)
+     python bench/kda_prefill.py --sweep   (launch-config sweep of kernels/kda/chunk.py at T=16k and 16x1k)
 """
 from __future__ import annotations
 
@@ -127,5 +128,41 @@ def bench_prefill(cases=CASES, warmup=25, rep=100):
     return rows
 
 
+def sweep_prefill(lens_list=((16384,), (1024,) * 16), warmup=10, rep=50):
+    """Launch-config sweep for kernels/kda/chunk.py (module constants), one line per config and case."""
+    import itertools
+
+    import triton.testing
+
+    import kernels.kda.chunk as ck
+
+    saved = {n: getattr(ck, n) for n in ("INTRA_BK", "INTRA_NUM_WARPS", "STATE_BV", "STATE_NUM_WARPS",
+                                         "STATE_NUM_STAGES")}
+    try:
+        for lens in lens_list:
+            x = _inputs(list(lens))
+            T = sum(lens)
+            for ibk, iw, sbv, sw, ss in itertools.product((32, 64), (4, 8), (32, 64), (4, 8), (2, 3)):
+                ck.INTRA_BK, ck.INTRA_NUM_WARPS = ibk, iw
+                ck.STATE_BV, ck.STATE_NUM_WARPS, ck.STATE_NUM_STAGES = sbv, sw, ss
+                try:
+                    fn, _ = _ours(x)
+                    fn()
+                    torch.cuda.synchronize()
+                    ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+                    print(f"T={T} P={len(lens)} intra BK={ibk} w={iw} | state BV={sbv} w={sw} st={ss}: {ms:.3f} ms",
+                          flush=True)
+                except Exception as e:                   # e.g. out of shared memory for a config
+                    print(f"T={T} intra BK={ibk} w={iw} | state BV={sbv} w={sw} st={ss}: failed "
+                          f"{type(e).__name__}: {str(e)[:100]}", flush=True)
+            del x
+    finally:
+        for n, v in saved.items():
+            setattr(ck, n, v)
+
+
 if __name__ == "__main__":
-    bench_prefill()
+    if "--sweep" in sys.argv:
+        sweep_prefill()
+    else:
+        bench_prefill()
