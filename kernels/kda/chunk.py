@@ -29,9 +29,15 @@ Two launches:
    The initial state is read from rec_state[state_slots[p]] when has_initial_state[p] (zeros otherwise) and the
    final state is written back there (fla layout [S, H, K, V], fp32). No other slot is touched.
 
+Varlen metadata (chunk offsets) is built on the device: no host sync, and the intra grid is the static upper
+bound cdiv(T, 64) + P (surplus programs exit), so the call is CUDA-graph friendly for fixed (T, P).
+
 Precision: all accumulation in fp32. For bf16 inputs the intermediates (qg, kg, w, u, Aqk) are stored in bf16
 and the state is cast to bf16 as an MMA operand (as fla does); the intra-chunk matrices use tf32. For fp32 inputs
 everything is stored in fp32 and the dots use IEEE fp32 (slow, for tests/oracles).
+
+Tuning: the module constants below (INTRA_*, STATE_*); ``python bench/kda_prefill.py --sweep`` times a grid of them
+on the GPU; ``compile_report()`` compiles both kernels offline for sm_90 and reports registers / spills / smem.
 """
 from __future__ import annotations
 
