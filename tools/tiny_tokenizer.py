@@ -206,12 +206,14 @@ def _write_json(path, obj):
         f.write("\n")
 
 
-def write_tokenizer_files(out_dir, kind="tiktoken", num_merges=NUM_MERGES):
-    """Write the tokenizer files into out_dir; returns the ids the checkpoint's config.json needs."""
+def write_tokenizer_files(out_dir, kind="tiktoken", num_merges=NUM_MERGES, corpus=None):
+    """Write the tokenizer files into out_dir; returns the ids the checkpoint's config.json needs.
+
+    corpus: text to learn the BPE merges from (default: the built-in SAMPLE_TEXT)."""
     if kind not in ("tiktoken", "json"):
         raise ValueError(f"kind must be 'tiktoken' or 'json', got {kind!r}")
     os.makedirs(out_dir, exist_ok=True)
-    ranks = learn_merges(SAMPLE_TEXT, num_merges)
+    ranks = learn_merges(SAMPLE_TEXT if corpus is None else corpus, num_merges)
     n_base = len(ranks)
     specials = special_tokens(n_base)
     template = default_chat_template()
@@ -240,8 +242,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
     ap.add_argument("--kind", choices=("tiktoken", "json"), default="tiktoken")
+    ap.add_argument("--corpus", help="UTF-8 text file to learn the merges from (default: built-in sample)")
+    ap.add_argument("--merges", type=int, default=NUM_MERGES, help="number of BPE merges")
     args = ap.parse_args()
-    print(json.dumps(write_tokenizer_files(args.out_dir, args.kind)))
+    corpus = None
+    if args.corpus:
+        with open(args.corpus, encoding="utf-8") as f:
+            corpus = f.read()
+    print(json.dumps(write_tokenizer_files(args.out_dir, args.kind, args.merges, corpus)))
 
 
 if __name__ == "__main__":
