@@ -99,6 +99,7 @@ class ModelConfig:
         if d["moe_router_activation_func"] != "sigmoid":
             raise ConfigError(f"moe_router_activation_func must be 'sigmoid', got {d['moe_router_activation_func']!r}")
         _check_grouped_topk(d)
+        _check_kv_heads(d)
         num_layers = _int(d, "num_hidden_layers")
         if not 0 < num_layers <= _MAX["num_hidden_layers"]:
             raise ConfigError(f"num_hidden_layers = {num_layers} is out of range")
@@ -198,6 +199,16 @@ def _dtype(d: dict) -> str:
     if value not in _DTYPES:
         raise ConfigError(f"dtype must be one of {_DTYPES}, got {value!r}")
     return value
+
+
+def _check_kv_heads(d: dict):
+    # unused by MLA (one latent shared by all heads) but a value that does not divide the heads marks a corrupt or
+    # foreign config.json
+    if d.get("num_key_value_heads") is None:
+        return
+    kv, heads = _int(d, "num_key_value_heads"), _int(d, "num_attention_heads")
+    if kv <= 0 or heads <= 0 or heads % kv:
+        raise ConfigError(f"num_key_value_heads = {kv} does not divide num_attention_heads = {heads}")
 
 
 def _check_grouped_topk(d: dict):

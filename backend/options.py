@@ -29,6 +29,7 @@ ENGINE_KEYS = {
     "num_slots": (int, "KDA state slots incl. the null slot (default: max_num_seqs + 1)"),
     "num_blocks": (int, "MLA pages incl. the null page (default: sized from gpu_memory_utilization)"),
     "max_graph_batch_size": (int, "largest decode batch captured in a CUDA graph (default: max_num_seqs)"),
+    "random_weights": (bool, "benchmarks only: random weights from config.json, no safetensors needed"),
 }
 SERVER_KEYS = {
     "tool_parser": (str, "kimi_k2 (default) | none: parse Kimi tool-call markup into ToolCallDelta"),

@@ -31,6 +31,8 @@ from backend.options import OptionsError, build_load_spec, engine_config  # noqa
 log = logging.getLogger("kimi-linear")
 
 MAX_WORKERS = int(os.environ.get("PYTHON_GRPC_MAX_WORKERS", "1"))
+# LoadModel on a serving backend: running requests may finish for this long before they are aborted
+RELOAD_DRAIN_S = float(os.environ.get("KIMI_RELOAD_DRAIN_S", "60"))
 MAX_MESSAGE_BYTES = 50 * 1024 * 1024  # LocalAI's Python backends use 50 MB both ways
 GRPC_OPTIONS = [
     ("grpc.max_message_length", MAX_MESSAGE_BYTES),
@@ -166,6 +168,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         self._last_error = ""
         self._load_lock = asyncio.Lock()
         self._active = 0
+        self._draining = False  # a LoadModel waits for running requests before replacing the model
         self._throughput = _Throughput()
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -187,8 +190,20 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
                 log.error("LoadModel: %s", e)
                 return backend_pb2.Result(success=False, message=str(e))
             if self._loaded is not None:
-                old, self._loaded = self._loaded, None
-                await asyncio.to_thread(self._release, old)
+                if spec == self._loaded.spec:
+                    # LocalAI (re)connecting to a running backend: same model, same settings -> nothing to do
+                    msg = f"Kimi-Linear from {spec.model_dir} is already loaded with these settings; kept"
+                    log.info("LoadModel: %s", msg)
+                    return backend_pb2.Result(success=True, message=msg)
+                # another model or other settings: new requests are refused (UNAVAILABLE) while the running ones
+                # get up to KIMI_RELOAD_DRAIN_S to finish; the rest are aborted, then the model is replaced
+                self._state, self._draining = BUSY, True
+                try:
+                    await self._drain(RELOAD_DRAIN_S)
+                    old, self._loaded = self._loaded, None
+                    await asyncio.to_thread(self._release, old)
+                finally:
+                    self._draining = False
             self._state = BUSY
             t0 = time.monotonic()
             log.info("LoadModel: loading %s (%s)", spec.model_dir, spec.engine)
@@ -207,7 +222,17 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             log.info("LoadModel: %s", msg)
             return backend_pb2.Result(success=True, message=msg)
 
+    async def _drain(self, timeout):
+        t0 = time.monotonic()
+        if self._active:
+            log.info("LoadModel: waiting up to %.0fs for %d running requests", timeout, self._active)
+        while self._active and time.monotonic() - t0 < timeout:
+            await asyncio.sleep(0.05)
+        if self._active:
+            log.warning("LoadModel: aborting %d requests still running after %.0fs", self._active, timeout)
+
     def _load_sync(self, spec):
+        from backend.config import ModelConfig
         from backend.engine import LLMEngine
         try:
             from backend.engine import EngineConfig
@@ -215,7 +240,11 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             from backend.config import EngineConfig
         from backend.tokenizer import load_tokenizer
 
+        model_cfg = ModelConfig.from_dir(spec.model_dir)  # validated before anything large is read or allocated
         tok = load_tokenizer(spec.model_dir)
+        if tok.vocab_size > model_cfg.vocab_size:
+            raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but config.json has vocab_size "
+                             f"{model_cfg.vocab_size}: the tokenizer files do not belong to these weights")
         engine = LLMEngine.from_config(spec.model_dir, engine_config(EngineConfig, spec.engine))
         try:
             cfg = getattr(engine, "cfg", None) or getattr(engine, "config", None)
@@ -263,6 +292,9 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
     async def _require_model(self, request, context):
         loaded = self._loaded
         if loaded is None:
+            if self._state == BUSY:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "a model is loading (LoadModel in progress): "
+                                    "retry when Status is READY")
             detail = "no model loaded: call LoadModel first"
             if self._state == ERROR and self._last_error:
                 detail += f" (last load failed: {self._last_error})"
@@ -302,6 +334,9 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         from backend.predict import BadRequest, logprob_entry
 
         loaded = await self._require_model(request, context)
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is being replaced (LoadModel in progress): "
+                                "retry when Status is READY")
         error = None
         try:
             ids, params, stops = self._build(request, loaded)
@@ -324,7 +359,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         finished = False
         self._active += 1
         self._throughput.total_prompt += len(ids)
-        n_out, logprobs, last, failure = 0, [], None, None
+        n_out, logprobs, last, failure, aborted = 0, [], None, None, None
         try:
             async for out in stream:
                 last = out
@@ -342,11 +377,16 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
                     finished = True
                     if out.finish_reason == "error":
                         failure = out.error or "engine error"
+                    elif out.finish_reason == "abort":  # only Free / LoadModel abort a request whose client is here
+                        aborted = out.error or "aborted"
                     break
                 if pipe.stopped:
                     break
             if failure is not None:
                 await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {failure}")
+            if aborted is not None:
+                await context.abort(grpc.StatusCode.ABORTED, f"request aborted after {n_out} tokens: the model was "
+                                    f"freed or replaced while it ran ({aborted})")
             content, deltas = pipe.finish()
             if content or deltas:
                 yield "delta", content, deltas

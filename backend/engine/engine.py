@@ -3,6 +3,7 @@ outputs go out through RequestStreams (async or blocking iterators)."""
 
 import asyncio
 import logging
+import os
 import queue
 import random
 import threading
@@ -15,6 +16,20 @@ from backend.engine.request import Request, RequestOutput, SamplingParams
 from backend.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+
+FAIL_STEPS_ENV = "KIMI_TEST_FAIL_STEPS"
+
+
+def _test_fail_steps() -> frozenset:
+    """TESTING ONLY: KIMI_TEST_FAIL_STEPS="3,10" makes the 3rd and 10th model steps of every engine raise inside
+    step() (after scheduling, where runner.execute runs), to test that a failing step fails only its requests."""
+    raw = os.environ.get(FAIL_STEPS_ENV, "").strip()
+    if not raw:
+        return frozenset()
+    steps = frozenset(int(x) for x in raw.split(",") if x.strip())
+    log.warning("%s=%s: engine steps %s will raise (fault injection for tests)", FAIL_STEPS_ENV, raw, sorted(steps))
+    return steps
 
 
 @dataclass(slots=True)
@@ -33,6 +48,7 @@ class EngineConfig:
     seed: int = 0  # seeds of requests that bring none
     eos_token_ids: tuple = ()  # () = config.json's
     router_biased_weights: bool = False  # ModelConfig option (HF remote-code router aliasing)
+    random_weights: bool = False  # random weights from config.json alone (benchmarks; no safetensors read)
 
     def __post_init__(self):
         import torch
@@ -130,6 +146,8 @@ class LLMEngine:
         self._stop = False
         self._totals = dict(steps=0, prompt_tokens=0, output_tokens=0, finished=0, errors=0, aborted=0)
         self._recent = deque()  # (time, tokens) of recent steps, for tokens/s
+        self._executed = 0  # model steps attempted (the fault hook below counts them)
+        self._fail_steps = _test_fail_steps()
         self._thread = threading.Thread(target=self._loop, name="kimi-engine", daemon=True)
         if start:
             self._thread.start()
@@ -253,6 +271,9 @@ class LLMEngine:
             time.sleep(0.001)
             return
         try:
+            self._executed += 1
+            if self._executed in self._fail_steps:
+                raise RuntimeError(f"fault injected at engine step {self._executed} ({FAIL_STEPS_ENV}, testing only)")
             ids, logprobs = self.runner.execute(out)
             self._attach_logprobs(out, logprobs)
             touched = self.scheduler.update(out, ids)

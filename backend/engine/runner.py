@@ -55,7 +55,14 @@ class ModelRunner:
             if dtype == "auto":
                 dtype = ModelConfig.from_dir(model_dir).dtype if self.device.type == "cuda" else "float32"
             t0 = time.monotonic()
-            model = load_model(model_dir, self.device, _DTYPES[dtype], router_biased_weights=cfg.router_biased_weights)
+            if getattr(cfg, "random_weights", False):
+                from backend.model.random_weights import random_model
+
+                model = random_model(ModelConfig.from_dir(model_dir, router_biased_weights=cfg.router_biased_weights),
+                                     self.device, _DTYPES[dtype])
+            else:
+                model = load_model(model_dir, self.device, _DTYPES[dtype],
+                                   router_biased_weights=cfg.router_biased_weights)
             log.info("loaded %s in %.1f s (%s, %s)", model_dir, time.monotonic() - t0, self.device, dtype)
         self.model = model
         self.dtype = model.dtype
@@ -70,6 +77,11 @@ class ModelRunner:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the MLA page pool ({self.num_blocks - 1} "
                              f"pages of {self.block_size} = {capacity} tokens): lower it or give more memory")
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        from backend.model.random_weights import check_fits
+
+        check_fits(self.num_slots * self.slot_bytes() + self.num_blocks * self.page_bytes(), self.device,
+                   f"the state/KV cache ({self.num_slots} KDA slots, {self.num_blocks} MLA pages of {self.block_size})"
+                   " [lower num_blocks, num_slots, max_num_seqs or max_model_len]")
         self.cache = self.model.allocate_cache(self.num_slots, self.num_blocks, self.block_size)
         log.info("KV capacity: %d tokens in %d pages of %d; %d KDA state slots (%d sequences); max_model_len %d",
                  capacity, self.num_blocks - 1, self.block_size, self.num_slots - 1, self.max_num_seqs,

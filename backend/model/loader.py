@@ -208,10 +208,19 @@ def _check_names(plan: dict, files: dict):
                                                                   len(missing) > 1 else ""))
 
 
-def load_weights(model: torch.nn.Module, path: str, plan: dict[str, Target]):
-    """Copy every checkpoint tensor into its parameter (dtype/device converted); each element written once."""
+def check_checkpoint(path: str, plan: dict[str, Target]) -> dict[str, dict]:
+    """Every header validated and every tensor name/shape matched against the plan, nothing allocated."""
     files = checkpoint_files(path)
     _check_names(plan, files)
+    return files
+
+
+def load_weights(model: torch.nn.Module, path: str, plan: dict[str, Target], files: dict = None):
+    """Copy every checkpoint tensor into its parameter (dtype/device converted); each element written once.
+
+    files: the result of check_checkpoint(path, plan) when the caller already has it."""
+    if files is None:
+        files = check_checkpoint(path, plan)
     params = dict(model.named_parameters())
     written, parts = {name: 0 for name in params}, set()
     total, done = sum(_nbytes(h) for h in files.values()), 0
@@ -253,9 +262,12 @@ def load_model(path: str, device="cpu", dtype: torch.dtype = torch.bfloat16, **o
     from backend.model.kimi_linear import KimiLinearForCausalLM
 
     cfg = ModelConfig.from_dir(path, **options)
+    plan = checkpoint_plan(cfg)
+    # a hostile or corrupt checkpoint is refused here, before the parameters are allocated
+    files = check_checkpoint(path, plan)
     with torch.device("meta"):
         model = KimiLinearForCausalLM(cfg, dtype)
     model.to_empty(device=device)
     model.tie_weights()
-    load_weights(model, path, checkpoint_plan(cfg))
+    load_weights(model, path, plan, files)
     return model.eval().requires_grad_(False)
