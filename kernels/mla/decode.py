@@ -35,6 +35,11 @@ DECODE_CFG = {
     "fp32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1),
 }
 GPU_BLOCK_H = 32  # heads per program cap (the default split heuristic assumes it)
+# Every tl.dot operand dim (M, N, K) is padded to >= MIN_DOT: Triton's GPU lowering asserts K >= 16 (M, N >= 16 keeps
+# the MMA layouts valid too). The interpreter does not check this, so the wrappers assert it (_check_dots). Padding is
+# masked (loads give 0, stores skip it), so it contributes nothing: e.g. the tiny test model, L=32, R=8, H=4, runs
+# with BLOCK_R=16 and 16-row head blocks. Kimi shapes (L=512, R=64, H=32) are unaffected.
+MIN_DOT = 16
 
 
 @triton.jit
@@ -258,7 +263,35 @@ def _num_sms(device) -> int:
 
 
 def _block_h(H: int, cap: int = GPU_BLOCK_H) -> int:
-    return min(cap, max(16, triton.next_power_of_2(H)))
+    return max(MIN_DOT, min(triton.next_power_of_2(cap), triton.next_power_of_2(H)))
+
+
+def _dot_dim(x: int) -> int:
+    """Power-of-two tile extent covering x, at least MIN_DOT (the excess is masked)."""
+    return max(MIN_DOT, triton.next_power_of_2(max(1, int(x))))
+
+
+def _check_dots(kernel: str, dots) -> None:
+    """dots: (M, N, K) of each tl.dot the kernel issues with these blocks; all must be >= MIN_DOT."""
+    for m, n, k in dots:
+        assert min(m, n, k) >= MIN_DOT, f"{kernel}: tl.dot of M={m} N={n} K={k} (each must be >= {MIN_DOT})"
+
+
+def decode_config(H: int, L: int, R: int, dtype, on_gpu: bool, block_n=None, config=None) -> tuple[dict, dict]:
+    """-> (launch cfg, stage-1 constexpr blocks) for mla_decode_triton; every tl.dot dim >= MIN_DOT (asserted)."""
+    cfg = _gpu_cfg(DECODE_CFG, dtype)
+    if config:
+        cfg.update(config)
+    b = dict(
+        BLOCK_H=_block_h(H, cfg["block_h"]),
+        BLOCK_N=_dot_dim(block_n or (cfg["block_n"] if on_gpu else 16)),
+        BLOCK_L=_dot_dim(L),
+        BLOCK_R=_dot_dim(R),
+    )
+    # S = q c^T, S += qpe kpe^T, acc += P c
+    _check_dots("mla_decode", [(b["BLOCK_H"], b["BLOCK_N"], b["BLOCK_L"]), (b["BLOCK_H"], b["BLOCK_N"], b["BLOCK_R"]),
+                               (b["BLOCK_H"], b["BLOCK_L"], b["BLOCK_N"])])
+    return cfg, b
 
 
 def _gpu_cfg(table, dtype):
@@ -313,17 +346,12 @@ def mla_decode_triton(
     if N == 0:
         return out
     on_gpu = q_lat.is_cuda
-    cfg = _gpu_cfg(DECODE_CFG, cache.dtype)
-    if config:
-        cfg.update(config)
-    BLOCK_H = _block_h(H, cfg["block_h"])
-    BLOCK_N = block_n or (cfg["block_n"] if on_gpu else 16)
+    cfg, blocks = decode_config(H, L, R, cache.dtype, on_gpu, block_n, config)
+    BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R = blocks["BLOCK_H"], blocks["BLOCK_N"], blocks["BLOCK_L"], blocks["BLOCK_R"]
     if num_splits is None:
         num_splits = default_num_splits(N, block_table.shape[1], BS, H, _num_sms(q_lat.device))
     num_splits = max(1, int(num_splits))
     min_tiles = max(1, (min_split_tokens or MIN_SPLIT_TOKENS) // BLOCK_N)
-    BLOCK_L = triton.next_power_of_2(L)
-    BLOCK_R = triton.next_power_of_2(R)
     BLOCK_B = triton.next_power_of_2(N)
     direct = num_splits == 1
     G = N * num_splits  # work-unit budget of the balanced schedule

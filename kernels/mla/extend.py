@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode import LOG2E, _dot, _gpu_cfg, _upcast
+from .decode import LOG2E, _check_dots, _dot, _dot_dim, _gpu_cfg, _upcast
 
 # rows = BLOCK_T * BLOCK_H. ptxas (sm_90, Triton 3.9, `python bench/mla.py --ptxas`), bf16: rows 32 / BLOCK_N 32 /
 # 8 warps / 3 stages = 76 KB smem, 172 regs, no spill (mma.sync); rows 64 / 2 stages uses wgmma, 147 KB, 255 regs +
@@ -20,6 +20,27 @@ EXTEND_CFG = {
     "16bit": dict(rows=32, block_n=32, num_warps=8, num_stages=3),
     "fp32": dict(rows=32, block_n=32, num_warps=8, num_stages=1),
 }
+
+
+def extend_config(H: int, L: int, R: int, dtype, on_gpu: bool, block_n=None, rows=None, config=None) -> tuple[dict, dict]:
+    """-> (launch cfg, constexpr blocks) for mla_extend_triton. rows = BLOCK_T * BLOCK_H is the M of every tl.dot;
+    all dot dims are >= MIN_DOT (padded, masked; asserted)."""
+    cfg = _gpu_cfg(EXTEND_CFG, dtype)
+    if config:
+        cfg.update(config)
+    rows = _dot_dim(rows or (cfg["rows"] if on_gpu else 64))
+    block_h = min(triton.next_power_of_2(H), rows)
+    b = dict(
+        BLOCK_H=block_h,
+        BLOCK_T=max(1, rows // block_h),
+        BLOCK_N=_dot_dim(block_n or (cfg["block_n"] if on_gpu else 16)),
+        BLOCK_L=_dot_dim(L),
+        BLOCK_R=_dot_dim(R),
+    )
+    m = b["BLOCK_T"] * b["BLOCK_H"]
+    _check_dots("mla_extend", [(m, b["BLOCK_N"], b["BLOCK_L"]), (m, b["BLOCK_N"], b["BLOCK_R"]),
+                               (m, b["BLOCK_L"], b["BLOCK_N"])])
+    return cfg, b
 
 
 @triton.jit
@@ -162,13 +183,8 @@ def mla_extend_triton(
     if T == 0 or P == 0:
         return out
     on_gpu = q_lat.is_cuda
-    cfg = _gpu_cfg(EXTEND_CFG, cache.dtype)
-    if config:
-        cfg.update(config)
-    rows = rows or (cfg["rows"] if on_gpu else 64)
-    BLOCK_H = min(triton.next_power_of_2(H), rows)
-    BLOCK_T = max(1, rows // BLOCK_H)
-    BLOCK_N = block_n or (cfg["block_n"] if on_gpu else 16)
+    cfg, blocks = extend_config(H, L, R, cache.dtype, on_gpu, block_n, rows, config)
+    BLOCK_T, BLOCK_H = blocks["BLOCK_T"], blocks["BLOCK_H"]
     mq = T if max_query_len is None else max(1, int(max_query_len))
     grid = (triton.cdiv(mq, BLOCK_T), P, triton.cdiv(H, BLOCK_H))
     kw = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) if on_gpu else {}
@@ -193,12 +209,8 @@ def mla_extend_triton(
         out.stride(1),
         L=L,
         R=R,
-        BLOCK_L=triton.next_power_of_2(L),
-        BLOCK_R=triton.next_power_of_2(R),
         BS=BS,
-        BLOCK_N=BLOCK_N,
-        BLOCK_T=BLOCK_T,
-        BLOCK_H=BLOCK_H,
+        **blocks,
         IEEE=cache.dtype == torch.float32,
         UPCAST=_upcast(cache.dtype),
         **kw,

@@ -14,10 +14,11 @@ from kernels.mla.ref import mla_decode_ref, mla_extend_ref, store_latent_ref
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAS_CUDA = torch.cuda.is_available()
 from kernels.mla.cache import store_latent_triton  # noqa: E402
-from kernels.mla.decode import default_num_splits, mla_decode_triton  # noqa: E402
-from kernels.mla.extend import mla_extend_triton  # noqa: E402
+from kernels.mla.decode import DECODE_CFG, MIN_DOT, decode_config, default_num_splits, mla_decode_triton  # noqa: E402
+from kernels.mla.extend import EXTEND_CFG, extend_config, mla_extend_triton  # noqa: E402
 
-CPU_ONLY_TESTS = {"test_ref_cpu_path", "test_default_num_splits"}
+CPU_ONLY_TESTS = {"test_ref_cpu_path", "test_default_num_splits", "test_configs_dot_dims_at_least_16",
+                  "test_configs_kimi_unchanged"}
 
 
 @pytest.fixture(autouse=True)
@@ -281,6 +282,105 @@ def test_ref_cpu_path():
     assert (d[1] == 0).all()
     # explicit softmax for row 0 (sees key 0 only) -> exactly c_0
     torch.testing.assert_close(e[0], cache[3, 0, :8].expand(2, 8))
+
+
+# ---------------------------------------------------------------- tiny test-model shapes (L=32, R=8, H=4)
+# tl.dot on the GPU needs every dim >= 16; the interpreter does not check it, so the configs are checked directly and
+# the kernels run at these shapes both in the interpreter (numerics of the masked padding) and on the GPU (compile).
+
+TH, TL, TR, TBS = 4, 32, 8, 16
+
+
+def _dot_dims_decode(b):
+    return [(b["BLOCK_H"], b["BLOCK_N"], b["BLOCK_L"]), (b["BLOCK_H"], b["BLOCK_N"], b["BLOCK_R"]),
+            (b["BLOCK_H"], b["BLOCK_L"], b["BLOCK_N"])]
+
+
+def _dot_dims_extend(b):
+    m = b["BLOCK_T"] * b["BLOCK_H"]
+    return [(m, b["BLOCK_N"], b["BLOCK_L"]), (m, b["BLOCK_N"], b["BLOCK_R"]), (m, b["BLOCK_L"], b["BLOCK_N"])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_configs_dot_dims_at_least_16(dtype, on_gpu):
+    for h in (1, 2, 3, 4, 5, 8, 16, 17, 32, 64):
+        for l in (1, 8, 15, 16, 32, 100, 512):
+            for r in (1, 4, 8, 16, 64):
+                for kw in ({}, {"block_n": 8}, {"config": {"block_h": 8, "block_n": 4}}):
+                    _, b = decode_config(h, l, r, dtype, on_gpu, **kw)
+                    assert b["BLOCK_L"] >= l and b["BLOCK_R"] >= r
+                    assert all(min(d) >= MIN_DOT for d in _dot_dims_decode(b)), (h, l, r, kw, b)
+                for kw in ({}, {"rows": 4}, {"rows": 16}, {"block_n": 8}, {"config": {"rows": 8, "block_n": 4}}):
+                    _, b = extend_config(h, l, r, dtype, on_gpu, **kw)
+                    assert b["BLOCK_L"] >= l and b["BLOCK_R"] >= r
+                    assert all(min(d) >= MIN_DOT for d in _dot_dims_extend(b)), (h, l, r, kw, b)
+
+
+def test_configs_kimi_unchanged():
+    for dtype, key in ((torch.bfloat16, "16bit"), (torch.float32, "fp32")):
+        _, b = decode_config(32, 512, 64, dtype, True)
+        c = DECODE_CFG[key]
+        assert b == dict(BLOCK_H=c["block_h"], BLOCK_N=c["block_n"], BLOCK_L=512, BLOCK_R=64)
+        _, b = extend_config(32, 512, 64, dtype, True)
+        c = EXTEND_CFG[key]
+        assert b == dict(BLOCK_H=32, BLOCK_T=c["rows"] // 32, BLOCK_N=c["block_n"], BLOCK_L=512, BLOCK_R=64)
+
+
+def _tiny_decode(dtype, num_splits, device):
+    lens = [1, 15, 16, 17, 40, 0]
+    cache, bt, sl = make_paged(lens, dtype, bs=TBS, l=TL, r=TR, max_blocks=4, device=device)
+    N = len(lens)
+    q = torch.randn(N, TH, TL, device=device).to(dtype)
+    qp = torch.randn(N, TH, TR, device=device).to(dtype)
+    out = torch.full((N, TH, TL), float("nan"), dtype=dtype, device=device)
+    mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=num_splits, out=out, min_split_tokens=16)
+    check_close(out, mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, SCALE), dtype)
+    assert (out[-1] == 0).all()
+
+
+def _tiny_extend(dtype, rows, device):
+    mix = [(1, 1), (17, 17), (40, 9), (0, 0), (33, 1)]
+    lens = [s for s, _ in mix]
+    cache, bt, sl = make_paged(lens, dtype, bs=TBS, l=TL, r=TR, device=device)
+    cu = torch.tensor([0] + [q for _, q in mix]).cumsum(0).to(torch.int32).to(device)
+    T = int(cu[-1])
+    q = torch.randn(T, TH, TL, device=device).to(dtype)
+    qp = torch.randn(T, TH, TR, device=device).to(dtype)
+    out = torch.full((T, TH, TL), float("nan"), dtype=dtype, device=device)
+    mla_extend_triton(q, qp, cache, bt, cu, sl, SCALE, max_query_len=17, out=out, rows=rows)
+    check_close(out, mla_extend_ref(q.float(), qp.float(), cache.float(), bt, cu, sl, SCALE), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_tiny_model_decode(dtype, num_splits):
+    _tiny_decode(dtype, num_splits, DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [None, 8])
+def test_tiny_model_extend(dtype, rows):
+    _tiny_extend(dtype, rows, DEV)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_tiny_model_shapes(dtype):
+    """The GPU configs (not the interpreter's) at the tiny model's shapes: compiles (dot dims >= 16) and matches."""
+    for ns in (None, 1, 3):
+        _tiny_decode(dtype, ns, "cuda")
+    for rows in (None, 8):
+        _tiny_extend(dtype, rows, "cuda")
+    # the public entry points the model calls
+    cache, bt, sl = make_paged([20, 5], dtype, bs=TBS, l=TL, r=TR, device="cuda")
+    q, qp = torch.randn(2, TH, TL, device="cuda").to(dtype), torch.randn(2, TH, TR, device="cuda").to(dtype)
+    check_close(mla_decode(q, qp, cache, bt, sl, SCALE), mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl,
+                                                                         SCALE), dtype)
+    cu = torch.tensor([0, 20, 25], dtype=torch.int32, device="cuda")
+    qe, qpe = torch.randn(25, TH, TL, device="cuda").to(dtype), torch.randn(25, TH, TR, device="cuda").to(dtype)
+    check_close(mla_extend(qe, qpe, cache, bt, cu, sl, SCALE, max_query_len=20),
+                mla_extend_ref(qe.float(), qpe.float(), cache.float(), bt, cu, sl, SCALE), dtype)
 
 
 # ---------------------------------------------------------------- GPU, Kimi shapes
