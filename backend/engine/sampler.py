@@ -30,18 +30,46 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+# E = -log(1 - w), w uniform. The race is decided by the smallest E / p, so E must be accurate *relative to E* where
+# it is tiny (w near 0): a token of probability p wins with E ~ p (1e-5..1e-9 for most tokens of a 160k vocabulary).
+# The old E = -log(u), u near 1, was wrong exactly there: u in fp32 is quantised at 2^-24 (E ~ 1e-7 was a 2-3 step grid, u == 1 gave E = -0), and
+# an approximate GPU log (absolute error ~1e-7) is ~100 % off at E ~ 1e-7. Now: w < SERIES_MAX: E = sum_k w^k / k
+# (Horner, SERIES_TERMS terms, within ~1 ulp; no log, no cancellation); else E = -log(1 - w) (1 - w exact by Sterbenz,
+# E >= log 2, so even an approximate log is within ~2e-7 relative). w = (bits + 0.5) * 2^-32 keeps full relative
+# resolution near 0 (smallest E ~ 1.2e-10); it rounds to 1 only for bits >= 2^32 - 128 (E = 32 log 2, a certain
+# loser). Keys are p / E with IEEE division (div_rn in the kernel). The Triton kernel (_race_kernel) computes the
+# same formula, so CUDA and the reference agree up to float rounding (FMA contraction, log ulps).
+SERIES_MAX = 0.5
+SERIES_TERMS = 22
+
+
+def _exp1_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """bits: uint32 values (int64 tensor) -> E ~ Exp(1) fp32, accurate to ~1 ulp for every value."""
+    w = (bits.to(torch.float32) + 0.5) * (1.0 / 2**32)
+    s = torch.full_like(w, 1.0 / SERIES_TERMS)
+    for k in range(SERIES_TERMS - 1, 0, -1):
+        s = s * w + 1.0 / k
+    series = w * s
+    big = -torch.log((1.0 - w).clamp_min(2.0**-32))
+    return torch.where(w < SERIES_MAX, series, big)
+
+
 def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """E[m, v] ~ Exp(1), a pure function of (seeds[m], steps[m], v). seeds, steps: [M] int64 -> [M, V] fp32."""
     key = _mix32(_mix32(_mix32(steps & _M32) ^ (seeds & _M32)) ^ ((seeds >> 32) & _M32))
     v = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     bits = _mix32(_mix32(key[:, None] ^ v[None, :]) ^ 0x2545F491)
-    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1)
-    return -torch.log(u)
+    return _exp1_from_bits(bits)
+
+
+def race_keys_ref(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """The race keys probs / E ([M, V] fp32; the winner is the largest)."""
+    return probs / exponential_noise(seeds, steps, probs.shape[-1])
 
 
 def race_argmax_ref(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """argmax(probs / E) per row, E from exponential_noise. probs [M, V] fp32 -> [M] i64."""
-    return (probs / exponential_noise(seeds, steps, probs.shape[-1])).argmax(dim=-1)
+    return race_keys_ref(probs, seeds, steps).argmax(dim=-1)
 
 
 _RACE_BLOCK = 4096
@@ -52,10 +80,14 @@ def race_argmax(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -
     if not use_triton(probs):
         return race_argmax_ref(probs, seeds, steps)
     M, V = probs.shape
-    nb = triton.cdiv(V, _RACE_BLOCK)
+    if probs.stride(-1) != 1:
+        probs = probs.contiguous()
+    block = min(_RACE_BLOCK, max(128, triton.next_power_of_2(V)))  # small vocabularies (tests): small tiles
+    nb = triton.cdiv(V, block)
     vals = torch.empty(M, nb, dtype=torch.float32, device=probs.device)
     idx = torch.empty(M, nb, dtype=torch.int64, device=probs.device)
-    _race_kernel[(M, nb)](probs, probs.stride(0), seeds, steps, vals, idx, V, nb, BLOCK=_RACE_BLOCK)
+    _race_kernel[(M, nb)](probs, probs.stride(0), seeds, steps, vals, idx, V, nb, BLOCK=block,
+                          SERIES_TERMS=SERIES_TERMS, SERIES_MAX=SERIES_MAX)
     return idx.gather(1, vals.argmax(dim=1, keepdim=True))[:, 0]
 
 
@@ -70,7 +102,8 @@ def _mix32_tl(x):
 
 
 @triton.jit
-def _race_kernel(p_ptr, stride_p, seeds_ptr, steps_ptr, vals_ptr, idx_ptr, V, NB, BLOCK: tl.constexpr):
+def _race_kernel(p_ptr, stride_p, seeds_ptr, steps_ptr, vals_ptr, idx_ptr, V, NB, BLOCK: tl.constexpr,
+                 SERIES_TERMS: tl.constexpr, SERIES_MAX: tl.constexpr):
     """Program (row, block): the best p / E of BLOCK tokens, with E recomputed from (seed, step, token)."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -83,8 +116,13 @@ def _race_kernel(p_ptr, stride_p, seeds_ptr, steps_ptr, vals_ptr, idx_ptr, V, NB
     k = _mix32_tl(k ^ (seed & 0xFFFFFFFF).to(tl.uint32))
     k = _mix32_tl(k ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
     bits = _mix32_tl(_mix32_tl(k ^ offs.to(tl.uint32)) ^ tl.full((1,), 0x2545F491, tl.uint32))
-    u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    q = tl.where(m_v, p / -tl.log(u), -1.0)
+    # _exp1_from_bits (see there): series near 0 (no log), log only where E >= log 2; IEEE division
+    w = (bits.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
+    s = tl.full(w.shape, 1.0 / SERIES_TERMS, tl.float32)
+    for j in tl.static_range(SERIES_TERMS - 1, 0, -1):
+        s = s * w + 1.0 / j
+    e = tl.where(w < SERIES_MAX, w * s, -tl.log(tl.maximum(1.0 - w, 2.3283064365386963e-10)))
+    q = tl.where(m_v, tl.math.div_rn(p, e), -1.0)
     best = tl.argmax(q, axis=0)
     tl.store(vals_ptr + row * NB + blk, tl.max(q, axis=0))
     tl.store(idx_ptr + row * NB + blk, (blk * BLOCK + best).to(tl.int64))
