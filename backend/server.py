@@ -334,16 +334,18 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         from backend.predict import BadRequest, logprob_entry
 
         loaded = await self._require_model(request, context)
-        if self._draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is being replaced (LoadModel in progress): "
-                                "retry when Status is READY")
         error = None
         try:
-            ids, params, stops = self._build(request, loaded)
+            # in a thread: a slow chat template (bounded by its limits) or a long prompt never stalls the event loop
+            ids, params, stops = await asyncio.to_thread(self._build, request, loaded)
         except (BadRequest, ValueError, TypeError) as e:
             error = str(e)
         if error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        # no await from here to `self._active += 1`: a LoadModel/Free either sees this request or it sees them
+        if self._draining or self._loaded is not loaded:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is being replaced or was freed "
+                                "(LoadModel/Free in progress): retry when Status is READY")
         pipe = _Pipeline(loaded.tok, stops, loaded.spec.tool_parser != "none")
         try:
             stream = loaded.engine.add_request(ids, params)
@@ -462,7 +464,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         loaded = await self._require_model(request, context)
         error = None
         try:
-            tokens = loaded.tok.encode(prompt_text(request, loaded.tok))
+            tokens = await asyncio.to_thread(lambda: loaded.tok.encode(prompt_text(request, loaded.tok)))
         except (BadRequest, TemplateError, TokenizerError, ValueError, TypeError) as e:
             error = (grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Exception as e:  # noqa: BLE001

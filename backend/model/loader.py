@@ -11,6 +11,9 @@ The checkpoint keeps the official names. Packed parameters are filled from sever
     block_sparse_moe.experts.{e}.w2.weight         -> block_sparse_moe.w2 [E, D, I]
     block_sparse_moe.gate.e_score_correction_bias  -> same name, fp32
 Every other tensor maps to the parameter of the same name.
+
+Tensor parallel (backend/model/parallel.py): each rank reads only its part of each tensor (`Target.src`, sliced
+while reading) and skips the experts of other ranks (`Target.param` None).
 """
 import json
 import logging
@@ -22,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from backend.config import ModelConfig
+from backend.model.parallel import TP, check_divisible
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +42,9 @@ class CheckpointError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Target:
     shape: tuple[int, ...]  # shape in the checkpoint
-    param: str              # model parameter it fills
+    param: str | None       # model parameter it fills (None: another rank's)
     index: tuple = ()       # where in the parameter (() = the whole parameter)
+    src: tuple = ()         # this rank's part of the checkpoint tensor (() = all of it)
 
 
 def read_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -116,11 +121,13 @@ def checkpoint_files(path: str) -> dict[str, dict]:
         by_file = {_SINGLE: None}
     else:
         raise CheckpointError(f"no {_INDEX} or {_SINGLE} in {path}")
+    missing = sorted(f for f in by_file if not os.path.isfile(os.path.join(path, f)))
+    if missing:  # before any header: the index names a shard that is not there
+        raise CheckpointError(f"missing shard file {missing[0]}" + (f" (and {len(missing) - 1} more)"
+                                                                    if len(missing) > 1 else ""))
     files = {}
     for file, listed in sorted(by_file.items()):
         full = os.path.join(path, file)
-        if not os.path.isfile(full):
-            raise CheckpointError(f"missing shard file {file}")
         header = read_header(full)
         if listed is not None and set(header) != listed:
             absent, extra = sorted(listed - set(header)), sorted(set(header) - listed)
@@ -130,63 +137,82 @@ def checkpoint_files(path: str) -> dict[str, dict]:
     return files
 
 
-def _kda_plan(cfg: ModelConfig, p: str) -> dict:
+def _rows(tp: TP, n: int) -> tuple:
+    """src of a tensor sharded along dim 0 (n rows)."""
+    return (tp.part(n),) if tp.world > 1 else ()
+
+
+def _cols(tp: TP, n: int) -> tuple:
+    """src of a tensor sharded along dim 1 (n columns)."""
+    return (slice(None), tp.part(n)) if tp.world > 1 else ()
+
+
+def _kda_plan(cfg: ModelConfig, p: str, tp: TP) -> dict:
     d, hk, h, w = cfg.hidden_size, cfg.kda_num_heads * cfg.kda_head_dim, cfg.kda_num_heads, cfg.conv_size
-    k = cfg.kda_head_dim
+    k, hk_local = cfg.kda_head_dim, hk // tp.world
     plan = {}
     for j, x in enumerate("qkv"):
-        rows = slice(j * hk, (j + 1) * hk)
-        plan[f"{p}{x}_proj.weight"] = Target((hk, d), p + "qkv_proj.weight", (rows,))
-        plan[f"{p}{x}_conv1d.weight"] = Target((hk, 1, w), p + "conv_weight", (rows,))
-    plan[p + "A_log"] = Target((1, 1, h, 1), p + "A_log")
-    for name, shape in (("dt_bias", (hk,)), ("f_a_proj.weight", (k, d)), ("f_b_proj.weight", (hk, k)),
-                        ("b_proj.weight", (h, d)), ("g_a_proj.weight", (k, d)), ("g_b_proj.weight", (hk, k)),
-                        ("o_norm.weight", (cfg.kda_head_dim,)), ("o_proj.weight", (d, hk))):
-        plan[p + name] = Target(shape, p + name)
+        rows = slice(j * hk_local, (j + 1) * hk_local)
+        plan[f"{p}{x}_proj.weight"] = Target((hk, d), p + "qkv_proj.weight", (rows,), _rows(tp, hk))
+        plan[f"{p}{x}_conv1d.weight"] = Target((hk, 1, w), p + "conv_weight", (rows,), _rows(tp, hk))
+    heads = (slice(None), slice(None), tp.part(h)) if tp.world > 1 else ()
+    plan[p + "A_log"] = Target((1, 1, h, 1), p + "A_log", (), heads)
+    for name, shape, src in (("dt_bias", (hk,), _rows(tp, hk)), ("f_a_proj.weight", (k, d), ()),
+                             ("f_b_proj.weight", (hk, k), _rows(tp, hk)), ("b_proj.weight", (h, d), _rows(tp, h)),
+                             ("g_a_proj.weight", (k, d), ()), ("g_b_proj.weight", (hk, k), _rows(tp, hk)),
+                             ("o_norm.weight", (k,), ()), ("o_proj.weight", (d, hk), _cols(tp, hk))):
+        plan[p + name] = Target(shape, p + name, (), src)
     return plan
 
 
-def _mla_plan(cfg: ModelConfig, p: str) -> dict:
+def _mla_plan(cfg: ModelConfig, p: str, tp: TP) -> dict:
     d, h, lat, rope = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    shapes = {"q_proj.weight": (h * cfg.qk_head_dim, d), "kv_a_proj_with_mqa.weight": (lat + rope, d),
-              "kv_a_layernorm.weight": (lat,), "kv_b_proj.weight": (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), lat),
-              "o_proj.weight": (d, h * cfg.v_head_dim)}
-    return {p + n: Target(s, p + n) for n, s in shapes.items()}
+    q, kv, o = h * cfg.qk_head_dim, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), h * cfg.v_head_dim
+    # q_proj and kv_b_proj rows and o_proj columns are head-major: a rank's heads are one contiguous range
+    shapes = {"q_proj.weight": ((q, d), _rows(tp, q)), "kv_a_proj_with_mqa.weight": ((lat + rope, d), ()),
+              "kv_a_layernorm.weight": ((lat,), ()), "kv_b_proj.weight": ((kv, lat), _rows(tp, kv)),
+              "o_proj.weight": ((d, o), _cols(tp, o))}
+    return {p + n: Target(s, p + n, (), src) for n, (s, src) in shapes.items()}
 
 
-def _mlp_plan(d: int, inter: int, p: str) -> dict:
-    shapes = {"gate_proj.weight": (inter, d), "up_proj.weight": (inter, d), "down_proj.weight": (d, inter)}
-    return {p + n: Target(s, p + n) for n, s in shapes.items()}
+def _mlp_plan(d: int, inter: int, p: str, tp: TP) -> dict:
+    shapes = {"gate_proj.weight": ((inter, d), _rows(tp, inter)), "up_proj.weight": ((inter, d), _rows(tp, inter)),
+              "down_proj.weight": ((d, inter), _cols(tp, inter))}
+    return {p + n: Target(s, p + n, (), src) for n, (s, src) in shapes.items()}
 
 
-def _moe_plan(cfg: ModelConfig, p: str) -> dict:
+def _moe_plan(cfg: ModelConfig, p: str, tp: TP) -> dict:
     d, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     plan = {p + "gate.weight": Target((e, d), p + "gate.weight"),
             p + "gate.e_score_correction_bias": Target((e,), p + "gate.e_score_correction_bias")}
+    local = tp.part(e)
     for i in range(e):
-        plan[f"{p}experts.{i}.w1.weight"] = Target((inter, d), p + "w13", (i, slice(0, inter)))
-        plan[f"{p}experts.{i}.w3.weight"] = Target((inter, d), p + "w13", (i, slice(inter, 2 * inter)))
-        plan[f"{p}experts.{i}.w2.weight"] = Target((d, inter), p + "w2", (i,))
-    plan.update(_mlp_plan(d, inter * cfg.num_shared_experts, p + "shared_experts."))
+        # another rank's expert: checked against the plan, not read
+        mine, j = local.start <= i < local.stop, i - local.start
+        w13, w2 = (p + "w13", p + "w2") if mine else (None, None)
+        plan[f"{p}experts.{i}.w1.weight"] = Target((inter, d), w13, (j, slice(0, inter)))
+        plan[f"{p}experts.{i}.w3.weight"] = Target((inter, d), w13, (j, slice(inter, 2 * inter)))
+        plan[f"{p}experts.{i}.w2.weight"] = Target((d, inter), w2, (j,))
+    plan.update(_mlp_plan(d, inter * cfg.num_shared_experts, p + "shared_experts.", tp))
     return plan
 
 
-def checkpoint_plan(cfg: ModelConfig) -> dict[str, Target]:
-    """Every tensor the checkpoint must hold -> its shape and where it goes in the model."""
-    d = cfg.hidden_size
-    plan = {"model.embed_tokens.weight": Target((cfg.vocab_size, d), "model.embed_tokens.weight"),
+def checkpoint_plan(cfg: ModelConfig, tp: TP = TP()) -> dict[str, Target]:
+    """Every tensor the checkpoint must hold -> its shape and where (which part of it) goes in the model."""
+    d, vocab = cfg.hidden_size, cfg.vocab_size
+    plan = {"model.embed_tokens.weight": Target((vocab, d), "model.embed_tokens.weight", (), _rows(tp, vocab)),
             "model.norm.weight": Target((d,), "model.norm.weight")}
     if not cfg.tie_word_embeddings:
-        plan["lm_head.weight"] = Target((cfg.vocab_size, d), "lm_head.weight")
+        plan["lm_head.weight"] = Target((vocab, d), "lm_head.weight", (), _rows(tp, vocab))
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             plan[p + n] = Target((d,), p + n)
-        plan.update(_kda_plan(cfg, p + "self_attn.") if cfg.is_kda(i) else _mla_plan(cfg, p + "self_attn."))
+        plan.update(_kda_plan(cfg, p + "self_attn.", tp) if cfg.is_kda(i) else _mla_plan(cfg, p + "self_attn.", tp))
         if cfg.is_moe(i):
-            plan.update(_moe_plan(cfg, p + "block_sparse_moe."))
+            plan.update(_moe_plan(cfg, p + "block_sparse_moe.", tp))
         else:
-            plan.update(_mlp_plan(d, cfg.intermediate_size, p + "mlp."))
+            plan.update(_mlp_plan(d, cfg.intermediate_size, p + "mlp.", tp))
     return plan
 
 
@@ -229,11 +255,14 @@ def load_weights(model: torch.nn.Module, path: str, plan: dict[str, Target], fil
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in header:
                     target = plan[name]
+                    if target.param is None:
+                        continue
                     part = (target.param, repr(target.index))
                     assert part not in parts, f"{part} loaded twice"
                     parts.add(part)
                     dst = params[target.param].data[target.index]
-                    dst.copy_(f.get_tensor(name).reshape(dst.shape))
+                    src = f.get_slice(name)[target.src] if target.src else f.get_tensor(name)
+                    dst.copy_(src.reshape(dst.shape))
                     written[target.param] += dst.numel()
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise CheckpointError(f"{os.path.basename(file)}: cannot read: {e}") from e
@@ -254,19 +283,20 @@ def _nbytes(header: dict) -> int:
     return total
 
 
-def load_model(path: str, device="cpu", dtype: torch.dtype = torch.bfloat16, **options):
-    """Build KimiLinearForCausalLM for the checkpoint at `path` and load it strictly.
+def load_model(path: str, device="cpu", dtype: torch.dtype = torch.bfloat16, tp: TP = TP(), **options):
+    """Build KimiLinearForCausalLM for the checkpoint at `path` (tp: this rank's shard) and load it strictly.
 
     options go to ModelConfig (router_biased_weights, kv_a_layernorm_eps).
     """
     from backend.model.kimi_linear import KimiLinearForCausalLM
 
     cfg = ModelConfig.from_dir(path, **options)
-    plan = checkpoint_plan(cfg)
+    check_divisible(cfg, tp.world)
+    plan = checkpoint_plan(cfg, tp)
     # a hostile or corrupt checkpoint is refused here, before the parameters are allocated
     files = check_checkpoint(path, plan)
     with torch.device("meta"):
-        model = KimiLinearForCausalLM(cfg, dtype)
+        model = KimiLinearForCausalLM(cfg, dtype, tp)
     model.to_empty(device=device)
     model.tie_weights()
     load_weights(model, path, plan, files)
