@@ -161,6 +161,10 @@ def _memory_usage():
     return backend_pb2.MemoryUsageData(total=total, breakdown=breakdown)
 
 
+# load counters that Status adds to MemoryUsageData.breakdown next to the memory figures (bytes)
+STATUS_COUNTERS = ("queue_depth", "running", "active_requests", "tokens_per_s")
+
+
 class BackendServicer(backend_pb2_grpc.BackendServicer):
     def __init__(self):
         self._loaded = None
@@ -180,7 +184,33 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         state = self._state
         if state == READY and self._active > 0:
             state = BUSY
-        return backend_pb2.StatusResponse(state=state, memory=_memory_usage())
+        memory = _memory_usage()
+        stats = self._load_stats()
+        for k in STATUS_COUNTERS:   # not bytes: load figures for LocalAI's backend monitor
+            memory.breakdown[k] = max(0, int(round(float(stats.get(k, 0) or 0))))
+        return backend_pb2.StatusResponse(state=state, memory=memory)
+
+    def _load_stats(self):
+        """Engine stats + server counters: tokens_per_s (last 10 s), queue_depth (waiting requests), running,
+        active_requests (open Predict/PredictStream calls)."""
+        stats = {}
+        loaded = self._loaded
+        if loaded is not None:
+            try:
+                stats = dict(loaded.engine.stats())
+            except Exception:  # noqa: BLE001 - metrics are best effort
+                stats = {}
+        stats.setdefault("active_requests", self._active)
+        for k in ("num_waiting", "waiting"):
+            if k in stats:
+                stats.setdefault("queue_depth", stats[k])
+        stats.setdefault("queue_depth", 0)
+        for k in ("num_running", "running"):
+            if k in stats:
+                stats.setdefault("running", stats[k])
+        stats.setdefault("running", 0)
+        stats.setdefault("tokens_per_s", self._throughput.rate())
+        return stats
 
     async def LoadModel(self, request, context):
         async with self._load_lock:
@@ -484,20 +514,12 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
     async def GetMetrics(self, request, context):
         import json
 
-        stats = {}
-        loaded = self._loaded
-        if loaded is not None:
-            try:
-                stats = dict(loaded.engine.stats())
-            except Exception:  # noqa: BLE001
-                stats = {}
-        stats.setdefault("active_requests", self._active)
-        for k in ("num_waiting", "waiting"):
-            if k in stats:
-                stats.setdefault("queue_depth", stats[k])
+        stats = self._load_stats()
+        memory = _memory_usage()
+        stats["memory"] = {"total": memory.total, **dict(memory.breakdown)}
         return backend_pb2.MetricsResponse(
             slot_id=0, prompt_json_for_slot=json.dumps(stats, default=str),
-            tokens_per_second=float(stats.get("tokens_per_s", self._throughput.rate())),
+            tokens_per_second=float(stats["tokens_per_s"]),
             tokens_generated=min(self._throughput.total_generated, 2**31 - 1),
             prompt_tokens_processed=min(self._throughput.total_prompt, 2**31 - 1))
 
