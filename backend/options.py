@@ -1,8 +1,8 @@
 """LoadModel (ModelOptions) -> where the model is + engine settings + server settings. Pure Python, no torch.
 
 Sources, later ones win: ModelOptions fields (ContextSize, MaxModelLen, DType, Seed, GPUMemoryUtilization,
-EnforceEager), then `Options` ("key:value" strings, unknown keys logged and ignored), then `EngineArgs` (a JSON
-object, strict: an unknown key is an error).
+EnforceEager, TensorParallelSize), then `Options` ("key:value" strings, unknown keys logged and ignored), then
+`EngineArgs` (a JSON object, strict: an unknown key is an error).
 """
 
 import difflib
@@ -30,6 +30,11 @@ ENGINE_KEYS = {
     "num_blocks": (int, "MLA pages incl. the null page (default: sized from gpu_memory_utilization)"),
     "max_graph_batch_size": (int, "largest decode batch captured in a CUDA graph (default: max_num_seqs)"),
     "random_weights": (bool, "benchmarks only: random weights from config.json, no safetensors needed"),
+    "tp_size": (int, "tensor-parallel world size, all nodes together (= TensorParallelSize)"),
+    "master_addr": (str, "multi-node: node 0's address that the other nodes reach (default 127.0.0.1)"),
+    "master_port": (int, "tensor-parallel control port on node 0 (default: any free port; set it for multi-node)"),
+    "nnodes": (int, "multi-node: number of nodes (tp_size / nnodes GPUs each)"),
+    "node_rank": (int, "this node's index; the gRPC server runs on node 0"),
 }
 SERVER_KEYS = {
     "tool_parser": (str, "kimi_k2 (default) | none: parse Kimi tool-call markup into ToolCallDelta"),
@@ -157,9 +162,6 @@ def resolve_model_dir(model_file: str, model: str, model_path: str, launch_cwd: 
 
 def build_load_spec(request, launch_cwd: str | None = None) -> LoadSpec:
     """ModelOptions -> LoadSpec. Raises OptionsError with an actionable message."""
-    if request.TensorParallelSize > 1:
-        raise OptionsError(f"tensor_parallel_size={request.TensorParallelSize} is not supported yet: this backend "
-                           "runs on one GPU (remove tensor_parallel_size or set it to 1)")
     model_dir = resolve_model_dir(request.ModelFile, request.Model, request.ModelPath, launch_cwd)
     if not os.path.isdir(model_dir):
         raise OptionsError(f"{model_dir} is a file; the model must be a checkpoint directory (config.json + "
@@ -179,6 +181,8 @@ def build_load_spec(request, launch_cwd: str | None = None) -> LoadSpec:
         settings["gpu_memory_utilization"] = round(float(request.GPUMemoryUtilization), 6)  # float32 on the wire
     if request.EnforceEager:
         settings["enforce_eager"] = True
+    if request.TensorParallelSize > 1:
+        settings["tp_size"] = request.TensorParallelSize
     # 2. Options: tolerant
     for key, value in parse_options(request.Options).items():
         if key not in ALL_KEYS:
@@ -217,14 +221,29 @@ def build_load_spec(request, launch_cwd: str | None = None) -> LoadSpec:
     if gmu is not None and not 0.0 < gmu <= 1.0:
         raise OptionsError(f"gpu_memory_utilization must be in (0, 1], got {gmu}")
     for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_slots",
-                "num_blocks", "max_graph_batch_size"):
+                "num_blocks", "max_graph_batch_size", "tp_size", "nnodes"):
         if key in spec.engine and spec.engine[key] <= 0:
             raise OptionsError(f"{key} must be a positive integer, got {spec.engine[key]}")
+    _check_parallel(spec.engine)
     if spec.tool_parser not in TOOL_PARSERS:
         raise OptionsError(f"tool_parser '{spec.tool_parser}' is not supported ({', '.join(TOOL_PARSERS)})")
     if spec.default_max_tokens < 0:
         raise OptionsError(f"default_max_tokens must be >= 0, got {spec.default_max_tokens}")
     return spec
+
+
+def _check_parallel(engine: dict):
+    tp, nnodes = engine.get("tp_size", 1), engine.get("nnodes", 1)
+    if tp % nnodes:
+        raise OptionsError(f"tensor_parallel_size {tp} must be a multiple of nnodes {nnodes} (GPUs per node)")
+    if engine.get("node_rank", 0) != 0:
+        raise OptionsError("node_rank must be 0 here: LocalAI talks to node 0; start the ranks of node N with "
+                           "python -m backend.model.parallel_worker --node-rank N ...")
+    if not 0 <= engine.get("master_port", 0) < 65536:
+        raise OptionsError(f"master_port must be in [0, 65535], got {engine['master_port']}")
+    if nnodes > 1 and not engine.get("master_port"):
+        raise OptionsError("nnodes > 1 needs master_port (and master_addr: node 0's address on the link between "
+                           "the nodes) so that the other nodes can join")
 
 
 def engine_config(config_cls, engine_kwargs: dict):

@@ -184,6 +184,9 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         state = self._state
         if state == READY and self._active > 0:
             state = BUSY
+        loaded = self._loaded
+        if loaded is not None and getattr(loaded.engine, "error", None):  # a tensor-parallel rank died
+            state = ERROR
         memory = _memory_usage()
         stats = self._load_stats()
         for k in STATUS_COUNTERS:   # not bytes: load figures for LocalAI's backend monitor
@@ -377,6 +380,9 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is being replaced or was freed "
                                 "(LoadModel/Free in progress): retry when Status is READY")
         pipe = _Pipeline(loaded.tok, stops, loaded.spec.tool_parser != "none")
+        engine_error = getattr(loaded.engine, "error", None)
+        if engine_error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{engine_error}; LoadModel restarts the model")
         try:
             stream = loaded.engine.add_request(ids, params)
         except ValueError as e:
@@ -583,14 +589,7 @@ class _TokenAuth(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
 
-async def _preload(servicer, model):
-    """`--model DIR` (make run / make demo): load a model at start-up, as a LocalAI LoadModel call would."""
-    result = await servicer.LoadModel(backend_pb2.ModelOptions(Model=model), None)
-    if not result.success:
-        log.error("--model %s: %s", model, result.message)
-
-
-async def serve(addr, model=None):
+async def serve(addr):
     server = grpc.aio.server(migration_thread_pool=futures.ThreadPoolExecutor(max_workers=MAX_WORKERS),
                              options=GRPC_OPTIONS, interceptors=_interceptors())
     servicer = BackendServicer()
@@ -601,7 +600,6 @@ async def serve(addr, model=None):
     await server.start()
     log.info("kimi-linear backend listening on %s (pid %d)", addr, os.getpid())
     print(f"Server started. Listening on: {addr}", file=sys.stderr, flush=True)
-    preload = asyncio.ensure_future(_preload(servicer, model)) if model else None  # noqa: F841 (kept alive)
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -623,13 +621,21 @@ async def serve(addr, model=None):
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Kimi-Linear LocalAI gRPC backend")
     ap.add_argument("--addr", default="localhost:50051", help="HOST:PORT to listen on")
-    ap.add_argument("--model", default=os.environ.get("KIMI_MODEL", ""),
-                    help="checkpoint directory to load at start-up (default: none, wait for LoadModel as LocalAI "
-                         "does; `make run` passes the embedded models/kimi-linear-tiny)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("KIMI_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(args.addr, args.model or None))
+    group = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun: rank 0 serves gRPC; the other ranks follow it through every LoadModel
+        from backend.model import parallel
+
+        group = parallel.init_from_env()
+        if group.rank != 0:
+            parallel.follow(group, init_group=False)
+            return
+    asyncio.run(serve(args.addr))
+    if group is not None:
+        parallel.release(group)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,13 @@ class EngineConfig:
     eos_token_ids: tuple = ()  # () = config.json's
     router_biased_weights: bool = False  # ModelConfig option (HF remote-code router aliasing)
     random_weights: bool = False  # random weights from config.json alone (benchmarks; no safetensors read)
+    # tensor parallel (backend/model/parallel.py): world size, rank 0's control-store address/port (0 = any free port,
+    # single node only), number of nodes, this node's index (the serving process is node 0)
+    tp_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
 
     def __post_init__(self):
         import torch
@@ -72,6 +79,15 @@ class EngineConfig:
             raise ValueError("num_blocks and num_slots count the null page/slot: use 0 (auto) or >= 2")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tp_size < 1 or self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size ({self.tp_size}) must be >= 1 and a multiple of nnodes "
+                             f"({self.nnodes})")
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("a multi-node world needs master_port (and master_addr: node 0's address)")
+
+
+class EngineFailed(RuntimeError):
+    """The engine cannot serve any more (a tensor-parallel rank died); the message says why."""
 
 
 class RequestStream:
@@ -148,6 +164,11 @@ class LLMEngine:
         self._recent = deque()  # (time, tokens) of recent steps, for tokens/s
         self._executed = 0  # model steps attempted (the fault hook below counts them)
         self._fail_steps = _test_fail_steps()
+        self.error = None  # set once by fail(): every request then fails with it
+        self._idle_s = None  # tensor parallel: idle wake-up that pings the followers
+        if runner.group is not None:
+            runner.group.on_failure = self.fail
+            self._idle_s = runner.group.ping_s
         self._thread = threading.Thread(target=self._loop, name="kimi-engine", daemon=True)
         if start:
             self._thread.start()
@@ -167,6 +188,8 @@ class LLMEngine:
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         with self._lock:
+            if self.error is not None:
+                raise EngineFailed(self.error)
             req = Request(prompt_ids, params, request_id, seed=self._rng.getrandbits(63))
             if req.request_id in self._streams:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
@@ -206,27 +229,52 @@ class LLMEngine:
             preemptions=s.num_preemptions, tokens_per_s=sum(n for _, n in recent) / span if span > 0 else 0.0,
             **self._totals)
 
+    def fail(self, msg: str) -> None:
+        """Any thread: the engine is dead (a tensor-parallel rank failed): fail every request now and refuse new
+        ones; the engine thread stops once the step it may be blocked in returns."""
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = msg = f"engine failed: {msg}"
+            streams, self._streams = self._streams, {}
+            self._lock.notify()
+        log.error("%s", msg)
+        for rid, stream in streams.items():
+            stream.put(RequestOutput(request_id=rid, token_ids=[], finished=True, finish_reason="error", error=msg))
+
     def shutdown(self) -> None:
         with self._lock:
             self._stop = True
             self._lock.notify()
         if self._thread.is_alive():
-            self._thread.join()
-        else:
+            # after a rank failure the thread may sit in a collective until its timeout: do not wait for it
+            self._thread.join(None if self.error is None else 5.0)
+        elif self.error is None:
             self.step()
+        self.runner.close()
 
     # engine thread
     def _loop(self):
         while True:
+            idle = False
             with self._lock:
-                while not self._inbox and not self.scheduler.has_unfinished and not self._stop:
-                    self._lock.wait()
-                stop = self._stop
+                while not self._inbox and not self.scheduler.has_unfinished and not self._stop and not self.error:
+                    if not self._lock.wait(self._idle_s):
+                        idle = True
+                        break
+                stop, error = self._stop, self.error
+            if error:
+                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self._abort(req.request_id, "error", error)
+                return
             if stop:
                 self._drain_inbox()
                 return
             try:
-                self.step()
+                if idle:
+                    self.runner.ping()
+                else:
+                    self.step()
             except Exception as e:  # a bug outside the guarded parts of step(): fail everyone, never hang streams
                 log.exception("engine step crashed")
                 for req in list(self.scheduler.running) + list(self.scheduler.waiting):
@@ -278,6 +326,7 @@ class LLMEngine:
             self._attach_logprobs(out, logprobs)
             touched = self.scheduler.update(out, ids)
         except Exception as e:
+            # a tensor-parallel rank failure has already called fail() (runner.group.on_failure)
             log.exception("step failed for %d requests", len(out.seqs))
             self._fail(out, e)
             return

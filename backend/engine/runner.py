@@ -4,6 +4,10 @@ a ForwardBatch, runs the model, samples on the device and syncs once per step.
 Decode-only steps replay CUDA graphs captured for padded batch sizes; padding lanes point at the null slot 0 and the
 null page 0 (slot_mapping -1: nothing is stored; seq_lens 1: they read the never-written, zeroed page 0, so their
 activations stay finite). Mixed steps and CPU run eagerly.
+
+Tensor parallel (cfg.tp_size > 1 or a torchrun world): rank 0's runner launches or joins the world
+(backend/model/parallel.py) and broadcasts each step's ints before running it; the runners of the other ranks loop in
+`follow()`, rebuild the same batch (or graph inputs) from the broadcast and run the same forward.
 """
 
 import logging
@@ -14,8 +18,10 @@ import torch
 from backend.config import ModelConfig
 from backend.engine.sampler import SamplingMetadata, sample
 from backend.engine.scheduler import SchedulerOutput
+from backend.model import parallel
 from backend.model.batch import ForwardBatch
 from backend.model.loader import load_model
+from backend.model.parallel import EAGER, PING, REPLAY, STOP, TP, RankFailure
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +52,27 @@ def _tokens(r, a: int, n: int) -> list:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, cfg, model=None):
-        """cfg: an EngineConfig (backend/engine/engine.py); model: an already built model (benchmarks)."""
-        self.device = torch.device(cfg.device)
+    def __init__(self, model_dir: str, cfg, model=None, group: parallel.Group = None):
+        """cfg: an EngineConfig (backend/engine/engine.py); model: an already built model (benchmarks);
+        group: a follower's tensor-parallel group (backend/model/parallel.py follow())."""
+        if group is None and model is None and (cfg.tp_size > 1 or parallel.launched()):
+            parallel.check_divisible(ModelConfig.from_dir(model_dir), cfg.tp_size if cfg.tp_size > 1 else
+                                     torch.distributed.get_world_size())
+            group = parallel.start(model_dir, cfg)
+        self.group = group
+        try:
+            self._init(model_dir, cfg, model)
+        except BaseException:
+            if group is not None and group.rank == 0:
+                group.close()
+            raise
+
+    def _init(self, model_dir: str, cfg, model):
+        group = self.group
+        tp = group.tp if group is not None else TP()
+        self.device = parallel.local_device(cfg.device, group.local_rank) if group else torch.device(cfg.device)
+        if group is not None:
+            group.bind(self.device)
         self.block_size = cfg.block_size
         if model is None:
             dtype = cfg.dtype
@@ -59,9 +83,9 @@ class ModelRunner:
                 from backend.model.random_weights import random_model
 
                 model = random_model(ModelConfig.from_dir(model_dir, router_biased_weights=cfg.router_biased_weights),
-                                     self.device, _DTYPES[dtype])
+                                     self.device, _DTYPES[dtype], tp=tp)
             else:
-                model = load_model(model_dir, self.device, _DTYPES[dtype],
+                model = load_model(model_dir, self.device, _DTYPES[dtype], tp,
                                    router_biased_weights=cfg.router_biased_weights)
             log.info("loaded %s in %.1f s (%s, %s)", model_dir, time.monotonic() - t0, self.device, dtype)
         self.model = model
@@ -71,6 +95,11 @@ class ModelRunner:
         self.num_slots = cfg.num_slots or cfg.max_num_seqs + 1
         self.max_num_seqs = min(cfg.max_num_seqs, self.num_slots - 1)
         self.num_blocks = cfg.num_blocks or self._auto_num_blocks(cfg)
+        if group is not None:
+            # rank 0's scheduler hands out pages that every rank must have
+            n = torch.tensor([self.num_blocks], device=self.device)
+            torch.distributed.all_reduce(n, torch.distributed.ReduceOp.MIN)
+            self.num_blocks = int(n.item())
         capacity = (self.num_blocks - 1) * self.block_size
         self.max_model_len = cfg.max_model_len or min(self.config.model_max_length, capacity)
         if self.max_model_len > capacity:
@@ -92,9 +121,9 @@ class ModelRunner:
 
     # memory sizing
     def slot_bytes(self) -> int:
-        c = self.config
-        conv = (c.conv_size - 1) * 3 * c.kda_num_heads * c.kda_head_dim * self.dtype.itemsize
-        rec = c.kda_num_heads * c.kda_head_dim * c.kda_head_dim * 4
+        c, h = self.config, self.config.kda_num_heads // self.model.tp.world
+        conv = (c.conv_size - 1) * 3 * h * c.kda_head_dim * self.dtype.itemsize
+        rec = h * c.kda_head_dim * c.kda_head_dim * 4
         return len(c.kda_layers) * (conv + rec)
 
     def page_bytes(self) -> int:
@@ -158,16 +187,27 @@ class ModelRunner:
             table += blocks + [0] * (width - len(blocks))
         nd, N, T = out.num_decodes, len(out.seqs), len(ids)
         pcu = [c - cu[nd] for c in cu[nd:]]
-        i64 = _pinned(ids + slot_mapping + logits_index, torch.int64, self.device)
-        i32 = _pinned(cu + pcu + seq_lens + slots + has_init + table, torch.int32, self.device)
+        l64, l32 = ids + slot_mapping + logits_index, cu + pcu + seq_lens + slots + has_init + table
+        meta = (nd, N, T, width, max(s.num_new_tokens for s in out.seqs), len(l64))
+        if self.group is None:
+            return self._batch(_pinned(l64, torch.int64, self.device), _pinned(l32, torch.int32, self.device), *meta)
+        return self._batch_from(self.group.send(EAGER, meta, l64 + l32), meta)
+
+    def _batch_from(self, payload: torch.Tensor, meta) -> ForwardBatch:
+        """Tensor parallel: one broadcast int64 payload -> ForwardBatch."""
+        n64 = meta[5]
+        return self._batch(payload[:n64], payload[n64:].to(torch.int32), *meta)
+
+    @staticmethod
+    def _batch(i64, i32, nd, N, T, width, max_query_len, n64=0) -> ForwardBatch:
         o = [0]
-        for k in (N + 1, len(pcu), N, N, N, N * width):
+        for k in (N + 1, N - nd + 1, N, N, N, N * width):
             o.append(o[-1] + k)
         return ForwardBatch(
             input_ids=i64[:T], num_decodes=nd, cu_seqlens=i32[o[0]:o[1]], prefill_cu_seqlens=i32[o[1]:o[2]],
             seq_lens=i32[o[2]:o[3]], state_slots=i32[o[3]:o[4]], has_initial_state=i32[o[4]:o[5]] != 0,
             block_table=i32[o[5]:o[6]].view(N, width), slot_mapping=i64[T:2 * T], logits_index=i64[2 * T:],
-            max_query_len=max(s.num_new_tokens for s in out.seqs))
+            max_query_len=max_query_len)
 
     # execution
     @torch.no_grad()
@@ -175,15 +215,21 @@ class ModelRunner:
         """-> (token ids, logprob entries) for the scheduled sequences that sample, in order; one host sync."""
         reqs = [s.request for s in out.seqs if s.sample]
         n = len(out.seqs)
-        if out.is_decode_only and self.graphs and n <= max(self.graphs):
-            logits = self._replay(out)
-            if len(reqs) < n:
-                rows = [i for i, s in enumerate(out.seqs) if s.sample]
-                logits = logits[torch.tensor(rows, device=self.device)]
-        else:
-            batch = self.prepare(out)
-            hidden = self.model(batch, self.cache)
-            logits = self.model.compute_logits(hidden, batch.logits_index)
+        try:
+            if out.is_decode_only and self.graphs and n <= max(self.graphs):
+                logits = self._replay(out)
+                if len(reqs) < n:
+                    rows = [i for i, s in enumerate(out.seqs) if s.sample]
+                    logits = logits[torch.tensor(rows, device=self.device)]
+            else:
+                batch = self.prepare(out)
+                hidden = self.model(batch, self.cache)
+                logits = self.model.compute_logits(hidden, batch.logits_index)
+        except Exception as e:
+            # tensor parallel: the ranks are out of step after a failed forward; nothing can run any more
+            if self.group is None or isinstance(e, RankFailure):
+                raise
+            raise self.group.fail(f"tensor-parallel step failed on rank 0: {type(e).__name__}: {e}") from e
         if not reqs:
             return [], []
         md = SamplingMetadata.build(reqs, self.vocab_size, self.device)
@@ -248,12 +294,49 @@ class ModelRunner:
             slots.append(r.state_slot)
             table += r.block_ids + [0] * (w - len(r.block_ids))
         pad = bs - n
-        i64 = _pinned(ids + [0] * pad + slot_mapping + [-1] * pad, torch.int64, self.device)
-        i32 = _pinned(seq_lens + [1] * pad + slots + [0] * pad + table + [0] * (pad * w), torch.int32, self.device)
+        l64 = ids + [0] * pad + slot_mapping + [-1] * pad
+        l32 = seq_lens + [1] * pad + slots + [0] * pad + table + [0] * (pad * w)
+        if self.group is None:
+            i64, i32 = _pinned(l64, torch.int64, self.device), _pinned(l32, torch.int32, self.device)
+        else:
+            payload = self.group.send(REPLAY, (bs, w), l64 + l32)
+            i64, i32 = payload[:2 * bs], payload[2 * bs:].to(torch.int32)
+        self._fill_graph(bs, w, i64, i32)
+        self.graphs[bs].replay()
+        return v["logits"][:n]
+
+    def _fill_graph(self, bs: int, w: int, i64: torch.Tensor, i32: torch.Tensor):
+        v = self.graph_vars
         v["input_ids"][:bs].copy_(i64[:bs])
         v["slot_mapping"][:bs].copy_(i64[bs:])
         v["seq_lens"][:bs].copy_(i32[:bs])
         v["state_slots"][:bs].copy_(i32[bs:2 * bs])
         v["block_table"][:bs, :w].copy_(i32[2 * bs:].view(bs, w))
-        self.graphs[bs].replay()
-        return v["logits"][:n]
+
+    # tensor parallel
+    @torch.no_grad()
+    def follow(self):
+        """Ranks > 0: run the forward of every step rank 0 broadcasts, until it says STOP."""
+        g = self.group
+        while True:
+            kind, meta, payload = g.recv()
+            if kind == STOP:
+                return
+            if kind == EAGER:
+                batch = self._batch_from(payload, meta)
+                self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)
+            elif kind == REPLAY:
+                bs, w = meta[:2]
+                self._fill_graph(bs, w, payload[:2 * bs], payload[2 * bs:].to(torch.int32))
+                self.graphs[bs].replay()
+            else:
+                assert kind == PING, f"unknown tensor-parallel message kind {kind}"
+
+    def ping(self):
+        """Rank 0, idle: keeps the followers' pending broadcast inside its timeout; raises RankFailure."""
+        self.group.send(PING)
+
+    def close(self):
+        """Rank 0: releases the followers (no-op without tensor parallelism)."""
+        if self.group is not None and self.group.rank == 0:
+            self.group.close()

@@ -2,6 +2,8 @@
 
 Shapes: T tokens in the step (decodes first), D hidden, H heads, K = V KDA head dim, L kv_lora_rank,
 R qk_rope_head_dim, E experts, I expert dim. Every heavy op is a kernels.* call (docs/design.md).
+Tensor parallel (tp.world = W > 1, backend/model/parallel.py): modules hold this rank's heads, experts, vocab rows and
+1/W of the dense MLPs; mixers and FFNs return partial sums that DecoderLayer all-reduces.
 """
 import torch
 import torch.nn.functional as F
@@ -9,6 +11,7 @@ from torch import nn
 
 from backend.config import ModelConfig
 from backend.model.batch import ForwardBatch, KimiCache
+from backend.model.parallel import TP, all_gather_last, all_reduce
 from kernels.kda import kda_decode, kda_prefill
 from kernels.mla import mla_decode, mla_extend, store_latent
 from kernels.moe import fused_moe, moe_router
@@ -30,9 +33,9 @@ def _linear(in_dim: int, out_dim: int, dtype: torch.dtype) -> nn.Linear:
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, cache_index: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, cache_index: int, dtype: torch.dtype, tp: TP = TP()):
         super().__init__()
-        d, h, k = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        d, h, k = cfg.hidden_size, cfg.kda_num_heads // tp.world, cfg.kda_head_dim
         self.cache_index, self.eps = cache_index, cfg.rms_norm_eps
         self.qkv_proj = _linear(d, 3 * h * k, dtype)
         # fp32 like vLLM: the gate and the conv are sensitive to bf16 rounding
@@ -65,9 +68,10 @@ class KimiDeltaAttention(nn.Module):
 class KimiMLA(nn.Module):
     """NoPE MLA. Runtime form is absorbed over the latent: q_lat = W_UK^T q_nope, attn = W_UV out_lat."""
 
-    def __init__(self, cfg: ModelConfig, cache_index: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, cache_index: int, dtype: torch.dtype, tp: TP = TP()):
         super().__init__()
-        d, h, lat = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
+        # the latent (kv_a_proj_with_mqa, kv_a_layernorm, cache) is replicated; attention runs over the local heads
+        d, h, lat = cfg.hidden_size, cfg.num_attention_heads // tp.world, cfg.kv_lora_rank
         self.cache_index, self.num_heads, self.kv_lora_rank = cache_index, h, lat
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.scale = cfg.qk_head_dim ** -0.5
@@ -146,65 +150,86 @@ class KimiRouter(nn.Module):
 
 
 class KimiMoE(nn.Module):
-    """Sigmoid router (bias for selection), top-k routed SwiGLU experts, plus an always-on unscaled shared expert."""
+    """Sigmoid router (bias for selection), top-k routed SwiGLU experts, plus an always-on unscaled shared expert.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    Expert parallel: rank r holds experts [r*E/W, (r+1)*E/W) and routes every token with the replicated router; the
+    assignments to other ranks' experts are remapped to a local expert with weight 0 (fused_moe needs ids in
+    [0, E/W)), so the rank's output is its experts' share of the sum.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TP = TP()):
         super().__init__()
-        e, d, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        e, d, inter = cfg.num_experts // tp.world, cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k, self.scaling = cfg.num_experts_per_token, cfg.routed_scaling_factor
         self.renormalize, self.biased_weights = cfg.moe_renormalize, cfg.router_biased_weights
+        self.tp, self.num_local_experts = tp, e
         self.gate = KimiRouter(cfg, dtype)
         self.w13 = nn.Parameter(torch.empty(e, 2 * inter, d, dtype=dtype))  # per expert cat(w1 gate, w3 up)
         self.w2 = nn.Parameter(torch.empty(e, d, inter, dtype=dtype))
-        self.shared_experts = KimiMLP(d, inter * cfg.num_shared_experts, dtype)
+        self.shared_experts = KimiMLP(d, inter * cfg.num_shared_experts // tp.world, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = moe_router(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, self.scaling,
                                   self.renormalize, self.biased_weights)
+        if self.tp.world > 1:
+            weights = torch.where(ids // self.num_local_experts == self.tp.rank, weights, 0.0)
+            ids = ids % self.num_local_experts
         return fused_moe(x, self.w13, self.w2, weights, ids) + self.shared_experts(x)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, i: int, dtype: torch.dtype, tp: TP = TP()):
         super().__init__()
+        self.tp = tp
         if cfg.is_kda(i):
-            self.self_attn = KimiDeltaAttention(cfg, cfg.kda_layers.index(i), dtype)
+            self.self_attn = KimiDeltaAttention(cfg, cfg.kda_layers.index(i), dtype, tp)
         else:
-            self.self_attn = KimiMLA(cfg, cfg.mla_layers.index(i), dtype)
+            self.self_attn = KimiMLA(cfg, cfg.mla_layers.index(i), dtype, tp)
         self.is_moe = cfg.is_moe(i)
         if self.is_moe:
-            self.block_sparse_moe = KimiMoE(cfg, dtype)
+            self.block_sparse_moe = KimiMoE(cfg, dtype, tp)
         else:
-            self.mlp = KimiMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+            self.mlp = KimiMLP(cfg.hidden_size, cfg.intermediate_size // tp.world, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch, cache)
+        h = h + all_reduce(self.self_attn(self.input_layernorm(h), batch, cache), self.tp)
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
-        return h + ffn(self.post_attention_layernorm(h))
+        return h + all_reduce(ffn(self.post_attention_layernorm(h)), self.tp)
 
 
 class KimiModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TP = TP()):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.tp = tp
+        # vocab parallel: rank r holds rows [r*V/W, (r+1)*V/W)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size // tp.world, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world == 1:
+            return self.embed_tokens(ids)
+        n = self.embed_tokens.num_embeddings
+        local = ids - self.tp.rank * n
+        other = (local < 0) | (local >= n)
+        h = self.embed_tokens(local.masked_fill(other, 0)).masked_fill_(other[:, None], 0.0)
+        return all_reduce(h, self.tp)
+
     def forward(self, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
-        h = self.embed_tokens(batch.input_ids)
+        h = self.embed(batch.input_ids)
         for layer in self.layers:
             h = layer(h, batch, cache)
         return self.norm(h)
 
 
 class KimiLinearForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TP = TP()):
         super().__init__()
-        self.config, self.dtype = cfg, dtype
-        self.model = KimiModel(cfg, dtype)
-        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        self.config, self.dtype, self.tp = cfg, dtype, tp
+        self.model = KimiModel(cfg, dtype, tp)
+        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size // tp.world, dtype)  # vocab rows like the embedding
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:
@@ -221,13 +246,16 @@ class KimiLinearForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
-        """lm_head on the sampled positions only -> fp32 [M, vocab]."""
-        return self.lm_head(hidden[logits_index]).float()
+        """lm_head on the sampled positions only -> fp32 [M, vocab] (on every rank)."""
+        logits = self.lm_head(hidden[logits_index])
+        if self.tp.world > 1:
+            logits = all_gather_last(logits, self.tp)
+        return logits.float()
 
     def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int) -> KimiCache:
         """Zeroed KDA state pool (slot 0 null) and MLA latent pages (page 0 null)."""
         cfg, dev = self.config, self.device
-        h, k = cfg.kda_num_heads, cfg.kda_head_dim
+        h, k = cfg.kda_num_heads // self.tp.world, cfg.kda_head_dim
         n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
         return KimiCache(
             conv_state=[torch.zeros(num_slots, cfg.conv_size - 1, 3 * h * k, dtype=self.dtype, device=dev)

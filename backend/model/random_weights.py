@@ -34,11 +34,13 @@ def check_fits(nbytes: int, device, what: str) -> None:
 
 
 @torch.no_grad()
-def random_model(cfg: ModelConfig, device, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+def random_model(cfg: ModelConfig, device, dtype: torch.dtype = torch.bfloat16, seed: int = 0, tp=None):
+    """tp: a tensor-parallel shard (backend.model.parallel.TP); its replicated weights are not the other ranks'."""
     from backend.model.kimi_linear import KimiLinearForCausalLM
+    from backend.model.parallel import TP
 
     with torch.device("meta"):
-        model = KimiLinearForCausalLM(cfg, dtype)
+        model = KimiLinearForCausalLM(cfg, dtype, tp or TP())
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     check_fits(nbytes, device, "the random-weight model")
     model.to_empty(device=device)

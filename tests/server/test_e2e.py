@@ -85,7 +85,7 @@ def test_load_failures_then_good_load(srv, ckpt, tmp_path):
         assert srv.stub.Health(pb.HealthMessage()).message == b"OK"
 
     fails(load_opts(ckpt, Model="does-not-exist"), "not found")
-    fails(load_opts(ckpt, TensorParallelSize=2), "tensor_parallel_size")
+    fails(load_opts(ckpt, TensorParallelSize=3), "tensor_parallel_size 3 must divide")  # 4 heads
     fails(load_opts(ckpt, EngineArgs='{"max_num_seq": 4}'), "max_num_seqs")
     fails(load_opts(ckpt, EngineArgs="{bad json"), "JSON")
     bad = tmp_path / "truncated"

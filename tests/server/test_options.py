@@ -53,10 +53,15 @@ def test_fields_options_engine_args_precedence(model_dir):
     assert spec(model_dir, ContextSize=4096, MaxModelLen=1024).engine["max_model_len"] == 1024
     assert spec(model_dir, ContextSize=4096, Options=["max_model_len:512"]).engine["max_model_len"] == 512
     assert "dtype" not in spec(model_dir, DType="auto").engine
+    assert spec(model_dir, TensorParallelSize=2).engine == {"tp_size": 2}
+    assert spec(model_dir, Options=["tp_size:4", "nnodes:2", "master_addr:10.0.0.1", "master_port:29500"]).engine == \
+        {"tp_size": 4, "nnodes": 2, "master_addr": "10.0.0.1", "master_port": 29500}
 
 
 @pytest.mark.parametrize("kw,needle", [
-    (dict(TensorParallelSize=2), "tensor_parallel_size"),
+    (dict(TensorParallelSize=4, Options=["nnodes:3"]), "multiple of nnodes"),
+    (dict(TensorParallelSize=2, Options=["node_rank:1"]), "node_rank must be 0"),
+    (dict(TensorParallelSize=2, Options=["nnodes:2"]), "needs master_port"),
     (dict(EngineArgs="{x"), "not valid JSON"),
     (dict(EngineArgs="[1]"), "JSON object"),
     (dict(EngineArgs='{"max_num_seq": 1}'), "did you mean 'max_num_seqs'"),

@@ -1,0 +1,57 @@
+"""Tensor parallel model on CPU (gloo, spawned processes): the logits of W ranks equal those of one process.
+
+Sharded matmuls and all-reduces sum in another order than one process, so fp32 logits (|logit| up to ~17 here) differ
+by a few ulps: atol 1e-5 plus rtol 1e-5."""
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from backend.config import ModelConfig
+from backend.model.loader import load_model
+from backend.model.parallel import TP, check_divisible, free_port
+from tp_harness import rank_main, run_workload
+
+
+def test_two_ranks_match_one(tp_dir, tmp_path):
+    ref = run_workload(load_model(tp_dir, "cpu", torch.float32))
+    out = str(tmp_path / "logits.pt")
+    mp.spawn(rank_main, args=(2, free_port(), tp_dir, out), nprocs=2, join=True)
+    got = torch.load(out)
+    assert [t.shape for t in got] == [t.shape for t in ref]
+    for step, (g, r) in enumerate(zip(got, ref)):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step}: {m}")
+    assert not torch.equal(ref[0][:1], ref[0][1:2])  # the workload is not degenerate
+
+
+def test_shard_shapes(tp_dir):
+    """Rank 1 of 2 holds half of every sharded tensor, and exactly the right rows of it."""
+    full = load_model(tp_dir, "cpu", torch.float32)
+    half = load_model(tp_dir, "cpu", torch.float32, TP(1, 2))
+    f, h = dict(full.named_parameters()), dict(half.named_parameters())
+    assert set(f) == set(h)
+    torch.testing.assert_close(h["model.embed_tokens.weight"], f["model.embed_tokens.weight"][128:], rtol=0, atol=0)
+    torch.testing.assert_close(h["lm_head.weight"], f["lm_head.weight"][128:], rtol=0, atol=0)
+    moe = "model.layers.1.block_sparse_moe."
+    torch.testing.assert_close(h[moe + "w13"], f[moe + "w13"][4:], rtol=0, atol=0)
+    torch.testing.assert_close(h[moe + "gate.weight"], f[moe + "gate.weight"], rtol=0, atol=0)
+    kda = "model.layers.0.self_attn."
+    hk = 4 * 16
+    q, k = f[kda + "qkv_proj.weight"][hk // 2:hk], f[kda + "qkv_proj.weight"][hk + hk // 2:2 * hk]
+    torch.testing.assert_close(h[kda + "qkv_proj.weight"][:hk // 2], q, rtol=0, atol=0)
+    torch.testing.assert_close(h[kda + "qkv_proj.weight"][hk // 2:hk], k, rtol=0, atol=0)
+    torch.testing.assert_close(h[kda + "A_log"], f[kda + "A_log"][2:], rtol=0, atol=0)
+    torch.testing.assert_close(h[kda + "o_proj.weight"], f[kda + "o_proj.weight"][:, hk // 2:], rtol=0, atol=0)
+    cache = half.allocate_cache(3, 2, 4)
+    assert cache.rec_state[0].shape == (3, 2, 16, 16) and cache.conv_state[0].shape == (3, 3, 3 * hk // 2)
+    assert cache.latent[0].shape == (2, 4, 32 + 8)  # the latent is replicated
+
+
+def test_heads_not_divisible(tp_dir):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 must divide KDA heads .* = 4.*MLA heads .* = 4"):
+        check_divisible(ModelConfig.from_dir(tp_dir), 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
+        load_model(tp_dir, "cpu", torch.float32, TP(0, 3))
+    check_divisible(ModelConfig.from_dir(tp_dir), 4)
+    assert os.path.isdir(tp_dir)

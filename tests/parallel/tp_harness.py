@@ -1,0 +1,46 @@
+"""Runs in spawned processes: one rank of a gloo world computing the logits of a fixed two-step workload."""
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from backend.model.batch import ForwardBatch
+from backend.model.loader import load_model
+from backend.model.parallel import TP
+
+BLOCK = 4
+
+
+def workload():
+    """Two steps over one cache: step 1 prefills A, B and D's first chunk; step 2 decodes A and B, continues D and
+    starts C -> [(seqs, num_decodes)], seqs as ForwardBatch.build takes them."""
+    a, b, c, d = [3, 17, 42, 99, 7, 8, 120], [5, 6, 200, 31, 2], [9, 250, 11, 64, 65, 66], list(range(30, 39))
+    pages = {"a": [1, 2], "b": [3, 4], "c": [5, 6], "d": [7, 8, 9]}
+    step1 = [(a, 0, 1, pages["a"]), (b, 0, 2, pages["b"]), (d[:4], 0, 3, pages["d"])]
+    step2 = [([77], 7, 1, pages["a"]), ([78], 5, 2, pages["b"]), (d[4:], 4, 3, pages["d"]), (c, 0, 4, pages["c"])]
+    return [(step1, 0), (step2, 2)]
+
+
+def run_workload(model) -> list:
+    cache = model.allocate_cache(6, 12, BLOCK)
+    out = []
+    for seqs, nd in workload():
+        n = sum(len(s[0]) for s in seqs)
+        batch = ForwardBatch.build(seqs, nd, BLOCK, model.device, logits_positions=list(range(n)))
+        out.append(model.compute_logits(model(batch, cache), batch.logits_index))
+    return out
+
+
+def rank_main(rank: int, world: int, port: int, ckpt: str, out_path: str):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        model = load_model(ckpt, "cpu", torch.float32, TP(rank, world))
+        logits = run_workload(model)
+        if rank == 0:
+            torch.save(logits, out_path + ".tmp")
+            os.replace(out_path + ".tmp", out_path)
+    finally:
+        dist.destroy_process_group()
