@@ -589,7 +589,14 @@ class _TokenAuth(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
 
-async def serve(addr):
+async def _preload(servicer, model):
+    """`--model DIR` (make run / make demo): load a model at start-up, as a LocalAI LoadModel call would."""
+    result = await servicer.LoadModel(backend_pb2.ModelOptions(Model=model), None)
+    if not result.success:
+        log.error("--model %s: %s", model, result.message)
+
+
+async def serve(addr, model=None):
     server = grpc.aio.server(migration_thread_pool=futures.ThreadPoolExecutor(max_workers=MAX_WORKERS),
                              options=GRPC_OPTIONS, interceptors=_interceptors())
     servicer = BackendServicer()
@@ -600,6 +607,7 @@ async def serve(addr):
     await server.start()
     log.info("kimi-linear backend listening on %s (pid %d)", addr, os.getpid())
     print(f"Server started. Listening on: {addr}", file=sys.stderr, flush=True)
+    preload = asyncio.ensure_future(_preload(servicer, model)) if model else None  # noqa: F841 (kept alive)
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -621,6 +629,9 @@ async def serve(addr):
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Kimi-Linear LocalAI gRPC backend")
     ap.add_argument("--addr", default="localhost:50051", help="HOST:PORT to listen on")
+    ap.add_argument("--model", default=os.environ.get("KIMI_MODEL", ""),
+                    help="checkpoint directory to load at start-up (default: none, wait for LoadModel as LocalAI "
+                         "does; `make run` passes the embedded models/kimi-linear-tiny)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("KIMI_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -633,7 +644,7 @@ def main(argv=None):
         if group.rank != 0:
             parallel.follow(group, init_group=False)
             return
-    asyncio.run(serve(args.addr))
+    asyncio.run(serve(args.addr, args.model or None))
     if group is not None:
         parallel.release(group)
 
