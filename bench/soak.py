@@ -7,7 +7,7 @@ end. Exit status 1 when a check fails.
     # any checkpoint directory (real weights):
     python bench/soak.py --model-dir /models/Kimi-Linear-48B-A3B-Instruct --streams 64 --duration 300
     # H200, full size, random bf16 weights made on the device (nothing downloaded or written but config/tokenizer):
-    python bench/soak.py --random-full /tmp/kimi-random --streams 32 --duration 120
+    python bench/soak.py --random-full /tmp/kimi-random --streams 32,64 --duration 120
     # a server that is already running and loaded:
     python bench/soak.py --addr 127.0.0.1:50051 --no-load --streams 64 --duration 60
 
@@ -111,9 +111,11 @@ def write_random_full_dir(out: str, layers: int = 0) -> str:
 # ------------------------------------------------------------------------------------------ server
 
 class Spawned:
-    """`bash run.sh --addr 127.0.0.1:PORT` (as LocalAI starts a backend)."""
+    """`bash run.sh --addr 127.0.0.1:PORT` (as LocalAI starts a backend), or `python -m backend.server` with this
+    interpreter when direct=True or this interpreter is not in a venv run.sh can use (e.g. a bare python3 + wheels
+    on PYTHONPATH)."""
 
-    def __init__(self, log_path: str, env: dict = None):
+    def __init__(self, log_path: str, env: dict = None, direct: bool = False):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -122,8 +124,11 @@ class Spawned:
         e.setdefault("KIMI_VENV", os.path.dirname(os.path.dirname(sys.executable)))
         e.update(env or {})
         self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(["bash", os.path.join(ROOT, "run.sh"), "--addr", self.addr], cwd=ROOT, env=e,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        if not os.path.exists(os.path.join(e["KIMI_VENV"], "bin", "python")):
+            direct = True
+        cmd = ([sys.executable, "-m", "backend.server", "--addr", self.addr] if direct
+               else ["bash", os.path.join(ROOT, "run.sh"), "--addr", self.addr])
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=self.log, stderr=subprocess.STDOUT)
 
     def close(self):
         if self.proc.poll() is None:
@@ -310,7 +315,7 @@ async def amain(args) -> dict:
     spawned = None
     addr = args.addr
     if not addr:
-        spawned = Spawned(args.log)
+        spawned = Spawned(args.log, direct=args.direct)
         addr = spawned.addr
         print(f"spawned run.sh on {addr} (log {args.log})")
     try:
@@ -330,12 +335,15 @@ async def amain(args) -> dict:
             if not r.success:
                 raise SystemExit(1)
         await channel.close()
-        rep = await soak(addr, args.streams, args.duration, _ints(args.prompt_lens), _ints(args.output_lens),
-                         warmup=args.warmup, seed=args.seed)
+        reps = []
+        for streams in _ints(args.streams):  # phases on the same loaded server
+            reps.append(await soak(addr, streams, args.duration, _ints(args.prompt_lens), _ints(args.output_lens),
+                                   warmup=args.warmup, seed=args.seed))
+            print_report(reps[-1])
     finally:
         if spawned is not None:
             spawned.close()
-    return rep
+    return reps
 
 
 def main(argv=None):
@@ -346,8 +354,11 @@ def main(argv=None):
                      "DIR and load it with random bf16 weights made on the device")
     ap.add_argument("--addr", help="HOST:PORT of a running server (default: spawn run.sh on a free loopback port)")
     ap.add_argument("--no-load", action="store_true", help="the server at --addr is already loaded")
+    ap.add_argument("--direct", action="store_true", help="spawn `python -m backend.server` with this interpreter "
+                    "instead of run.sh (automatic when this interpreter is not in a venv)")
     ap.add_argument("--layers", type=int, default=0, help="--random-full: first N layers only (0 = all 27)")
-    ap.add_argument("--streams", type=int, default=64, help="concurrent PredictStream clients")
+    ap.add_argument("--streams", default="64", help="concurrent PredictStream clients; a list (32,64) runs one "
+                    "phase per value on the same server")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of load (after --warmup)")
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds of unmeasured load first")
     ap.add_argument("--prompt-lens", default="32,256,1024,4096", help="prompt lengths in tokens (mixed)")
@@ -361,13 +372,12 @@ def main(argv=None):
     if not (args.addr or args.model_dir or args.random_full):
         ap.error("give --model-dir, --random-full or --addr")
     if not args.option:
-        args.option = [f"max_num_seqs:{max(args.streams, 1)}"]
-    rep = asyncio.run(amain(args))
-    print_report(rep)
+        args.option = [f"max_num_seqs:{max(_ints(args.streams))}"]
+    reps = asyncio.run(amain(args))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rep, f, indent=2)
-    sys.exit(0 if rep["ok"] else 1)
+            json.dump(reps, f, indent=2)
+    sys.exit(0 if all(r["ok"] for r in reps) else 1)
 
 
 if __name__ == "__main__":
