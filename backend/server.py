@@ -223,7 +223,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
                 log.error("LoadModel: %s", e)
                 return backend_pb2.Result(success=False, message=str(e))
             if self._loaded is not None:
-                if spec == self._loaded.spec:
+                if spec == self._loaded.spec and not getattr(self._loaded.engine, "error", None):
                     # LocalAI (re)connecting to a running backend: same model, same settings -> nothing to do
                     msg = f"Kimi-Linear from {spec.model_dir} is already loaded with these settings; kept"
                     log.info("LoadModel: %s", msg)
