@@ -8,7 +8,7 @@ import json
 import pytest
 
 from backend.server import _merge_tool_deltas, _Pipeline, _tool_deltas
-from backend.toolcalls import parse_tool_calls
+from backend.toolcalls import ToolCallStreamParser, parse_tool_calls
 from server_harness import FakeEngine, pb
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
@@ -39,6 +39,9 @@ def run_pipeline(tok, ids, stops=()):
 
 
 def test_markup_is_single_special_tokens(tok):
+    # the server's pipeline runs the parser tests/test_toolcalls.py checks at every split point
+    assert isinstance(_Pipeline(tok, [], True).tools, ToolCallStreamParser)
+    assert _Pipeline(tok, [], False).tools is None     # tool_parser:none
     for marker in ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
                    "<|tool_call_end|>", "<|tool_calls_section_end|>"):
         (tid,) = tok.encode(marker)
