@@ -281,3 +281,18 @@ def test_good_load_after_hostile_inputs(srv, ckpt):
     assert r.success, r.message
     assert srv.stub.Status(pb.HealthMessage(), timeout=10).state == pb.StatusResponse.READY
     assert srv.stub.Predict(pb.PredictOptions(Prompt="hello", Tokens=3), timeout=60).tokens >= 1
+
+
+@pytest.mark.parametrize("opts", [
+    dict(Options=["dtype:float32", "num_blocks:99999999999"]),
+    dict(Options=["dtype:float32"], EngineArgs='{"max_model_len": 1099511627776}'),
+    dict(Options=["dtype:float32", "num_slots:2000000000", "max_num_seqs:4"]),
+    dict(Options=["dtype:float32", "block_size:1000000000000", "num_blocks:4"]),
+], ids=["num_blocks", "max_model_len", "num_slots", "block_size"])
+def test_absurd_memory_settings_refused(srv, ckpt, opts):
+    """Cache sizes beyond the free memory are refused with the numbers, before anything is allocated."""
+    rss0 = rss(srv)
+    r = srv.stub.LoadModel(pb.ModelOptions(Model=str(ckpt / "tiny-kimi"), **opts), timeout=300)
+    assert not r.success and "GiB is free" in r.message, r.message
+    alive(srv)
+    assert rss(srv) - rss0 < 512 << 20
