@@ -294,6 +294,10 @@ def start(model_dir: str, cfg) -> Group:
         if cfg.node_rank != 0:
             raise ValueError("the gRPC server runs on node 0 (node_rank 0); start the other nodes with "
                              "python -m backend.model.parallel_worker --node-rank N ...")
+        device = torch.device(cfg.device)
+        if device.type == "cuda" and torch.cuda.device_count() < world // nnodes:
+            raise ValueError(f"tensor_parallel_size {world} over {nnodes} node(s) needs {world // nnodes} GPUs per "
+                             f"node; this node has {torch.cuda.device_count()}")
         port = cfg.master_port or free_port()
         addr = cfg.master_addr if nnodes > 1 else "127.0.0.1"
         store = dist.TCPStore(addr, port, world, is_master=True, timeout=_timeout(), wait_for_workers=False)

@@ -1,7 +1,8 @@
 """LocalAI path: `run.sh` backend, LoadModel with TensorParallelSize=2 (rank 0 in the backend process, rank 1 a
 follower it spawns), greedy Predict equal to the single-process backend's, then a killed follower: Status ERROR and
-Predict refused with a clear message, bounded in time."""
+Predict refused with a clear message, bounded in time. torchrun path: two ranks launched together, rank 0 serving."""
 import os
+import subprocess
 import sys
 import time
 
@@ -9,7 +10,7 @@ import grpc
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server"))
-from server_harness import BackendProcess, pb  # noqa: E402
+from server_harness import BackendProcess, free_port, pb, pb_grpc  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +58,19 @@ def greedy(stub):
                         timeout=120).message
 
 
-def test_tensor_parallel_backend(ckpt, tmp_path):
-    one = BackendProcess(str(tmp_path / "one.log"))
+@pytest.fixture(scope="module")
+def want(ckpt, tmp_path_factory):
+    """The single-process backend's greedy text."""
+    one = BackendProcess(str(tmp_path_factory.mktemp("log") / "one.log"))
     try:
         r = one.stub.LoadModel(load_opts(ckpt), timeout=300)
         assert r.success, r.message
-        want = greedy(one.stub)
+        return greedy(one.stub)
     finally:
         one.close()
+
+
+def test_tensor_parallel_backend(ckpt, want, tmp_path):
     two = BackendProcess(str(tmp_path / "two.log"))
     try:
         r = two.stub.LoadModel(load_opts(ckpt, TensorParallelSize=2), timeout=300)
@@ -88,3 +94,35 @@ def test_tensor_parallel_backend(ckpt, tmp_path):
         assert greedy(two.stub) == want
     finally:
         two.close()
+
+
+def test_torchrun(ckpt, want, tmp_path):
+    port = free_port()
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "-m", "backend.server", "--addr", f"127.0.0.1:{port}"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(tmp_path / "torchrun.log", "wb") as log:
+        p = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT,
+                             env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"))
+    try:
+        stub = pb_grpc.BackendStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        t0 = time.monotonic()
+        while True:
+            try:
+                stub.Health(pb.HealthMessage(), timeout=2)
+                break
+            except grpc.RpcError:
+                assert p.poll() is None and time.monotonic() - t0 < 90, (tmp_path / "torchrun.log").read_text()
+                time.sleep(0.3)
+        for context in (128, 64):  # a second LoadModel: the followers rebuild their runners
+            r = stub.LoadModel(load_opts(ckpt, ContextSize=context), timeout=300)
+            assert r.success, r.message
+            assert greedy(stub) == want
+        assert (tmp_path / "torchrun.log").read_text().count("rank 1: following rank 0") == 2
+    finally:
+        p.terminate()
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
