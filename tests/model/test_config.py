@@ -124,6 +124,8 @@ def _with_layers(kda, full, **changes):
     (official(num_expert_group=8, topk_group=4), "grouped top-k"),
     (official(rms_norm_eps=0), "rms_norm_eps"),
     (official(first_k_dense_replace=28), "first_k_dense_replace"),
+    (official(num_key_value_heads=5), "num_key_value_heads = 5 does not divide num_attention_heads = 32"),
+    (official(num_key_value_heads=0), "num_key_value_heads = 0 does not divide"),
 ])
 def test_inconsistent_config_rejected(d, message):
     with pytest.raises(ConfigError, match=message):
