@@ -10,7 +10,6 @@ Followers take the model directory and engine settings from rank 0 (the path mus
 import argparse
 import logging
 import os
-import subprocess
 import sys
 import time
 
