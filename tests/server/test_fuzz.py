@@ -6,7 +6,6 @@ KIMI_FUZZ_EXAMPLES=500 runs more examples; KIMI_FUZZ_RANDOM=1 draws new examples
 import json
 import math
 import os
-import struct
 
 import grpc
 import pytest
