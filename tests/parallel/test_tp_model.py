@@ -9,6 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from backend.config import ModelConfig
+from backend.model import parallel
 from backend.model.loader import load_model
 from backend.model.parallel import TP, check_divisible, free_port
 from tp_harness import rank_main, run_workload
@@ -55,3 +56,24 @@ def test_heads_not_divisible(tp_dir):
         load_model(tp_dir, "cpu", torch.float32, TP(0, 3))
     check_divisible(ModelConfig.from_dir(tp_dir), 4)
     assert os.path.isdir(tp_dir)
+
+
+def test_graph_replay_and_long_messages(tp_dir, tmp_path):
+    """REPLAY messages (decode graphs, padded lanes) and steps larger than the first broadcast buffer."""
+    from backend.engine import EngineConfig, LLMEngine, SamplingParams
+    from tp_harness import engine_rank_main
+
+    prompts = [[3, 17, 42, 99, 7], list(range(40, 75)), [9]]
+    eng = LLMEngine.from_config(tp_dir, EngineConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=16,
+                                                     max_model_len=96, device="cpu"))
+    try:
+        want = eng.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    finally:
+        eng.shutdown()
+    out = str(tmp_path / "tokens.pt")
+    mp.spawn(engine_rank_main, args=(2, free_port(), tp_dir, prompts, 10, 40, out), nprocs=2, join=True)
+    tokens, sends = torch.load(out)
+    assert tokens == want
+    long = 40 - parallel.HEADER
+    assert {(kind, n > long) for kind, n in sends} >= {(parallel.EAGER, True), (parallel.REPLAY, False),
+                                                       (parallel.REPLAY, True)}, sends

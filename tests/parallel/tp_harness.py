@@ -44,3 +44,50 @@ def rank_main(rank: int, world: int, port: int, ckpt: str, out_path: str):
             os.replace(out_path + ".tmp", out_path)
     finally:
         dist.destroy_process_group()
+
+
+class EagerGraph:
+    """Stands in for a captured CUDA graph on CPU (tests/engine/test_engine.py): replay runs the model eagerly on the
+    runner's static buffers, collectives included."""
+
+    def __init__(self, runner, bs):
+        self.runner, self.bs = runner, bs
+
+    def replay(self):
+        r = self.runner
+        batch = r.static_batch(self.bs)
+        r.graph_vars["logits"][:self.bs] = r.model.compute_logits(r.model(batch, r.cache), batch.logits_index)
+
+
+def engine_rank_main(rank: int, world: int, port: int, ckpt: str, prompts: list, max_tokens: int, first: int,
+                     out_path: str):
+    """Rank 0 drives an LLMEngine step by step, rank 1 follows; decode steps go through (fake) graphs and the
+    broadcast buffer holds only `first` ints, so larger steps take the second broadcast."""
+    from backend.engine import EngineConfig, LLMEngine, SamplingParams
+    from backend.engine.runner import ModelRunner
+    from backend.model import parallel
+
+    torch.set_num_threads(1)
+    parallel.FIRST = first
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        group = parallel.Group(TP(rank, world), rank, store, owned=False)
+        cfg = EngineConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96, device="cpu")
+        runner = ModelRunner(ckpt, cfg, group=group)
+        runner.graph_vars = runner._make_graph_vars(4)
+        runner.graphs = {b: EagerGraph(runner, b) for b in (1, 2, 4)}
+        if rank:
+            runner.follow()
+            return
+        sends, real_send = [], group.send
+        group.send = lambda kind, meta=(), ints=(): sends.append((kind, len(ints))) or real_send(kind, meta, ints)
+        engine = LLMEngine(runner, cfg, start=False)
+        streams = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+                   for p in prompts]
+        while engine.scheduler.has_unfinished or engine._inbox:
+            engine.step()
+        group.send(parallel.STOP)
+        torch.save(([[t for out in s for t in out.token_ids] for s in streams], sends), out_path)
+    finally:
+        dist.destroy_process_group()
