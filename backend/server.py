@@ -165,6 +165,12 @@ def _memory_usage():
 STATUS_COUNTERS = ("queue_depth", "running", "active_requests", "tokens_per_s")
 
 
+def _check_vocab(tok, model_cfg):
+    if tok.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but config.json has vocab_size "
+                         f"{model_cfg.vocab_size}: the tokenizer files do not belong to these weights")
+
+
 class BackendServicer(backend_pb2_grpc.BackendServicer):
     def __init__(self):
         self._loaded = None
@@ -228,6 +234,13 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
                     msg = f"Kimi-Linear from {spec.model_dir} is already loaded with these settings; kept"
                     log.info("LoadModel: %s", msg)
                     return backend_pb2.Result(success=True, message=msg)
+                try:  # a damaged checkpoint is refused while the current model keeps serving
+                    await asyncio.to_thread(self._precheck, spec)
+                except Exception as e:  # noqa: BLE001
+                    msg = (f"could not load Kimi-Linear from {spec.model_dir}: {type(e).__name__}: {e} "
+                           f"(the model already loaded keeps serving)")
+                    log.error("LoadModel: %s", msg)
+                    return backend_pb2.Result(success=False, message=msg)
                 # another model or other settings: new requests are refused (UNAVAILABLE) while the running ones
                 # get up to KIMI_RELOAD_DRAIN_S to finish; the rest are aborted, then the model is replaced
                 self._state, self._draining = BUSY, True
@@ -264,6 +277,20 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         if self._active:
             log.warning("LoadModel: aborting %d requests still running after %.0fs", self._active, timeout)
 
+    @staticmethod
+    def _precheck(spec):
+        """The cheap checks of a checkpoint, nothing large read or allocated: config.json, tokenizer (and its size
+        against vocab_size), every safetensors header matched against the config."""
+        from backend.config import ModelConfig
+        from backend.tokenizer import load_tokenizer
+
+        model_cfg = ModelConfig.from_dir(spec.model_dir)
+        _check_vocab(load_tokenizer(spec.model_dir), model_cfg)
+        if not spec.engine.get("random_weights"):
+            from backend.model.loader import check_checkpoint, checkpoint_plan
+
+            check_checkpoint(spec.model_dir, checkpoint_plan(model_cfg))
+
     def _load_sync(self, spec):
         from backend.config import ModelConfig
         from backend.engine import LLMEngine
@@ -275,9 +302,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
 
         model_cfg = ModelConfig.from_dir(spec.model_dir)  # validated before anything large is read or allocated
         tok = load_tokenizer(spec.model_dir)
-        if tok.vocab_size > model_cfg.vocab_size:
-            raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but config.json has vocab_size "
-                             f"{model_cfg.vocab_size}: the tokenizer files do not belong to these weights")
+        _check_vocab(tok, model_cfg)
         engine = LLMEngine.from_config(spec.model_dir, engine_config(EngineConfig, spec.engine))
         try:
             cfg = getattr(engine, "cfg", None) or getattr(engine, "config", None)

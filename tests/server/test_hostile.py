@@ -296,3 +296,23 @@ def test_absurd_memory_settings_refused(srv, ckpt, opts):
     assert not r.success and "GiB is free" in r.message, r.message
     alive(srv)
     assert rss(srv) - rss0 < 512 << 20
+
+
+@pytest.mark.parametrize("case", ["overlapping-tensors", "vocab-smaller-than-tokenizer", "tiktoken-garbage",
+                                  "layer-lists-not-covering"])
+def test_hostile_checkpoint_keeps_serving_model(srv, ckpt, tmp_path, case):
+    """With a model loaded, a damaged checkpoint is refused by the cheap checks before the serving model is touched:
+    it keeps serving (Status READY), running requests are not disturbed."""
+    r = srv.stub.LoadModel(load_opts(ckpt / "tiny-kimi"), timeout=300)
+    assert r.success, r.message
+    _, damage, needle = next(c for c in CASES if c[0] == case)
+    d = tmp_path / case
+    shutil.copytree(ckpt / "tiny-kimi", d)
+    damage(d)
+    it = srv.stub.PredictStream(pb.PredictOptions(Prompt="running", Tokens=40, IgnoreEOS=True), timeout=60)
+    next(it)
+    r = srv.stub.LoadModel(load_opts(d), timeout=300)
+    assert not r.success and needle in r.message and "keeps serving" in r.message, r.message
+    assert sum(1 for _ in it) >= 1  # the running stream finishes normally
+    assert srv.stub.Status(pb.HealthMessage(), timeout=10).state == pb.StatusResponse.READY
+    assert srv.stub.Predict(pb.PredictOptions(Prompt="hello", Tokens=3), timeout=60).tokens == 3
