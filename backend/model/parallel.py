@@ -141,6 +141,9 @@ class Group:
     # ---- rank 0
     def send(self, kind: int, meta=(), ints=()) -> torch.Tensor:
         """Broadcast one step's message -> the payload as an int64 tensor on the device (the same on every rank)."""
+        if self.error is not None:
+            # a follower is known dead: a collective could only wait for its timeout
+            raise RankFailure(self.error)
         n = len(ints)
         head = [kind, n, *meta] + [0] * (HEADER - 2 - len(meta))
         msg = torch.tensor(head + list(ints[:FIRST - HEADER]), dtype=torch.int64)

@@ -2,8 +2,6 @@
 
 Sharded matmuls and all-reduces sum in another order than one process, so fp32 logits (|logit| up to ~17 here) differ
 by a few ulps: atol 1e-5 plus rtol 1e-5."""
-import os
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -55,7 +53,6 @@ def test_heads_not_divisible(tp_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
         load_model(tp_dir, "cpu", torch.float32, TP(0, 3))
     check_divisible(ModelConfig.from_dir(tp_dir), 4)
-    assert os.path.isdir(tp_dir)
 
 
 def test_graph_replay_and_long_messages(tp_dir, tmp_path):
