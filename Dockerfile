@@ -1,3 +1,4 @@
+# syntax=docker/dockerfile:1
 # kimi-linear backend image, in the shape of LocalAI's backend/Dockerfile.python: a builder stage installs the
 # backend with its Makefile's default goal (`make` -> install.sh -> requirements-${profile}.txt + gRPC stubs),
 # and the final stage is FROM scratch with the backend directory as the image root (run.sh at /), which is what
