@@ -153,8 +153,9 @@ class KimiMoE(nn.Module):
     """Sigmoid router (bias for selection), top-k routed SwiGLU experts, plus an always-on unscaled shared expert.
 
     Expert parallel: rank r holds experts [r*E/W, (r+1)*E/W) and routes every token with the replicated router; the
-    assignments to other ranks' experts are remapped to a local expert with weight 0 (fused_moe needs ids in
-    [0, E/W)), so the rank's output is its experts' share of the sum.
+    assignments to other ranks' experts go to local expert 0 with weight 0 (fused_moe needs ids in [0, E/W)), so the
+    rank's output is its experts' share of the sum. One expert takes all the dummy rows: at decode that reads one
+    extra expert's weights, not up to E/W of them.
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TP = TP()):
@@ -172,8 +173,9 @@ class KimiMoE(nn.Module):
         weights, ids = moe_router(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, self.scaling,
                                   self.renormalize, self.biased_weights)
         if self.tp.world > 1:
-            weights = torch.where(ids // self.num_local_experts == self.tp.rank, weights, 0.0)
-            ids = ids % self.num_local_experts
+            local = ids - self.tp.rank * self.num_local_experts
+            mine = (local >= 0) & (local < self.num_local_experts)
+            weights, ids = torch.where(mine, weights, 0.0), torch.where(mine, local, 0)
         return fused_moe(x, self.w13, self.w2, weights, ids) + self.shared_experts(x)
 
 
