@@ -220,7 +220,7 @@ class ModelRunner:
                 logits = self._replay(out)
                 if len(reqs) < n:
                     rows = [i for i, s in enumerate(out.seqs) if s.sample]
-                    logits = logits[torch.tensor(rows, device=self.device)]
+                    logits = logits[_pinned(rows, torch.int64, self.device)]
             else:
                 batch = self.prepare(out)
                 hidden = self.model(batch, self.cache)
@@ -296,16 +296,17 @@ class ModelRunner:
         pad = bs - n
         l64 = ids + [0] * pad + slot_mapping + [-1] * pad
         l32 = seq_lens + [1] * pad + slots + [0] * pad + table + [0] * (pad * w)
+        # one int64 transfer (the int32 buffers take theirs by a casting copy_)
         if self.group is None:
-            i64, i32 = _pinned(l64, torch.int64, self.device), _pinned(l32, torch.int32, self.device)
+            payload = _pinned(l64 + l32, torch.int64, self.device)
         else:
             payload = self.group.send(REPLAY, (bs, w), l64 + l32)
-            i64, i32 = payload[:2 * bs], payload[2 * bs:].to(torch.int32)
-        self._fill_graph(bs, w, i64, i32)
+        self._fill_graph(bs, w, payload[:2 * bs], payload[2 * bs:])
         self.graphs[bs].replay()
         return v["logits"][:n]
 
     def _fill_graph(self, bs: int, w: int, i64: torch.Tensor, i32: torch.Tensor):
+        """i32 may be int64 (copy_ casts)."""
         v = self.graph_vars
         v["input_ids"][:bs].copy_(i64[:bs])
         v["slot_mapping"][:bs].copy_(i64[bs:])

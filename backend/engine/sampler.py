@@ -138,14 +138,14 @@ def _to_device(data, dtype, device) -> torch.Tensor:
 @dataclass(slots=True)
 class SamplingMetadata:
     """Device tensors describing the M rows sampled this step (built by `build`, consumed by `sample`)."""
-    greedy: torch.Tensor  # [M] bool
-    temperature: torch.Tensor  # [M] f32, 1 on greedy rows
+    greedy: Optional[torch.Tensor]  # [M] bool (None when all_greedy)
+    temperature: Optional[torch.Tensor]  # [M] f32, 1 on greedy rows (None when all greedy without penalties)
     all_greedy: bool
     top_k: Optional[torch.Tensor]  # [M] i64, V where off
     top_p: Optional[torch.Tensor]  # [M] f32
     min_p: Optional[torch.Tensor]  # [M] f32
-    seeds: torch.Tensor  # [M] i64
-    steps: torch.Tensor  # [M] i64: index of the output token being sampled
+    seeds: Optional[torch.Tensor]  # [M] i64 (None when all_greedy)
+    steps: Optional[torch.Tensor]  # [M] i64: index of the output token being sampled (None when all_greedy)
     rep_penalty: Optional[torch.Tensor]  # [M] f32
     rep_index: Optional[tuple]  # (rows, cols) of prompt + output tokens of rows with a repetition penalty
     presence: Optional[torch.Tensor]  # [M] f32
@@ -158,16 +158,11 @@ class SamplingMetadata:
 
     @staticmethod
     def build(reqs: list, vocab_size: int, device: torch.device) -> "SamplingMetadata":
+        """At most two host->device transfers (floats, ints); none for an all-greedy step without penalties/bias."""
         M = len(reqs)
         ps = [r.params for r in reqs]
         greedy = [p.greedy for p in ps]
-        floats = [[1.0 if p.greedy else p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
-                  [p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
-                  [p.frequency_penalty for p in ps]]
-        ints = [[p.top_k if p.top_k > 0 else vocab_size for p in ps], [r.seed % (1 << 63) for r in reqs],
-                [len(r.output_token_ids) for r in reqs]]
-        f = _to_device(floats, torch.float32, device)
-        i = _to_device(ints, torch.int64, device)
+        all_greedy = all(greedy)
         sampled = [not g for g in greedy]
         use = lambda pred: any(s and pred(p) for s, p in zip(sampled, ps))  # noqa: E731
         rep_rows, rep_cols, out_rows, out_cols, b_rows, b_cols, b_vals = [], [], [], [], [], [], []
@@ -184,12 +179,22 @@ class SamplingMetadata:
                 b_rows += [m] * len(p.logit_bias)
                 b_cols += p.logit_bias.keys()
                 b_vals += p.logit_bias.values()
+        f = i = None
+        if not all_greedy or rep_rows or out_rows:
+            f = _to_device([[1.0 if p.greedy else p.temperature for p in ps], [p.top_p for p in ps],
+                            [p.min_p for p in ps], [p.repetition_penalty for p in ps],
+                            [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps]], torch.float32, device)
+        if not all_greedy:  # the greedy mask rides with the ints
+            i = _to_device([[p.top_k if p.top_k > 0 else vocab_size for p in ps], [r.seed % (1 << 63) for r in reqs],
+                            [len(r.output_token_ids) for r in reqs], [int(g) for g in greedy]], torch.int64, device)
         idx = lambda rows, cols: (_to_device(rows, torch.int64, device), _to_device(cols, torch.int64, device))  # noqa
         wants = [p.wants_logprobs for p in ps]
         return SamplingMetadata(
-            greedy=_to_device(greedy, torch.bool, device), temperature=f[0], all_greedy=all(greedy),
+            greedy=i[3] != 0 if i is not None else None, temperature=f[0] if f is not None else None,
+            all_greedy=all_greedy,
             top_k=i[0] if use(lambda p: p.top_k > 0) else None, top_p=f[1] if use(lambda p: p.top_p < 1.0) else None,
-            min_p=f[2] if use(lambda p: p.min_p > 0.0) else None, seeds=i[1], steps=i[2],
+            min_p=f[2] if use(lambda p: p.min_p > 0.0) else None, seeds=i[1] if i is not None else None,
+            steps=i[2] if i is not None else None,
             rep_penalty=f[3] if rep_rows else None, rep_index=idx(rep_rows, rep_cols) if rep_rows else None,
             presence=f[4] if out_rows else None, frequency=f[5] if out_rows else None,
             out_index=idx(out_rows, out_cols) if out_rows else None,
