@@ -12,6 +12,8 @@ if [ -d .whl ]; then
   if [ -f .whl/flashinfer-trim.tar.xz ]; then tar -xJf .whl/flashinfer-trim.tar.xz -C /tmp/site; fi
 fi
 export FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=12
+# gRPC stubs for the server benchmarks (generated at install time elsewhere; not committed)
+if [ ! -f backend_pb2.py ]; then python3 -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. backend.proto || true; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/gpu.txt"
