@@ -25,6 +25,7 @@ import triton  # noqa: E402
 
 from kernels.mla import decode as dec  # noqa: E402
 from kernels.mla import extend as ext  # noqa: E402
+from kernels.mla import prefill as pre  # noqa: E402
 from kernels.mla.decode import default_num_splits, mla_decode_triton  # noqa: E402
 from kernels.mla.extend import mla_extend_triton  # noqa: E402
 from kernels.mla.ref import mla_decode_ref, mla_extend_ref  # noqa: E402
@@ -199,10 +200,8 @@ def check_small():
     assert e < 1e-2
 
 
-def ptxas_report(arch=90):
-    """Compile the kernels for sm_<arch> without a GPU (Triton's bundled ptxas) and print resource usage, for the
-    configurations in DECODE_CFG / EXTEND_CFG and a few alternatives. Strides and pointers get the 16-byte
-    divisibility the JIT infers for the Kimi shapes."""
+def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90):
+    """Compile one kernel for sm_<arch> without a GPU (Triton's bundled ptxas); print smem / regs / spills."""
     import subprocess
     import tempfile
 
@@ -211,8 +210,7 @@ def ptxas_report(arch=90):
 
     target = GPUTarget("cuda", arch, 32)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-
-    def build(fn, ptrs, consts, num_warps, num_stages, label):
+    if True:
         floats = {"qk_scale"}
         sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
         div = [n for n in fn.arg_names if n not in consts and n not in floats and n not in ("N", "G")]
@@ -234,7 +232,18 @@ def ptxas_report(arch=90):
             os.unlink(f.name)
         except OSError:
             pass
-        print(f"{label:<60} smem {k.metadata.shared / 1024:6.1f} KB  {res:<22} {mma:<8} cp.async {ptx.count('cp.async.cg')}")
+        print(f"{label:<60} smem {k.metadata.shared / 1024:6.1f} KB  {res:<22} {mma:<8} cp.async {ptx.count('cp.async.cg')}",
+              flush=True)
+
+
+def ptxas_report(arch=90, only=None):
+    """Resource usage for sm_<arch> of the configurations in DECODE_CFG / EXTEND_CFG / PREFILL_CFG and a few
+    alternatives. Strides and pointers get the 16-byte divisibility the JIT infers for the Kimi shapes.
+    only: 'decode' / 'extend' / 'prefill' to compile one family."""
+
+    def build(fn, ptrs, consts, num_warps, num_stages, label):
+        if only is None or label.startswith(only):
+            ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch)
 
     for dtn, dts in (("16bit", "*bf16"), ("fp32", "*fp32")):
         ieee = dtn == "fp32"
@@ -242,7 +251,21 @@ def ptxas_report(arch=90):
         ecfgs = [ext.EXTEND_CFG[dtn]]
         if not ieee:
             dcfgs += [dict(block_h=32, block_n=32, num_warps=8, num_stages=3), dict(block_h=16, block_n=64, num_warps=4, num_stages=2)]
-            ecfgs += [dict(rows=64, block_n=32, num_warps=8, num_stages=2)]
+            ecfgs += [dict(rows=64, block_n=32, num_warps=8, num_stages=2), dict(rows=64, block_n=32, num_warps=8, num_stages=1),
+                      dict(rows=64, block_n=16, num_warps=8, num_stages=2), dict(rows=64, block_n=16, num_warps=8, num_stages=3)]
+        pcfgs = [pre.PREFILL_CFG[dtn]]
+        if not ieee:
+            pcfgs += [dict(block_m=128, block_n=64, num_warps=8, num_stages=3), dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+                      dict(block_m=64, block_n=64, num_warps=4, num_stages=3)]
+        for c in pcfgs:
+            build(
+                pre._mla_prefill_kernel,
+                dict(q_ptr=dts, qpe_ptr=dts, kn_ptr=dts, kpe_ptr=dts, v_ptr=dts, cuq_ptr="*i32", cuk_ptr="*i32",
+                     out_ptr=dts),
+                dict(DN=128, R=R, DV=128, BLOCK_DN=128, BLOCK_R=R, BLOCK_DV=128, BLOCK_M=c["block_m"],
+                     BLOCK_N=c["block_n"], IEEE=ieee, UPCAST=False),
+                c["num_warps"], c["num_stages"], f"prefill {dtn} {c}",
+            )
         for c in dcfgs:
             build(
                 dec._mla_decode_stage1,
@@ -274,13 +297,14 @@ def ptxas_report(arch=90):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ptxas", action="store_true", help="offline sm_90 compile report (no GPU)")
+    ap.add_argument("--only", choices=["decode", "extend", "prefill"], help="with --ptxas: one kernel family")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--no-flashinfer", action="store_true")
     args = ap.parse_args()
     if args.ptxas:
-        ptxas_report()
+        ptxas_report(only=args.only)
         return
     torch.manual_seed(0)
     dev = torch.cuda.get_device_properties(0)

@@ -6,16 +6,32 @@ mla_decode(q_lat [N, H, L], q_pe [N, H, R], cache, block_table [N, MB] i32, seq_
 mla_extend(q_lat [T, H, L], q_pe [T, H, R], cache, block_table [P, MB] i32, cu_seqlens [P+1] i32,
            seq_lens [P] i32, scale, max_query_len=None, out=None) -> [T, H, L]
 
+Expanded form (large prefill chunks; kernels/mla/prefill.py):
+gather_latent(cache, block_table [P, MB] i32, cu_seqlens_k [P+1] i32, total=None) -> [S_total, L+R]
+mla_prefill_expanded(q [T, H, nope+R], k_nope [S, H, nope], k_pe [S, R], v [S, H, V], cu_seqlens_q [P+1] i32,
+                     cu_seqlens_k [P+1] i32, scale, max_query_len=None, out=None, q_pe=None) -> [T, H, V]
+mla_prefill(q_nope [T, H, nope], q_pe [T, H, R], cache, block_table, cu_seqlens, seq_lens, kv_b_weight
+            [H*(nope+V), L], scale, max_query_len=None) -> [T, H, V]   (gather + kv_b_proj + mla_prefill_expanded)
+
 CUDA tensors run Triton, CPU tensors the torch reference unless KIMI_KERNELS=triton (kernels/_dispatch.py).
 """
 from kernels._dispatch import use_triton
 
-from .ref import mla_decode_ref, mla_extend_ref, store_latent_ref
+import torch
+import torch.nn.functional as F
+
+from .ref import (gather_latent_batch_ref, mla_decode_ref, mla_extend_ref, mla_prefill_expanded_ref,
+                  store_latent_ref)
 
 __all__ = [
     "store_latent",
     "mla_decode",
     "mla_extend",
+    "gather_latent",
+    "mla_prefill_expanded",
+    "mla_prefill",
+    "gather_latent_batch_ref",
+    "mla_prefill_expanded_ref",
     "store_latent_ref",
     "mla_decode_ref",
     "mla_extend_ref",
@@ -67,3 +83,45 @@ def mla_extend(q_lat, q_pe, cache, block_table, cu_seqlens, seq_lens, scale, max
     n = int(cu_seqlens[-1])
     out[:n].copy_(res[:n])
     return out
+
+
+def gather_latent(cache, block_table, cu_seqlens_k, total=None):
+    """``total`` (host int) = cu_seqlens_k[-1]; read from the device (one sync) when not given."""
+    if use_triton(cache):
+        from .cache import gather_latent_triton
+
+        return gather_latent_triton(cache, block_table, cu_seqlens_k, total=total)
+    return gather_latent_batch_ref(cache, block_table, cu_seqlens_k.diff())
+
+
+def mla_prefill_expanded(q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, scale, max_query_len=None, out=None,
+                         q_pe=None):
+    """``out`` (optional [T, H, V]): written on the rows covered by cu_seqlens_q and returned."""
+    if use_triton(q):
+        from .prefill import mla_prefill_expanded_triton
+
+        return mla_prefill_expanded_triton(q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, scale,
+                                           max_query_len=max_query_len, out=out, q_pe=q_pe)
+    res = mla_prefill_expanded_ref(q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, scale, q_pe=q_pe)
+    if out is None:
+        return res
+    n = int(cu_seqlens_q[-1])
+    out[:n].copy_(res[:n])
+    return out
+
+
+def mla_prefill(q_nope, q_pe, cache, block_table, cu_seqlens, seq_lens, kv_b_weight, scale, max_query_len=None):
+    """Prefill chunks in expanded form, straight from the paged latent cache (new tokens already stored):
+    gather each sequence's ``seq_lens[p]`` latent rows, up-project them with ``kv_b_weight`` ([H*(nope+V), L],
+    kv_b_proj's weight: per head k_nope | v), attend causally. Same semantics as mla_extend followed by the W_UV
+    product. One host sync (the total key count sizes the gather). Transient memory: S_total * H * (nope + V)
+    elements (1 GiB bf16 for 64k keys at H=32)."""
+    T, H, DN = q_nope.shape
+    L = kv_b_weight.shape[1]
+    cu_k = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+    torch.cumsum(seq_lens, 0, out=cu_k[1:])
+    total = int(cu_k[-1])
+    lat = gather_latent(cache, block_table, cu_k, total=total)          # [S, L+R]
+    kv = F.linear(lat[:, :L], kv_b_weight).view(total, H, -1)          # [S, H, nope+V]
+    return mla_prefill_expanded(q_nope, kv[..., :DN], lat[:, L:], kv[..., DN:], cu_seqlens, cu_k, scale,
+                                max_query_len=max_query_len, q_pe=q_pe)

@@ -82,3 +82,35 @@ def mla_extend_ref(q_lat, q_pe, cache, block_table, cu_seqlens, seq_lens, scale)
         mask = torch.arange(s, device=q_lat.device)[None, :] <= pos[:, None]
         out[b:e] = _attend(q_lat[b:e], q_pe[b:e], kv, scale, mask)
     return out.to(q_lat.dtype)
+
+
+def gather_latent_batch_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Every sequence's first ``seq_lens[p]`` cached rows, packed: ``[sum(seq_lens), L+R]`` (cache dtype)."""
+    rows = [gather_latent_ref(cache, block_table[p], s) for p, s in enumerate(seq_lens.tolist()) if s > 0]
+    if not rows:
+        return cache.new_zeros(0, cache.shape[2])
+    return torch.cat(rows)
+
+
+def mla_prefill_expanded_ref(q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, scale, q_pe=None):
+    """Expanded-form varlen causal attention (kernels/mla/prefill.py). q [T, H, nope+R] (or q_nope with q_pe),
+    k_nope [S, H, nope], k_pe [S, R] (shared by the heads), v [S, H, V]. Query i of sequence p sits at key position
+    ``k_len - q_len + i``. Returns ``[T, H, V]`` in q's dtype; rows not covered by cu_seqlens_q are zero."""
+    dn = k_nope.shape[2]
+    if q_pe is None:
+        q, q_pe = q[..., :dn], q[..., dn:]
+    T, H = q.shape[:2]
+    out = torch.zeros(T, H, v.shape[2], dtype=torch.float32, device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for p in range(len(cq) - 1):
+        b, e, kb, ke = cq[p], cq[p + 1], ck[p], ck[p + 1]
+        ql, kl = e - b, ke - kb
+        if ql <= 0 or kl <= 0:
+            continue
+        s = torch.einsum("mhd,shd->hms", q[b:e].float(), k_nope[kb:ke].float())
+        s = s + torch.einsum("mhr,sr->hms", q_pe[b:e].float(), k_pe[kb:ke].float())
+        pos = torch.arange(ql, device=q.device) + (kl - ql)
+        mask = torch.arange(kl, device=q.device)[None, :] <= pos[:, None]
+        pr = torch.softmax((s * scale).masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+        out[b:e] = torch.einsum("hms,shv->mhv", pr, v[kb:ke].float())
+    return out.to(q.dtype)

@@ -479,3 +479,245 @@ def test_gpu_decode_cuda_graph():
         g.replay()
         torch.cuda.synchronize()
         check_close(out, mla_decode_ref(q.float(), qp.float(), cache.float(), perm, new_sl, KSCALE), torch.bfloat16)
+
+
+# ---------------------------------------------------------------- expanded prefill (kernels/mla/prefill.py)
+
+from kernels.mla import gather_latent, mla_prefill, mla_prefill_expanded  # noqa: E402
+from kernels.mla.cache import gather_latent_triton  # noqa: E402
+from kernels.mla.prefill import PREFILL_CFG, mla_prefill_expanded_triton, prefill_config  # noqa: E402
+from kernels.mla.ref import gather_latent_batch_ref, mla_prefill_expanded_ref  # noqa: E402
+
+CPU_ONLY_TESTS |= {"test_prefill_configs_dot_dims", "test_prefill_ref_equals_extend_ref"}
+DN, DV = 16, 16  # interpreter head dims (nope, v); R as above
+# (keys after the step, new tokens): prefix offsets, lengths 1/63/64/65/150, an empty lane
+PRE_MIX = [(1, 1), (63, 63), (64, 64), (65, 65), (150, 150), (200, 65), (0, 0), (90, 1), (150, 33)]
+
+
+def _prefill_inputs(mix, dtype, h=H, dn=DN, r=R, dv=DV, device=DEV, sep_pe=False):
+    qls = [q for _, q in mix]
+    kls = [s for s, _ in mix]
+    cu_q = torch.tensor([0] + qls).cumsum(0).to(torch.int32).to(device)
+    cu_k = torch.tensor([0] + kls).cumsum(0).to(torch.int32).to(device)
+    T, S = int(cu_q[-1]), int(cu_k[-1])
+    q = torch.randn(T, h, dn + r, device=device).to(dtype)
+    kv = torch.randn(S, h, dn + dv, device=device).to(dtype)  # strided k_nope / v views, as the model passes them
+    lat = torch.randn(S, 40 + r, device=device).to(dtype)     # k_pe = a strided column slice
+    return q, kv[..., :dn], lat[:, 40:], kv[..., dn:], cu_q, cu_k, max(qls)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("blocks", [(16, 16), (32, 16), (16, 32)])
+def test_prefill_expanded_matches_ref(dtype, blocks):
+    q, kn, kpe, v, cu_q, cu_k, mq = _prefill_inputs(PRE_MIX, dtype)
+    out = torch.full((q.shape[0], H, DV), float("nan"), dtype=dtype, device=DEV)
+    res = mla_prefill_expanded_triton(q, kn, kpe, v, cu_q, cu_k, SCALE, max_query_len=mq, out=out,
+                                      block_m=blocks[0], block_n=blocks[1])
+    assert res.data_ptr() == out.data_ptr()
+    ref = mla_prefill_expanded_ref(q.float(), kn.float(), kpe.float(), v.float(), cu_q, cu_k, SCALE)
+    check_close(out, ref, dtype)  # also: every row written (finite)
+
+
+def test_prefill_expanded_separate_q_pe_odd_heads_no_max_len():
+    q, kn, kpe, v, cu_q, cu_k, _ = _prefill_inputs([(70, 70), (40, 7), (5, 2)], torch.float32, h=3)
+    ref = mla_prefill_expanded_ref(q, kn, kpe, v, cu_q, cu_k, SCALE)
+    out = mla_prefill_expanded_triton(q[..., :DN], kn, kpe, v, cu_q, cu_k, SCALE, q_pe=q[..., DN:].contiguous())
+    check_close(out, ref, torch.float32)
+    check_close(mla_prefill_expanded(q, kn, kpe, v, cu_q, cu_k, SCALE), ref, torch.float32)
+
+
+def test_prefill_expanded_tiny_model_dims():
+    """The tiny test model: nope 16, R 8 (padded to 16 and masked), V 16, H 4."""
+    q, kn, kpe, v, cu_q, cu_k, mq = _prefill_inputs(PRE_MIX[:6], torch.bfloat16, r=TR)
+    out = torch.full((q.shape[0], H, DV), float("nan"), dtype=torch.bfloat16, device=DEV)
+    mla_prefill_expanded_triton(q, kn, kpe, v, cu_q, cu_k, SCALE, max_query_len=mq, out=out)
+    check_close(out, mla_prefill_expanded_ref(q.float(), kn.float(), kpe.float(), v.float(), cu_q, cu_k, SCALE),
+                torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_latent_matches_ref(dtype):
+    lens = [1, 63, 64, 65, 0, 150, 16]
+    cache, bt, sl = make_paged(lens, dtype, max_blocks=12)  # shuffled pages, NaN everywhere else
+    cu_k = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(DEV)
+    ref = gather_latent_batch_ref(cache, bt, sl)
+    got = gather_latent_triton(cache, bt, cu_k)
+    assert got.shape == (sum(lens), L + R) and bit_equal(got, ref) and torch.isfinite(got.float()).all()
+    assert bit_equal(gather_latent(cache, bt, cu_k, total=sum(lens)), ref)
+    # a page size that is not a power of two and a row width above the 4096-element chunk
+    cache, bt, sl = make_paged([7, 13], dtype, bs=6, l=4100, r=8, max_blocks=3)
+    cu_k = torch.tensor([0, 7, 20], dtype=torch.int32, device=DEV)
+    assert bit_equal(gather_latent_triton(cache, bt, cu_k), gather_latent_batch_ref(cache, bt, sl))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_prefill_from_cache_equals_absorbed_extend(dtype):
+    """gather + kv_b_proj + expanded kernel == absorbed extend followed by W_UV (the model's two prefill paths)."""
+    mix = [(65, 65), (150, 33), (20, 1), (0, 0)]
+    lens = [s for s, _ in mix]
+    cache, bt, sl = make_paged(lens, dtype)
+    cu = torch.tensor([0] + [q for _, q in mix]).cumsum(0).to(torch.int32).to(DEV)
+    T = int(cu[-1])
+    q = torch.randn(T, H, DN + R, device=DEV).to(dtype)
+    w = (torch.randn(H * (DN + DV), L, device=DEV) / L ** 0.5).to(dtype)
+    out = mla_prefill(q[..., :DN], q[..., DN:], cache, bt, cu, sl, w, SCALE, max_query_len=65)
+    wh = w.float().view(H, DN + DV, L)
+    q_lat = torch.einsum("thn,hnl->thl", q[..., :DN].float(), wh[:, :DN])
+    lat = mla_extend_ref(q_lat, q[..., DN:].float(), cache.float(), bt, cu, sl, SCALE)
+    ref = torch.einsum("thl,hvl->thv", lat.float(), wh[:, DN:])
+    check_close(out, ref, dtype)
+
+
+def test_prefill_ref_equals_extend_ref():
+    """The two references agree (CPU, fp64): expanded keys/values from a random latent and kv_b weight."""
+    g = torch.Generator().manual_seed(3)
+    mix = [(13, 13), (30, 9), (7, 1)]
+    lens = [s for s, _ in mix]
+    cache, bt, sl = make_paged(lens, torch.float64, poison=False, device="cpu")
+    cu = torch.tensor([0] + [q for _, q in mix]).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    T = int(cu[-1])
+    q = torch.randn(T, 2, 8 + R, generator=g, dtype=torch.float64)
+    wh = torch.randn(2, 8 + 6, L, generator=g, dtype=torch.float64)
+    lat = gather_latent_batch_ref(cache, bt, sl)
+    kv = torch.einsum("sl,hdl->shd", lat[:, :L], wh)
+    got = mla_prefill_expanded_ref(q, kv[..., :8], lat[:, L:], kv[..., 8:], cu, cu_k, SCALE)
+    q_lat = torch.einsum("thn,hnl->thl", q[..., :8], wh[:, :8])
+    ref = torch.einsum("thl,hvl->thv", mla_extend_ref(q_lat, q[..., 8:], cache, bt, cu, sl, SCALE), wh[:, 8:])
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)  # both references compute in fp32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_prefill_configs_dot_dims(dtype, on_gpu):
+    for dn, r, dv in ((1, 1, 1), (16, 8, 16), (128, 64, 128), (100, 3, 7)):
+        for kw in ({}, {"block_m": 4, "block_n": 8}, {"config": {"block_m": 8, "block_n": 4}}):
+            _, b = prefill_config(dn, r, dv, dtype, on_gpu, **kw)
+            dots = [(b["BLOCK_M"], b["BLOCK_N"], b["BLOCK_DN"]), (b["BLOCK_M"], b["BLOCK_N"], b["BLOCK_R"]),
+                    (b["BLOCK_M"], b["BLOCK_DV"], b["BLOCK_N"])]
+            assert all(min(d) >= MIN_DOT for d in dots) and b["BLOCK_R"] >= r and b["BLOCK_DV"] >= dv
+    _, b = prefill_config(128, 64, 128, torch.bfloat16, True)
+    c = PREFILL_CFG["16bit"]
+    assert (b["BLOCK_M"], b["BLOCK_N"], b["BLOCK_DN"], b["BLOCK_R"], b["BLOCK_DV"]) == (
+        c["block_m"], c["block_n"], 128, 64, 128)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_expanded_kimi():
+    mix = [(8192 + 300, 300), (4097, 4097), (65, 65), (1, 1), (0, 0), (1000, 1)]
+    q, kn, kpe, v, cu_q, cu_k, mq = _prefill_inputs(mix, torch.bfloat16, h=KH, dn=128, r=KR, dv=128, device="cuda")
+    out = torch.full((q.shape[0], KH, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mla_prefill_expanded(q, kn, kpe, v, cu_q, cu_k, KSCALE, max_query_len=mq, out=out)
+    ref = mla_prefill_expanded_ref(q.float(), kn.float(), kpe.float(), v.float(), cu_q, cu_k, KSCALE)
+    check_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_mla_prefill_from_cache_kimi(dtype):
+    mix = [(5000, 700), (300, 300), (70, 1)]
+    lens = [s for s, _ in mix]
+    cache, bt, sl = make_paged(lens, dtype, bs=KBS, l=KL, r=KR, device="cuda")
+    cu = torch.tensor([0] + [q for _, q in mix]).cumsum(0).to(torch.int32).cuda()
+    T = int(cu[-1])
+    q = torch.randn(T, KH, 128 + KR, device="cuda").to(dtype)
+    w = (torch.randn(KH * 256, KL, device="cuda") / KL ** 0.5).to(dtype)
+    out = mla_prefill(q[..., :128], q[..., 128:], cache, bt, cu, sl, w, KSCALE, max_query_len=700)
+    wh = w.float().view(KH, 256, KL)
+    q_lat = torch.einsum("thn,hnl->thl", q[..., :128].float(), wh[:, :128])
+    lat = mla_extend_ref(q_lat, q[..., 128:].float(), cache.float(), bt, cu, sl, KSCALE)
+    check_close(out, torch.einsum("thl,hvl->thv", lat, wh[:, 128:]), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_prefill_tiny_model_shapes(dtype):
+    """The GPU configs at the tiny model's dims (nope 16, R 8, V 16): compile (dot dims >= 16) and match."""
+    q, kn, kpe, v, cu_q, cu_k, mq = _prefill_inputs(PRE_MIX, dtype, r=TR, device="cuda")
+    out = torch.full((q.shape[0], H, DV), float("nan"), dtype=dtype, device="cuda")
+    mla_prefill_expanded(q, kn, kpe, v, cu_q, cu_k, SCALE, max_query_len=mq, out=out)
+    check_close(out, mla_prefill_expanded_ref(q.float(), kn.float(), kpe.float(), v.float(), cu_q, cu_k, SCALE), dtype)
+
+
+# ---------------------------------------------------------------- model level: expanded vs absorbed prefill
+
+CPU_ONLY_TESTS |= {"test_model_expanded_prefill_equals_absorbed"}
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32_dir(tmp_path_factory):
+    from tools.tiny_checkpoint import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_mla")), tokenizer=None, seed=1, dtype="float32")
+
+
+def _model_logits(model, lens_cached_new, bs, seed=0):
+    """Prefill each sequence's cached part (one step), then one mixed step: a decode, then the new chunks.
+    -> fp32 logits of every token of the mixed step."""
+    from backend.model.batch import ForwardBatch
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = [(torch.randint(0, 250, (c + n,), generator=g).tolist(), c) for c, n in lens_cached_new]
+    need = [(c + n + bs - 1) // bs for c, n in lens_cached_new]
+    firsts = torch.tensor([1] + need).cumsum(0).tolist()
+    cache = model.allocate_cache(len(seqs) + 1, firsts[-1] + 1, bs)
+    pages_ = [list(range(firsts[i], firsts[i] + need[i])) for i in range(len(seqs))]
+    hist = [(ids[:c], 0, i + 1, pages_[i]) for i, (ids, c) in enumerate(seqs) if c]
+    if hist:
+        model(ForwardBatch.build(hist, 0, bs, model.device), cache)
+    step_ = [(ids[c:], c, i + 1, pages_[i]) for i, (ids, c) in enumerate(seqs)]
+    nd = sum(1 for _, c in seqs[:1] if len(seqs[0][0]) - c == 1)  # the first lane decodes when it has 1 new token
+    total = sum(len(s[0]) for s in step_)
+    batch = ForwardBatch.build(step_, nd, bs, model.device, logits_positions=list(range(total)))
+    return model.compute_logits(model(batch, cache), batch.logits_index)
+
+
+def _expanded_vs_absorbed(model, mix, bs, monkeypatch, dev_type):
+    from backend.model import kimi_linear
+
+    monkeypatch.setattr(kimi_linear, "MLA_EXPANDED_MIN_TOKENS", {})
+    absorbed = _model_logits(model, mix, bs)
+    monkeypatch.setattr(kimi_linear, "MLA_EXPANDED_MIN_TOKENS", {dev_type: 1})
+    calls = []
+    orig = kimi_linear.mla_prefill
+    monkeypatch.setattr(kimi_linear, "mla_prefill", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    expanded = _model_logits(model, mix, bs)
+    assert calls, "the expanded path did not run"
+    return expanded, absorbed
+
+
+# (cached tokens, new tokens): a decode lane first, a fresh prefill, a continued chunk
+MODEL_MIX = [(9, 1), (0, 13), (6, 5)]
+
+
+@pytest.mark.parametrize("kernels", ["ref", "triton"])
+def test_model_expanded_prefill_equals_absorbed(tiny_fp32_dir, monkeypatch, kernels):
+    """Tiny fp32 model on CPU, one mixed step (decode + prefills): the prefill part in expanded form (mla_prefill)
+    gives the absorbed path's logits. 'triton' runs the MLA ops in the interpreter (TRITON_INTERPRET=1 only)."""
+    from backend.model.loader import load_model
+
+    if kernels == "triton":
+        if not INTERPRET:
+            pytest.skip("needs TRITON_INTERPRET=1")
+        import kernels.mla as kmla
+
+        monkeypatch.setattr(kmla, "use_triton", lambda t: True)
+    model = load_model(tiny_fp32_dir, "cpu", torch.float32)
+    expanded, absorbed = _expanded_vs_absorbed(model, MODEL_MIX, 4, monkeypatch, "cpu")
+    torch.testing.assert_close(expanded, absorbed, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_model_expanded_prefill_equals_absorbed(tiny_fp32_dir, monkeypatch, dtype):
+    """Tiny model on CUDA, bigger chunks (prefill 700, a 300-token chunk after 500 cached, a decode, page 64):
+    expanded (Triton mla_prefill) vs absorbed (Triton mla_extend) logits."""
+    from backend.model.loader import load_model
+
+    model = load_model(tiny_fp32_dir, "cuda", dtype)
+    expanded, absorbed = _expanded_vs_absorbed(model, [(200, 1), (0, 700), (500, 300)], 64, monkeypatch, "cuda")
+    if dtype == torch.float32:
+        torch.testing.assert_close(expanded, absorbed, atol=1e-3, rtol=1e-3)
+    else:  # two bf16 roundings of the same math through every layer
+        err = (expanded - absorbed).pow(2).mean().sqrt() / absorbed.pow(2).mean().sqrt()
+        assert torch.isfinite(expanded).all() and err < 3e-2, err
