@@ -5,7 +5,35 @@ Cases: single sequence T = 4k, 16k, 64k, and varlen 16 x 1k. Timing: triton.test
 Both sides do the whole core op: L2 norm of q/k, gate activation from the raw z (A_log, dt_bias), beta sigmoid,
 the chunked delta rule, initial-state read and final-state write.
 Run: python bench/kda_prefill.py   (prints one line per case and, when fla is importable, the ratio)
-     python bench/kda_prefill.py --sweep   (launch-config sweep of kernels/kda/chunk.py at T=16k and 16x1k)
+     python bench/kda_prefill.py --sweep   (per-stage launch-config sweep of kernels/kda/chunk.py at T=16k and
+                                            16x1k, about a minute)
+Each case prints both paths of kernels/kda/chunk.py ("fused" = old: intra -> state+output in one sequential
+kernel; "split" = new: intra -> state pass only -> parallel output; module flag chunk.SPLIT picks the default),
+fla when importable, and the per-stage times of both paths.
+
+Time budget (B=1, T=16k, H=32, K=V=128, C=64: NT=256 chunks, NT*H=8192 chunk-heads; H200: ~4.5 TB/s,
+~400 TFLOP/s tf32 / ~800 bf16 dense in practice, 132 SMs). Per chunk-head:
+
+  stage            FLOPs (dense)                     HBM/L2 bytes                          programs @16k  serial?
+  intra            Dkk,Dqk 2.1 M (6.3 M as computed   in q,k,z,v 64 KB (+k,z re-read 32 KB   8192 (C x H),   no
+                   with masked 64x64 per row block)   from L2); out qg,kg,w,u 64 KB, Aqk     1 CTA/SM
+                   + inverse 1.6 M + w,u 2.1 M        8 KB, gl 0.5 KB -> ~140 KB             (244 regs x 8 w)
+                   ~10 MFLOP tf32                                                            -> 62 waves
+  state (split)    w.h 2.1 M + kg^T.vn 2.1 M          w,kg 32 KB (shared by the V tiles     V/BV*P*H = 256   YES: 256
+                   = 4.2 MFLOP, 2 dots/step           via L2), u 16 KB, out h_c 32 KB, vn   at BV=16         steps per
+                                                      16 KB (bf16)                                           program
+  output (split)   qg.h 2.1 M + Aqk.vn 1 M            qg 16 + Aqk 8 + h_c 32 + vn 16 in,    NT*H*V/BV        no
+                   = 3.1 MFLOP                        o 16 KB out -> 88 KB                  = 16384 @BV=64
+  state (fused,    4 dots/step: w.h, qg.h, Aqk.vn,    as split state + qg 16 KB + Aqk 8 KB   128 (BV=32)      YES, all of
+  old)             kg^T.vn = 7.3 MFLOP                per V tile, o out                                      it
+Totals at 16k: intra ~82 GFLOP / ~1.1 GB (~0.25 ms at bandwidth, if not latency bound: 62 waves -> must be
+<= ~16 us per program for a 1 ms intra); split state ~34 GFLOP, serial 256 steps (~1 us/step -> ~0.26 ms);
+output ~25 GFLOP / ~0.7 GB (~0.16 ms). h_c scratch: T*H*K*V*2/C = T*H*512 B (268 MB at 16k, bf16 = the MMA
+operand the fused path already rounds the state to, so both paths give the same o).
+Evidence from this morning: varlen 16x1k (state depth 16, 1024 programs) took the same 7.84 ms as T=16k
+(depth 256, 128 programs), so the serial chain did not dominate; the intra kernel most likely does (62 waves
+of one 8-warp program per SM with 32 serialized global gathers + softplus in its exact-diagonal loop; the
+split path's intra uses EXACT_REG=1, which builds those blocks from registers). The per-stage lines settle it.
 """
 from __future__ import annotations
 
@@ -40,8 +68,11 @@ def _inputs(lens, device=None, dtype=torch.bfloat16):
     return dict(q=q, k=k, v=v, z=z, b=b, A_log=A_log, dt_bias=dt_bias, cu=cu)
 
 
-def _ours(x):
-    from kernels.kda.chunk import chunk_kda_fwd
+def _ours(x, split=None, stages=False):
+    """split: None = module default (chunk.SPLIT), True/False force a path. stages: also return
+    {stage: launch} of one planned call (for per-stage timing)."""
+    import kernels.kda.chunk as ck
+    from kernels.kda.chunk import chunk_kda_fwd, chunk_kda_plan
 
     P = len(x["cu"]) - 1
     pool = torch.zeros(P + 1, H, K, V, device=DEVICE, dtype=torch.float32)
@@ -50,9 +81,23 @@ def _ours(x):
     hi = torch.zeros(P, dtype=torch.bool, device=DEVICE)
     out = torch.empty_like(x["v"])
 
+    args = (x["q"], x["k"], x["v"], x["z"], x["A_log"], x["dt_bias"], x["b"], K ** -0.5, pool, cu_t, slots, hi)
+
     def fn():
-        return chunk_kda_fwd(x["q"], x["k"], x["v"], x["z"], x["A_log"], x["dt_bias"], x["b"], K ** -0.5, pool,
-                             cu_t, slots, hi, out=out, cu_seqlens_cpu=x["cu"])
+        prev = ck._FORCE_SPLIT
+        ck._FORCE_SPLIT = split
+        try:
+            return chunk_kda_fwd(*args, out=out, cu_seqlens_cpu=x["cu"])
+        finally:
+            ck._FORCE_SPLIT = prev
+    if stages:
+        prev = ck._FORCE_SPLIT
+        ck._FORCE_SPLIT = split
+        try:
+            _, launches = chunk_kda_plan(*args, out=out, cu_seqlens_cpu=x["cu"])
+        finally:
+            ck._FORCE_SPLIT = prev
+        return fn, lambda: (out, pool[1:]), launches
     return fn, lambda: (out, pool[1:])
 
 
@@ -93,6 +138,18 @@ def _rel(a, b):
     return ((a - b).pow(2).mean().sqrt() / (b.pow(2).mean().sqrt() + 1e-30)).item()
 
 
+def _stage_times(launches, warmup, rep):
+    import triton.testing
+
+    res = {}
+    for f in launches.values():                      # once in order: compiled, and every scratch buffer valid
+        f()
+    torch.cuda.synchronize()
+    for name, f in launches.items():
+        res[name] = triton.testing.do_bench(f, warmup=warmup, rep=rep, return_mode="median")
+    return res
+
+
 def bench_prefill(cases=CASES, warmup=25, rep=100):
     import triton.testing
 
@@ -101,64 +158,97 @@ def bench_prefill(cases=CASES, warmup=25, rep=100):
     for name, lens in cases:
         x = _inputs(lens)
         T = sum(lens)
-        fn, get = _ours(x)
-        fn()
-        torch.cuda.synchronize()
-        ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-        line = f"{name:14s} ours {ms:8.3f} ms {T / ms * 1e3 / 1e6:8.2f} Mtok/s"
-        row = dict(case=name, T=T, ours_ms=ms)
+        row = dict(case=name, T=T)
+        outs = {}
+        line = f"{name:14s}"
+        for tag, split in (("fused", False), ("split", True)):
+            try:
+                fn, get, launches = _ours(x, split=split, stages=True)
+                fn()
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+                st = _stage_times(launches, 5, 30)
+                fn()
+                torch.cuda.synchronize()
+                outs[tag] = tuple(t.clone() for t in get())
+                line += f" | {tag} {ms:7.3f} ms {T / ms * 1e3 / 1e6:6.2f} Mtok/s"
+                row[tag + "_ms"] = ms
+                row[tag + "_stages"] = st
+            except Exception as e:                   # keep the other path's numbers
+                line += f" | {tag} FAILED {type(e).__name__}: {str(e)[:200]}"
+        if "fused" in outs and "split" in outs:
+            eo, es = _rel(outs["split"][0], outs["fused"][0]), _rel(outs["split"][1], outs["fused"][1])
+            line += f" | split/fused {row['fused_ms'] / row['split_ms']:4.2f}x, rel-rms split vs fused o {eo:.1e}" \
+                    f" state {es:.1e}"
         try:
             ffn, fget = _fla(x)
             ffn()
             torch.cuda.synchronize()
             fms = triton.testing.do_bench(ffn, warmup=warmup, rep=rep, return_mode="median")
-            fn()
             ffn()
-            (o, st), (fo, fst) = get(), fget()
-            eo, es = _rel(o, fo), _rel(st, fst)
-            line += (f" | fla {fms:8.3f} ms {T / fms * 1e3 / 1e6:8.2f} Mtok/s | speedup {fms / ms:5.2f}x"
-                     f" | rel-rms vs fla o {eo:.1e} state {es:.1e}")
-            row.update(fla_ms=fms, speedup=fms / ms, rel_o=eo, rel_state=es)
+            torch.cuda.synchronize()
+            fo, fst = fget()
+            line += f" | fla {fms:7.3f} ms {T / fms * 1e3 / 1e6:6.2f} Mtok/s"
+            row["fla_ms"] = fms
+            for tag, (o, st) in outs.items():
+                eo, es = _rel(o, fo), _rel(st, fst)
+                line += f" | {tag}: {fms / row[tag + '_ms']:4.2f}x fla, rel-rms vs fla o {eo:.1e} state {es:.1e}"
+                row[tag + "_speedup"] = fms / row[tag + "_ms"]
         except Exception as e:                       # fla missing or API mismatch: report ours only
             line += f" | fla unavailable: {type(e).__name__}: {str(e)[:120]}"
         print(line, flush=True)
+        for tag in ("fused", "split"):
+            if tag + "_stages" in row:
+                print(f"{'':14s}   {tag} stages: " + ", ".join(f"{n} {t:.3f} ms" for n, t in
+                                                           row[tag + "_stages"].items()), flush=True)
         rows.append(row)
-        del x
+        del x, outs
         torch.cuda.empty_cache()
     return rows
 
 
-def sweep_prefill(lens_list=((16384,), (1024,) * 16), warmup=10, rep=50):
-    """Launch-config sweep for kernels/kda/chunk.py (module constants), one line per config and case."""
-    import itertools
-
-    import triton.testing
-
+def sweep_prefill(lens_list=((16384,), (1024,) * 16), warmup=5, rep=25):
+    """Per-stage launch-config sweep for kernels/kda/chunk.py (module constants), one line per stage config and
+    case (each stage timed alone, so the configs add instead of multiplying; ~1 minute)."""
     import kernels.kda.chunk as ck
 
-    saved = {n: getattr(ck, n) for n in ("INTRA_BK", "INTRA_NUM_WARPS", "STATE_BV", "STATE_NUM_WARPS",
-                                         "STATE_NUM_STAGES")}
+    names = ("INTRA_BK", "INTRA_NUM_WARPS", "INTRA_EXACT_REG", "STATE_BV", "STATE_NUM_WARPS", "STATE_NUM_STAGES",
+             "HPASS_BV", "HPASS_NUM_WARPS", "HPASS_NUM_STAGES", "OUT_BV", "OUT_NUM_WARPS", "OUT_NUM_STAGES")
+    saved = {n: getattr(ck, n) for n in names}
+    grid = [  # (stage, path, {constant: value})
+        *[("intra", True, dict(INTRA_BK=bk, INTRA_NUM_WARPS=w, INTRA_EXACT_REG=e))
+          for bk, w, e in ((32, 8, 0), (32, 8, 1), (32, 4, 1), (64, 8, 1), (64, 4, 1))],
+        *[("state+out", False, dict(STATE_BV=bv, STATE_NUM_WARPS=w)) for bv in (32, 64) for w in (4, 8)],
+        *[("hpass", True, dict(HPASS_BV=bv, HPASS_NUM_WARPS=w, HPASS_NUM_STAGES=st))
+          for bv, w, st in ((16, 4, 2), (16, 8, 2), (16, 4, 3), (32, 4, 2), (32, 8, 2), (32, 4, 3), (64, 4, 2),
+                            (64, 8, 2))],
+        *[("out", True, dict(OUT_BV=bv, OUT_NUM_WARPS=w, OUT_NUM_STAGES=st))
+          for bv, w, st in ((64, 4, 2), (64, 8, 2), (64, 4, 1), (128, 4, 2), (128, 8, 2))],
+    ]
     try:
         for lens in lens_list:
             x = _inputs(list(lens))
             T = sum(lens)
-            for ibk, iw, sbv, sw, ss in itertools.product((32, 64), (4, 8), (32, 64), (4, 8), (2, 3)):
-                ck.INTRA_BK, ck.INTRA_NUM_WARPS = ibk, iw
-                ck.STATE_BV, ck.STATE_NUM_WARPS, ck.STATE_NUM_STAGES = sbv, sw, ss
+            for stage, split, cfg in grid:
+                for n, val in saved.items():
+                    setattr(ck, n, val)
+                for n, val in cfg.items():
+                    setattr(ck, n, val)
+                desc = " ".join(f"{n}={val}" for n, val in cfg.items())
                 try:
-                    fn, _ = _ours(x)
-                    fn()
-                    torch.cuda.synchronize()
-                    ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-                    print(f"T={T} P={len(lens)} intra BK={ibk} w={iw} | state BV={sbv} w={sw} st={ss}: {ms:.3f} ms",
-                          flush=True)
+                    _, _, launches = _ours(x, split=split, stages=True)
+                    for f in launches.values():  # valid scratch for the timed stage
+                        f()
+                    ms = _stage_times({stage: launches[stage]}, warmup, rep)[stage]
+                    print(f"T={T} P={len(lens)} {stage:9s} {desc}: {ms:.3f} ms", flush=True)
                 except Exception as e:                   # e.g. out of shared memory for a config
-                    print(f"T={T} intra BK={ibk} w={iw} | state BV={sbv} w={sw} st={ss}: failed "
-                          f"{type(e).__name__}: {str(e)[:100]}", flush=True)
+                    print(f"T={T} P={len(lens)} {stage:9s} {desc}: failed {type(e).__name__}: {str(e)[:100]}",
+                          flush=True)
             del x
+            torch.cuda.empty_cache()
     finally:
-        for n, v in saved.items():
-            setattr(ck, n, v)
+        for n, val in saved.items():
+            setattr(ck, n, val)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Entry point: ``chunk_kda_fwd`` (called by kernels/kda/__init__.py ``kda_prefill`` on the Triton path).
 
-Two launches:
+Launches:
 
 1. ``_kda_intra_kernel`` -- one program per (chunk, head), chunk size BT = 64, fully parallel. It fuses the
    L2 norm of q and k, beta = sigmoid(b), the gate g = -exp(A_log) softplus(z + dt_bias) and its chunk-local
@@ -23,7 +23,19 @@ Two launches:
        factors exp2(g_t) <= 1 (CUDA cores).
    The 16x16 diagonal blocks of (I+L) are inverted by forward substitution (fp32), and the 64x64
    inverse is assembled as (I - N + N^2 - N^3) Di with N = Di L_off (N is strictly block-lower, N^4 = 0).
-2. ``_kda_state_kernel`` -- one program per (V tile, sequence, head): the sequential pass over the sequence's
+2. Split path (``SPLIT = True``, the default), two launches:
+   2a. ``_kda_hpass_kernel`` -- one program per (V tile, sequence, head), BV = 16 at B=1 (auto: the largest of
+       64/32/16 giving >= 2 programs per SM): the sequential pass with the fp32 state in registers and only
+       two dots per chunk:
+           store h_c = h (bf16 for bf16 inputs: the MMA operand rounding the fused path already applies; fp32 for
+           fp32 inputs) into hs [NT, H, K, V];  vn = u - w @ h_c, stored (same dtype);  h = exp2(gl) * h + kg^T @ vn
+       then the final state to the slot and zeros for tokens outside [cu[0], cu[-1]).
+   2b. ``_kda_out_kernel`` -- one program per (chunk, head, V tile), fully parallel (no sequential dependency):
+           o = qg @ h_c + Aqk @ vn
+   The split path's intra uses EXACT_REG=1: the exact 8x8 diagonal blocks are built from registers (exponent
+   exp2(min(G_r - G_s, 0)), r >= s) instead of the per-column global reloads + softplus of the old variant.
+   Old path (``SPLIT = False``, kept for A/B; tests run both):
+   ``_kda_state_kernel`` -- one program per (V tile, sequence, head): the sequential pass over the sequence's
    chunks with the fp32 state in registers, fused with the output:
        vn = u - w @ h ;  o = qg @ h + Aqk @ vn ;  h = exp2(gl) * h + kg^T @ vn
    The initial state is read from rec_state[state_slots[p]] when has_initial_state[p] (zeros otherwise) and the
@@ -36,8 +48,9 @@ Precision: all accumulation in fp32. For bf16 inputs the intermediates (qg, kg, 
 and the state is cast to bf16 as an MMA operand (as fla does); the intra-chunk matrices use tf32. For fp32 inputs
 everything is stored in fp32 and the dots use IEEE fp32 (slow, for tests/oracles).
 
-Tuning: the module constants below (INTRA_*, STATE_*); ``python bench/kda_prefill.py --sweep`` times a grid of them
-on the GPU; ``compile_report()`` compiles both kernels offline for sm_90 and reports registers / spills / smem.
+Tuning: the module constants below (INTRA_*, STATE_*, HPASS_*, OUT_*); ``python bench/kda_prefill.py --sweep`` times
+each stage over a grid of them on the GPU; ``compile_report()`` compiles the kernels offline for sm_90 and reports
+registers / spills / smem. Time budget per stage: see the docstring of bench/kda_prefill.py.
 """
 from __future__ import annotations
 
@@ -53,14 +66,25 @@ BC = 16          # sub-chunk (diagonal block) size
 RCP_LN2 = 1.4426950408889634
 
 # launch configuration (tunable)
-# (checked offline with triton 3.9 for sm_90, K = V = 128: no register spills; intra 244 regs,
-#  state 202 regs / 147 KB smem at BV=64 with 8 warps, 162 regs / 131 KB at BV=32 with 4 warps)
+# (checked offline with triton 3.9 for sm_90, K = V = 128, bf16: no register spills; intra 242 regs (EXACT_REG=0) /
+#  244 (EXACT_REG=1), 48 KB smem, 8 warps (4 warps spills); old state 202 regs / 147 KB smem at BV=64 with 8 warps,
+#  162 regs / 131 KB at BV=32 with 4 warps; hpass 80 regs / 72 KB at BV=16 (4 warps), 136 / 80 KB at BV=32 (4),
+#  204 / 104 KB at BV=64 (8); out 72 regs / 48 KB at BV=64 (4 warps), 95 / 72 KB at BV=128)
 INTRA_BK = 32
 INTRA_BV = 64
 INTRA_NUM_WARPS = 8
 STATE_BV = None          # None: 64, or 32 when (V/64) * P * H programs would not fill the GPU twice
 STATE_NUM_WARPS = None   # None: 8 for BV=64, 4 for BV=32
 STATE_NUM_STAGES = 2
+# split path (SPLIT = True): intra -> state pass only (stores h_c, vn) -> fully parallel output
+SPLIT = True             # False: the old fused state+output kernel (kept for A/B)
+INTRA_EXACT_REG = None   # exact 8x8 diagonal blocks from registers (1) or with per-column reloads (0); None: = SPLIT
+HPASS_BV = None          # None: largest of 64/32/16 giving >= 2 programs per SM ((V/BV) * P * H >= 2 * SMs)
+HPASS_NUM_WARPS = None   # None: 4 for BV <= 32, 8 for BV = 64
+HPASS_NUM_STAGES = 2
+OUT_BV = 64
+OUT_NUM_WARPS = 4
+OUT_NUM_STAGES = 2
 
 
 @triton.jit
@@ -96,7 +120,7 @@ def _kda_intra_kernel(
     stride_q, stride_k, stride_v, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, EXACT_REG: tl.constexpr = 0,
 ):
     NB: tl.constexpr = BT // BC
     i_c = tl.program_id(0)
@@ -196,26 +220,44 @@ def _kda_intra_kernel(
         kc_t = tl.permute(tl.reshape(ke * cfac, [NB, BC, BK]), (0, 2, 1))
         a_mid_kk = tl.dot(tl.reshape(ke * rfac, [NB, BC, BK]), kc_t, a_mid_kk, input_precision=PREC)
         a_mid_qk = tl.dot(tl.reshape(qe * rfac, [NB, BC, BK]), kc_t, a_mid_qk, input_precision=PREC)
-        # exact BE x BE diagonal blocks: column s of every block at once, s descending, with
-        # P[r] = exp2(G_r - G_s) = P_prev[r] * exp2(g_{s+1}) (every factor <= 1; row s starts at 1, rows < s are 0)
-        pdec = tl.zeros([NE, BE, BK], dtype=tl.float32)
-        f = tl.zeros([NE, BK], dtype=tl.float32)
-        for j in range(BE):
-            s = BE - 1 - j
-            pdec = tl.where(re_[None, :, None] == s, 1.0, pdec * f[:, None, :])
-            tok_s = t0 + be_ * BE + s                                                  # [NE] partner rows
-            m2s = (tok_s < eos)[:, None] & cm[None, :]
-            rk_s = tl.sum(tl.where((re_ == s)[None, :], rke, 0.0), 1)                 # [NE]
-            ks = tl.load(k + tok_s[:, None] * stride_k + i_h * K + c[None, :], mask=m2s, other=0.0).to(tl.float32)
-            ks = ks * rk_s[:, None]
-            zs = tl.load(z + tok_s[:, None] * stride_z + i_h * K + c[None, :], mask=m2s, other=0.0).to(tl.float32)
-            f = tl.exp2(tl.where(m2s, neg_a * _softplus(zs + dtb[None, :]), 0.0))
-            kpe = pdec * ks[:, None, :]
-            dk = tl.sum(ke * kpe, 2)                                                   # [NE, BE]
-            dq = tl.sum(qe * kpe, 2)
-            cs = (re_ == s)[None, None, :]
-            d_kk += tl.where(cs, dk[:, :, None], 0.0)
-            d_qk += tl.where(cs, dq[:, :, None], 0.0)
+        if EXACT_REG:
+            # exact BE x BE diagonal blocks from registers (no global loads, no softplus): column s of every block
+            # at once, P[r] = exp2(min(G_r - G_s, 0)) for r >= s (exponent <= 0), 0 above the diagonal
+            for s in range(BE):
+                sel_s = (re_ == s)[None, :, None]
+                Gs = tl.sum(tl.where(sel_s, Ge, 0.0), 1)                                   # [NE, BK]
+                ks = tl.sum(tl.where(sel_s, ke, 0.0), 1)                                   # [NE, BK]
+                pdec = tl.where(re_[None, :, None] >= s, tl.exp2(tl.minimum(Ge - Gs[:, None, :], 0.0)), 0.0)
+                kpe = pdec * ks[:, None, :]
+                dk = tl.sum(ke * kpe, 2)                                                   # [NE, BE]
+                dq = tl.sum(qe * kpe, 2)
+                cs = (re_ == s)[None, None, :]
+                d_kk += tl.where(cs, dk[:, :, None], 0.0)
+                d_qk += tl.where(cs, dq[:, :, None], 0.0)
+        else:
+            # exact BE x BE diagonal blocks: column s of every block at once, s descending, with
+            # P[r] = exp2(G_r - G_s) = P_prev[r] * exp2(g_{s+1}) (every factor <= 1; row s starts at 1, rows < s
+            # are 0)
+            pdec = tl.zeros([NE, BE, BK], dtype=tl.float32)
+            f = tl.zeros([NE, BK], dtype=tl.float32)
+            for j in range(BE):
+                s = BE - 1 - j
+                pdec = tl.where(re_[None, :, None] == s, 1.0, pdec * f[:, None, :])
+                tok_s = t0 + be_ * BE + s                                                  # [NE] partner rows
+                m2s = (tok_s < eos)[:, None] & cm[None, :]
+                rk_s = tl.sum(tl.where((re_ == s)[None, :], rke, 0.0), 1)                 # [NE]
+                ks = tl.load(k + tok_s[:, None] * stride_k + i_h * K + c[None, :], mask=m2s,
+                             other=0.0).to(tl.float32)
+                ks = ks * rk_s[:, None]
+                zs = tl.load(z + tok_s[:, None] * stride_z + i_h * K + c[None, :], mask=m2s,
+                             other=0.0).to(tl.float32)
+                f = tl.exp2(tl.where(m2s, neg_a * _softplus(zs + dtb[None, :]), 0.0))
+                kpe = pdec * ks[:, None, :]
+                dk = tl.sum(ke * kpe, 2)                                                   # [NE, BE]
+                dq = tl.sum(qe * kpe, 2)
+                cs = (re_ == s)[None, None, :]
+                d_kk += tl.where(cs, dk[:, :, None], 0.0)
+                d_qk += tl.where(cs, dq[:, :, None], 0.0)
 
     # ---- assemble the 16x16 diagonal blocks, inverse of (I + diag(beta) StrictTril(Dkk))
     cols = tl.arange(0, BT)
@@ -330,10 +372,116 @@ def _kda_state_kernel(
                      mask=(tz < n_tok)[:, None])
 
 
+@triton.jit
+def _zero_outside(o, bos, eos, i_n, n_seq, n_tok, stride_o, i_h, vv, BT: tl.constexpr, BV: tl.constexpr,
+                  V: tl.constexpr):
+    """Tokens outside [cu[0], cu[-1]) get zeros (done by the first / last sequence's programs)."""
+    rows = tl.arange(0, BT)
+    zero = tl.zeros([BT, BV], dtype=o.dtype.element_ty)
+    if i_n == 0:
+        for t0z in range(0, bos.to(tl.int32), BT):
+            tz = t0z + rows
+            tl.store(o + tz.to(tl.int64)[:, None] * stride_o + i_h * V + vv[None, :], zero,
+                     mask=(tz < bos)[:, None])
+    if i_n == n_seq - 1:
+        for t0z in range(eos.to(tl.int32), n_tok, BT):
+            tz = t0z + rows
+            tl.store(o + tz.to(tl.int64)[:, None] * stride_o + i_h * V + vv[None, :], zero,
+                     mask=(tz < n_tok)[:, None])
+
+
+@triton.jit
+def _kda_hpass_kernel(
+    kg_in, w_in, u_in, gl_in, h_out, vn_out, o, rec_state,
+    cu_seqlens, chunk_offsets, state_slots, has_initial_state, n_seq, n_tok,
+    stride_o, stride_s,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MM: tl.constexpr,
+):
+    """Split path, launch 2: the sequential state pass only. Per chunk: store h_c (the state at the chunk start,
+    in the MMA operand dtype) and vn = u - w h_c, then h = exp2(gl) h + kg^T vn. Two dots per chunk."""
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_h = tl.program_id(2)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    slot = tl.load(state_slots + i_n).to(tl.int64)
+    h0i = tl.load(has_initial_state + i_n).to(tl.int32)
+    nt = ((eos - bos + BT - 1) // BT).to(tl.int32)
+
+    kk = tl.arange(0, K)
+    vv = i_v * BV + tl.arange(0, BV)
+    rows = tl.arange(0, BT)
+    o_kv = kk[:, None] * V + vv[None, :]
+    o_bk = rows[:, None] * K + kk[None, :]
+    o_kbt = kk[:, None] + rows[None, :] * K
+    o_bv = rows[:, None] * V + vv[None, :]
+    p_h = rec_state + slot * stride_s + i_h * K * V
+    h = tl.load(p_h + o_kv).to(tl.float32)
+    h = tl.where(h0i != 0, h, 0.0)
+    dt = w_in.dtype.element_ty
+
+    for it in range(nt):
+        cg = c0 + it
+        ch = cg * H + i_h
+        r0 = ch * BT
+        b_w = tl.load(w_in + r0 * K + o_bk)
+        b_kgt = tl.load(kg_in + r0 * K + o_kbt)                       # [K, BT]
+        b_u = tl.load(u_in + r0 * V + o_bv).to(tl.float32)
+        b_gl = tl.load(gl_in + ch * K + kk)
+        hb = h.to(dt)
+        tl.store(h_out + ch * K * V + o_kv, hb.to(h_out.dtype.element_ty))
+        vn = b_u - _mm(b_w, hb, PREC, MM)
+        vnb = vn.to(dt)
+        tl.store(vn_out + r0 * V + o_bv, vnb.to(vn_out.dtype.element_ty))
+        h = h * tl.exp2(b_gl)[:, None] + _mm(b_kgt, vnb, PREC, MM)
+
+    tl.store(p_h + o_kv, h.to(rec_state.dtype.element_ty))
+    _zero_outside(o, bos, eos, i_n, n_seq, n_tok, stride_o, i_h, vv, BT, BV, V)
+
+
+@triton.jit
+def _kda_out_kernel(
+    qg_in, a_in, h_in, vn_in, o, chunk_offsets, cu_seqlens, n_seq, stride_o,
+    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MM: tl.constexpr,
+):
+    """Split path, launch 3: fully parallel over (chunk, head, V tile): o = qg h_c + tril(Aqk) vn."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    if i_c >= tl.load(chunk_offsets + n_seq):
+        return
+    pidx = tl.arange(0, PB)
+    offs = tl.load(chunk_offsets + 1 + pidx, mask=pidx < n_seq, other=2147483647)
+    i_n = tl.sum((offs <= i_c).to(tl.int32), 0).to(tl.int64)
+    i_t = (i_c - tl.load(chunk_offsets + i_n)).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    kk = tl.arange(0, K)
+    vv = i_v * BV + tl.arange(0, BV)
+    rows = tl.arange(0, BT)
+    ch = i_c.to(tl.int64) * H + i_h
+    r0 = ch * BT
+    b_qg = tl.load(qg_in + r0 * K + rows[:, None] * K + kk[None, :])
+    b_h = tl.load(h_in + ch * K * V + kk[:, None] * V + vv[None, :])
+    b_a = tl.load(a_in + r0 * BT + rows[:, None] * BT + rows[None, :])
+    b_vn = tl.load(vn_in + r0 * V + rows[:, None] * V + vv[None, :])
+    b_o = _mm(b_qg, b_h, PREC, MM) + _mm(b_a, b_vn, PREC, MM)
+    tl.store(o + t0 * stride_o + i_h * V + (rows[:, None] * stride_o + vv[None, :]),
+             b_o.to(o.dtype.element_ty), mask=(rows < eos - t0)[:, None])
+
+
 def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16: bool = True, state_bv: int = 64,
-                   state_warps: int = 8) -> dict:
-    """Compile both kernels offline for sm_<arch> (no GPU needed; Triton's bundled ptxas) at Kimi shapes and
-    return {name: (registers, spill stack bytes, shared bytes)}. Run without TRITON_INTERPRET."""
+                   state_warps: int = 8, hpass_bv: Optional[int] = None, out_bv: Optional[int] = None,
+                   which: Sequence[str] = ("intra", "state", "intra_reg", "hpass", "out")) -> dict:
+    """Compile the kernels offline for sm_<arch> (no GPU needed; Triton's bundled ptxas) at Kimi shapes and
+    return {name: (registers, spill stack bytes, shared bytes)}. Run without TRITON_INTERPRET.
+    intra = old exact-diagonal variant (EXACT_REG=0), intra_reg = EXACT_REG=1; state = old fused state+output
+    kernel at (state_bv, state_warps); hpass / out = split-path kernels at (hpass_bv or 16, HPASS_NUM_WARPS) /
+    (out_bv or OUT_BV, OUT_NUM_WARPS)."""
     import re
     import subprocess
 
@@ -342,22 +490,38 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
 
     lp, sd = ("*bf16", "*bf16") if bf16 else ("*fp32", "*fp32")
     prec = "tf32" if bf16 else "ieee"
-    specs = {
-        "intra": (_kda_intra_kernel,
-                  dict(q=lp, k=lp, v=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
+    mm = 1 if bf16 else 0
+    intra_types = dict(q=lp, k=lp, v=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
                        cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, w_out=sd, u_out=sd, a_out=sd,
                        gl_out="*fp32",
-                       stride_q="i32", stride_k="i32", stride_v="i32", stride_z="i32", stride_b="i32", scale="fp32"),
-                  dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BE=BC // 2, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV),
-                       PREC=prec),
+                       stride_q="i32", stride_k="i32", stride_v="i32", stride_z="i32", stride_b="i32", scale="fp32")
+    intra_consts = dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BE=BC // 2, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV),
+                        PREC=prec)
+    specs = {
+        "intra": (_kda_intra_kernel, intra_types, dict(intra_consts, EXACT_REG=0),
                   dict(num_warps=INTRA_NUM_WARPS)),
+        "intra_reg": (_kda_intra_kernel, intra_types, dict(intra_consts, EXACT_REG=1),
+                      dict(num_warps=INTRA_NUM_WARPS)),
         "state": (_kda_state_kernel,
                   dict(qg_in=sd, kg_in=sd, w_in=sd, u_in=sd, a_in=sd, gl_in="*fp32", o=lp, rec_state="*fp32",
                        cu_seqlens="*i32", chunk_offsets="*i32", state_slots="*i32", has_initial_state="*i8",
                        n_seq="i32", n_tok="i32", stride_o="i32", stride_s="i32"),
-                  dict(H=H, K=K, V=V, BT=BT, BV=state_bv, PREC=prec, MM=1 if bf16 else 0),
+                  dict(H=H, K=K, V=V, BT=BT, BV=state_bv, PREC=prec, MM=mm),
                   dict(num_warps=state_warps, num_stages=STATE_NUM_STAGES)),
+        "hpass": (_kda_hpass_kernel,
+                  dict(kg_in=sd, w_in=sd, u_in=sd, gl_in="*fp32", h_out=sd, vn_out=sd, o=lp, rec_state="*fp32",
+                       cu_seqlens="*i32", chunk_offsets="*i32", state_slots="*i32", has_initial_state="*i8",
+                       n_seq="i32", n_tok="i32", stride_o="i32", stride_s="i32"),
+                  dict(H=H, K=K, V=V, BT=BT, BV=min(V, hpass_bv or 16), PREC=prec, MM=mm),
+                  dict(num_warps=HPASS_NUM_WARPS or (8 if (hpass_bv or 16) >= 64 else 4),
+                       num_stages=HPASS_NUM_STAGES)),
+        "out": (_kda_out_kernel,
+                dict(qg_in=sd, a_in=sd, h_in=sd, vn_in=sd, o=lp, chunk_offsets="*i32", cu_seqlens="*i32",
+                     n_seq="i32", stride_o="i32"),
+                dict(PB=16, H=H, K=K, V=V, BT=BT, BV=min(V, out_bv or OUT_BV), PREC=prec, MM=mm),
+                dict(num_warps=OUT_NUM_WARPS, num_stages=OUT_NUM_STAGES)),
     }
+    specs = {n: specs[n] for n in which}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     out = {}
     for name, (fn, types, consts, opts) in specs.items():
@@ -398,7 +562,106 @@ def _is_pow2(x: int) -> bool:
     return x >= 16 and (x & (x - 1)) == 0
 
 
-def chunk_kda_fwd(
+def _split_enabled() -> bool:
+    return SPLIT if _FORCE_SPLIT is None else _FORCE_SPLIT
+
+
+_FORCE_SPLIT = None   # tests / bench override of SPLIT without touching the module default
+
+
+def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o, P, T, H, K, V, cu_seqlens_cpu):
+    """Allocate the scratch and return the launches in order as {stage name: zero-argument callable} (the bench
+    times the stages one by one)."""
+    dev = q.device
+    split = _split_enabled()
+    # varlen metadata on device (no host sync): chunk_offsets[n] = chunks before sequence n; the chunk-parallel
+    # grids use the upper bound cdiv(T, BT) + P (exact when cu_seqlens_cpu is given); surplus programs exit at once
+    chunk_offsets = torch.zeros(P + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(torch.div(cu_dev[1:] - cu_dev[:-1] + (BT - 1), BT, rounding_mode="floor"), 0,
+                 out=chunk_offsets[1:])
+    if cu_seqlens_cpu is not None:
+        cu = [int(x) for x in cu_seqlens_cpu]
+        NT = sum((cu[i + 1] - cu[i] + BT - 1) // BT for i in range(P))
+    else:
+        NT = triton.cdiv(T, BT) + P
+    fp32 = q.dtype == torch.float32 and v.dtype == torch.float32
+    sdt = torch.float32 if fp32 else torch.bfloat16
+    prec = "ieee" if fp32 else "tf32"
+    mm = 0 if fp32 else (2 if _interpreting() else 1)
+    n_rows = max(NT, 1) * H * BT
+    qg = torch.empty(n_rows, K, dtype=sdt, device=dev)
+    kg = torch.empty(n_rows, K, dtype=sdt, device=dev)
+    w = torch.empty(n_rows, K, dtype=sdt, device=dev)
+    u = torch.empty(n_rows, V, dtype=sdt, device=dev)
+    a = torch.empty(n_rows, BT, dtype=sdt, device=dev)
+    gl = torch.empty(max(NT, 1) * H, K, dtype=torch.float32, device=dev)
+    PB = max(16, triton.next_power_of_2(P))
+    exact_reg = split if INTRA_EXACT_REG is None else bool(INTRA_EXACT_REG)
+    nsm = _num_sms(dev)
+    launches = {}
+
+    def intra():
+        _kda_intra_kernel[(NT, H)](
+            q, k, v, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P,
+            qg, kg, w, u, a, gl,
+            q.stride(0), k.stride(0), v.stride(0), z.stride(0), b.stride(0), float(scale),
+            PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BE=BC // 2,
+            BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec, EXACT_REG=int(exact_reg),
+            num_warps=INTRA_NUM_WARPS,
+        )
+    if NT > 0:
+        launches["intra"] = intra
+
+    if not split:
+        bv = STATE_BV or (64 if _interpreting() or triton.cdiv(V, 64) * P * H >= 2 * nsm else 32)
+        bv = min(V, bv)
+
+        def state():
+            _kda_state_kernel[(triton.cdiv(V, bv), P, H)](
+                qg, kg, w, u, a, gl, o, rec_state,
+                cu_dev, chunk_offsets, slots, hi, P, T,
+                o.stride(0), rec_state.stride(0),
+                H=H, K=K, V=V, BT=BT, BV=bv, PREC=prec, MM=mm,
+                num_warps=STATE_NUM_WARPS or (8 if bv >= 64 else 4), num_stages=STATE_NUM_STAGES,
+            )
+        launches["state+out"] = state
+        return launches
+
+    # split path: per-chunk start states h_c [NT, H, K, V] and vn [NT*H*BT, V], both in the MMA operand dtype
+    hs = torch.empty(max(NT, 1) * H * K, V, dtype=sdt, device=dev)
+    vn = torch.empty(n_rows, V, dtype=sdt, device=dev)
+    hbv = HPASS_BV
+    if hbv is None:
+        hbv = 16
+        for cand in (64, 32):
+            if _interpreting() or triton.cdiv(V, cand) * P * H >= 2 * nsm:
+                hbv = cand
+                break
+    hbv = min(V, hbv)
+    obv = min(V, OUT_BV)
+
+    def hpass():
+        _kda_hpass_kernel[(triton.cdiv(V, hbv), P, H)](
+            kg, w, u, gl, hs, vn, o, rec_state,
+            cu_dev, chunk_offsets, slots, hi, P, T,
+            o.stride(0), rec_state.stride(0),
+            H=H, K=K, V=V, BT=BT, BV=hbv, PREC=prec, MM=mm,
+            num_warps=HPASS_NUM_WARPS or (8 if hbv >= 64 else 4), num_stages=HPASS_NUM_STAGES,
+        )
+
+    def out():
+        _kda_out_kernel[(NT, H, triton.cdiv(V, obv))](
+            qg, a, hs, vn, o, chunk_offsets, cu_dev, P, o.stride(0),
+            PB=PB, H=H, K=K, V=V, BT=BT, BV=obv, PREC=prec, MM=mm,
+            num_warps=OUT_NUM_WARPS, num_stages=OUT_NUM_STAGES,
+        )
+    launches["hpass"] = hpass
+    if NT > 0:
+        launches["out"] = out
+    return launches
+
+
+def chunk_kda_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -413,8 +676,9 @@ def chunk_kda_fwd(
     has_initial_state: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     cu_seqlens_cpu: Optional[Sequence[int]] = None,
-) -> torch.Tensor:
-    """KDA prefill over packed varlen sequences, state read from / written to the slot pool in place.
+):
+    """Validate and allocate for ``chunk_kda_fwd``; returns (o, {stage: launch}) without launching anything
+    (running the launches in order is the op; the bench times them one by one).
 
     q, k [T, H, K], v [T, H, V] (post-conv+SiLU, pre-L2-norm; token stride may be padded, last dims contiguous);
     z [T, H*K] raw gate input; A_log [H] fp32; dt_bias [H*K] fp32; b [T, H] beta logits; scale (K**-0.5);
@@ -453,45 +717,15 @@ def chunk_kda_fwd(
         o = out
         assert o.shape == (T, H, V) and o.stride(-1) == 1 and o.stride(-2) == V
     if P <= 0:
-        return o.zero_()
+        return o.zero_(), {}
+    return o, _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o, P, T, H, K, V,
+                    cu_seqlens_cpu)
 
-    # varlen metadata on device (no host sync): chunk_offsets[n] = chunks before sequence n; the intra grid is
-    # the upper bound cdiv(T, BT) + P (exact when cu_seqlens_cpu is given); surplus programs exit at once
-    chunk_offsets = torch.zeros(P + 1, dtype=torch.int32, device=dev)
-    torch.cumsum(torch.div(cu_dev[1:] - cu_dev[:-1] + (BT - 1), BT, rounding_mode="floor"), 0,
-                 out=chunk_offsets[1:])
-    if cu_seqlens_cpu is not None:
-        cu = [int(x) for x in cu_seqlens_cpu]
-        NT = sum((cu[i + 1] - cu[i] + BT - 1) // BT for i in range(P))
-    else:
-        NT = triton.cdiv(T, BT) + P
-    fp32 = q.dtype == torch.float32 and v.dtype == torch.float32
-    sdt = torch.float32 if fp32 else torch.bfloat16
-    prec = "ieee" if fp32 else "tf32"
-    n_rows = max(NT, 1) * H * BT
-    qg = torch.empty(n_rows, K, dtype=sdt, device=dev)
-    kg = torch.empty(n_rows, K, dtype=sdt, device=dev)
-    w = torch.empty(n_rows, K, dtype=sdt, device=dev)
-    u = torch.empty(n_rows, V, dtype=sdt, device=dev)
-    a = torch.empty(n_rows, BT, dtype=sdt, device=dev)
-    gl = torch.empty(max(NT, 1) * H, K, dtype=torch.float32, device=dev)
 
-    if NT > 0:
-        _kda_intra_kernel[(NT, H)](
-            q, k, v, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P,
-            qg, kg, w, u, a, gl,
-            q.stride(0), k.stride(0), v.stride(0), z.stride(0), b.stride(0), float(scale),
-            PB=max(16, triton.next_power_of_2(P)), H=H, K=K, V=V, BT=BT, BC=BC, BE=BC // 2,
-            BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
-            num_warps=INTRA_NUM_WARPS,
-        )
-    bv = STATE_BV or (64 if _interpreting() or triton.cdiv(V, 64) * P * H >= 2 * _num_sms(dev) else 32)
-    bv = min(V, bv)
-    _kda_state_kernel[(triton.cdiv(V, bv), P, H)](
-        qg, kg, w, u, a, gl, o, rec_state,
-        cu_dev, chunk_offsets, slots, hi, P, T,
-        o.stride(0), rec_state.stride(0),
-        H=H, K=K, V=V, BT=BT, BV=bv, PREC=prec, MM=0 if fp32 else (2 if _interpreting() else 1),
-        num_warps=STATE_NUM_WARPS or (8 if bv >= 64 else 4), num_stages=STATE_NUM_STAGES,
-    )
+def chunk_kda_fwd(*args, **kwargs) -> torch.Tensor:
+    """KDA prefill over packed varlen sequences, state read from / written to the slot pool in place.
+    Arguments: see ``chunk_kda_plan``."""
+    o, launches = chunk_kda_plan(*args, **kwargs)
+    for fn in launches.values():
+        fn()
     return o

@@ -2,6 +2,8 @@
 
 CPU: TRITON_INTERPRET=1 at small shapes (H=2, K=16, V=32: K != V so a transposed state cannot pass).
 GPU (@gpu): Kimi shapes H=32, K=V=128, bf16.
+Every test runs on both paths: "fused" (old: intra -> fused state+output kernel) and "split" (intra -> state pass
+storing h_c / vn -> parallel output kernel), selected through kernels.kda.chunk._FORCE_SPLIT.
 Run: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_kda_chunk.py -q
 """
 import math
@@ -17,6 +19,14 @@ from kernels.kda.chunk import chunk_kda_fwd  # noqa: E402
 from kernels.kda.ref import kda_core_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True, params=["fused", "split"])
+def kda_path(request, monkeypatch):
+    import kernels.kda.chunk as chunk_mod
+
+    monkeypatch.setattr(chunk_mod, "_FORCE_SPLIT", request.param == "split")
+    return request.param
 FP32_TOL = 2e-5     # fp32 inputs, IEEE dots, vs fp64 recurrence (observed ~1e-6; strong gates lose a few ulps of G)
 BF16_TOL = 5e-3     # fla's get_err_ratio threshold (GPU)
 # The Triton interpreter rounds fp32 -> bf16 toward zero (a biased 1-ulp error instead of RNE's half ulp), and the
@@ -237,6 +247,8 @@ def test_tiling_fp32(monkeypatch):
     monkeypatch.setattr(chunk_mod, "INTRA_BK", 16)
     monkeypatch.setattr(chunk_mod, "INTRA_BV", 16)
     monkeypatch.setattr(chunk_mod, "STATE_BV", 16)
+    monkeypatch.setattr(chunk_mod, "HPASS_BV", 16)
+    monkeypatch.setattr(chunk_mod, "OUT_BV", 32)
     T = 100
     inp = make_inputs(T, H=1, K=32, V=64, strong_gate=True)
     res = run_pair(inp, [0, 37, T], [2, 1], [True, False])
@@ -244,19 +256,22 @@ def test_tiling_fp32(monkeypatch):
 
 
 @pytest.mark.slow
-def test_sm90_offline_compile_no_spills():
-    """Both kernels compile for sm_90 at Kimi shapes (bf16) without register spills and within H200 shared memory.
-    Offline (Triton's bundled ptxas), in a subprocess without TRITON_INTERPRET."""
+def test_sm90_offline_compile_no_spills(kda_path):
+    """Every kernel compiles for sm_90 at Kimi shapes (bf16) without register spills and within H200 shared memory
+    (both paths at once: runs once). Offline (Triton's bundled ptxas), in a subprocess without TRITON_INTERPRET."""
+    if kda_path == "fused":
+        pytest.skip("compiles every kernel of both paths in the 'split' run")
     import json
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import json, kernels.kda.chunk as c; "
-            "print(json.dumps({'bv64': c.compile_report(state_bv=64, state_warps=8), "
-            "'bv32': c.compile_report(state_bv=32, state_warps=4)}))")
+            "print(json.dumps({'bv64': c.compile_report(state_bv=64, state_warps=8, hpass_bv=64, out_bv=128), "
+            "'bv32': c.compile_report(state_bv=32, state_warps=4, hpass_bv=32, which=('state', 'hpass')), "
+            "'bv16': c.compile_report(hpass_bv=16, which=('hpass',))}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=170)
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=400)
     if r.returncode != 0 and ("ptxas" in r.stderr or "cuobjdump" in r.stderr):
         pytest.skip("no bundled ptxas/cuobjdump: " + r.stderr[-300:])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -265,3 +280,28 @@ def test_sm90_offline_compile_no_spills():
         for name, (regs, stack, smem) in kernels.items():
             assert stack == 0, (cfg, name, regs, stack)
             assert smem <= 227 * 1024, (cfg, name, smem)
+
+
+def test_split_matches_fused_fp32(kda_path, monkeypatch):
+    """The split path (state pass + parallel output) equals the fused path to fp32 rounding, varlen with empty
+    sequences and several V tiles in both state kernels."""
+    if kda_path == "fused":
+        pytest.skip("compares both paths in the 'split' run")
+    import kernels.kda.chunk as chunk_mod
+
+    monkeypatch.setattr(chunk_mod, "HPASS_BV", 16)
+    monkeypatch.setattr(chunk_mod, "STATE_BV", 16)
+    lens = [65, 0, 3, 128, 1]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    T = cu[-1]
+    inp = make_inputs(T, strong_gate=True)
+    slots, has_init = [1, 2, 3, 4, 5], [True, True, False, True, False]
+    res = {}
+    for split in (False, True):
+        monkeypatch.setattr(chunk_mod, "_FORCE_SPLIT", split)
+        res[split] = run_pair(inp, cu, slots, has_init, S=6)
+    assert rel_rms(res[True][0], res[False][0]) <= 1e-5
+    assert rel_rms(res[True][2], res[False][2]) <= 1e-5
+    check(*res[True], slots, FP32_TOL)
