@@ -155,6 +155,7 @@ class SamplingMetadata:
     num_top_logprobs: int  # -1 = no logprobs this step
     wants_logprobs: list  # [M] bool (host)
     top_counts: list  # [M] int (host): top_logprobs asked per row
+    any_greedy: bool = True  # (host) some row is greedy: the plain argmax is needed
 
     @staticmethod
     def build(reqs: list, vocab_size: int, device: torch.device) -> "SamplingMetadata":
@@ -200,7 +201,7 @@ class SamplingMetadata:
             out_index=idx(out_rows, out_cols) if out_rows else None,
             bias=(*idx(b_rows, b_cols), _to_device(b_vals, torch.float32, device)) if b_rows else None,
             num_top_logprobs=max((p.top_logprobs for p in ps if p.wants_logprobs), default=-1),
-            wants_logprobs=wants, top_counts=[p.top_logprobs for p in ps])
+            wants_logprobs=wants, top_counts=[p.top_logprobs for p in ps], any_greedy=any(greedy))
 
 
 @dataclass(slots=True)
@@ -270,14 +271,17 @@ def apply_filters(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """logits [M, V] fp32 (modified in place) -> SamplerOutput on the device."""
     logits = apply_penalties(logits, md)
-    ids = logits.argmax(dim=-1)
+    want_lp = md.num_top_logprobs >= 0
+    ids = logits.argmax(dim=-1) if md.any_greedy else None  # full-vocab passes only where a row needs them
     processed = logits
     if not md.all_greedy:
         x = apply_filters(logits / md.temperature[:, None], md)
         probs = torch.softmax(x, dim=-1)
-        ids = torch.where(md.greedy, ids, race_argmax(probs, md.seeds, md.steps))
-        processed = torch.where(md.greedy[:, None], logits, x)
-    if md.num_top_logprobs < 0:
+        raced = race_argmax(probs, md.seeds, md.steps)
+        ids = torch.where(md.greedy, ids, raced) if ids is not None else raced
+        if want_lp:
+            processed = torch.where(md.greedy[:, None], logits, x)
+    if not want_lp:
         return SamplerOutput(ids, None, None, None)
     lp = torch.log_softmax(processed, dim=-1).clamp_(min=LOGPROB_FLOOR)
     chosen = lp.gather(1, ids[:, None])[:, 0]
