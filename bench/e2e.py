@@ -3,17 +3,27 @@
 
     python bench/e2e.py                         # 27 layers, decode batch 1/8/64, prefill 1k/8k/32k
     python bench/e2e.py --layers 8 --prefill 1024,8192 --decode-batches 1,8
+    python bench/e2e.py --profile               # + kernel/host breakdown of decode b1, b64 and one 8k prefill chunk
 
-Each result is printed beside its speed of light: decode is bandwidth-bound (weights of the experts actually hit,
-KDA state read+write, MLA latents read, at --bw bytes/s), prefill compute-bound (matmul + attention FLOPs at the
-bf16 matmul peak measured here). Ends with markdown rows for BENCHMARKS.md.
+Each result is printed beside its speed of light. Decode: max(bytes / --bw, FLOPs / matmul peak), bytes = dense
+weights + the experts the router actually picked (unique per MoE layer, counted on eager steps of the same batch)
++ KDA state read+write + MLA latents read. Prefill: matmul + attention FLOPs at the bf16 matmul peak measured here.
+Ends with markdown rows for BENCHMARKS.md.
+
+--profile (after the benchmarks): per case, host phases of engine.step (perf_counter wrappers), the forward graph
+alone (CUDA events over back-to-back replays), torch.profiler over graph-replayed steps (kernel sum vs wall: the gap
+is GPU idle time = host/launch overhead) and over eager steps (kernels by category and by module, top kernels);
+the output says which path each table comes from.
 """
 
 import argparse
+import collections
+import dataclasses
 import math
 import os
 import sys
 import time
+import traceback
 
 import torch
 
@@ -23,7 +33,8 @@ from backend.config import ModelConfig  # noqa: E402
 from backend.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from backend.engine.request import SamplingParams  # noqa: E402
 from backend.engine.runner import ModelRunner  # noqa: E402
-from backend.model.kimi_linear import KimiLinearForCausalLM  # noqa: E402
+from backend.model import kimi_linear  # noqa: E402
+from backend.model.kimi_linear import KimiDeltaAttention, KimiLinearForCausalLM  # noqa: E402
 
 OFFICIAL = {
     "architectures": ["KimiLinearForCausalLM"], "bos_token_id": 163584, "dtype": "bfloat16", "eos_token_id": 163586,
@@ -53,11 +64,18 @@ def config_dict(layers: int) -> dict:
     return d
 
 
+def smoke_config_dict() -> dict:
+    """--smoke (CPU, no GPU): a tiny model to run every code path of this script."""
+    from tools.tiny_checkpoint import tiny_config
+
+    return tiny_config("KKKMKK", dtype="float32", vocab_size=1024)
+
+
 @torch.no_grad()
-def random_model(cfg: ModelConfig, device) -> KimiLinearForCausalLM:
+def random_model(cfg: ModelConfig, device, dtype=torch.bfloat16) -> KimiLinearForCausalLM:
     """Random bf16 weights with O(1) activations, made in place on the device."""
     with torch.device("meta"):
-        model = KimiLinearForCausalLM(cfg, torch.bfloat16)
+        model = KimiLinearForCausalLM(cfg, dtype)
     model.to_empty(device=device)
     torch.manual_seed(0)
     for name, p in model.named_parameters():
@@ -82,6 +100,24 @@ def random_model(cfg: ModelConfig, device) -> KimiLinearForCausalLM:
     return model.eval().requires_grad_(False)
 
 
+class RouterTap:
+    """Wraps the model's moe_router: when `on`, counts the distinct experts each call picked (eager steps only: a
+    replayed CUDA graph runs no Python; `on` stays off during capture, so the graphs are unchanged)."""
+
+    def __init__(self):
+        self.on = False
+        self.counts = []
+        real = kimi_linear.moe_router
+
+        def tap(x, *a, **kw):
+            weights, ids = real(x, *a, **kw)
+            if self.on:
+                self.counts.append(int(torch.unique(ids).numel()))
+            return weights, ids
+
+        kimi_linear.moe_router = tap
+
+
 class Roofline:
     """Bytes and FLOPs of one step, from the model's actual parameters."""
 
@@ -104,12 +140,35 @@ class Roofline:
         self.latent_bytes_per_token = len(c.mla_layers) * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
         self.active_params = self.dense_params + self.num_moe * c.num_experts_per_token * self.expert_params
 
-    def decode_bytes(self, batch: int, context: int) -> float:
+    def expected_unique(self, batch: int) -> float:
+        """Distinct experts per MoE layer that `batch` tokens hit under uniform independent routing."""
+        k, e = self.cfg.num_experts_per_token, self.cfg.num_experts
+        return e * (1.0 - (1.0 - k / e) ** batch)
+
+    def decode(self, batch: int, context: int, bw: float, peak: float, unique_total: float = None) -> dict:
+        """Speed of light of one decode step of `batch` sequences at ~`context` keys. unique_total: distinct experts
+        summed over the MoE layers, as measured (None: uniform routing). -> components, bytes, flops, times (s)."""
         c = self.cfg
-        k, e = c.num_experts_per_token, c.num_experts
-        unique = e * (1.0 - (1.0 - k / e) ** batch)  # expected distinct experts hit per layer
-        weights = self.dense_bytes + self.num_moe * unique * self.expert_bytes
-        return weights + batch * (2 * self.slot_bytes + context * self.latent_bytes_per_token)
+        if unique_total is None:
+            unique_total = self.num_moe * self.expected_unique(batch)
+        comp = dict(dense=self.dense_bytes, experts=unique_total * self.expert_bytes,
+                    kda_state=batch * 2 * self.slot_bytes, mla_cache=batch * context * self.latent_bytes_per_token)
+        h, lat, r, hk, k = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.kda_num_heads, c.kda_head_dim
+        flops = batch * (2.0 * self.active_params + len(c.mla_layers) * 2 * h * (2 * lat + r) * context
+                         + len(c.kda_layers) * hk * 8 * k * k)
+        nbytes = sum(comp.values())
+        t_bytes, t_flops = nbytes / bw, flops / peak
+        return dict(comp, bytes=nbytes, flops=flops, t_bytes=t_bytes, t_flops=t_flops, t=max(t_bytes, t_flops),
+                    unique=unique_total / max(self.num_moe, 1), expected=self.expected_unique(batch))
+
+    def describe(self, d: dict, bw: float, peak: float) -> str:
+        g = 1e9
+        return (f"dense {d['dense'] / g:.2f} GB + experts {d['experts'] / g:.2f} GB ({self.num_moe} layers x "
+                f"{d['unique']:.1f} unique of {self.cfg.num_experts}; uniform routing would hit {d['expected']:.1f})"
+                f" + KDA state r+w {d['kda_state'] / g:.2f} GB + MLA cache {d['mla_cache'] / g:.2f} GB = "
+                f"{d['bytes'] / g:.2f} GB -> {d['t_bytes'] * 1e3:.3f} ms at {bw / 1e12:.1f} TB/s; "
+                f"{d['flops'] / 1e12:.3f} TFLOP -> {d['t_flops'] * 1e3:.3f} ms at {peak / 1e12:.0f} TFLOP/s; "
+                f"SOL {d['t'] * 1e3:.3f} ms ({'bytes' if d['t_bytes'] >= d['t_flops'] else 'FLOPs'})")
 
     def prefill_flops(self, n: int) -> float:
         c = self.cfg
@@ -120,50 +179,109 @@ class Roofline:
         return 2.0 * self.active_params * n + mla + kda
 
 
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def matmul_peak(device) -> float:
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    m = 8192 if device.type == "cuda" else 512
+    a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    torch.cuda.synchronize()
+    sync()
     t, n = time.perf_counter(), 20
     for _ in range(n):
         a @ b
-    torch.cuda.synchronize()
-    return 2 * 8192 ** 3 * n / (time.perf_counter() - t)
+    sync()
+    return 2 * m ** 3 * n / (time.perf_counter() - t)
 
 
 def prompt(n: int, vocab: int, seed: int) -> list:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab - 512, (n,), generator=g).tolist()
+    return torch.randint(0, vocab - 512 if vocab > 1024 else vocab // 2, (n,), generator=g).tolist()
 
 
-def bench_decode(engine: LLMEngine, batch: int, context: int, steps: int, params: SamplingParams) -> float:
-    """-> decode steps per second at `batch` sequences of ~`context` tokens (all decode-only steps)."""
+def start_decode(engine: LLMEngine, batch: int, context: int, params: SamplingParams, warmup: int = 5) -> list:
+    """`batch` requests of `context` prompt tokens, prefilled and `warmup` decode steps in: -> their streams."""
     vocab = engine.vocab_size
     streams = [engine.add_request(prompt(context, vocab, i), params) for i in range(batch)]
-    reqs = lambda: list(engine.scheduler.running)  # noqa: E731
-    while len(reqs()) < batch or any(not r.output_token_ids for r in reqs()):
+    while len(running(engine)) < batch or any(not r.output_token_ids for r in running(engine)):
         engine.step()
-    for _ in range(5):  # warmup decode steps
+    for _ in range(warmup):
         engine.step()
-    assert len(reqs()) == batch and not engine.scheduler.waiting
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
-        engine.step()  # syncs once (the sampled ids)
-    dt = time.perf_counter() - t
-    assert len(reqs()) == batch, "a request finished during the measurement"
+    assert len(running(engine)) == batch and not engine.scheduler.waiting
+    return streams
+
+
+def running(engine: LLMEngine) -> list:
+    return list(engine.scheduler.running)
+
+
+def stop_decode(engine: LLMEngine, streams: list):
     for s in streams:
         s.abort()
     engine.step()
-    return steps / dt
+
+
+def time_steps(engine: LLMEngine, steps: int) -> float:
+    """-> seconds per engine.step() (decode-only steps; each syncs once, on the sampled ids)."""
+    n = len(running(engine))
+    sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    dt = time.perf_counter() - t
+    assert len(running(engine)) == n, "a request finished during the measurement"
+    return dt / steps
+
+
+class Eager:
+    """Runs decode steps without the CUDA graphs (the same math: the eager path the graphs were captured from)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.runner = engine.runner
+
+    def __enter__(self):
+        self.graphs, self.runner.graphs = self.runner.graphs, {}
+
+    def __exit__(self, *exc):
+        self.runner.graphs = self.graphs
+
+
+def count_unique_experts(engine: LLMEngine, tap: RouterTap, steps: int = 3) -> float:
+    """Distinct experts picked per decode step, summed over the MoE layers (eager steps with the router tapped)."""
+    tap.counts, tap.on = [], True
+    try:
+        with Eager(engine):
+            for _ in range(steps):
+                engine.step()
+    finally:
+        tap.on = False
+    if len(tap.counts) != steps * sum(engine.runner.config.is_moe(i)
+                                      for i in range(engine.runner.config.num_hidden_layers)):
+        print(f"  (router tap saw {len(tap.counts)} router calls in {steps} steps, not one per MoE layer per step: "
+              f"the model no longer calls kimi_linear.moe_router? SOL uses uniform routing)")
+        return None
+    return sum(tap.counts) / steps
+
+
+def bench_decode(engine: LLMEngine, batch: int, context: int, steps: int, params: SamplingParams,
+                 tap: RouterTap) -> tuple:
+    """-> (decode steps per second at `batch` sequences of ~`context` tokens, distinct experts per step summed over
+    the MoE layers)."""
+    streams = start_decode(engine, batch, context, params)
+    dt = time_steps(engine, steps)
+    unique = count_unique_experts(engine, tap)
+    stop_decode(engine, streams)
+    return 1.0 / dt, unique
 
 
 def bench_prefill(engine: LLMEngine, n: int, seed: int) -> float:
     """-> seconds from submission to the first token of one n-token prompt (chunked by max_num_batched_tokens)."""
     stream = engine.add_request(prompt(n, engine.vocab_size, seed), SamplingParams(max_tokens=1, temperature=0.0))
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     while engine.scheduler.has_unfinished or engine._inbox:
         engine.step()
@@ -171,6 +289,322 @@ def bench_prefill(engine: LLMEngine, n: int, seed: int) -> float:
     out = list(stream)
     assert out[-1].finished and out[-1].finish_reason == "length", out[-1]
     return dt
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --profile
+
+CATEGORIES = (  # first match on the lower-cased kernel name; "sampling" is decided by where the kernel was launched
+    ("norms", ("_rmsnorm_kernel", "_gated_rmsnorm_kernel")),
+    ("KDA", ("_kda_", "_conv_decode", "_conv_prefill")),
+    ("MoE", ("_moe_", "_router_")),
+    ("MLA", ("_mla_", "_store_latent", "flash", "fmha", "attention")),
+    ("GEMM (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas", "matmul", "sm90_", "sm80_")),
+    ("copies", ("memcpy", "memset", "copy", "catarraybatched", "cat_", "fill", "index", "gather")),
+)
+
+
+def category(name: str, label) -> str:
+    if label == "sampling":
+        return "sampling"
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def _label(e):
+    """Innermost kimi:* range (record_function) above a CPU event, or None."""
+    while e is not None:
+        if e.name.startswith("kimi:"):
+            return e.name[5:]
+        e = e.cpu_parent
+    return None
+
+
+def kernel_instances(prof, cpu_fallback: bool = False) -> list:
+    """-> [(kernel name, us, label)] of every device activity (kernels, memcpy, memset) in the profile. Kernels of a
+    replayed CUDA graph have no launching op: label None. cpu_fallback (--smoke on CPU): leaf aten ops instead."""
+    from torch.autograd import DeviceType
+
+    evs = list(prof.events())
+    inst, attached = [], collections.Counter()
+    for e in evs:
+        if e.device_type == DeviceType.CPU and e.kernels:
+            lab = _label(e)
+            for k in e.kernels:
+                inst.append((k.name, float(k.duration), lab))
+                attached[k.name] += 1
+    for e in evs:
+        if e.device_type != DeviceType.CPU:
+            if attached[e.name] > 0:
+                attached[e.name] -= 1
+                continue
+            inst.append((e.name, float(e.time_range.elapsed_us()), None))
+    if not inst and cpu_fallback:
+        inst = [(e.name, float(e.time_range.elapsed_us()), _label(e)) for e in evs
+                if e.name.startswith("aten::") and not e.cpu_children]
+    return inst
+
+
+def print_kernels(title: str, inst: list, steps: int, wall_us: float = None, top: int = 25, modules: bool = False):
+    total = sum(d for _, d, _ in inst) / steps
+    n = len(inst) / steps
+    print(f"\n  [{title}] {n:.0f} device activities/step, kernel sum {total:.0f} us/step"
+          + (f", wall {wall_us:.0f} us/step -> GPU idle (host/launch gaps) {wall_us - total:.0f} us/step "
+             f"({100 * (wall_us - total) / wall_us:.0f}% of the step)" if wall_us else ""))
+    by_cat = collections.defaultdict(lambda: [0.0, 0])
+    by_mod = collections.defaultdict(lambda: [0.0, 0])
+    by_name = collections.defaultdict(lambda: [0.0, 0, None])
+    for name, d, lab in inst:
+        c = category(name, lab)
+        by_cat[c][0] += d
+        by_cat[c][1] += 1
+        by_mod[lab or "(no module: layer glue / graph)"][0] += d
+        by_mod[lab or "(no module: layer glue / graph)"][1] += 1
+        k = by_name[(name, c)]
+        k[0] += d
+        k[1] += 1
+    print(f"    {'category':28s} {'us/step':>9s} {'%':>6s} {'kernels/step':>13s}")
+    for c, (d, cnt) in sorted(by_cat.items(), key=lambda kv: -kv[1][0]):
+        print(f"    {c:28s} {d / steps:9.1f} {100 * d / steps / max(total, 1e-9):5.1f}% {cnt / steps:13.1f}")
+    if modules:
+        print(f"    {'module (eager hooks)':28s} {'us/step':>9s} {'%':>6s} {'kernels/step':>13s}")
+        for m, (d, cnt) in sorted(by_mod.items(), key=lambda kv: -kv[1][0]):
+            print(f"    {m[:28]:28s} {d / steps:9.1f} {100 * d / steps / max(total, 1e-9):5.1f}% {cnt / steps:13.1f}")
+    print(f"    top {top} kernels: {'us/step':>9s} {'calls/step':>10s} {'us/call':>8s}  category       name")
+    for (name, c), (d, cnt, _) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    {'':11s} {d / steps:9.1f} {cnt / steps:10.1f} {d / cnt:8.1f}  {c[:14]:14s} {name[:90]}")
+
+
+class Labels:
+    """record_function ranges (kimi:<label>) around modules (eager only) and around the runner's sampling/inputs."""
+
+    def __init__(self, engine: LLMEngine, modules: bool):
+        import backend.engine.runner as runner_mod
+
+        self.undo, self.handles = [], []
+        self._wrap(runner_mod, "sample", "sampling")
+        r = engine.runner
+        self._wrap(r, "prepare", "inputs (prepare)", instance=True)
+        self._wrap(r, "_replay", "inputs + graph replay", instance=True)
+        if modules:
+            m = r.model
+            self._hook(m.model.embed_tokens, "embed")
+            self._hook(m.model.norm, "norms")
+            self._hook(m.lm_head, "lm_head")
+            for layer in m.model.layers:
+                kda = isinstance(layer.self_attn, KimiDeltaAttention)
+                self._hook(layer.self_attn, "KDA mixer (proj+kernel)" if kda else "MLA mixer (proj+kernel)")
+                self._hook(layer.input_layernorm, "norms")
+                self._hook(layer.post_attention_layernorm, "norms")
+                if layer.is_moe:
+                    self._hook(layer.block_sparse_moe, "MoE FFN (router+experts+shared)")
+                else:
+                    self._hook(layer.mlp, "dense MLP")
+
+    def _wrap(self, obj, attr, label, instance=False):
+        real = getattr(obj, attr)
+
+        def wrapped(*a, **kw):
+            with torch.profiler.record_function("kimi:" + label):
+                return real(*a, **kw)
+
+        setattr(obj, attr, wrapped)
+        self.undo.append((obj, attr, None if instance else real))
+
+    def _hook(self, mod, label):
+        stack = []
+
+        def pre(m, args):
+            rf = torch.profiler.record_function("kimi:" + label)
+            rf.__enter__()
+            stack.append(rf)
+
+        def post(m, args, out):
+            stack.pop().__exit__(None, None, None)
+
+        self.handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+
+    def close(self):
+        for obj, attr, real in self.undo:
+            if real is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, real)
+        for h in self.handles:
+            h.remove()
+
+
+class HostPhases:
+    """perf_counter totals of the parts of engine.step() (instance/class attributes wrapped, then restored)."""
+
+    def __init__(self, engine: LLMEngine):
+        import backend.engine.runner as runner_mod
+        from backend.engine.sampler import SamplingMetadata
+
+        self.t = collections.defaultdict(float)
+        self.undo = []
+        r, sch = engine.runner, engine.scheduler
+        self._wrap(engine, "step", "step", instance=True)
+        self._wrap(sch, "schedule", "schedule", instance=True)
+        self._wrap(sch, "update", "update", instance=True)
+        self._wrap(r, "execute", "execute", instance=True)
+        self._wrap(r, "_replay", "replay", instance=True)
+        self._wrap(r, "prepare", "prepare", instance=True)
+        self._wrap(runner_mod, "sample", "sample")
+        real_build, t = SamplingMetadata.build, self.t
+
+        def build(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return real_build(*a, **kw)
+            finally:
+                t["md_build"] += time.perf_counter() - t0
+
+        SamplingMetadata.build = staticmethod(build)
+        self.undo.append((SamplingMetadata, "build", staticmethod(real_build)))
+
+    def _wrap(self, obj, attr, key, instance=False):
+        real, t = getattr(obj, attr), self.t
+
+        def wrapped(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return real(*a, **kw)
+            finally:
+                t[key] += time.perf_counter() - t0
+
+        setattr(obj, attr, wrapped)
+        self.undo.append((obj, attr, None if instance else real))
+
+    def close(self):
+        for obj, attr, real in reversed(self.undo):
+            if real is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, real)
+
+    def report(self, steps: int) -> str:
+        t = {k: v * 1e6 / steps for k, v in self.t.items()}
+        g = t.get
+        launch = g("replay", 0.0) + g("prepare", 0.0)
+        wait = g("execute", 0.0) - launch - g("md_build", 0.0) - g("sample", 0.0)
+        rest = g("step", 0.0) - g("schedule", 0.0) - g("execute", 0.0) - g("update", 0.0)
+        return (f"step {g('step', 0):.0f} us = schedule {g('schedule', 0):.0f} + inputs & launch "
+                f"{launch:.0f} ({'graph replay' if g('replay') else 'eager forward'}) + SamplingMetadata.build "
+                f"{g('md_build', 0):.0f} + sample() launch {g('sample', 0):.0f} + wait for GPU & .tolist() "
+                f"{wait:.0f} + scheduler.update {g('update', 0):.0f} + inbox/emit/other {rest:.0f}")
+
+
+def profile_steps(engine: LLMEngine, steps: int, modules: bool, smoke: bool) -> list:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    labels = Labels(engine, modules)
+    try:
+        sync()
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync()
+    finally:
+        labels.close()
+    return kernel_instances(prof, cpu_fallback=smoke)
+
+
+def graph_forward_us(runner: ModelRunner, batch: int, n: int = 20) -> float:
+    """The decode forward alone: back-to-back replays of the batch's graph (inputs as last filled), CUDA events."""
+    bs = min(b for b in runner.graphs if b >= batch)
+    g = runner.graphs[bs]
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
+
+
+PROFILE_MAX_TOKENS = 128  # > the ~62 steps profile_decode runs
+
+
+def profile_decode(engine: LLMEngine, batch: int, args, params: SamplingParams, name: str, roof, peak,
+                   top: int = 25):
+    steps_graph, steps_eager, steps_time = 5, 3, 20
+    print(f"\n=== profile: decode {name} (batch {batch}, context {args.decode_context}) ===")
+    params = dataclasses.replace(params, max_tokens=PROFILE_MAX_TOKENS)
+    streams = start_decode(engine, batch, args.decode_context, params)
+    graphs = bool(engine.runner.graphs)
+    try:
+        wall = time_steps(engine, steps_time) * 1e6
+        hp = HostPhases(engine)
+        try:
+            time_steps(engine, steps_time)
+        finally:
+            hp.close()
+        path = "graph replay" if graphs else "eager"
+        print(f"  wall ({path}): {wall:.0f} us/step, {batch * 1e6 / wall:.0f} tok/s")
+        print(f"  host phases ({path}, perf_counter): {hp.report(steps_time)}")
+        fwd = None
+        if graphs and torch.cuda.is_available():
+            fwd = graph_forward_us(engine.runner, batch)
+            print(f"  forward graph alone (back-to-back replays, CUDA events): {fwd:.0f} us -> everything else "
+                  f"(sampling kernels + host work the GPU waits for) {wall - fwd:.0f} us/step")
+        unique = count_unique_experts(engine, tap=args.tap)
+        sol = roof.decode(batch, args.decode_context, args.bw, peak, unique)
+        print(f"  speed of light: {roof.describe(sol, args.bw, peak)}")
+        print(f"  -> wall is {wall / (sol['t'] * 1e6):.1f}x SOL")
+        visible = False
+        if graphs:
+            inst = profile_steps(engine, steps_graph, modules=False, smoke=args.smoke)
+            # graph kernels come with no launching op or attached to the replay range; ~10/step when not reported
+            fwd_kernels = sum(1 for _, _, lab in inst if lab != "sampling") / steps_graph
+            visible = fwd_kernels >= 50 or args.smoke
+            print_kernels(f"graph path, torch.profiler, {steps_graph} steps", inst, steps_graph, wall,
+                          top=top if visible else 8)
+            if not visible:
+                print("    (the replayed graph's kernels are not reported one by one by this torch/CUPTI: the "
+                      "per-kernel breakdown below comes from the eager path)")
+        with Eager(engine):
+            eager = time_steps(engine, 5) * 1e6
+            inst = profile_steps(engine, steps_eager, modules=True, smoke=args.smoke)
+        print(f"  eager wall: {eager:.0f} us/step (no graphs: includes the per-kernel launch overhead)")
+        print_kernels(f"eager path, torch.profiler, {steps_eager} steps, module hooks", inst, steps_eager, eager,
+                      modules=True, top=top if not graphs or not visible else 15)
+    finally:
+        stop_decode(engine, streams)
+
+
+def profile_prefill(engine: LLMEngine, args):
+    n = min(8192, args.max_num_batched_tokens)
+    print(f"\n=== profile: one {n}-token prefill chunk (always eager) ===")
+    bench_prefill(engine, n, seed=123)  # warmup (compiles/autotunes if the benchmark did not run this size)
+    wall = bench_prefill(engine, n, seed=124) * 1e6
+    stream = engine.add_request(prompt(n, engine.vocab_size, 125), SamplingParams(max_tokens=1, temperature=0.0))
+    inst = profile_steps(engine, 1, modules=True, smoke=args.smoke)  # admission + the whole prompt in one step
+    while engine.scheduler.has_unfinished:
+        engine.step()
+    assert list(stream)[-1].finished
+    print_kernels(f"eager, torch.profiler, the {n}-token step", inst, 1, wall, modules=True)
+
+
+def run_profile(engine: LLMEngine, args, roof, peak):
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.6, top_p=0.95, min_p=0.01, ignore_eos=True)
+    lo, hi = min(args.decode_batches), max(args.decode_batches)
+    for batch, params, name in ((lo, greedy, f"b{lo} greedy"), (hi, greedy, f"b{hi} greedy"),
+                                (hi, sampled, f"b{hi} T0.6 top_p0.95 min_p0.01")):
+        try:
+            profile_decode(engine, batch, args, params, name, roof, peak, top=12 if params is sampled else 25)
+        except Exception:
+            traceback.print_exc()
+    try:
+        profile_prefill(engine, args)
+    except Exception:
+        traceback.print_exc()
 
 
 def hf_baseline(args, rows):
@@ -229,28 +663,39 @@ def main():
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--bw", type=float, default=4.8e12, help="HBM bytes/s for the decode speed of light")
     ap.add_argument("--hf-dir", default="", help="official config + remote code, for the HF+fla baseline")
+    ap.add_argument("--profile", action="store_true", help="after the benchmarks: kernel and host breakdown of "
+                    "decode at the smallest and largest batch (greedy, and sampled at the largest) and of one 8k "
+                    "prefill chunk")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: runs every code path (testing this file)")
     args = ap.parse_args()
     args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
-    assert torch.cuda.is_available(), "bench/e2e.py needs a CUDA device"
-    dev = torch.device("cuda")
-    print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
+    if args.smoke:
+        dev, dtype = torch.device("cpu"), torch.float32
+        cfg = ModelConfig.from_dict(smoke_config_dict())
+        args.layers = cfg.num_hidden_layers
+    else:
+        assert torch.cuda.is_available(), "bench/e2e.py needs a CUDA device (or --smoke)"
+        dev, dtype = torch.device("cuda"), torch.bfloat16
+        cfg = ModelConfig.from_dict(config_dict(args.layers))
+    print(f"device: {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
 
     peak = matmul_peak(dev)
     print(f"measured bf16 matmul peak: {peak / 1e12:.0f} TFLOP/s; HBM bandwidth assumed {args.bw / 1e12:.1f} TB/s")
-    cfg = ModelConfig.from_dict(config_dict(args.layers))
+    args.tap = RouterTap()  # before the graphs are captured; counts nothing until switched on
     t = time.perf_counter()
-    model = random_model(cfg, dev)
-    torch.cuda.synchronize()
+    model = random_model(cfg, dev, dtype)
+    sync()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"random model: {args.layers} layers ({len(cfg.kda_layers)} KDA, {len(cfg.mla_layers)} MLA), "
           f"{n_params / 1e9:.1f} B parameters, built in {time.perf_counter() - t:.0f} s")
 
     max_bs = max(args.decode_batches)
-    max_len = max(args.prefill + [args.decode_context + args.decode_steps + 64]) + 64
+    max_len = max(args.prefill + [args.decode_context + args.decode_steps + 64,
+                                  args.decode_context + PROFILE_MAX_TOKENS + 8]) + 64
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_bs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        block_size=64, gpu_memory_utilization=args.gpu_memory_utilization, device="cuda",
-                        dtype="bfloat16", enforce_eager=args.enforce_eager)
+                        block_size=64, gpu_memory_utilization=args.gpu_memory_utilization, device=dev.type,
+                        dtype=str(dtype).removeprefix("torch."), enforce_eager=args.enforce_eager)
     t = time.perf_counter()
     runner = ModelRunner("", ecfg, model=model)
     engine = LLMEngine(runner, ecfg, start=False)
@@ -259,21 +704,23 @@ def main():
           f"{st['num_slots']} KDA slots, graphs {sorted(runner.graphs) or 'off'}")
     roof = Roofline(model, runner)
     print(f"active parameters per token: {roof.active_params / 1e9:.2f} B; batch-1 weight bytes per token "
-          f"{roof.decode_bytes(1, 0) / 1e9:.2f} GB")
+          f"{(roof.dense_bytes + roof.num_moe * cfg.num_experts_per_token * roof.expert_bytes) / 1e9:.2f} GB")
 
     rows = []  # (name, measured, unit, speed of light)
+    ctx = args.decode_context + args.decode_steps // 2  # mean keys per sequence over the measured steps
     greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_steps + 32)
-    for b in args.decode_batches:
-        sps = bench_decode(engine, b, args.decode_context, args.decode_steps, greedy)
-        sol = args.bw / roof.decode_bytes(b, args.decode_context + args.decode_steps // 2)
-        rows.append((f"decode b{b} ctx{args.decode_context} greedy", b * sps, "tok/s", b * sol))
-        print(f"  decode b{b}: {1e3 / sps:.2f} ms/step, {b * sps:.0f} tok/s (speed of light {1e3 / sol:.2f} ms)")
     sampled = SamplingParams(temperature=0.6, top_p=0.95, min_p=0.01, ignore_eos=True,
                              max_tokens=args.decode_steps + 32)
-    sps = bench_decode(engine, max_bs, args.decode_context, args.decode_steps, sampled)
-    sol = args.bw / roof.decode_bytes(max_bs, args.decode_context + args.decode_steps // 2)
-    rows.append((f"decode b{max_bs} ctx{args.decode_context} T0.6 top_p0.95 min_p0.01", max_bs * sps, "tok/s",
-                 max_bs * sol))
+    runs = [(b, greedy, f"decode b{b} ctx{args.decode_context} greedy") for b in args.decode_batches]
+    runs.append((max_bs, sampled, f"decode b{max_bs} ctx{args.decode_context} T0.6 top_p0.95 min_p0.01"))
+    for b, params, name in runs:
+        sps, unique = bench_decode(engine, b, args.decode_context, args.decode_steps, params, args.tap)
+        sol = roof.decode(b, ctx, args.bw, peak, unique)
+        uni = roof.decode(b, ctx, args.bw, peak)  # uniform routing: what a trained router would roughly need
+        rows.append((name, b * sps, "tok/s", b / sol["t"]))
+        print(f"  {name}: {1e3 / sps:.2f} ms/step, {b * sps:.0f} tok/s; speed of light {sol['t'] * 1e3:.2f} ms "
+              f"(routing as measured; {uni['t'] * 1e3:.2f} ms with uniform routing)\n"
+              f"    SOL: {roof.describe(sol, args.bw, peak)}")
 
     bench_prefill(engine, min(args.prefill), seed=99)  # warmup: extend kernels compile
     for i, n in enumerate(args.prefill):
@@ -281,6 +728,9 @@ def main():
         sol = peak / roof.prefill_flops(n) * n
         rows.append((f"prefill {n} (chunks of {args.max_num_batched_tokens})", n / dt, "tok/s", sol))
         print(f"  prefill {n}: {dt * 1e3:.0f} ms, {n / dt:.0f} tok/s")
+    if args.profile:
+        run_profile(engine, args, roof, peak)
+    graphs = bool(runner.graphs)
     hf_baseline(args, rows)
     engine.shutdown()
 
@@ -289,13 +739,13 @@ def main():
         s = f"{sol:12.0f}" if sol else f"{'-':>12s}"
         pct = f"{100 * v / sol:6.1f}%" if sol else f"{'-':>7s}"
         print(f"{name:58s} {v:8.0f} {unit:5s} {s} {unit:5s}{pct}")
-    gpu = torch.cuda.get_device_name(dev)
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print("\n| benchmark | measured | speed of light | % SOL | setup |\n|---|---|---|---|---|")
     for name, v, unit, sol in rows:
         sol_s = f"{sol:.0f} {unit}" if sol else "-"
         pct = f"{100 * v / sol:.1f}%" if sol else "-"
-        print(f"| {name} | {v:.0f} {unit} | {sol_s} | {pct} | {gpu}, {args.layers} layers, random bf16, "
-              f"{'eager' if args.enforce_eager else 'CUDA graphs'} |")
+        print(f"| {name} | {v:.0f} {unit} | {sol_s} | {pct} | {gpu}, {args.layers} layers, random "
+              f"{'bf16' if dtype == torch.bfloat16 else 'fp32'}, {'CUDA graphs' if graphs else 'eager'} |")
 
 
 if __name__ == "__main__":
