@@ -13,6 +13,7 @@ Tensor parallel (cfg.tp_size > 1 or a torchrun world): rank 0's runner launches 
 import logging
 import time
 
+import numpy as np
 import torch
 
 from backend.config import ModelConfig
@@ -34,8 +35,12 @@ def graph_batch_sizes(max_bs: int) -> list:
     return sorted({s for s in sizes if s < max_bs} | {max_bs})
 
 
+# host lists -> tensors through numpy: ~3x faster than torch.tensor(list) (~170 vs ~50 us for 1280 ints)
+_NP = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
+
+
 def _pinned(data, dtype, device) -> torch.Tensor:
-    t = torch.tensor(data, dtype=dtype)
+    t = torch.from_numpy(np.array(data, dtype=_NP[dtype]))
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t

@@ -11,6 +11,7 @@ sampled from; the penalised logits for greedy rows), -inf clamped to -9999 (Open
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -128,8 +129,11 @@ def _race_kernel(p_ptr, stride_p, seeds_ptr, steps_ptr, vals_ptr, idx_ptr, V, NB
     tl.store(idx_ptr + row * NB + blk, (blk * BLOCK + best).to(tl.int64))
 
 
+_NP = {torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
+
+
 def _to_device(data, dtype, device) -> torch.Tensor:
-    t = torch.tensor(data, dtype=dtype)
+    t = torch.from_numpy(np.array(data, dtype=_NP[dtype]))  # ~3x faster than torch.tensor(list)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
