@@ -27,12 +27,19 @@ from kernels.mla import decode as dec  # noqa: E402
 from kernels.mla import extend as ext  # noqa: E402
 from kernels.mla import prefill as pre  # noqa: E402
 from kernels.mla.decode import default_num_splits, mla_decode_triton  # noqa: E402
+from kernels.mla import mla_prefill  # noqa: E402
+from kernels.mla.cache import gather_latent_triton  # noqa: E402
 from kernels.mla.extend import mla_extend_triton  # noqa: E402
-from kernels.mla.ref import mla_decode_ref, mla_extend_ref  # noqa: E402
+from kernels.mla.prefill import mla_prefill_expanded_triton  # noqa: E402
+from kernels.mla.ref import mla_decode_ref, mla_extend_ref, mla_prefill_expanded_ref  # noqa: E402
 
 H, L, R, BS = 32, 512, 64, 64
 D = L + R
 SCALE = 192 ** -0.5
+# (cached prefix, new tokens) for the prefill/extend section; the small chunks bracket MLA_EXPANDED_MIN_TOKENS
+EXT_CASES = ((0, 8192), (8192, 8192), (65536, 512), (8192, 128), (8192, 256))
+# expanded-kernel alternatives timed beside PREFILL_CFG (name -> config)
+EXPANDED_ALT = {"expanded 3 stages": dict(block_m=128, block_n=64, num_warps=8, num_stages=3)}
 ROW_BYTES = D * 2
 DT = torch.bfloat16
 
@@ -198,6 +205,22 @@ def check_small():
     e = rel_err(mla_extend_triton(qe, qpe, cache, bt, cu, sl, SCALE, max_query_len=200), ref)
     print(f"check extend: rel err {e:.2e}")
     assert e < 1e-2
+    # expanded prefill: varlen with prefix offsets (query lens from cu, key lens from sl)
+    kl = [1, 63, 64, 65, 4097, 0]
+    ql = [1, 29, 34, 1, 200, 0]
+    cu_q = torch.tensor([0] + ql, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + kl, device="cuda").cumsum(0).to(torch.int32)
+    Tq, Sk = sum(ql), sum(kl)
+    qx = torch.randn(Tq, H, 192, device="cuda").to(DT)
+    kv = torch.randn(Sk, H, 256, device="cuda").to(DT)
+    kpe = torch.randn(Sk, R, device="cuda").to(DT)
+    out = torch.full((Tq, H, 128), float("nan"), dtype=DT, device="cuda")
+    mla_prefill_expanded_triton(qx, kv[..., :128], kpe, kv[..., 128:], cu_q, cu_k, SCALE, max_query_len=200, out=out)
+    ref = mla_prefill_expanded_ref(qx.float(), kv[..., :128].float(), kpe.float(), kv[..., 128:].float(), cu_q, cu_k,
+                                   SCALE)
+    e = rel_err(out, ref)
+    print(f"check expanded prefill: rel err {e:.2e}")
+    assert e < 1e-2 and torch.isfinite(out.float()).all()
 
 
 def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90):
@@ -210,30 +233,29 @@ def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90):
 
     target = GPUTarget("cuda", arch, 32)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    if True:
-        floats = {"qk_scale"}
-        sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
-        div = [n for n in fn.arg_names if n not in consts and n not in floats and n not in ("N", "G")]
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
-        cexpr = {(fn.arg_names.index(k),): v for k, v in consts.items()}
-        k = triton.compile(
-            ASTSource(fn=fn, signature=sig, constexprs=cexpr, attrs=attrs),
-            target=target,
-            options=dict(num_warps=num_warps, num_stages=num_stages),
-        )
-        ptx = k.asm["ptx"]
-        mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
-        res = "?"
-        try:
-            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-                f.write(k.asm["cubin"])
-            out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-            res = " ".join(x.strip().split(" SHARED")[0] for x in out.splitlines() if "REG" in x)
-            os.unlink(f.name)
-        except OSError:
-            pass
-        print(f"{label:<60} smem {k.metadata.shared / 1024:6.1f} KB  {res:<22} {mma:<8} cp.async {ptx.count('cp.async.cg')}",
-              flush=True)
+    floats = {"qk_scale"}
+    sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
+    div = [n for n in fn.arg_names if n not in consts and n not in floats and n not in ("N", "G")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
+    cexpr = {(fn.arg_names.index(k),): v for k, v in consts.items()}
+    k = triton.compile(
+        ASTSource(fn=fn, signature=sig, constexprs=cexpr, attrs=attrs),
+        target=target,
+        options=dict(num_warps=num_warps, num_stages=num_stages),
+    )
+    ptx = k.asm["ptx"]
+    mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
+    res = "?"
+    try:
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(k.asm["cubin"])
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        res = " ".join(x.strip().split(" SHARED")[0] for x in out.splitlines() if "REG" in x)
+        os.unlink(f.name)
+    except OSError:
+        pass
+    print(f"{label:<60} smem {k.metadata.shared / 1024:6.1f} KB  {res:<22} {mma:<8} cp.async {ptx.count('cp.async.cg')}",
+          flush=True)
 
 
 def ptxas_report(arch=90, only=None):
@@ -428,50 +450,89 @@ def main():
         print(line, flush=True)
 
     # ------------------------------------------------------------------ extend
-    print("\n== extend (bf16, causal) ==")
+    print("\n== prefill / extend (bf16, causal, one sequence) ==")
+    print("absorbed = mla_extend over the paged latent (FLOPs 2*H*(576+512) per query-key pair); expanded = "
+          "mla_prefill_expanded kernel on k_nope/v/k_pe (2*H*(192+128) per pair); expanded full = gather_latent + "
+          "kv_b_proj GEMM + kernel (what the model runs for chunks >= 256 new tokens); TFLOP/s on each form's own count")
     ext_rows = []
-    for prefix, n_new in ((0, 8192), (8192, 8192), (65536, 512)):
+    w_kvb = (torch.randn(H * 256, L, device="cuda") / L ** 0.5).to(DT)  # kv_b_proj weight: per head k_nope | v
+    for prefix, n_new in EXT_CASES:
         S = prefix + n_new
         bt, sl = pool.tables(1, S)
         cu = torch.tensor([0, n_new], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, S], dtype=torch.int32, device="cuda")
         q = torch.randn(n_new, H, L, device="cuda").to(DT)
         qp = torch.randn(n_new, H, R, device="cuda").to(DT)
+        qx = torch.randn(n_new, H, 192, device="cuda").to(DT)  # expanded query: q_nope | q_pe
         pairs = n_new * prefix + n_new * (n_new + 1) // 2
         flops = 2 * H * (D + L) * pairs
+        flops_x = 2 * H * (192 + 128) * pairs
         res = {}
-        for name, cfg in (("default", None), ("rows64", dict(rows=64, block_n=32, num_stages=2))):
+        for name, cfg in (("absorbed", None), ("absorbed rows32", dict(rows=32, block_n=32, num_stages=3))):
             try:
                 fn = lambda: mla_extend_triton(q, qp, pool.cache, bt, cu, sl, SCALE, max_query_len=n_new, config=cfg)  # noqa: E731
-                res[name] = bench(fn)
+                res[name] = (bench(fn), flops)
             except Exception as e:  # noqa: BLE001
                 print(f"  extend {name} failed: {type(e).__name__}: {e}")
-        t_fi = None
+        try:
+            lat = gather_latent_triton(pool.cache, bt, cu_k, total=S)
+            kv = torch.nn.functional.linear(lat[:, :L], w_kvb).view(S, H, 256)
+            kn, kpe, v = kv[..., :128], lat[:, L:], kv[..., 128:]
+            res["expanded"] = (bench(lambda: mla_prefill_expanded_triton(qx, kn, kpe, v, cu, cu_k, SCALE,
+                                                                         max_query_len=n_new)), flops_x)
+            for name, cfg in EXPANDED_ALT.items():
+                res[name] = (bench(lambda: mla_prefill_expanded_triton(qx, kn, kpe, v, cu, cu_k, SCALE,
+                                                                       max_query_len=n_new, config=cfg)), flops_x)
+            res["expanded full"] = (bench(lambda: mla_prefill(qx[..., :128], qx[..., 128:], pool.cache, bt, cu, sl,
+                                                              w_kvb, SCALE, max_query_len=n_new)), flops_x)
+            res["gather"] = (bench(lambda: gather_latent_triton(pool.cache, bt, cu_k, total=S)), 0)
+            res["kv_b GEMM"] = (bench(lambda: torch.nn.functional.linear(lat[:, :L], w_kvb)), 2 * S * L * H * 256)
+        except Exception as e:  # noqa: BLE001
+            print(f"  expanded failed: {type(e).__name__}: {e}")
+        if prefix == 0 and "expanded" in res:  # a flash-attention baseline: torch SDPA, v padded to 192, same mask
+            try:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                qt = qx.transpose(0, 1)[None]
+                kt = torch.cat([kn, kpe[:, None].expand(-1, H, -1)], -1).transpose(0, 1)[None]
+                vt = torch.nn.functional.pad(v, (0, 64)).transpose(0, 1)[None]
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    sd = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=SCALE)  # noqa: E731
+                    o_sd = sd()[0, :, :, :128].transpose(0, 1)
+                    o_x = mla_prefill_expanded_triton(qx, kn, kpe, v, cu, cu_k, SCALE, max_query_len=n_new)
+                    print(f"  expanded vs torch sdpa: rel err {rel_err(o_x, o_sd):.2e}")
+                    res["torch sdpa flash"] = (bench(sd), flops_x)
+                del qt, kt, vt, o_sd, o_x
+            except Exception as e:  # noqa: BLE001
+                print(f"  torch sdpa failed: {type(e).__name__}: {e}")
+        lat = kv = kn = kpe = v = None
         if fi is not None:
             try:
                 fi.plan(bt, sl, torch.tensor([n_new], dtype=torch.int32, device="cuda"), causal=True)
                 fi.packed = None
                 fi.run(q, qp, pool.cache)
-                t_fi = bench(lambda: fi.run(q, qp, pool.cache))
+                res["flashinfer absorbed"] = (bench(lambda: fi.run(q, qp, pool.cache)), flops)
             except Exception as e:  # noqa: BLE001
                 print(f"  flashinfer extend failed: {type(e).__name__}: {e}")
         line = f"prefix {prefix:>6} new {n_new:>5}: " + ", ".join(
-            f"{k} {t * 1e3:.3f} ms ({flops / t / 1e12:.0f} TFLOP/s)" for k, t in res.items()
+            f"{k} {t * 1e3:.3f} ms" + (f" ({f / t / 1e12:.0f} TFLOP/s)" if f else "") for k, (t, f) in res.items()
         )
-        if t_fi:
-            line += f", flashinfer {t_fi * 1e3:.3f} ms ({flops / t_fi / 1e12:.0f} TFLOP/s)"
         print(line, flush=True)
-        ext_rows.append((prefix, n_new, res, t_fi, flops))
-    print("\n| prefix | new tokens | Triton ms (TFLOP/s) | rows64 ms | FlashInfer ms |")
-    print("|---|---|---|---|---|")
-    for prefix, n_new, res, t_fi, flops in ext_rows:
-        d = res.get("default")
-        r64 = res.get("rows64")
-        print(
-            f"| {prefix} | {n_new} | {d * 1e3:.3f} ({flops / d / 1e12:.0f}) | "
-            f"{(f'{r64 * 1e3:.3f}' if r64 else '-')} | {(f'{t_fi * 1e3:.3f}' if t_fi else '-')} |"
-            if d
-            else f"| {prefix} | {n_new} | - | - | - |"
-        )
+        ext_rows.append((prefix, n_new, res))
+    cols = ["absorbed", "absorbed rows32", "expanded", "expanded full", "gather", "kv_b GEMM", "flashinfer absorbed",
+            "torch sdpa flash"] + list(EXPANDED_ALT)
+    print("\nmarkdown (ms, TFLOP/s on the form's own FLOP count; expanded full = gather + kv_b_proj + kernel):")
+    print("| prefix | new tokens | " + " | ".join(cols) + " |")
+    print("|---|---|" + "---|" * len(cols))
+    for prefix, n_new, res in ext_rows:
+        cells = []
+        for c in cols:
+            if c not in res:
+                cells.append("-")
+                continue
+            t, f = res[c]
+            cells.append(f"{t * 1e3:.3f}" + (f" ({f / t / 1e12:.0f})" if f else ""))
+        print(f"| {prefix} | {n_new} | " + " | ".join(cells) + " |")
 
     # ------------------------------------------------------------------ sweep
     if args.no_sweep:

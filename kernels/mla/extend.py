@@ -13,11 +13,17 @@ import triton.language as tl
 
 from .decode import LOG2E, _check_dots, _dot, _dot_dim, _gpu_cfg, _upcast
 
-# rows = BLOCK_T * BLOCK_H. ptxas (sm_90, Triton 3.9, `python bench/mla.py --ptxas`), bf16: rows 32 / BLOCK_N 32 /
-# 8 warps / 3 stages = 76 KB smem, 172 regs, no spill (mma.sync); rows 64 / 2 stages uses wgmma, 147 KB, 255 regs +
-# 64 B stack. bench/mla.py times both.
+# rows = BLOCK_T * BLOCK_H. ptxas (sm_90, Triton 3.9, `python bench/mla.py --ptxas --only extend`), bf16:
+# * rows 64 / BLOCK_N 32 / 8 warps / 2 stages (default): wgmma (two warpgroups, each 64 x 256 of the fp32 acc =
+#   128 regs/thread), 144 KB smem, 255 regs + 64 B stack: 4 LDL per key tile, L1-resident. Measured on the H200:
+#   2x the rows-32 config (13.0 vs 26.1 ms for an 8k prefill, 14.9 vs 30.5 ms for 512 new after 64k).
+# * tried to remove the spill: 1 stage 352 B stack; BLOCK_N 64: 232 B (2 stages) / 424 B (1); 4 warps 1.8 KB;
+#   BLOCK_N 16 / 2 stages spill-free but its QK wgmma is 64x8 per warpgroup (N = BLOCK_N / 2), so not the default.
+#   Splitting the 512-wide acc into two 256 halves keeps the same 128 regs/thread (each warpgroup already owns half).
+# * rows 32 / BLOCK_N 32 / 8 warps / 3 stages (previous default): mma.sync, 74 KB, 172 regs, no spill.
+# bench/mla.py times rows 64 and rows 32. Large prefill chunks (>= 256 new tokens) use the expanded form (prefill.py).
 EXTEND_CFG = {
-    "16bit": dict(rows=32, block_n=32, num_warps=8, num_stages=3),
+    "16bit": dict(rows=64, block_n=32, num_warps=8, num_stages=2),
     "fp32": dict(rows=32, block_n=32, num_warps=8, num_stages=1),
 }
 

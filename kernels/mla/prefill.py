@@ -23,9 +23,10 @@ import triton.language as tl
 
 from .decode import LOG2E, _check_dots, _dot, _dot_dim, _gpu_cfg, _upcast
 
-# GPU tiles per dtype. ptxas (sm_90, Triton 3.9, `python bench/mla.py --ptxas`), bf16 128 / 64 / 8 warps / 2 stages:
-# see the numbers printed there and in EXPANDED_PTXAS_NOTE (kept in sync by hand). fp32 (tests only; IEEE dots run
-# on FMA units): small tiles, one stage.
+# GPU tiles per dtype. ptxas (sm_90, Triton 3.9, `python bench/mla.py --ptxas --only prefill`), bf16:
+# BLOCK_M 128 / BLOCK_N 64 / 8 warps / 2 stages: wgmma, 128 KB smem, 254 regs, no spill (3 stages: 168 KB, 254 regs,
+# no spill, timed by bench/mla.py as "expanded 3 stages"); BLOCK_N 128: 208 KB + 256 B stack; 64 / 64 / 4 warps:
+# 8 B stack. fp32 (tests only; IEEE dots run on FMA units): small tiles, one stage.
 PREFILL_CFG = {
     "16bit": dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
     "fp32": dict(block_m=32, block_n=32, num_warps=4, num_stages=1),

@@ -626,7 +626,11 @@ def test_gpu_mla_prefill_from_cache_kimi(dtype):
     wh = w.float().view(KH, 256, KL)
     q_lat = torch.einsum("thn,hnl->thl", q[..., :128].float(), wh[:, :128])
     lat = mla_extend_ref(q_lat, q[..., 128:].float(), cache.float(), bt, cu, sl, KSCALE)
-    check_close(out, torch.einsum("thl,hvl->thv", lat, wh[:, 128:]), dtype)
+    ref = torch.einsum("thl,hvl->thv", lat, wh[:, 128:])
+    if dtype == torch.float32:  # two summation orders (q.(W c) vs (W^T q).c) over 5000 keys
+        torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-3)
+    else:
+        check_close(out, ref, dtype)
 
 
 @pytest.mark.gpu
