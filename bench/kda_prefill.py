@@ -142,12 +142,26 @@ def _stage_times(launches, warmup, rep):
     import triton.testing
 
     res = {}
-    for f in launches.values():                      # once in order: compiled, and every scratch buffer valid
-        f()
+    for name, f in launches.items():                 # once in order: compiled, and every scratch buffer valid
+        kern = f()
+        try:                                         # what this toolchain's compiler made of it (None if unknown)
+            res[name + "_res"] = (kern.n_regs, kern.n_spills, kern.metadata.shared)
+        except Exception:
+            res[name + "_res"] = None
     torch.cuda.synchronize()
     for name, f in launches.items():
         res[name] = triton.testing.do_bench(f, warmup=warmup, rep=rep, return_mode="median")
     return res
+
+
+def _fmt_stages(st):
+    out = []
+    for n, t in st.items():
+        if n.endswith("_res"):
+            continue
+        r = st.get(n + "_res")
+        out.append(f"{n} {t:.3f} ms" + (f" (regs {r[0]} spills {r[1]} smem {r[2] // 1024} KB)" if r else ""))
+    return ", ".join(out)
 
 
 def bench_prefill(cases=CASES, warmup=25, rep=100):
@@ -199,8 +213,7 @@ def bench_prefill(cases=CASES, warmup=25, rep=100):
         print(line, flush=True)
         for tag in ("fused", "split"):
             if tag + "_stages" in row:
-                print(f"{'':14s}   {tag} stages: " + ", ".join(f"{n} {t:.3f} ms" for n, t in
-                                                           row[tag + "_stages"].items()), flush=True)
+                print(f"{'':14s}   {tag} stages: " + _fmt_stages(row[tag + "_stages"]), flush=True)
         rows.append(row)
         del x, outs
         torch.cuda.empty_cache()
@@ -217,7 +230,7 @@ def sweep_prefill(lens_list=((16384,), (1024,) * 16), warmup=5, rep=25):
     saved = {n: getattr(ck, n) for n in names}
     grid = [  # (stage, path, {constant: value})
         *[("intra", True, dict(INTRA_BK=bk, INTRA_NUM_WARPS=w, INTRA_EXACT_REG=e))
-          for bk, w, e in ((32, 8, 0), (32, 8, 1), (32, 4, 1), (64, 8, 1), (64, 4, 1))],
+          for bk, w, e in ((32, 8, 0), (32, 8, 1), (32, 4, 1), (16, 8, 1), (16, 4, 1), (64, 8, 1))],
         *[("state+out", False, dict(STATE_BV=bv, STATE_NUM_WARPS=w)) for bv in (32, 64) for w in (4, 8)],
         *[("hpass", True, dict(HPASS_BV=bv, HPASS_NUM_WARPS=w, HPASS_NUM_STAGES=st))
           for bv, w, st in ((16, 4, 2), (16, 8, 2), (16, 4, 3), (32, 4, 2), (32, 8, 2), (32, 4, 3), (64, 4, 2),
@@ -239,8 +252,8 @@ def sweep_prefill(lens_list=((16384,), (1024,) * 16), warmup=5, rep=25):
                     _, _, launches = _ours(x, split=split, stages=True)
                     for f in launches.values():  # valid scratch for the timed stage
                         f()
-                    ms = _stage_times({stage: launches[stage]}, warmup, rep)[stage]
-                    print(f"T={T} P={len(lens)} {stage:9s} {desc}: {ms:.3f} ms", flush=True)
+                    st = _stage_times({stage: launches[stage]}, warmup, rep)
+                    print(f"T={T} P={len(lens)} {stage:9s} {desc}: " + _fmt_stages(st), flush=True)
                 except Exception as e:                   # e.g. out of shared memory for a config
                     print(f"T={T} P={len(lens)} {stage:9s} {desc}: failed {type(e).__name__}: {str(e)[:100]}",
                           flush=True)

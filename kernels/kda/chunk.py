@@ -601,7 +601,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     launches = {}
 
     def intra():
-        _kda_intra_kernel[(NT, H)](
+        return _kda_intra_kernel[(NT, H)](
             q, k, v, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P,
             qg, kg, w, u, a, gl,
             q.stride(0), k.stride(0), v.stride(0), z.stride(0), b.stride(0), float(scale),
@@ -617,7 +617,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         bv = min(V, bv)
 
         def state():
-            _kda_state_kernel[(triton.cdiv(V, bv), P, H)](
+            return _kda_state_kernel[(triton.cdiv(V, bv), P, H)](
                 qg, kg, w, u, a, gl, o, rec_state,
                 cu_dev, chunk_offsets, slots, hi, P, T,
                 o.stride(0), rec_state.stride(0),
@@ -641,7 +641,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     obv = min(V, OUT_BV)
 
     def hpass():
-        _kda_hpass_kernel[(triton.cdiv(V, hbv), P, H)](
+        return _kda_hpass_kernel[(triton.cdiv(V, hbv), P, H)](
             kg, w, u, gl, hs, vn, o, rec_state,
             cu_dev, chunk_offsets, slots, hi, P, T,
             o.stride(0), rec_state.stride(0),
@@ -650,7 +650,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         )
 
     def out():
-        _kda_out_kernel[(NT, H, triton.cdiv(V, obv))](
+        return _kda_out_kernel[(NT, H, triton.cdiv(V, obv))](
             qg, a, hs, vn, o, chunk_offsets, cu_dev, P, o.stride(0),
             PB=PB, H=H, K=K, V=V, BT=BT, BV=obv, PREC=prec, MM=mm,
             num_warps=OUT_NUM_WARPS, num_stages=OUT_NUM_STAGES,
