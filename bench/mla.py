@@ -39,7 +39,11 @@ SCALE = 192 ** -0.5
 # (cached prefix, new tokens) for the prefill/extend section; the small chunks bracket MLA_EXPANDED_MIN_TOKENS
 EXT_CASES = ((0, 8192), (8192, 8192), (65536, 512), (8192, 128), (8192, 256))
 # expanded-kernel alternatives timed beside PREFILL_CFG (name -> config)
-EXPANDED_ALT = {"expanded 3 stages": dict(block_m=128, block_n=64, num_warps=8, num_stages=3)}
+EXPANDED_ALT = {
+    "expanded 2 stages": dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    "expanded 64x64 w4": dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    "expanded 128x128": dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+}
 ROW_BYTES = D * 2
 DT = torch.bfloat16
 
@@ -277,8 +281,7 @@ def ptxas_report(arch=90, only=None):
                       dict(rows=64, block_n=16, num_warps=8, num_stages=2), dict(rows=64, block_n=16, num_warps=8, num_stages=3)]
         pcfgs = [pre.PREFILL_CFG[dtn]]
         if not ieee:
-            pcfgs += [dict(block_m=128, block_n=64, num_warps=8, num_stages=3), dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
-                      dict(block_m=64, block_n=64, num_warps=4, num_stages=3)]
+            pcfgs += list(EXPANDED_ALT.values())
         for c in pcfgs:
             build(
                 pre._mla_prefill_kernel,

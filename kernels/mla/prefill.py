@@ -24,11 +24,12 @@ import triton.language as tl
 from .decode import LOG2E, _check_dots, _dot, _dot_dim, _gpu_cfg, _upcast
 
 # GPU tiles per dtype. ptxas (sm_90, Triton 3.9, `python bench/mla.py --ptxas --only prefill`), bf16:
-# BLOCK_M 128 / BLOCK_N 64 / 8 warps / 2 stages: wgmma, 128 KB smem, 254 regs, no spill (3 stages: 168 KB, 254 regs,
-# no spill, timed by bench/mla.py as "expanded 3 stages"); BLOCK_N 128: 208 KB + 256 B stack; 64 / 64 / 4 warps:
-# 8 B stack. fp32 (tests only; IEEE dots run on FMA units): small tiles, one stage.
+# BLOCK_M 128 / BLOCK_N 64 / 8 warps / 3 stages (default): wgmma, 168 KB smem, 254 regs, no spill (one CTA per SM
+# either way: 254 regs x 256 threads); 2 stages: 128 KB, 254 regs, no spill; BLOCK_N 128 / 2 stages: 208 KB + 256 B
+# stack; 64 / 64 / 4 warps / 3 stages: 144 KB + 8 B stack. bench/mla.py times the alternatives (EXPANDED_ALT).
+# fp32 (tests only; IEEE dots run on FMA units): small tiles, one stage.
 PREFILL_CFG = {
-    "16bit": dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    "16bit": dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
     "fp32": dict(block_m=32, block_n=32, num_warps=4, num_stages=1),
 }
 
