@@ -722,10 +722,26 @@ def chunk_kda_plan(
                     cu_seqlens_cpu)
 
 
-def chunk_kda_fwd(*args, **kwargs) -> torch.Tensor:
-    """KDA prefill over packed varlen sequences, state read from / written to the slot pool in place.
+def chunk_kda_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    z: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+    rec_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[Sequence[int]] = None,
+) -> torch.Tensor:
+    """KDA prefill over packed varlen sequences, state read from / written to the slot pool in place; returns o.
     Arguments: see ``chunk_kda_plan``."""
-    o, launches = chunk_kda_plan(*args, **kwargs)
+    o, launches = chunk_kda_plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_seqlens, state_slots,
+                                 has_initial_state, out=out, cu_seqlens_cpu=cu_seqlens_cpu)
     for fn in launches.values():
         fn()
     return o
