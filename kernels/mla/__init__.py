@@ -110,18 +110,35 @@ def mla_prefill_expanded(q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, scale, 
     return out
 
 
+# Cap on the up-projected keys/values mla_prefill materialises at once (bytes); above it the heads go in groups.
+PREFILL_KV_BYTES = 2 << 30
+
+
 def mla_prefill(q_nope, q_pe, cache, block_table, cu_seqlens, seq_lens, kv_b_weight, scale, max_query_len=None):
     """Prefill chunks in expanded form, straight from the paged latent cache (new tokens already stored):
     gather each sequence's ``seq_lens[p]`` latent rows, up-project them with ``kv_b_weight`` ([H*(nope+V), L],
     kv_b_proj's weight: per head k_nope | v), attend causally. Same semantics as mla_extend followed by the W_UV
-    product. One host sync (the total key count sizes the gather). Transient memory: S_total * H * (nope + V)
-    elements (1 GiB bf16 for 64k keys at H=32)."""
+    product. One host sync (the total key count sizes the gather). Transient memory: the gathered latent plus
+    S_total * H * (nope + V) elements (16 KiB per key at H=32, bf16), capped at PREFILL_KV_BYTES by running the heads
+    in groups (one GEMM + one kernel launch per group)."""
     T, H, DN = q_nope.shape
-    L = kv_b_weight.shape[1]
+    HD, L = kv_b_weight.shape
+    per_head = HD // H
     cu_k = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
     torch.cumsum(seq_lens, 0, out=cu_k[1:])
     total = int(cu_k[-1])
     lat = gather_latent(cache, block_table, cu_k, total=total)          # [S, L+R]
-    kv = F.linear(lat[:, :L], kv_b_weight).view(total, H, -1)          # [S, H, nope+V]
-    return mla_prefill_expanded(q_nope, kv[..., :DN], lat[:, L:], kv[..., DN:], cu_seqlens, cu_k, scale,
-                                max_query_len=max_query_len, q_pe=q_pe)
+    head_bytes = max(1, total * per_head * kv_b_weight.element_size())
+    g = max([d for d in range(1, H + 1) if H % d == 0 and d * head_bytes <= PREFILL_KV_BYTES] or [1])
+    if g == H:
+        kv = F.linear(lat[:, :L], kv_b_weight).view(total, H, per_head)  # [S, H, nope+V]
+        return mla_prefill_expanded(q_nope, kv[..., :DN], lat[:, L:], kv[..., DN:], cu_seqlens, cu_k, scale,
+                                    max_query_len=max_query_len, q_pe=q_pe)
+    out = q_nope.new_empty(T, H, per_head - DN)
+    w = kv_b_weight.view(H, per_head, L)
+    for h0 in range(0, H, g):
+        kv = F.linear(lat[:, :L], w[h0:h0 + g].reshape(g * per_head, L)).view(total, g, per_head)
+        mla_prefill_expanded(q_nope[:, h0:h0 + g], kv[..., :DN], lat[:, L:], kv[..., DN:], cu_seqlens, cu_k, scale,
+                             max_query_len=max_query_len, out=out[:, h0:h0 + g], q_pe=q_pe[:, h0:h0 + g])
+        del kv
+    return out

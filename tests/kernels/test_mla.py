@@ -551,8 +551,14 @@ def test_gather_latent_matches_ref(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_prefill_from_cache_equals_absorbed_extend(dtype):
-    """gather + kv_b_proj + expanded kernel == absorbed extend followed by W_UV (the model's two prefill paths)."""
+@pytest.mark.parametrize("kv_bytes", [None, 1])
+def test_mla_prefill_from_cache_equals_absorbed_extend(dtype, kv_bytes, monkeypatch):
+    """gather + kv_b_proj + expanded kernel == absorbed extend followed by W_UV (the model's two prefill paths).
+    kv_bytes=1: the up-projected keys exceed PREFILL_KV_BYTES, so the heads go one at a time."""
+    import kernels.mla as kmla
+
+    if kv_bytes:
+        monkeypatch.setattr(kmla, "PREFILL_KV_BYTES", kv_bytes)
     mix = [(65, 65), (150, 33), (20, 1), (0, 0)]
     lens = [s for s, _ in mix]
     cache, bt, sl = make_paged(lens, dtype)
@@ -614,7 +620,12 @@ def test_gpu_prefill_expanded_kimi():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_mla_prefill_from_cache_kimi(dtype):
+@pytest.mark.parametrize("kv_bytes", [None, 1 << 24])
+def test_gpu_mla_prefill_from_cache_kimi(dtype, kv_bytes, monkeypatch):
+    import kernels.mla as kmla
+
+    if kv_bytes:  # head groups of 4 (bf16) / 2 (fp32)
+        monkeypatch.setattr(kmla, "PREFILL_KV_BYTES", kv_bytes)
     mix = [(5000, 700), (300, 300), (70, 1)]
     lens = [s for s, _ in mix]
     cache, bt, sl = make_paged(lens, dtype, bs=KBS, l=KL, r=KR, device="cuda")
