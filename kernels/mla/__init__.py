@@ -15,10 +15,10 @@ mla_prefill(q_nope [T, H, nope], q_pe [T, H, R], cache, block_table, cu_seqlens,
 
 CUDA tensors run Triton, CPU tensors the torch reference unless KIMI_KERNELS=triton (kernels/_dispatch.py).
 """
-from kernels._dispatch import use_triton
-
 import torch
 import torch.nn.functional as F
+
+from kernels._dispatch import use_triton
 
 from .ref import (gather_latent_batch_ref, mla_decode_ref, mla_extend_ref, mla_prefill_expanded_ref,
                   store_latent_ref)
