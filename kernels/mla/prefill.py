@@ -164,10 +164,10 @@ def _mla_prefill_kernel(
     k_begin = tl.load(cuk_ptr + p)
     k_len = tl.load(cuk_ptr + p + 1) - k_begin
     m0 = mb * BLOCK_M
+    PAD_DN: tl.constexpr = BLOCK_DN != DN
+    PAD_R: tl.constexpr = BLOCK_R != R
+    PAD_DV: tl.constexpr = BLOCK_DV != DV
     if m0 < q_len:
-        PAD_DN: tl.constexpr = BLOCK_DN != DN
-        PAD_R: tl.constexpr = BLOCK_R != R
-        PAD_DV: tl.constexpr = BLOCK_DV != DV
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < q_len
         off = k_len - q_len  # key position of query 0
