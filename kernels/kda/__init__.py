@@ -26,6 +26,7 @@ from kernels.kda.ref import (
     kda_varlen_ref,
     l2norm_ref,
 )
+from kernels.kda.chunk import chunk_kda_fwd
 from kernels.kda.recurrent import kda_decode_triton
 from kernels.norm import gated_rmsnorm_ref, gated_rmsnorm_triton
 
@@ -48,14 +49,6 @@ def _split_qkv(y: torch.Tensor, H: int, K: int, V: int):
     k = y[:, H * K: 2 * H * K].reshape(T, H, K)
     v = y[:, 2 * H * K:].reshape(T, H, V)
     return q, k, v
-
-
-def _chunk_kda_fwd():
-    try:
-        from kernels.kda.chunk import chunk_kda_fwd  # owned by the chunk-kernel engineer
-    except ImportError:
-        return None
-    return chunk_kda_fwd
 
 
 # --------------------------------------------------------------------------------------------------- prefill
@@ -90,13 +83,7 @@ def kda_prefill_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv
         has_initial_state = torch.ones(state_slots.shape[0], dtype=torch.bool, device=qkv.device)
     y = short_conv_prefill_triton(qkv, conv_w, conv_state, cu_seqlens, state_slots, has_initial_state)  # [T, C]
     q, k, v = _split_qkv(y, H, K, V)                     # strided views: chunk_kda_fwd takes a token stride
-    chunk_kda_fwd = _chunk_kda_fwd()
-    if chunk_kda_fwd is not None:
-        o = chunk_kda_fwd(q, k, v, z, A_log, dt_bias, b, K ** -0.5, rec_state, cu_seqlens, state_slots,
-                          has_initial_state)
-    else:  # until kernels/kda/chunk.py lands: torch chunk reference (host syncs; correct, slow)
-        o = kda_core_ref(q, k, v, z, A_log, dt_bias, b, K ** -0.5, rec_state, cu_seqlens, state_slots,
-                         has_initial_state)
+    o = chunk_kda_fwd(q, k, v, z, A_log, dt_bias, b, K ** -0.5, rec_state, cu_seqlens, state_slots, has_initial_state)
     y = gated_rmsnorm_triton(o, r.reshape(T, H, V), o_norm_w, eps, out=out)
     return y.reshape(T, H * V)
 
