@@ -191,7 +191,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         if state == READY and self._active > 0:
             state = BUSY
         loaded = self._loaded
-        if loaded is not None and getattr(loaded.engine, "error", None):  # a tensor-parallel rank died
+        if loaded is not None and loaded.engine.error:  # a tensor-parallel rank died
             state = ERROR
         memory = _memory_usage()
         stats = self._load_stats()
@@ -229,7 +229,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
                 log.error("LoadModel: %s", e)
                 return backend_pb2.Result(success=False, message=str(e))
             if self._loaded is not None:
-                if spec == self._loaded.spec and not getattr(self._loaded.engine, "error", None):
+                if spec == self._loaded.spec and not self._loaded.engine.error:
                     # LocalAI (re)connecting to a running backend: same model, same settings -> nothing to do
                     msg = f"Kimi-Linear from {spec.model_dir} is already loaded with these settings; kept"
                     log.info("LoadModel: %s", msg)
@@ -293,27 +293,15 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
 
     def _load_sync(self, spec):
         from backend.config import ModelConfig
-        from backend.engine import LLMEngine
-        try:
-            from backend.engine import EngineConfig
-        except ImportError:
-            from backend.config import EngineConfig
+        from backend.engine import EngineConfig, LLMEngine
         from backend.tokenizer import load_tokenizer
 
         model_cfg = ModelConfig.from_dir(spec.model_dir)  # validated before anything large is read or allocated
         tok = load_tokenizer(spec.model_dir)
         _check_vocab(tok, model_cfg)
         engine = LLMEngine.from_config(spec.model_dir, engine_config(EngineConfig, spec.engine))
-        try:
-            cfg = getattr(engine, "cfg", None) or getattr(engine, "config", None)
-            max_len = getattr(engine, "max_model_len", None) or getattr(cfg, "max_model_len", 0)
-            vocab = getattr(engine, "vocab_size", None) or tok.vocab_size
-            device = str(getattr(cfg, "device", "?"))
-            dtype = str(getattr(cfg, "dtype", "?")).replace("torch.", "")
-        except Exception:
-            engine.shutdown()
-            raise
-        return _Loaded(engine, tok, spec, max_len, vocab, device, dtype)
+        cfg = engine.cfg  # the settings in effect, "auto" values resolved
+        return _Loaded(engine, tok, spec, engine.max_model_len, engine.vocab_size, cfg.device, cfg.dtype)
 
     @staticmethod
     def _release(loaded):
@@ -405,7 +393,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is being replaced or was freed "
                                 "(LoadModel/Free in progress): retry when Status is READY")
         pipe = _Pipeline(loaded.tok, stops, loaded.spec.tool_parser != "none")
-        engine_error = getattr(loaded.engine, "error", None)
+        engine_error = loaded.engine.error
         if engine_error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{engine_error}; LoadModel restarts the model")
         try:
@@ -418,7 +406,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         if error is not None:
             await context.abort(*error)
 
-        request_id = getattr(stream, "request_id", None)
+        request_id = stream.request_id
         finished = False
         self._active += 1
         self._throughput.total_prompt += len(ids)
@@ -456,9 +444,9 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             info = {
                 "tokens": n_out,
                 "prompt_tokens": len(ids),
-                "prompt_ms": 1000.0 * (getattr(last, "prompt_time_s", 0.0) or 0.0),
-                "gen_ms": 1000.0 * (getattr(last, "gen_time_s", 0.0) or 0.0),
-                "finish_reason": "stop" if pipe.stopped else getattr(last, "finish_reason", None),
+                "prompt_ms": 1000.0 * (last.prompt_time_s if last is not None else 0.0),
+                "gen_ms": 1000.0 * (last.gen_time_s if last is not None else 0.0),
+                "finish_reason": "stop" if pipe.stopped else (last.finish_reason if last is not None else None),
                 "logprobs": ([logprob_entry(loaded.tok, e) for e in logprobs[:n_out]]
                              if params.wants_logprobs else None),
             }

@@ -106,6 +106,7 @@ class FakeEngine:
         self.fail_after = None
         self.raise_on_add = None
         self.shut = False
+        self.error = None  # LLMEngine.error: set when a tensor-parallel rank died
 
     def add_request(self, prompt_ids, params):
         if self.raise_on_add is not None:
