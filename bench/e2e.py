@@ -19,7 +19,6 @@ the output says which path each table comes from.
 import argparse
 import collections
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -35,6 +34,7 @@ from backend.engine.request import SamplingParams  # noqa: E402
 from backend.engine.runner import ModelRunner  # noqa: E402
 from backend.model import kimi_linear  # noqa: E402
 from backend.model.kimi_linear import KimiDeltaAttention, KimiLinearForCausalLM  # noqa: E402
+from backend.model.random_weights import random_model  # noqa: E402
 
 OFFICIAL = {
     "architectures": ["KimiLinearForCausalLM"], "bos_token_id": 163584, "dtype": "bfloat16", "eos_token_id": 163586,
@@ -69,35 +69,6 @@ def smoke_config_dict() -> dict:
     from tools.tiny_checkpoint import tiny_config
 
     return tiny_config("KKKMKK", dtype="float32", vocab_size=1024)
-
-
-@torch.no_grad()
-def random_model(cfg: ModelConfig, device, dtype=torch.bfloat16) -> KimiLinearForCausalLM:
-    """Random bf16 weights with O(1) activations, made in place on the device."""
-    with torch.device("meta"):
-        model = KimiLinearForCausalLM(cfg, dtype)
-    model.to_empty(device=device)
-    torch.manual_seed(0)
-    for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "A_log":
-            p.uniform_(1.0, 16.0).log_()
-        elif leaf == "dt_bias":
-            dt = torch.empty_like(p).uniform_(math.log(1e-3), math.log(0.1)).exp_()
-            p.copy_(dt + torch.log(-torch.expm1(-dt)))
-        elif leaf == "conv_weight":
-            p.normal_(0.0, 0.5)
-        elif leaf == "e_score_correction_bias":
-            p.normal_(0.0, 0.1)
-        elif p.ndim == 1:  # norm weights
-            p.fill_(1.0)
-        elif "embed_tokens" in name:
-            p.normal_(0.0, 1.0)
-        else:  # [.., out, in]
-            gain = 2.0 if name.endswith("gate.weight") else 1.0
-            p.normal_(0.0, gain / math.sqrt(p.shape[-1]))
-    model.tie_weights()
-    return model.eval().requires_grad_(False)
 
 
 class RouterTap:
