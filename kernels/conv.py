@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels._tensors import unit_last_stride
 
 
 # --------------------------------------------------------------------------------------------------- references
@@ -172,8 +173,7 @@ def _check_state(x, w, conv_state):
 
 def short_conv_prefill_triton(x, w, conv_state, cu_seqlens, state_slots, has_initial_state=None, out=None):
     """Triton varlen prefill; `out` [T, C] (optional) is fully written (zeros outside the sequences)."""
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = unit_last_stride(x)
     _check_state(x, w, conv_state)
     T, C = x.shape
     W = w.shape[1]
@@ -202,8 +202,7 @@ def short_conv_prefill_triton(x, w, conv_state, cu_seqlens, state_slots, has_ini
 
 
 def short_conv_decode_triton(x, w, conv_state, state_slots, out=None):
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = unit_last_stride(x)
     _check_state(x, w, conv_state)
     N, C = x.shape
     W = w.shape[1]

@@ -3,6 +3,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._tensors import unit_last_stride
+
 
 @triton.jit
 def _store_latent_kernel(
@@ -34,8 +36,7 @@ def store_latent_triton(latent: torch.Tensor, cache: torch.Tensor, slot_mapping:
     assert cache.stride(2) == 1
     if T == 0:
         return
-    if latent.stride(1) != 1:
-        latent = latent.contiguous()
+    latent = unit_last_stride(latent)
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     _store_latent_kernel[(T,)](
         latent,
@@ -98,10 +99,8 @@ def gather_latent_triton(cache: torch.Tensor, block_table: torch.Tensor, cu_seql
     assert out.shape == (total, D) and out.stride(1) == 1
     if total == 0 or P == 0:
         return out
-    if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
-        block_table = block_table.to(torch.int32).contiguous()
-    if cu_seqlens_k.dtype != torch.int32 or cu_seqlens_k.stride(0) != 1:
-        cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
+    block_table = unit_last_stride(block_table, torch.int32)
+    cu_seqlens_k = unit_last_stride(cu_seqlens_k, torch.int32)
     block_d = triton.next_power_of_2(D)
     rows = min(triton.next_power_of_2(BS), max(1, 4096 // block_d))
     _gather_latent_kernel[(block_table.shape[1], P)](

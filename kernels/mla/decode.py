@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._tensors import unit_last_stride
+
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # smallest split worth a program (keys)
 MAX_SPLITS = 256
@@ -332,14 +334,10 @@ def mla_decode_triton(
     assert D == L + R and q_pe.shape[:2] == (N, H)
     assert block_table.shape[0] >= N and seq_lens.shape[0] >= N
     assert cache.stride(2) == 1
-    if q_lat.stride(2) != 1:
-        q_lat = q_lat.contiguous()
-    if q_pe.stride(2) != 1:
-        q_pe = q_pe.contiguous()
-    if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
-        block_table = block_table.to(torch.int32).contiguous()
-    if seq_lens.dtype != torch.int32 or seq_lens.stride(0) != 1:
-        seq_lens = seq_lens.to(torch.int32).contiguous()
+    q_lat = unit_last_stride(q_lat)
+    q_pe = unit_last_stride(q_pe)
+    block_table = unit_last_stride(block_table, torch.int32)
+    seq_lens = unit_last_stride(seq_lens, torch.int32)
     if out is None:
         out = torch.empty(N, H, L, dtype=q_lat.dtype, device=q_lat.device)
     assert out.shape == (N, H, L) and out.stride(2) == 1

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._tensors import unit_last_stride
+
 from .decode import LOG2E, _check_dots, _dot, _dot_dim, _gpu_cfg, _upcast
 
 # rows = BLOCK_T * BLOCK_H. ptxas (sm_90, Triton 3.9, `python bench/mla.py --ptxas --only extend`), bf16:
@@ -172,16 +174,11 @@ def mla_extend_triton(
     P = seq_lens.shape[0]
     assert D == L + R and q_pe.shape[:2] == (T, H) and cu_seqlens.shape[0] == P + 1
     assert cache.stride(2) == 1
-    if q_lat.stride(2) != 1:
-        q_lat = q_lat.contiguous()
-    if q_pe.stride(2) != 1:
-        q_pe = q_pe.contiguous()
-    if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
-        block_table = block_table.to(torch.int32).contiguous()
-    if seq_lens.dtype != torch.int32 or seq_lens.stride(0) != 1:
-        seq_lens = seq_lens.to(torch.int32).contiguous()
-    if cu_seqlens.dtype != torch.int32 or cu_seqlens.stride(0) != 1:
-        cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
+    q_lat = unit_last_stride(q_lat)
+    q_pe = unit_last_stride(q_pe)
+    block_table = unit_last_stride(block_table, torch.int32)
+    seq_lens = unit_last_stride(seq_lens, torch.int32)
+    cu_seqlens = unit_last_stride(cu_seqlens, torch.int32)
     # rows not covered by cu_seqlens stay zero (matches the reference)
     if out is None:
         out = torch.zeros(T, H, L, dtype=q_lat.dtype, device=q_lat.device)

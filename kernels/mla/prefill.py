@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._tensors import unit_last_stride
+
 from .decode import LOG2E, _check_dots, _dot, _dot_dim, _gpu_cfg, _upcast
 
 # GPU tiles per dtype. ptxas (sm_90, Triton 3.9, `python bench/mla.py --ptxas --only prefill`), bf16:
@@ -241,10 +243,8 @@ def mla_prefill_expanded_triton(
     assert q.shape == (T, H, DN) and q_pe.shape == (T, H, R), (q.shape, q_pe.shape)
     assert k_pe.shape == (S, R) and v.shape[:2] == (S, H) and cu_seqlens_k.shape[0] == P + 1
     q, q_pe, k_nope, k_pe, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, q_pe, k_nope, k_pe, v))
-    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.stride(0) != 1:
-        cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
-    if cu_seqlens_k.dtype != torch.int32 or cu_seqlens_k.stride(0) != 1:
-        cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
+    cu_seqlens_q = unit_last_stride(cu_seqlens_q, torch.int32)
+    cu_seqlens_k = unit_last_stride(cu_seqlens_k, torch.int32)
     if out is None:
         out = torch.empty(T, H, DV, dtype=q.dtype, device=q.device)
     assert out.shape == (T, H, DV) and out.stride(2) == 1
