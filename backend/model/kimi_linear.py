@@ -11,7 +11,7 @@ from torch import nn
 
 from backend.config import ModelConfig
 from backend.model.batch import ForwardBatch, KimiCache
-from backend.model.parallel import TP, all_gather_last, all_reduce
+from backend.model.parallel import TP, all_gather_last, all_reduce, folds_shared_expert
 from kernels.kda import kda_decode, kda_prefill
 from kernels.mla import mla_decode, mla_extend, mla_prefill, store_latent
 from kernels.moe import fused_moe, moe_router
@@ -171,6 +171,11 @@ class KimiMoE(nn.Module):
     assignments to other ranks' experts go to local expert 0 with weight 0 (fused_moe needs ids in [0, E/W)), so the
     rank's output is its experts' share of the sum. One expert takes all the dummy rows: at decode that reads one
     extra expert's weights, not up to E/W of them.
+
+    Unsharded (W = 1, one shared expert; parallel.folds_shared_expert) the shared expert is stacked as expert E:
+    w13 [E+1, 2I, D], w2 [E+1, D, I], and the router appends the column (id E, weight 1.0) to every token's top-k,
+    so one fused_moe call runs routed and shared experts (summed in fp32; HF adds the shared output in x.dtype
+    after rounding the routed sum, so the two differ by rounding only). W > 1 keeps shared_experts, a 1/W slice.
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TP = TP()):
@@ -179,14 +184,20 @@ class KimiMoE(nn.Module):
         self.top_k, self.scaling = cfg.num_experts_per_token, cfg.routed_scaling_factor
         self.renormalize, self.biased_weights = cfg.moe_renormalize, cfg.router_biased_weights
         self.tp, self.num_local_experts = tp, e
+        self.fold_shared = folds_shared_expert(cfg, tp)
         self.gate = KimiRouter(cfg, dtype)
-        self.w13 = nn.Parameter(torch.empty(e, 2 * inter, d, dtype=dtype))  # per expert cat(w1 gate, w3 up)
-        self.w2 = nn.Parameter(torch.empty(e, d, inter, dtype=dtype))
-        self.shared_experts = KimiMLP(d, inter * cfg.num_shared_experts // tp.world, dtype)
+        stacked = e + int(self.fold_shared)  # the shared expert, when folded, is expert e
+        self.w13 = nn.Parameter(torch.empty(stacked, 2 * inter, d, dtype=dtype))  # per expert cat(w1 gate, w3 up)
+        self.w2 = nn.Parameter(torch.empty(stacked, d, inter, dtype=dtype))
+        self.shared_experts = None if self.fold_shared else \
+            KimiMLP(d, inter * cfg.num_shared_experts // tp.world, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = moe_router(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, self.scaling,
-                                  self.renormalize, self.biased_weights)
+                                  self.renormalize, self.biased_weights,
+                                  self.num_local_experts if self.fold_shared else None)
+        if self.fold_shared:
+            return fused_moe(x, self.w13, self.w2, weights, ids)
         if self.tp.world > 1:
             local = ids - self.tp.rank * self.num_local_experts
             mine = (local >= 0) & (local < self.num_local_experts)

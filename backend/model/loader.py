@@ -9,6 +9,10 @@ The checkpoint keeps the official names. Packed parameters are filled from sever
     self_attn.dt_bias                  [H*K]       -> self_attn.dt_bias fp32
     block_sparse_moe.experts.{e}.w1/w3.weight      -> block_sparse_moe.w13 [E, 2I, D] (w1 rows, then w3 rows)
     block_sparse_moe.experts.{e}.w2.weight         -> block_sparse_moe.w2 [E, D, I]
+    block_sparse_moe.shared_experts.{gate,up}_proj.weight -> block_sparse_moe.w13[E] (gate rows, then up rows)
+    block_sparse_moe.shared_experts.down_proj.weight       -> block_sparse_moe.w2[E]
+        (unsharded only, parallel.folds_shared_expert: w13 [E+1, 2I, D], w2 [E+1, D, I]; with W > 1 the shared
+        expert stays block_sparse_moe.shared_experts.*, 1/W of it per rank)
     block_sparse_moe.gate.e_score_correction_bias  -> same name, fp32
 Every other tensor maps to the parameter of the same name.
 
@@ -25,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from backend.config import ModelConfig
-from backend.model.parallel import TP, check_divisible
+from backend.model.parallel import TP, check_divisible, folds_shared_expert
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +197,13 @@ def _moe_plan(cfg: ModelConfig, p: str, tp: TP) -> dict:
         plan[f"{p}experts.{i}.w1.weight"] = Target((inter, d), w13, (j, slice(0, inter)))
         plan[f"{p}experts.{i}.w3.weight"] = Target((inter, d), w13, (j, slice(inter, 2 * inter)))
         plan[f"{p}experts.{i}.w2.weight"] = Target((d, inter), w2, (j,))
-    plan.update(_mlp_plan(d, inter * cfg.num_shared_experts, p + "shared_experts.", tp))
+    if folds_shared_expert(cfg, tp):  # stacked after the routed experts, read straight into w13[E] / w2[E]
+        s = p + "shared_experts."
+        plan[s + "gate_proj.weight"] = Target((inter, d), p + "w13", (e, slice(0, inter)))
+        plan[s + "up_proj.weight"] = Target((inter, d), p + "w13", (e, slice(inter, 2 * inter)))
+        plan[s + "down_proj.weight"] = Target((d, inter), p + "w2", (e,))
+    else:
+        plan.update(_mlp_plan(d, inter * cfg.num_shared_experts, p + "shared_experts.", tp))
     return plan
 
 

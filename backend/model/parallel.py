@@ -58,6 +58,12 @@ class TP:
         return slice(self.rank * k, (self.rank + 1) * k)
 
 
+def folds_shared_expert(cfg, tp: TP) -> bool:
+    """Whether KimiMoE stacks its shared expert as expert E of w13 / w2 (one fused_moe call, no separate dense MLP):
+    unsharded (W = 1) and exactly one shared expert, which then has a routed expert's shape."""
+    return tp.world == 1 and cfg.num_shared_experts == 1
+
+
 def check_divisible(cfg, world: int):
     """Every sharded dimension must split evenly over `world` ranks."""
     if world < 1:

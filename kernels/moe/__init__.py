@@ -18,13 +18,18 @@ def moe_router(
     routed_scaling_factor: float = 1.0,
     renormalize: bool = True,
     biased_weights: bool = False,
+    append_expert: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (topk_weights [T, k] fp32, topk_ids [T, k] int32). See kernels/moe/ref.py for the exact semantics."""
+    """-> (topk_weights [T, k] fp32, topk_ids [T, k] int32). See kernels/moe/ref.py for the exact semantics.
+
+    append_expert: also a last column (id append_expert, weight 1.0) -> [T, k + 1]: an always-on expert (the model's
+    shared expert, stacked as expert E) in the same fused_moe call. The Triton path writes it in the top-k kernel."""
     if use_triton(x):
         from kernels.moe.router import moe_router_triton
 
-        return moe_router_triton(x, gate_w, bias, top_k, routed_scaling_factor, renormalize, biased_weights)
-    return moe_router_ref(x, gate_w, bias, top_k, routed_scaling_factor, renormalize, biased_weights)
+        return moe_router_triton(x, gate_w, bias, top_k, routed_scaling_factor, renormalize, biased_weights,
+                                 append_expert)
+    return moe_router_ref(x, gate_w, bias, top_k, routed_scaling_factor, renormalize, biased_weights, append_expert)
 
 
 def fused_moe(

@@ -21,6 +21,7 @@ def moe_router_ref(
     routed_scaling_factor: float = 1.0,
     renormalize: bool = True,
     biased_weights: bool = False,
+    append_expert: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid router with a selection-only correction bias.
 
@@ -29,6 +30,8 @@ def moe_router_ref(
     logits = x.float() @ gate_w.float().T; s = sigmoid(logits); pick top-k of s + bias;
     weights = s at the picked ids (biased_weights=True: s + bias, reproducing the HF remote-code in-place aliasing);
     renormalize: w / (sum(w) + 1e-20); then w * routed_scaling_factor.
+    append_expert (int): one more column [T, k + 1], id append_expert with weight 1.0 (an always-on expert, e.g. the
+    shared expert stacked after the routed ones); it takes no part in the selection, renormalisation or scaling.
     """
     logits = x.float() @ gate_w.float().t()
     scores = torch.sigmoid(logits)
@@ -38,7 +41,11 @@ def moe_router_ref(
     if renormalize:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
     w = w * routed_scaling_factor
-    return w.float().contiguous(), ids.to(torch.int32).contiguous()
+    w, ids = w.float(), ids.to(torch.int32)
+    if append_expert is not None:
+        w = torch.cat([w, w.new_ones(w.shape[0], 1)], dim=1)
+        ids = torch.cat([ids, ids.new_full((ids.shape[0], 1), append_expert)], dim=1)
+    return w.contiguous(), ids.contiguous()
 
 
 def fused_moe_ref(

@@ -82,10 +82,13 @@ def _router_logits_kernel(
 
 @triton.jit
 def _router_topk_kernel(
-    logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, T, E, stride_lt, scale,
+    logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, T, E, stride_lt, scale, extra_id,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr,
+    OUT_K: tl.constexpr,
 ):
+    # output rows (OUT_K = TOP_K + HAS_EXTRA) hold TOP_K routed columns, then (HAS_EXTRA) one always-on column:
+    # id extra_id, weight 1.0
     pid = tl.program_id(0)
     offs_t = pid * BT + tl.arange(0, BT)
     offs_e = tl.arange(0, BLOCK_E)
@@ -122,9 +125,13 @@ def _router_topk_kernel(
         top_w = top_w / denom[:, None]
     top_w = top_w * scale
     omask = t_ok[:, None] & (offs_k[None, :] < TOP_K)
-    optr = offs_t[:, None].to(tl.int64) * TOP_K + offs_k[None, :]
+    optr = offs_t[:, None].to(tl.int64) * OUT_K + offs_k[None, :]
     tl.store(w_out_ptr + optr, top_w, mask=omask)
     tl.store(id_out_ptr + optr, top_i, mask=omask)
+    if HAS_EXTRA:
+        eptr = offs_t.to(tl.int64) * OUT_K + TOP_K
+        tl.store(w_out_ptr + eptr, tl.zeros((BT,), dtype=tl.float32) + 1.0, mask=t_ok)
+        tl.store(id_out_ptr + eptr, tl.zeros((BT,), dtype=tl.int32) + extra_id, mask=t_ok)
 
 
 def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
@@ -152,11 +159,15 @@ def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def router_topk_triton(logits, bias, top_k, routed_scaling_factor=1.0, renormalize=True, biased_weights=False):
-    """logits [T, E] fp32 -> (topk_weights [T, k] fp32, topk_ids [T, k] int32)."""
+def router_topk_triton(logits, bias, top_k, routed_scaling_factor=1.0, renormalize=True, biased_weights=False,
+                       append_expert=None):
+    """logits [T, E] fp32 -> (topk_weights [T, k] fp32, topk_ids [T, k] int32); with append_expert a last column
+    (id append_expert, weight 1.0) is written by the same kernel -> [T, k + 1]."""
     T, E = logits.shape
-    w = torch.empty(T, top_k, device=logits.device, dtype=torch.float32)
-    ids = torch.empty(T, top_k, device=logits.device, dtype=torch.int32)
+    has_extra = append_expert is not None
+    out_k = top_k + int(has_extra)
+    w = torch.empty(T, out_k, device=logits.device, dtype=torch.float32)
+    ids = torch.empty(T, out_k, device=logits.device, dtype=torch.int32)
     if T == 0:
         return w, ids
     assert 1 <= top_k <= E
@@ -167,13 +178,16 @@ def router_topk_triton(logits, bias, top_k, routed_scaling_factor=1.0, renormali
     bias_arg = bias.contiguous() if has_bias else logits
     _router_topk_kernel[(triton.cdiv(T, BT),)](
         logits, bias_arg, w, ids, T, E, logits.stride(0), float(routed_scaling_factor),
+        int(append_expert) if has_extra else 0,
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BT=BT, BLOCK_E=BLOCK_E,
-        HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights), RENORM=bool(renormalize), num_warps=4,
+        HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights), RENORM=bool(renormalize), HAS_EXTRA=has_extra,
+        OUT_K=out_k, num_warps=4,
     )
     return w, ids
 
 
-def moe_router_triton(x, gate_w, bias, top_k, routed_scaling_factor=1.0, renormalize=True, biased_weights=False):
+def moe_router_triton(x, gate_w, bias, top_k, routed_scaling_factor=1.0, renormalize=True, biased_weights=False,
+                      append_expert=None):
     """Same contract as ``moe_router_ref``."""
     logits = router_logits_triton(x, gate_w)
-    return router_topk_triton(logits, bias, top_k, routed_scaling_factor, renormalize, biased_weights)
+    return router_topk_triton(logits, bias, top_k, routed_scaling_factor, renormalize, biased_weights, append_expert)

@@ -106,6 +106,37 @@ def test_router_triton(T, dtype):
     torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
 
 
+def test_router_append_expert_ref():
+    T, D, E, k = 5, 16, 8, 3
+    x, g, b = torch.randn(T, D), torch.randn(E, D), torch.randn(E) * 0.5
+    w, ids = moe_router_ref(x, g, b, k, 2.446, True)
+    wa, ia = moe_router_ref(x, g, b, k, 2.446, True, append_expert=E)
+    assert wa.shape == ia.shape == (T, k + 1) and ia.dtype == torch.int32 and wa.dtype == torch.float32
+    assert torch.equal(wa[:, :k], w) and torch.equal(ia[:, :k], ids)
+    assert torch.all(wa[:, k] == 1.0) and torch.all(ia[:, k] == E)
+    wd, idd = moe_router(x, g, b, k, 2.446, True, append_expert=E)  # dispatch passes it on
+    assert idd.shape == (T, k + 1)
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [1, 17, 40])
+@pytest.mark.parametrize("k", [1, 3])
+def test_router_triton_append_expert(T, k):
+    """append_expert: the top-k kernel writes a last column (id, weight 1.0) into a [T, k+1] output."""
+    from kernels.moe.router import moe_router_triton
+
+    D, E = 48, 12
+    x, g, b = torch.randn(T, D, device=DEV), torch.randn(E, D, device=DEV), torch.randn(E, device=DEV) * 0.3
+    for renorm in (True, False):
+        w, ids = moe_router_triton(x, g, b, k, 2.446, renorm, False, E)
+        wr, ir = moe_router_ref(x, g, b, k, 2.446, renorm, False, append_expert=E)
+        assert w.shape == ids.shape == (T, k + 1) and ids.dtype == torch.int32 and w.dtype == torch.float32
+        assert w.is_contiguous() and ids.is_contiguous()
+        assert torch.equal(ids, ir)
+        torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
+        assert torch.all(w[:, k] == 1.0) and torch.all(ids[:, k] == E)
+
+
 @needs_triton
 def test_router_ties_lower_index_first():
     from kernels.moe.router import moe_router_triton, router_topk_triton
@@ -217,6 +248,32 @@ def test_fused_moe_routing_patterns(case):
 
 
 @needs_triton
+@pytest.mark.parametrize("T", [1, 5, 17, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_always_on_extra_expert(T, dtype):
+    """The model's folded shared expert: E routed experts plus expert E that every token uses with weight 1.0
+    (last column), so one expert gets all T tokens while the others get a few; vs the reference and vs routed +
+    a separate dense expert."""
+    from kernels.moe.fused import fused_moe_triton
+
+    D, I, E, k = 64, 32, 8, 3
+    x, w13, w2, w, ids = make_moe(T, D, I, E + 1, k, dtype,
+                                  ids=torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(DEV))
+    ids = torch.cat([ids, torch.full((T, 1), E, dtype=torch.int32, device=DEV)], dim=1)
+    w = torch.cat([w, torch.ones(T, 1, device=DEV)], dim=1)
+    out = fused_moe_triton(x, w13, w2, w, ids)
+    assert out.dtype == dtype and out.shape == (T, D)
+    ref32 = fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)
+    assert rms_ratio(out, ref32) <= _tol(dtype)
+    # the same sum as routed experts plus the extra expert on its own (fp32 operands)
+    routed = fused_moe_ref(x.float(), w13[:E].float(), w2[:E].float(), w[:, :k], ids[:, :k])
+    h = x.float() @ w13[E].float().T
+    dense = (torch.nn.functional.silu(h[:, :I]) * h[:, I:]) @ w2[E].float().T
+    assert rms_ratio(ref32, routed + dense) <= 1e-5
+    assert torch.equal(out, fused_moe_triton(x, w13, w2, w, ids))
+
+
+@needs_triton
 def test_fused_moe_nan_prefill_and_deterministic():
     from kernels.moe.fused import fused_moe_triton
 
@@ -286,6 +343,21 @@ def test_kimi_fused_moe_gpu(T):
     ref32 = fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)
     assert rms_ratio(out, ref32) <= 5e-3
     assert rms_ratio(out, fused_moe_ref(x, w13, w2, w, ids)) <= 1e-2
+    assert torch.equal(out, fused_moe(x, w13, w2, w, ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 1000])
+def test_kimi_fused_moe_shared_expert_gpu(T):
+    """The model's unsharded path: the shared expert stacked as expert E, appended by the router to every token."""
+    D, I, E, k = KIMI["D"], KIMI["I"], KIMI["E"], KIMI["k"]
+    x, w13, w2, _, _ = make_moe(T, D, I, E + 1, k, torch.bfloat16, "cuda", ids=torch.zeros(T, k, dtype=torch.long))
+    g = (torch.randn(E, D, device="cuda") / D**0.5).to(torch.bfloat16)
+    w, ids = moe_router(x, g, torch.randn(E, device="cuda") * 0.05, k, KIMI["scale"], True, append_expert=E)
+    assert ids.shape == (T, k + 1) and bool((ids[:, k] == E).all()) and bool((w[:, k] == 1.0).all())
+    out = fused_moe(x, w13, w2, w, ids)
+    ref32 = fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)
+    assert rms_ratio(out, ref32) <= 5e-3
     assert torch.equal(out, fused_moe(x, w13, w2, w, ids))
 
 

@@ -63,7 +63,22 @@ def test_loads_and_packs(fp32_dir, fp32_model):
     w13 = torch.cat([a[f"{moe}experts.{e}.w1.weight"], a[f"{moe}experts.{e}.w3.weight"]])
     assert torch.equal(params[moe + "w13"][e], w13)
     assert torch.equal(params[moe + "w2"][e], a[f"{moe}experts.{e}.w2.weight"])
+    # unsharded: the shared expert is stacked as expert E (one fused_moe call), not a separate MLP
+    E = fp32_model.config.num_experts
+    assert params[moe + "w13"].shape[0] == params[moe + "w2"].shape[0] == E + 1
+    shared = torch.cat([a[f"{moe}shared_experts.gate_proj.weight"], a[f"{moe}shared_experts.up_proj.weight"]])
+    assert torch.equal(params[moe + "w13"][E], shared)
+    assert torch.equal(params[moe + "w2"][E], a[f"{moe}shared_experts.down_proj.weight"])
+    assert not any("shared_experts" in n for n in params)
     assert torch.equal(params["lm_head.weight"], a["lm_head.weight"])
+
+
+def test_random_weights_same_layout(fp32_model):
+    from backend.model.random_weights import random_model
+
+    model = random_model(fp32_model.config, "cpu", torch.float32)
+    assert [(n, p.shape) for n, p in model.named_parameters()] == \
+        [(n, p.shape) for n, p in fp32_model.named_parameters()]
 
 
 def test_single_file_checkpoint(fp32_dir, fp32_model, tmp_path):
@@ -85,6 +100,19 @@ def test_bf16_load_keeps_gate_params_fp32(fp32_dir):
 def test_missing_tensor(ckpt):
     name = "model.layers.1.self_attn.dt_bias"
     shard = _index(ckpt)["weight_map"][name]
+    _rewrite(ckpt, shard, lambda t: t.pop(name))
+    with pytest.raises(CheckpointError, match=f"missing tensor {name}"):
+        load_model(ckpt, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("proj", ["gate_proj", "up_proj", "down_proj"])
+def test_shared_expert_missing_or_misshaped(ckpt, proj):
+    """The folded shared expert (read into w13[E] / w2[E]) is still checked by its checkpoint name."""
+    name = f"model.layers.1.block_sparse_moe.shared_experts.{proj}.weight"
+    shard = _index(ckpt)["weight_map"][name]
+    _rewrite(ckpt, shard, lambda t: t.update({name: torch.zeros(*t[name].shape[:-1], t[name].shape[-1] + 1)}))
+    with pytest.raises(CheckpointError, match=f"tensor {name} has shape"):
+        load_model(ckpt, "cpu", torch.float32)
     _rewrite(ckpt, shard, lambda t: t.pop(name))
     with pytest.raises(CheckpointError, match=f"missing tensor {name}"):
         load_model(ckpt, "cpu", torch.float32)
@@ -193,3 +221,6 @@ def test_plan_matches_official_inventory():
     assert sum(math.prod(t.shape) for t in plan.values()) == 49_122_681_728
     assert plan["model.layers.3.self_attn.kv_b_proj.weight"].shape == (8192, 512)
     assert plan["model.layers.0.self_attn.A_log"].shape == (1, 1, 32, 1)
+    shared = plan["model.layers.5.block_sparse_moe.shared_experts.up_proj.weight"]
+    assert shared.shape == (1024, 2304) and shared.param == "model.layers.5.block_sparse_moe.w13"
+    assert shared.index == (256, slice(1024, 2048))

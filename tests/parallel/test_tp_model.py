@@ -29,11 +29,15 @@ def test_shard_shapes(tp_dir):
     full = load_model(tp_dir, "cpu", torch.float32)
     half = load_model(tp_dir, "cpu", torch.float32, TP(1, 2))
     f, h = dict(full.named_parameters()), dict(half.named_parameters())
-    assert set(f) == set(h)
+    # unsharded, the shared expert is stacked as expert E of w13 / w2; sharded it is 1/W of a separate MLP
+    # (moe_intermediate_size 32: rank 1 holds its rows / columns 16:32)
+    assert set(f) == {n for n in h if ".shared_experts." not in n}
     torch.testing.assert_close(h["model.embed_tokens.weight"], f["model.embed_tokens.weight"][128:], rtol=0, atol=0)
     torch.testing.assert_close(h["lm_head.weight"], f["lm_head.weight"][128:], rtol=0, atol=0)
     moe = "model.layers.1.block_sparse_moe."
-    torch.testing.assert_close(h[moe + "w13"], f[moe + "w13"][4:], rtol=0, atol=0)
+    torch.testing.assert_close(h[moe + "w13"], f[moe + "w13"][4:8], rtol=0, atol=0)
+    torch.testing.assert_close(h[moe + "shared_experts.up_proj.weight"], f[moe + "w13"][8, 32 + 16:], rtol=0, atol=0)
+    torch.testing.assert_close(h[moe + "shared_experts.down_proj.weight"], f[moe + "w2"][8][:, 16:], rtol=0, atol=0)
     torch.testing.assert_close(h[moe + "gate.weight"], f[moe + "gate.weight"], rtol=0, atol=0)
     kda = "model.layers.0.self_attn."
     hk = 4 * 16
