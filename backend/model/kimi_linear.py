@@ -42,22 +42,24 @@ class KimiDeltaAttention(nn.Module):
         super().__init__()
         d, h, k = cfg.hidden_size, cfg.kda_num_heads // tp.world, cfg.kda_head_dim
         self.cache_index, self.eps = cache_index, cfg.rms_norm_eps
-        self.qkv_proj = _linear(d, 3 * h * k, dtype)
+        # one input projection (checkpoint q/k/v/f_a/g_a/b_proj rows, loader.py) -> [T, 3HK + 2K + H]
+        self.in_proj = _linear(d, 3 * h * k + 2 * k + h, dtype)
         # fp32 like vLLM: the gate and the conv are sensitive to bf16 rounding
         self.conv_weight = nn.Parameter(torch.empty(3 * h * k, cfg.conv_size, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(h, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(h * k, dtype=torch.float32))
-        self.f_a_proj, self.f_b_proj = _linear(d, k, dtype), _linear(k, h * k, dtype)
-        self.b_proj = _linear(d, h, dtype)
-        self.g_a_proj, self.g_b_proj = _linear(d, k, dtype), _linear(k, h * k, dtype)
+        # f_b_proj and g_b_proj weights stacked [2, HK, K]: both rank-K up-projections in one batched matmul
+        self.fg_b_proj = nn.Parameter(torch.empty(2, h * k, k, dtype=dtype))
+        self.qkv_dim, self.head_dim = 3 * h * k, k
         self.o_norm = RMSNorm(k, cfg.rms_norm_eps, dtype)
         self.o_proj = _linear(h * k, d, dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
-        qkv = self.qkv_proj(x)                      # [T, 3HK] pre-conv q | k | v
-        z = self.f_b_proj(self.f_a_proj(x))         # [T, HK] forget-gate logits
-        b = self.b_proj(x)                          # [T, H] beta logits
-        r = self.g_b_proj(self.g_a_proj(x))         # [T, HV] output-gate logits
+        y = self.in_proj(x)                         # [T, 3HK + 2K + H]
+        c, k = self.qkv_dim, self.head_dim
+        qkv, b = y[:, :c], y[:, c + 2 * k:]         # [T, 3HK] pre-conv q | k | v, [T, H] beta logits (row views)
+        fg_a = y[:, c:c + 2 * k].view(-1, 2, k).transpose(0, 1)                  # [2, T, K] f_a | g_a outputs
+        z, r = torch.bmm(fg_a, self.fg_b_proj.transpose(1, 2)).unbind(0)       # [T, HK] forget, output gates
         conv, rec = cache.conv_state[self.cache_index], cache.rec_state[self.cache_index]
         w, nd, outs = self.o_norm.weight, batch.num_decodes, []
         if nd:
@@ -81,17 +83,19 @@ class KimiMLA(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.scale = cfg.qk_head_dim ** -0.5
         self.expanded = False  # test switch: decompress keys/values and attend per head
-        self.q_proj = _linear(d, h * cfg.qk_head_dim, dtype)
-        self.kv_a_proj_with_mqa = _linear(d, lat + self.rope, dtype)
+        # one input projection: checkpoint q_proj rows (local heads) | kv_a_proj_with_mqa rows -> [T, H*(nope+R) + L+R]
+        self.q_dim = h * cfg.qk_head_dim
+        self.in_proj = _linear(d, self.q_dim + lat + self.rope, dtype)
         self.kv_a_layernorm = RMSNorm(lat, cfg.kv_a_layernorm_eps, dtype)
         self.kv_b_proj = _linear(lat, h * (self.nope + self.v_dim), dtype)
         self.o_proj = _linear(h * self.v_dim, d, dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
-        q = self.q_proj(x).view(-1, self.num_heads, self.nope + self.rope)
+        y = self.in_proj(x)
+        q = y[:, :self.q_dim].view(-1, self.num_heads, self.nope + self.rope)
         q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]          # [T, H, nope], [T, H, R] (no rotary)
-        ckv = self.kv_a_proj_with_mqa(x)                                # [T, L+R]
-        c = self.kv_a_layernorm(ckv[:, :self.kv_lora_rank].contiguous())
+        ckv = y[:, self.q_dim:]                                         # [T, L+R] (row view)
+        c = self.kv_a_layernorm(ckv[:, :self.kv_lora_rank])            # rmsnorm takes a row stride
         latent_cache = cache.latent[self.cache_index]
         store_latent(torch.cat([c, ckv[:, self.kv_lora_rank:]], dim=-1), latent_cache, batch.slot_mapping)
         attend = self._attend_expanded if self.expanded else self._attend_absorbed
@@ -149,11 +153,13 @@ class KimiMLA(nn.Module):
 class KimiMLP(nn.Module):
     def __init__(self, dim: int, inter: int, dtype: torch.dtype):
         super().__init__()
-        self.gate_proj, self.up_proj = _linear(dim, inter, dtype), _linear(dim, inter, dtype)
+        self.inter = inter
+        self.gate_up_proj = _linear(dim, 2 * inter, dtype)  # checkpoint gate_proj rows | up_proj rows
         self.down_proj = _linear(inter, dim, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gu = self.gate_up_proj(x)                               # [T, 2I]
+        return self.down_proj(F.silu(gu[:, :self.inter]) * gu[:, self.inter:])
 
 
 class KimiRouter(nn.Module):

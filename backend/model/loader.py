@@ -3,7 +3,11 @@
 The checkpoint keeps the official names. Packed parameters are filled from several checkpoint tensors:
 
     checkpoint tensor (per layer prefix)           -> model parameter [shape]
-    self_attn.{q,k,v}_proj.weight      (KDA)       -> self_attn.qkv_proj.weight [3*H*K, D], rows q | k | v
+    self_attn.{q,k,v,f_a,g_a,b}_proj.weight (KDA)  -> self_attn.in_proj.weight [3*H*K + 2*K + H, D],
+                                                      rows q | k | v | f_a | g_a | b
+    self_attn.{f_b,g_b}_proj.weight    (KDA)       -> self_attn.fg_b_proj [2, H*K, K] (f_b, then g_b)
+    self_attn.q_proj / kv_a_proj_with_mqa.weight (MLA) -> self_attn.in_proj.weight [H*(nope+R) + L+R, D], q rows first
+    mlp.{gate,up}_proj.weight (and unfolded shared_experts.*) -> gate_up_proj.weight [2*I, D], gate rows first
     self_attn.{q,k,v}_conv1d.weight    [C, 1, W]   -> self_attn.conv_weight [3*C, W] fp32, rows q | k | v
     self_attn.A_log                    [1, 1, H, 1] -> self_attn.A_log [H] fp32
     self_attn.dt_bias                  [H*K]       -> self_attn.dt_bias fp32
@@ -17,7 +21,8 @@ The checkpoint keeps the official names. Packed parameters are filled from sever
 Every other tensor maps to the parameter of the same name.
 
 Tensor parallel (backend/model/parallel.py): each rank reads only its part of each tensor (`Target.src`, sliced
-while reading) and skips the experts of other ranks (`Target.param` None).
+while reading) and skips the experts of other ranks (`Target.param` None). A packed parameter holds each component's
+shard (H, I above are per rank; f_a, g_a and kv_a are replicated), so its row ranges are per-rank sizes.
 """
 import json
 import logging
@@ -157,14 +162,19 @@ def _kda_plan(cfg: ModelConfig, p: str, tp: TP) -> dict:
     plan = {}
     for j, x in enumerate("qkv"):
         rows = slice(j * hk_local, (j + 1) * hk_local)
-        plan[f"{p}{x}_proj.weight"] = Target((hk, d), p + "qkv_proj.weight", (rows,), _rows(tp, hk))
+        plan[f"{p}{x}_proj.weight"] = Target((hk, d), p + "in_proj.weight", (rows,), _rows(tp, hk))
         plan[f"{p}{x}_conv1d.weight"] = Target((hk, 1, w), p + "conv_weight", (rows,), _rows(tp, hk))
+    c = 3 * hk_local  # then f_a | g_a (replicated) | b (this rank's heads)
+    plan[p + "f_a_proj.weight"] = Target((k, d), p + "in_proj.weight", (slice(c, c + k),))
+    plan[p + "g_a_proj.weight"] = Target((k, d), p + "in_proj.weight", (slice(c + k, c + 2 * k),))
+    plan[p + "b_proj.weight"] = Target((h, d), p + "in_proj.weight", (slice(c + 2 * k, c + 2 * k + h // tp.world),),
+                                       _rows(tp, h))
+    plan[p + "f_b_proj.weight"] = Target((hk, k), p + "fg_b_proj", (0,), _rows(tp, hk))
+    plan[p + "g_b_proj.weight"] = Target((hk, k), p + "fg_b_proj", (1,), _rows(tp, hk))
     heads = (slice(None), slice(None), tp.part(h)) if tp.world > 1 else ()
     plan[p + "A_log"] = Target((1, 1, h, 1), p + "A_log", (), heads)
-    for name, shape, src in (("dt_bias", (hk,), _rows(tp, hk)), ("f_a_proj.weight", (k, d), ()),
-                             ("f_b_proj.weight", (hk, k), _rows(tp, hk)), ("b_proj.weight", (h, d), _rows(tp, h)),
-                             ("g_a_proj.weight", (k, d), ()), ("g_b_proj.weight", (hk, k), _rows(tp, hk)),
-                             ("o_norm.weight", (k,), ()), ("o_proj.weight", (d, hk), _cols(tp, hk))):
+    for name, shape, src in (("dt_bias", (hk,), _rows(tp, hk)), ("o_norm.weight", (k,), ()),
+                             ("o_proj.weight", (d, hk), _cols(tp, hk))):
         plan[p + name] = Target(shape, p + name, (), src)
     return plan
 
@@ -173,16 +183,21 @@ def _mla_plan(cfg: ModelConfig, p: str, tp: TP) -> dict:
     d, h, lat, rope = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     q, kv, o = h * cfg.qk_head_dim, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), h * cfg.v_head_dim
     # q_proj and kv_b_proj rows and o_proj columns are head-major: a rank's heads are one contiguous range
-    shapes = {"q_proj.weight": ((q, d), _rows(tp, q)), "kv_a_proj_with_mqa.weight": ((lat + rope, d), ()),
-              "kv_a_layernorm.weight": ((lat,), ()), "kv_b_proj.weight": ((kv, lat), _rows(tp, kv)),
+    shapes = {"kv_a_layernorm.weight": ((lat,), ()), "kv_b_proj.weight": ((kv, lat), _rows(tp, kv)),
               "o_proj.weight": ((d, o), _cols(tp, o))}
-    return {p + n: Target(s, p + n, (), src) for n, (s, src) in shapes.items()}
+    plan = {p + n: Target(s, p + n, (), src) for n, (s, src) in shapes.items()}
+    q_local = q // tp.world  # in_proj rows: this rank's q heads | the replicated kv_a rows
+    plan[p + "q_proj.weight"] = Target((q, d), p + "in_proj.weight", (slice(0, q_local),), _rows(tp, q))
+    plan[p + "kv_a_proj_with_mqa.weight"] = Target((lat + rope, d), p + "in_proj.weight",
+                                                   (slice(q_local, q_local + lat + rope),))
+    return plan
 
 
 def _mlp_plan(d: int, inter: int, p: str, tp: TP) -> dict:
-    shapes = {"gate_proj.weight": ((inter, d), _rows(tp, inter)), "up_proj.weight": ((inter, d), _rows(tp, inter)),
-              "down_proj.weight": ((d, inter), _cols(tp, inter))}
-    return {p + n: Target(s, p + n, (), src) for n, (s, src) in shapes.items()}
+    i = inter // tp.world  # gate_up_proj rows: this rank's gate rows | its up rows
+    return {p + "gate_proj.weight": Target((inter, d), p + "gate_up_proj.weight", (slice(0, i),), _rows(tp, inter)),
+            p + "up_proj.weight": Target((inter, d), p + "gate_up_proj.weight", (slice(i, 2 * i),), _rows(tp, inter)),
+            p + "down_proj.weight": Target((d, inter), p + "down_proj.weight", (), _cols(tp, inter))}
 
 
 def _moe_plan(cfg: ModelConfig, p: str, tp: TP) -> dict:

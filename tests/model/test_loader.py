@@ -56,8 +56,17 @@ def test_loads_and_packs(fp32_dir, fp32_model):
     assert torch.equal(params[attn + "A_log"], a[attn + "A_log"].flatten())
     conv = torch.cat([a[f"{attn}{x}_conv1d.weight"][:, 0] for x in "qkv"])
     assert params[attn + "conv_weight"].dtype == torch.float32 and torch.equal(params[attn + "conv_weight"], conv)
-    qkv = torch.cat([a[f"{attn}{x}_proj.weight"] for x in "qkv"])
-    assert torch.equal(params[attn + "qkv_proj.weight"], qkv)
+    in_proj = torch.cat([a[f"{attn}{x}_proj.weight"] for x in ("q", "k", "v", "f_a", "g_a", "b")])
+    assert torch.equal(params[attn + "in_proj.weight"], in_proj)
+    fg_b = torch.stack([a[f"{attn}{x}_proj.weight"] for x in ("f_b", "g_b")])
+    assert torch.equal(params[attn + "fg_b_proj"], fg_b)
+    cfg = fp32_model.config
+    mla = f"model.layers.{cfg.mla_layers[0]}.self_attn."
+    assert torch.equal(params[mla + "in_proj.weight"],
+                       torch.cat([a[mla + "q_proj.weight"], a[mla + "kv_a_proj_with_mqa.weight"]]))
+    mlp = next(f"model.layers.{i}.mlp." for i in range(cfg.num_hidden_layers) if not cfg.is_moe(i))
+    assert torch.equal(params[mlp + "gate_up_proj.weight"],
+                       torch.cat([a[mlp + "gate_proj.weight"], a[mlp + "up_proj.weight"]]))
     moe = p + "block_sparse_moe."
     e = 5
     w13 = torch.cat([a[f"{moe}experts.{e}.w1.weight"], a[f"{moe}experts.{e}.w3.weight"]])

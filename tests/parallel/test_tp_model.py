@@ -36,14 +36,28 @@ def test_shard_shapes(tp_dir):
     torch.testing.assert_close(h["lm_head.weight"], f["lm_head.weight"][128:], rtol=0, atol=0)
     moe = "model.layers.1.block_sparse_moe."
     torch.testing.assert_close(h[moe + "w13"], f[moe + "w13"][4:8], rtol=0, atol=0)
-    torch.testing.assert_close(h[moe + "shared_experts.up_proj.weight"], f[moe + "w13"][8, 32 + 16:], rtol=0, atol=0)
+    # shared gate_up_proj rows: gate 16:32 | up 16:32 of the stacked expert 8's [gate 0:32 | up 32:64]
+    torch.testing.assert_close(h[moe + "shared_experts.gate_up_proj.weight"],
+                               torch.cat([f[moe + "w13"][8, 16:32], f[moe + "w13"][8, 32 + 16:]]), rtol=0, atol=0)
     torch.testing.assert_close(h[moe + "shared_experts.down_proj.weight"], f[moe + "w2"][8][:, 16:], rtol=0, atol=0)
     torch.testing.assert_close(h[moe + "gate.weight"], f[moe + "gate.weight"], rtol=0, atol=0)
     kda = "model.layers.0.self_attn."
-    hk = 4 * 16
-    q, k = f[kda + "qkv_proj.weight"][hk // 2:hk], f[kda + "qkv_proj.weight"][hk + hk // 2:2 * hk]
-    torch.testing.assert_close(h[kda + "qkv_proj.weight"][:hk // 2], q, rtol=0, atol=0)
-    torch.testing.assert_close(h[kda + "qkv_proj.weight"][hk // 2:hk], k, rtol=0, atol=0)
+    hk, k_dim = 4 * 16, 16
+    # in_proj rows: q | k | v (this rank's heads) | f_a | g_a (replicated) | b (this rank's heads)
+    fi, hi = f[kda + "in_proj.weight"], h[kda + "in_proj.weight"]
+    assert hi.shape[0] == 3 * hk // 2 + 2 * k_dim + 2
+    torch.testing.assert_close(hi[:hk // 2], fi[hk // 2:hk], rtol=0, atol=0)                       # q
+    torch.testing.assert_close(hi[hk // 2:hk], fi[hk + hk // 2:2 * hk], rtol=0, atol=0)            # k
+    torch.testing.assert_close(hi[3 * hk // 2:3 * hk // 2 + 2 * k_dim], fi[3 * hk:3 * hk + 2 * k_dim], rtol=0, atol=0)
+    torch.testing.assert_close(hi[-2:], fi[-2:], rtol=0, atol=0)                                    # b heads 2:4
+    torch.testing.assert_close(h[kda + "fg_b_proj"], f[kda + "fg_b_proj"][:, hk // 2:], rtol=0, atol=0)
+    mla = "model.layers.1.self_attn."
+    fm, hm = f[mla + "in_proj.weight"], h[mla + "in_proj.weight"]
+    q_rows = fm.shape[0] - (32 + 8)
+    torch.testing.assert_close(hm[:q_rows // 2], fm[q_rows // 2:q_rows], rtol=0, atol=0)             # q heads 2:4
+    torch.testing.assert_close(hm[q_rows // 2:], fm[q_rows:], rtol=0, atol=0)                       # kv_a replicated
+    fg, hg = f["model.layers.0.mlp.gate_up_proj.weight"], h["model.layers.0.mlp.gate_up_proj.weight"]
+    torch.testing.assert_close(hg, torch.cat([fg[64:128], fg[192:]]), rtol=0, atol=0)  # gate, up rows 64:128 of 128
     torch.testing.assert_close(h[kda + "A_log"], f[kda + "A_log"][2:], rtol=0, atol=0)
     torch.testing.assert_close(h[kda + "o_proj.weight"], f[kda + "o_proj.weight"][:, hk // 2:], rtol=0, atol=0)
     cache = half.allocate_cache(3, 2, 4)
