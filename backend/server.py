@@ -18,6 +18,8 @@ from collections import deque
 from concurrent import futures
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -571,6 +573,128 @@ def _fill_unimplemented():
 _fill_unimplemented()
 
 
+class _Undecodable:
+    """What the request deserializer hands a method instead of a message when the bytes do not parse."""
+
+    __slots__ = ("detail",)
+
+    def __init__(self, detail):
+        self.detail = detail
+
+
+def _varint(data: bytes, i: int) -> tuple:
+    n = shift = 0
+    while True:
+        b = data[i]
+        n |= (b & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if b < 0x80:
+            return n, i
+
+
+def _bad_utf8_field(desc, data: bytes, path: str = ""):
+    """-> ("Messages[1].content", "byte 2: b'\\xff'") for the first string field of a serialized `desc` message that is
+    not UTF-8, else None. Walks the wire format with the descriptor; raises on bytes that are not a message at all."""
+    i, seen = 0, {}
+    while i < len(data):
+        key, i = _varint(data, i)
+        num, wire = key >> 3, key & 7
+        if wire == 0:
+            _, i = _varint(data, i)
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        elif wire == 2:
+            n, i = _varint(data, i)
+            chunk, i = data[i:i + n], i + n
+            f = desc.fields_by_number.get(num)
+            if f is None or f.type not in (f.TYPE_STRING, f.TYPE_MESSAGE):
+                continue
+            name = path + f.name
+            if f.is_repeated:
+                seen[num] = seen.get(num, -1) + 1
+                name += f"[{seen[num]}]"
+            if f.type == f.TYPE_STRING:
+                try:
+                    chunk.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return name, f"byte {e.start}: {chunk[e.start:e.start + 4]!r}"
+            else:
+                inner = _bad_utf8_field(f.message_type, chunk, name + ".")
+                if inner is not None:
+                    return inner
+        else:  # groups (3, 4) are not used by this proto: not a message we sent
+            raise ValueError(f"wire type {wire}")
+    return None
+
+
+def _decode_error_detail(desc, data: bytes, error: DecodeError) -> str:
+    try:
+        field = _bad_utf8_field(desc, data)
+    except (IndexError, ValueError):
+        field = None
+    if field is not None:
+        return (f"the request is not a valid {desc.full_name}: string field {field[0]} is not valid UTF-8 "
+                f"({field[1]}; protobuf string fields must hold UTF-8 text)")
+    return f"the request is not a valid {desc.full_name} protobuf message ({error})"
+
+
+def _request_deserializer(cls):
+    """cls.FromString that never raises: bytes that do not parse (e.g. raw invalid UTF-8 in a string field, which
+    grpc would answer with UNKNOWN before any backend code runs) become an _Undecodable marker."""
+    def deserialize(data: bytes):
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            return _Undecodable(_decode_error_detail(cls.DESCRIPTOR, data, e))
+    return deserialize
+
+
+def _refuse_undecodable(method, server_streaming: bool):
+    """Wraps a servicer method: an _Undecodable request ends the call with INVALID_ARGUMENT naming the problem."""
+    if server_streaming:
+        async def stream_handler(request, context):
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+            gen = method(request, context)
+            try:
+                async for reply in gen:
+                    yield reply
+            finally:
+                await gen.aclose()
+        return stream_handler
+
+    async def handler(request, context):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+        return await method(request, context)
+    return handler
+
+
+_HANDLERS = {  # (client streaming, server streaming) -> grpc handler constructor
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_servicer(servicer, server):
+    """backend_pb2_grpc.add_BackendServicer_to_server, except that a request that does not parse reaches the method
+    as INVALID_ARGUMENT with a message instead of failing inside grpc (UNKNOWN). Streamed requests (methods this
+    backend does not implement) keep the plain handler: they answer UNIMPLEMENTED without reading a message."""
+    service = backend_pb2.DESCRIPTOR.services_by_name["Backend"]
+    handlers = {}
+    for m in service.methods:
+        method = getattr(servicer, m.name)
+        if not m.client_streaming:
+            method = _refuse_undecodable(method, m.server_streaming)
+        handlers[m.name] = _HANDLERS[m.client_streaming, m.server_streaming](
+            method, request_deserializer=_request_deserializer(GetMessageClass(m.input_type)),
+            response_serializer=GetMessageClass(m.output_type).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 def _interceptors():
     """LocalAI's shared interceptors (bearer auth, model identity, parent watch) when run inside its tree."""
     here = os.path.dirname(ROOT)
@@ -613,7 +737,7 @@ async def serve(addr, model=None):
     server = grpc.aio.server(migration_thread_pool=futures.ThreadPoolExecutor(max_workers=MAX_WORKERS),
                              options=GRPC_OPTIONS, interceptors=_interceptors())
     servicer = BackendServicer()
-    backend_pb2_grpc.add_BackendServicer_to_server(servicer, server)
+    add_servicer(servicer, server)
     port = server.add_insecure_port(addr)
     if port == 0:
         raise SystemExit(f"kimi-linear: cannot listen on {addr}")

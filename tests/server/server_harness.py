@@ -129,7 +129,7 @@ class AioServer:
     """A grpc.aio server running BackendServicer on its own event loop thread (loopback, free port)."""
 
     def __init__(self):
-        from backend.server import GRPC_OPTIONS, BackendServicer
+        from backend.server import GRPC_OPTIONS, BackendServicer, add_servicer
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -138,7 +138,7 @@ class AioServer:
         async def start():
             server = grpc.aio.server(options=GRPC_OPTIONS)
             servicer = BackendServicer()
-            pb_grpc.add_BackendServicer_to_server(servicer, server)
+            add_servicer(servicer, server)  # as serve() registers it
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             return server, servicer, port

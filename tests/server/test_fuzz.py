@@ -186,7 +186,7 @@ def _raw_field(number, payload: bytes) -> bytes:
     (23, b'{"1": \xff}'),        # LogitBias
 ])
 def test_invalid_utf8_strings(srv, field, payload):
-    """Clients that bypass protobuf's UTF-8 check: grpc refuses the message before our code; the server lives."""
+    """Clients that bypass protobuf's UTF-8 check: INVALID_ARGUMENT before the request is built; the server lives."""
     raw = pb.PredictOptions(Prompt="hi", Tokens=2).SerializeToString() + _raw_field(field, payload)
     for method in ("Predict", "PredictStream"):
         path = f"/backend.Backend/{method}"
@@ -195,20 +195,21 @@ def test_invalid_utf8_strings(srv, field, payload):
                                          response_deserializer=pb.Reply.FromString)
             try:
                 fn(raw, timeout=CALL_TIMEOUT)
-                code = grpc.StatusCode.OK
+                code, details = grpc.StatusCode.OK, ""
             except grpc.RpcError as e:
-                code = e.code()
+                code, details = e.code(), e.details()
         else:
             fn = srv.channel.unary_stream(path, request_serializer=lambda b: b,
                                           response_deserializer=pb.Reply.FromString)
             try:
                 list(fn(raw, timeout=CALL_TIMEOUT))
-                code = grpc.StatusCode.OK
+                code, details = grpc.StatusCode.OK, ""
             except grpc.RpcError as e:
-                code = e.code()
-        # grpc's own deserializer refuses the message (UNKNOWN "Error parsing message ... bad UTF-8") before any
-        # backend code runs
-        assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNKNOWN), code
+                code, details = e.code(), e.details()
+        # our request deserializer (backend/server.py add_servicer) turns protobuf's DecodeError into
+        # INVALID_ARGUMENT naming the field, where grpc's own would answer UNKNOWN
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, code
+        assert "is not valid UTF-8" in details, details
         alive(srv)
     assert srv.stub.Predict(pb.PredictOptions(Prompt="hi", Tokens=2), timeout=CALL_TIMEOUT).tokens >= 1
 
