@@ -1,11 +1,15 @@
 """Triton MoE router: fp32 logits (x @ gate_w.T) -> sigmoid -> +bias (selection only) -> top-k -> renorm -> scale.
 
 Two kernels, no host sync (CUDA-graph capturable):
-  1. ``_router_logits_kernel``: logits [T, E] fp32 = x @ gate_w.T with fp32 accumulation. For bf16/fp16 inputs the
-     products are exact in fp32, so this equals the reference ``x.float() @ gate_w.float().T`` up to summation order;
-     fp32 inputs use ``input_precision="ieee"`` (no TF32).
+  1. logits [T, E] fp32 = x @ gate_w.T with fp32 accumulation. For bf16/fp16 inputs the products are exact in fp32,
+     so this equals the reference ``x.float() @ gate_w.float().T`` up to summation order; fp32 inputs use
+     ``input_precision="ieee"`` (no TF32). T <= GEMV_MAX_T (decode): ``_router_logits_gemv_kernel``, one program per
+     (token, 2 experts) with the whole D row in one tile (E/2 programs stream the gate weight in one round trip);
+     larger T: ``_router_logits_kernel`` (tl.dot tiles).
   2. ``_router_topk_kernel``: per token row, k rounds of "take the max of (sigmoid + bias), lowest expert index on
-     ties", weights from the unbiased (or, with ``biased_weights``, biased) scores, renormalised and scaled.
+     ties" -- one int64 max per round over keys (order-preserving int32 of the fp32 score) << 32 | (BLOCK_E-1-e) --,
+     then weights from the unbiased (or, with ``biased_weights``, biased) scores at the picked ids, renormalised and
+     scaled. Small T: one warp per row (the reductions are warp shuffles, no shared-memory round trips).
 
 Tie-breaking matches ``moe_router_ref``: descending selection score, equal scores -> lower expert index first;
 ``topk_ids[:, 0]`` is the best expert.
@@ -21,6 +25,8 @@ import triton.language as tl
 # The Triton interpreter multiplies the raw uint16 storage of bf16 operands in tl.dot; under TRITON_INTERPRET=1
 # the kernels upcast dot operands to fp32 (exact for bf16/fp16 products, so results are unchanged).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Largest T routed by the GEMV logits kernel and single-row top-k programs (decode batches)
+GEMV_MAX_T = 16
 
 
 @triton.jit
@@ -81,6 +87,26 @@ def _router_logits_kernel(
 
 
 @triton.jit
+def _router_logits_gemv_kernel(
+    x_ptr, w_ptr, out_ptr, E, D, stride_xt, stride_we, stride_ot,
+    BE: tl.constexpr, BK: tl.constexpr,
+):
+    # program (t, e-block): out[t, e] = sum_d x[t, d] * w[e, d] in fp32 (bf16/fp16 products are exact in fp32)
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.program_id(1) * BE + tl.arange(0, BE)
+    offs_k = tl.arange(0, BK)
+    e_ok = offs_e < E
+    acc = tl.zeros((BE,), dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        k_ok = offs_k < D - k0
+        a = tl.load(x_ptr + t * stride_xt + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        b = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_we + k0 + offs_k[None, :],
+                    mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(b * a[None, :], axis=1)
+    tl.store(out_ptr + t * stride_ot + offs_e, acc, mask=e_ok)
+
+
+@triton.jit
 def _router_topk_kernel(
     logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, T, E, stride_lt, scale, extra_id,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -103,23 +129,28 @@ def _router_topk_kernel(
         sel = scores + b[None, :]
     else:
         sel = scores
-    if BIASED_WEIGHTS:
-        wsrc = sel
-    else:
-        wsrc = scores
-    neg_inf = float("-inf")
-    sel = tl.where(mask, sel, neg_inf)
-    top_w = tl.zeros((BT, BLOCK_K), dtype=tl.float32)
+    # unique int64 keys: order-preserving int32 image of the fp32 score (negatives: flip the magnitude bits; NaN sorts
+    # above +inf, like torch.sort), then BLOCK_E-1-e so that the max over equal scores is the lowest expert index
+    bits = sel.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = ordered.to(tl.int64) * 4294967296 + (BLOCK_E - 1 - offs_e[None, :]).to(tl.int64)
+    lowest = -9223372036854775807 - 1
+    key = tl.where(mask, key, lowest)
     top_i = tl.zeros((BT, BLOCK_K), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        m = tl.max(sel, axis=1)
-        cand = tl.where(sel == m[:, None], offs_e[None, :], BLOCK_E)
-        idx = tl.minimum(tl.min(cand, axis=1), E - 1)  # NaN rows match nothing: keep the id in range anyway
-        hit = offs_e[None, :] == idx[:, None]
-        wv = tl.sum(tl.where(hit, wsrc, 0.0), axis=1)
-        top_w = tl.where(offs_k[None, :] == j, wv[:, None], top_w)
+        m = tl.max(key, axis=1)
+        idx = (BLOCK_E - 1 - (m - ((m >> 32) << 32))).to(tl.int32)   # the low 32 bits of the winning key
+        idx = tl.minimum(tl.maximum(idx, 0), E - 1)                      # padding rows: keep ids in range
         top_i = tl.where(offs_k[None, :] == j, idx[:, None], top_i)
-        sel = tl.where(hit, neg_inf, sel)
+        key = tl.where(offs_e[None, :] == idx[:, None], lowest, key)
+    # weights at the picked ids, read back from the logits (the same fp32 values as above -> the same sigmoid)
+    kmask = t_ok[:, None] & (offs_k[None, :] < TOP_K)
+    lg = tl.load(logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + top_i, mask=kmask, other=0.0)
+    top_w = tl.sigmoid(lg)
+    if BIASED_WEIGHTS:
+        if HAS_BIAS:
+            top_w = top_w + tl.load(bias_ptr + top_i, mask=kmask, other=0.0).to(tl.float32)
+    top_w = tl.where(kmask, top_w, 0.0)
     if RENORM:
         denom = tl.sum(top_w, axis=1) + 1e-20
         top_w = top_w / denom[:, None]
@@ -144,6 +175,12 @@ def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
         gate_w = gate_w.to(x.dtype)
     out = torch.empty(T, E, device=x.device, dtype=torch.float32)
     if T == 0:
+        return out
+    if T <= GEMV_MAX_T:
+        BK = min(4096, triton.next_power_of_2(D))
+        _router_logits_gemv_kernel[(T, triton.cdiv(E, 2))](
+            x, gate_w, out, E, D, x.stride(0), gate_w.stride(0), out.stride(0), BE=2, BK=BK, num_warps=4,
+        )
         return out
     is_fp32 = x.dtype == torch.float32
     BT = 16 if T <= 16 else (32 if T <= 256 else 64)
@@ -173,7 +210,9 @@ def router_topk_triton(logits, bias, top_k, routed_scaling_factor=1.0, renormali
     assert 1 <= top_k <= E
     logits = logits.contiguous()
     BLOCK_E = triton.next_power_of_2(E)
-    BT = max(1, min(16, 2048 // BLOCK_E))
+    # decode: one row per single-warp program (shuffle reductions); many rows: a few rows per 4-warp program
+    small = T <= GEMV_MAX_T
+    BT = 1 if small else max(1, min(16, 2048 // BLOCK_E))
     has_bias = bias is not None
     bias_arg = bias.contiguous() if has_bias else logits
     _router_topk_kernel[(triton.cdiv(T, BT),)](
@@ -181,7 +220,7 @@ def router_topk_triton(logits, bias, top_k, routed_scaling_factor=1.0, renormali
         int(append_expert) if has_extra else 0,
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BT=BT, BLOCK_E=BLOCK_E,
         HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights), RENORM=bool(renormalize), HAS_EXTRA=has_extra,
-        OUT_K=out_k, num_warps=4,
+        OUT_K=out_k, num_warps=1 if small and BLOCK_E <= 1024 else 4,
     )
     return w, ids
 

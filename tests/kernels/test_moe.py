@@ -100,10 +100,33 @@ def test_router_triton(T, dtype):
             assert ids.dtype == torch.int32 and w.dtype == torch.float32
             assert torch.equal(ids, ir)
             torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
-    w, ids = moe_router_triton(x, g, None, k, 1.0, True)
-    wr, ir = moe_router_ref(x, g, None, k, 1.0, True)
+    for biased in (False, True):  # no bias: biased_weights changes nothing
+        w, ids = moe_router_triton(x, g, None, k, 1.0, True, biased)
+        wr, ir = moe_router_ref(x, g, None, k, 1.0, True, biased)
+        assert torch.equal(ids, ir)
+        torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [1, 16, 17])
+def test_router_triton_many_experts(T):
+    """E = 256 (one 256-wide key row per program; T <= 16 takes the GEMV logits path), negative and positive
+    selection scores (bias), and a NaN row (NaN ranks first, like the reference's sort)."""
+    from kernels.moe.router import GEMV_MAX_T, moe_router_triton, router_topk_triton
+
+    D, E, k = 40, 256, 8
+    assert (T <= GEMV_MAX_T) == (T < 17)
+    x, g = torch.randn(T, D, device=DEV).to(torch.bfloat16), torch.randn(E, D, device=DEV).to(torch.bfloat16)
+    b = torch.randn(E, device=DEV) * 2.0 - 1.0  # many selection scores below 0
+    w, ids = moe_router_triton(x, g, b, k, 2.446, True, False, E)
+    wr, ir = moe_router_ref(x, g, b, k, 2.446, True, False, append_expert=E)
     assert torch.equal(ids, ir)
     torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
+    logits = torch.randn(T, E, device=DEV)
+    logits[0, 7] = float("nan")
+    w, ids = router_topk_triton(logits, b, k, 1.0, False)
+    exp = torch.sort(torch.sigmoid(logits) + b, dim=-1, descending=True, stable=True)[1][:, :k]
+    assert torch.equal(ids.long(), exp) and ids[0, 0] == 7
 
 
 def test_router_append_expert_ref():
