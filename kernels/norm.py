@@ -1,6 +1,8 @@
 """RMSNorm and the KDA output gated RMSNorm (sigmoid gate), Triton kernels + torch references.
 
 rmsnorm(x [T, D], w [D], eps) -> [T, D]:     y = w * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype)
+add_rmsnorm(x, res [T, D], w, eps) -> (rmsnorm(h), h) with h = res + x in x.dtype: the decoder's residual add and
+                                               the next norm in one launch (same rounding as the two torch ops)
 gated_rmsnorm(o [T, H, V], r [T, H, V], w [V], eps) -> [T, H, V]:
                                                y = o_f32 * rsqrt(mean(o_f32^2) + eps) * w * sigmoid(r_f32)  (fp32 math)
 """
@@ -11,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels._tensors import unit_last_stride
 
 
 # --------------------------------------------------------------------------------------------------- references
@@ -18,6 +21,11 @@ def rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (w * xn).to(x.dtype)
+
+
+def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
+    h = residual + x
+    return rmsnorm_ref(h, w, eps), h
 
 
 def gated_rmsnorm_ref(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,6 +52,28 @@ def _rmsnorm_kernel(
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = w * xn
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(
+    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr,
+    stride_x, stride_r, stride_y, stride_h,
+    D, eps,
+    BD: tl.constexpr,
+):
+    # one program per row: h = r + x (rounded to the dtype like the torch add), y = rmsnorm(h) as _rmsnorm_kernel
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BD)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    h = (r + x).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + row * stride_h + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / D + eps)
+    xn = (hf * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, (w * xn).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -84,6 +114,20 @@ def rmsnorm_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     return y.reshape(shape)
 
 
+def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
+    """x, residual [T, D] (row strides allowed) -> (y, h) contiguous [T, D] in x.dtype."""
+    assert x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype, (x.shape, residual.shape)
+    T, D = x.shape
+    x, residual = unit_last_stride(x), unit_last_stride(residual)
+    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(y)
+    if T:
+        BD = triton.next_power_of_2(D)
+        _add_rmsnorm_kernel[(T,)](x, residual, w, y, h, x.stride(0), residual.stride(0), y.stride(0), h.stride(0),
+                                  D, eps, BD=BD, num_warps=4 if BD <= 4096 else 8)
+    return y, h
+
+
 def gated_rmsnorm_triton(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float,
                          out: torch.Tensor | None = None) -> torch.Tensor:
     shape = o.shape
@@ -115,6 +159,13 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         return rmsnorm_triton(x, w, eps)
     return rmsnorm_ref(x, w, eps)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
+    """-> (rmsnorm(residual + x), residual + x)."""
+    if use_triton(x):
+        return add_rmsnorm_triton(x, residual, w, eps)
+    return add_rmsnorm_ref(x, residual, w, eps)
 
 
 def gated_rmsnorm(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ from backend.model.parallel import TP, all_gather_last, all_reduce, folds_shared
 from kernels.kda import kda_decode, kda_prefill
 from kernels.mla import mla_decode, mla_extend, mla_prefill, store_latent
 from kernels.moe import fused_moe, moe_router
-from kernels.norm import rmsnorm
+from kernels.norm import add_rmsnorm, rmsnorm
 
 
 # Prefill segments with at least this many new tokens attend in expanded form (kernels.mla.mla_prefill: gather +
@@ -29,8 +29,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rmsnorm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """-> rmsnorm(x); with residual: (rmsnorm(residual + x), residual + x) in one kernel."""
+        if residual is None:
+            return rmsnorm(x, self.weight, self.eps)
+        return add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 def _linear(in_dim: int, out_dim: int, dtype: torch.dtype) -> nn.Linear:
@@ -227,10 +230,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
-        h = h + all_reduce(self.self_attn(self.input_layernorm(h), batch, cache), self.tp)
+    def forward(self, out: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KimiCache):
+        """(previous layer's FFN output, residual stream before it; None for the first layer with the embedding as
+        out) -> (this layer's FFN output, residual stream before it). Each residual add runs fused with the norm
+        after it: h = residual + out, then norm(h) (the same two roundings as h + out followed by the norm)."""
+        if residual is None:
+            x, h = self.input_layernorm(out), out
+        else:
+            x, h = self.input_layernorm(out, residual)
+        attn = all_reduce(self.self_attn(x, batch, cache), self.tp)
+        x, h = self.post_attention_layernorm(attn, h)
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
-        return h + all_reduce(ffn(self.post_attention_layernorm(h)), self.tp)
+        return all_reduce(ffn(x), self.tp), h
 
 
 class KimiModel(nn.Module):
@@ -252,10 +263,10 @@ class KimiModel(nn.Module):
         return all_reduce(h, self.tp)
 
     def forward(self, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
-        h = self.embed(batch.input_ids)
+        out, residual = self.embed(batch.input_ids), None
         for layer in self.layers:
-            h = layer(h, batch, cache)
-        return self.norm(h)
+            out, residual = layer(out, residual, batch, cache)
+        return self.norm(out, residual)[0]
 
 
 class KimiLinearForCausalLM(nn.Module):
