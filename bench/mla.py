@@ -4,6 +4,7 @@
     python bench/mla.py --quick         # fewer shapes, no sweep
     python bench/mla.py --no-sweep --no-dense
     python bench/mla.py --ptxas         # no GPU needed: compile for sm_90 offline, print smem / regs / spills
+    python bench/mla.py --decode-only --sweep-decode   # decode variants (decode.DECODE_VARIANTS) next to FlashInfer
 
 Decode: B in {1, 8, 64, 128} x S in {1k, 8k, 64k, 128k}; effective bandwidth = cache bytes read (1152 B per key) /
 time, beside the device copy bandwidth measured in this run, a dense torch implementation (gather + matmul) and
@@ -181,7 +182,7 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def check_small():
+def check_small(variants=False, decode_only=False):
     """Quick correctness check on the device before timing (mixed lengths, splits on and off)."""
     lens = [1, 63, 64, 65, 4097, 0]
     nb = sum(triton.cdiv(s, BS) for s in lens) + 4
@@ -193,14 +194,26 @@ def check_small():
         n = triton.cdiv(s, BS)
         bt[i, :n] = torch.tensor(perm[k : k + n])
         k += n
+    # poison what no sequence owns (page 0, each last page's tail): kernels must mask, not multiply by 0
+    cache[0] = float("nan")
+    for i, s in enumerate(lens):
+        if s % BS:
+            cache[int(bt[i, s // BS]), s % BS :] = float("nan")
     bt, sl = bt.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(len(lens), H, L, device="cuda").to(DT)
     qp = torch.randn(len(lens), H, R, device="cuda").to(DT)
     ref = mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, SCALE)
-    for ns in (1, 8, None):
-        e = rel_err(mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=ns), ref)
-        print(f"check decode num_splits={ns}: rel err {e:.2e}")
-        assert e < 1e-2
+    for name, cfg in ([("default", None)] + list(dec.DECODE_VARIANTS.items()) if variants else [("default", None)]):
+        for ns in (1, 8, None):
+            try:
+                e = rel_err(mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=ns, config=cfg), ref)
+            except Exception as ex:  # noqa: BLE001
+                print(f"check decode {name}: {type(ex).__name__}: {str(ex)[:200]}")
+                break
+            print(f"check decode {name} num_splits={ns}: rel err {e:.2e}")
+            assert e < 1e-2, name
+    if decode_only:
+        return
     cu = torch.tensor([0, 1, 30, 64, 65, 265, 265], dtype=torch.int32, device="cuda")
     T = 265
     qe = torch.randn(T, H, L, device="cuda").to(DT)
@@ -225,6 +238,100 @@ def check_small():
     e = rel_err(out, ref)
     print(f"check expanded prefill: rel err {e:.2e}")
     assert e < 1e-2 and torch.isfinite(out.float()).all()
+
+
+SWEEP_SHAPES = ((1, 8192), (1, 131072), (64, 8192), (64, 131072), (128, 8192), (128, 131072))
+
+
+def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES):
+    """Each decode variant (decode.DECODE_VARIANTS) at each shape next to FlashInfer fa3: eager µs / TB/s (cache bytes
+    only, L2 flushed, median), CUDA-graph µs at B=1 (launch gaps matter there), output vs FlashInfer (or vs the first
+    variant). Then split counts at B=1 S=128k for the keys_m variants. Rows print as they finish."""
+    variants = variants or dec.DECODE_VARIANTS
+    res = {}  # (variant, B, S) -> seconds
+    print("\n== decode variant sweep (eager, L2 flushed; µs / TB/s; graph µs at B=1) ==", flush=True)
+    for B, S in shapes:
+        bt, sl = pool.tables(B, S)
+        q = torch.randn(B, H, L, device="cuda").to(DT)
+        qp = torch.randn(B, H, R, device="cuda").to(DT)
+        nbytes = B * S * ROW_BYTES
+        ns = default_num_splits(B, bt.shape[1], BS, H, nsm)
+        ref = None
+        if fi is not None:
+            try:
+                fi.plan(bt, sl, torch.ones(B, dtype=torch.int32, device="cuda"), causal=False)
+                fi.packed = None
+                ref = fi.run(q, qp, pool.cache).view(B, H, L).clone()
+                t = bench(lambda: fi.run(q, qp, pool.cache))
+                res[("flashinfer", B, S)] = t
+                print(f"B={B:<4} S={S:<7} {'flashinfer fa3':<16} {t * 1e6:9.1f} us {nbytes / t / 1e12:5.2f} TB/s",
+                      flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"  flashinfer failed at B={B} S={S}: {type(e).__name__}: {e}")
+        out = torch.empty(B, H, L, dtype=DT, device="cuda")
+        for name, cfg in variants.items():
+            def run_v():
+                mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, num_splits=ns, out=out, config=cfg)
+
+            try:
+                run_v()
+                if ref is None:
+                    ref = out.clone()
+                err = rel_err(out, ref)
+                t = bench(run_v)
+            except Exception as e:  # noqa: BLE001
+                print(f"B={B:<4} S={S:<7} {name:<16} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            res[(name, B, S)] = t
+            line = f"B={B:<4} S={S:<7} {name:<16} {t * 1e6:9.1f} us {nbytes / t / 1e12:5.2f} TB/s  err {err:.1e}"
+            if ("flashinfer", B, S) in res:
+                line += f"  vs FI {res[('flashinfer', B, S)] / t:5.2f}x"
+            if B == 1:
+                tg = bench_graph(run_v)
+                res[(name + " graph", B, S)] = tg
+                line += f"  graph {tg * 1e6:7.1f} us {nbytes / tg / 1e12:5.2f} TB/s"
+            if err > 2e-2:
+                line += "  WARNING rel err"
+            print(line + f"  splits {ns}", flush=True)
+
+    print("\nmarkdown (TB/s eager; graph for B=1 in brackets; Triton/FI = FlashInfer time / variant time):")
+    names = list(variants)
+    print("| B | S | FlashInfer | " + " | ".join(names) + " |")
+    print("|---|---|---|" + "---|" * len(names))
+    for B, S in shapes:
+        nbytes = B * S * ROW_BYTES
+        fi_t = res.get(("flashinfer", B, S))
+        cells = []
+        for n in names:
+            t = res.get((n, B, S))
+            if t is None:
+                cells.append("-")
+                continue
+            c = f"{nbytes / t / 1e12:.2f}"
+            tg = res.get((n + " graph", B, S))
+            if tg:
+                c += f" [{nbytes / tg / 1e12:.2f}]"
+            if fi_t:
+                c += f" ({fi_t / min(t, tg or t):.2f}x)"
+            cells.append(c)
+        print(f"| {B} | {S} | {f'{nbytes / fi_t / 1e12:.2f}' if fi_t else '-'} | " + " | ".join(cells) + " |")
+
+    print("\n== B=1 S=128k: split count x variant (graph µs / TB/s) ==", flush=True)
+    B, S = 1, 131072
+    bt, sl = pool.tables(B, S)
+    q = torch.randn(B, H, L, device="cuda").to(DT)
+    qp = torch.randn(B, H, R, device="cuda").to(DT)
+    out = torch.empty(B, H, L, dtype=DT, device="cuda")
+    for name in [n for n in variants if n.startswith("keys_m")][:3] or names[:1]:
+        line = f"{name:<16}"
+        for ns in (66, 132, 198, 264, 396):
+            try:
+                tg = bench_graph(lambda: mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, num_splits=ns, out=out,
+                                                           min_split_tokens=64, config=variants[name]))
+                line += f"  {ns}: {tg * 1e6:.1f} us {B * S * ROW_BYTES / tg / 1e12:.2f}"
+            except Exception as e:  # noqa: BLE001
+                line += f"  {ns}: {type(e).__name__}"
+        print(line, flush=True)
 
 
 def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90):
@@ -276,7 +383,7 @@ def ptxas_report(arch=90, only=None):
         dcfgs = [dec.DECODE_CFG[dtn]]
         ecfgs = [ext.EXTEND_CFG[dtn]]
         if not ieee:
-            dcfgs += [dict(block_h=32, block_n=32, num_warps=8, num_stages=3), dict(block_h=16, block_n=64, num_warps=4, num_stages=2)]
+            dcfgs += [dict(block_h=16, block_n=64, num_warps=4, num_stages=2)] + list(dec.DECODE_VARIANTS.values())
             ecfgs += [dict(rows=64, block_n=32, num_warps=8, num_stages=2), dict(rows=64, block_n=32, num_warps=8, num_stages=1),
                       dict(rows=64, block_n=16, num_warps=8, num_stages=2), dict(rows=64, block_n=16, num_warps=8, num_stages=3)]
         pcfgs = [pre.PREFILL_CFG[dtn]]
@@ -295,9 +402,10 @@ def ptxas_report(arch=90, only=None):
             build(
                 dec._mla_decode_stage1,
                 dict(q_ptr=dts, qpe_ptr=dts, cache_ptr=dts, bt_ptr="*i32", seqlen_ptr="*i32", out_ptr=dts,
-                     opart_ptr="*fp32", lse_ptr="*fp32"),
+                     opart_ptr="*bf16" if c.get("part16") else "*fp32", lse_ptr="*fp32"),
                 dict(L=L, R=R, BLOCK_L=L, BLOCK_R=R, BS=BS, BLOCK_N=c["block_n"], BLOCK_H=c["block_h"], BLOCK_B=128,
-                     MIN_TILES=4, DIRECT=False, IEEE=ieee, UPCAST=False),
+                     MIN_TILES=4, DIRECT=False, IEEE=ieee, UPCAST=False, KEYS_M=c.get("keys_m", False),
+                     PAGE_TILE=c.get("page_tile", False), WARP_SPEC=c.get("warp_spec", False)),
                 c["num_warps"], c["num_stages"], f"decode {dtn} {c}",
             )
         if not ieee:
@@ -327,6 +435,9 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--decode-only", action="store_true", help="skip mixed lengths, prefill/extend and the old sweeps")
+    ap.add_argument("--sweep-decode", action="store_true",
+                    help="time decode.DECODE_VARIANTS at B {1,64,128} x S {8k,128k} next to FlashInfer")
     args = ap.parse_args()
     if args.ptxas:
         ptxas_report(only=args.only)
@@ -334,7 +445,7 @@ def main():
     torch.manual_seed(0)
     dev = torch.cuda.get_device_properties(0)
     print(f"device: {dev.name}, {dev.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
-    check_small()
+    check_small(variants=args.sweep_decode, decode_only=args.decode_only)
     copy_bw = copy_bandwidth()
     print(f"device copy bandwidth (read+write): {copy_bw / 1e12:.2f} TB/s")
 
@@ -354,6 +465,10 @@ def main():
         Bs, Ss = [1, 64], [8192, 131072]
     max_tokens = max(b * s for b in Bs for s in Ss)
     pool = Pool(max_tokens + 1024)
+    if args.sweep_decode:
+        sweep_decode(pool, fi, dev.multi_processor_count)
+        if args.decode_only:
+            return
 
     rows = []
     hdr = (
@@ -422,6 +537,8 @@ def main():
             f"{bw(r['g'])} | {bw(r['dense'])} | {bw(r['fi'])} | {vs} |"
         )
 
+    if args.decode_only:
+        return
     # ------------------------------------------------------------------ mixed lengths
     print("\n== decode, mixed lengths (balanced schedule vs one program per sequence) ==")
     mixes = {

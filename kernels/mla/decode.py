@@ -36,6 +36,25 @@ DECODE_CFG = {
     "16bit": dict(block_h=32, block_n=64, num_warps=8, num_stages=2),
     "fp32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1),
 }
+# Variants timed by `bench/mla.py --sweep-decode` (keys beyond DECODE_CFG's are optional, default False):
+# keys_m: keys as the MMA M dimension (S^T = c q^T, acc^T += c^T P^T). On sm_90 all three dots become wgmma with the
+#   latent tile straight from smem, and Triton double-buffers that tile (2 x 72 KB cp.async stages; 184 KB, 237 regs).
+#   The heads-as-M form runs mma.sync, and Triton 3.9 keeps its c tile single-buffered whatever num_stages is (the
+#   tile feeds two dots in two layouts), so loads and MMAs of a program never overlap.
+# page_tile: one scalar block-table load per tile (BS % BLOCK_N == 0) instead of a per-row gather.
+# warp_spec: tl.range(..., warp_specialize=True). It compiles for sm_90 on Triton 3.6 and 3.9 but changes nothing here
+#   (identical smem/regs/PTX): the Hopper warp-specialization pass only splits loops whose loads are TMA descriptor loads.
+# part16: bf16 split partials (stage-1 write + stage-2 read halve; the LSE merge stays fp32).
+DECODE_VARIANTS = {
+    "base": dict(block_h=32, block_n=64, num_warps=8, num_stages=2),
+    "base page": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, page_tile=True),
+    "n32 s3 page": dict(block_h=32, block_n=32, num_warps=8, num_stages=3, page_tile=True),
+    "keys_m": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, keys_m=True),
+    "keys_m page": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, keys_m=True, page_tile=True),
+    "keys_m s3": dict(block_h=32, block_n=64, num_warps=8, num_stages=3, keys_m=True),
+    "keys_m w4": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, keys_m=True),
+    "keys_m p16": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, keys_m=True, part16=True),
+}
 GPU_BLOCK_H = 32  # heads per program cap (the default split heuristic assumes it)
 # Every tl.dot operand dim (M, N, K) is padded to >= MIN_DOT: Triton's GPU lowering asserts K >= 16 (M, N >= 16 keeps
 # the MMA layouts valid too). The interpreter does not check this, so the wrappers assert it (_check_dots). Padding is
@@ -78,6 +97,55 @@ def _unit_plan(seqlen_ptr, N, G, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, M
 
 
 @triton.jit
+def _load_tile(cache_ptr, bt_row, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp, s_cr,
+               L: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr):
+    """Key tile t of one sequence: c [BLOCK_N, BLOCK_L] (latent, also V), kpe [BLOCK_N, BLOCK_R], row mask.
+    Rows past seq_len load 0 (a page's stale tail may hold NaN). PAGE_TILE (BS % BLOCK_N == 0): the tile lies in one
+    page, so one scalar block-table load and affine row addresses instead of a per-row gather."""
+    tok = t * BLOCK_N + offs_n
+    tmask = tok < seq_len
+    if PAGE_TILE:
+        page = tl.load(bt_row + (t * BLOCK_N) // BS).to(tl.int64)
+        row = cache_ptr + page * s_cp + ((t * BLOCK_N) % BS + offs_n).to(tl.int64) * s_cr
+    else:
+        page = tl.load(bt_row + tok // BS, mask=tmask, other=0).to(tl.int64)
+        row = cache_ptr + page * s_cp + (tok % BS).to(tl.int64) * s_cr
+    c = tl.load(row[:, None] + offs_l[None, :], mask=tmask[:, None] & lmask[None, :], other=0.0)
+    kpe = tl.load(row[:, None] + L + offs_r[None, :], mask=tmask[:, None] & rmask[None, :], other=0.0)
+    return c, kpe, tmask
+
+
+@triton.jit
+def _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, KEYS_M: tl.constexpr, IEEE: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """Online-softmax step over one key tile (base 2).
+    KEYS_M=False: q [BLOCK_H, BLOCK_L], S [BLOCK_H, BLOCK_N], acc [BLOCK_H, BLOCK_L] (heads = MMA M: 32 -> mma.sync).
+    KEYS_M=True: q/qpe passed transposed [BLOCK_L|BLOCK_R, BLOCK_H], S^T = c q^T [BLOCK_N, BLOCK_H],
+    acc^T [BLOCK_L, BLOCK_H] += c^T P^T: M = keys (64) / latent (512), so Hopper can use wgmma with c from smem."""
+    if KEYS_M:
+        s = _dot(c, q, IEEE, UPCAST)
+        s += _dot(kpe, qpe, IEEE, UPCAST)
+        s = s * qk_scale
+        s = tl.where(tmask[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha[None, :] + _dot(tl.trans(c), p.to(c.dtype), IEEE, UPCAST)
+    else:
+        s = _dot(q, tl.trans(c), IEEE, UPCAST)
+        s += _dot(qpe, tl.trans(kpe), IEEE, UPCAST)
+        s = s * qk_scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, IEEE, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_decode_stage1(
     q_ptr,
     qpe_ptr,
@@ -115,6 +183,9 @@ def _mla_decode_stage1(
     DIRECT: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    KEYS_M: tl.constexpr = False,  # keys as the MMA M dimension (see _tile_update)
+    PAGE_TILE: tl.constexpr = False,  # one scalar block-table load per tile (needs BS % BLOCK_N == 0)
+    WARP_SPEC: tl.constexpr = False,  # tl.range(..., warp_specialize=True) on the main loop
 ):
     u = tl.program_id(0)  # DIRECT: the sequence; else the work unit
     hb = tl.program_id(1)
@@ -155,27 +226,21 @@ def _mla_decode_stage1(
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+        if KEYS_M:
+            q = tl.trans(q)  # [BLOCK_L, BLOCK_H]: the B operand of S^T = c q^T
+            qpe = tl.trans(qpe)
+            acc = tl.zeros([BLOCK_L, BLOCK_H], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
         bt_row = bt_ptr + n.to(tl.int64) * s_btn
 
-        for t in range(t_begin, t_end):
-            tok = t * BLOCK_N + offs_n
-            tmask = tok < seq_len
-            page = tl.load(bt_row + tok // BS, mask=tmask, other=0).to(tl.int64)
-            row = cache_ptr + page * s_cp + (tok % BS).to(tl.int64) * s_cr
-            c = tl.load(row[:, None] + offs_l[None, :], mask=tmask[:, None] & lmask[None, :], other=0.0)
-            kpe = tl.load(row[:, None] + L + offs_r[None, :], mask=tmask[:, None] & rmask[None, :], other=0.0)
-            s = _dot(q, tl.trans(c), IEEE, UPCAST)
-            s += _dot(qpe, tl.trans(kpe), IEEE, UPCAST)
-            s = s * qk_scale
-            s = tl.where(tmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, IEEE, UPCAST)
-            m_i = m_new
+        for t in tl.range(t_begin, t_end, warp_specialize=WARP_SPEC):
+            c, kpe, tmask = _load_tile(cache_ptr, bt_row, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp, s_cr,
+                                       L, BS, BLOCK_N, PAGE_TILE)
+            m_i, l_i, acc = _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, KEYS_M, IEEE, UPCAST)
 
+        if KEYS_M:
+            acc = tl.trans(acc)  # [BLOCK_H, BLOCK_L]
         has = l_i > 0
         inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
         o = acc * inv[:, None]
@@ -187,7 +252,8 @@ def _mla_decode_stage1(
                 mask=omask,
             )
         else:
-            tl.store(opart_ptr + u.to(tl.int64) * s_wu + heads[:, None] * s_wh + offs_l[None, :], o, mask=omask)
+            tl.store(opart_ptr + u.to(tl.int64) * s_wu + heads[:, None] * s_wh + offs_l[None, :],
+                     o.to(opart_ptr.dtype.element_ty), mask=omask)
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + u.to(tl.int64) * s_lu + heads, lse, mask=hmask)
 
@@ -240,7 +306,8 @@ def _mla_decode_stage2(
         uu = (u0 + k).to(tl.int64)
         lse = tl.load(lse_ptr + uu * s_lu + h, mask=ok, other=float("-inf"))
         w = tl.where(ok, tl.exp2(lse - m), 0.0)
-        o = tl.load(opart_ptr + uu[:, None] * s_wu + h * s_wh + offs_l[None, :], mask=ok[:, None] & lmask[None, :], other=0.0)
+        o = tl.load(opart_ptr + uu[:, None] * s_wu + h * s_wh + offs_l[None, :], mask=ok[:, None] & lmask[None, :],
+                    other=0.0).to(tl.float32)
         acc += tl.sum(w[:, None] * o, 0)
         den += w
     d = tl.sum(den, 0)
@@ -360,11 +427,18 @@ def mla_decode_triton(
         wstr = (0, 0)
         lstr = 0
     else:
-        opart = torch.empty(n_units, H, L, dtype=torch.float32, device=q_lat.device)
+        # normalised partials; bf16 (config part16) halves the split overhead (~2 x 64 KB per unit, read + write)
+        pdt = torch.bfloat16 if cfg.get("part16", False) and cache.dtype != torch.float32 else torch.float32
+        opart = torch.empty(n_units, H, L, dtype=pdt, device=q_lat.device)
         lse = torch.empty(n_units, H, dtype=torch.float32, device=q_lat.device)
         wstr = opart.stride()[:2]
         lstr = lse.stride(0)
     kw = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) if on_gpu else {}
+    variant = dict(
+        KEYS_M=bool(cfg.get("keys_m", False)),
+        PAGE_TILE=bool(cfg.get("page_tile", False)) and BS % BLOCK_N == 0,
+        WARP_SPEC=bool(cfg.get("warp_spec", False)) and on_gpu,
+    )
     _mla_decode_stage1[(n_units, triton.cdiv(H, BLOCK_H))](
         q_lat,
         q_pe,
@@ -401,6 +475,7 @@ def mla_decode_triton(
         DIRECT=direct,
         IEEE=cache.dtype == torch.float32,
         UPCAST=_upcast(cache.dtype),
+        **variant,
         **kw,
     )
     if not direct:

@@ -1,0 +1,110 @@
+"""Paged MLA decode variants (kernels/mla/decode.py DECODE_VARIANTS: keys-as-M, page tiles, bf16 partials) vs the
+torch reference, on shuffled pages whose unowned rows (page 0, each last page's tail) are NaN.
+
+CPU (interpreter): TRITON_INTERPRET=1 python -m pytest tests/kernels/test_mla_decode.py -q
+GPU (Kimi shapes, every variant's real tiles): python -m pytest tests/kernels/test_mla_decode.py -q -m gpu
+"""
+import os
+
+import pytest
+import torch
+
+from kernels.mla.decode import DECODE_VARIANTS, mla_decode_triton
+from kernels.mla.ref import mla_decode_ref
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+HAS_CUDA = torch.cuda.is_available()
+DEV = "cuda" if HAS_CUDA else "cpu"
+H, L, R = 4, 32, 16
+SCALE = 0.2
+LENS = [1, 63, 64, 65, 150, 0]  # last: padded lane (block-table row = page 0)
+
+
+@pytest.fixture(autouse=True)
+def _needs_triton():
+    if not (HAS_CUDA or INTERPRET):
+        pytest.skip("Triton MLA kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def make_paged(lens, dtype, bs, l=L, r=R, device=DEV, max_blocks=None):
+    """Random latents in each sequence's first len rows on shuffled pages; every other row NaN."""
+    nblk = [(s + bs - 1) // bs for s in lens]
+    mb = max_blocks or max(1, max(nblk))
+    nb = sum(nblk) + 3
+    cache = torch.full((nb, bs, l + r), float("nan"), dtype=dtype, device=device)
+    perm = (torch.randperm(nb - 1) + 1).tolist()
+    bt = torch.zeros(len(lens), mb, dtype=torch.int32)
+    k = 0
+    for i, s in enumerate(lens):
+        pages = perm[k : k + nblk[i]]
+        k += nblk[i]
+        bt[i, : nblk[i]] = torch.tensor(pages, dtype=torch.int32)
+        for j, p in enumerate(pages):
+            n = min(bs, s - j * bs)
+            cache[p, :n] = torch.randn(n, l + r, device=device).to(dtype)
+    return cache, bt.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+
+
+def check_close(out, ref, dtype):
+    out, ref = out.float(), ref.float()
+    assert torch.isfinite(out).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    else:
+        err = (out - ref).abs()
+        rms = err.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)
+        assert rms <= 5e-3, f"rms ratio {rms}"
+        assert err.max() <= 1e-2 * ref.abs().max() + 1e-3, f"max err {err.max()} vs {ref.abs().max()}"
+
+
+# Interpreter tiles: BLOCK_N 16 by default; block_n=32 with 16-token pages takes the per-row gather (page_tile needs
+# BS % BLOCK_N == 0), 64-token pages hold several 16-token tiles (page_tile offsets inside a page).
+@pytest.mark.parametrize("variant", ["base", "base page", "keys_m", "keys_m page", "keys_m p16"])
+@pytest.mark.parametrize("bs,block_n", [(16, None), (64, None), (16, 32)])
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
+    dtype = torch.bfloat16
+    cache, bt, sl = make_paged(LENS, dtype, bs)
+    N = len(LENS)
+    q = torch.randn(N, H, L, device=DEV).to(dtype)
+    qp = torch.randn(N, H, R, device=DEV).to(dtype)
+    before = cache.clone()
+    out = torch.full((N, H, L), float("nan"), dtype=dtype, device=DEV)
+    mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=num_splits, out=out, block_n=block_n,
+                      min_split_tokens=16, config=DECODE_VARIANTS[variant])
+    check_close(out, mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, SCALE), dtype)
+    assert (out[-1] == 0).all()  # padded lane
+    assert torch.equal(cache.view(torch.int16), before.view(torch.int16))  # decode never writes the cache
+
+
+@pytest.mark.parametrize("variant", ["keys_m", "keys_m page"])
+def test_decode_variant_fp32_and_odd_heads(variant):
+    """fp32 cache (IEEE dots) and H=3 (masked head columns of the transposed tiles), splits on and off."""
+    lens = [150, 97, 17, 1]
+    cache, bt, sl = make_paged(lens, torch.float32, 16)
+    q = torch.randn(len(lens), 3, L, device=DEV)
+    qp = torch.randn(len(lens), 3, R, device=DEV)
+    ref = mla_decode_ref(q, qp, cache, bt, sl, SCALE)
+    for ns in (1, 3, 64):
+        o = mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=ns, min_split_tokens=16,
+                              config=DECODE_VARIANTS[variant])
+        check_close(o, ref, torch.float32)
+
+
+# ---------------------------------------------------------------- GPU, Kimi shapes
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", list(DECODE_VARIANTS))
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_gpu_decode_variant_kimi(variant, num_splits):
+    lens = [1, 63, 64, 65, 4097, 0, 1000]
+    cache, bt, sl = make_paged(lens, torch.bfloat16, 64, l=512, r=64, device="cuda", max_blocks=80)
+    N = len(lens)
+    q = torch.randn(N, 32, 512, device="cuda").bfloat16()
+    qp = torch.randn(N, 32, 64, device="cuda").bfloat16()
+    out = torch.full((N, 32, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mla_decode_triton(q, qp, cache, bt, sl, 192 ** -0.5, num_splits=num_splits, out=out,
+                      config=DECODE_VARIANTS[variant])
+    check_close(out, mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, 192 ** -0.5), torch.bfloat16)
+    assert (out[5] == 0).all()
