@@ -19,6 +19,8 @@ ENGINE_KEYS = {
     "max_model_len": (int, "max tokens per sequence (prompt + output); overrides ContextSize/MaxModelLen"),
     "max_num_seqs": (int, "most sequences in one batch"),
     "max_num_batched_tokens": (int, "token budget of one engine step (chunked prefill)"),
+    "max_prefill_tokens_with_decode": (int, "prefill tokens per step while requests decode (bounds inter-token "
+                                            "stalls; 0 = no cap, default 2048)"),
     "block_size": (int, "MLA latent cache page size in tokens"),
     "gpu_memory_utilization": (float, "fraction of device memory the engine may use"),
     "enforce_eager": (bool, "no CUDA graphs for decode"),
@@ -224,6 +226,9 @@ def build_load_spec(request, launch_cwd: str | None = None) -> LoadSpec:
                 "num_blocks", "max_graph_batch_size", "tp_size", "nnodes"):
         if key in spec.engine and spec.engine[key] <= 0:
             raise OptionsError(f"{key} must be a positive integer, got {spec.engine[key]}")
+    if spec.engine.get("max_prefill_tokens_with_decode", 0) < 0:
+        raise OptionsError(f"max_prefill_tokens_with_decode must be >= 0 (0 = no cap), got "
+                           f"{spec.engine['max_prefill_tokens_with_decode']}")
     _check_parallel(spec.engine)
     if spec.tool_parser not in TOOL_PARSERS:
         raise OptionsError(f"tool_parser '{spec.tool_parser}' is not supported ({', '.join(TOOL_PARSERS)})")

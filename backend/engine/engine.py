@@ -37,6 +37,9 @@ class EngineConfig:
     max_model_len: int = 0  # 0 = min(model_max_length, what the page pool holds)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
+    # while requests decode, the step's prefill chunks get at most this many tokens (bounds the inter-token stall);
+    # 0 = no cap. With nothing decoding, prefill uses the whole max_num_batched_tokens.
+    max_prefill_tokens_with_decode: int = 2048
     block_size: int = 64
     num_blocks: int = 0  # MLA pages incl. the null page; 0 = from gpu_memory_utilization (CUDA) or max_num_seqs
     num_slots: int = 0  # KDA slots incl. the null slot; 0 = max_num_seqs + 1
@@ -69,7 +72,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_model_len", "num_blocks", "num_slots", "max_graph_batch_size"):
+        for name in ("max_model_len", "num_blocks", "num_slots", "max_graph_batch_size",
+                     "max_prefill_tokens_with_decode"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -154,7 +158,8 @@ class LLMEngine:
         self.max_model_len = runner.max_model_len
         eos = cfg.eos_token_ids or runner.config.eos_token_ids
         self.scheduler = Scheduler(BlockPool(runner.num_blocks, runner.block_size), StatePool(runner.num_slots),
-                                   runner.max_num_seqs, cfg.max_num_batched_tokens, runner.max_model_len, eos)
+                                   runner.max_num_seqs, cfg.max_num_batched_tokens, runner.max_model_len, eos,
+                                   cfg.max_prefill_tokens_with_decode)
         self._rng = random.Random(cfg.seed)
         self._lock = threading.Condition()
         self._inbox: list = []

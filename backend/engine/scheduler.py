@@ -5,6 +5,10 @@ first (a decode needs 1), then admits waiting ones, within `max_num_batched_toke
 prefill or decode phase: a long prompt is simply cut by the budget. Out of pages, the newest running request is
 preempted: its pages and slot go back, and it is recomputed from scratch later (its output tokens so far are kept and
 recomputed as part of its prompt).
+
+Decode stalls are bounded: while any running request decodes, the prefill chunks of a step together get at most
+`max_prefill_tokens_with_decode` tokens (0 = no cap), so a decode step never waits behind a full-budget prefill;
+with nothing decoding, prefill gets the whole budget.
 """
 
 from collections import deque
@@ -42,16 +46,22 @@ class SchedulerOutput:
         return bool(self.seqs) and self.num_decodes == len(self.seqs)
 
 
+def _decodes(req: Request) -> bool:
+    """req's next chunk is a decode: one token after cached ones, then a sample (ScheduledSeq.is_decode and .sample)."""
+    return req.num_computed_tokens > 0 and req.num_tokens - req.num_computed_tokens == 1
+
+
 class Scheduler:
     def __init__(self, block_pool: BlockPool, state_pool: StatePool, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids=()):
-        assert max_num_seqs >= 1 and max_num_batched_tokens >= 1
+                 max_model_len: int, eos_token_ids=(), max_prefill_tokens_with_decode: int = 0):
+        assert max_num_seqs >= 1 and max_num_batched_tokens >= 1 and max_prefill_tokens_with_decode >= 0
         assert max_num_seqs <= state_pool.capacity, "more sequences than KDA state slots"
         assert max_model_len <= block_pool.capacity * block_pool.block_size, "max_model_len exceeds the page pool"
         self.blocks = block_pool
         self.states = state_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_with_decode = max_prefill_tokens_with_decode
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque = deque()
@@ -89,26 +99,38 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        # prefill tokens this step may still take: capped while decodes run, so that they never wait behind a
+        # full-budget prefill chunk
+        prefill_budget = budget
+        if self.max_prefill_tokens_with_decode and any(map(_decodes, self.running)):
+            prefill_budget = self.max_prefill_tokens_with_decode
         scheduled, preempted = [], []
         i = 0
         # running requests, oldest first
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            limit = budget if _decodes(req) else min(budget, prefill_budget)
+            if limit == 0:  # a prefill over the cap: it waits for a later step, the decodes after it still run
+                i += 1
+                continue
+            n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, limit))
             while n == 0:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
-                n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget))
+                n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, limit))
             if n == 0:
                 break
             scheduled.append(self._take(req, n))
             budget -= n
+            if not _decodes(req):
+                prefill_budget -= n
             i += 1
         # admission, FCFS, only when nobody was preempted this step
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (not preempted and self.waiting and min(budget, prefill_budget) > 0
+               and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             # the whole known sequence must fit in free pages, not just the first chunk: avoids admit-then-preempt
             if not self.states.can_allocate() or not self.blocks.can_allocate(self.blocks.blocks_for(req.num_tokens)):
@@ -117,9 +139,10 @@ class Scheduler:
             req.state_slot = self.states.allocate()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget, prefill_budget))
             scheduled.append(self._take(req, n))
             budget -= n
+            prefill_budget -= n
         decodes = [s for s in scheduled if s.is_decode]
         prefills = [s for s in scheduled if not s.is_decode]
         return SchedulerOutput(decodes + prefills, len(decodes), sum(s.num_new_tokens for s in scheduled), preempted)

@@ -11,9 +11,19 @@ from backend.engine.scheduler import Scheduler
 EOS = 99
 
 
-def make(num_blocks=64, block_size=4, num_slots=9, max_num_seqs=8, max_tokens_step=32, max_model_len=64):
+def make(num_blocks=64, block_size=4, num_slots=9, max_num_seqs=8, max_tokens_step=32, max_model_len=64,
+         prefill_cap=0):
     return Scheduler(BlockPool(num_blocks, block_size), StatePool(num_slots), max_num_seqs, max_tokens_step,
-                     max_model_len, eos_token_ids=(EOS,))
+                     max_model_len, eos_token_ids=(EOS,), max_prefill_tokens_with_decode=prefill_cap)
+
+
+def decodes(out) -> list:
+    """The step's real decodes (one token, then sample); a 1-token prompt chunk without sampling is prefill."""
+    return [x for x in out.seqs if x.is_decode and x.sample]
+
+
+def prefill_tokens(out) -> int:
+    return out.num_tokens - len(decodes(out))
 
 
 def req(n, max_tokens=4, **kw):
@@ -42,6 +52,8 @@ def run_to_end(s: Scheduler, token=7, max_steps=10_000):
         out = s.schedule()
         check_invariants(s)
         assert out.num_tokens <= s.max_num_batched_tokens and len(out.seqs) <= s.max_num_seqs
+        if s.max_prefill_tokens_with_decode and decodes(out):
+            assert prefill_tokens(out) <= s.max_prefill_tokens_with_decode
         steps.append(out)
         s.update(out, [token] * sum(x.sample for x in out.seqs))
         check_invariants(s)
@@ -125,6 +137,64 @@ def test_chunked_prefill_respects_budget():
         chunks.append((out.seqs[0].start, out.seqs[0].num_new_tokens, out.seqs[0].sample))
         s.update(out, [1] if out.seqs[0].sample else [])
     assert chunks == [(0, 8, False), (8, 8, False), (16, 8, False), (24, 6, True)]
+
+
+def test_prefill_capped_while_decoding():
+    s = make(max_tokens_step=16, max_model_len=64, prefill_cap=5)
+    a = req(20, max_tokens=4)
+    s.add(a)
+    out = s.schedule()  # nothing decodes: the whole budget
+    assert out.num_decodes == 0 and prefill_tokens(out) == 16
+    s.update(out, [])
+    s.update(s.schedule(), [1])
+    b, c = req(30, max_tokens=2), req(3, max_tokens=2)
+    s.add(b)
+    s.add(c)
+    steps = []
+    for _ in range(5):
+        out = s.schedule()
+        steps.append(([x.request for x in decodes(out)], [(x.request, x.num_new_tokens) for x in out.seqs[1:]]))
+        s.update(out, [1] * sum(x.sample for x in out.seqs))
+    assert steps == [
+        ([a], [(b, 5)]),  # a decodes: b's prompt gets 5 tokens a step and c waits (the cap is spent)
+        ([a], [(b, 5)]),
+        ([a], [(b, 5)]),  # a's 4th token: finished
+        ([], [(c, 1)]),   # nothing decodes: b takes 15 of the 16 (it comes first), c is admitted with the last one
+        ([b], [(c, 2)]),
+    ]
+    assert a.is_finished and b.output_token_ids == [1, 1] and c.output_token_ids == [1]
+    run_to_end(s)
+
+
+def place(s: Scheduler, r: Request, computed: int, outputs=()):
+    """Puts r in s.running as if `computed` of its tokens were in the caches (a hand-made state)."""
+    r.output_token_ids += list(outputs)
+    r.state_slot, r.status = s.states.allocate(), RequestStatus.RUNNING
+    r.block_ids = s.blocks.allocate(s.blocks.blocks_for(computed))
+    r.num_computed_tokens = computed
+    s.running.append(r)
+
+
+@pytest.mark.parametrize("cap, steps", [
+    (0, "p1:10 p2:6"),        # no cap: the prefills ahead of d spend the whole budget and d waits a step
+    (4, "d:1 p1:4"),          # p2 is over the cap: it waits (not preempted), d behind it still runs
+    (12, "d:1 p1:10 p2:2"),
+])
+def test_prefill_cap_skips_a_prefill_not_the_decodes_after_it(cap, steps):
+    """Two prefills ahead of a decode in the running order (a hand-made state)."""
+    s = make(max_tokens_step=16, prefill_cap=cap)
+    p1, p2, d = req(20, max_tokens=2), req(20, max_tokens=2), req(2, max_tokens=3)
+    place(s, p1, 10)
+    place(s, p2, 6)
+    place(s, d, 2, outputs=[1])
+    out = s.schedule()
+    check_invariants(s)
+    names = {id(p1): "p1", id(p2): "p2", id(d): "d"}
+    assert " ".join(f"{names[id(x.request)]}:{x.num_new_tokens}" for x in out.seqs) == steps
+    assert not out.preempted and s.running == [p1, p2, d]
+    s.update(out, [1] * sum(x.sample for x in out.seqs))
+    run_to_end(s)
+    assert [len(r.output_token_ids) for r in (p1, p2, d)] == [2, 2, 3]
 
 
 def test_max_num_seqs_limits_running():
@@ -239,11 +309,11 @@ def test_abort_frees_everything():
     assert s.blocks.num_free == s.blocks.capacity and s.states.num_free == s.states.capacity
 
 
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", range(8))
 def test_random_workload_returns_pools_to_full(seed):
     rng = random.Random(seed)
     s = make(num_blocks=rng.randint(9, 20), block_size=4, num_slots=rng.randint(2, 6), max_num_seqs=1,
-             max_tokens_step=rng.randint(1, 20), max_model_len=32)
+             max_tokens_step=rng.randint(1, 20), max_model_len=32, prefill_cap=rng.choice([0, 1, 3, 8]))
     s.max_num_seqs = s.states.capacity
     rs = []
     for step in range(400):
@@ -255,6 +325,8 @@ def test_random_workload_returns_pools_to_full(seed):
             s.abort(rng.choice(rs).request_id)
         out = s.schedule()
         check_invariants(s)
+        if s.max_prefill_tokens_with_decode and decodes(out):
+            assert prefill_tokens(out) <= s.max_prefill_tokens_with_decode
         s.update(out, [rng.choice([7, 8, EOS]) for x in out.seqs if x.sample])
         check_invariants(s)
     run_to_end(s)

@@ -69,12 +69,24 @@ def test_fields_options_engine_args_precedence(model_dir):
     (dict(Options=["max_num_seqs:lots"]), "expected int"),
     (dict(Options=["gpu_memory_utilization:1.5"]), "gpu_memory_utilization"),
     (dict(Options=["block_size:0"]), "block_size"),
+    (dict(Options=["max_prefill_tokens_with_decode:-1"]), "max_prefill_tokens_with_decode must be >= 0"),
+    (dict(EngineArgs='{"max_prefill_tokens_with_decode": "lots"}'), "expected int"),
     (dict(DType="int4"), "dtype"),
     (dict(Options=["tool_parser:hermes"]), "tool_parser"),
 ])
 def test_bad_load_options(model_dir, kw, needle):
     with pytest.raises(OptionsError, match=needle):
         spec(model_dir, **kw)
+
+
+def test_prefill_cap_option_reaches_engine_config(model_dir):
+    from backend.engine import EngineConfig
+
+    s = spec(model_dir, Options=["max_prefill_tokens_with_decode:512"])
+    assert s.engine == {"max_prefill_tokens_with_decode": 512}
+    assert engine_config(EngineConfig, s.engine).max_prefill_tokens_with_decode == 512
+    s = spec(model_dir, EngineArgs='{"max-prefill-tokens-with-decode": 0}')  # 0 = no cap
+    assert engine_config(EngineConfig, s.engine).max_prefill_tokens_with_decode == 0
 
 
 def test_engine_config_skips_unknown_fields(caplog):
