@@ -1,18 +1,21 @@
 """H200 benchmark: KDA decode step (and, through a hook, the chunked prefill), Kimi-Linear shapes.
 
-    python bench/kda.py [--batch 1,8,64,256] [--sweep] [--no-prefill] [--no-fla]
+    python bench/kda.py [--batch 1,8,64,256] [--sweep] [--decode-only] [--no-fla]
 
 Decode: one token per sequence, H=32, K=V=128, bf16 activations, fp32 state pool [S, H, K, V] updated in place at
 random slots (slot 0 null). Rows:
-  * ours      kernels.kda.kda_decode_triton: the whole mixer step (conv update + gate + L2 norm + beta + delta rule +
-              gated RMSNorm), 2 launches; timed eager (do_bench) and inside a CUDA graph (do_bench_cudagraph);
+  * ours      kernels.kda.kda_decode_triton with its default launch config (recurrent.decode_config: BV, warps,
+              tail, early state load, by N and the SM count): the whole mixer step (conv update + gate + L2 norm +
+              beta + delta rule + gated RMSNorm); timed eager (do_bench) and inside a CUDA graph (do_bench_cudagraph);
   * fla       fla-core `fused_recurrent_kda_fwd` (gate, l2norm, beta sigmoid in kernel, in-place pool through
               ssm_state_indices) when `fla` is importable: the recurrence only (no conv, no output norm).
 Bandwidth: state bytes = N*H*K*V*4 read + the same written; compared with a device-to-device copy of a 1 GiB buffer
 measured in the same run (copy BW = 2 * bytes / t). us per layer = time of one call; the model has 20 KDA layers.
---sweep times BV x num_warps per N (CUDA graph) to tune kernels/kda/recurrent.py::_pick_bv (BV=128 = V is the
-single-launch path).
-Prefill: `bench_prefill()` below calls bench/kda_prefill.py (the chunk kernel owner's benchmark) when present.
+--sweep: per N, every config of SWEEP (BV x warps x tail x early) in a CUDA graph: us/step, % of copy BW, a
+one-step check against the reference, the default marked, fla-core alongside; then the best config per N (what to
+put in recurrent.decode_config / _BV_MAX / _EARLY_MAX_PER_SM).
+Prefill: `bench_prefill()` below calls bench/kda_prefill.py (the chunk kernel owner's benchmark) when present;
+--decode-only skips it.
 Prints a table and markdown rows for BENCHMARKS.md.
 """
 from __future__ import annotations
@@ -30,7 +33,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from kernels.kda import kda_decode_ref  # noqa: E402
-from kernels.kda.recurrent import kda_decode_triton  # noqa: E402
+from kernels.kda.recurrent import (  # noqa: E402
+    TAIL_LAST, TAIL_POST, TAIL_SINGLE, decode_config, kda_decode_triton, num_sms, warps_for,
+)
 from kernels.testing import assert_close, make_kda_layer, make_kda_tokens  # noqa: E402
 
 H, K, V, W = 32, 128, 128, 4
@@ -38,10 +43,10 @@ EPS = 1e-5
 N_KDA_LAYERS = 20
 
 
-def t_ms(fn, graph=False):
+def t_ms(fn, graph=False, rep=50):
     if graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
 def copy_bandwidth(nbytes=1 << 30):
@@ -127,7 +132,8 @@ def bench_decode(batches, use_fla=True):
             ms_g = t_ms(fn, graph=True)
             best = min(ms, ms_g)
             bw = state_bytes / (best * 1e-3)
-            r = dict(N=N, impl=name, us=ms * 1e3, us_g=ms_g * 1e3, tps=N / (best * 1e-3), bw=bw,
+            r = dict(N=N, impl=name, cfg=_label(tuple(decode_config(N, H, K, V, num_sms("cuda")))),
+                     us=ms * 1e3, us_g=ms_g * 1e3, tps=N / (best * 1e-3), bw=bw,
                      pct=100 * bw / bw_copy, l20=N_KDA_LAYERS * best * 1e3)
             rows.append(r)
             print(f"{N:>5} {name:<12} {r['us']:>9.2f} {r['us_g']:>9.2f} {r['tps']:>12.3g} {bw / 1e9:>11.0f} "
@@ -137,32 +143,79 @@ def bench_decode(batches, use_fla=True):
     print("\n| KDA decode (H=32, K=V=128) | N | eager us/layer | graph us/layer | state GB/s | % of copy BW |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        what = "ours (conv+gate+delta+norm, 2 launches)" if r["impl"] == "ours" else "fla-core 0.6 fused_recurrent (core only)"
+        what = (f"ours (conv+gate+delta+norm, {r['cfg']})" if r["impl"] == "ours"
+                else "fla-core 0.6 fused_recurrent (core only)")
         print(f"| {what} | {r['N']} | {r['us']:.2f} | {r['us_g']:.2f} | {r['bw'] / 1e9:.0f} | {r['pct']:.1f}% |")
     print(f"\ncopy bandwidth measured in this run: {bw_copy / 1e12:.2f} TB/s")
     return rows
 
 
-def sweep_decode(batches):
-    print("\n# BV x num_warps sweep (CUDA graph, us/layer)")
+_TAIL = {TAIL_SINGLE: "single", TAIL_LAST: "last", TAIL_POST: "post"}
+# (BV, num_warps, tail, early) candidates; BV = 128 = V is one program per head
+SWEEP = [(bv, warps_for(bv, K), TAIL_LAST, e) for bv in (8, 16, 32, 64) for e in (True, False)] + [
+    (32, 8, TAIL_LAST, False),
+    (128, 16, TAIL_SINGLE, True), (128, 16, TAIL_SINGLE, False),
+    (8, 1, TAIL_POST, False), (32, 4, TAIL_POST, False),          # the 12-02 kernel's configs (2 launches, late load)
+]
+
+
+def _label(cfg):
+    bv, nw, tail, early = cfg
+    return f"BV{bv}/w{nw}/{_TAIL[tail]}/{'early' if early else 'late'}"
+
+
+def sweep_decode(batches, use_fla=True):
+    bw_copy = copy_bandwidth()
+    n_sm = num_sms("cuda")
+    print(f"\n# decode config sweep (CUDA graph us/step; {n_sm} SMs; copy {bw_copy / 1e12:.2f} TB/s)")
+    best = {}
     for N in batches:
         L, tok, slots = _setup(N)
-        res = []
-        for bv in (4, 8, 16, 32, 64, 128):
-            for nw in (1, 2, 4, 8):
-                per_thread = bv * K // (32 * nw)
-                if per_thread < 4 or per_thread > 128:   # idle threads / register spills: skip
-                    continue
+        state_bytes = 2 * N * H * K * V * 4
+        dflt = tuple(decode_config(N, H, K, V, n_sm))
+        cfgs = list(dict.fromkeys([dflt] + SWEEP))
+        P0 = {k: v.clone() for k, v in L.items()}                    # pristine pools (timing advances L)
+        R = {k: v.clone() for k, v in L.items()}
+        y_ref = kda_decode_ref(tok["qkv"], R["conv_w"], tok["z"], tok["b"], R["A_log"], R["dt_bias"], tok["r"],
+                               R["o_norm_w"], EPS, R["conv_state"], R["rec_state"], slots)
+        del R
+        rows = []
+        for cfg in cfgs:
+            bv, nw, tail, early = cfg
+            kw = dict(BV=bv, num_warps=nw, tail=tail, early=early)
+            try:
+                C = {k: v.clone() for k, v in P0.items()}              # one step on fresh pools: correctness
+                y = _ours(C, tok, slots, **kw)()
+                ok = "ok"
                 try:
-                    ms = t_ms(_ours(L, tok, slots, BV=bv, num_warps=nw), graph=True)
-                except Exception as e:  # noqa: BLE001
-                    print(f"N={N} BV={bv} warps={nw}: {type(e).__name__}")
-                    continue
-                res.append((ms * 1e3, bv, nw))
-        res.sort()
-        print(f"N={N}: " + ", ".join(f"BV{bv}/w{nw}={us:.2f}" for us, bv, nw in res[:6]))
-        del L, tok, slots
+                    assert_close("o", y, y_ref, 5e-3)
+                except AssertionError as e:
+                    ok = f"MISMATCH ({e})"
+                del C
+                ms = t_ms(_ours(L, tok, slots, **kw), graph=True, rep=25)
+            except Exception as e:  # noqa: BLE001
+                print(f"N={N} {_label(cfg)}: {type(e).__name__}: {e}")
+                continue
+            rows.append((ms * 1e3, cfg, ok))
+        if use_fla:
+            f = _fla_fn(L, tok, slots)
+            if f is not None:
+                rows.append((t_ms(f, graph=True, rep=25) * 1e3, None, "fla-core core only"))
+        rows.sort(key=lambda r: r[0])
+        print(f"{'N':>5} {'config':<26} {'graph us':>9} {'% copy':>7}  check")
+        for us, cfg, ok in rows:
+            name = "fla-core" if cfg is None else _label(cfg) + (" *" if cfg == dflt else "")
+            pct = 100 * state_bytes / (us * 1e-6) / bw_copy
+            print(f"{N:>5} {name:<26} {us:>9.2f} {pct:>6.1f}%  {ok}")
+        good = [r for r in rows if r[1] is not None and r[2] == "ok"]
+        if good:
+            best[N] = good[0]
+        del L, tok, slots, P0
         torch.cuda.empty_cache()
+    print("\n# best config per N (* = default): " + "; ".join(
+        f"N={N}: {_label(c)} {us:.2f} us{' *' if c == tuple(decode_config(N, H, K, V, n_sm)) else ''}"
+        for N, (us, c, _) in best.items()))
+    return best
 
 
 def bench_prefill():
@@ -183,6 +236,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--decode-only", action="store_true", help="skip the prefill hook (same as --no-prefill)")
     ap.add_argument("--no-check", action="store_true")
     a = ap.parse_args()
     batches = [int(x) for x in a.batch.split(",")]
@@ -191,8 +245,8 @@ def main():
         check()
     bench_decode(batches, use_fla=not a.no_fla)
     if a.sweep:
-        sweep_decode(batches)
-    if not a.no_prefill:
+        sweep_decode(batches, use_fla=not a.no_fla)
+    if not (a.no_prefill or a.decode_only):
         bench_prefill()
 
 

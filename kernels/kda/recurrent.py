@@ -1,16 +1,22 @@
-"""Fused KDA decode: one token per sequence, state pools updated in place at slot indices. Two launches:
+"""Fused KDA decode: one token per sequence, state pools updated in place at slot indices. One launch by default.
 
-K1 `_kda_decode_kernel`, grid (V/BV, H, N), one program per (sequence, head, V tile):
-    conv (reads the conv state, does not write it) + SiLU for the head's q, k (all K channels) and its v tile,
-    L2 norm (eps 1e-6 inside the sqrt) and scale K^-0.5 on q, gate -exp(A_log) softplus(z + dt_bias) (natural log,
-    exp of a value <= 0), sigmoid(b), then on the [K, BV] fp32 state tile (fla layout [S, H, K, V], decay on K rows):
+`_kda_decode_kernel`, grid (V/BV, H, N), one program per (sequence, head, V tile):
+    the [K, BV] fp32 state tile (fla layout [S, H, K, V], decay on K rows) is read once and written once, in
+    16-byte vectors with evict_first (issued before the prologue when EARLY); conv (reads the conv state) + SiLU
+    for the head's q, k (all K channels) and its v tile, L2 norm (eps 1e-6 inside the sqrt) and scale K^-0.5 on q,
+    gate -exp(A_log) softplus(z + dt_bias) (natural log, exp of a value <= 0), sigmoid(b), then
         S = exp(g)[:, None] * S ; u = beta (v - S^T k) ; S += k u^T ; o = S^T q
-    The state tile is read once and written once. o (fp32, pre-norm) goes to a scratch [N, H, V].
-K2 `_kda_decode_post_kernel`, grid (H, N): gated RMSNorm of o over V (sigmoid gate r) -> out [N, H*V], and the
-    conv state shift for the head's q, k, v channels. It runs after K1 so that no program of K1 reads a conv
-    state that another has already shifted.
-
-With BV >= V (one program per head) K1 does K2's work itself and the step is one launch.
+The head's tail (gated RMSNorm of o over V with sigmoid gate r -> out [N, H*V]; the conv-state shift of its q, k
+channels) needs all V tiles and must follow every tile's conv read. Three ways (TAIL):
+    TAIL_SINGLE  BV >= V: the one program of the head does it.
+    TAIL_LAST    o tile -> scratch [N, H, V]; a per-(sequence, head) arrival counter (atomic, acq_rel) elects the
+                 last tile's program, which normalises the whole row and shifts q, k, then resets the counter to 0
+                 (so the counter buffer stays zero between launches: graph-replay safe). Each program shifts its
+                 own v channels (no other program reads them). One launch.
+    TAIL_POST    o tile -> scratch; a second kernel `_kda_decode_post_kernel`, grid (H, N), does the tail (kept
+                 for comparison in bench/kda.py --sweep).
+Launch config (`decode_config`): BV, warps, tail and the state-load position as a function of N, H, V and the SM
+count; see there. `bench/kda.py --sweep` times the alternatives.
 
 Lanes whose slot is <= 0 (the null slot, CUDA-graph padding) read and write no state and output zeros, so padded
 lanes cost almost no bandwidth and never touch a real slot. No host syncs, no data-dependent shapes: the whole
@@ -18,11 +24,13 @@ step is CUDA-graph capturable.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
+
+TAIL_SINGLE, TAIL_LAST, TAIL_POST = 0, 1, 2
 
 
 @triton.jit
@@ -46,28 +54,37 @@ def _conv_shift(cs, x_row, c, m, stride_cs_w, W: tl.constexpr):
 
 @triton.jit
 def _kda_decode_kernel(
-    qkv_ptr, convw_ptr, convs_ptr, z_ptr, b_ptr, alog_ptr, dtb_ptr, slot_ptr, state_ptr, o_ptr,
+    qkv_ptr, convw_ptr, convs_ptr, z_ptr, b_ptr, alog_ptr, dtb_ptr, slot_ptr, state_ptr, o_ptr, cnt_ptr,
     r_ptr, nw_ptr, y_ptr,
     stride_qkv, stride_z, stride_b, stride_r, stride_y,
     stride_cs_s, stride_cs_w,
     stride_s_s, stride_s_h,
     scale, eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, SINGLE: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BVF: tl.constexpr, TAIL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
-    # SINGLE (BV >= V, one program per (sequence, head)): the program owns all of the head's channels, so it also
-    # does the gated RMSNorm (y [N, H*V]) and the conv-state shift itself: the whole step is one launch.
     # qkv [N, 2HK+HV]; conv_w [C, W] f32; conv_state [S, W-1, C]; z [N, HK]; b [N, H]; A_log [H]; dt_bias [HK]
-    # state [S, H, K, V] f32 (k-row stride V, v contiguous); o [N, H, V] f32 scratch
-    i_v = tl.program_id(0).to(tl.int64)
+    # state [S, H, K, V] f32 (k-row stride V, v contiguous); o [N, H, V] f32 scratch (TAIL_LAST / TAIL_POST);
+    # cnt [N*H] i32 arrival counters, zero between launches (TAIL_LAST); y [N, H*V]
+    i_v = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_n = tl.program_id(2).to(tl.int64)
     slot = tl.load(slot_ptr + i_n).to(tl.int64)
 
-    o_k = tl.arange(0, BK).to(tl.int64)
-    o_v = i_v * BV + tl.arange(0, BV).to(tl.int64)
-    m_k = (o_k < K) & ((o_k * 0 + slot) > 0)                          # slot <= 0: padded lane, no state I/O
-    m_v = (o_v < V) & ((o_v * 0 + slot) > 0)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    # slot <= 0: padded lane, no state I/O. The slot test is a splat (constant along v), so the masked state tile
+    # still moves in 16-byte vectors ((o_v * 0 + slot) > 0 would not be seen as constant and was loaded 4 B at a time)
+    m_k = (o_k < K) & ((tl.zeros([BK], dtype=tl.int64) + slot) > 0)
+    m_v = (o_v < V) & ((tl.zeros([BV], dtype=tl.int64) + slot) > 0)
+
+    s_ptrs = state_ptr + (slot * stride_s_s + i_h * stride_s_h) + (o_k[:, None] * V + o_v[None, :])
+    m_s = m_k[:, None] & m_v[None, :]
+    if EARLY:
+        # state tile load first: its HBM latency overlaps the conv / norm / gate prologue below, at the price of
+        # the tile's registers being live through it (BV 32 / 4 warps: 114 regs vs 79, fewer resident programs)
+        S = tl.load(s_ptrs, mask=m_s, other=0.0, eviction_policy="evict_first")
 
     # ---- short conv + SiLU (fp32), reading the pre-step conv state
     c_q = i_h * K + o_k
@@ -105,22 +122,40 @@ def _kda_decode_kernel(
     beta = tl.sigmoid(bb)
 
     # ---- delta rule on the [BK, BV] state tile
-    s_ptrs = state_ptr + slot * stride_s_s + i_h * stride_s_h + o_k[:, None] * V + o_v[None, :]
-    m_s = m_k[:, None] & m_v[None, :]
-    S = tl.load(s_ptrs, mask=m_s, other=0.0)
+    if not EARLY:
+        S = tl.load(s_ptrs, mask=m_s, other=0.0, eviction_policy="evict_first")
     S = S * tl.exp(g)[:, None]                                        # decay K rows
     u = beta * (v - tl.sum(S * k[:, None], axis=0))                   # [BV]
     S = S + k[:, None] * u[None, :]                                   # rank-1 write
     o = tl.sum(S * q[:, None], axis=0)                                # [BV], read the updated state
-    tl.store(s_ptrs, S, mask=m_s)
-    if SINGLE:
-        _gated_norm_store(o, r_ptr + i_n * stride_r + i_h * V, nw_ptr, y_ptr + i_n * stride_y + i_h * V,
-                          o_v, o_v < V, eps, V)
+    tl.store(s_ptrs, S, mask=m_s, eviction_policy="evict_first")
+
+    y_row = y_ptr + i_n * stride_y + i_h * V
+    o_row = o_ptr + (i_n * H + i_h) * V
+    if TAIL == 0:
+        # one program owns the head: norm here; the barrier orders every thread's conv reads before the shift
+        _gated_norm_store(o, r_ptr + i_n * stride_r + i_h * V, nw_ptr, y_row, o_v, o_v < V, eps, V)
+        tl.debug_barrier()
         _conv_shift(cs, x_row, c_q, m_k, stride_cs_w, W)
         _conv_shift(cs, x_row, c_k, m_k, stride_cs_w, W)
         _conv_shift(cs, x_row, c_v, m_v, stride_cs_w, W)
+    elif TAIL == 1:
+        tl.store(o_row + o_v, o, mask=o_v < V)                        # padded lanes store zeros
+        # barrier: all threads' o stores and conv reads precede the (release) arrival; this tile's v channels are
+        # read by no other program, so they shift now
+        tl.debug_barrier()
+        _conv_shift(cs, x_row, c_v, m_v, stride_cs_w, W)
+        n_arrived = tl.atomic_add(cnt_ptr + i_n * H + i_h, 1, sem="acq_rel", scope="gpu")
+        if n_arrived == NV - 1:                                       # last tile of (sequence, head): the tail
+            o_f = tl.arange(0, BVF)
+            m_f = o_f < V
+            of = tl.load(o_row + o_f, mask=m_f, other=0.0, cache_modifier=".cg")   # other tiles' o, from L2
+            _gated_norm_store(of, r_ptr + i_n * stride_r + i_h * V, nw_ptr, y_row, o_f, m_f, eps, V)
+            _conv_shift(cs, x_row, c_q, m_k, stride_cs_w, W)
+            _conv_shift(cs, x_row, c_k, m_k, stride_cs_w, W)
+            tl.store(cnt_ptr + i_n * H + i_h, 0)                      # every tile has arrived: reset for the next step
     else:
-        tl.store(o_ptr + (i_n * H + i_h) * V + o_v, o, mask=o_v < V)  # padded lanes store zeros
+        tl.store(o_row + o_v, o, mask=o_v < V)                        # padded lanes store zeros
 
 
 @triton.jit
@@ -131,7 +166,7 @@ def _kda_decode_post_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BVF: tl.constexpr,
 ):
-    # o [N, H, V] f32 -> y [N, H*V] = o * rsqrt(mean(o^2) + eps) * w * sigmoid(r); conv state shift for head i_h
+    # TAIL_POST: o [N, H, V] f32 -> y [N, H*V] = o * rsqrt(mean(o^2) + eps) * w * sigmoid(r); conv shift of head i_h
     i_h = tl.program_id(0).to(tl.int64)
     i_n = tl.program_id(1).to(tl.int64)
     o_v = tl.arange(0, BVF).to(tl.int64)
@@ -150,23 +185,76 @@ def _kda_decode_post_kernel(
     _conv_shift(cs, x_row, 2 * H * K + i_h * V + o_v, m_vv, stride_cs_w, W)
 
 
-def _pick_bv(N: int, H: int, V: int) -> int:
-    # enough programs to fill an H200 (132 SMs, several programs each) at small N; 32-wide rows at large N
-    progs = N * H
-    if progs >= 2048:
-        bv = 32
-    elif progs >= 512:
-        bv = 16
-    else:
-        bv = 8
-    return min(bv, triton.next_power_of_2(V))
+# ------------------------------------------------------------------------------------------------- launch config
+_SM_COUNT: dict = {}
+_COUNTERS: dict = {}          # device -> list of i32 counter buffers (all kept alive: captured graphs hold them)
+_PROGRAMS_PER_SM = 4          # decode_config: fewest programs per SM before V is split further
+_BV_MAX = 32                  # widest split tile picked by default (BV 32 / 4 warps: 72% of copy BW at N=64, 12-02)
+_EARLY_MAX_PER_SM = 8         # early state load while programs per SM <= this (about one resident wave)
+
+
+class DecodeConfig(NamedTuple):
+    BV: int            # V tile per program; grid (V/BV, H, N)
+    num_warps: int
+    tail: int          # TAIL_SINGLE (BV >= V) / TAIL_LAST / TAIL_POST
+    early: bool        # issue the state load before the prologue
+
+
+def num_sms(device) -> int:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 132                                                    # H200, for interpreter runs of the picker
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+def warps_for(BV: int, BK: int) -> int:
+    # 32 fp32 state elements per thread up to 4 warps, 64 beyond (ptxas sm_90a, K = 128: BV 8-32 -> 96-116 regs,
+    # BV 64 at 4 warps 166 regs, at 8 warps 172); a [128, 128] tile spills at 4 or 8 warps and takes 16
+    if BV * BK >= 16384:
+        return 16
+    return max(1, min(4, BV * BK // 1024))
+
+
+def decode_config(N: int, H: int, K: int, V: int, n_sm: int = 132, BV: Optional[int] = None) -> DecodeConfig:
+    """Launch config for N sequences (BV given: that tile, the rest derived). Programs = N * H * V/BV. BV: the
+    widest tile <= _BV_MAX giving at least _PROGRAMS_PER_SM programs per SM (wider tiles redo less of the per-tile
+    conv / norm / gate prologue; enough programs keep every SM streaming), else 8. Early state load while the grid
+    is about one resident wave (latency-bound), late load beyond (fewer live registers, more resident programs).
+    Kimi (H = 32, V = 128) on 132 SMs: N = 1-3 -> BV 8 / 1 warp, 4-7 -> 16 / 2, >= 8 -> 32 / 4; one launch."""
+    BK = triton.next_power_of_2(K)
+    VP = triton.next_power_of_2(V)
+    if BV is None:
+        BV = min(8, VP)
+        for bv in (32, 16, 8):
+            if bv <= min(_BV_MAX, VP) and N * H * triton.cdiv(V, bv) >= _PROGRAMS_PER_SM * n_sm:
+                BV = bv
+                break
+    BV = min(BV, VP)
+    progs = N * H * triton.cdiv(V, BV)
+    return DecodeConfig(BV, warps_for(BV, BK), TAIL_SINGLE if BV >= V else TAIL_LAST,
+                        progs <= _EARLY_MAX_PER_SM * n_sm)
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    """A zeroed i32 buffer of >= n arrival counters, reused across calls (each launch leaves it zeroed). Never
+    freed or shrunk: a CUDA graph captured at one size keeps pointing at its buffer when a larger one is made."""
+    bufs = _COUNTERS.setdefault(torch.device(device), [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state, state_slots,
-                      BV: Optional[int] = None, num_warps: Optional[int] = None,
-                      o_scratch: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None):
+                      BV: Optional[int] = None, num_warps: Optional[int] = None, tail: Optional[int] = None,
+                      early: Optional[bool] = None, o_scratch: Optional[torch.Tensor] = None,
+                      out: Optional[torch.Tensor] = None, counters: Optional[torch.Tensor] = None):
     """Fused KDA decode step (see module doc). Shapes as kernels.kda.kda_decode. Returns [N, H*V] (qkv.dtype),
-    written into `out` when given (every element is written, padded lanes get zeros)."""
+    written into `out` when given (every element is written, padded lanes get zeros). BV / num_warps / tail / early
+    override `decode_config` (tail TAIL_LAST or TAIL_POST when BV < V). `counters` (i32, >= N*H, zeroed) replaces
+    the module's shared arrival-counter buffer."""
     N = qkv.shape[0]
     H = b.shape[-1]
     K = z.shape[-1] // H
@@ -188,30 +276,38 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
     assert out.shape == (N, H * V) and out.stride(1) == 1
     if N == 0:
         return out
+    cfg = decode_config(N, H, K, V, num_sms(qkv.device), BV)
+    if num_warps is not None:
+        cfg = cfg._replace(num_warps=num_warps)
+    if early is not None:
+        cfg = cfg._replace(early=bool(early))
+    if tail is not None and cfg.tail != TAIL_SINGLE:
+        assert tail in (TAIL_LAST, TAIL_POST), tail
+        cfg = cfg._replace(tail=tail)
     BK = triton.next_power_of_2(K)
-    if BV is None:
-        BV = _pick_bv(N, H, V)
-    BV = min(BV, triton.next_power_of_2(V))
-    single = BV >= V
-    if num_warps is None:
-        num_warps = 1 if BV <= 8 else (2 if BV <= 16 else (4 if BV <= 32 else 8))
-    if o_scratch is None and not single:
+    NV = triton.cdiv(V, cfg.BV)
+    if cfg.tail != TAIL_SINGLE and o_scratch is None:
         o_scratch = torch.empty(N, H, V, dtype=torch.float32, device=qkv.device)
-    _kda_decode_kernel[(triton.cdiv(V, BV), H, N)](
-        qkv, conv_w, conv_state, z, b, A_log, dt_bias, state_slots, rec_state, o_scratch if not single else out,
+    if cfg.tail == TAIL_LAST:
+        if counters is None:
+            counters = _counters(qkv.device, N * H)
+        assert counters.dtype == torch.int32 and counters.numel() >= N * H
+    _kda_decode_kernel[(NV, H, N)](
+        qkv, conv_w, conv_state, z, b, A_log, dt_bias, state_slots, rec_state,
+        o_scratch if cfg.tail != TAIL_SINGLE else out, counters if cfg.tail == TAIL_LAST else state_slots,
         r, o_norm_w, out,
         qkv.stride(0), z.stride(0), b.stride(0), r.stride(0), out.stride(0),
         conv_state.stride(0), conv_state.stride(1),
         rec_state.stride(0), rec_state.stride(1),
         K ** -0.5, eps,
-        H=H, K=K, V=V, W=W, BK=BK, BV=BV, SINGLE=single, num_warps=num_warps,
+        H=H, K=K, V=V, W=W, BK=BK, BV=cfg.BV, NV=NV, BVF=triton.next_power_of_2(V), TAIL=cfg.tail,
+        EARLY=cfg.early, num_warps=cfg.num_warps,
     )
-    if single:
-        return out
-    _kda_decode_post_kernel[(H, N)](
-        o_scratch, r, o_norm_w, out, qkv, conv_state, state_slots,
-        r.stride(0), out.stride(0), qkv.stride(0), conv_state.stride(0), conv_state.stride(1),
-        eps,
-        H=H, K=K, V=V, W=W, BK=BK, BVF=triton.next_power_of_2(V), num_warps=4,
-    )
+    if cfg.tail == TAIL_POST:
+        _kda_decode_post_kernel[(H, N)](
+            o_scratch, r, o_norm_w, out, qkv, conv_state, state_slots,
+            r.stride(0), out.stride(0), qkv.stride(0), conv_state.stride(0), conv_state.stride(1),
+            eps,
+            H=H, K=K, V=V, W=W, BK=BK, BVF=triton.next_power_of_2(V), num_warps=4,
+        )
     return out

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from kernels.kda import kda_decode_ref, kda_decode_triton, kda_prefill_ref
+from kernels.kda.recurrent import TAIL_LAST, TAIL_POST, TAIL_SINGLE, decode_config
 from kernels.testing import (
     assert_bits_equal,
     assert_close,
@@ -59,21 +60,52 @@ def test_decode_vs_ref(N, KV, dtype):
         assert_bits_equal(f"conv slot {s}", B["conv_state"][s], L["conv_state"][s])
 
 
-@pytest.mark.parametrize("BV", [8, 16, 32])
-def test_decode_tile_sizes(BV):
-    # BV = 32 = V is the single-launch path (norm + conv shift in the same program); padded lane included
+@pytest.mark.parametrize("BV,tail", [(8, TAIL_LAST), (16, TAIL_LAST), (8, TAIL_POST), (16, TAIL_POST),
+                                     (32, TAIL_SINGLE)])
+@pytest.mark.parametrize("early", [True, False])
+def test_decode_tile_sizes(BV, tail, early):
+    # BV = 32 = V: one program per head (norm + conv shift in it); BV < V: the last-arriving tile program does the
+    # head's tail (TAIL_LAST, one launch) or a second kernel does (TAIL_POST); padded lane included
     H, K, V, N, S = 2, 32, 32, 4, 5
     L = make_kda_layer(H, K, V, S, device=DEV)
     L["rec_state"][0] = float("nan")
     tok = make_kda_tokens(N, H, K, V, device=DEV)
     slots = _i32([4, 1, 0, 2])
     A, B = _clone(L), _clone(L)
+    cnt = torch.zeros(N * H, dtype=torch.int32, device=DEV)
     y_ref = _decode(kda_decode_ref, A, tok, slots)
-    y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV, out=torch.full((N, H * V), float("nan"), device=DEV))
+    y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV, tail=tail, counters=cnt, early=early,
+                    out=torch.full((N, H * V), float("nan"), device=DEV))
+    assert torch.equal(cnt, torch.zeros_like(cnt))                # TAIL_LAST leaves its counters zeroed
     assert_close("o", y_tri, y_ref, 2e-5)
     assert_close("state", B["rec_state"][1:], A["rec_state"][1:], 1e-5)
     assert torch.equal(B["conv_state"], A["conv_state"])
     assert_bits_equal("null slot", B["rec_state"][0], L["rec_state"][0])
+
+
+@pytest.mark.parametrize("n_sm", [1, 8, 66, 132, 264])
+def test_decode_config(n_sm):
+    # tile choice by N and SM count: a power-of-two BV dividing the padded V, enough programs per SM whenever
+    # some BV gives them, never narrower tiles than needed (BV non-decreasing in N), single launch in every case
+    from kernels.kda import recurrent as R
+    H, K, V = 32, 128, 128
+    last = 0
+    for N in (1, 2, 3, 4, 8, 16, 64, 256, 1024):
+        BV, nw, tail, early = decode_config(N, H, K, V, n_sm)
+        assert BV in (8, 16, 32, 64, 128) and BV <= R._BV_MAX and nw in (1, 2, 4, 8, 16)
+        assert tail == (TAIL_SINGLE if BV >= V else TAIL_LAST)
+        progs = N * H * (V // BV)
+        assert early == (progs <= R._EARLY_MAX_PER_SM * n_sm)
+        if N * H * (V // 8) >= R._PROGRAMS_PER_SM * n_sm:
+            assert progs >= R._PROGRAMS_PER_SM * n_sm
+            wider = 2 * BV
+            assert wider > R._BV_MAX or N * H * (V // wider) < R._PROGRAMS_PER_SM * n_sm   # widest such BV
+        else:
+            assert BV == 8
+        assert BV >= last
+        last = BV
+    assert decode_config(1, 2, 16, 16, 132)[0] == 8          # tiny V: tile capped by V
+    assert decode_config(4096, 2, 16, 8, 132)[0] == 8
 
 
 def test_padded_lanes_and_poison():
@@ -127,7 +159,8 @@ def test_strong_gates():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_multi_step_decode(dtype):
+@pytest.mark.parametrize("BV", [8, 32])
+def test_multi_step_decode(dtype, BV):
     H, K, V, S, N = 2, 16, 32, 6, 4
     L = make_kda_layer(H, K, V, S, device=DEV, conv_dtype=dtype)
     slots = _i32([5, 2, 3, 1])
@@ -136,7 +169,7 @@ def test_multi_step_decode(dtype):
     for step in range(4):
         tok = make_kda_tokens(N, H, K, V, dtype=dtype, device=DEV, seed=10 + step)
         y_ref = _decode(kda_decode_ref, A, tok, slots)
-        y_tri = _decode(kda_decode_triton, B, tok, slots, BV=32)
+        y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV)   # BV=8: the shared counters are reused
         assert_close(f"o step {step}", y_tri, y_ref, tol)
     assert_close("state", B["rec_state"], A["rec_state"], 1e-5 if dtype == torch.float32 else bf16_tol())
 
@@ -164,8 +197,9 @@ def test_decode_continues_ref_prefill(T, k):
 # ----------------------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [1, 8, 64, 256])
-@pytest.mark.parametrize("BV", [None, 128])          # default pick (2 launches) and the single-launch path
-def test_decode_kimi_gpu(N, BV):
+@pytest.mark.parametrize("BV,tail", [(None, None), (128, None), (64, None), (8, TAIL_POST)])
+def test_decode_kimi_gpu(N, BV, tail):
+    # default pick (one launch, last-tile tail), one program per head, BV=64, and the 2-launch tail
     H, K, V = 32, 128, 128
     S = N + 2
     L = make_kda_layer(H, K, V, S, device="cuda", conv_dtype=torch.bfloat16)
@@ -174,7 +208,7 @@ def test_decode_kimi_gpu(N, BV):
     for step in range(4):
         tok = make_kda_tokens(N, H, K, V, dtype=torch.bfloat16, device="cuda", seed=step)
         y_ref = _decode(kda_decode_ref, A, tok, slots)
-        y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV)
+        y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV, tail=tail)
         assert_close("o", y_tri, y_ref, 5e-3)
     assert_close("state", B["rec_state"], A["rec_state"], 5e-3)
     assert torch.equal(B["conv_state"], A["conv_state"])
