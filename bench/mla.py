@@ -346,7 +346,8 @@ def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90):
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     floats = {"qk_scale"}
     sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
-    div = [n for n in fn.arg_names if n not in consts and n not in floats and n not in ("N", "G")]
+    div = [n for n in fn.arg_names if n not in consts and n not in floats and n not in ("N", "G")
+           and not sig[n].startswith("tensordesc")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
     cexpr = {(fn.arg_names.index(k),): v for k, v in consts.items()}
     k = triton.compile(
@@ -402,10 +403,13 @@ def ptxas_report(arch=90, only=None):
             build(
                 dec._mla_decode_stage1,
                 dict(q_ptr=dts, qpe_ptr=dts, cache_ptr=dts, bt_ptr="*i32", seqlen_ptr="*i32", out_ptr=dts,
-                     opart_ptr="*bf16" if c.get("part16") else "*fp32", lse_ptr="*fp32"),
+                     opart_ptr="*bf16" if c.get("part16") else "*fp32", lse_ptr="*fp32",
+                     **(dict(c_desc=f"tensordesc<bf16[{c['block_n']}, {L}]>",
+                             k_desc=f"tensordesc<bf16[{c['block_n']}, {R}]>") if c.get("tma") else {})),
                 dict(L=L, R=R, BLOCK_L=L, BLOCK_R=R, BS=BS, BLOCK_N=c["block_n"], BLOCK_H=c["block_h"], BLOCK_B=128,
                      MIN_TILES=4, DIRECT=False, IEEE=ieee, UPCAST=False, KEYS_M=c.get("keys_m", False),
-                     PAGE_TILE=c.get("page_tile", False), WARP_SPEC=c.get("warp_spec", False)),
+                     PAGE_TILE=c.get("page_tile", False), WARP_SPEC=c.get("warp_spec", False),
+                     **(dict(TMA=True) if c.get("tma") else dict(TMA=False, c_desc=None, k_desc=None))),
                 c["num_warps"], c["num_stages"], f"decode {dtn} {c}",
             )
         if not ieee:

@@ -44,16 +44,18 @@ DECODE_CFG = {
 # page_tile: one scalar block-table load per tile (BS % BLOCK_N == 0) instead of a per-row gather.
 # warp_spec: tl.range(..., warp_specialize=True). It compiles for sm_90 on Triton 3.6 and 3.9 but changes nothing here
 #   (identical smem/regs/PTX): the Hopper warp-specialization pass only splits loops whose loads are TMA descriptor loads.
+# tma: full tiles by TMA (host TensorDescriptor boxes of BLOCK_N x L and BLOCK_N x R over the cache rows; Triton
+#   double-buffers them behind an mbarrier), the partial last tile by masked pointer loads. Needs keys_m to keep the
+#   tile in smem; sm_90 regs: 3.9 255 + 8 B stack, 3.6 255 + 224 B stack (the peeled tail duplicates the body).
 # part16: bf16 split partials (stage-1 write + stage-2 read halve; the LSE merge stays fp32).
 DECODE_VARIANTS = {
     "base": dict(block_h=32, block_n=64, num_warps=8, num_stages=2),
     "base page": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, page_tile=True),
-    "n32 s3 page": dict(block_h=32, block_n=32, num_warps=8, num_stages=3, page_tile=True),
     "keys_m": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, keys_m=True),
     "keys_m page": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, keys_m=True, page_tile=True),
     "keys_m s3": dict(block_h=32, block_n=64, num_warps=8, num_stages=3, keys_m=True),
-    "keys_m w4": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, keys_m=True),
     "keys_m p16": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, keys_m=True, part16=True),
+    "keys_m tma": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, keys_m=True, page_tile=True, tma=True),
 }
 GPU_BLOCK_H = 32  # heads per program cap (the default split heuristic assumes it)
 # Every tl.dot operand dim (M, N, K) is padded to >= MIN_DOT: Triton's GPU lowering asserts K >= 16 (M, N >= 16 keeps
@@ -186,6 +188,9 @@ def _mla_decode_stage1(
     KEYS_M: tl.constexpr = False,  # keys as the MMA M dimension (see _tile_update)
     PAGE_TILE: tl.constexpr = False,  # one scalar block-table load per tile (needs BS % BLOCK_N == 0)
     WARP_SPEC: tl.constexpr = False,  # tl.range(..., warp_specialize=True) on the main loop
+    c_desc=None,  # TMA (host tensor descriptors over the [NB * BS, L + R] cache rows): c / kpe boxes of BLOCK_N rows
+    k_desc=None,
+    TMA: tl.constexpr = False,
 ):
     u = tl.program_id(0)  # DIRECT: the sequence; else the work unit
     hb = tl.program_id(1)
@@ -234,10 +239,25 @@ def _mla_decode_stage1(
             acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
         bt_row = bt_ptr + n.to(tl.int64) * s_btn
 
-        for t in tl.range(t_begin, t_end, warp_specialize=WARP_SPEC):
-            c, kpe, tmask = _load_tile(cache_ptr, bt_row, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp, s_cr,
-                                       L, BS, BLOCK_N, PAGE_TILE)
-            m_i, l_i, acc = _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, KEYS_M, IEEE, UPCAST)
+        if TMA:
+            # full tiles by TMA (a box cannot stop at seq_len, and the page tail may be NaN), then the partial last
+            # tile, if this unit holds it, by masked pointer loads
+            t_full = tl.minimum(t_end, seq_len // BLOCK_N)
+            full = offs_n >= 0
+            for t in tl.range(t_begin, t_full, warp_specialize=WARP_SPEC):
+                r0 = tl.load(bt_row + (t * BLOCK_N) // BS) * BS + (t * BLOCK_N) % BS
+                c = c_desc.load([r0, 0])
+                kpe = k_desc.load([r0, L])
+                m_i, l_i, acc = _tile_update(q, qpe, c, kpe, full, m_i, l_i, acc, qk_scale, KEYS_M, IEEE, UPCAST)
+            if t_full < t_end:
+                c, kpe, tmask = _load_tile(cache_ptr, bt_row, t_full, seq_len, offs_n, offs_l, offs_r, lmask, rmask,
+                                           s_cp, s_cr, L, BS, BLOCK_N, PAGE_TILE)
+                m_i, l_i, acc = _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, KEYS_M, IEEE, UPCAST)
+        else:
+            for t in tl.range(t_begin, t_end, warp_specialize=WARP_SPEC):
+                c, kpe, tmask = _load_tile(cache_ptr, bt_row, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp,
+                                           s_cr, L, BS, BLOCK_N, PAGE_TILE)
+                m_i, l_i, acc = _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, KEYS_M, IEEE, UPCAST)
 
         if KEYS_M:
             acc = tl.trans(acc)  # [BLOCK_H, BLOCK_L]
@@ -417,7 +437,7 @@ def mla_decode_triton(
         num_splits = default_num_splits(N, block_table.shape[1], BS, H, _num_sms(q_lat.device))
     num_splits = max(1, int(num_splits))
     min_tiles = max(1, (min_split_tokens or MIN_SPLIT_TOKENS) // BLOCK_N)
-    BLOCK_B = triton.next_power_of_2(N)
+    BLOCK_B = max(128, triton.next_power_of_2(N))  # one compile for every batch up to 128 (a 128-lane plan is cheap)
     direct = num_splits == 1
     G = N * num_splits  # work-unit budget of the balanced schedule
     n_units = N if direct else G + N
@@ -439,6 +459,13 @@ def mla_decode_triton(
         PAGE_TILE=bool(cfg.get("page_tile", False)) and BS % BLOCK_N == 0,
         WARP_SPEC=bool(cfg.get("warp_spec", False)) and on_gpu,
     )
+    # TMA boxes: exact L / R columns, tiles inside one page, rows viewable as one [NB * BS, L + R] tensor
+    if cfg.get("tma", False) and BLOCK_L == L and BLOCK_R == R and BS % BLOCK_N == 0 and cache.stride(0) == BS * D:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        rows = cache.view(NB * BS, D)
+        variant.update(TMA=True, c_desc=TensorDescriptor.from_tensor(rows, [BLOCK_N, L]),
+                       k_desc=TensorDescriptor.from_tensor(rows, [BLOCK_N, R]))
     _mla_decode_stage1[(n_units, triton.cdiv(H, BLOCK_H))](
         q_lat,
         q_pe,

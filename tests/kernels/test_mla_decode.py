@@ -59,7 +59,7 @@ def check_close(out, ref, dtype):
 
 # Interpreter tiles: BLOCK_N 16 by default; block_n=32 with 16-token pages takes the per-row gather (page_tile needs
 # BS % BLOCK_N == 0), 64-token pages hold several 16-token tiles (page_tile offsets inside a page).
-@pytest.mark.parametrize("variant", ["base", "base page", "keys_m", "keys_m page", "keys_m p16"])
+@pytest.mark.parametrize("variant", ["base", "base page", "keys_m", "keys_m page", "keys_m p16", "keys_m tma"])
 @pytest.mark.parametrize("bs,block_n", [(16, None), (64, None), (16, 32)])
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
@@ -77,7 +77,7 @@ def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
     assert torch.equal(cache.view(torch.int16), before.view(torch.int16))  # decode never writes the cache
 
 
-@pytest.mark.parametrize("variant", ["keys_m", "keys_m page"])
+@pytest.mark.parametrize("variant", ["keys_m", "keys_m page", "keys_m tma"])
 def test_decode_variant_fp32_and_odd_heads(variant):
     """fp32 cache (IEEE dots) and H=3 (masked head columns of the transposed tiles), splits on and off."""
     lens = [150, 97, 17, 1]
