@@ -10,9 +10,9 @@ The head's tail (gated RMSNorm of o over V with sigmoid gate r -> out [N, H*V]; 
 channels) needs all V tiles and must follow every tile's conv read. Three ways (TAIL):
     TAIL_SINGLE  BV >= V: the one program of the head does it.
     TAIL_LAST    o tile -> scratch [N, H, V]; a per-(sequence, head) arrival counter (atomic, acq_rel) elects the
-                 last tile's program, which normalises the whole row and shifts q, k, then resets the counter to 0
-                 (so the counter buffer stays zero between launches: graph-replay safe). Each program shifts its
-                 own v channels (no other program reads them). One launch.
+                 last tile's program, which normalises the whole row and shifts the head's q, k, v conv state, then
+                 resets the counter to 0 (so the counter buffer stays zero between launches: graph-replay safe).
+                 One launch.
     TAIL_POST    o tile -> scratch; a second kernel `_kda_decode_post_kernel`, grid (H, N), does the tail (kept
                  for comparison in bench/kda.py --sweep).
 Launch config (`decode_config`): BV, warps, tail and the state-load position as a function of N, H, V and the SM
@@ -72,8 +72,8 @@ def _kda_decode_kernel(
     i_n = tl.program_id(2).to(tl.int64)
     slot = tl.load(slot_ptr + i_n).to(tl.int64)
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    o_k = tl.arange(0, BK).to(tl.int64)                              # int64 offsets: fewer registers (ptxas)
+    o_v = i_v.to(tl.int64) * BV + tl.arange(0, BV).to(tl.int64)
     # slot <= 0: padded lane, no state I/O. The slot test is a splat (constant along v), so the masked state tile
     # still moves in 16-byte vectors ((o_v * 0 + slot) > 0 would not be seen as constant and was loaded 4 B at a time)
     m_k = (o_k < K) & ((tl.zeros([BK], dtype=tl.int64) + slot) > 0)
@@ -83,7 +83,8 @@ def _kda_decode_kernel(
     m_s = m_k[:, None] & m_v[None, :]
     if EARLY:
         # state tile load first: its HBM latency overlaps the conv / norm / gate prologue below, at the price of
-        # the tile's registers being live through it (BV 32 / 4 warps: 114 regs vs 79, fewer resident programs)
+        # the tile's registers being live through it (ptxas 3.6, sm_90a, K = 128: BV 8 / 1 warp 87 regs vs 72
+        # late, BV 32 / 4 warps 88 vs 80: fewer resident programs)
         S = tl.load(s_ptrs, mask=m_s, other=0.0, eviction_policy="evict_first")
 
     # ---- short conv + SiLU (fp32), reading the pre-step conv state
@@ -141,18 +142,19 @@ def _kda_decode_kernel(
         _conv_shift(cs, x_row, c_v, m_v, stride_cs_w, W)
     elif TAIL == 1:
         tl.store(o_row + o_v, o, mask=o_v < V)                        # padded lanes store zeros
-        # barrier: all threads' o stores and conv reads precede the (release) arrival; this tile's v channels are
-        # read by no other program, so they shift now
+        # barrier: all threads' o stores and conv reads precede the (release) arrival
         tl.debug_barrier()
-        _conv_shift(cs, x_row, c_v, m_v, stride_cs_w, W)
         n_arrived = tl.atomic_add(cnt_ptr + i_n * H + i_h, 1, sem="acq_rel", scope="gpu")
         if n_arrived == NV - 1:                                       # last tile of (sequence, head): the tail
-            o_f = tl.arange(0, BVF)
+            o_f = tl.arange(0, BVF).to(tl.int64)
             m_f = o_f < V
             of = tl.load(o_row + o_f, mask=m_f, other=0.0, cache_modifier=".cg")   # other tiles' o, from L2
             _gated_norm_store(of, r_ptr + i_n * stride_r + i_h * V, nw_ptr, y_row, o_f, m_f, eps, V)
+            # the whole head's conv shift here too (shifting v per tile, before the arrival, cost ~15 registers)
+            m_fs = m_f & ((tl.zeros([BVF], dtype=tl.int64) + slot) > 0)
             _conv_shift(cs, x_row, c_q, m_k, stride_cs_w, W)
             _conv_shift(cs, x_row, c_k, m_k, stride_cs_w, W)
+            _conv_shift(cs, x_row, 2 * H * K + i_h * V + o_f, m_fs, stride_cs_w, W)
             tl.store(cnt_ptr + i_n * H + i_h, 0)                      # every tile has arrived: reset for the next step
     else:
         tl.store(o_row + o_v, o, mask=o_v < V)                        # padded lanes store zeros
@@ -211,8 +213,8 @@ def num_sms(device) -> int:
 
 
 def warps_for(BV: int, BK: int) -> int:
-    # 32 fp32 state elements per thread up to 4 warps, 64 beyond (ptxas sm_90a, K = 128: BV 8-32 -> 96-116 regs,
-    # BV 64 at 4 warps 166 regs, at 8 warps 172); a [128, 128] tile spills at 4 or 8 warps and takes 16
+    # 32 fp32 state elements per thread up to 4 warps, 64 beyond (ptxas 3.6 sm_90a, K = 128: BV 8-32 -> 72-96
+    # regs, BV 64 at 4 warps 141); a [128, 128] tile spills heavily at 4 or 8 warps and takes 16 (128 regs)
     if BV * BK >= 16384:
         return 16
     return max(1, min(4, BV * BK // 1024))
