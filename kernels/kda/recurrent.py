@@ -74,8 +74,8 @@ def _kda_decode_kernel(
 
     o_k = tl.arange(0, BK).to(tl.int64)                              # int64 offsets: fewer registers (ptxas)
     o_v = i_v.to(tl.int64) * BV + tl.arange(0, BV).to(tl.int64)
-    # slot <= 0: padded lane, no state I/O. The slot test is a splat (constant along v), so the masked state tile
-    # still moves in 16-byte vectors ((o_v * 0 + slot) > 0 would not be seen as constant and was loaded 4 B at a time)
+    # slot <= 0: padded lane, no state I/O. The slot test is a splat, constant along v: the masked state tile
+    # moves in 16-byte vectors (ld/st.global.v4 in the PTX)
     m_k = (o_k < K) & ((tl.zeros([BK], dtype=tl.int64) + slot) > 0)
     m_v = (o_v < V) & ((tl.zeros([BV], dtype=tl.int64) + slot) > 0)
 
