@@ -264,8 +264,15 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES):
                 ref = fi.run(q, qp, pool.cache).view(B, H, L).clone()
                 t = bench(lambda: fi.run(q, qp, pool.cache))
                 res[("flashinfer", B, S)] = t
-                print(f"B={B:<4} S={S:<7} {'flashinfer fa3':<16} {t * 1e6:9.1f} us {nbytes / t / 1e12:5.2f} TB/s",
-                      flush=True)
+                line = f"B={B:<4} S={S:<7} {'flashinfer fa3':<16} {t * 1e6:9.1f} us {nbytes / t / 1e12:5.2f} TB/s"
+                if B == 1:
+                    try:
+                        tg = bench_graph(lambda: fi.run(q, qp, pool.cache))
+                        res[("flashinfer graph", B, S)] = tg
+                        line += f"  graph {tg * 1e6:7.1f} us {nbytes / tg / 1e12:5.2f} TB/s"
+                    except Exception as e:  # noqa: BLE001
+                        line += f"  graph failed: {type(e).__name__}"
+                print(line, flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"  flashinfer failed at B={B} S={S}: {type(e).__name__}: {e}")
         out = torch.empty(B, H, L, dtype=DT, device="cuda")
@@ -294,13 +301,14 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES):
                 line += "  WARNING rel err"
             print(line + f"  splits {ns}", flush=True)
 
-    print("\nmarkdown (TB/s eager; graph for B=1 in brackets; Triton/FI = FlashInfer time / variant time):")
+    print("\nmarkdown (TB/s eager; [graph] at B=1; (x) = FlashInfer time / variant time, graph vs graph at B=1):")
     names = list(variants)
     print("| B | S | FlashInfer | " + " | ".join(names) + " |")
     print("|---|---|---|" + "---|" * len(names))
     for B, S in shapes:
         nbytes = B * S * ROW_BYTES
         fi_t = res.get(("flashinfer", B, S))
+        fi_g = res.get(("flashinfer graph", B, S))
         cells = []
         for n in names:
             t = res.get((n, B, S))
@@ -312,17 +320,18 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES):
             if tg:
                 c += f" [{nbytes / tg / 1e12:.2f}]"
             if fi_t:
-                c += f" ({fi_t / min(t, tg or t):.2f}x)"
+                c += f" ({(fi_g / tg if fi_g and tg else fi_t / t):.2f}x)"
             cells.append(c)
-        print(f"| {B} | {S} | {f'{nbytes / fi_t / 1e12:.2f}' if fi_t else '-'} | " + " | ".join(cells) + " |")
+        fi_c = f"{nbytes / fi_t / 1e12:.2f}" + (f" [{nbytes / fi_g / 1e12:.2f}]" if fi_g else "") if fi_t else "-"
+        print(f"| {B} | {S} | {fi_c} | " + " | ".join(cells) + " |")
 
-    print("\n== B=1 S=128k: split count x variant (graph µs / TB/s) ==", flush=True)
-    B, S = 1, 131072
+    B, S = 1, max([s for b, s in shapes if b == 1] or [131072])
+    print(f"\n== B=1 S={S}: split count x variant (graph µs / TB/s) ==", flush=True)
     bt, sl = pool.tables(B, S)
     q = torch.randn(B, H, L, device="cuda").to(DT)
     qp = torch.randn(B, H, R, device="cuda").to(DT)
     out = torch.empty(B, H, L, dtype=DT, device="cuda")
-    for name in [n for n in variants if n.startswith("keys_m")][:3] or names[:1]:
+    for name in [n for n in ("base", "keys_m", "keys_m p16", "keys_m tma") if n in variants] or names[:1]:
         line = f"{name:<16}"
         for ns in (66, 132, 198, 264, 396):
             try:
@@ -442,6 +451,7 @@ def main():
     ap.add_argument("--decode-only", action="store_true", help="skip mixed lengths, prefill/extend and the old sweeps")
     ap.add_argument("--sweep-decode", action="store_true",
                     help="time decode.DECODE_VARIANTS at B {1,64,128} x S {8k,128k} next to FlashInfer")
+    ap.add_argument("--variants", help="with --sweep-decode: comma-separated DECODE_VARIANTS names (default: all)")
     args = ap.parse_args()
     if args.ptxas:
         ptxas_report(only=args.only)
@@ -470,7 +480,8 @@ def main():
     max_tokens = max(b * s for b in Bs for s in Ss)
     pool = Pool(max_tokens + 1024)
     if args.sweep_decode:
-        sweep_decode(pool, fi, dev.multi_processor_count)
+        names = args.variants.split(",") if args.variants else list(dec.DECODE_VARIANTS)
+        sweep_decode(pool, fi, dev.multi_processor_count, {n: dec.DECODE_VARIANTS[n] for n in names})
         if args.decode_only:
             return
 
