@@ -10,6 +10,8 @@ Pipeline (no host sync anywhere; every size comes from tensor shapes, so it is C
    Small M: one Triton program (stable sort of the keys ``expert*BLOCK + i`` with ``tl.sort``, ``tl.histogram``).
    Large M: a handful of capturable torch ops (stable ``torch.sort``, scatter_add, cumsum, scatter).
    Within an expert, assignments keep their flat order (stable), so the result is deterministic.
+   Decode (M <= ALIGN_IN_GEMM_MAX): no align launch; every GEMM program computes its own block's rows and expert
+   from the M ids (``_block_rows_from_ids``: histogram, cumsum, rank within the expert), the same layout.
 2. **GEMM 1** (``_moe_gemm1_kernel``): per (block, N tile): rows gathered from x, gate and up tiles of the block's
    expert ``w13[e]`` (read once per block of up to BLOCK_M tokens), two fp32 accumulators,
    ``silu(gate) * up`` in fp32, stored (x.dtype) into ``inter [M, I]`` at the flat assignment row.
@@ -34,6 +36,9 @@ from kernels.moe.router import INTERPRET, cast_to, dot_acc, dot_mode
 # Largest M = T*k aligned by the single-program Triton align kernel; above it the torch path is used.
 # KIMI_MOE_ALIGN=torch forces the torch path for every M (fallback switch).
 ALIGN_SMALL_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") == "torch" else 2048
+# Largest M for which each GEMM program derives its block's rows from the ids itself (no align launch; decode b1-b3).
+# KIMI_MOE_ALIGN=kernel (or torch) turns it off: every M goes through moe_align (A/B switch).
+ALIGN_IN_GEMM_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") in ("torch", "kernel") else 32
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -118,29 +123,55 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, expert_ids[:max_blocks], num_post
 
 
+@triton.jit
+def _block_rows_from_ids(ids_ptr, pid_m, M, E, BM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """moe_align's layout for one block, computed from the M <= BLOCK ids alone -> (idx [BM] flat assignment indices,
+    sentinel M for padding; the block's expert; the padded total). Same layout as moe_align: experts ascending, each
+    padded to a multiple of BM, rows of an expert in flat order."""
+    offs = tl.arange(0, BLOCK)
+    e = tl.load(ids_ptr + offs, mask=offs < M, other=E).to(tl.int32)  # padding lanes -> expert E (no block)
+    eo = tl.arange(0, BLOCK_E)
+    counts = tl.where(eo < E, tl.histogram(e, BLOCK_E), 0)
+    padded = (counts + BM - 1) // BM * BM
+    pend = tl.cumsum(padded, axis=0)
+    start = pid_m * BM
+    ex = tl.sum((pend <= start).to(tl.int32), axis=0)            # pend is non-decreasing: the block's expert
+    pstart = tl.sum(tl.where(eo == ex, pend - padded, 0), axis=0)
+    want = start - pstart + tl.arange(0, BM)                       # ranks within expert ex of the block's rows
+    match = e == ex
+    rank = tl.cumsum(match.to(tl.int32), axis=0) - 1
+    hit = match[None, :] & (rank[None, :] == want[:, None])        # [BM, BLOCK]
+    idx = tl.where(tl.sum(hit.to(tl.int32), axis=1) > 0, tl.sum(tl.where(hit, offs[None, :], 0), axis=1), M)
+    return idx, ex, tl.sum(padded, axis=0)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 2./3. grouped GEMMs
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _moe_gemm1_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
-    M, N, K, stride_xm, stride_we, stride_wn, stride_om,
+    M, N, K, stride_xm, stride_we, stride_wn, stride_om, ids_ptr, E,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-    MODE: tl.constexpr, INTERP: tl.constexpr,
+    MODE: tl.constexpr, INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """inter[idx, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, N + n]) for the rows idx of one block."""
+    """inter[idx, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, N + n]) for the rows idx of one block.
+    IDS_BLOCK > 0: the block's rows come from the ids (_block_rows_from_ids), not from moe_align's outputs."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    npost = tl.load(npost_ptr)
+    if IDS_BLOCK > 0:
+        idx, e, npost = _block_rows_from_ids(ids_ptr, pid_m, M, E, BM, IDS_BLOCK, BLOCK_E)
+    else:
+        npost = tl.load(npost_ptr)
+        idx = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
+        e = tl.load(expert_ids_ptr + pid_m)
     if pid_m * BM >= npost:
         return
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    idx = tl.load(sorted_ptr + offs_m)
+    e = e.to(tl.int64)
     row_ok = idx < M
     tok = (idx // TOP_K).to(tl.int64)
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BK)
@@ -173,23 +204,26 @@ def _moe_gemm1_kernel(
 @triton.jit
 def _moe_gemm2_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
-    M, N, K, stride_am, stride_we, stride_wn, stride_om,
+    M, N, K, stride_am, stride_we, stride_wn, stride_om, ids_ptr, E,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """y[idx, n] = inter[idx] . w2[e, n] for the rows idx of one block."""
+    """y[idx, n] = inter[idx] . w2[e, n] for the rows idx of one block (IDS_BLOCK as in _moe_gemm1_kernel)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    npost = tl.load(npost_ptr)
+    if IDS_BLOCK > 0:
+        idx, e, npost = _block_rows_from_ids(ids_ptr, pid_m, M, E, BM, IDS_BLOCK, BLOCK_E)
+    else:
+        npost = tl.load(npost_ptr)
+        idx = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
+        e = tl.load(expert_ids_ptr + pid_m)
     if pid_m * BM >= npost:
         return
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    idx = tl.load(sorted_ptr + offs_m)
+    e = e.to(tl.int64)
     row_ok = idx < M
     row = idx.to(tl.int64)
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BK)
@@ -285,8 +319,15 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, config: MoECo
         w2 = w2.to(x.dtype)
     cfg = config or get_config(M, E, x.dtype)
     BM = cfg.BM
-    sorted_ids, expert_ids, num_post = moe_align(topk_ids.to(torch.int32), E, BM)
-    max_blocks = expert_ids.numel()
+    ids = topk_ids.to(torch.int32).contiguous()
+    if M <= ALIGN_IN_GEMM_MAX:  # decode: the GEMM programs find their rows in the ids (one launch fewer)
+        ids_block, block_e = max(16, triton.next_power_of_2(M)), max(16, triton.next_power_of_2(E + 1))
+        sorted_ids = expert_ids = num_post = ids  # unused by the kernels
+        max_blocks = max_padded_size(M, E, BM) // BM
+    else:
+        ids_block = block_e = 0
+        sorted_ids, expert_ids, num_post = moe_align(ids, E, BM)
+        max_blocks = expert_ids.numel()
     mode = dot_mode(x.dtype)
 
     inter = torch.empty(M, inter_dim, dtype=x.dtype, device=x.device)
@@ -294,8 +335,9 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, config: MoECo
     BK1 = _fit(cfg.BK, D)
     _moe_gemm1_kernel[(max_blocks * triton.cdiv(inter_dim, BN1),)](
         x, w13, inter, sorted_ids, expert_ids, num_post,
-        M, inter_dim, D, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        M, inter_dim, D, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), ids, E,
         TOP_K=top_k, BM=BM, BN=BN1, BK=BK1, EVEN_K=D % BK1 == 0, MODE=mode, INTERP=INTERPRET,
+        IDS_BLOCK=ids_block, BLOCK_E=block_e,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     y = torch.empty(M, D, dtype=x.dtype, device=x.device)
@@ -303,8 +345,9 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, config: MoECo
     BK2 = _fit(cfg.BK, inter_dim)
     _moe_gemm2_kernel[(max_blocks * triton.cdiv(D, BN2),)](
         inter, w2, y, sorted_ids, expert_ids, num_post,
-        M, D, inter_dim, inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        M, D, inter_dim, inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0), ids, E,
         BM=BM, BN=BN2, BK=BK2, EVEN_K=inter_dim % BK2 == 0, MODE=mode, INTERP=INTERPRET,
+        IDS_BLOCK=ids_block, BLOCK_E=block_e,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     assert out.is_contiguous() and out.shape == (T, D)

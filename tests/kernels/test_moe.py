@@ -326,6 +326,29 @@ def test_fused_moe_other_tiles_and_torch_align(bm, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("pattern", ["spread", "one_heavy", "all_one"])
+@pytest.mark.parametrize("T,k", [(1, 9), (3, 5), (11, 3)])
+def test_fused_moe_rows_from_ids_equal_align(pattern, T, k, monkeypatch):
+    """Decode sizes (M <= ALIGN_IN_GEMM_MAX): the GEMM programs derive their rows from the ids; bit-identical to the
+    moe_align path, also when one expert spans several BLOCK_M blocks (one_heavy / all_one at M = 33 > 16)."""
+    import kernels.moe.fused as fm
+
+    D, I, E = 32, 16, 12
+    ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(T)]).int()
+    if pattern == "one_heavy":
+        ids[:, 0] = 4
+    elif pattern == "all_one":
+        ids = torch.full((T, k), 7, dtype=torch.int32, device=DEV)
+    x, w13, w2, w, ids = make_moe(T, D, I, E, k, torch.float32, ids=ids)
+    M = T * k
+    monkeypatch.setattr(fm, "ALIGN_IN_GEMM_MAX", max(M, 32))
+    out = fm.fused_moe_triton(x, w13, w2, w, ids)
+    assert rms_ratio(out, fused_moe_ref(x, w13, w2, w, ids)) <= 1e-5
+    monkeypatch.setattr(fm, "ALIGN_IN_GEMM_MAX", 0)
+    assert torch.equal(out, fm.fused_moe_triton(x, w13, w2, w, ids))
+
+
+@needs_triton
 def test_fused_moe_empty():
     from kernels.moe.fused import fused_moe_triton
 
