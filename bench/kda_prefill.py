@@ -5,8 +5,10 @@ Cases: single sequence T = 4k, 16k, 64k, and varlen 16 x 1k. Timing: triton.test
 Both sides do the whole core op: L2 norm of q/k, gate activation from the raw z (A_log, dt_bias), beta sigmoid,
 the chunked delta rule, initial-state read and final-state write.
 Run: python bench/kda_prefill.py   (prints one line per case and, when fla is importable, the ratio)
-     python bench/kda_prefill.py --sweep   (per-stage launch-config sweep of kernels/kda/chunk.py at T=16k and
-                                            16x1k, about a minute)
+     python bench/kda_prefill.py --sweep   (intra v1 (one kernel) vs v2 (prep -> akk -> wu) vs fla-core at
+                                            T = 4k, 16k, 64k with per-stage times, then a launch-config sweep of
+                                            the v2 kernels at 16k; about a minute)
+     python bench/kda_prefill.py --sweep-state   (the older per-stage sweep of intra v1 / state / output configs)
 Each case prints both paths of kernels/kda/chunk.py ("fused" = old: intra -> state+output in one sequential
 kernel; "split" = new: intra -> state pass only -> parallel output; module flag chunk.SPLIT picks the default),
 fla when importable, and the per-stage times of both paths.
@@ -68,11 +70,13 @@ def _inputs(lens, device=None, dtype=torch.bfloat16):
     return dict(q=q, k=k, v=v, z=z, b=b, A_log=A_log, dt_bias=dt_bias, cu=cu)
 
 
-def _ours(x, split=None, stages=False):
-    """split: None = module default (chunk.SPLIT), True/False force a path. stages: also return
-    {stage: launch} of one planned call (for per-stage timing)."""
+def _ours(x, split=None, stages=False, intra=None):
+    """split: None = module default (chunk.SPLIT), True/False force a path; intra: None = module default
+    (chunk.INTRA), "v1" / "v2" force the intra variant. stages: also return {stage: launch} of one planned call
+    (for per-stage timing)."""
     import kernels.kda.chunk as ck
     from kernels.kda.chunk import chunk_kda_fwd, chunk_kda_plan
+
 
     P = len(x["cu"]) - 1
     pool = torch.zeros(P + 1, H, K, V, device=DEVICE, dtype=torch.float32)
@@ -84,19 +88,19 @@ def _ours(x, split=None, stages=False):
     args = (x["q"], x["k"], x["v"], x["z"], x["A_log"], x["dt_bias"], x["b"], K ** -0.5, pool, cu_t, slots, hi)
 
     def fn():
-        prev = ck._FORCE_SPLIT
-        ck._FORCE_SPLIT = split
+        prev = ck._FORCE_SPLIT, ck._FORCE_INTRA
+        ck._FORCE_SPLIT, ck._FORCE_INTRA = split, intra
         try:
             return chunk_kda_fwd(*args, out=out, cu_seqlens_cpu=x["cu"])
         finally:
-            ck._FORCE_SPLIT = prev
+            ck._FORCE_SPLIT, ck._FORCE_INTRA = prev
     if stages:
-        prev = ck._FORCE_SPLIT
-        ck._FORCE_SPLIT = split
+        prev = ck._FORCE_SPLIT, ck._FORCE_INTRA
+        ck._FORCE_SPLIT, ck._FORCE_INTRA = split, intra
         try:
             _, launches = chunk_kda_plan(*args, out=out, cu_seqlens_cpu=x["cu"])
         finally:
-            ck._FORCE_SPLIT = prev
+            ck._FORCE_SPLIT, ck._FORCE_INTRA = prev
         return fn, lambda: (out, pool[1:]), launches
     return fn, lambda: (out, pool[1:])
 
@@ -264,8 +268,107 @@ def sweep_prefill(lens_list=((16384,), (1024,) * 16), warmup=5, rep=25):
             setattr(ck, n, val)
 
 
+INTRA_STAGES = ("intra", "prep", "akk", "wu")
+
+
+def intra_compare(Ts=(4096, 16384, 65536), warmup=10, rep=50):
+    """Old one-kernel intra (v1) vs the 3-kernel v2 (prep -> akk -> wu), both on the split path, next to fla-core:
+    per T one line of totals and ratios, then the per-stage times of both."""
+    import triton.testing
+
+    import kernels.kda.chunk as ck
+
+    print(f"intra v1 vs v2 (split path), H={H} K={K} V={V} bf16, do_bench median (ms)", flush=True)
+    try:
+        for T in Ts:
+            x = _inputs([T])
+            line = f"T={T:6d}"
+            res, outs = {}, {}
+            for tag in ("v1", "v2"):
+                try:
+                    fn, get, launches = _ours(x, split=True, stages=True, intra=tag)
+                    fn()
+                    torch.cuda.synchronize()
+                    res[tag] = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+                    res[tag + "_st"] = _stage_times(launches, 3, 20)
+                    fn()
+                    torch.cuda.synchronize()
+                    outs[tag] = tuple(t.clone() for t in get())
+                    intra_ms = sum(res[tag + "_st"].get(n, 0.0) for n in INTRA_STAGES)
+                    line += f" | {tag} {res[tag]:7.3f} ms (intra {intra_ms:6.3f})"
+                except Exception as e:
+                    line += f" | {tag} FAILED {type(e).__name__}: {str(e)[:200]}"
+            if "v1" in res and "v2" in res:
+                i1 = sum(res["v1_st"].get(n, 0.0) for n in INTRA_STAGES)
+                i2 = sum(res["v2_st"].get(n, 0.0) for n in INTRA_STAGES)
+                line += f" | v2/v1 total {res['v1'] / res['v2']:4.2f}x intra {i1 / i2:4.2f}x" \
+                        f" | rel-rms v2 vs v1 o {_rel(outs['v2'][0], outs['v1'][0]):.1e}" \
+                        f" state {_rel(outs['v2'][1], outs['v1'][1]):.1e}"
+            try:
+                ffn, fget = _fla(x)
+                ffn()
+                torch.cuda.synchronize()
+                fms = triton.testing.do_bench(ffn, warmup=warmup, rep=rep, return_mode="median")
+                ffn()
+                torch.cuda.synchronize()
+                fo, fst = fget()
+                line += f" | fla {fms:7.3f} ms"
+                for tag in ("v1", "v2"):
+                    if tag in outs:
+                        line += f" | {tag} {fms / res[tag]:4.2f}x fla (o {_rel(outs[tag][0], fo):.1e}" \
+                                f" state {_rel(outs[tag][1], fst):.1e})"
+            except Exception as e:
+                line += f" | fla unavailable: {type(e).__name__}: {str(e)[:120]}"
+            print(line, flush=True)
+            for tag in ("v1", "v2"):
+                if tag + "_st" in res:
+                    print(f"{'':8s} {tag} stages: " + _fmt_stages(res[tag + "_st"]), flush=True)
+            del x, outs
+            torch.cuda.empty_cache()
+    finally:
+        ck._FORCE_INTRA = None
+
+
+def sweep_intra_v2(T=16384, warmup=5, rep=25):
+    """Launch-config sweep of the v2 intra kernels at one T (each stage timed alone)."""
+    import kernels.kda.chunk as ck
+
+    names = ("PREP_BK", "PREP_NUM_WARPS", "AKK_BK", "AKK_NUM_WARPS", "AKK_UNROLL", "WU_BK", "WU_BV", "WU_NUM_WARPS")
+    saved = {n: getattr(ck, n) for n in names}
+    grid = [
+        *[("prep", dict(PREP_BK=bk, PREP_NUM_WARPS=w)) for bk, w in ((32, 4), (16, 4), (64, 8), (32, 8))],
+        *[("akk", dict(AKK_BK=bk, AKK_NUM_WARPS=w, AKK_UNROLL=un))
+          for bk, w, un in ((64, 4, 1), (64, 4, 0), (32, 4, 1), (32, 4, 0), (32, 8, 1), (64, 8, 1), (64, 8, 0))],
+        *[("wu", dict(WU_BK=bk, WU_BV=bk, WU_NUM_WARPS=w)) for bk, w in ((64, 4), (32, 4), (64, 8), (128, 8))],
+    ]
+    x = _inputs([T])
+    try:
+        for stage, cfg in grid:
+            for n, val in saved.items():
+                setattr(ck, n, val)
+            for n, val in cfg.items():
+                setattr(ck, n, val)
+            desc = " ".join(f"{n}={val}" for n, val in cfg.items())
+            try:
+                _, _, launches = _ours(x, split=True, stages=True, intra="v2")
+                for f in launches.values():
+                    f()
+                st = _stage_times({stage: launches[stage]}, warmup, rep)
+                print(f"T={T} v2 {stage:4s} {desc}: " + _fmt_stages(st), flush=True)
+            except Exception as e:
+                print(f"T={T} v2 {stage:4s} {desc}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
+    finally:
+        for n, val in saved.items():
+            setattr(ck, n, val)
+        del x
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
-    if "--sweep" in sys.argv:
+    if "--sweep" in sys.argv:            # intra v1 vs v2 vs fla at 4k/16k/64k, then the v2 launch-config sweep
+        intra_compare()
+        sweep_intra_v2()
+    elif "--sweep-state" in sys.argv:    # the older state/output launch-config sweep
         sweep_prefill()
     else:
         bench_prefill()

@@ -4,7 +4,20 @@ Entry point: ``chunk_kda_fwd`` (called by kernels/kda/__init__.py ``kda_prefill`
 
 Launches:
 
-1. ``_kda_intra_kernel`` -- one program per (chunk, head), chunk size BT = 64, fully parallel. It fuses the
+1. Intra-chunk work, v2 (``INTRA = "v2"``, the default; env KDA_INTRA=v1 or ``_FORCE_INTRA`` picks v1), three
+   fully parallel launches with few live tiles each (same outputs as v1 below, every exponent <= 0):
+   1a. ``_kda_prep_kernel``, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum G2 (log2 units);
+       writes qg, kg, gl and the scratch G2 [rows, K] fp32, rs [rows, 4] fp32 = (scale/|q|, 1/|k|, beta).
+   1b. ``_kda_akk_kernel``, grid (chunk, head, 16-row sub-chunk i): Aqk and Dkk for rows [16i, 16i+16):
+       columns of earlier sub-chunks by one tensor-core dot per K tile, anchor = first row n of the sub-chunk
+       ((x_r exp2(G_r - G_n)) . (k_s exp2(G_n - G_s)), both factors <= 1); the 16x16 diagonal block exactly per
+       pair (exp2(G_r - G_s), s <= r) on CUDA cores; then the diagonal block of (I + diag(beta) StrictTril(Dkk))
+       is inverted by forward substitution (fp32). Writes Aqk (the contract) and the scratch X [rows, 64] fp32
+       (block inverses Di on the diagonal blocks, beta-scaled Dkk below them).
+   1c. ``_kda_wu_kernel``, grid (chunk, head): M = (I - N + N^2 - N^3) Di with N = Di L_off, then w and u as
+       [64, 64] x [64, BK|BV] dots.
+   v1 (kept for A/B): ``_kda_intra_kernel`` -- one program per (chunk, head), chunk size BT = 64, fully
+   parallel (244-255 registers; 5.05 ms of the 5.80 ms total at T=16k on the H200 under Triton 3.6). It fuses the
    L2 norm of q and k, beta = sigmoid(b), the gate g = -exp(A_log) softplus(z + dt_bias) and its chunk-local
    cumsum (kept in log2 units, G2 = G / ln 2, so every exponential is exp2), builds the intra-chunk matrices
    and the WY/UT transform and writes per chunk:
@@ -48,9 +61,10 @@ Precision: all accumulation in fp32. For bf16 inputs the intermediates (qg, kg, 
 and the state is cast to bf16 as an MMA operand (as fla does); the intra-chunk matrices use tf32. For fp32 inputs
 everything is stored in fp32 and the dots use IEEE fp32 (slow, for tests/oracles).
 
-Tuning: the module constants below (INTRA_*, STATE_*, HPASS_*, OUT_*); ``python bench/kda_prefill.py --sweep`` times
-each stage over a grid of them on the GPU; ``compile_report()`` compiles the kernels offline for sm_90 and reports
-registers / spills / smem. Time budget per stage: see the docstring of bench/kda_prefill.py.
+Tuning: the module constants below (INTRA_*, PREP_*, AKK_*, WU_*, STATE_*, HPASS_*, OUT_*);
+``python bench/kda_prefill.py --sweep`` times intra v1 vs v2 vs fla-core per stage and sweeps the v2 constants
+(``--sweep-state``: the older state/output sweep); ``compile_report()`` compiles the kernels offline for sm_90 and
+reports registers / spills / smem. Time budget per stage: see the docstring of bench/kda_prefill.py.
 """
 from __future__ import annotations
 
@@ -70,6 +84,8 @@ RCP_LN2 = 1.4426950408889634
 #  244 (EXACT_REG=1), 48 KB smem, 8 warps (4 warps spills); old state 202 regs / 147 KB smem at BV=64 with 8 warps,
 #  162 regs / 131 KB at BV=32 with 4 warps; hpass 80 regs / 72 KB at BV=16 (4 warps), 136 / 80 KB at BV=32 (4),
 #  204 / 104 KB at BV=64 (8); out 72 regs / 48 KB at BV=64 (4 warps), 95 / 72 KB at BV=128)
+# v2 intra, offline sm_90 / triton 3.9 at the defaults: prep 128 regs, akk 154 regs / 66 KB smem, wu 168 regs /
+# 64 KB smem, no spills (akk BK=32 with 8 warps: 128 regs)
 INTRA_BK = 32
 INTRA_BV = 64
 INTRA_NUM_WARPS = 8
@@ -85,6 +101,17 @@ HPASS_NUM_STAGES = 2
 OUT_BV = 64
 OUT_NUM_WARPS = 4
 OUT_NUM_STAGES = 2
+# intra variant: "v2" (prep -> akk by 16-row sub-chunks -> wu, the default) or "v1" (the one-kernel
+# _kda_intra_kernel, kept for A/B); env KDA_INTRA sets the default at import, _FORCE_INTRA overrides per call
+INTRA = os.environ.get("KDA_INTRA", "v2")
+PREP_BK = 32
+PREP_NUM_WARPS = 4
+AKK_BK = 64
+AKK_NUM_WARPS = 4
+AKK_UNROLL = 1           # unroll the 16-step exact-diagonal loop (1) or not (0)
+WU_BK = 64
+WU_BV = 64
+WU_NUM_WARPS = 4
 
 
 @triton.jit
@@ -306,6 +333,221 @@ def _kda_intra_kernel(
         tl.store(u_out + (cblk + rows)[:, None] * V + c[None, :], uv.to(u_out.dtype.element_ty), mask=cm[None, :])
 
 
+# ---------------------------------------------------------------------------------------------- intra, v2 (3 kernels)
+@triton.jit
+def _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB: tl.constexpr, BT: tl.constexpr):
+    """Global chunk index -> (first token t0, sequence end eos), both int64 (device-side search of chunk_offsets)."""
+    pidx = tl.arange(0, PB)
+    offs = tl.load(chunk_offsets + 1 + pidx, mask=pidx < n_seq, other=2147483647)
+    i_n = tl.sum((offs <= i_c).to(tl.int32), 0).to(tl.int64)                    # coff[n] <= i_c < coff[n+1]
+    i_t = (i_c - tl.load(chunk_offsets + i_n)).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    return bos + i_t * BT, eos
+
+
+@triton.jit
+def _kda_prep_kernel(
+    q, k, z, A_log, dt_bias, b, chunk_offsets, cu_seqlens, n_seq,
+    qg_out, kg_out, gl_out, g_out, rs_out,
+    stride_q, stride_k, stride_z, stride_b, scale,
+    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+):
+    """v2 launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
+    contract outputs qg, kg, gl and the scratch G [rows, K] fp32 and rs [rows, 4] fp32 = (rq, rk, beta, -)
+    (rq = scale / |q|, rk = 1 / |k|; padded rows: G = G of the last valid row, beta = 0)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    if i_c >= tl.load(chunk_offsets + n_seq):
+        return
+    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
+    rows = tl.arange(0, BT)
+    rmask = rows < (eos - t0)
+    tok = t0 + rows
+    cblk = (i_c.to(tl.int64) * H + i_h) * BT
+    sq = tl.zeros([BT], dtype=tl.float32)
+    sk = tl.zeros([BT], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        c = kb + tl.arange(0, BK)
+        m2 = rmask[:, None] & (c < K)[None, :]
+        bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        sq += tl.sum(bq * bq, 1)
+        sk += tl.sum(bk * bk, 1)
+    rq = scale / tl.sqrt(sq + 1e-6)
+    rk = 1.0 / tl.sqrt(sk + 1e-6)
+    bb = tl.load(b + tok * stride_b + i_h, mask=rmask, other=0.0).to(tl.float32)
+    beta = tl.where(rmask, tl.sigmoid(bb), 0.0)
+    tl.store(rs_out + (cblk + rows) * 4, rq)
+    tl.store(rs_out + (cblk + rows) * 4 + 1, rk)
+    tl.store(rs_out + (cblk + rows) * 4 + 2, beta)
+    neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
+    for kb in range(0, K, BK):
+        c = kb + tl.arange(0, BK)
+        cm = c < K
+        m2 = rmask[:, None] & cm[None, :]
+        bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K)    # [BT, BK], <= 0
+        gl = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), 0)                    # G of the last row
+        tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
+        o_k = (cblk + rows)[:, None] * K + c[None, :]
+        tl.store(g_out + o_k, G, mask=cm[None, :])
+        tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :])
+        tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - G, 0.0)))
+                 .to(kg_out.dtype.element_ty), mask=cm[None, :])
+
+
+@triton.jit
+def _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, tj, j, qr, kr, Gr, d_kk, acc_qk, stride_k,
+                  K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+    """Column j (chunk row tj) of the exact diagonal block: exp2(G_r - G_j) for r >= j (exponent <= 0), 0 above;
+    the partner row is re-read from global (L1 hit). d_kk [BC, BC] and acc_qk [BC, BT] are accumulated."""
+    cf = tl.arange(0, K)
+    r16 = tl.arange(0, BC)
+    cols = tl.arange(0, BT)
+    mj = (tl.zeros([K], dtype=tl.int64) + tj) < nv
+    kj = tl.load(k + (t0 + tj) * stride_k + i_h * K + cf, mask=mj, other=0.0).to(tl.float32)
+    kj = kj * tl.load(rs_in + (cblk + tj) * 4 + 1)
+    Gj = tl.load(g_in + (cblk + tj) * K + cf)
+    p = tl.where((r16 >= j)[:, None], tl.exp2(tl.minimum(Gr - Gj[None, :], 0.0)), 0.0) * kj[None, :]
+    dk = tl.sum(kr * p, 1)                                                            # [BC]
+    dq = tl.sum(qr * p, 1)
+    d_kk += tl.where((r16 == j)[None, :], dk[:, None], 0.0)
+    acc_qk += tl.where((cols == tj)[None, :], dq[:, None], 0.0)
+    return d_kk, acc_qk
+
+
+@triton.jit
+def _kda_akk_kernel(
+    q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out,
+    stride_q, stride_k,
+    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    PREC: tl.constexpr, UNROLL: tl.constexpr = 1,
+):
+    """v2 launch 2, grid (chunk, head, row sub-chunk i): rows R = [i BC, (i+1) BC) of
+         Aqk[r, s] = sum_d qn[r,d] kn[s,d] exp2(G[r,d] - G[s,d])  (s <= r)    -> a_out (the contract, zeros above)
+         Dkk[r, s] = same with kn[r]                              (s < r)
+       columns s < i BC by one tensor-core dot per K tile with the anchor n = i BC (first row of R):
+         (x_r exp2(G_r - G_n)) . (kn_s exp2(G_n - G_s)), both factors <= 1;
+       the BC x BC diagonal block exactly per pair, exp2(G_r - G_s) with s <= r (CUDA cores);
+       then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted by forward substitution (fp32).
+       x_out [rows, BT] fp32: columns < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di
+       (columns above are not written)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    if i_c >= tl.load(chunk_offsets + n_seq):
+        return
+    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
+    nv = eos - t0                                        # valid rows of this chunk (may exceed BT)
+    cblk = (i_c.to(tl.int64) * H + i_h) * BT
+    r16 = tl.arange(0, BC)
+    rr = i_b * BC + r16                                  # rows of R within the chunk
+    rmask = rr < nv
+    cols = tl.arange(0, BT)
+    csel = (cols < i_b * BC) & (cols < nv)               # off-diagonal columns (earlier sub-chunks)
+    rq = tl.load(rs_in + (cblk + rr) * 4)
+    rk = tl.load(rs_in + (cblk + rr) * 4 + 1)
+    beta = tl.load(rs_in + (cblk + rr) * 4 + 2)
+    rk_c = tl.load(rs_in + (cblk + cols) * 4 + 1)
+    acc_kk = tl.zeros([BC, BT], dtype=tl.float32)
+    acc_qk = tl.zeros([BC, BT], dtype=tl.float32)
+    d_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        c = kb + tl.arange(0, BK)
+        cm = c < K
+        m2 = rmask[:, None] & cm[None, :]
+        qr = tl.load(q + (t0 + rr)[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        kr = tl.load(k + (t0 + rr)[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        qr = qr * rq[:, None]
+        kr = kr * rk[:, None]
+        Gr = tl.load(g_in + (cblk + rr)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
+        # off-diagonal columns: anchor G_n (n = first row of R); no-op (all columns masked) for i_b = 0
+        Gn = tl.load(g_in + (cblk + i_b * BC) * K + c, mask=cm, other=0.0)
+        mc = csel[:, None] & cm[None, :]
+        kc = tl.load(k + (t0 + cols)[:, None] * stride_k + i_h * K + c[None, :], mask=mc, other=0.0).to(tl.float32)
+        Gc = tl.load(g_in + (cblk + cols)[:, None] * K + c[None, :], mask=mc, other=0.0)
+        kct = tl.trans(kc * rk_c[:, None] * tl.exp2(tl.minimum(Gn[None, :] - Gc, 0.0)))   # [BK, BT]
+        ef = tl.exp2(tl.minimum(Gr - Gn[None, :], 0.0))
+        acc_kk = tl.dot(kr * ef, kct, acc_kk, input_precision=PREC)
+        acc_qk = tl.dot(qr * ef, kct, acc_qk, input_precision=PREC)
+    # diagonal block with all K channels at once ([BC, K] tiles; BC iterations): column j at a time,
+    # exp2(G_r - G_j) for r >= j (exponent <= 0), 0 above; the partner row j is re-read (L1 hit)
+    cf = tl.arange(0, K)
+    m2 = rmask[:, None] & (cf < K)[None, :]
+    qr = tl.load(q + (t0 + rr)[:, None] * stride_q + i_h * K + cf[None, :], mask=m2, other=0.0).to(tl.float32)
+    kr = tl.load(k + (t0 + rr)[:, None] * stride_k + i_h * K + cf[None, :], mask=m2, other=0.0).to(tl.float32)
+    qr = qr * rq[:, None]
+    kr = kr * rk[:, None]
+    Gr = tl.load(g_in + (cblk + rr)[:, None] * K + cf[None, :])
+    if UNROLL:                                       # the partner-row loads of all j can be issued early
+        for j in tl.static_range(BC):
+            d_kk, acc_qk = _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, j, qr, kr, Gr, d_kk,
+                                         acc_qk, stride_k, K, BC, BT)
+    else:
+        for j in range(BC):
+            d_kk, acc_qk = _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, j, qr, kr, Gr, d_kk,
+                                         acc_qk, stride_k, K, BC, BT)
+    tl.store(a_out + (cblk + rr)[:, None] * BT + cols[None, :], acc_qk.to(a_out.dtype.element_ty))
+    tl.store(x_out + (cblk + rr)[:, None] * BT + cols[None, :], acc_kk * beta[:, None],
+             mask=(cols < i_b * BC)[None, :])
+    # (I + L_ii)^-1 by forward substitution: X[r] = e_r - sum_{c<r} L[r, c] X[c]
+    lt = tl.trans(tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0))   # lt[c, r] = L[r, c]
+    di = tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)
+    for r in range(1, BC):
+        a_r = tl.sum(tl.where((r16 == r)[None, :], lt, 0.0), 1)                        # [BC] over c (axis 0)
+        nr = tl.sum(a_r[:, None] * di, 0)                                              # [BC] over columns
+        di = tl.where((r16 == r)[:, None], di - nr[None, :], di)
+    tl.store(x_out + (cblk + rr)[:, None] * BT + (i_b * BC + r16)[None, :], di)
+
+
+@triton.jit
+def _kda_wu_kernel(
+    k, v, g_in, rs_in, x_in, chunk_offsets, cu_seqlens, n_seq, w_out, u_out,
+    stride_k, stride_v,
+    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    """v2 launch 3, grid (chunk, head): M = (I + L)^-1 = sum_j (-N)^j Di with N = Di L_off (strictly block-lower,
+    N^(BT/BC) = 0), from x_in (Di on the diagonal blocks, L_off below); then w = M (beta kn exp2(G)), u = M (beta v)
+    as [BT, BT] x [BT, BK|BV] dots."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    if i_c >= tl.load(chunk_offsets + n_seq):
+        return
+    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
+    rows = tl.arange(0, BT)
+    rmask = rows < (eos - t0)
+    tok = t0 + rows
+    cblk = (i_c.to(tl.int64) * H + i_h) * BT
+    rb = rows // BC
+    x = tl.load(x_in + (cblk + rows)[:, None] * BT + rows[None, :])
+    di = tl.where(rb[:, None] == rb[None, :], x, 0.0)          # block-diagonal inverse (the 'where' drops the
+    lo = tl.where(rb[:, None] > rb[None, :], x, 0.0)           # never-written entries above the diagonal blocks)
+    nmat = tl.dot(di, lo, input_precision=PREC)
+    m = di
+    for _ in tl.static_range(BT // BC - 1):
+        m = di - tl.dot(nmat, m, input_precision=PREC)
+    rk = tl.load(rs_in + (cblk + rows) * 4 + 1)
+    beta = tl.load(rs_in + (cblk + rows) * 4 + 2)
+    for kb in range(0, K, BK):
+        c = kb + tl.arange(0, BK)
+        cm = c < K
+        m2 = rmask[:, None] & cm[None, :]
+        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        G = tl.load(g_in + (cblk + rows)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
+        wv = tl.dot(m, bk * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
+        tl.store(w_out + (cblk + rows)[:, None] * K + c[None, :], wv.to(w_out.dtype.element_ty), mask=cm[None, :])
+    for vb in range(0, V, BV):
+        c = vb + tl.arange(0, BV)
+        cm = c < V
+        m2 = rmask[:, None] & cm[None, :]
+        bv = tl.load(v + tok[:, None] * stride_v + i_h * V + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        uv = tl.dot(m, bv * beta[:, None], input_precision=PREC)
+        tl.store(u_out + (cblk + rows)[:, None] * V + c[None, :], uv.to(u_out.dtype.element_ty), mask=cm[None, :])
+
+
 @triton.jit
 def _kda_state_kernel(
     qg_in, kg_in, w_in, u_in, a_in, gl_in, o, rec_state,
@@ -476,12 +718,13 @@ def _kda_out_kernel(
 
 def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16: bool = True, state_bv: int = 64,
                    state_warps: int = 8, hpass_bv: Optional[int] = None, out_bv: Optional[int] = None,
-                   which: Sequence[str] = ("intra", "state", "intra_reg", "hpass", "out")) -> dict:
+                   which: Sequence[str] = ("intra", "state", "intra_reg", "hpass", "out", "prep", "akk", "wu")
+                   ) -> dict:
     """Compile the kernels offline for sm_<arch> (no GPU needed; Triton's bundled ptxas) at Kimi shapes and
     return {name: (registers, spill stack bytes, shared bytes)}. Run without TRITON_INTERPRET.
     intra = old exact-diagonal variant (EXACT_REG=0), intra_reg = EXACT_REG=1; state = old fused state+output
     kernel at (state_bv, state_warps); hpass / out = split-path kernels at (hpass_bv or 16, HPASS_NUM_WARPS) /
-    (out_bv or OUT_BV, OUT_NUM_WARPS)."""
+    (out_bv or OUT_BV, OUT_NUM_WARPS); prep / akk / wu = the v2 intra kernels at the module constants."""
     import re
     import subprocess
 
@@ -521,6 +764,22 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                 dict(PB=16, H=H, K=K, V=V, BT=BT, BV=min(V, out_bv or OUT_BV), PREC=prec, MM=mm),
                 dict(num_warps=OUT_NUM_WARPS, num_stages=OUT_NUM_STAGES)),
     }
+    v2_common = dict(chunk_offsets="*i32", cu_seqlens="*i32", n_seq="i32", g_in="*fp32", rs_in="*fp32")
+    specs.update({
+        "prep": (_kda_prep_kernel,
+                 dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
+                      cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", g_out="*fp32",
+                      rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
+                 dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK)), dict(num_warps=PREP_NUM_WARPS)),
+        "akk": (_kda_akk_kernel,
+                dict(v2_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32", stride_k="i32"),
+                dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL)),
+                dict(num_warps=AKK_NUM_WARPS)),
+        "wu": (_kda_wu_kernel,
+               dict(v2_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
+               dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec),
+               dict(num_warps=WU_NUM_WARPS)),
+    })
     specs = {n: specs[n] for n in which}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     out = {}
@@ -567,11 +826,19 @@ def _split_enabled() -> bool:
 
 
 _FORCE_SPLIT = None   # tests / bench override of SPLIT without touching the module default
+_FORCE_INTRA = None   # tests / bench override of INTRA ("v1" / "v2")
 
 
-def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o, P, T, H, K, V, cu_seqlens_cpu):
+def _intra_variant() -> str:
+    v = INTRA if _FORCE_INTRA is None else _FORCE_INTRA
+    assert v in ("v1", "v2"), v
+    return v
+
+
+def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o, P, T, H, K, V, cu_seqlens_cpu,
+          buffers=None):
     """Allocate the scratch and return the launches in order as {stage name: zero-argument callable} (the bench
-    times the stages one by one)."""
+    times the stages one by one). ``buffers`` (a dict) receives the intra outputs qg, kg, w, u, a, gl (tests)."""
     dev = q.device
     split = _split_enabled()
     # varlen metadata on device (no host sync): chunk_offsets[n] = chunks before sequence n; the chunk-parallel
@@ -595,6 +862,8 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     u = torch.empty(n_rows, V, dtype=sdt, device=dev)
     a = torch.empty(n_rows, BT, dtype=sdt, device=dev)
     gl = torch.empty(max(NT, 1) * H, K, dtype=torch.float32, device=dev)
+    if buffers is not None:
+        buffers.update(qg=qg, kg=kg, w=w, u=u, a=a, gl=gl)
     PB = max(16, triton.next_power_of_2(P))
     exact_reg = split if INTRA_EXACT_REG is None else bool(INTRA_EXACT_REG)
     nsm = _num_sms(dev)
@@ -609,8 +878,38 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec, EXACT_REG=int(exact_reg),
             num_warps=INTRA_NUM_WARPS,
         )
-    if NT > 0:
+    if NT > 0 and _intra_variant() == "v1":
         launches["intra"] = intra
+    elif NT > 0:
+        # v2 scratch: G [rows, K] fp32 (log2 units), rs [rows, 4] fp32 (rq, rk, beta), x [rows, BT] fp32
+        # (block inverses + beta-scaled off-diagonal Dkk)
+        g2 = torch.empty(n_rows, K, dtype=torch.float32, device=dev)
+        rs = torch.empty(n_rows, 4, dtype=torch.float32, device=dev)
+        xs = torch.empty(n_rows, BT, dtype=torch.float32, device=dev)
+
+        def prep():
+            return _kda_prep_kernel[(NT, H)](
+                q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
+                q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
+                PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), num_warps=PREP_NUM_WARPS,
+            )
+
+        def akk():
+            return _kda_akk_kernel[(NT, H, BT // BC)](
+                q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
+                PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
+                num_warps=AKK_NUM_WARPS,
+            )
+
+        def wu():
+            return _kda_wu_kernel[(NT, H)](
+                k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
+                PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
+                num_warps=WU_NUM_WARPS,
+            )
+        launches["prep"] = prep
+        launches["akk"] = akk
+        launches["wu"] = wu
 
     if not split:
         bv = STATE_BV or (64 if _interpreting() or triton.cdiv(V, 64) * P * H >= 2 * nsm else 32)
@@ -676,6 +975,7 @@ def chunk_kda_plan(
     has_initial_state: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     cu_seqlens_cpu: Optional[Sequence[int]] = None,
+    buffers: Optional[dict] = None,
 ):
     """Validate and allocate for ``chunk_kda_fwd``; returns (o, {stage: launch}) without launching anything
     (running the launches in order is the op; the bench times them one by one).
@@ -719,7 +1019,7 @@ def chunk_kda_plan(
     if P <= 0:
         return o.zero_(), {}
     return o, _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o, P, T, H, K, V,
-                    cu_seqlens_cpu)
+                    cu_seqlens_cpu, buffers)
 
 
 def chunk_kda_fwd(

@@ -2,8 +2,9 @@
 
 CPU: TRITON_INTERPRET=1 at small shapes (H=2, K=16, V=32: K != V so a transposed state cannot pass).
 GPU (@gpu): Kimi shapes H=32, K=V=128, bf16.
-Every test runs on both paths: "fused" (old: intra -> fused state+output kernel) and "split" (intra -> state pass
-storing h_c / vn -> parallel output kernel), selected through kernels.kda.chunk._FORCE_SPLIT.
+Every test runs on three paths: "fused" (old one-kernel intra v1 -> fused state+output kernel), "split" (intra v2 =
+prep -> akk -> wu, then state pass storing h_c / vn -> parallel output kernel; the default) and "split-v1" (intra v1
++ split), selected through kernels.kda.chunk._FORCE_SPLIT / _FORCE_INTRA.
 Run: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_kda_chunk.py -q
 """
 import math
@@ -21,11 +22,14 @@ from kernels.kda.ref import kda_core_ref  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True, params=["fused", "split"])
+@pytest.fixture(autouse=True, params=["fused", "split", "split-v1"])
 def kda_path(request, monkeypatch):
+    """fused: old intra (v1) + fused state/output; split: v2 intra (prep/akk/wu) + split state pass + output (the
+    default); split-v1: old intra + split."""
     import kernels.kda.chunk as chunk_mod
 
-    monkeypatch.setattr(chunk_mod, "_FORCE_SPLIT", request.param == "split")
+    monkeypatch.setattr(chunk_mod, "_FORCE_SPLIT", request.param != "fused")
+    monkeypatch.setattr(chunk_mod, "_FORCE_INTRA", "v2" if request.param == "split" else "v1")
     return request.param
 FP32_TOL = 2e-5     # fp32 inputs, IEEE dots, vs fp64 recurrence (observed ~1e-6; strong gates lose a few ulps of G)
 BF16_TOL = 5e-3     # fla's get_err_ratio threshold (GPU)
@@ -259,8 +263,8 @@ def test_tiling_fp32(monkeypatch):
 def test_sm90_offline_compile_no_spills(kda_path):
     """Every kernel compiles for sm_90 at Kimi shapes (bf16) without register spills and within H200 shared memory
     (both paths at once: runs once). Offline (Triton's bundled ptxas), in a subprocess without TRITON_INTERPRET."""
-    if kda_path == "fused":
-        pytest.skip("compiles every kernel of both paths in the 'split' run")
+    if kda_path != "split":
+        pytest.skip("compiles every kernel of all paths in the 'split' run")
     import json
     import subprocess
     import sys
@@ -285,7 +289,7 @@ def test_sm90_offline_compile_no_spills(kda_path):
 def test_split_matches_fused_fp32(kda_path, monkeypatch):
     """The split path (state pass + parallel output) equals the fused path to fp32 rounding, varlen with empty
     sequences and several V tiles in both state kernels."""
-    if kda_path == "fused":
+    if kda_path != "split":
         pytest.skip("compares both paths in the 'split' run")
     import kernels.kda.chunk as chunk_mod
 
@@ -305,3 +309,63 @@ def test_split_matches_fused_fp32(kda_path, monkeypatch):
     assert rel_rms(res[True][0], res[False][0]) <= 1e-5
     assert rel_rms(res[True][2], res[False][2]) <= 1e-5
     check(*res[True], slots, FP32_TOL)
+
+
+@pytest.mark.parametrize("lens", [[1], [63], [64], [65], [1000], [1, 70, 0, 64, 1, 63]])
+@pytest.mark.parametrize("strong_gate", [False, True])
+def test_intra_v2_matches_v1_fp32(kda_path, lens, strong_gate, monkeypatch):
+    """The v2 intra kernels (prep / akk by 16-row sub-chunks / wu) give the same intermediates qg, kg, w, u, Aqk, gl
+    as the one-kernel v1 (fp32, IEEE dots), with gates down to -20 per step (every exponent formed <= 0: nothing
+    overflows), awkward lengths and varlen with length-0/1 sequences; then v2 end to end vs the fp64 recurrence
+    with poisoned unused slots."""
+    if kda_path != "split":
+        pytest.skip("compares both intra variants in the 'split' run")
+    import kernels.kda.chunk as chunk_mod
+    from kernels.kda.chunk import chunk_kda_plan
+
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    T = cu[-1]
+    H, K, V = (1, 16, 16) if T >= 1000 else (2, 16, 32)
+    inp = make_inputs(T, H=H, K=K, V=V, strong_gate=strong_gate)
+    if strong_gate:
+        d = inp["z"].double() + inp["dt_bias"].double()
+        gate = -torch.exp(inp["A_log"].double()).repeat_interleave(K) * torch.nn.functional.softplus(d)
+        assert gate.min() < -20.0
+    P = len(lens)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV)
+    slots = list(range(1, P + 1))
+    bufs = {}
+    for variant in ("v1", "v2"):
+        monkeypatch.setattr(chunk_mod, "_FORCE_INTRA", variant)
+        pool = torch.zeros(P + 1, H, K, V, device=DEV)
+        bufs[variant] = {}
+        _, launches = chunk_kda_plan(inp["q"], inp["k"], inp["v"], inp["z"], inp["A_log"], inp["dt_bias"], inp["b"],
+                                     K ** -0.5, pool, cu_t, torch.tensor(slots, dtype=torch.int32, device=DEV),
+                                     None, cu_seqlens_cpu=cu, buffers=bufs[variant])
+        for f in launches.values():
+            f()
+    for name, ref in bufs["v1"].items():
+        got = bufs["v2"][name]
+        assert torch.isfinite(got).all(), name
+        assert rel_rms(got, ref) <= 1e-5, (name, rel_rms(got, ref))
+    monkeypatch.setattr(chunk_mod, "_FORCE_INTRA", "v2")
+    res = run_pair(inp, cu, slots, [bool(i % 2) for i in range(P)], S=P + 3)
+    check(*res, slots, FP32_TOL)
+
+
+def test_akk_unroll_variants_equal(kda_path, monkeypatch):
+    """The akk kernel's unrolled and rolled exact-diagonal loops give identical results (fp32, strong gates)."""
+    if kda_path != "split":
+        pytest.skip("runs the v2 intra only")
+    import kernels.kda.chunk as chunk_mod
+
+    T = 70
+    inp = make_inputs(T, strong_gate=True)
+    res = {}
+    for unroll in (0, 1):
+        monkeypatch.setattr(chunk_mod, "AKK_UNROLL", unroll)
+        res[unroll] = run_pair(inp, [0, 1, T], [1, 2], [True, False], S=3)
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][2], res[1][2])
+    check(*res[1], [1, 2], FP32_TOL)
