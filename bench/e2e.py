@@ -4,6 +4,9 @@
     python bench/e2e.py                         # 27 layers, decode batch 1/8/64, prefill 1k/8k/32k
     python bench/e2e.py --layers 8 --prefill 1024,8192 --decode-batches 1,8
     python bench/e2e.py --profile               # + kernel/host breakdown of decode b1, b64 and one 8k prefill chunk
+    python bench/e2e.py --decode-batches 1,8 --prefill 1024,8192 --hf-dir .hf/kimi-linear
+                                                # first HF transformers + fla (official remote code) on the same
+                                                # weights (bench/hf_baseline.py), then ours; printed side by side
 
 Each result is printed beside its speed of light. Decode: max(bytes / --bw, FLOPs / matmul peak), bytes = dense
 weights + the experts the router actually picked (unique per MoE layer, counted on eager steps of the same batch)
@@ -19,6 +22,7 @@ the output says which path each table comes from.
 import argparse
 import collections
 import dataclasses
+import gc
 import os
 import sys
 import time
@@ -585,48 +589,56 @@ def run_profile(engine: LLMEngine, args, roof, peak):
         traceback.print_exc()
 
 
-def hf_baseline(args, rows):
+def run_hf(args, model, cfg_dict: dict, dev, dtype) -> list:
+    """HF transformers + fla baseline (bench/hf_baseline.py) on `model`'s own weights, before our engine exists
+    (its KV pool takes the rest of the memory). -> rows (name, tok/s); best effort: a failure is printed."""
+    import hf_baseline
+
+    rows = []
     try:
-        import fla  # noqa: F401
-        import transformers
-    except ImportError as e:
-        print(f"HF transformers + fla baseline skipped: {e}")
-        return
-    if not args.hf_dir:
-        print("HF transformers + fla baseline skipped: pass --hf-dir DIR holding the official config.json and "
-              "remote code (configuration_kimi.py, modeling_kimi.py); nothing is downloaded here")
-        return
-    try:
-        conf = transformers.AutoConfig.from_pretrained(args.hf_dir, trust_remote_code=True)
-        conf.num_hidden_layers = args.layers
-        lin = config_dict(args.layers)["linear_attn_config"]
-        conf.linear_attn_config = dict(conf.linear_attn_config, **lin)
-        with torch.device("cuda"):
-            hf = transformers.AutoModelForCausalLM.from_config(conf, trust_remote_code=True,
-                                                               torch_dtype=torch.bfloat16).eval()
-        for n in [x for x in args.prefill if x <= 8192]:
-            ids = torch.tensor([prompt(n, OFFICIAL["vocab_size"], 7)], device="cuda")
-            with torch.no_grad():
-                hf(ids)
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                hf(ids)
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t
-            rows.append((f"HF+fla prefill {n}", n / dt, "tok/s", None))
-        ids = torch.tensor([prompt(args.decode_context, OFFICIAL["vocab_size"], 8)], device="cuda")
-        with torch.no_grad():
-            hf.generate(ids, max_new_tokens=8, do_sample=False)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            hf.generate(ids, max_new_tokens=args.decode_steps + 1, do_sample=False, min_new_tokens=args.decode_steps)
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t
-        rows.append(("HF+fla decode b1 (incl. prefill)", args.decode_steps / dt, "tok/s", None))
-        del hf
+        print(f"\n=== HF transformers {args.hf_version} + fla baseline: official remote code from {args.hf_dir} ===\n"
+              f"  source: {hf_baseline.source(args.hf_dir)}")
+        t = time.perf_counter()
+        hf = hf_baseline.build(args.hf_dir, cfg_dict, hf_baseline.hub_tensors(model), dtype)
+        import fla
+
+        ours = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        shared = sum(p.untyped_storage().data_ptr() in ours for p in hf.parameters())
+        print(f"  built in {time.perf_counter() - t:.0f} s (fla {fla.__version__}, MLA attention via "
+              f"{hf.config._attn_implementation}); {shared} of {len(list(hf.parameters()))} HF parameters share our "
+              f"model's storage, the rest are dtype casts of it")
+        n = min(256, max(args.prefill))
+        r = hf_baseline.compare(model, hf, prompt(n, cfg_dict["vocab_size"], 5), new=8)
+        print(f"  same weights, ours vs HF ({'fp32' if dtype == torch.float32 else 'bf16'}): {n}-token prefill "
+              f"logits max|diff| {r['prefill_max_diff']:.3g} (max|logit| {r['prefill_max_logit']:.3g}); 8 greedy "
+              f"decode steps max|diff| {r['decode_max_diff']:.3g}; tokens ours {r['ours_tokens']} HF "
+              f"{r['hf_tokens']}")
+        rows = hf_baseline.bench(hf, prompt, cfg_dict["vocab_size"], [x for x in args.prefill if x <= 8192],
+                                 args.hf_batches,
+                                 args.decode_context, args.hf_decode_steps, dev)
+    except Exception:  # best effort: our engine's benchmarks still run
+        traceback.print_exc()
+        print("HF transformers + fla baseline failed (traceback above)")
+    hf = None
+    gc.collect()
+    if dev.type == "cuda":
         torch.cuda.empty_cache()
-    except Exception as e:  # best effort: report and go on
-        print(f"HF transformers + fla baseline failed: {type(e).__name__}: {e}")
+    return rows
+
+
+def hf_comparison(rows: list, hf_rows: list):
+    """Ours beside HF+fla, matched by case (decode bN, prefill N)."""
+    def key(name):
+        w = name.split()
+        i = w.index("decode") if "decode" in w else w.index("prefill")
+        return " ".join(w[i:i + 2])
+
+    ours = {key(n): v for n, v, _, _ in rows if "T0.6" not in n}
+    print(f"\n{'case':16s} {'ours tok/s':>12s} {'HF+fla tok/s':>14s} {'ours / HF':>10s}")
+    for name, v in hf_rows:
+        k = key(name)
+        if k in ours:
+            print(f"{k:16s} {ours[k]:12.0f} {v:14.1f} {ours[k] / v:9.1f}x")
 
 
 def main():
@@ -640,7 +652,13 @@ def main():
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--bw", type=float, default=4.8e12, help="HBM bytes/s for the decode speed of light")
-    ap.add_argument("--hf-dir", default="", help="official config + remote code, for the HF+fla baseline")
+    ap.add_argument("--hf-dir", default="", help="folder holding the official remote code (modeling_kimi.py, "
+                    "configuration_kimi.py; e.g. .hf/kimi-linear): runs the HF transformers + fla baseline on the same "
+                    "random weights first (bench/hf_baseline.py)")
+    ap.add_argument("--hf-wheels", default=None, help="wheels for the baseline, installed into their own folder "
+                    "(default: the folder 'whl' beside --hf-dir, if any; '' = use what is importable)")
+    ap.add_argument("--hf-batches", default=None, help="HF decode batches (default: --decode-batches up to 8)")
+    ap.add_argument("--hf-decode-steps", type=int, default=32)
     ap.add_argument("--profile", action="store_true", help="after the benchmarks: kernel and host breakdown of "
                     "decode at the smallest and largest batch (greedy, and sampled at the largest) and of one 8k "
                     "prefill chunk")
@@ -648,14 +666,27 @@ def main():
     args = ap.parse_args()
     args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
+    args.hf_batches = ([b for b in args.decode_batches if b <= 8] if args.hf_batches is None else
+                       [int(x) for x in args.hf_batches.split(",") if x])
+    if args.hf_dir:  # before anything imports transformers, tokenizers or fla: the baseline brings its own
+        import hf_baseline
+
+        wheels = args.hf_wheels
+        if wheels is None:
+            wheels = os.path.join(os.path.dirname(os.path.abspath(args.hf_dir)), "whl")
+            wheels = wheels if os.path.isdir(wheels) else ""
+        args.hf_version = hf_baseline.activate(wheels)
     if args.smoke:
         dev, dtype = torch.device("cpu"), torch.float32
-        cfg = ModelConfig.from_dict(smoke_config_dict())
-        args.layers = cfg.num_hidden_layers
+        cfg_dict = smoke_config_dict()
+        args.layers = cfg_dict["num_hidden_layers"]
     else:
         assert torch.cuda.is_available(), "bench/e2e.py needs a CUDA device (or --smoke)"
         dev, dtype = torch.device("cuda"), torch.bfloat16
-        cfg = ModelConfig.from_dict(config_dict(args.layers))
+        cfg_dict = config_dict(args.layers)
+    # with the HF baseline: expert weights from the biased router scores, as the HF remote code computes them
+    # (its in-place `scores_for_choice +=` aliases `scores`); the same experts are picked either way
+    cfg = ModelConfig.from_dict(cfg_dict, router_biased_weights=bool(args.hf_dir))
     print(f"device: {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
 
     peak = matmul_peak(dev)
@@ -667,6 +698,7 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     print(f"random model: {args.layers} layers ({len(cfg.kda_layers)} KDA, {len(cfg.mla_layers)} MLA), "
           f"{n_params / 1e9:.1f} B parameters, built in {time.perf_counter() - t:.0f} s")
+    hf_rows = run_hf(args, model, cfg_dict, dev, dtype) if args.hf_dir else []
 
     max_bs = max(args.decode_batches)
     max_len = max(args.prefill + [args.decode_context + args.decode_steps + 64,
@@ -709,7 +741,6 @@ def main():
     if args.profile:
         run_profile(engine, args, roof, peak)
     graphs = bool(runner.graphs)
-    hf_baseline(args, rows)
     engine.shutdown()
 
     print(f"\n{'benchmark':58s} {'measured':>12s} {'speed of light':>15s} {'% SOL':>7s}")
@@ -724,6 +755,11 @@ def main():
         pct = f"{100 * v / sol:.1f}%" if sol else "-"
         print(f"| {name} | {v:.0f} {unit} | {sol_s} | {pct} | {gpu}, {args.layers} layers, random "
               f"{'bf16' if dtype == torch.bfloat16 else 'fp32'}, {'CUDA graphs' if graphs else 'eager'} |")
+    for name, v in hf_rows:  # same weights, same process, before our engine was built
+        print(f"| {name} | {v:.1f} tok/s | - | - | {gpu}, {args.layers} layers, same random weights; HF transformers "
+              f"{args.hf_version}, official remote code ({args.hf_dir}), fla kernels, MLA via sdpa |")
+    if hf_rows:
+        hf_comparison(rows, hf_rows)
 
 
 if __name__ == "__main__":
