@@ -1,6 +1,8 @@
 """RMSNorm and the KDA output gated RMSNorm (sigmoid gate), Triton kernels + torch references.
 
 rmsnorm(x [T, D], w [D], eps) -> [T, D]:     y = w * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype)
+rmsnorm_head(x [T, D + P], w [D], eps) -> [T, D + P]: rmsnorm of the first D columns, the last P copied (MLA: the
+                                               normed latent and its rope key, one cache row, one launch)
 add_rmsnorm(x, res [T, D], w, eps) -> (rmsnorm(h), h) with h = res + x in x.dtype: the decoder's residual add and
                                                the next norm in one launch (same rounding as the two torch ops)
 gated_rmsnorm(o [T, H, V], r [T, H, V], w [V], eps) -> [T, H, V]:
@@ -21,6 +23,11 @@ def rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (w * xn).to(x.dtype)
+
+
+def rmsnorm_head_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    d = w.shape[0]
+    return torch.cat([rmsnorm_ref(x[:, :d], w, eps), x[:, d:]], dim=-1)
 
 
 def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
@@ -52,6 +59,21 @@ def _rmsnorm_kernel(
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = w * xn
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rmsnorm_head_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, C, eps, BC: tl.constexpr):
+    # one program per row of C = D + P columns: the first D normalised like _rmsnorm_kernel, the rest copied
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BC)
+    head = offs < D
+    xr = tl.load(x_ptr + row * stride_x + offs, mask=offs < C, other=0.0)
+    x = tl.where(head, xr.to(tl.float32), 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    xn = (x * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=head, other=0.0).to(tl.float32)
+    y = tl.where(head, (w * xn).to(y_ptr.dtype.element_ty), xr.to(y_ptr.dtype.element_ty))
+    tl.store(y_ptr + row * stride_y + offs, y, mask=offs < C)
 
 
 @triton.jit
@@ -114,6 +136,18 @@ def rmsnorm_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     return y.reshape(shape)
 
 
+def rmsnorm_head_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, D + P] (row stride allowed) -> contiguous [T, D + P] in x.dtype."""
+    T, C = x.shape
+    x = unit_last_stride(x)
+    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    if T:
+        BC = triton.next_power_of_2(C)
+        _rmsnorm_head_kernel[(T,)](x, w, y, x.stride(0), y.stride(0), w.shape[0], C, eps, BC=BC,
+                                   num_warps=4 if BC <= 4096 else 8)
+    return y
+
+
 def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
     """x, residual [T, D] (row strides allowed) -> (y, h) contiguous [T, D] in x.dtype."""
     assert x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype, (x.shape, residual.shape)
@@ -159,6 +193,13 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         return rmsnorm_triton(x, w, eps)
     return rmsnorm_ref(x, w, eps)
+
+
+def rmsnorm_head(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """-> cat(rmsnorm(x[:, :D]), x[:, D:]) with D = w.numel()."""
+    if use_triton(x):
+        return rmsnorm_head_triton(x, w, eps)
+    return rmsnorm_head_ref(x, w, eps)
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):

@@ -15,7 +15,7 @@ from backend.model.parallel import TP, all_gather_last, all_reduce, folds_shared
 from kernels.kda import kda_decode, kda_prefill
 from kernels.mla import mla_decode, mla_extend, mla_prefill, store_latent
 from kernels.moe import fused_moe, moe_router
-from kernels.norm import add_rmsnorm, rmsnorm
+from kernels.norm import add_rmsnorm, rmsnorm, rmsnorm_head
 
 
 # Prefill segments with at least this many new tokens attend in expanded form (kernels.mla.mla_prefill: gather +
@@ -97,10 +97,10 @@ class KimiMLA(nn.Module):
         y = self.in_proj(x)
         q = y[:, :self.q_dim].view(-1, self.num_heads, self.nope + self.rope)
         q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]          # [T, H, nope], [T, H, R] (no rotary)
-        ckv = y[:, self.q_dim:]                                         # [T, L+R] (row view)
-        c = self.kv_a_layernorm(ckv[:, :self.kv_lora_rank])            # rmsnorm takes a row stride
+        # cache rows [T, L+R]: kv_a_layernorm(latent) | k_pe, from the row view y[:, q_dim:] in one launch
+        latent = rmsnorm_head(y[:, self.q_dim:], self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
         latent_cache = cache.latent[self.cache_index]
-        store_latent(torch.cat([c, ckv[:, self.kv_lora_rank:]], dim=-1), latent_cache, batch.slot_mapping)
+        store_latent(latent, latent_cache, batch.slot_mapping)
         attend = self._attend_expanded if self.expanded else self._attend_absorbed
         out = attend(q_nope, q_pe.contiguous(), latent_cache, batch)  # [T, H, V]
         return self.o_proj(out.flatten(1))

@@ -1,11 +1,13 @@
-"""The decoder's residual add fused with the next RMSNorm (kernels.norm.add_rmsnorm): Triton kernel vs the two torch
-ops it replaces. (A kernel test; it lives here with the model code that uses it.)"""
+"""The model's fused norms (kernels.norm): the decoder's residual add + the next RMSNorm (add_rmsnorm), and MLA's
+kv_a_layernorm + rope-key copy into one cache row (rmsnorm_head); Triton kernels vs the torch ops they replace.
+(Kernel tests; they live here with the model code that uses them.)"""
 import os
 
 import pytest
 import torch
 
-from kernels.norm import add_rmsnorm, add_rmsnorm_ref, add_rmsnorm_triton, rmsnorm_ref
+from kernels.norm import (add_rmsnorm, add_rmsnorm_ref, add_rmsnorm_triton, rmsnorm_head, rmsnorm_head_ref,
+                          rmsnorm_head_triton, rmsnorm_ref)
 from kernels.testing import assert_close, bf16_tol
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -38,3 +40,24 @@ def test_add_rmsnorm_triton(T, D, dtype):
     assert_close("add_rmsnorm h", h, hr, tol)
     assert_close("add_rmsnorm y", y, yr, tol)
     assert add_rmsnorm_triton(x[:0], r[:0], w, 1e-5)[0].shape == (0, D)
+
+
+def test_rmsnorm_head_ref_is_norm_then_cat():
+    x, w = torch.randn(3, 24), torch.randn(16)
+    y = rmsnorm_head_ref(x, w, 1e-6)
+    assert torch.equal(y, torch.cat([rmsnorm_ref(x[:, :16], w, 1e-6), x[:, 16:]], dim=-1))
+    assert torch.equal(rmsnorm_head(x, w, 1e-6), y)
+
+
+@requires_triton
+@pytest.mark.parametrize("T,D,P", [(1, 32, 8), (4, 512, 64), (3, 100, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_head_triton(T, D, P, dtype):
+    big = (torch.randn(T, 3 * (D + P), device=DEV) * 3).to(dtype)
+    x = big[:, D + P:2 * (D + P)]                         # a row view of a wider projection output
+    w = (1 + 0.1 * torch.randn(D, device=DEV)).to(dtype)
+    y = rmsnorm_head_triton(x, w, 1e-6)
+    ref = rmsnorm_head_ref(x, w, 1e-6)
+    assert y.dtype == dtype and y.is_contiguous() and y.shape == (T, D + P)
+    assert torch.equal(y[:, D:], x[:, D:])               # the tail is copied, untouched
+    assert_close("rmsnorm_head", y, ref, 1e-5 if dtype == torch.float32 else bf16_tol())
