@@ -102,7 +102,7 @@ class KimiMLA(nn.Module):
         latent_cache = cache.latent[self.cache_index]
         store_latent(latent, latent_cache, batch.slot_mapping)
         attend = self._attend_expanded if self.expanded else self._attend_absorbed
-        out = attend(q_nope, q_pe.contiguous(), latent_cache, batch)  # [T, H, V]
+        out = attend(q_nope, q_pe, latent_cache, batch)  # [T, H, V]; the MLA kernels take q_pe's row/head strides
         return self.o_proj(out.flatten(1))
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
