@@ -8,7 +8,7 @@ Launches:
    fully parallel launches with few live tiles each (same outputs as v1 below, every exponent <= 0):
    1a. ``_kda_prep_kernel``, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum G2 (log2 units);
        writes qg, kg, gl and the scratch G2 [rows, K] fp32, rs [rows, 4] fp32 = (scale/|q|, 1/|k|, beta).
-   1b. ``_kda_akk_kernel``, grid (chunk, head, 16-row sub-chunk i): Aqk and Dkk for rows [16i, 16i+16):
+   1b. ``_kda_akk_kernel``, grid (chunk x 16-row sub-chunk i, head): Aqk and Dkk for rows [16i, 16i+16):
        columns of earlier sub-chunks by one tensor-core dot per K tile, anchor = first row n of the sub-chunk
        ((x_r exp2(G_r - G_n)) . (k_s exp2(G_n - G_s)), both factors <= 1); the 16x16 diagonal block exactly per
        pair (exp2(G_r - G_s), s <= r) on CUDA cores; then the diagonal block of (I + diag(beta) StrictTril(Dkk))
@@ -425,7 +425,7 @@ def _kda_akk_kernel(
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, UNROLL: tl.constexpr = 1,
 ):
-    """v2 launch 2, grid (chunk, head, row sub-chunk i): rows R = [i BC, (i+1) BC) of
+    """v2 launch 2, grid (chunk x row sub-chunk i (fastest), head): rows R = [i BC, (i+1) BC) of
          Aqk[r, s] = sum_d qn[r,d] kn[s,d] exp2(G[r,d] - G[s,d])  (s <= r)    -> a_out (the contract, zeros above)
          Dkk[r, s] = same with kn[r]                              (s < r)
        columns s < i BC by one tensor-core dot per K tile with the anchor n = i BC (first row of R):
@@ -434,9 +434,10 @@ def _kda_akk_kernel(
        then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted by forward substitution (fp32).
        x_out [rows, BT] fp32: columns < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di
        (columns above are not written)."""
-    i_c = tl.program_id(0)
+    # sub-chunk fastest: the BT/BC programs of a chunk run together and share its k / G reads in L2
+    i_b = tl.program_id(0) % (BT // BC)
+    i_c = tl.program_id(0) // (BT // BC)
     i_h = tl.program_id(1)
-    i_b = tl.program_id(2)
     if i_c >= tl.load(chunk_offsets + n_seq):
         return
     t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
@@ -895,7 +896,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             )
 
         def akk():
-            return _kda_akk_kernel[(NT, H, BT // BC)](
+            return _kda_akk_kernel[(BT // BC * NT, H)](
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
                 num_warps=AKK_NUM_WARPS,
