@@ -333,12 +333,14 @@ def sweep_intra_v2(T=16384, warmup=5, rep=25):
     """Launch-config sweep of the v2 intra kernels at one T (each stage timed alone)."""
     import kernels.kda.chunk as ck
 
-    names = ("PREP_BK", "PREP_NUM_WARPS", "AKK_BK", "AKK_NUM_WARPS", "AKK_UNROLL", "WU_BK", "WU_BV", "WU_NUM_WARPS")
+    names = ("PREP_BK", "PREP_NUM_WARPS", "AKK_BK", "AKK_NUM_WARPS", "AKK_UNROLL", "AKK_HALF", "WU_BK", "WU_BV",
+             "WU_NUM_WARPS")
     saved = {n: getattr(ck, n) for n in names}
     grid = [
         *[("prep", dict(PREP_BK=bk, PREP_NUM_WARPS=w)) for bk, w in ((32, 4), (16, 4), (64, 8), (32, 8))],
-        *[("akk", dict(AKK_BK=bk, AKK_NUM_WARPS=w, AKK_UNROLL=un))
-          for bk, w, un in ((64, 4, 1), (64, 4, 0), (32, 4, 1), (32, 4, 0), (32, 8, 1), (64, 8, 1), (64, 8, 0))],
+        *[("akk", dict(AKK_BK=bk, AKK_NUM_WARPS=w, AKK_UNROLL=un, AKK_HALF=hf))
+          for bk, w, un, hf in ((64, 4, 1, 0), (64, 4, 0, 0), (32, 4, 1, 0), (32, 4, 0, 0), (32, 8, 1, 0),
+                                (64, 8, 1, 0), (64, 8, 0, 0), (32, 8, 0, 1))],
         *[("wu", dict(WU_BK=bk, WU_BV=bk, WU_NUM_WARPS=w)) for bk, w in ((64, 4), (32, 4), (64, 8), (128, 8))],
     ]
     x = _inputs([T])

@@ -84,8 +84,8 @@ RCP_LN2 = 1.4426950408889634
 #  244 (EXACT_REG=1), 48 KB smem, 8 warps (4 warps spills); old state 202 regs / 147 KB smem at BV=64 with 8 warps,
 #  162 regs / 131 KB at BV=32 with 4 warps; hpass 80 regs / 72 KB at BV=16 (4 warps), 136 / 80 KB at BV=32 (4),
 #  204 / 104 KB at BV=64 (8); out 72 regs / 48 KB at BV=64 (4 warps), 95 / 72 KB at BV=128)
-# v2 intra, offline sm_90 / triton 3.9 at the defaults: prep 128 regs, akk 154 regs / 66 KB smem, wu 168 regs /
-# 64 KB smem, no spills (akk BK=32 with 8 warps: 128 regs)
+# v2 intra, offline sm_90 / triton 3.9 at the defaults: prep 128 regs, akk 168 regs / 66 KB smem, wu 168 regs /
+# 64 KB smem, no spills (akk BK=32 with 8 warps: 128 regs; AKK_HALF=1 spills unless rolled at BK=32, 8 warps: 208)
 INTRA_BK = 32
 INTRA_BV = 64
 INTRA_NUM_WARPS = 8
@@ -109,6 +109,7 @@ PREP_NUM_WARPS = 4
 AKK_BK = 64
 AKK_NUM_WARPS = 4
 AKK_UNROLL = 1           # unroll the 16-step exact-diagonal loop (1) or not (0)
+AKK_HALF = 0             # 1: diagonal block as two exact 8x8 blocks (8 steps, gathered partners) + one 8x8 dot
 WU_BK = 64
 WU_BV = 64
 WU_NUM_WARPS = 4
@@ -399,13 +400,12 @@ def _kda_prep_kernel(
 
 
 @triton.jit
-def _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, tj, j, qr, kr, Gr, d_kk, acc_qk, stride_k,
-                  K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+def _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, tj, j, qr, kr, Gr, d_kk, d_qk, stride_k,
+                  K: tl.constexpr, BC: tl.constexpr):
     """Column j (chunk row tj) of the exact diagonal block: exp2(G_r - G_j) for r >= j (exponent <= 0), 0 above;
-    the partner row is re-read from global (L1 hit). d_kk [BC, BC] and acc_qk [BC, BT] are accumulated."""
+    the partner row is re-read from global (L1 hit). d_kk and d_qk [BC, BC] are accumulated."""
     cf = tl.arange(0, K)
     r16 = tl.arange(0, BC)
-    cols = tl.arange(0, BT)
     mj = (tl.zeros([K], dtype=tl.int64) + tj) < nv
     kj = tl.load(k + (t0 + tj) * stride_k + i_h * K + cf, mask=mj, other=0.0).to(tl.float32)
     kj = kj * tl.load(rs_in + (cblk + tj) * 4 + 1)
@@ -414,8 +414,30 @@ def _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, tj, j, qr, kr, Gr, d_kk, ac
     dk = tl.sum(kr * p, 1)                                                            # [BC]
     dq = tl.sum(qr * p, 1)
     d_kk += tl.where((r16 == j)[None, :], dk[:, None], 0.0)
-    acc_qk += tl.where((cols == tj)[None, :], dq[:, None], 0.0)
-    return d_kk, acc_qk
+    d_qk += tl.where((r16 == j)[None, :], dq[:, None], 0.0)
+    return d_kk, d_qk
+
+
+@triton.jit
+def _akk_diag_col_half(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, j, qr, kr, Gr, d_kk, d_qk, stride_k,
+                       K: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr):
+    """HALF variant: column j of both BE x BE exact blocks of the diagonal block at once (row r's partner is row
+    (r // BE) BE + j of R, gathered from global), exp2(G_r - G_p) for r >= p inside its half."""
+    cf = tl.arange(0, K)
+    r16 = tl.arange(0, BC)
+    pr = (r16 // BE) * BE + j                                                         # partner row within R
+    tp = i_b * BC + pr                                                                # ... within the chunk
+    mp = (tp < nv)[:, None] & (cf < K)[None, :]
+    kp = tl.load(k + (t0 + tp)[:, None] * stride_k + i_h * K + cf[None, :], mask=mp, other=0.0).to(tl.float32)
+    kp = kp * tl.load(rs_in + (cblk + tp) * 4 + 1)[:, None]
+    Gp = tl.load(g_in + (cblk + tp)[:, None] * K + cf[None, :])
+    p = tl.where(((r16 % BE) >= j)[:, None], tl.exp2(tl.minimum(Gr - Gp, 0.0)), 0.0) * kp
+    dk = tl.sum(kr * p, 1)
+    dq = tl.sum(qr * p, 1)
+    sel = r16[None, :] == pr[:, None]
+    d_kk += tl.where(sel, dk[:, None], 0.0)
+    d_qk += tl.where(sel, dq[:, None], 0.0)
+    return d_kk, d_qk
 
 
 @triton.jit
@@ -423,7 +445,7 @@ def _kda_akk_kernel(
     q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out,
     stride_q, stride_k,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, UNROLL: tl.constexpr = 1,
+    PREC: tl.constexpr, UNROLL: tl.constexpr = 1, HALF: tl.constexpr = 0,
 ):
     """v2 launch 2, grid (chunk x row sub-chunk i (fastest), head): rows R = [i BC, (i+1) BC) of
          Aqk[r, s] = sum_d qn[r,d] kn[s,d] exp2(G[r,d] - G[s,d])  (s <= r)    -> a_out (the contract, zeros above)
@@ -454,7 +476,9 @@ def _kda_akk_kernel(
     rk_c = tl.load(rs_in + (cblk + cols) * 4 + 1)
     acc_kk = tl.zeros([BC, BT], dtype=tl.float32)
     acc_qk = tl.zeros([BC, BT], dtype=tl.float32)
-    d_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    d_kk = tl.zeros([BC, BC], dtype=tl.float32)         # diagonal block of Dkk
+    d_qk = tl.zeros([BC, BC], dtype=tl.float32)         # ... of Aqk
+    BE: tl.constexpr = BC // 2
     for kb in range(0, K, BK):
         c = kb + tl.arange(0, BK)
         cm = c < K
@@ -473,6 +497,14 @@ def _kda_akk_kernel(
         ef = tl.exp2(tl.minimum(Gr - Gn[None, :], 0.0))
         acc_kk = tl.dot(kr * ef, kct, acc_kk, input_precision=PREC)
         acc_qk = tl.dot(qr * ef, kct, acc_qk, input_precision=PREC)
+        if HALF:
+            # rows BE.. x columns ..BE-1 of the diagonal block on the tensor cores, anchor m = row BE of R:
+            # (x_r exp2(G_r - G_m)) . (k_s exp2(G_m - G_s)) with s < m <= r (both factors <= 1)
+            Gm = tl.load(g_in + (cblk + i_b * BC + BE) * K + c, mask=cm, other=0.0)
+            rf = tl.where((r16 >= BE)[:, None], tl.exp2(tl.minimum(Gr - Gm[None, :], 0.0)), 0.0)
+            cft = tl.trans(tl.where((r16 < BE)[:, None], kr * tl.exp2(tl.minimum(Gm[None, :] - Gr, 0.0)), 0.0))
+            d_kk = tl.dot(kr * rf, cft, d_kk, input_precision=PREC)
+            d_qk = tl.dot(qr * rf, cft, d_qk, input_precision=PREC)
     # diagonal block with all K channels at once ([BC, K] tiles; BC iterations): column j at a time,
     # exp2(G_r - G_j) for r >= j (exponent <= 0), 0 above; the partner row j is re-read (L1 hit)
     cf = tl.arange(0, K)
@@ -482,15 +514,27 @@ def _kda_akk_kernel(
     qr = qr * rq[:, None]
     kr = kr * rk[:, None]
     Gr = tl.load(g_in + (cblk + rr)[:, None] * K + cf[None, :])
-    if UNROLL:                                       # the partner-row loads of all j can be issued early
+    if HALF:                                         # the two BE x BE exact blocks at once (BE steps)
+        if UNROLL:
+            for j in tl.static_range(BE):
+                d_kk, d_qk = _akk_diag_col_half(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, j, qr, kr, Gr, d_kk,
+                                                d_qk, stride_k, K, BC, BE)
+        else:
+            for j in range(BE):
+                d_kk, d_qk = _akk_diag_col_half(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, j, qr, kr, Gr, d_kk,
+                                                d_qk, stride_k, K, BC, BE)
+    elif UNROLL:                                     # the partner-row loads of all j can be issued early
         for j in tl.static_range(BC):
-            d_kk, acc_qk = _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, j, qr, kr, Gr, d_kk,
-                                         acc_qk, stride_k, K, BC, BT)
+            d_kk, d_qk = _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, j, qr, kr, Gr, d_kk, d_qk,
+                                       stride_k, K, BC)
     else:
         for j in range(BC):
-            d_kk, acc_qk = _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, j, qr, kr, Gr, d_kk,
-                                         acc_qk, stride_k, K, BC, BT)
-    tl.store(a_out + (cblk + rr)[:, None] * BT + cols[None, :], acc_qk.to(a_out.dtype.element_ty))
+            d_kk, d_qk = _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, j, qr, kr, Gr, d_kk, d_qk,
+                                       stride_k, K, BC)
+    # Aqk rows of R: off-diagonal columns (zeros right of the diagonal block) and the diagonal block
+    tl.store(a_out + (cblk + rr)[:, None] * BT + cols[None, :], acc_qk.to(a_out.dtype.element_ty),
+             mask=((cols < i_b * BC) | (cols >= i_b * BC + BC))[None, :])
+    tl.store(a_out + (cblk + rr)[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(a_out.dtype.element_ty))
     tl.store(x_out + (cblk + rr)[:, None] * BT + cols[None, :], acc_kk * beta[:, None],
              mask=(cols < i_b * BC)[None, :])
     # (I + L_ii)^-1 by forward substitution: X[r] = e_r - sum_{c<r} L[r, c] X[c]
@@ -774,8 +818,8 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                  dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK)), dict(num_warps=PREP_NUM_WARPS)),
         "akk": (_kda_akk_kernel,
                 dict(v2_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32", stride_k="i32"),
-                dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL)),
-                dict(num_warps=AKK_NUM_WARPS)),
+                dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
+                     HALF=int(AKK_HALF)), dict(num_warps=AKK_NUM_WARPS)),
         "wu": (_kda_wu_kernel,
                dict(v2_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec),
@@ -899,7 +943,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_akk_kernel[(BT // BC * NT, H)](
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
-                num_warps=AKK_NUM_WARPS,
+                HALF=int(AKK_HALF), num_warps=AKK_NUM_WARPS,
             )
 
         def wu():

@@ -355,17 +355,23 @@ def test_intra_v2_matches_v1_fp32(kda_path, lens, strong_gate, monkeypatch):
     check(*res, slots, FP32_TOL)
 
 
-def test_akk_unroll_variants_equal(kda_path, monkeypatch):
-    """The akk kernel's unrolled and rolled exact-diagonal loops give identical results (fp32, strong gates)."""
+def test_akk_variants(kda_path, monkeypatch):
+    """The akk kernel's unrolled and rolled exact-diagonal loops give identical results, and the HALF variant
+    (two exact 8x8 blocks + one anchored 8x8 dot per diagonal block) agrees to fp32 rounding (strong gates,
+    partial chunks so the gathered partner rows are masked)."""
     if kda_path != "split":
         pytest.skip("runs the v2 intra only")
     import kernels.kda.chunk as chunk_mod
 
-    T = 70
+    T = 75
     inp = make_inputs(T, strong_gate=True)
     res = {}
-    for unroll in (0, 1):
+    for half, unroll in ((0, 0), (0, 1), (1, 0), (1, 1)):
         monkeypatch.setattr(chunk_mod, "AKK_UNROLL", unroll)
-        res[unroll] = run_pair(inp, [0, 1, T], [1, 2], [True, False], S=3)
-    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][2], res[1][2])
-    check(*res[1], [1, 2], FP32_TOL)
+        monkeypatch.setattr(chunk_mod, "AKK_HALF", half)
+        res[half, unroll] = run_pair(inp, [0, 1, 12, T], [1, 2, 3], [True, False, True], S=4)
+    assert torch.equal(res[0, 0][0], res[0, 1][0]) and torch.equal(res[0, 0][2], res[0, 1][2])
+    assert torch.equal(res[1, 0][0], res[1, 1][0]) and torch.equal(res[1, 0][2], res[1, 1][2])
+    assert rel_rms(res[1, 0][0], res[0, 0][0]) <= 1e-5
+    for r in res.values():
+        check(*r, [1, 2, 3], FP32_TOL)
