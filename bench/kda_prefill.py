@@ -337,11 +337,10 @@ def sweep_intra_v2(T=16384, warmup=5, rep=25):
              "WU_NUM_WARPS")
     saved = {n: getattr(ck, n) for n in names}
     grid = [
-        *[("prep", dict(PREP_BK=bk, PREP_NUM_WARPS=w)) for bk, w in ((32, 4), (16, 4), (64, 8), (32, 8))],
+        *[("prep", dict(PREP_BK=bk, PREP_NUM_WARPS=w)) for bk, w in ((32, 4), (64, 8))],
         *[("akk", dict(AKK_BK=bk, AKK_NUM_WARPS=w, AKK_UNROLL=un, AKK_HALF=hf))
-          for bk, w, un, hf in ((64, 4, 1, 0), (64, 4, 0, 0), (32, 4, 1, 0), (32, 4, 0, 0), (32, 8, 1, 0),
-                                (64, 8, 1, 0), (64, 8, 0, 0), (32, 8, 0, 1))],
-        *[("wu", dict(WU_BK=bk, WU_BV=bk, WU_NUM_WARPS=w)) for bk, w in ((64, 4), (32, 4), (64, 8), (128, 8))],
+          for bk, w, un, hf in ((64, 4, 1, 0), (64, 4, 0, 0), (32, 4, 1, 0), (32, 8, 1, 0), (32, 8, 0, 1))],
+        *[("wu", dict(WU_BK=bk, WU_BV=bk, WU_NUM_WARPS=w)) for bk, w in ((64, 4), (64, 8), (32, 4))],
     ]
     x = _inputs([T])
     try:
