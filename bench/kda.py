@@ -13,7 +13,7 @@ Bandwidth: state bytes = N*H*K*V*4 read + the same written; compared with a devi
 measured in the same run (copy BW = 2 * bytes / t). us per layer = time of one call; the model has 20 KDA layers.
 --sweep: per N, every config of SWEEP (BV x warps x tail x early) in a CUDA graph: us/step, % of copy BW, a
 one-step check against the reference, the default marked, fla-core alongside; then the best config per N (what to
-put in recurrent.decode_config / _BV_MAX / _EARLY_MAX_PER_SM).
+put in recurrent.decode_config / _BV_NARROW / _BV_WIDE / _WIDE_PER_SM).
 Prefill: `bench_prefill()` below calls bench/kda_prefill.py (the chunk kernel owner's benchmark) when present;
 --decode-only skips it.
 Prints a table and markdown rows for BENCHMARKS.md.

@@ -190,9 +190,11 @@ def _kda_decode_post_kernel(
 # ------------------------------------------------------------------------------------------------- launch config
 _SM_COUNT: dict = {}
 _COUNTERS: dict = {}          # device -> list of i32 counter buffers (all kept alive: captured graphs hold them)
-_PROGRAMS_PER_SM = 4          # decode_config: fewest programs per SM before V is split further
-_BV_MAX = 32                  # widest split tile picked by default (BV 32 / 4 warps: 72% of copy BW at N=64, 12-02)
-_EARLY_MAX_PER_SM = 8         # early state load while programs per SM <= this (about one resident wave)
+_BV_NARROW = 32               # decode_config: V tile while the grid is small (BV 32 / 4 warps, late state load)
+_BV_WIDE = 64                 # ... and once there are >= _WIDE_PER_SM programs per SM at this tile (early load)
+_WIDE_PER_SM = 16             # H200 sweep 12-02 (graph us/step, copy BW 4.25 TB/s): N=1 BV32 late 5.97 (BV8 7.49),
+                              # N=8 BV32 late 14.15 (BV64 14.53), N=64 BV64 early 82.5 = 76.6% (BV32 late 88.9),
+                              # N=256 BV64 early 346 (BV32 late 371)
 
 
 class DecodeConfig(NamedTuple):
@@ -221,23 +223,17 @@ def warps_for(BV: int, BK: int) -> int:
 
 
 def decode_config(N: int, H: int, K: int, V: int, n_sm: int = 132, BV: Optional[int] = None) -> DecodeConfig:
-    """Launch config for N sequences (BV given: that tile, the rest derived). Programs = N * H * V/BV. BV: the
-    widest tile <= _BV_MAX giving at least _PROGRAMS_PER_SM programs per SM (wider tiles redo less of the per-tile
-    conv / norm / gate prologue; enough programs keep every SM streaming), else 8. Early state load while the grid
-    is about one resident wave (latency-bound), late load beyond (fewer live registers, more resident programs).
-    Kimi (H = 32, V = 128) on 132 SMs: N = 1-3 -> BV 8 / 1 warp, 4-7 -> 16 / 2, >= 8 -> 32 / 4; one launch."""
+    """Launch config for N sequences (BV given: that tile, the rest derived). Programs = N * H * V/BV. Small grids
+    (latency-bound: N * H * V/64 < _WIDE_PER_SM * n_sm) take BV 32 with the state loaded after the prologue (fewer
+    live registers); large grids take BV 64 with the state load issued first (more bytes in flight per program).
+    Kimi (H = 32, V = 128) on 132 SMs: N <= 32 -> BV 32 / 4 warps late, N >= 33 -> BV 64 / 4 warps early."""
     BK = triton.next_power_of_2(K)
     VP = triton.next_power_of_2(V)
+    wide = BV is None and N * H * triton.cdiv(V, _BV_WIDE) >= _WIDE_PER_SM * n_sm
     if BV is None:
-        BV = min(8, VP)
-        for bv in (32, 16, 8):
-            if bv <= min(_BV_MAX, VP) and N * H * triton.cdiv(V, bv) >= _PROGRAMS_PER_SM * n_sm:
-                BV = bv
-                break
+        BV = _BV_WIDE if wide else _BV_NARROW
     BV = min(BV, VP)
-    progs = N * H * triton.cdiv(V, BV)
-    return DecodeConfig(BV, warps_for(BV, BK), TAIL_SINGLE if BV >= V else TAIL_LAST,
-                        progs <= _EARLY_MAX_PER_SM * n_sm)
+    return DecodeConfig(BV, warps_for(BV, BK), TAIL_SINGLE if BV >= V else TAIL_LAST, wide)
 
 
 def _counters(device, n: int) -> torch.Tensor:

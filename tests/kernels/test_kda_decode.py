@@ -85,27 +85,22 @@ def test_decode_tile_sizes(BV, tail, early):
 
 @pytest.mark.parametrize("n_sm", [1, 8, 66, 132, 264])
 def test_decode_config(n_sm):
-    # tile choice by N and SM count: a power-of-two BV dividing the padded V, enough programs per SM whenever
-    # some BV gives them, never narrower tiles than needed (BV non-decreasing in N), single launch in every case
+    # tile choice by N and SM count (from the H200 sweep): BV 32 with a late state load while the grid is small,
+    # BV 64 with an early load once BV 64 gives >= _WIDE_PER_SM programs per SM; BV non-decreasing in N
     from kernels.kda import recurrent as R
     H, K, V = 32, 128, 128
     last = 0
-    for N in (1, 2, 3, 4, 8, 16, 64, 256, 1024):
+    for N in (1, 2, 3, 4, 8, 16, 32, 33, 64, 256, 1024):
         BV, nw, tail, early = decode_config(N, H, K, V, n_sm)
-        assert BV in (8, 16, 32, 64, 128) and BV <= R._BV_MAX and nw in (1, 2, 4, 8, 16)
-        assert tail == (TAIL_SINGLE if BV >= V else TAIL_LAST)
-        progs = N * H * (V // BV)
-        assert early == (progs <= R._EARLY_MAX_PER_SM * n_sm)
-        if N * H * (V // 8) >= R._PROGRAMS_PER_SM * n_sm:
-            assert progs >= R._PROGRAMS_PER_SM * n_sm
-            wider = 2 * BV
-            assert wider > R._BV_MAX or N * H * (V // wider) < R._PROGRAMS_PER_SM * n_sm   # widest such BV
-        else:
-            assert BV == 8
+        wide = N * H * (V // 64) >= R._WIDE_PER_SM * n_sm
+        assert (BV, nw, early) == ((64, 4, True) if wide else (32, 4, False))
+        assert tail == TAIL_LAST
         assert BV >= last
         last = BV
-    assert decode_config(1, 2, 16, 16, 132)[0] == 8          # tiny V: tile capped by V
-    assert decode_config(4096, 2, 16, 8, 132)[0] == 8
+    assert decode_config(32, H, K, V, 132)[0] == 32 and decode_config(33, H, K, V, 132)[0] == 64
+    assert decode_config(1, H, K, V, 132, BV=128) == (128, 16, TAIL_SINGLE, False)   # explicit tile
+    assert decode_config(1, 2, 16, 16, 132)[0] == 16         # tiny V: tile capped by V
+    assert decode_config(4096, 2, 16, 8, 132)[0] == 8             # V = 8: tile capped by V
 
 
 def test_padded_lanes_and_poison():
