@@ -101,24 +101,26 @@ class Roofline:
         self.expert_bytes = self.expert_params = 0
         self.dense_bytes = self.dense_params = 0
         self.num_moe = sum(c.is_moe(i) for i in range(c.num_hidden_layers))
+        self.folded = 0  # 1 when the shared expert is expert E of w13/w2 (fused_moe fold): the router tap counts it too
         for name, p in model.named_parameters():
             n, b = p.numel(), p.numel() * p.element_size()
             if "embed_tokens" in name:
                 continue
             if name.endswith(".w13") or name.endswith(".w2"):
-                self.expert_params += n // c.num_experts // self.num_moe
-                self.expert_bytes += b // c.num_experts // self.num_moe
+                self.folded = int(p.shape[0] > c.num_experts)
+                self.expert_params += n // p.shape[0] // self.num_moe
+                self.expert_bytes += b // p.shape[0] // self.num_moe
             else:
                 self.dense_params += n
                 self.dense_bytes += b
         self.slot_bytes = runner.slot_bytes()
         self.latent_bytes_per_token = len(c.mla_layers) * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
-        self.active_params = self.dense_params + self.num_moe * c.num_experts_per_token * self.expert_params
+        self.active_params = self.dense_params + self.num_moe * (c.num_experts_per_token + self.folded) * self.expert_params
 
     def expected_unique(self, batch: int) -> float:
         """Distinct experts per MoE layer that `batch` tokens hit under uniform independent routing."""
         k, e = self.cfg.num_experts_per_token, self.cfg.num_experts
-        return e * (1.0 - (1.0 - k / e) ** batch)
+        return e * (1.0 - (1.0 - k / e) ** batch) + self.folded
 
     def decode(self, batch: int, context: int, bw: float, peak: float, unique_total: float = None) -> dict:
         """Speed of light of one decode step of `batch` sequences at ~`context` keys. unique_total: distinct experts
@@ -139,7 +141,7 @@ class Roofline:
     def describe(self, d: dict, bw: float, peak: float) -> str:
         g = 1e9
         return (f"dense {d['dense'] / g:.2f} GB + experts {d['experts'] / g:.2f} GB ({self.num_moe} layers x "
-                f"{d['unique']:.1f} unique of {self.cfg.num_experts}; uniform routing would hit {d['expected']:.1f})"
+                f"{d['unique']:.1f} unique of {self.cfg.num_experts + self.folded}, shared included; uniform routing would hit {d['expected']:.1f})"
                 f" + KDA state r+w {d['kda_state'] / g:.2f} GB + MLA cache {d['mla_cache'] / g:.2f} GB = "
                 f"{d['bytes'] / g:.2f} GB -> {d['t_bytes'] * 1e3:.3f} ms at {bw / 1e12:.1f} TB/s; "
                 f"{d['flops'] / 1e12:.3f} TFLOP -> {d['t_flops'] * 1e3:.3f} ms at {peak / 1e12:.0f} TFLOP/s; "
@@ -705,7 +707,10 @@ def main():
                                   args.decode_context + PROFILE_MAX_TOKENS + 8]) + 64
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_bs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=64, gpu_memory_utilization=args.gpu_memory_utilization, device=dev.type,
-                        dtype=str(dtype).removeprefix("torch."), enforce_eager=args.enforce_eager)
+                        dtype=str(dtype).removeprefix("torch."), enforce_eager=args.enforce_eager,
+                        # no prefill cap while decoding: the decode figures time a full batch in steady decode, and
+                        # with the cap the first of 64 prompts would reach max_tokens before the last is admitted
+                        max_prefill_tokens_with_decode=0)
     t = time.perf_counter()
     runner = ModelRunner("", ecfg, model=model)
     engine = LLMEngine(runner, ecfg, start=False)
@@ -714,7 +719,7 @@ def main():
           f"{st['num_slots']} KDA slots, graphs {sorted(runner.graphs) or 'off'}")
     roof = Roofline(model, runner)
     print(f"active parameters per token: {roof.active_params / 1e9:.2f} B; batch-1 weight bytes per token "
-          f"{(roof.dense_bytes + roof.num_moe * cfg.num_experts_per_token * roof.expert_bytes) / 1e9:.2f} GB")
+          f"{(roof.dense_bytes + roof.num_moe * (cfg.num_experts_per_token + roof.folded) * roof.expert_bytes) / 1e9:.2f} GB")
 
     rows = []  # (name, measured, unit, speed of light)
     ctx = args.decode_context + args.decode_steps // 2  # mean keys per sequence over the measured steps
