@@ -113,7 +113,7 @@ def kda_decode_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_sta
 
 
 def kda_decode(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state, state_slots):
-    """Fused Triton decode (kernels/kda/recurrent.py: 2 launches, graph-capturable) or the torch reference.
+    """Fused Triton decode (kernels/kda/recurrent.py: 1 launch, graph-capturable) or the torch reference.
 
     Triton path: lanes with slot 0 (padding) touch no state and output zeros."""
     if not use_triton(qkv):
