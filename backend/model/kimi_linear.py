@@ -5,6 +5,8 @@ R qk_rope_head_dim, E experts, I expert dim. Every heavy op is a kernels.* call 
 Tensor parallel (tp.world = W > 1, backend/model/parallel.py): modules hold this rank's heads, experts, vocab rows and
 1/W of the dense MLPs; mixers and FFNs return partial sums that DecoderLayer all-reduces.
 """
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,6 +14,7 @@ from torch import nn
 from backend.config import ModelConfig
 from backend.model.batch import ForwardBatch, KimiCache
 from backend.model.parallel import TP, all_gather_last, all_reduce, folds_shared_expert
+from kernels.gemv import skinny_bmm_nt, skinny_linear
 from kernels.kda import kda_decode, kda_prefill
 from kernels.mla import mla_decode, mla_extend, mla_prefill, store_latent
 from kernels.moe import fused_moe, moe_router
@@ -36,8 +39,18 @@ class RMSNorm(nn.Module):
         return add_rmsnorm(x, residual, self.weight, self.eps)
 
 
+def _gemv_enabled() -> bool:
+    """KIMI_GEMV=1 (opt-in, read when a module is built): M <= 16 projections run kernels.gemv on CUDA."""
+    return os.environ.get("KIMI_GEMV", "") == "1"
+
+
+class _GemvLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return skinny_linear(x, self.weight)             # F.linear for M > 16 rows and on CPU
+
+
 def _linear(in_dim: int, out_dim: int, dtype: torch.dtype) -> nn.Linear:
-    return nn.Linear(in_dim, out_dim, bias=False, dtype=dtype)
+    return (_GemvLinear if _gemv_enabled() else nn.Linear)(in_dim, out_dim, bias=False, dtype=dtype)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -56,13 +69,15 @@ class KimiDeltaAttention(nn.Module):
         self.qkv_dim, self.head_dim = 3 * h * k, k
         self.o_norm = RMSNorm(k, cfg.rms_norm_eps, dtype)
         self.o_proj = _linear(h * k, d, dtype)
+        self.gemv = _gemv_enabled()
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
         y = self.in_proj(x)                         # [T, 3HK + 2K + H]
         c, k = self.qkv_dim, self.head_dim
         qkv, b = y[:, :c], y[:, c + 2 * k:]         # [T, 3HK] pre-conv q | k | v, [T, H] beta logits (row views)
         fg_a = y[:, c:c + 2 * k].view(-1, 2, k).transpose(0, 1)                  # [2, T, K] f_a | g_a outputs
-        z, r = torch.bmm(fg_a, self.fg_b_proj.transpose(1, 2)).unbind(0)       # [T, HK] forget, output gates
+        fg = skinny_bmm_nt(fg_a, self.fg_b_proj) if self.gemv else torch.bmm(fg_a, self.fg_b_proj.transpose(1, 2))
+        z, r = fg.unbind(0)                                                      # [T, HK] forget, output gates
         conv, rec = cache.conv_state[self.cache_index], cache.rec_state[self.cache_index]
         w, nd, outs = self.o_norm.weight, batch.num_decodes, []
         if nd:

@@ -1,0 +1,207 @@
+"""H200 benchmark: skinny GEMM (kernels/gemv.py) vs cuBLAS (F.linear / torch.bmm) at Kimi decode projection shapes.
+
+    python bench/gemv.py [--m 1,4,16] [--sweep] [--smoke]
+
+Per shape (N x K weight, bf16) and M rows: us per call inside a CUDA graph, achieved TB/s = weight bytes / time, and
+ours / torch speed, next to the device-to-device copy bandwidth of the same run (2 * bytes / t of a 1 GiB copy).
+The 50 MB L2 would hold the smaller weights, so each graph cycles through enough copies of W (>= 256 MB in all,
+<= 64 copies) that every call reads W from HBM, as in a decode step where the other layers' weights pass through.
+Then the projections of one batch-M decode step (20 KDA + 7 MLA layers, 1 dense MLP, lm_head) summed for both.
+--sweep: per shape and M, each config of SWEEP (tl.dot / FMA, BN, BK, warps, stages; K split by the default rule or
+forced to 1): us and TB/s, the default marked, then the best per shape (what to put in kernels/gemv.py).
+--smoke: CPU, Triton interpreter, tiny shapes: runs every code path (CI check of this file), timings meaningless.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from kernels.gemv import GemvConfig, gemv_config, gemv_ref, gemv_triton  # noqa: E402
+from kernels.testing import assert_close, bf16_tol  # noqa: E402
+
+# (name, B, N, K, calls per decode step): Kimi-Linear-48B-A3B, D = 2304, 20 KDA + 7 MLA layers, layer 0 dense MLP
+SHAPES = [
+    ("KDA in_proj", 1, 12576, 2304, 20),
+    ("KDA f_b|g_b (bmm)", 2, 4096, 128, 20),
+    ("o_proj (KDA+MLA)", 1, 2304, 4096, 27),
+    ("MLA q|kv_a", 1, 6720, 2304, 7),
+    ("MLP gate|up", 1, 18432, 2304, 1),
+    ("MLP down", 1, 2304, 9216, 1),
+    ("lm_head", 1, 163840, 2304, 1),
+]
+SMOKE_SHAPES = [("smoke a", 1, 70, 96, 2), ("smoke bmm", 2, 48, 32, 1), ("smoke split", 1, 20, 512, 1)]
+SWEEP = [GemvConfig(dot=True, BN=bn, BK=bk, num_warps=w, num_stages=s) for bn, bk, w, s in
+         [(32, 128, 4, 4), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 4),
+          (128, 64, 4, 6), (256, 64, 8, 4)]]
+SWEEP += [GemvConfig(dot=False, BN=bn, BK=bk, num_warps=w, num_stages=s) for bn, bk, w, s in
+          [(16, 256, 4, 3), (32, 256, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (16, 512, 4, 2), (8, 512, 2, 2)]]
+SWEEP += [GemvConfig(dot=True, BN=64, BK=128, split=1), GemvConfig(dot=True, BN=32, BK=256, split=1, num_stages=3)]
+L2_FLUSH_BYTES = 256 << 20
+MAX_COPIES = 64
+
+
+def time_us(fns, smoke: bool, replays: int = 20) -> float:
+    """Median us per call of one CUDA graph running each fn once (CPU: wall time of one eager pass)."""
+    if smoke:
+        t = time.perf_counter()
+        for f in fns:
+            f()
+        return (time.perf_counter() - t) * 1e6 / len(fns)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:                                     # compile + warm up outside the capture
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(fns))
+    del g
+    return statistics.median(times)
+
+
+def copy_bandwidth(device, smoke: bool) -> float:
+    n = (64 << 20) if smoke else (1 << 30)
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    us = time_us([lambda: b.copy_(a)] * (1 if smoke else 5), smoke)
+    return 2 * n / (us * 1e-6)
+
+
+class Case:
+    """x [B?, M, K] and enough copies of W [B?, N, K] to stream from HBM."""
+
+    def __init__(self, B, N, K, M, device, smoke):
+        self.B, self.N, self.K, self.M = B, N, K, M
+        lead = () if B == 1 else (B,)
+        self.wbytes = B * N * K * 2
+        n = 1 if smoke else max(1, min(MAX_COPIES, -(-L2_FLUSH_BYTES // self.wbytes)))
+        self.x = torch.randn(*lead, M, K, device=device).to(torch.bfloat16)
+        w0 = (torch.randn(*lead, N, K, device=device) / K ** 0.5).to(torch.bfloat16)
+        self.ws = [w0] + [w0.clone() for _ in range(n - 1)]
+
+    def torch_fns(self):
+        if self.B == 1:
+            return [lambda w=w: F.linear(self.x, w) for w in self.ws]
+        return [lambda w=w: torch.bmm(self.x, w.transpose(1, 2)) for w in self.ws]
+
+    def ours_fns(self, cfg=None):
+        return [lambda w=w: gemv_triton(self.x, w, cfg) for w in self.ws]
+
+    def check(self, cfg=None):
+        assert_close("gemv", gemv_triton(self.x, self.ws[0], cfg), gemv_ref(self.x, self.ws[0]), bf16_tol())
+
+
+def tbs(nbytes, us):
+    return nbytes / (us * 1e-6) / 1e12
+
+
+def describe(c: GemvConfig, k_split: int) -> str:
+    return (f"{'dot' if c.dot else 'fma'} BN{c.BN} BK{c.BK} w{c.num_warps} s{c.num_stages} split{c.split}"
+            f"(k{k_split})")
+
+
+def bench(shapes, ms, device, smoke, bw):
+    rows, step = [], {}
+    print(f"{'shape':20s} {'M':>3s} {'N x K':>14s} {'MB':>7s} | {'torch us':>9s} {'TB/s':>5s} | {'ours us':>8s} "
+          f"{'TB/s':>5s} {'%copy':>5s} | {'speed':>5s} | config")
+    for name, B, N, K, calls in shapes:
+        for M in ms:
+            case = Case(B, N, K, M, device, smoke)
+            case.check()
+            t_ref, t_ours = time_us(case.torch_fns(), smoke), time_us(case.ours_fns(), smoke)
+            cfg, k_split = gemv_config(M, N, K, B, device)
+            mb = case.wbytes / 1e6
+            print(f"{name:20s} {M:3d} {f'{N}x{K}':>14s} {mb:7.2f} | {t_ref:9.2f} {tbs(case.wbytes, t_ref):5.2f} | "
+                  f"{t_ours:8.2f} {tbs(case.wbytes, t_ours):5.2f} {100 * case.wbytes / (t_ours * 1e-6) / bw:5.1f} | "
+                  f"{t_ref / t_ours:4.2f}x | {describe(cfg, k_split)}")
+            rows.append(f"| {name} | {M} | {B}x{N}x{K} | {t_ref:.2f} ({tbs(case.wbytes, t_ref):.2f}) | "
+                        f"{t_ours:.2f} ({tbs(case.wbytes, t_ours):.2f}) | {t_ref / t_ours:.2f}x |")
+            tr, to = step.get(M, (0.0, 0.0))
+            step[M] = (tr + calls * t_ref, to + calls * t_ours)
+            del case
+    print("\nprojections of one decode step (sum of calls x us):")
+    for M, (tr, to) in step.items():
+        print(f"  M={M:2d}: torch {tr:8.1f} us, ours {to:8.1f} us, saves {tr - to:7.1f} us ({tr / to:.2f}x)")
+    print("\n| projection | M | B x N x K | cuBLAS us (TB/s) | ours us (TB/s) | speed |\n|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+def sweep(shapes, ms, device, smoke, bw):
+    configs = SWEEP[:3] + SWEEP[8:10] + SWEEP[-1:] if smoke else SWEEP
+    best = {}
+    for name, B, N, K, _ in shapes:
+        for M in ms:
+            case = Case(B, N, K, M, device, smoke)
+            default, dk = gemv_config(M, N, K, B, device)
+            results = []
+            for cfg in configs:
+                c, k_split = gemv_config(M, N, K, B, device, cfg)
+                bm = max(16, M) if c.dot else 1 << (M - 1).bit_length()
+                if not c.dot and bm * c.BN * c.BK > 128 * 32 * c.num_warps:   # FMA accumulator > 128 regs/thread
+                    continue
+                try:
+                    case.check(cfg)
+                    us = time_us(case.ours_fns(cfg), smoke, replays=10)
+                except Exception as e:  # noqa: BLE001  (out of shared memory etc.: report, keep sweeping)
+                    print(f"  {name} M={M} {describe(c, k_split)}: {type(e).__name__}: {str(e)[:100]}")
+                    continue
+                results.append((us, describe(c, k_split)))
+            results.sort()
+            mark = describe(default, dk)
+            print(f"{name} M={M} ({N}x{K}, {case.wbytes / 1e6:.1f} MB):")
+            for us, d in results:
+                print(f"    {us:8.2f} us {tbs(case.wbytes, us):5.2f} TB/s {100 * case.wbytes / (us * 1e-6) / bw:5.1f}%"
+                      f" {d}{'  <- default' if d == mark else ''}")
+            best[(name, M)] = results[0] if results else None
+            del case
+    print("\nbest per shape:")
+    for (name, M), r in best.items():
+        print(f"  {name:20s} M={M:2d}: " + (f"{r[0]:8.2f} us  {r[1]}" if r else "none ran"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", default="1,4,16", help="rows (decode batch sizes), each <= 16")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes (testing this file)")
+    args = ap.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    ms = [int(m) for m in args.m.split(",")]
+    torch.manual_seed(0)
+    bw = copy_bandwidth(device, args.smoke)
+    if device == "cuda":
+        print(f"# {torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
+    print(f"# device copy bandwidth {bw / 1e12:.2f} TB/s (2 x bytes / t, same run)")
+    bench(shapes, ms, device, args.smoke, bw)
+    if args.sweep:
+        print()
+        sweep(shapes, ms, device, args.smoke, bw)
+
+
+if __name__ == "__main__":
+    main()

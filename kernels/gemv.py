@@ -1,0 +1,243 @@
+"""Skinny GEMM for decode (M <= 16 rows): bandwidth-bound on the weight, one pass over it.
+
+gemv(x [M, K], w [N, K]) -> y [M, N]                y = x @ w^T (nn.Linear layout), fp32 accumulation, out x.dtype
+gemv(x [B, M, K], w [B, N, K]) -> y [B, M, N]      batched (the KDA f_b / g_b pair), x's batch/row strides allowed
+skinny_linear(x [M, K], w [N, K]) -> y [M, N]      gemv for M <= GEMV_MAX_M where use_triton(x), else F.linear
+
+Each program streams a [BN, k_split] slab of W once (rows contiguous along K: wide coalesced loads) and re-reads the
+few rows of x from L2. Two inner products:
+  * DOT=False (M = 1, 2): elementwise fp32 FMAs into a [BM, BN, BK] accumulator, reduced over K once at the end;
+  * DOT=True: tl.dot(W tile [BN, BK], x^T [BK, 16]) -> [BN, 16] ("swap AB": W is the big MMA operand, x padded
+    to 16 columns, masked loads so padding costs no bytes).
+When cdiv(N, BN) programs would not fill the GPU, K is split over S programs that write fp32 partials
+[S, B, M, N]; a second launch sums them in a fixed order and casts (deterministic; no atomics, no memset).
+Grid and buffers depend on shapes only: CUDA-graph capturable, no host sync.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels._dispatch import use_triton
+
+GEMV_MAX_M = 16
+_SM_COUNT: dict = {}
+
+
+def num_sms(device) -> int:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 132                                                    # H200, for interpreter runs of the picker
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+# --------------------------------------------------------------------------------------------------- reference
+def gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [(B,) M, K], w [(B,) N, K] -> (x @ w^T) in fp32, cast to x.dtype."""
+    return torch.matmul(x.float(), w.float().transpose(-1, -2)).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, y_ptr,
+    M, N, K, k_split,
+    stride_xb, stride_xm, stride_wb, stride_wn, stride_yb, stride_ys, stride_ym,   # last dims contiguous
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # grid (cdiv(N, BN), S, B): program (n, s, b) reads W[b, n*BN:+BN, s*k_split:+k_split] once and writes
+    # y[b, :M, n*BN:+BN] (S = 1, in y's dtype) or the fp32 partial y[s, b, :M, n*BN:+BN] (S > 1)
+    pid_n, pid_s, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    offs_k = tl.arange(0, BK)
+    n_mask, m_mask = offs_n < N, offs_m < M
+    k_lo = pid_s * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    w_ptrs = w_ptr + pid_b * stride_wb + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]   # [BN, BK]
+    x_ptrs = x_ptr + pid_b * stride_xb + offs_m[:, None] * stride_xm + offs_k[None, :]                # [BM, BK]
+    if DOT:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BM, BN, BK), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        if EVEN_K:      # K and k_split are multiples of BK: no mask along K keeps the loads 16-byte vectors
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < k_hi
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if UPCAST:      # the Triton interpreter multiplies bf16 dot operands as raw uint16 (kernels/mla/decode.py)
+            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        elif DOT:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)                                # [BN, BM]
+        else:
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]                   # [BM, BN, BK]
+    y_base = y_ptr + pid_b * stride_yb + pid_s.to(tl.int64) * stride_ys
+    if DOT:
+        y_ptrs = y_base + offs_m[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+    else:
+        out = tl.sum(acc3, axis=2)                                                                 # [BM, BN]
+        y_ptrs = y_base + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _split_reduce_kernel(p_ptr, y_ptr, S, R, N, BR: tl.constexpr):
+    # partials p [S, R, N] fp32 (R = B*M rows) -> y [R, N] = sum over s in order 0..S-1, cast to y's dtype
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BR + tl.arange(0, BR)
+    mask = offs < N
+    acc = tl.zeros((BR,), dtype=tl.float32)
+    for s in range(S):
+        acc += tl.load(p_ptr + (s * R + row) * N + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + row * N + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------- launch config
+@dataclass(frozen=True)
+class GemvConfig:
+    BN: int = 64
+    BK: int = 128
+    split: Optional[int] = None     # K splits; None: picked by fill()
+    dot: Optional[bool] = None      # None: FMA for M <= FMA_MAX_M, tl.dot above
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+FMA_MAX_M = 2
+DOT_CONFIG = GemvConfig(BN=64, BK=128, num_warps=4, num_stages=4)
+FMA_CONFIG = GemvConfig(BN=32, BK=256, num_warps=4, num_stages=3)
+FILL_WAVES = 2           # split K until tiles * S >= FILL_WAVES * SMs ...
+MIN_STEPS_PER_SPLIT = 2  # ... while each split keeps >= this many BK steps
+
+
+def _block_k(K: int, BK: int) -> int:
+    """Largest BK' <= BK (power of 2, >= 16) dividing K, so that EVEN_K holds; BK itself when none does."""
+    bk = BK
+    while bk >= 16 and K % bk:
+        bk //= 2
+    return bk if bk >= 16 else BK
+
+
+def gemv_config(M: int, N: int, K: int, B: int, device, cfg: Optional[GemvConfig] = None) -> tuple[GemvConfig, int]:
+    """-> (config with dot and BK resolved, k_split). split = 1 when B * cdiv(N, BN) programs fill the GPU."""
+    dot = cfg.dot if cfg is not None and cfg.dot is not None else M > FMA_MAX_M
+    base = cfg if cfg is not None else (DOT_CONFIG if dot else FMA_CONFIG)
+    bk = _block_k(K, base.BK)
+    if dot:
+        bk = max(bk, 16)
+    tiles = B * triton.cdiv(N, base.BN)
+    steps = triton.cdiv(K, bk)
+    split = base.split
+    if split is None:
+        split = 1
+        if tiles < num_sms(device):
+            split = min(triton.cdiv(FILL_WAVES * num_sms(device), tiles), max(steps // MIN_STEPS_PER_SPLIT, 1))
+    split = max(1, min(split, steps))
+    k_split = triton.cdiv(steps, split) * bk                          # a multiple of BK
+    return replace(base, BK=bk, dot=dot, split=triton.cdiv(K, k_split)), k_split
+
+
+# --------------------------------------------------------------------------------------------------- wrappers
+def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = None) -> torch.Tensor:
+    batched = x.dim() == 3
+    xb, wb = (x, w) if batched else (x[None], w[None])
+    if xb.stride(-1) != 1:
+        xb = xb.contiguous()
+    if wb.stride(-1) != 1:
+        wb = wb.contiguous()
+    B, M, K = xb.shape
+    N = wb.shape[1]
+    assert wb.shape == (B, N, K) and M <= GEMV_MAX_M, (tuple(xb.shape), tuple(wb.shape))
+    y = torch.empty(B, M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y if batched else y[0]
+    if K == 0:
+        return y.zero_() if batched else y[0].zero_()
+    c, k_split = gemv_config(M, N, K, B, x.device, cfg)
+    S = c.split
+    bm = max(16, triton.next_power_of_2(M)) if c.dot else triton.next_power_of_2(M)
+    out = y if S == 1 else torch.empty(S, B, M, N, dtype=torch.float32, device=x.device)
+    stride_ys = 0 if S == 1 else out.stride(0)
+    even_k = K % c.BK == 0
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    upcast = c.dot and x.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    assert not c.dot or min(c.BN, c.BK) >= 16, c                     # tl.dot's GPU lowering needs dims >= 16
+    _gemv_kernel[(triton.cdiv(N, c.BN), S, B)](
+        xb, wb, out, M, N, K, k_split,
+        xb.stride(0), xb.stride(1), wb.stride(0), wb.stride(1), y.stride(0), stride_ys, y.stride(1),
+        BM=bm, BN=c.BN, BK=c.BK, EVEN_K=even_k, DOT=c.dot, PREC=prec, UPCAST=upcast,
+        num_warps=c.num_warps, num_stages=c.num_stages)
+    if S > 1:
+        br = min(1024, triton.next_power_of_2(N))
+        _split_reduce_kernel[(B * M, triton.cdiv(N, br))](out, y, S, B * M, N, BR=br, num_warps=4)
+    return y if batched else y[0]
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return gemv_triton(x, w) if use_triton(x) else gemv_ref(x, w)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x [M, K], w [N, K]) through gemv_triton when M <= GEMV_MAX_M and use_triton(x); else F.linear."""
+    if x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and use_triton(x):
+        return gemv_triton(x, w)
+    return F.linear(x, w)
+
+
+def skinny_bmm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """torch.bmm(x [B, M, K], w [B, N, K]^T) through gemv_triton when M <= GEMV_MAX_M and use_triton(x)."""
+    if x.shape[1] <= GEMV_MAX_M and use_triton(x):
+        return gemv_triton(x, w)
+    return torch.bmm(x, w.transpose(1, 2))
+
+
+# --------------------------------------------------------------------------------------------------- offline check
+def compile_report(arch: int = 90, configs: Optional[list] = None, M: int = 16, bf16: bool = True) -> dict:
+    """Compile _gemv_kernel offline for sm_<arch> (Triton's bundled ptxas; no GPU, no TRITON_INTERPRET) and return
+    {config: (registers, spill stack bytes, shared bytes)}."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    configs = configs or [DOT_CONFIG, FMA_CONFIG]
+    ty = "*bf16" if bf16 else "*fp32"
+    types = dict(x_ptr=ty, w_ptr=ty, y_ptr=ty, M="i32", N="i32", K="i32", k_split="i32",
+                 stride_xb="i32", stride_xm="i32", stride_wb="i32", stride_wn="i32", stride_yb="i32",
+                 stride_ys="i32", stride_ym="i32")
+    cuobjdump = f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump"
+    fn, names, out = _gemv_kernel, _gemv_kernel.arg_names, {}
+    for cfg in configs:
+        dot = cfg.dot if cfg.dot is not None else cfg is DOT_CONFIG
+        consts = dict(BM=max(16, M) if dot else triton.next_power_of_2(M), BN=cfg.BN, BK=cfg.BK, EVEN_K=True,
+                      DOT=dot, PREC="tf32" if bf16 else "ieee", UPCAST=False)
+        sig = {n: types.get(n, "constexpr") for n in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                 if n in types and (types[n].startswith("*") or n.startswith("stride") or n in ("K", "k_split"))}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
+                        attrs=attrs)
+        kern = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kern.asm["cubin"])
+            f.flush()
+            res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+        out[(cfg, dot)] = (int(m.group(1)), int(m.group(2)), int(kern.metadata.shared))
+    return out

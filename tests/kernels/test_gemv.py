@@ -1,0 +1,171 @@
+"""Skinny GEMM (kernels/gemv.py) vs the fp32 torch reference: awkward small shapes under the interpreter, Kimi
+decode projection shapes on the GPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.gemv import (
+    GemvConfig, gemv_config, gemv_ref, gemv_triton, skinny_bmm_nt, skinny_linear,
+)
+from kernels.testing import assert_close, bf16_tol
+from tests.kernels.conftest import requires_triton
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: bf16_tol()}
+# small configs that force each path: tl.dot / FMA, split K with a ragged last split, K not a multiple of BK
+CONFIGS = {
+    "auto": None,
+    "dot split3": GemvConfig(BN=16, BK=32, split=3, dot=True),
+    "fma split2": GemvConfig(BN=16, BK=64, split=2, dot=False),
+    "fma bk16": GemvConfig(BN=8, BK=16, split=1, dot=False),
+}
+# (N, K, what) Kimi-Linear-48B decode projections (D = 2304)
+KIMI = [
+    (12576, 2304, "KDA in_proj q|k|v|f_a|g_a|b"),
+    (2304, 4096, "KDA / MLA o_proj"),
+    (6720, 2304, "MLA q | kv_a"),
+    (18432, 2304, "dense MLP gate|up"),
+    (2304, 9216, "dense MLP down"),
+    (163840, 2304, "lm_head"),
+]
+
+
+def _xw(M, N, K, dtype, B=None):
+    lead = () if B is None else (B,)
+    x = torch.randn(*lead, M, K, device=DEV).to(dtype)
+    w = (torch.randn(*lead, N, K, device=DEV) / K ** 0.5).to(dtype)
+    return x, w
+
+
+@requires_triton
+@pytest.mark.parametrize("cfg", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("M,N,K", [(1, 37, 100), (3, 70, 256), (16, 5, 48), (3, 130, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_small(M, N, K, dtype, cfg):
+    x, w = _xw(M, N, K, dtype)
+    y = gemv_triton(x, w, CONFIGS[cfg])
+    assert y.dtype == dtype
+    assert_close("gemv", y, gemv_ref(x, w), TOL[dtype])
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_batched_strided(dtype):
+    # the KDA f_b / g_b pair: x [2, T, K] is a transposed view of the input projection's output columns
+    T, K, N = 3, 32, 48
+    y = torch.randn(T, 5 + 2 * K, device=DEV).to(dtype)
+    x = y[:, 5:5 + 2 * K].view(T, 2, K).transpose(0, 1)
+    w = torch.randn(2, N, K, device=DEV).to(dtype)
+    out = gemv_triton(x, w, GemvConfig(BN=16, BK=16, split=2, dot=True))
+    assert out.shape == (2, T, N)
+    assert_close("gemv batched", out, gemv_ref(x, w), TOL[dtype])
+    assert_close("skinny_bmm_nt", skinny_bmm_nt(x, w), torch.bmm(x.float(), w.float().transpose(1, 2)), TOL[dtype])
+
+
+def test_gemv_ref_formula():
+    x, w = _xw(3, 7, 9, torch.bfloat16)
+    assert torch.equal(gemv_ref(x, w), (x.float() @ w.float().T).to(torch.bfloat16))
+
+
+def test_skinny_linear_falls_back():
+    # CPU without KIMI_KERNELS=triton, or M > 16: exactly F.linear
+    x, w = _xw(17, 8, 16, torch.float32)
+    assert torch.equal(skinny_linear(x, w), F.linear(x, w))
+    if DEV == "cpu":
+        assert torch.equal(skinny_linear(x[:2], w), F.linear(x[:2], w))
+
+
+@pytest.mark.parametrize("N,K,what", KIMI, ids=[k[2] for k in KIMI])
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_gemv_config_kimi(M, N, K, what):
+    # every Kimi shape gets unmasked 16-byte K loads, splits whose K ranges are whole BK steps, and fills 132 SMs
+    cfg, k_split = gemv_config(M, N, K, 1, "cpu")
+    assert K % cfg.BK == 0 and k_split % cfg.BK == 0 and cfg.split == -(-K // k_split), (cfg, k_split)
+    assert cfg.dot == (M > 2)
+    programs = -(-N // cfg.BN) * cfg.split
+    assert programs >= 132 or k_split == 2 * cfg.BK, (what, cfg, programs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K,what", KIMI, ids=[k[2] for k in KIMI])
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_gemv_kimi_gpu(M, N, K, what):
+    x, w = _xw(M, N, K, torch.bfloat16)
+    y = gemv_triton(x, w)
+    assert_close(what, y, gemv_ref(x, w), bf16_tol())
+    assert_close(what + " vs cuBLAS", y, F.linear(x, w), bf16_tol())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16])
+def test_gemv_fg_b_gpu(M):
+    # KDA f_b / g_b: [2, M, 128] x [2, 4096, 128]^T, x a strided view
+    y = torch.randn(M, 12576, device=DEV, dtype=torch.bfloat16)
+    x = y[:, 12288:12544].view(M, 2, 128).transpose(0, 1)
+    w = (torch.randn(2, 4096, 128, device=DEV) / 128 ** 0.5).to(torch.bfloat16)
+    assert_close("fg_b", gemv_triton(x, w), gemv_ref(x, w), bf16_tol())
+
+
+@pytest.mark.gpu
+def test_gemv_cuda_graph():
+    # static grid and buffers: a captured call replays with new inputs (split-K path: o_proj shape)
+    x, w = _xw(4, 2304, 4096, torch.bfloat16)
+    gemv_triton(x, w)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = gemv_triton(x, w)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_close("graph", y, gemv_ref(x, w), bf16_tol())
+
+
+def _decode_logits(model, steps=3):
+    """A 5-token prefill then `steps` single-token decodes of one sequence (tiny model) -> fp32 logits [steps+1, V]."""
+    from backend.model.batch import ForwardBatch
+
+    ids = torch.randint(0, 250, (5 + steps,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache, out = model.allocate_cache(2, 8, 4), []
+    for j, seq in [(0, ids[:5])] + [(5 + i, [ids[5 + i]]) for i in range(steps)]:
+        batch = ForwardBatch.build([(seq, j, 1, list(range(1, 7)))], int(j > 0), 4, model.device,
+                                   logits_positions=[len(seq) - 1])
+        out.append(model.compute_logits(model(batch, cache), batch.logits_index)[0])
+    return torch.stack(out)
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32(tmp_path_factory):
+    from tools.tiny_checkpoint import write_tiny_checkpoint
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("gemv_tiny")), tokenizer=None, seed=1, dtype="float32")
+
+
+def test_model_default_is_nn_linear(tiny_fp32, monkeypatch):
+    from backend.model import kimi_linear
+    from backend.model.loader import load_model
+
+    monkeypatch.delenv("KIMI_GEMV", raising=False)
+    model = load_model(tiny_fp32, "cpu", torch.float32)
+    lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert lins and all(type(m) is torch.nn.Linear for m in lins)
+    assert not any(isinstance(m, kimi_linear._GemvLinear) for m in model.modules())
+
+
+@requires_triton
+def test_model_opt_in_matches_default(tiny_fp32, monkeypatch):
+    # KIMI_GEMV=1 with the gemv kernel forced on (interpreter on CPU): decode logits match the default model
+    import kernels.gemv
+    from backend.model import kimi_linear
+    from backend.model.loader import load_model
+
+    monkeypatch.delenv("KIMI_GEMV", raising=False)
+    ref = _decode_logits(load_model(tiny_fp32, DEV, torch.float32))
+    monkeypatch.setenv("KIMI_GEMV", "1")
+    model = load_model(tiny_fp32, DEV, torch.float32)
+    assert isinstance(model.lm_head, kimi_linear._GemvLinear)
+    calls = []
+    real = kernels.gemv.gemv_triton
+    monkeypatch.setattr(kernels.gemv, "use_triton", lambda t: True)
+    monkeypatch.setattr(kernels.gemv, "gemv_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = _decode_logits(model)
+    assert len(calls) > 0
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
