@@ -1,11 +1,13 @@
 """Skinny GEMM (kernels/gemv.py) vs the fp32 torch reference: awkward small shapes under the interpreter, Kimi
 decode projection shapes on the GPU."""
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels.gemv import (
-    GemvConfig, gemv_config, gemv_ref, gemv_triton, skinny_bmm_nt, skinny_linear,
+    FMA_CONFIG, FMA_MAX_M, GemvConfig, gemv_config, gemv_ref, gemv_triton, skinny_bmm_nt, skinny_linear,
 )
 from kernels.testing import assert_close, bf16_tol
 from tests.kernels.conftest import requires_triton
@@ -81,7 +83,7 @@ def test_gemv_config_kimi(M, N, K, what):
     # every Kimi shape gets unmasked 16-byte K loads, splits whose K ranges are whole BK steps, and fills 132 SMs
     cfg, k_split = gemv_config(M, N, K, 1, "cpu")
     assert K % cfg.BK == 0 and k_split % cfg.BK == 0 and cfg.split == -(-K // k_split), (cfg, k_split)
-    assert cfg.dot == (M > 2)
+    assert cfg.dot == (M > FMA_MAX_M)
     programs = -(-N // cfg.BN) * cfg.split
     assert programs >= 132 or k_split == 2 * cfg.BK, (what, cfg, programs)
 
@@ -94,6 +96,15 @@ def test_gemv_kimi_gpu(M, N, K, what):
     y = gemv_triton(x, w)
     assert_close(what, y, gemv_ref(x, w), bf16_tol())
     assert_close(what + " vs cuBLAS", y, F.linear(x, w), bf16_tol())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("N,K", [(2304, 4096), (6720, 2304)])
+def test_gemv_fma_gpu(M, N, K):
+    # the FMA path (not the default; in bench/gemv.py --sweep), split and unsplit
+    x, w = _xw(M, N, K, torch.bfloat16)
+    assert_close("fma", gemv_triton(x, w, replace(FMA_CONFIG, dot=False)), gemv_ref(x, w), bf16_tol())
 
 
 @pytest.mark.gpu
