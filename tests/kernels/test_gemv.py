@@ -180,3 +180,16 @@ def test_model_opt_in_matches_default(tiny_fp32, monkeypatch):
     got = _decode_logits(model)
     assert len(calls) > 0
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
+
+
+def test_bench_smoke():
+    # bench/gemv.py --smoke (CPU, interpreter, tiny shapes) runs the benchmark and the sweep end to end
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "gemv.py"), "--smoke", "--sweep", "--m", "1,3"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "best per shape" in r.stdout and "projections of one decode step" in r.stdout
