@@ -1,4 +1,4 @@
-"""Host-side argument preparation shared by the kernel wrappers."""
+"""Host-side helpers shared by the kernel wrappers: argument preparation and the device's SM count."""
 from typing import Optional
 
 import torch
@@ -10,3 +10,18 @@ def unit_last_stride(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> to
     if (dtype is not None and t.dtype != dtype) or t.stride(-1) != 1:
         t = t.to(dtype or t.dtype).contiguous()
     return t
+
+
+_SM_COUNT: dict = {}
+
+
+def num_sms(device, cpu: int = 132) -> int:
+    """Streaming multiprocessors of `device` (cached per index), for launch-config pickers; `cpu` for a non-CUDA
+    device (interpreter runs: 132 = H200, so the pickers choose what they would there)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return cpu
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]

@@ -27,19 +27,12 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels._tensors import num_sms
 
 GEMV_MAX_M = 16
-_SM_COUNT: dict = {}
 
 
-def num_sms(device) -> int:
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 132                                                    # H200, for interpreter runs of the picker
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SM_COUNT:
-        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SM_COUNT[i]
+
 
 
 # --------------------------------------------------------------------------------------------------- reference

@@ -75,6 +75,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._tensors import num_sms
+
 BT = 64          # chunk size
 BC = 16          # sub-chunk (diagonal block) size
 RCP_LN2 = 1.4426950408889634
@@ -850,16 +852,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_SMS: dict = {}
 
 
-def _num_sms(dev) -> int:
-    if dev.type != "cuda":
-        return 1
-    i = dev.index if dev.index is not None else torch.cuda.current_device()
-    if i not in _SMS:
-        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SMS[i]
+
 
 
 def _is_pow2(x: int) -> bool:
@@ -911,7 +906,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         buffers.update(qg=qg, kg=kg, w=w, u=u, a=a, gl=gl)
     PB = max(16, triton.next_power_of_2(P))
     exact_reg = split if INTRA_EXACT_REG is None else bool(INTRA_EXACT_REG)
-    nsm = _num_sms(dev)
+    nsm = num_sms(dev, cpu=1)
     launches = {}
 
     def intra():

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._tensors import num_sms
+
 TAIL_SINGLE, TAIL_LAST, TAIL_POST = 0, 1, 2
 
 
@@ -188,7 +190,6 @@ def _kda_decode_post_kernel(
 
 
 # ------------------------------------------------------------------------------------------------- launch config
-_SM_COUNT: dict = {}
 _COUNTERS: dict = {}          # device -> list of i32 counter buffers (all kept alive: captured graphs hold them)
 _BV_NARROW = 32               # decode_config: V tile while the grid is small (BV 32 / 4 warps, late state load)
 _BV_WIDE = 64                 # ... and once there are >= _WIDE_PER_SM programs per SM at this tile (early load)
@@ -204,14 +205,7 @@ class DecodeConfig(NamedTuple):
     early: bool        # issue the state load before the prologue
 
 
-def num_sms(device) -> int:
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 132                                                    # H200, for interpreter runs of the picker
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SM_COUNT:
-        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SM_COUNT[i]
+
 
 
 def warps_for(BV: int, BK: int) -> int:

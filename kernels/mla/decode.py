@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tensors import unit_last_stride
+from kernels._tensors import num_sms, unit_last_stride
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # smallest split worth a program (keys)
@@ -339,16 +339,9 @@ def _upcast(dtype) -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1" and dtype in (torch.bfloat16, torch.float16)
 
 
-_SM_COUNT = {}
 
 
-def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+
 
 
 def _block_h(H: int, cap: int = GPU_BLOCK_H) -> int:
@@ -434,7 +427,7 @@ def mla_decode_triton(
     cfg, blocks = decode_config(H, L, R, cache.dtype, on_gpu, block_n, config)
     BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R = blocks["BLOCK_H"], blocks["BLOCK_N"], blocks["BLOCK_L"], blocks["BLOCK_R"]
     if num_splits is None:
-        num_splits = default_num_splits(N, block_table.shape[1], BS, H, _num_sms(q_lat.device))
+        num_splits = default_num_splits(N, block_table.shape[1], BS, H, num_sms(q_lat.device))
     num_splits = max(1, int(num_splits))
     min_tiles = max(1, (min_split_tokens or MIN_SPLIT_TOKENS) // BLOCK_N)
     BLOCK_B = max(128, triton.next_power_of_2(N))  # one compile for every batch up to 128 (a 128-lane plan is cheap)
