@@ -2,6 +2,10 @@
 # One device-tool call: carried wheels -> GPU kernel tests at Kimi shapes -> benchmarks.
 # Usage (device tool, carry [".whl"]): bash bench/h200.sh [tests|bench|all] [extra pytest args]
 # Logs go to $OUT (or ./.out) so they come back even when a step fails.
+# To run exactly the committed HEAD while files are being edited here, carry a snapshot instead of relying on git
+# on the device (its .git may be stale there, so `git stash` there restores an old tree):
+#   git archive HEAD -o .snap/head.tar   (.snap/ ignored), carry [".whl", ".snap"], and on the device:
+#   mkdir -p /tmp/w && tar -xf .snap/head.tar -C /tmp/w && cp -r .whl /tmp/w/ && cd /tmp/w && bash bench/h200.sh ...
 set -u
 what=${1:-all}; shift || true
 OUT=${OUT:-$PWD/.out}; mkdir -p "$OUT"
