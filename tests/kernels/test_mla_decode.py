@@ -11,6 +11,7 @@ import torch
 
 from kernels.mla.decode import DECODE_VARIANTS, mla_decode_triton
 from kernels.mla.ref import mla_decode_ref
+from tests.kernels.test_mla import check_close, make_paged  # shared paged-cache builder (NaN outside owned rows)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -26,37 +27,6 @@ def _needs_triton():
         pytest.skip("Triton MLA kernels need CUDA or TRITON_INTERPRET=1")
 
 
-def make_paged(lens, dtype, bs, l=L, r=R, device=DEV, max_blocks=None):
-    """Random latents in each sequence's first len rows on shuffled pages; every other row NaN."""
-    nblk = [(s + bs - 1) // bs for s in lens]
-    mb = max_blocks or max(1, max(nblk))
-    nb = sum(nblk) + 3
-    cache = torch.full((nb, bs, l + r), float("nan"), dtype=dtype, device=device)
-    perm = (torch.randperm(nb - 1) + 1).tolist()
-    bt = torch.zeros(len(lens), mb, dtype=torch.int32)
-    k = 0
-    for i, s in enumerate(lens):
-        pages = perm[k : k + nblk[i]]
-        k += nblk[i]
-        bt[i, : nblk[i]] = torch.tensor(pages, dtype=torch.int32)
-        for j, p in enumerate(pages):
-            n = min(bs, s - j * bs)
-            cache[p, :n] = torch.randn(n, l + r, device=device).to(dtype)
-    return cache, bt.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
-
-
-def check_close(out, ref, dtype):
-    out, ref = out.float(), ref.float()
-    assert torch.isfinite(out).all()
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-    else:
-        err = (out - ref).abs()
-        rms = err.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)
-        assert rms <= 5e-3, f"rms ratio {rms}"
-        assert err.max() <= 1e-2 * ref.abs().max() + 1e-3, f"max err {err.max()} vs {ref.abs().max()}"
-
-
 # Interpreter tiles: BLOCK_N 16 by default; block_n=32 with 16-token pages takes the per-row gather (page_tile needs
 # BS % BLOCK_N == 0), 64-token pages hold several 16-token tiles (page_tile offsets inside a page).
 @pytest.mark.parametrize("variant", ["base", "base page", "keys_m", "keys_m page", "keys_m p16", "keys_m tma"])
@@ -64,7 +34,7 @@ def check_close(out, ref, dtype):
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
     dtype = torch.bfloat16
-    cache, bt, sl = make_paged(LENS, dtype, bs)
+    cache, bt, sl = make_paged(LENS, dtype, bs=bs, l=L, r=R)
     N = len(LENS)
     q = torch.randn(N, H, L, device=DEV).to(dtype)
     qp = torch.randn(N, H, R, device=DEV).to(dtype)
@@ -81,7 +51,7 @@ def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
 def test_decode_variant_fp32_and_odd_heads(variant):
     """fp32 cache (IEEE dots) and H=3 (masked head columns of the transposed tiles), splits on and off."""
     lens = [150, 97, 17, 1]
-    cache, bt, sl = make_paged(lens, torch.float32, 16)
+    cache, bt, sl = make_paged(lens, torch.float32, bs=16, l=L, r=R)
     q = torch.randn(len(lens), 3, L, device=DEV)
     qp = torch.randn(len(lens), 3, R, device=DEV)
     ref = mla_decode_ref(q, qp, cache, bt, sl, SCALE)
@@ -101,7 +71,7 @@ def test_decode_variant_fp32_and_odd_heads(variant):
 @pytest.mark.parametrize("num_splits", [None, 1, 8])
 def test_gpu_decode_variant_kimi(variant, num_splits):
     lens = [1, 63, 64, 65, 4097, 0, 1000]
-    cache, bt, sl = make_paged(lens, torch.bfloat16, 64, l=512, r=64, device="cuda", max_blocks=80)
+    cache, bt, sl = make_paged(lens, torch.bfloat16, bs=64, l=512, r=64, device="cuda", max_blocks=80)
     N = len(lens)
     q = torch.randn(N, 32, 512, device="cuda").bfloat16()
     qp = torch.randn(N, 32, 64, device="cuda").bfloat16()
