@@ -34,6 +34,19 @@ import backend_pb2_grpc as pb_grpc  # noqa: E402
 from backend.engine.request import RequestOutput  # noqa: E402
 
 
+def raw_field(number: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field (wire type 2), bytes as they are (invalid UTF-8 included): for requests
+    built by hand, bypassing protobuf's own UTF-8 check."""
+    def varint(n):
+        out = b""
+        while True:
+            b, n = n & 0x7F, n >> 7
+            out += bytes([b | (0x80 if n else 0)])
+            if not n:
+                return out
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from server_harness import BackendProcess, pb
+from server_harness import BackendProcess, pb, raw_field
 
 CONTEXT = 96
 CALL_TIMEOUT = 60  # seconds per call: a hang fails the test
@@ -167,18 +167,6 @@ def test_fuzz_detokenize(srv, tokens):
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{e.code()}: {e.details()}"
 
 
-def _raw_field(number, payload: bytes) -> bytes:
-    """A length-delimited protobuf field (wire type 2), bytes as they are (invalid UTF-8 included)."""
-    def varint(n):
-        out = b""
-        while True:
-            b, n = n & 0x7F, n >> 7
-            out += bytes([b | (0x80 if n else 0)])
-            if not n:
-                return out
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
-
-
 @pytest.mark.parametrize("field, payload", [
     (13, b"\xff\xfe"),           # StopPrompts: not UTF-8
     (13, b"ab\xe2\x82"),         # StopPrompts: a truncated 3-byte character
@@ -187,7 +175,7 @@ def _raw_field(number, payload: bytes) -> bytes:
 ])
 def test_invalid_utf8_strings(srv, field, payload):
     """Clients that bypass protobuf's UTF-8 check: INVALID_ARGUMENT before the request is built; the server lives."""
-    raw = pb.PredictOptions(Prompt="hi", Tokens=2).SerializeToString() + _raw_field(field, payload)
+    raw = pb.PredictOptions(Prompt="hi", Tokens=2).SerializeToString() + raw_field(field, payload)
     for method in ("Predict", "PredictStream"):
         path = f"/backend.Backend/{method}"
         if method == "Predict":

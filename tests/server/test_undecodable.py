@@ -6,18 +6,7 @@ import grpc
 import pytest
 
 from server_harness import FakeEngine, pb
-
-
-def field(number: int, payload: bytes) -> bytes:
-    """One length-delimited protobuf field (wire type 2), bytes as they are."""
-    def varint(n):
-        out = b""
-        while True:
-            b, n = n & 0x7F, n >> 7
-            out += bytes([b | (0x80 if n else 0)])
-            if not n:
-                return out
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
+from server_harness import raw_field as field
 
 
 PROMPT = pb.PredictOptions.DESCRIPTOR.fields_by_name["Prompt"].number
