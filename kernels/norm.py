@@ -43,6 +43,16 @@ def gated_rmsnorm_ref(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: fl
 
 # --------------------------------------------------------------------------------------------------- kernels
 @triton.jit
+def _rms_weighted(x, w_ptr, offs, mask, D, eps, OUT_TY: tl.constexpr):
+    # x [BD] fp32 (0 where masked) -> w * (x / rms(x)) in fp32, x / rms(x) rounded to OUT_TY first like the
+    # reference's (x/rms).to(x.dtype)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    xn = (x * rstd).to(OUT_TY).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return w * xn
+
+
+@triton.jit
 def _rmsnorm_kernel(
     x_ptr, w_ptr, y_ptr,
     stride_x, stride_y,
@@ -54,10 +64,7 @@ def _rmsnorm_kernel(
     offs = tl.arange(0, BD)
     mask = offs < D
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-    xn = (x * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)    # round like the reference: (x/rms).to(x.dtype)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = w * xn
+    y = _rms_weighted(x, w_ptr, offs, mask, D, eps, y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -69,10 +76,8 @@ def _rmsnorm_head_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, C, eps, BC:
     head = offs < D
     xr = tl.load(x_ptr + row * stride_x + offs, mask=offs < C, other=0.0)
     x = tl.where(head, xr.to(tl.float32), 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-    xn = (x * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=head, other=0.0).to(tl.float32)
-    y = tl.where(head, (w * xn).to(y_ptr.dtype.element_ty), xr.to(y_ptr.dtype.element_ty))
+    y = _rms_weighted(x, w_ptr, offs, head, D, eps, y_ptr.dtype.element_ty)
+    y = tl.where(head, y.to(y_ptr.dtype.element_ty), xr.to(y_ptr.dtype.element_ty))
     tl.store(y_ptr + row * stride_y + offs, y, mask=offs < C)
 
 
@@ -91,11 +96,8 @@ def _add_rmsnorm_kernel(
     r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     h = (r + x).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + row * stride_h + offs, h, mask=mask)
-    hf = h.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / D + eps)
-    xn = (hf * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + offs, (w * xn).to(y_ptr.dtype.element_ty), mask=mask)
+    y = _rms_weighted(h.to(tl.float32), w_ptr, offs, mask, D, eps, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
