@@ -149,14 +149,10 @@ def _block_rows_from_ids(ids_ptr, pid_m, M, E, BM: tl.constexpr, BLOCK: tl.const
 # 2./3. grouped GEMMs
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _moe_gemm1_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
-    M, N, K, stride_xm, stride_we, stride_wn, stride_om, ids_ptr, E,
-    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-    MODE: tl.constexpr, INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
-):
-    """inter[idx, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, N + n]) for the rows idx of one block.
-    IDS_BLOCK > 0: the block's rows come from the ids (_block_rows_from_ids), not from moe_align's outputs."""
+def _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, BM: tl.constexpr, BN: tl.constexpr,
+                IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """This program's (row block, N tile), the block's rows idx [BM] (>= M: padding), its expert and the padded row
+    count: from moe_align's outputs, or (IDS_BLOCK > 0) derived from the ids by _block_rows_from_ids."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
     pid_m = pid // num_n
@@ -167,6 +163,20 @@ def _moe_gemm1_kernel(
         npost = tl.load(npost_ptr)
         idx = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
         e = tl.load(expert_ids_ptr + pid_m)
+    return pid_m, pid_n, idx, e, npost
+
+
+@triton.jit
+def _moe_gemm1_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
+    M, N, K, stride_xm, stride_we, stride_wn, stride_om, ids_ptr, E,
+    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+    MODE: tl.constexpr, INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """inter[idx, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, N + n]) for the rows idx of one block.
+    IDS_BLOCK > 0: the block's rows come from the ids (_block_rows_from_ids), not from moe_align's outputs."""
+    pid_m, pid_n, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E,
+                                              BM, BN, IDS_BLOCK, BLOCK_E)
     if pid_m * BM >= npost:
         return
     e = e.to(tl.int64)
@@ -209,16 +219,8 @@ def _moe_gemm2_kernel(
     INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """y[idx, n] = inter[idx] . w2[e, n] for the rows idx of one block (IDS_BLOCK as in _moe_gemm1_kernel)."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BN)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    if IDS_BLOCK > 0:
-        idx, e, npost = _block_rows_from_ids(ids_ptr, pid_m, M, E, BM, IDS_BLOCK, BLOCK_E)
-    else:
-        npost = tl.load(npost_ptr)
-        idx = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
-        e = tl.load(expert_ids_ptr + pid_m)
+    pid_m, pid_n, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E,
+                                              BM, BN, IDS_BLOCK, BLOCK_E)
     if pid_m * BM >= npost:
         return
     e = e.to(tl.int64)
