@@ -2,7 +2,7 @@
 
 import pytest
 
-from server_harness import AioServer
+from server_harness import AioServer, BackendProcess
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +26,22 @@ def aio():
     s = AioServer()
     yield s
     s.close()
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """A directory holding the tiny checkpoint tiny-kimi (official layout, seed 3, fp32), written once per session;
+    tests copy it before changing anything. Modules wanting the checkpoint itself override: ckpt / "tiny-kimi"."""
+    from tools.tiny_checkpoint import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("models")
+    write_tiny_checkpoint(str(root / "tiny-kimi"), seed=3, dtype="float32")
+    return root
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    """run.sh started as LocalAI does, no model loaded (modules that need one loaded override this)."""
+    p = BackendProcess(str(tmp_path_factory.mktemp("log") / "backend.log"))
+    yield p
+    p.close()

@@ -17,22 +17,6 @@ from server_harness import BackendProcess, pb
 N = 16
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from tools.tiny_checkpoint import write_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("models")
-    write_tiny_checkpoint(str(root / "tiny-kimi"), seed=3, dtype="float32")
-    return root
-
-
-@pytest.fixture(scope="module")
-def srv(ckpt, tmp_path_factory):
-    p = BackendProcess(str(tmp_path_factory.mktemp("log") / "backend.log"))
-    yield p
-    p.close()
-
-
 def load_opts(ckpt, **kw):
     o = dict(Model="tiny-kimi", ModelPath=str(ckpt), ContextSize=256, Options=["max_num_seqs:8", "dtype:float32"])
     o.update(kw)

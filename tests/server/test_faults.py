@@ -18,12 +18,8 @@ DRAIN_S = 1.5
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from tools.tiny_checkpoint import write_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("models")
-    write_tiny_checkpoint(str(root / "tiny-kimi"), seed=3, dtype="float32")
-    return root / "tiny-kimi"
+def ckpt(ckpt):
+    return ckpt / "tiny-kimi"
 
 
 def load_opts(path, seqs=16, **kw):

@@ -23,15 +23,6 @@ SETTINGS = dict(deadline=None, database=None, derandomize=not os.environ.get("KI
 OK = (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from tools.tiny_checkpoint import write_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("models")
-    write_tiny_checkpoint(str(root / "tiny-kimi"), seed=3, dtype="float32")
-    return root
-
-
 def load_opts(ckpt, **kw):
     o = dict(Model="tiny-kimi", ModelPath=str(ckpt), ContextSize=CONTEXT, Options=["max_num_seqs:4", "dtype:float32"])
     o.update(kw)

@@ -14,26 +14,10 @@ import time
 import grpc
 import pytest
 
-from server_harness import BackendProcess, pb
+from server_harness import pb
 
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 INDEX = "model.safetensors.index.json"
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from tools.tiny_checkpoint import write_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("models")
-    write_tiny_checkpoint(str(root / "tiny-kimi"), seed=3, dtype="float32")
-    return root
-
-
-@pytest.fixture(scope="module")
-def srv(ckpt, tmp_path_factory):
-    p = BackendProcess(str(tmp_path_factory.mktemp("log") / "backend.log"))
-    yield p
-    p.close()
 
 
 def load_opts(path, **kw):

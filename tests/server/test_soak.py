@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from server_harness import ROOT, BackendProcess, pb
+from server_harness import ROOT, pb
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import soak  # noqa: E402
@@ -18,19 +18,8 @@ DURATION = float(os.environ.get("KIMI_SOAK_S", "20"))
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from tools.tiny_checkpoint import write_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("models")
-    write_tiny_checkpoint(str(root / "tiny-kimi"), seed=3, dtype="float32")
-    return root / "tiny-kimi"
-
-
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    p = BackendProcess(str(tmp_path_factory.mktemp("log") / "backend.log"))
-    yield p
-    p.close()
+def ckpt(ckpt):
+    return ckpt / "tiny-kimi"
 
 
 def test_random_weights_option(srv, ckpt, tmp_path):
