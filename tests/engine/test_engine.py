@@ -11,6 +11,7 @@ import torch
 
 from backend.engine import EngineConfig, LLMEngine, SamplingParams
 from backend.model.generate import greedy_generate
+from tests.eager_graph import EagerGraph
 
 EOS = 252
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -249,18 +250,6 @@ def test_gpu_engine_matches_alone(tiny_dir, enforce_eager):
     finally:
         eng.shutdown()
         torch.cuda.empty_cache()
-
-
-class EagerGraph:
-    """Stands in for a captured CUDA graph on CPU: replay runs the model on the runner's static buffers."""
-
-    def __init__(self, runner, bs):
-        self.runner, self.bs = runner, bs
-
-    def replay(self):
-        r = self.runner
-        batch = r.static_batch(self.bs)
-        r.graph_vars["logits"][:self.bs] = r.model.compute_logits(r.model(batch, r.cache), batch.logits_index)
 
 
 def test_graph_replay_path_with_padding_lanes(tiny_dir):

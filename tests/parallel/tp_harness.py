@@ -8,6 +8,7 @@ import torch.distributed as dist
 from backend.model.batch import ForwardBatch
 from backend.model.loader import load_model
 from backend.model.parallel import TP
+from tests.eager_graph import EagerGraph
 
 BLOCK = 4
 
@@ -44,19 +45,6 @@ def rank_main(rank: int, world: int, port: int, ckpt: str, out_path: str):
             os.replace(out_path + ".tmp", out_path)
     finally:
         dist.destroy_process_group()
-
-
-class EagerGraph:
-    """Stands in for a captured CUDA graph on CPU (tests/engine/test_engine.py): replay runs the model eagerly on the
-    runner's static buffers, collectives included."""
-
-    def __init__(self, runner, bs):
-        self.runner, self.bs = runner, bs
-
-    def replay(self):
-        r = self.runner
-        batch = r.static_batch(self.bs)
-        r.graph_vars["logits"][:self.bs] = r.model.compute_logits(r.model(batch, r.cache), batch.logits_index)
 
 
 def engine_rank_main(rank: int, world: int, port: int, ckpt: str, prompts: list, max_tokens: int, first: int,
