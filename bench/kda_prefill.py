@@ -105,6 +105,20 @@ def _ours(x, split=None, stages=False, intra=None):
     return fn, lambda: (out, pool[1:])
 
 
+def _time_fla(x, warmup, rep):
+    """fla-core chunk_kda on the case x: (median ms, output, final state) of a fresh run after the timing."""
+    import triton.testing
+
+    ffn, fget = _fla(x)
+    ffn()
+    torch.cuda.synchronize()
+    fms = triton.testing.do_bench(ffn, warmup=warmup, rep=rep, return_mode="median")
+    ffn()
+    torch.cuda.synchronize()
+    fo, fst = fget()
+    return fms, fo, fst
+
+
 def _fla(x):
     from fla.ops.kda import chunk_kda
 
@@ -199,13 +213,7 @@ def bench_prefill(cases=CASES, warmup=25, rep=100):
             line += f" | split/fused {row['fused_ms'] / row['split_ms']:4.2f}x, rel-rms split vs fused o {eo:.1e}" \
                     f" state {es:.1e}"
         try:
-            ffn, fget = _fla(x)
-            ffn()
-            torch.cuda.synchronize()
-            fms = triton.testing.do_bench(ffn, warmup=warmup, rep=rep, return_mode="median")
-            ffn()
-            torch.cuda.synchronize()
-            fo, fst = fget()
+            fms, fo, fst = _time_fla(x, warmup, rep)
             line += f" | fla {fms:7.3f} ms {T / fms * 1e3 / 1e6:6.2f} Mtok/s"
             row["fla_ms"] = fms
             for tag, (o, st) in outs.items():
@@ -305,13 +313,7 @@ def intra_compare(Ts=(4096, 16384, 65536), warmup=10, rep=50):
                         f" | rel-rms v2 vs v1 o {_rel(outs['v2'][0], outs['v1'][0]):.1e}" \
                         f" state {_rel(outs['v2'][1], outs['v1'][1]):.1e}"
             try:
-                ffn, fget = _fla(x)
-                ffn()
-                torch.cuda.synchronize()
-                fms = triton.testing.do_bench(ffn, warmup=warmup, rep=rep, return_mode="median")
-                ffn()
-                torch.cuda.synchronize()
-                fo, fst = fget()
+                fms, fo, fst = _time_fla(x, warmup, rep)
                 line += f" | fla {fms:7.3f} ms"
                 for tag in ("v1", "v2"):
                     if tag in outs:
