@@ -150,7 +150,11 @@ class Roofline:
     def prefill_flops(self, n: int) -> float:
         c = self.cfg
         h, lat, r = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
-        mla = len(c.mla_layers) * (n * (n + 1) / 2) * 2 * h * (2 * lat + r)  # absorbed: q.[c|k_pe], p.c
+        # MLA prefill runs the expanded form (kernels/mla/prefill.py): per causal pair q.k over nope + rope dims and
+        # p.v; plus expanding each key's latent once (kv_b: lat -> h x (nope + v)). The absorbed form would count
+        # 2 * h * (2 * lat + r) per pair, ~3.4x more, which overstates what a prefill has to compute.
+        nope, v = c.qk_nope_head_dim, c.v_head_dim
+        mla = len(c.mla_layers) * ((n * (n + 1) / 2) * 2 * h * (nope + r + v) + n * 2 * lat * h * (nope + v))
         hk, k, chunk = c.kda_num_heads, c.kda_head_dim, 64
         kda = len(c.kda_layers) * n * hk * (4 * chunk * k + 6 * k * k)  # chunked delta rule, roughly
         return 2.0 * self.active_params * n + mla + kda

@@ -199,6 +199,9 @@ async def make_prompts(stub, lens, max_prompt, per_len=8, seed=0) -> list:
     return out
 
 
+RSS_SAMPLES = 8  # server RSS samples during the measured run
+
+
 async def soak(addr: str, streams: int = 64, duration: float = 60.0, prompt_lens=(16, 128, 512),
                output_lens=(8, 32, 128), context: int = 0, warmup: float = 5.0, seed: int = 0,
                call_timeout: float = 600.0, drain_timeout: float = 120.0, log=print) -> dict:
@@ -253,7 +256,17 @@ async def soak(addr: str, streams: int = 64, duration: float = 60.0, prompt_lens
     mem0 = await memory(stub)
     t0 = time.monotonic()
     tasks = [asyncio.ensure_future(worker(t0 + duration)) for _ in range(streams)]
+    rss = [(0.0, mem0.get("rss", 0), 0)]  # (s since start, server RSS bytes, requests completed): leak vs plateau
+
+    async def sample_rss():
+        while True:
+            await asyncio.sleep(duration / RSS_SAMPLES)
+            m = await memory(stub)
+            rss.append((time.monotonic() - t0, m.get("rss", 0), rec["completed"]))
+
+    sampler = asyncio.ensure_future(sample_rss())
     done, pending = await asyncio.wait(tasks, timeout=duration + drain_timeout)
+    sampler.cancel()
     for p in pending:
         p.cancel()
     wall = time.monotonic() - t0
@@ -275,6 +288,8 @@ async def soak(addr: str, streams: int = 64, duration: float = 60.0, prompt_lens
         tpot_p50_ms=round(1e3 * pct(rec["tpot"], 50), 2), tpot_p99_ms=round(1e3 * pct(rec["tpot"], 99), 2),
         prompt_lens=list(prompt_lens), output_lens=list(output_lens),
         rss_start_mb=round(mem0.get("rss", 0) / 2 ** 20, 1), rss_end_mb=round(mem1.get("rss", 0) / 2 ** 20, 1),
+        rss_timeline=[(round(t, 1), round(b / 2 ** 20, 1), n) for t, b, n in rss + [(wall, mem1.get("rss", 0),
+                                                                                      rec["completed"])]],
         pools_full=pools_full(s), status_ready=state == pb.StatusResponse.READY, pool_stats={
             k: s.get(k) for k in ("free_blocks", "num_blocks", "free_slots", "num_slots", "preemptions")},
     )
@@ -282,6 +297,11 @@ async def soak(addr: str, streams: int = 64, duration: float = 60.0, prompt_lens
         rep.update(cuda_allocated_start_mb=round(mem0["cuda_allocated"] / 2 ** 20, 1),
                    cuda_allocated_end_mb=round(mem1.get("cuda_allocated", 0) / 2 ** 20, 1),
                    cuda_reserved_end_mb=round(mem1.get("cuda_reserved", 0) / 2 ** 20, 1))
+    # growth over the second half of the run: a leak keeps growing with requests served, a warm-up plateau does not
+    tl = rep["rss_timeline"]
+    mid = min(tl, key=lambda x: abs(x[0] - wall / 2))
+    rep.update(rss_mid_mb=mid[1], rss_growth_2nd_half_mb=round(tl[-1][1] - mid[1], 1),
+               requests_2nd_half=tl[-1][2] - mid[2])
     rep["ok"] = (rep["errors"] == 0 and rep["stuck"] == 0 and rep["completed"] == rep["started"]
                  and rep["pools_full"] and rep["status_ready"])
     return rep
@@ -294,7 +314,8 @@ def print_report(rep: dict, out=print):
     out(f"  TTFT p50 {rep['ttft_p50_ms']} ms  p99 {rep['ttft_p99_ms']} ms | inter-token (stream gaps) p50 "
         f"{rep['itl_p50_ms']} ms  p99 {rep['itl_p99_ms']} ms | per-request decode time/token p50 "
         f"{rep['tpot_p50_ms']} ms  p99 {rep['tpot_p99_ms']} ms")
-    mem = f"  RSS {rep['rss_start_mb']} -> {rep['rss_end_mb']} MB"
+    mem = (f"  RSS {rep['rss_start_mb']} -> {rep['rss_mid_mb']} (mid-run) -> {rep['rss_end_mb']} MB "
+           f"({rep['rss_growth_2nd_half_mb']:+.1f} MB over the second half, {rep['requests_2nd_half']} requests)")
     if "cuda_allocated_start_mb" in rep:
         mem += (f"; CUDA allocated {rep['cuda_allocated_start_mb']} -> {rep['cuda_allocated_end_mb']} MB "
                 f"(reserved {rep['cuda_reserved_end_mb']} MB)")

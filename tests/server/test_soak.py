@@ -62,4 +62,6 @@ def test_soak(srv, ckpt):
     assert rep["pools_full"] and rep["status_ready"], rep
     assert rep["ttft_p99_ms"] > 0 and rep["itl_p50_ms"] > 0
     assert rep["rss_end_mb"] - rep["rss_start_mb"] < 100, rep
+    assert len(rep["rss_timeline"]) >= 6 and rep["requests_2nd_half"] > 0, rep["rss_timeline"]
+    assert rep["rss_growth_2nd_half_mb"] < 50, rep["rss_timeline"]  # a leak grows with requests served
     assert srv.proc.poll() is None
