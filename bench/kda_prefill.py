@@ -5,10 +5,9 @@ Cases: single sequence T = 4k, 16k, 64k, and varlen 16 x 1k. Timing: triton.test
 Both sides do the whole core op: L2 norm of q/k, gate activation from the raw z (A_log, dt_bias), beta sigmoid,
 the chunked delta rule, initial-state read and final-state write.
 Run: python bench/kda_prefill.py   (prints one line per case and, when fla is importable, the ratio)
-     python bench/kda_prefill.py --sweep   (intra v1 (one kernel) vs v2 (prep -> akk -> wu) vs fla-core at
-                                            T = 4k, 16k, 64k with per-stage times, then a launch-config sweep of
-                                            the v2 kernels at 16k; about a minute)
-     python bench/kda_prefill.py --sweep-state   (the older per-stage sweep of intra v1 / state / output configs)
+     python bench/kda_prefill.py --sweep   (split path vs fla-core at T = 4k, 16k, 64k with per-stage times,
+                                            then a launch-config sweep of the intra kernels at 16k; about a minute)
+     python bench/kda_prefill.py --sweep-state   (the older per-stage sweep of the state / output configs)
 Each case prints both paths of kernels/kda/chunk.py ("fused" = old: intra -> state+output in one sequential
 kernel; "split" = new: intra -> state pass only -> parallel output; module flag chunk.SPLIT picks the default),
 fla when importable, and the per-stage times of both paths.
@@ -32,10 +31,8 @@ Totals at 16k: intra ~82 GFLOP / ~1.1 GB (~0.25 ms at bandwidth, if not latency 
 <= ~16 us per program for a 1 ms intra); split state ~34 GFLOP, serial 256 steps (~1 us/step -> ~0.26 ms);
 output ~25 GFLOP / ~0.7 GB (~0.16 ms). h_c scratch: T*H*K*V*2/C = T*H*512 B (268 MB at 16k, bf16 = the MMA
 operand the fused path already rounds the state to, so both paths give the same o).
-Evidence from this morning: varlen 16x1k (state depth 16, 1024 programs) took the same 7.84 ms as T=16k
-(depth 256, 128 programs), so the serial chain did not dominate; the intra kernel most likely does (62 waves
-of one 8-warp program per SM with 32 serialized global gathers + softplus in its exact-diagonal loop; the
-split path's intra uses EXACT_REG=1, which builds those blocks from registers). The per-stage lines settle it.
+(The intra row above describes the removed one-kernel intra; the current prep -> akk -> wu launches do the same
+math.) Measured 2026-12-02 on the H200 at 16k: prep 0.56, akk 1.59, wu 0.44, hpass 0.51, out 0.24 ms.
 """
 from __future__ import annotations
 
@@ -70,10 +67,9 @@ def _inputs(lens, device=None, dtype=torch.bfloat16):
     return dict(q=q, k=k, v=v, z=z, b=b, A_log=A_log, dt_bias=dt_bias, cu=cu)
 
 
-def _ours(x, split=None, stages=False, intra=None):
-    """split: None = module default (chunk.SPLIT), True/False force a path; intra: None = module default
-    (chunk.INTRA), "v1" / "v2" force the intra variant. stages: also return {stage: launch} of one planned call
-    (for per-stage timing)."""
+def _ours(x, split=None, stages=False):
+    """split: None = module default (chunk.SPLIT), True/False force a path. stages: also return {stage: launch} of
+    one planned call (for per-stage timing)."""
     import kernels.kda.chunk as ck
     from kernels.kda.chunk import chunk_kda_fwd, chunk_kda_plan
 
@@ -88,19 +84,19 @@ def _ours(x, split=None, stages=False, intra=None):
     args = (x["q"], x["k"], x["v"], x["z"], x["A_log"], x["dt_bias"], x["b"], K ** -0.5, pool, cu_t, slots, hi)
 
     def fn():
-        prev = ck._FORCE_SPLIT, ck._FORCE_INTRA
-        ck._FORCE_SPLIT, ck._FORCE_INTRA = split, intra
+        prev = ck._FORCE_SPLIT
+        ck._FORCE_SPLIT = split
         try:
             return chunk_kda_fwd(*args, out=out, cu_seqlens_cpu=x["cu"])
         finally:
-            ck._FORCE_SPLIT, ck._FORCE_INTRA = prev
+            ck._FORCE_SPLIT = prev
     if stages:
-        prev = ck._FORCE_SPLIT, ck._FORCE_INTRA
-        ck._FORCE_SPLIT, ck._FORCE_INTRA = split, intra
+        prev = ck._FORCE_SPLIT
+        ck._FORCE_SPLIT = split
         try:
             _, launches = chunk_kda_plan(*args, out=out, cu_seqlens_cpu=x["cu"])
         finally:
-            ck._FORCE_SPLIT, ck._FORCE_INTRA = prev
+            ck._FORCE_SPLIT = prev
         return fn, lambda: (out, pool[1:]), launches
     return fn, lambda: (out, pool[1:])
 
@@ -237,12 +233,10 @@ def sweep_prefill(lens_list=((16384,), (1024,) * 16), warmup=5, rep=25):
     case (each stage timed alone, so the configs add instead of multiplying; ~1 minute)."""
     import kernels.kda.chunk as ck
 
-    names = ("INTRA_BK", "INTRA_NUM_WARPS", "INTRA_EXACT_REG", "STATE_BV", "STATE_NUM_WARPS", "STATE_NUM_STAGES",
+    names = ("STATE_BV", "STATE_NUM_WARPS", "STATE_NUM_STAGES",
              "HPASS_BV", "HPASS_NUM_WARPS", "HPASS_NUM_STAGES", "OUT_BV", "OUT_NUM_WARPS", "OUT_NUM_STAGES")
     saved = {n: getattr(ck, n) for n in names}
     grid = [  # (stage, path, {constant: value})
-        *[("intra", True, dict(INTRA_BK=bk, INTRA_NUM_WARPS=w, INTRA_EXACT_REG=e))
-          for bk, w, e in ((32, 8, 0), (32, 8, 1), (32, 4, 1), (16, 4, 1))],     # 16/4: 245 regs, 2 CTAs/SM
         *[("state+out", False, dict(STATE_BV=bv, STATE_NUM_WARPS=w)) for bv in (32, 64) for w in (4, 8)],
         *[("hpass", True, dict(HPASS_BV=bv, HPASS_NUM_WARPS=w, HPASS_NUM_STAGES=st))
           for bv, w, st in ((16, 4, 2), (16, 8, 2), (16, 4, 3), (32, 4, 2), (32, 8, 2), (32, 4, 3), (64, 4, 2),
@@ -276,63 +270,43 @@ def sweep_prefill(lens_list=((16384,), (1024,) * 16), warmup=5, rep=25):
             setattr(ck, n, val)
 
 
-INTRA_STAGES = ("intra", "prep", "akk", "wu")
+INTRA_STAGES = ("prep", "akk", "wu")
 
 
 def intra_compare(Ts=(4096, 16384, 65536), warmup=10, rep=50):
-    """Old one-kernel intra (v1) vs the 3-kernel v2 (prep -> akk -> wu), both on the split path, next to fla-core:
-    per T one line of totals and ratios, then the per-stage times of both."""
+    """The split path next to fla-core: per T one line of totals and the ratio, then the per-stage times."""
     import triton.testing
 
-    import kernels.kda.chunk as ck
-
-    print(f"intra v1 vs v2 (split path), H={H} K={K} V={V} bf16, do_bench median (ms)", flush=True)
-    try:
-        for T in Ts:
-            x = _inputs([T])
-            line = f"T={T:6d}"
-            res, outs = {}, {}
-            for tag in ("v1", "v2"):
-                try:
-                    fn, get, launches = _ours(x, split=True, stages=True, intra=tag)
-                    fn()
-                    torch.cuda.synchronize()
-                    res[tag] = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-                    res[tag + "_st"] = _stage_times(launches, 3, 20)
-                    fn()
-                    torch.cuda.synchronize()
-                    outs[tag] = tuple(t.clone() for t in get())
-                    intra_ms = sum(res[tag + "_st"].get(n, 0.0) for n in INTRA_STAGES)
-                    line += f" | {tag} {res[tag]:7.3f} ms (intra {intra_ms:6.3f})"
-                except Exception as e:
-                    line += f" | {tag} FAILED {type(e).__name__}: {str(e)[:200]}"
-            if "v1" in res and "v2" in res:
-                i1 = sum(res["v1_st"].get(n, 0.0) for n in INTRA_STAGES)
-                i2 = sum(res["v2_st"].get(n, 0.0) for n in INTRA_STAGES)
-                line += f" | v2/v1 total {res['v1'] / res['v2']:4.2f}x intra {i1 / i2:4.2f}x" \
-                        f" | rel-rms v2 vs v1 o {_rel(outs['v2'][0], outs['v1'][0]):.1e}" \
-                        f" state {_rel(outs['v2'][1], outs['v1'][1]):.1e}"
-            try:
-                fms, fo, fst = _time_fla(x, warmup, rep)
-                line += f" | fla {fms:7.3f} ms"
-                for tag in ("v1", "v2"):
-                    if tag in outs:
-                        line += f" | {tag} {fms / res[tag]:4.2f}x fla (o {_rel(outs[tag][0], fo):.1e}" \
-                                f" state {_rel(outs[tag][1], fst):.1e})"
-            except Exception as e:
-                line += f" | fla unavailable: {type(e).__name__}: {str(e)[:120]}"
-            print(line, flush=True)
-            for tag in ("v1", "v2"):
-                if tag + "_st" in res:
-                    print(f"{'':8s} {tag} stages: " + _fmt_stages(res[tag + "_st"]), flush=True)
-            del x, outs
-            torch.cuda.empty_cache()
-    finally:
-        ck._FORCE_INTRA = None
+    print(f"split path vs fla-core, H={H} K={K} V={V} bf16, do_bench median (ms)", flush=True)
+    for T in Ts:
+        x = _inputs([T])
+        line = f"T={T:6d}"
+        try:
+            fn, get, launches = _ours(x, split=True, stages=True)
+            fn()
+            torch.cuda.synchronize()
+            ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+            st = _stage_times(launches, 3, 20)
+            fn()
+            torch.cuda.synchronize()
+            o, s = (t.clone() for t in get())
+            line += f" | ours {ms:7.3f} ms (intra {sum(st.get(n, 0.0) for n in INTRA_STAGES):6.3f})"
+        except Exception as e:
+            print(line + f" | FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        try:
+            fms, fo, fst = _time_fla(x, warmup, rep)
+            line += f" | fla {fms:7.3f} ms | {fms / ms:4.2f}x fla (o {_rel(o, fo):.1e} state {_rel(s, fst):.1e})"
+        except Exception as e:
+            line += f" | fla unavailable: {type(e).__name__}: {str(e)[:120]}"
+        print(line, flush=True)
+        print(f"{'':8s} stages: " + _fmt_stages(st), flush=True)
+        del x
+        torch.cuda.empty_cache()
 
 
-def sweep_intra_v2(T=16384, warmup=5, rep=25):
-    """Launch-config sweep of the v2 intra kernels at one T (each stage timed alone)."""
+def sweep_intra(T=16384, warmup=5, rep=25):
+    """Launch-config sweep of the intra kernels at one T (each stage timed alone)."""
     import kernels.kda.chunk as ck
 
     names = ("PREP_BK", "PREP_NUM_WARPS", "AKK_BK", "AKK_NUM_WARPS", "AKK_UNROLL", "AKK_HALF", "WU_BK", "WU_BV",
@@ -353,13 +327,13 @@ def sweep_intra_v2(T=16384, warmup=5, rep=25):
                 setattr(ck, n, val)
             desc = " ".join(f"{n}={val}" for n, val in cfg.items())
             try:
-                _, _, launches = _ours(x, split=True, stages=True, intra="v2")
+                _, _, launches = _ours(x, split=True, stages=True)
                 for f in launches.values():
                     f()
                 st = _stage_times({stage: launches[stage]}, warmup, rep)
-                print(f"T={T} v2 {stage:4s} {desc}: " + _fmt_stages(st), flush=True)
+                print(f"T={T} {stage:4s} {desc}: " + _fmt_stages(st), flush=True)
             except Exception as e:
-                print(f"T={T} v2 {stage:4s} {desc}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
+                print(f"T={T} {stage:4s} {desc}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
     finally:
         for n, val in saved.items():
             setattr(ck, n, val)
@@ -368,9 +342,9 @@ def sweep_intra_v2(T=16384, warmup=5, rep=25):
 
 
 if __name__ == "__main__":
-    if "--sweep" in sys.argv:            # intra v1 vs v2 vs fla at 4k/16k/64k, then the v2 launch-config sweep
+    if "--sweep" in sys.argv:            # ours vs fla at 4k/16k/64k, then the intra launch-config sweep
         intra_compare()
-        sweep_intra_v2()
+        sweep_intra()
     elif "--sweep-state" in sys.argv:    # the older state/output launch-config sweep
         sweep_prefill()
     else:

@@ -4,38 +4,28 @@ Entry point: ``chunk_kda_fwd`` (called by kernels/kda/__init__.py ``kda_prefill`
 
 Launches:
 
-1. Intra-chunk work, v2 (``INTRA = "v2"``, the default; env KDA_INTRA=v1 or ``_FORCE_INTRA`` picks v1), three
-   fully parallel launches with few live tiles each (same outputs as v1 below, every exponent <= 0):
-   1a. ``_kda_prep_kernel``, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum G2 (log2 units);
-       writes qg, kg, gl and the scratch G2 [rows, K] fp32, rs [rows, 4] fp32 = (scale/|q|, 1/|k|, beta).
+1. Intra-chunk work, three fully parallel launches with few live tiles each (every exponent <= 0):
+   1a. ``_kda_prep_kernel``, grid (chunk, head): L2 norms, beta = sigmoid(b), the gate
+       g = -exp(A_log) softplus(z + dt_bias) and its chunk-local cumsum G2 = G / ln 2 (log2 units, so every
+       exponential is exp2); writes qg, kg, gl and the scratch G2 [rows, K] fp32, rs [rows, 4] fp32 =
+       (scale/|q|, 1/|k|, beta).
    1b. ``_kda_akk_kernel``, grid (chunk x 16-row sub-chunk i, head): Aqk and Dkk for rows [16i, 16i+16):
        columns of earlier sub-chunks by one tensor-core dot per K tile, anchor = first row n of the sub-chunk
        ((x_r exp2(G_r - G_n)) . (k_s exp2(G_n - G_s)), both factors <= 1); the 16x16 diagonal block exactly per
        pair (exp2(G_r - G_s), s <= r) on CUDA cores; then the diagonal block of (I + diag(beta) StrictTril(Dkk))
        is inverted by forward substitution (fp32). Writes Aqk (the contract) and the scratch X [rows, 64] fp32
        (block inverses Di on the diagonal blocks, beta-scaled Dkk below them).
-   1c. ``_kda_wu_kernel``, grid (chunk, head): M = (I - N + N^2 - N^3) Di with N = Di L_off, then w and u as
-       [64, 64] x [64, BK|BV] dots.
-   v1 (kept for A/B): ``_kda_intra_kernel`` -- one program per (chunk, head), chunk size BT = 64, fully
-   parallel (244-255 registers; 5.05 ms of the 5.80 ms total at T=16k on the H200 under Triton 3.6). It fuses the
-   L2 norm of q and k, beta = sigmoid(b), the gate g = -exp(A_log) softplus(z + dt_bias) and its chunk-local
-   cumsum (kept in log2 units, G2 = G / ln 2, so every exponential is exp2), builds the intra-chunk matrices
-   and the WY/UT transform and writes per chunk:
+   1c. ``_kda_wu_kernel``, grid (chunk, head): M = (I - N + N^2 - N^3) Di with N = Di L_off (N is strictly
+       block-lower, N^4 = 0), then w and u as [64, 64] x [64, BK|BV] dots.
+   Per chunk the intra launches produce
        qg  = scale * qn * exp2(G)                [BT, K]     (inter-chunk read of the state)
        kg  = kn * exp2(G_last - G)               [BT, K]     (state update)
        w   = M @ (beta * kn * exp2(G))           [BT, K]
        u   = M @ (beta * v)                      [BT, V]
        Aqk = tril(Dqk)                           [BT, BT]    (scale folded in)
        gl  = G_last                              [K]  fp32, log2 units
-   with M = (I + diag(beta) StrictTril(Dkk))^-1.
-   Dkk / Dqk are built in three parts, every exponential being exp2 of a non-positive number so nothing can
-   overflow for any gate magnitude (Kimi's gate has no lower bound):
-     * between different 16-row sub-chunks: tensor-core dots, anchor = last row of the previous sub-chunk;
-     * inside a 16-row sub-chunk, rows 8..15 x columns 0..7: batched 16x16 dots, anchor = row 7;
-     * the 8x8 diagonal blocks exactly per pair: exp2(G_r - G_s), s <= r, as a running product of the per-token
-       factors exp2(g_t) <= 1 (CUDA cores).
-   The 16x16 diagonal blocks of (I+L) are inverted by forward substitution (fp32), and the 64x64
-   inverse is assembled as (I - N + N^2 - N^3) Di with N = Di L_off (N is strictly block-lower, N^4 = 0).
+   with M = (I + diag(beta) StrictTril(Dkk))^-1. (The older one-kernel intra "v1" was removed: 1.67x slower on
+   the H200, 5.83 vs 3.50 ms end to end at T=16k.)
 2. Split path (``SPLIT = True``, the default), two launches:
    2a. ``_kda_hpass_kernel`` -- one program per (V tile, sequence, head), BV = 16 at B=1 (auto: the largest of
        64/32/16 giving >= 2 programs per SM): the sequential pass with the fp32 state in registers and only
@@ -45,8 +35,6 @@ Launches:
        then the final state to the slot and zeros for tokens outside [cu[0], cu[-1]).
    2b. ``_kda_out_kernel`` -- one program per (chunk, head, V tile), fully parallel (no sequential dependency):
            o = qg @ h_c + Aqk @ vn
-   The split path's intra uses EXACT_REG=1: the exact 8x8 diagonal blocks are built from registers (exponent
-   exp2(min(G_r - G_s, 0)), r >= s) instead of the per-column global reloads + softplus of the old variant.
    Old path (``SPLIT = False``, kept for A/B; tests run both):
    ``_kda_state_kernel`` -- one program per (V tile, sequence, head): the sequential pass over the sequence's
    chunks with the fp32 state in registers, fused with the output:
@@ -61,8 +49,8 @@ Precision: all accumulation in fp32. For bf16 inputs the intermediates (qg, kg, 
 and the state is cast to bf16 as an MMA operand (as fla does); the intra-chunk matrices use tf32. For fp32 inputs
 everything is stored in fp32 and the dots use IEEE fp32 (slow, for tests/oracles).
 
-Tuning: the module constants below (INTRA_*, PREP_*, AKK_*, WU_*, STATE_*, HPASS_*, OUT_*);
-``python bench/kda_prefill.py --sweep`` times intra v1 vs v2 vs fla-core per stage and sweeps the v2 constants
+Tuning: the module constants below (PREP_*, AKK_*, WU_*, STATE_*, HPASS_*, OUT_*);
+``python bench/kda_prefill.py --sweep`` times the intra stages vs fla-core per stage and sweeps their constants
 (``--sweep-state``: the older state/output sweep); ``compile_report()`` compiles the kernels offline for sm_90 and
 reports registers / spills / smem. Time budget per stage: see the docstring of bench/kda_prefill.py.
 """
@@ -82,38 +70,33 @@ BC = 16          # sub-chunk (diagonal block) size
 RCP_LN2 = 1.4426950408889634
 
 # launch configuration (tunable)
-# (checked offline with triton 3.9 for sm_90, K = V = 128, bf16: no register spills; intra 242 regs (EXACT_REG=0) /
-#  244 (EXACT_REG=1), 48 KB smem, 8 warps (4 warps spills); old state 202 regs / 147 KB smem at BV=64 with 8 warps,
-#  162 regs / 131 KB at BV=32 with 4 warps; hpass 80 regs / 72 KB at BV=16 (4 warps), 136 / 80 KB at BV=32 (4),
-#  204 / 104 KB at BV=64 (8); out 72 regs / 48 KB at BV=64 (4 warps), 95 / 72 KB at BV=128)
-# v2 intra, offline sm_90 / triton 3.9 at the defaults: prep 128 regs, akk 168 regs / 66 KB smem, wu 168 regs /
-# 64 KB smem, no spills (akk BK=32 with 8 warps: 128 regs; AKK_HALF=1 spills unless rolled at BK=32, 8 warps: 208)
-INTRA_BK = 32
-INTRA_BV = 64
-INTRA_NUM_WARPS = 8
+# (checked offline with triton 3.9 for sm_90, K = V = 128, bf16: no register spills; old state 202 regs / 147 KB
+#  smem at BV=64 with 8 warps, 162 regs / 131 KB at BV=32 with 4 warps; hpass 80 regs / 72 KB at BV=16 (4 warps),
+#  136 / 80 KB at BV=32 (4), 204 / 104 KB at BV=64 (8); out 72 regs / 48 KB at BV=64 (4 warps), 95 / 72 KB at BV=128)
 STATE_BV = None          # None: 64, or 32 when (V/64) * P * H programs would not fill the GPU twice
 STATE_NUM_WARPS = None   # None: 8 for BV=64, 4 for BV=32
 STATE_NUM_STAGES = 2
 # split path (SPLIT = True): intra -> state pass only (stores h_c, vn) -> fully parallel output
 SPLIT = True             # False: the old fused state+output kernel (kept for A/B)
-INTRA_EXACT_REG = None   # exact 8x8 diagonal blocks from registers (1) or with per-column reloads (0); None: = SPLIT
 HPASS_BV = None          # None: largest of 64/32/16 giving >= 2 programs per SM ((V/BV) * P * H >= 2 * SMs)
 HPASS_NUM_WARPS = None   # None: 4 for BV <= 32, 8 for BV = 64
 HPASS_NUM_STAGES = 2
 OUT_BV = 64
 OUT_NUM_WARPS = 4
 OUT_NUM_STAGES = 2
-# intra variant: "v2" (prep -> akk by 16-row sub-chunks -> wu, the default) or "v1" (the one-kernel
-# _kda_intra_kernel, kept for A/B); env KDA_INTRA sets the default at import, _FORCE_INTRA overrides per call
-INTRA = os.environ.get("KDA_INTRA", "v2")
+# intra launches (prep -> akk -> wu). Defaults = the winners of `bench/kda_prefill.py --sweep` on the H200
+# (Triton 3.6, T=16k, H=32, K=V=128, bf16; 2026-12-02): prep BK=32 / 4 warps 0.564 ms (BK=64 / 8 warps 0.933);
+# akk BK=32 / 4 warps / unrolled 1.587 ms (BK=64 1.636, 8 warps 2.254, the 8x8-split "HALF" diagonal 4.63);
+# wu BK=BV=32 / 4 warps 0.437 ms (64/64/4 0.529). Offline sm_90 / triton 3.9: prep 128 regs, akk 168 regs /
+# 66 KB smem, wu 168 regs / 64 KB smem, no spills.
 PREP_BK = 32
 PREP_NUM_WARPS = 4
-AKK_BK = 64
+AKK_BK = 32
 AKK_NUM_WARPS = 4
 AKK_UNROLL = 1           # unroll the 16-step exact-diagonal loop (1) or not (0)
 AKK_HALF = 0             # 1: diagonal block as two exact 8x8 blocks (8 steps, gathered partners) + one 8x8 dot
-WU_BK = 64
-WU_BV = 64
+WU_BK = 32
+WU_BV = 32
 WU_NUM_WARPS = 4
 
 
@@ -143,200 +126,7 @@ def _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K: tl.co
     return tl.cumsum(g, 0)
 
 
-@triton.jit
-def _kda_intra_kernel(
-    q, k, v, z, A_log, dt_bias, b, chunk_offsets, cu_seqlens, n_seq,
-    qg_out, kg_out, w_out, u_out, a_out, gl_out,
-    stride_q, stride_k, stride_v, stride_z, stride_b, scale,
-    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr, EXACT_REG: tl.constexpr = 0,
-):
-    NB: tl.constexpr = BT // BC
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    # the grid is an upper bound on the number of chunks (no host sync): find this chunk's sequence on device
-    if i_c >= tl.load(chunk_offsets + n_seq):
-        return
-    pidx = tl.arange(0, PB)
-    offs = tl.load(chunk_offsets + 1 + pidx, mask=pidx < n_seq, other=2147483647)
-    i_n = tl.sum((offs <= i_c).to(tl.int32), 0).to(tl.int64)                    # coff[n] <= i_c < coff[n+1]
-    i_t = (i_c - tl.load(chunk_offsets + i_n)).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
-    rows = tl.arange(0, BT)
-    rmask = rows < (eos - t0)
-    tok = t0 + rows                                     # int64 token index
-    cblk = (i_c.to(tl.int64) * H + i_h) * BT            # first row of this (chunk, head) in the scratch buffers
-
-    # ---- L2 norms and beta
-    sq = tl.zeros([BT], dtype=tl.float32)
-    sk = tl.zeros([BT], dtype=tl.float32)
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        m2 = rmask[:, None] & (c < K)[None, :]
-        bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        sq += tl.sum(bq * bq, 1)
-        sk += tl.sum(bk * bk, 1)
-    rq = scale / tl.sqrt(sq + 1e-6)
-    rk = 1.0 / tl.sqrt(sk + 1e-6)
-    bb = tl.load(b + tok * stride_b + i_h, mask=rmask, other=0.0).to(tl.float32)
-    beta = tl.where(rmask, tl.sigmoid(bb), 0.0)
-    neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
-
-    r16 = tl.arange(0, BC)
-    b4 = tl.arange(0, NB)
-    rblk = rows // BC
-    NE: tl.constexpr = BT // BE                         # exact blocks (BE = BC / 2 rows)
-    re_ = tl.arange(0, BE)
-    be_ = tl.arange(0, NE)
-    rke = tl.reshape(rk, [NE, BE])
-    odd = (be_ % 2) == 1
-    a_off_kk = tl.zeros([BT, BT], dtype=tl.float32)     # Dkk between different 16-blocks (strictly block-lower)
-    a_off_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    a_mid_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)  # second half x first half of each 16-block (batched)
-    a_mid_qk = tl.zeros([NB, BC, BC], dtype=tl.float32)
-    d_kk = tl.zeros([NE, BE, BE], dtype=tl.float32)      # exact BE x BE diagonal blocks
-    d_qk = tl.zeros([NE, BE, BE], dtype=tl.float32)
-
-    # ---- pass 1 over K tiles: gate cumsum, qg / kg / gl, intra-chunk matrices
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        m2 = rmask[:, None] & cm[None, :]
-        bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        bq = bq * rq[:, None]
-        bk = bk * rk[:, None]
-        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K)    # [BT, BK], <= 0
-        dtb = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
-        gl = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), 0)                    # G of the last row
-        tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
-        o_k = (cblk + rows)[:, None] * K + c[None, :]
-        tl.store(qg_out + o_k, (bq * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :])
-        tl.store(kg_out + o_k, (bk * tl.exp2(tl.minimum(gl[None, :] - G, 0.0))).to(kg_out.dtype.element_ty),
-                 mask=cm[None, :])
-
-        G3 = tl.reshape(G, [NB, BC, BK])
-        q3 = tl.reshape(bq, [NB, BC, BK])
-        k3 = tl.reshape(bk, [NB, BC, BK])
-        blast = tl.sum(tl.where((r16 == BC - 1)[None, :, None], G3, 0.0), 1)           # [NB, BK] block-last G
-        # anchor of block j = last G of block j-1 (0 for block 0)
-        anc = tl.sum(tl.where((b4[:, None, None] - 1) == b4[None, :, None], blast[None, :, :], 0.0), 1)
-        e3 = tl.exp2(tl.minimum(G3 - anc[:, None, :], 0.0))
-        qa = tl.reshape(q3 * e3, [BT, BK])
-        ka = tl.reshape(k3 * e3, [BT, BK])
-        # column factor for row block i: k_s exp2(anc_i - G_s) = [k_s exp2(blast_j - G_s)] * exp2(anc_i - blast_j)
-        # for s in block j < i (both factors <= 1)
-        kbase3 = k3 * tl.exp2(tl.minimum(blast[:, None, :] - G3, 0.0))
-        for i in tl.static_range(1, NB):
-            anc_i = tl.sum(tl.where((b4 == i)[:, None], anc, 0.0), 0)                # [BK]
-            fac = tl.where((b4 < i)[:, None], tl.exp2(tl.minimum(anc_i[None, :] - blast, 0.0)), 0.0)
-            kb_i = tl.reshape(kbase3 * fac[:, None, :], [BT, BK])
-            sel = (rblk == i)[:, None]
-            kb_t = tl.trans(kb_i)
-            a_off_kk = tl.dot(tl.where(sel, ka, 0.0), kb_t, a_off_kk, input_precision=PREC)
-            a_off_qk = tl.dot(tl.where(sel, qa, 0.0), kb_t, a_off_qk, input_precision=PREC)
-        # second half x first half of every 16-block: anchor = last row of the first half (both factors <= 1)
-        Ge = tl.reshape(G, [NE, BE, BK])
-        qe = tl.reshape(bq, [NE, BE, BK])
-        ke = tl.reshape(bk, [NE, BE, BK])
-        blast_e = tl.sum(tl.where((re_ == BE - 1)[None, :, None], Ge, 0.0), 1)       # [NE, BK]
-        anc_e = tl.sum(tl.where((be_[:, None, None] - 1) == be_[None, :, None], blast_e[None, :, :], 0.0), 1)
-        rfac = tl.where(odd[:, None, None], tl.exp2(tl.minimum(Ge - anc_e[:, None, :], 0.0)), 0.0)
-        cfac = tl.where(odd[:, None, None], 0.0, tl.exp2(tl.minimum(blast_e[:, None, :] - Ge, 0.0)))
-        kc_t = tl.permute(tl.reshape(ke * cfac, [NB, BC, BK]), (0, 2, 1))
-        a_mid_kk = tl.dot(tl.reshape(ke * rfac, [NB, BC, BK]), kc_t, a_mid_kk, input_precision=PREC)
-        a_mid_qk = tl.dot(tl.reshape(qe * rfac, [NB, BC, BK]), kc_t, a_mid_qk, input_precision=PREC)
-        if EXACT_REG:
-            # exact BE x BE diagonal blocks from registers (no global loads, no softplus): column s of every block
-            # at once, P[r] = exp2(min(G_r - G_s, 0)) for r >= s (exponent <= 0), 0 above the diagonal
-            for s in range(BE):
-                sel_s = (re_ == s)[None, :, None]
-                Gs = tl.sum(tl.where(sel_s, Ge, 0.0), 1)                                   # [NE, BK]
-                ks = tl.sum(tl.where(sel_s, ke, 0.0), 1)                                   # [NE, BK]
-                pdec = tl.where(re_[None, :, None] >= s, tl.exp2(tl.minimum(Ge - Gs[:, None, :], 0.0)), 0.0)
-                kpe = pdec * ks[:, None, :]
-                dk = tl.sum(ke * kpe, 2)                                                   # [NE, BE]
-                dq = tl.sum(qe * kpe, 2)
-                cs = (re_ == s)[None, None, :]
-                d_kk += tl.where(cs, dk[:, :, None], 0.0)
-                d_qk += tl.where(cs, dq[:, :, None], 0.0)
-        else:
-            # exact BE x BE diagonal blocks: column s of every block at once, s descending, with
-            # P[r] = exp2(G_r - G_s) = P_prev[r] * exp2(g_{s+1}) (every factor <= 1; row s starts at 1, rows < s
-            # are 0)
-            pdec = tl.zeros([NE, BE, BK], dtype=tl.float32)
-            f = tl.zeros([NE, BK], dtype=tl.float32)
-            for j in range(BE):
-                s = BE - 1 - j
-                pdec = tl.where(re_[None, :, None] == s, 1.0, pdec * f[:, None, :])
-                tok_s = t0 + be_ * BE + s                                                  # [NE] partner rows
-                m2s = (tok_s < eos)[:, None] & cm[None, :]
-                rk_s = tl.sum(tl.where((re_ == s)[None, :], rke, 0.0), 1)                 # [NE]
-                ks = tl.load(k + tok_s[:, None] * stride_k + i_h * K + c[None, :], mask=m2s,
-                             other=0.0).to(tl.float32)
-                ks = ks * rk_s[:, None]
-                zs = tl.load(z + tok_s[:, None] * stride_z + i_h * K + c[None, :], mask=m2s,
-                             other=0.0).to(tl.float32)
-                f = tl.exp2(tl.where(m2s, neg_a * _softplus(zs + dtb[None, :]), 0.0))
-                kpe = pdec * ks[:, None, :]
-                dk = tl.sum(ke * kpe, 2)                                                   # [NE, BE]
-                dq = tl.sum(qe * kpe, 2)
-                cs = (re_ == s)[None, None, :]
-                d_kk += tl.where(cs, dk[:, :, None], 0.0)
-                d_qk += tl.where(cs, dq[:, :, None], 0.0)
-
-    # ---- assemble the 16x16 diagonal blocks, inverse of (I + diag(beta) StrictTril(Dkk))
-    cols = tl.arange(0, BT)
-    rre = re_[None, :, None]
-    cce = re_[None, None, :]
-    same_e = be_[:, None, None, None] == be_[None, None, :, None]
-    same = b4[:, None, None, None] == b4[None, None, :, None]
-    dkk_e = tl.reshape(tl.where(same_e, tl.where(rre > cce, d_kk, 0.0)[:, :, None, :], 0.0), [BT, BT])
-    d16 = tl.sum(tl.where(same, tl.reshape(dkk_e, [NB, BC, NB, BC]), 0.0), 2) + a_mid_kk   # [NB, BC, BC]
-    dqk_in = (tl.reshape(tl.where(same_e, tl.where(rre >= cce, d_qk, 0.0)[:, :, None, :], 0.0), [BT, BT])
-              + tl.reshape(tl.where(same, a_mid_qk[:, :, None, :], 0.0), [BT, BT]))    # [BT, BT] within 16-blocks
-    rr = r16[None, :, None]
-    cc = r16[None, None, :]
-    beta3 = tl.reshape(beta, [NB, BC])
-    l3 = tl.where(rr > cc, d16 * beta3[:, :, None], 0.0)
-    l_off = a_off_kk * beta[:, None]
-    di3 = tl.where(rr == cc, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-    for r in range(1, BC):
-        a_r = tl.sum(tl.where(rr == r, l3, 0.0), 1)                                     # [NB, BC] row r of L
-        nr = tl.sum(a_r[:, :, None] * di3, 1)                                          # [NB, BC]
-        di3 = tl.where(rr == r, di3 - nr[:, None, :], di3)
-    di = tl.reshape(tl.where(same, di3[:, :, None, :], 0.0), [BT, BT])
-    a_qk = a_off_qk + dqk_in
-    tl.store(a_out + (cblk + rows)[:, None] * BT + cols[None, :], a_qk.to(a_out.dtype.element_ty))
-    nmat = tl.dot(di, l_off, input_precision=PREC)
-    m = di
-    for _ in tl.static_range(NB - 1):
-        m = di - tl.dot(nmat, m, input_precision=PREC)
-
-    # ---- pass 2: w = M (beta kn exp2(G)), u = M (beta v)
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        m2 = rmask[:, None] & cm[None, :]
-        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K)
-        x = bk * (rk * beta)[:, None] * tl.exp2(G)
-        wv = tl.dot(m, x, input_precision=PREC)
-        tl.store(w_out + (cblk + rows)[:, None] * K + c[None, :], wv.to(w_out.dtype.element_ty), mask=cm[None, :])
-    for vb in range(0, V, BV):
-        c = vb + tl.arange(0, BV)
-        cm = c < V
-        m2 = rmask[:, None] & cm[None, :]
-        bv = tl.load(v + tok[:, None] * stride_v + i_h * V + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        uv = tl.dot(m, bv * beta[:, None], input_precision=PREC)
-        tl.store(u_out + (cblk + rows)[:, None] * V + c[None, :], uv.to(u_out.dtype.element_ty), mask=cm[None, :])
-
-
-# ---------------------------------------------------------------------------------------------- intra, v2 (3 kernels)
+# ---------------------------------------------------------------------------------------------- intra (3 kernels)
 @triton.jit
 def _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB: tl.constexpr, BT: tl.constexpr):
     """Global chunk index -> (first token t0, sequence end eos), both int64 (device-side search of chunk_offsets)."""
@@ -356,7 +146,7 @@ def _kda_prep_kernel(
     stride_q, stride_k, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
 ):
-    """v2 launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
+    """Intra launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
     contract outputs qg, kg, gl and the scratch G [rows, K] fp32 and rs [rows, 4] fp32 = (rq, rk, beta, -)
     (rq = scale / |q|, rk = 1 / |k|; padded rows: G = G of the last valid row, beta = 0)."""
     i_c = tl.program_id(0)
@@ -449,7 +239,7 @@ def _kda_akk_kernel(
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, UNROLL: tl.constexpr = 1, HALF: tl.constexpr = 0,
 ):
-    """v2 launch 2, grid (chunk x row sub-chunk i (fastest), head): rows R = [i BC, (i+1) BC) of
+    """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head): rows R = [i BC, (i+1) BC) of
          Aqk[r, s] = sum_d qn[r,d] kn[s,d] exp2(G[r,d] - G[s,d])  (s <= r)    -> a_out (the contract, zeros above)
          Dkk[r, s] = same with kn[r]                              (s < r)
        columns s < i BC by one tensor-core dot per K tile with the anchor n = i BC (first row of R):
@@ -556,7 +346,7 @@ def _kda_wu_kernel(
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
-    """v2 launch 3, grid (chunk, head): M = (I + L)^-1 = sum_j (-N)^j Di with N = Di L_off (strictly block-lower,
+    """Intra launch 3, grid (chunk, head): M = (I + L)^-1 = sum_j (-N)^j Di with N = Di L_off (strictly block-lower,
     N^(BT/BC) = 0), from x_in (Di on the diagonal blocks, L_off below); then w = M (beta kn exp2(G)), u = M (beta v)
     as [BT, BT] x [BT, BK|BV] dots."""
     i_c = tl.program_id(0)
@@ -765,13 +555,13 @@ def _kda_out_kernel(
 
 def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16: bool = True, state_bv: int = 64,
                    state_warps: int = 8, hpass_bv: Optional[int] = None, out_bv: Optional[int] = None,
-                   which: Sequence[str] = ("intra", "state", "intra_reg", "hpass", "out", "prep", "akk", "wu")
+                   which: Sequence[str] = ("state", "hpass", "out", "prep", "akk", "wu")
                    ) -> dict:
     """Compile the kernels offline for sm_<arch> (no GPU needed; Triton's bundled ptxas) at Kimi shapes and
     return {name: (registers, spill stack bytes, shared bytes)}. Run without TRITON_INTERPRET.
-    intra = old exact-diagonal variant (EXACT_REG=0), intra_reg = EXACT_REG=1; state = old fused state+output
+    state = old fused state+output
     kernel at (state_bv, state_warps); hpass / out = split-path kernels at (hpass_bv or 16, HPASS_NUM_WARPS) /
-    (out_bv or OUT_BV, OUT_NUM_WARPS); prep / akk / wu = the v2 intra kernels at the module constants."""
+    (out_bv or OUT_BV, OUT_NUM_WARPS); prep / akk / wu = the intra kernels at the module constants."""
     import re
     import subprocess
 
@@ -781,17 +571,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
     lp, sd = ("*bf16", "*bf16") if bf16 else ("*fp32", "*fp32")
     prec = "tf32" if bf16 else "ieee"
     mm = 1 if bf16 else 0
-    intra_types = dict(q=lp, k=lp, v=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
-                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, w_out=sd, u_out=sd, a_out=sd,
-                       gl_out="*fp32",
-                       stride_q="i32", stride_k="i32", stride_v="i32", stride_z="i32", stride_b="i32", scale="fp32")
-    intra_consts = dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BE=BC // 2, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV),
-                        PREC=prec)
     specs = {
-        "intra": (_kda_intra_kernel, intra_types, dict(intra_consts, EXACT_REG=0),
-                  dict(num_warps=INTRA_NUM_WARPS)),
-        "intra_reg": (_kda_intra_kernel, intra_types, dict(intra_consts, EXACT_REG=1),
-                      dict(num_warps=INTRA_NUM_WARPS)),
         "state": (_kda_state_kernel,
                   dict(qg_in=sd, kg_in=sd, w_in=sd, u_in=sd, a_in=sd, gl_in="*fp32", o=lp, rec_state="*fp32",
                        cu_seqlens="*i32", chunk_offsets="*i32", state_slots="*i32", has_initial_state="*i8",
@@ -811,7 +591,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                 dict(PB=16, H=H, K=K, V=V, BT=BT, BV=min(V, out_bv or OUT_BV), PREC=prec, MM=mm),
                 dict(num_warps=OUT_NUM_WARPS, num_stages=OUT_NUM_STAGES)),
     }
-    v2_common = dict(chunk_offsets="*i32", cu_seqlens="*i32", n_seq="i32", g_in="*fp32", rs_in="*fp32")
+    intra_common = dict(chunk_offsets="*i32", cu_seqlens="*i32", n_seq="i32", g_in="*fp32", rs_in="*fp32")
     specs.update({
         "prep": (_kda_prep_kernel,
                  dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
@@ -819,11 +599,11 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                       rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
                  dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK)), dict(num_warps=PREP_NUM_WARPS)),
         "akk": (_kda_akk_kernel,
-                dict(v2_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32", stride_k="i32"),
+                dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32", stride_k="i32"),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
                      HALF=int(AKK_HALF)), dict(num_warps=AKK_NUM_WARPS)),
         "wu": (_kda_wu_kernel,
-               dict(v2_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
+               dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec),
                dict(num_warps=WU_NUM_WARPS)),
     })
@@ -852,11 +632,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-
-
-
-
-
 def _is_pow2(x: int) -> bool:
     return x >= 16 and (x & (x - 1)) == 0
 
@@ -866,13 +641,6 @@ def _split_enabled() -> bool:
 
 
 _FORCE_SPLIT = None   # tests / bench override of SPLIT without touching the module default
-_FORCE_INTRA = None   # tests / bench override of INTRA ("v1" / "v2")
-
-
-def _intra_variant() -> str:
-    v = INTRA if _FORCE_INTRA is None else _FORCE_INTRA
-    assert v in ("v1", "v2"), v
-    return v
 
 
 def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o, P, T, H, K, V, cu_seqlens_cpu,
@@ -905,23 +673,10 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     if buffers is not None:
         buffers.update(qg=qg, kg=kg, w=w, u=u, a=a, gl=gl)
     PB = max(16, triton.next_power_of_2(P))
-    exact_reg = split if INTRA_EXACT_REG is None else bool(INTRA_EXACT_REG)
     nsm = num_sms(dev, cpu=1)
     launches = {}
-
-    def intra():
-        return _kda_intra_kernel[(NT, H)](
-            q, k, v, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P,
-            qg, kg, w, u, a, gl,
-            q.stride(0), k.stride(0), v.stride(0), z.stride(0), b.stride(0), float(scale),
-            PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BE=BC // 2,
-            BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec, EXACT_REG=int(exact_reg),
-            num_warps=INTRA_NUM_WARPS,
-        )
-    if NT > 0 and _intra_variant() == "v1":
-        launches["intra"] = intra
-    elif NT > 0:
-        # v2 scratch: G [rows, K] fp32 (log2 units), rs [rows, 4] fp32 (rq, rk, beta), x [rows, BT] fp32
+    if NT > 0:
+        # intra scratch: G [rows, K] fp32 (log2 units), rs [rows, 4] fp32 (rq, rk, beta), x [rows, BT] fp32
         # (block inverses + beta-scaled off-diagonal Dkk)
         g2 = torch.empty(n_rows, K, dtype=torch.float32, device=dev)
         rs = torch.empty(n_rows, 4, dtype=torch.float32, device=dev)

@@ -2,9 +2,9 @@
 
 CPU: TRITON_INTERPRET=1 at small shapes (H=2, K=16, V=32: K != V so a transposed state cannot pass).
 GPU (@gpu): Kimi shapes H=32, K=V=128, bf16.
-Every test runs on three paths: "fused" (old one-kernel intra v1 -> fused state+output kernel), "split" (intra v2 =
-prep -> akk -> wu, then state pass storing h_c / vn -> parallel output kernel; the default) and "split-v1" (intra v1
-+ split), selected through kernels.kda.chunk._FORCE_SPLIT / _FORCE_INTRA.
+Every test runs on two paths, both with the intra launches prep -> akk -> wu: "fused" (old fused state+output
+kernel) and "split" (state pass storing h_c / vn -> parallel output kernel; the default), selected through
+kernels.kda.chunk._FORCE_SPLIT.
 Run: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_kda_chunk.py -q
 """
 import math
@@ -22,14 +22,12 @@ from kernels.kda.ref import kda_core_ref  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True, params=["fused", "split", "split-v1"])
+@pytest.fixture(autouse=True, params=["fused", "split"])
 def kda_path(request, monkeypatch):
-    """fused: old intra (v1) + fused state/output; split: v2 intra (prep/akk/wu) + split state pass + output (the
-    default); split-v1: old intra + split."""
+    """fused: intra + old fused state/output kernel; split: intra + state pass + parallel output (the default)."""
     import kernels.kda.chunk as chunk_mod
 
     monkeypatch.setattr(chunk_mod, "_FORCE_SPLIT", request.param != "fused")
-    monkeypatch.setattr(chunk_mod, "_FORCE_INTRA", "v2" if request.param == "split" else "v1")
     return request.param
 FP32_TOL = 2e-5     # fp32 inputs, IEEE dots, vs fp64 recurrence (observed ~1e-6; strong gates lose a few ulps of G)
 BF16_TOL = 5e-3     # fla's get_err_ratio threshold (GPU)
@@ -245,11 +243,11 @@ def test_gpu_fp32_and_split():
 
 
 def test_tiling_fp32(monkeypatch):
-    """Several K tiles in the intra kernel and several V tiles in both kernels (as at K = V = 128 on the GPU)."""
+    """Several K tiles in the intra kernels and several V tiles in every kernel (as at K = V = 128 on the GPU)."""
     import kernels.kda.chunk as chunk_mod
 
-    monkeypatch.setattr(chunk_mod, "INTRA_BK", 16)
-    monkeypatch.setattr(chunk_mod, "INTRA_BV", 16)
+    for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV"):
+        monkeypatch.setattr(chunk_mod, name, 16)
     monkeypatch.setattr(chunk_mod, "STATE_BV", 16)
     monkeypatch.setattr(chunk_mod, "HPASS_BV", 16)
     monkeypatch.setattr(chunk_mod, "OUT_BV", 32)
@@ -313,16 +311,11 @@ def test_split_matches_fused_fp32(kda_path, monkeypatch):
 
 @pytest.mark.parametrize("lens", [[1], [63], [64], [65], [1000], [1, 70, 0, 64, 1, 63]])
 @pytest.mark.parametrize("strong_gate", [False, True])
-def test_intra_v2_matches_v1_fp32(kda_path, lens, strong_gate, monkeypatch):
-    """The v2 intra kernels (prep / akk by 16-row sub-chunks / wu) give the same intermediates qg, kg, w, u, Aqk, gl
-    as the one-kernel v1 (fp32, IEEE dots), with gates down to -20 per step (every exponent formed <= 0: nothing
-    overflows), awkward lengths and varlen with length-0/1 sequences; then v2 end to end vs the fp64 recurrence
-    with poisoned unused slots."""
+def test_intra_awkward_lengths_fp32(kda_path, lens, strong_gate):
+    """Awkward lengths and varlen with length-0/1 sequences, gates down to -20 per step (every exponent formed is
+    <= 0: nothing overflows), poisoned unused slots, vs the fp64 recurrence."""
     if kda_path != "split":
-        pytest.skip("compares both intra variants in the 'split' run")
-    import kernels.kda.chunk as chunk_mod
-    from kernels.kda.chunk import chunk_kda_plan
-
+        pytest.skip("the intra launches are shared by both paths")
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
@@ -334,23 +327,7 @@ def test_intra_v2_matches_v1_fp32(kda_path, lens, strong_gate, monkeypatch):
         gate = -torch.exp(inp["A_log"].double()).repeat_interleave(K) * torch.nn.functional.softplus(d)
         assert gate.min() < -20.0
     P = len(lens)
-    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV)
     slots = list(range(1, P + 1))
-    bufs = {}
-    for variant in ("v1", "v2"):
-        monkeypatch.setattr(chunk_mod, "_FORCE_INTRA", variant)
-        pool = torch.zeros(P + 1, H, K, V, device=DEV)
-        bufs[variant] = {}
-        _, launches = chunk_kda_plan(inp["q"], inp["k"], inp["v"], inp["z"], inp["A_log"], inp["dt_bias"], inp["b"],
-                                     K ** -0.5, pool, cu_t, torch.tensor(slots, dtype=torch.int32, device=DEV),
-                                     None, cu_seqlens_cpu=cu, buffers=bufs[variant])
-        for f in launches.values():
-            f()
-    for name, ref in bufs["v1"].items():
-        got = bufs["v2"][name]
-        assert torch.isfinite(got).all(), name
-        assert rel_rms(got, ref) <= 1e-5, (name, rel_rms(got, ref))
-    monkeypatch.setattr(chunk_mod, "_FORCE_INTRA", "v2")
     res = run_pair(inp, cu, slots, [bool(i % 2) for i in range(P)], S=P + 3)
     check(*res, slots, FP32_TOL)
 
@@ -360,7 +337,7 @@ def test_akk_variants(kda_path, monkeypatch):
     (two exact 8x8 blocks + one anchored 8x8 dot per diagonal block) agrees to fp32 rounding (strong gates,
     partial chunks so the gathered partner rows are masked)."""
     if kda_path != "split":
-        pytest.skip("runs the v2 intra only")
+        pytest.skip("the intra launches are shared by both paths")
     import kernels.kda.chunk as chunk_mod
 
     T = 75
