@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.conv import (
+    PrefillConfig,
     short_conv_decode_ref,
     short_conv_decode_triton,
     short_conv_prefill_ref,
@@ -41,7 +42,8 @@ def test_ref_matches_conv1d():
 
 @pytest.mark.parametrize("lens", [[1], [63], [64, 65], [5, 1, 2, 0, 70], [2, 1, 3]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_varlen(lens, dtype):
+@pytest.mark.parametrize("impl", ["stream", "tile"])
+def test_prefill_varlen(lens, dtype, impl):
     C = 48
     x, w, state = _setup(lens, C, dtype=dtype)
     P = len(lens)
@@ -56,7 +58,7 @@ def test_prefill_varlen(lens, dtype):
     s_ref = state.clone()
     s_tri = state.clone()
     y_ref = short_conv_prefill_ref(x, w, s_ref, _cu(lens), slots, his)
-    y_tri = short_conv_prefill_triton(x, w, s_tri, _cu(lens), slots, his)
+    y_tri = short_conv_prefill_triton(x, w, s_tri, _cu(lens), slots, his, impl=impl)
     tol = 1e-5 if dtype == torch.float32 else bf16_tol()
     assert_close("y", y_tri, y_ref, tol)
     used = slots.long()
@@ -147,3 +149,84 @@ def test_outputs_fully_written_and_uncovered_tokens():
     outd = torch.full((2, C), float("nan"), device=DEV)
     short_conv_decode_triton(x[:2], w, s_tri, slots, out=outd)
     assert_close("decode", outd, short_conv_decode_ref(x[:2], w, s_ref, slots), 1e-5)
+
+
+# small chunks (BT rows) and channel blocks (BC) so the interpreter covers the streaming kernel's tiling edges:
+# sequences crossing chunk boundaries and ending exactly on one, several sequences (empty, length 1..3) between two
+# chunk starts, a partial last channel block, both loop step sizes and the prefetching loop
+STREAM_CFGS = [PrefillConfig(BT=8, BC=32, num_warps=1, RS=4), PrefillConfig(BT=8, BC=32, num_warps=1, RS=8, PF=True),
+               PrefillConfig(BT=16, BC=64, num_warps=1, RS=8)]
+
+
+def _check_prefill(x, w, state, cu, slots, his, cfg, tol):
+    # y (NaN-filled out, fully written) and state vs the reference; slots outside the batch bit-identical
+    T, C = x.shape
+    s_ref, s_tri = state.clone(), state.clone()
+    out = torch.full((T, C), float("nan"), device=DEV, dtype=x.dtype)
+    y = short_conv_prefill_triton(x, w, s_tri, cu, slots, his, out=out, cfg=cfg)
+    y_ref = short_conv_prefill_ref(x, w, s_ref, cu, slots, his)
+    assert y is out and not out.isnan().any()
+    assert_close("y", out, y_ref, tol)
+    assert torch.equal(s_tri[slots.long()], s_ref[slots.long()])
+    for s in sorted(set(range(state.shape[0])) - set(slots.tolist())):
+        assert_bits_equal(f"slot {s}", s_tri[s], state[s])
+
+
+@pytest.mark.parametrize("cfg", STREAM_CFGS, ids=lambda c: f"BT{c.BT}-BC{c.BC}-RS{c.RS}-PF{int(c.PF)}")
+@pytest.mark.parametrize("lens", [[17, 8, 9, 31], [1, 2, 3, 0, 1, 5, 2, 16, 1], [0, 40, 0], [7], [24, 3]])
+def test_prefill_stream_chunks(cfg, lens):
+    C = 40                                                               # two channel blocks at BC 32, one at 64
+    x, w, state = _setup(lens, C, S=len(lens) + 4)
+    P = len(lens)
+    slots = torch.randperm(state.shape[0] - 1, device=DEV)[:P].to(torch.int32) + 1
+    his = torch.tensor([i % 3 != 1 for i in range(P)], device=DEV)
+    state[slots[~his].long()] = float("nan")                            # no initial state: must read as zeros
+    state[0] = float("nan")
+    _check_prefill(x, w, state, _cu(lens), slots, his, cfg, 1e-5)
+
+
+@pytest.mark.parametrize("cfg", STREAM_CFGS[:2], ids=lambda c: f"BT{c.BT}-RS{c.RS}")
+def test_prefill_stream_offset_batch(cfg):
+    # cu[0] > 0 and cu[-1] < T: zero rows before and after the batch, which starts and ends mid-chunk
+    C, T = 40, 30
+    x, w, state = _setup([T], C)
+    cu = torch.tensor([5, 6, 15, 15, 27], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([3, 1, 6, 4], dtype=torch.int32, device=DEV)
+    his = torch.tensor([True, False, True, True], device=DEV)
+    _check_prefill(x, w, state, cu, slots, his, cfg, 1e-5)
+
+
+def test_prefill_stream_many_sequences():
+    # 37 sequences (segment table of 64) with empty ones, default launch config, bf16 state and inputs
+    lens = [int(v) for v in torch.randint(0, 6, (37,))]
+    C = 24
+    x, w, state = _setup(lens, C, S=40, dtype=torch.bfloat16)
+    slots = torch.arange(2, 39, dtype=torch.int32, device=DEV)
+    his = torch.rand(37, device=DEV) < 0.5
+    _check_prefill(x, w, state, _cu(lens), slots, his, None, bf16_tol())
+
+
+@pytest.mark.parametrize("Wk", [2, 3])
+def test_prefill_stream_short_kernels(Wk):
+    # kernel widths 2 and 3 (the window keeps only W-1 rows; the stream kernel takes W <= 4)
+    lens = [1, 9, 2, 0, 12]
+    C = 40
+    x, _, state = _setup(lens, C, S=8)
+    w = torch.randn(C, Wk, device=DEV) * 0.5
+    state = state[:, :Wk - 1].contiguous()
+    slots = torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32, device=DEV)
+    his = torch.tensor([True, False, True, True, False], device=DEV)
+    _check_prefill(x, w, state, _cu(lens), slots, his, STREAM_CFGS[0], 1e-5)
+
+
+def test_bench_smoke():
+    # bench/conv.py --smoke (CPU, interpreter, tiny shapes): reference checks and timing loop of both kernels
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "conv.py"), "--smoke"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout.count("tile (old)") == 2 and r.stdout.count("stream BT64") == 2
