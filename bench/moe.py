@@ -1,8 +1,14 @@
 """H200 benchmark: Kimi-Linear routed MoE (E=256, top-8, D=2304, I=1024, bf16).
 
     python bench/moe.py [--tokens 1,8,64,256,1024,8192] [--no-check] [--no-ref] [--sweep]
+    python bench/moe.py --sweep-decode [--decode-m 9,72,576]
 
 --sweep also times a grid of tile configs per T (CUDA-graph replay) and prints the best, for tuning get_config.
+--sweep-decode (only that, < 45 s on the H200): GEMM1 and GEMM2 timed separately at M = 9, 72, 576 assignments
+(batch 1, 8, 64 with the shared expert folded in as expert 256: E = 257, 9 ids per token) for a list of candidate
+configs (N tiles, ragged balanced tile counts, BK, stages, GEMM2 split-K), L2-cold: one CUDA graph of R launches,
+each on its own routing (consecutive launches share no expert at M = 9), us per launch, TB/s of the selected experts'
+weight bytes, and the device copy bandwidth (read + write) measured in the same run.
 
 For each T: our Triton fused_moe (eager and CUDA-graph replay), the router, a dense torch reference (per-expert loop,
 fused_moe_ref) and torch._grouped_mm when this torch has it; plus the roofline bound:
@@ -23,10 +29,12 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.moe import fused_moe, fused_moe_ref, moe_router  # noqa: E402
-from kernels.moe.fused import MoEConfig, fused_moe_triton, get_config  # noqa: E402
+from kernels.moe.fused import (MoEConfig, balanced_tiles, expected_blocks, fused_moe_triton, get_config,  # noqa: E402
+                               moe_combine, moe_gemm1, moe_gemm2, moe_rows)
 
 D, I, E, K, SCALE = 2304, 1024, 256, 8, 2.446
 HBM_BW = 4.8e12
+DEV = "cuda"
 
 
 def t_ms(fn, graph=False):
@@ -96,17 +104,223 @@ def sweep(args, w13, w2, gate, bias):
         print(f"T={T:>5}: default {cur_t:.1f}us; best: {top}")
 
 
+# --sweep-decode candidates. GEMM1: (BN1, BK, warps, stages); GEMM2: (BN2, BK2, warps2, stages2, K splits). Each tile
+# set runs with BN-wide tiles (nt 0) and with balanced ragged tile counts (balanced_tiles), GEMM2 also split-K.
+DEC_G1 = {9: [(32, 128, 4, 4), (32, 128, 4, 3), (32, 128, 4, 6), (16, 128, 4, 6), (16, 256, 4, 4), (32, 256, 4, 3),
+              (64, 128, 4, 4)],
+          72: [(64, 128, 4, 4), (32, 128, 4, 4), (32, 128, 4, 6), (16, 256, 4, 4), (64, 128, 4, 3)],
+          576: [(64, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3)]}
+DEC_G2 = {9: [(64, 128, 4, 4, (1, 2)), (32, 128, 4, 4, (1,)), (64, 256, 4, 3, (1, 2)), (128, 128, 4, 3, (1, 2, 4)),
+              (64, 128, 4, 6, (1,))],
+          72: [(64, 128, 4, 4, (1, 2)), (32, 128, 4, 4, (1,)), (128, 128, 4, 3, (1, 2)), (64, 256, 4, 3, (1,))],
+          576: [(64, 128, 4, 4, (1,)), (128, 128, 4, 3, (1,)), (64, 128, 4, 3, (1,))]}
+DEC_REPS = 16
+
+
+def _decode_candidates(M, blocks, sms):
+    """-> (GEMM1 configs, GEMM2 configs) for M assignments (the DEC_G1 / DEC_G2 rows of the nearest listed M)."""
+    key = min(DEC_G1, key=lambda m: abs(m - M))
+    g1 = [MoEConfig(16, bn, 64, bk, nw, ns, nt1=nt) for bn, bk, nw, ns in DEC_G1[key]
+          for nt in sorted({0, balanced_tiles(I, bn, blocks, sms)})]
+    g2 = [MoEConfig(16, 32, bn, 128, 4, 4, nt2=nt, split2=sp, BK2=bk, warps2=nw, stages2=ns)
+          for bn, bk, nw, ns, splits in DEC_G2[key] for nt in sorted({0, balanced_tiles(D, bn, blocks, sms)})
+          for sp in splits]
+    return g1, g2
+
+
+def _label1(c):
+    return (f"BN1={c.BN1} BK={c.BK} w={c.num_warps} s={c.num_stages} nt1={c.nt1 or -(-I // c.BN1)}"
+            f"{'' if c.nt1 else ' (BN-wide)'}")
+
+
+def _label2(c):
+    return (f"BN2={c.BN2} BK2={c.BK2 or c.BK} w={c.warps2 or c.num_warps} s={c.stages2 or c.num_stages} "
+            f"nt2={c.nt2 or -(-D // c.BN2)}{'' if c.nt2 else ' (BN-wide)'} split2={c.split2}")
+
+
+class _DecodeCase:
+    """Inputs of one decode size: DEC_REPS routings of T = M / 9 tokens (8 distinct routed experts per token + one
+    common expert, the folded shared one, drawn per routing; T = 1: consecutive routings share no expert, so the
+    weights are L2-cold), their x, inter, combine weights and row layouts."""
+
+    def __init__(self, M, w13, w2, sms, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        dev, E1, k = w13.device, w13.shape[0], K + 1
+        self.M, self.T, self.w13, self.w2 = M, M // k, w13, w2
+        self.blocks = expected_blocks(M, E1, k)
+        perm = torch.randperm(E1, generator=gen)
+        routs = []
+        for r in range(DEC_REPS):
+            if self.T == 1:
+                routs.append(perm.roll(-k * r)[:k][None])
+                continue
+            p = torch.randperm(E1, generator=gen)
+            routed = torch.stack([p[1:][torch.randperm(E1 - 1, generator=gen)[:K]] for _ in range(self.T)])
+            routs.append(torch.cat([routed, p[:1].expand(self.T, 1)], dim=1))
+        self.routs = [r.to(dev, torch.int32) for r in routs]
+        self.uniq = sum(int(torch.unique(r).numel()) for r in routs) / DEC_REPS
+        self.xs = [torch.randn(self.T, D, device=dev, dtype=w13.dtype) for _ in routs]
+        self.inters = [torch.randn(M, I, device=dev, dtype=w13.dtype) for _ in routs]
+        self.ws = [torch.rand(self.T, k, device=dev) for _ in routs]
+        self.rows = [moe_rows(r, E1, 16) for r in self.routs]
+        self.g1, self.g2 = _decode_candidates(M, self.blocks, sms)
+
+    def gemm1(self, c):
+        return [lambda i=i: moe_gemm1(self.xs[i], self.w13, self.rows[i], c, inter=self.inters[i])
+                for i in range(DEC_REPS)]
+
+    def gemm2(self, c):
+        return [lambda i=i: moe_gemm2(self.inters[i], self.w2, self.rows[i], c) for i in range(DEC_REPS)]
+
+
+def _decode_weights(init=True):
+    E1, dev = E + 1, DEV
+    if not init:  # shapes and strides only (compile jobs)
+        return (torch.empty(E1, 2 * I, D, device=dev, dtype=torch.bfloat16),
+                torch.empty(E1, D, I, device=dev, dtype=torch.bfloat16))
+    return ((torch.randn(E1, 2 * I, D, device=dev, dtype=torch.bfloat16) * D**-0.5),
+            (torch.randn(E1, D, I, device=dev, dtype=torch.bfloat16) * I**-0.5))
+
+
+_WORKER: dict = {}  # per worker process: the weights (allocated once) and one _DecodeCase per M
+
+
+def _compile_job(job):
+    """Worker process: compile (launch once) one GEMM config of one decode size; the kernel lands in Triton's on-disk
+    cache, so the timing process only loads it (compiles run in parallel, not one after another)."""
+    M, which, c, sms = job
+    if "w" not in _WORKER:
+        _WORKER["w"] = [w.zero_() for w in _decode_weights(init=False)]
+    if M not in _WORKER:
+        _WORKER[M] = _DecodeCase(M, *_WORKER["w"], sms)
+    case = _WORKER[M]
+    if which == 1:
+        case.gemm1(c)[0]()
+    elif which == 2:
+        case.gemm2(c)[0]()
+    else:  # the combine for c split-K partials
+        y = torch.zeros(c, M, D, device=DEV) if c > 1 else torch.zeros(M, D, device=DEV, dtype=torch.bfloat16)
+        moe_combine(y, case.ws[0], torch.empty(case.T, D, device=DEV, dtype=torch.bfloat16))
+    torch.cuda.synchronize()
+    return 1
+
+
+def _precompile(Ms, sms, workers):
+    import multiprocessing as mp
+
+    jobs = []
+    for M in Ms:
+        g1, g2 = _decode_candidates(M, expected_blocks(M, E + 1, K + 1), sms)
+        cur = get_config(M, E + 1, torch.bfloat16, K + 1, sms, I, D)
+        jobs += [(M, 1, c, sms) for c in g1 + [cur]] + [(M, 2, c, sms) for c in g2 + [cur]]
+        jobs += [(M, 3, sp, sms) for sp in (1, 2, 4)]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        return sum(pool.map(_compile_job, jobs, chunksize=1))
+
+
+def _graph_us(fns, replays=10):
+    """Median us per launch: one CUDA graph of the launches fns (one per routing), replayed (--smoke on the CPU:
+    one eager pass, wall time)."""
+    if DEV != "cuda":
+        import time
+
+        t = time.perf_counter()
+        for f in fns:
+            f()
+        return (time.perf_counter() - t) * 1e6 / len(fns)
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / len(fns))
+    return sorted(ts)[len(ts) // 2]
+
+
+def _print_sweep(name, res, nbytes, copy_bw, cur_label):
+    res.sort(key=lambda r: r[0])
+    for us, label in res:
+        tbs = nbytes / (us * 1e-6) / 1e12
+        mark = "  <- get_config" if label == cur_label else ""
+        print(f"  {name} {us:7.2f} us {tbs:5.2f} TB/s ({100 * tbs / copy_bw:3.0f}% of copy)  {label}{mark}")
+
+
+def sweep_decode(args):
+    """GEMM1 / GEMM2 candidate configs at decode sizes (see the module docstring)."""
+    import time
+
+    t0 = time.time()
+    Ms = [int(m) for m in args.decode_m.split(",")]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 132
+    workers = 1 if args.smoke else min(8, os.cpu_count() or 1)  # smoke: the workers would see the full shapes
+    n = _precompile(Ms, sms, workers) if workers > 1 else 0
+    print(f"compiled {n} kernel configs in {workers} processes: {time.time() - t0:.0f} s")
+    src = torch.empty(1 << 30 if DEV == "cuda" else 1 << 20, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    copy_us = _graph_us([lambda: dst.copy_(src)])
+    copy_bw = 2 * src.numel() / (copy_us * 1e-6) / 1e12
+    w13, w2 = _decode_weights()
+    print(f"sweep-decode: {sms} SMs, copy bandwidth (read + write, 1 GiB) {copy_bw:.2f} TB/s; {DEC_REPS} routings "
+          f"per CUDA graph; TB/s = selected experts' weight bytes / time")
+    for M in Ms:
+        case = _DecodeCase(M, w13, w2, sms)
+        cur = get_config(M, E + 1, torch.bfloat16, K + 1, sms, I, D)
+        print(f"M={M} (T={case.T}): {case.uniq:.1f} unique experts per routing (get_config assumes {case.blocks} "
+              f"blocks); get_config: {cur.short()}")
+        res = [(_graph_us(case.gemm1(c)), _label1(c)) for c in case.g1]
+        if _label1(cur) not in [r[1] for r in res]:
+            res.append((_graph_us(case.gemm1(cur)), _label1(cur)))
+        _print_sweep("gemm1", res, case.uniq * 2 * I * D * 2, copy_bw, _label1(cur))
+        res = [(_graph_us(case.gemm2(c)), _label2(c)) for c in case.g2]
+        if _label2(cur) not in [r[1] for r in res]:
+            res.append((_graph_us(case.gemm2(cur)), _label2(cur)))
+        _print_sweep("gemm2", res, case.uniq * D * I * 2, copy_bw, _label2(cur))
+        outs = [torch.empty(case.T, D, device=DEV, dtype=torch.bfloat16) for _ in range(DEC_REPS)]
+        for sp in (1, 2, 4):  # the combine with split-K partials reads S fp32 partials instead of one bf16 y
+            ys = [torch.randn(sp, M, D, device=DEV) if sp > 1 else
+                  torch.randn(M, D, device=DEV, dtype=torch.bfloat16) for _ in range(DEC_REPS)]
+            us = _graph_us([lambda i=i: moe_combine(ys[i], case.ws[i], outs[i]) for i in range(DEC_REPS)])
+            print(f"  combine split2={sp}: {us:.2f} us")
+        print(f"  [{time.time() - t0:.0f} s]")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,8,64,256,1024,8192")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-ref", action="store_true", help="skip the slow per-expert-loop reference timing")
     ap.add_argument("--sweep", action="store_true", help="time a grid of tile configs per T")
+    ap.add_argument("--sweep-decode", action="store_true", help="only: GEMM1/GEMM2 candidates at decode sizes")
+    ap.add_argument("--decode-m", default="9,72,576", help="assignment counts M for --sweep-decode (multiples of 9)")
+    ap.add_argument("--smoke", action="store_true", help="--sweep-decode code paths at tiny shapes, 2 routings (CPU "
+                    "without CUDA: TRITON_INTERPRET=1, eager timing)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.smoke:
+        global D, I, E, DEC_REPS, DEV
+        D, I, E, DEC_REPS = 64, 32, 24, 2
+        DEV = "cuda" if torch.cuda.is_available() else "cpu"
+        for table in (DEC_G1, DEC_G2):  # one tile set per size
+            for m in table:
+                table[m] = table[m][:1]
+        args.decode_m = "9,36"
+        return sweep_decode(args)
     dev = "cuda"
     dt = torch.bfloat16
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    if args.sweep_decode:
+        return sweep_decode(args)
     peak = bf16_peak()
     print(f"measured bf16 matmul peak (8192^3 torch.mm): {peak / 1e12:.0f} TFLOP/s; "
           f"HBM bound uses {HBM_BW / 1e12} TB/s")

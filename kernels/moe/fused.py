@@ -25,12 +25,13 @@ Expert ids must lie in [0, E).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels._tensors import num_sms
 from kernels.moe.router import INTERPRET, cast_to, dot_acc, dot_mode
 
 # Largest M = T*k aligned by the single-program Triton align kernel; above it the torch path is used.
@@ -149,41 +150,49 @@ def _block_rows_from_ids(ids_ptr, pid_m, M, E, BM: tl.constexpr, BLOCK: tl.const
 # 2./3. grouped GEMMs
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, BM: tl.constexpr, BN: tl.constexpr,
-                IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """This program's (row block, N tile), the block's rows idx [BM] (>= M: padding), its expert and the padded row
-    count: from moe_align's outputs, or (IDS_BLOCK > 0) derived from the ids by _block_rows_from_ids."""
+def _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT, BM: tl.constexpr, BN: tl.constexpr,
+                RAGGED: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """This program's row block, its N columns [n_lo, n_hi), the block's rows idx [BM] (>= M: padding), its expert and
+    the padded row count: from moe_align's outputs, or (IDS_BLOCK > 0) derived from the ids by _block_rows_from_ids.
+    NT N tiles per row block: BN wide (RAGGED False), or (RAGGED) N split evenly into NT tiles of N // NT or
+    N // NT + 1 <= BN columns, so that blocks * NT programs can be a multiple of the SM count (no wave tail)."""
     pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BN)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    pid_m = pid // NT
+    pid_n = pid % NT
+    if RAGGED:
+        n_lo = pid_n * N // NT
+        n_hi = (pid_n + 1) * N // NT
+    else:  # n_lo a multiple of BN: the compiler keeps the stores vectorised
+        n_lo = pid_n * BN
+        n_hi = N
     if IDS_BLOCK > 0:
         idx, e, npost = _block_rows_from_ids(ids_ptr, pid_m, M, E, BM, IDS_BLOCK, BLOCK_E)
     else:
         npost = tl.load(npost_ptr)
         idx = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
         e = tl.load(expert_ids_ptr + pid_m)
-    return pid_m, pid_n, idx, e, npost
+    return pid_m, n_lo, n_hi, idx, e, npost
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "E", "NT"])  # runtime sizes: one compile for every batch size / tile count
 def _moe_gemm1_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
-    M, N, K, stride_xm, stride_we, stride_wn, stride_om, ids_ptr, E,
+    M, N, K, stride_xm, stride_we, stride_wn, stride_om, ids_ptr, E, NT,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-    MODE: tl.constexpr, INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+    MODE: tl.constexpr, INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, RAGGED: tl.constexpr,
 ):
     """inter[idx, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, N + n]) for the rows idx of one block.
-    IDS_BLOCK > 0: the block's rows come from the ids (_block_rows_from_ids), not from moe_align's outputs."""
-    pid_m, pid_n, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E,
-                                              BM, BN, IDS_BLOCK, BLOCK_E)
+    IDS_BLOCK > 0: the block's rows come from the ids (_block_rows_from_ids), not from moe_align's outputs.
+    Grid: (blocks * NT,); NT and RAGGED as in _block_rows."""
+    pid_m, n_lo, n_hi, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT,
+                                                   BM, BN, RAGGED, IDS_BLOCK, BLOCK_E)
     if pid_m * BM >= npost:
         return
     e = e.to(tl.int64)
     row_ok = idx < M
     tok = (idx // TOP_K).to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    n_ok = offs_n < N
+    offs_n = n_lo + tl.arange(0, BN)
+    n_ok = offs_n < n_hi
     offs_k = tl.arange(0, BK)
     a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
     g_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
@@ -211,28 +220,34 @@ def _moe_gemm1_kernel(
     tl.store(o_ptrs, cast_to(act, out_ptr.dtype.element_ty, INTERP), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "E", "NT", "k_steps"])
 def _moe_gemm2_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
-    M, N, K, stride_am, stride_we, stride_wn, stride_om, ids_ptr, E,
+    M, N, K, stride_am, stride_we, stride_wn, stride_os, stride_om, ids_ptr, E, NT, k_steps,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
-    INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+    INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, RAGGED: tl.constexpr,
 ):
-    """y[idx, n] = inter[idx] . w2[e, n] for the rows idx of one block (IDS_BLOCK as in _moe_gemm1_kernel)."""
-    pid_m, pid_n, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E,
-                                              BM, BN, IDS_BLOCK, BLOCK_E)
+    """out[s, idx, n] = inter[idx, Ks] . w2[e, n, Ks] for the rows idx of one block and the K range
+    Ks = [s * k_steps * BK, (s + 1) * k_steps * BK) of split s = program_id(1) (one split: the whole K, out = y in
+    x.dtype; several: fp32 partials [S, M, N], summed in split order by the combine kernel, no atomics).
+    Grid: (blocks * NT, S); IDS_BLOCK, NT and RAGGED as in _moe_gemm1_kernel."""
+    pid_m, n_lo, n_hi, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT,
+                                                   BM, BN, RAGGED, IDS_BLOCK, BLOCK_E)
     if pid_m * BM >= npost:
         return
+    pid_s = tl.program_id(1)
+    k_lo = pid_s * k_steps * BK                 # a multiple of BK: the K loads stay aligned
+    k_hi = tl.minimum(k_lo + k_steps * BK, K)
     e = e.to(tl.int64)
     row_ok = idx < M
     row = idx.to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    n_ok = offs_n < N
+    offs_n = n_lo + tl.arange(0, BN)
+    n_ok = offs_n < n_hi
     offs_k = tl.arange(0, BK)
-    a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
+    a_ptrs = a_ptr + row[:, None] * stride_am + k_lo + offs_k[None, :]
+    b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + k_lo + offs_k[:, None]  # [BK, BN]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
@@ -243,7 +258,7 @@ def _moe_gemm2_kernel(
         acc = dot_acc(a, b, acc, MODE)
         a_ptrs += BK
         b_ptrs += BK
-    o_ptrs = out_ptr + row[:, None] * stride_om + offs_n[None, :]
+    o_ptrs = out_ptr + pid_s.to(tl.int64) * stride_os + row[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, cast_to(acc, out_ptr.dtype.element_ty, INTERP), mask=row_ok[:, None] & n_ok[None, :])
 
 
@@ -251,14 +266,22 @@ def _moe_gemm2_kernel(
 # 4. combine
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, D, TOP_K: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr):
+def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, D, stride_ys, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
+                        BD: tl.constexpr, INTERP: tl.constexpr):
+    """out[t] = sum_j w[t, j] * y[t*k + j] in fp32. SPLIT > 1: y holds gemm2's fp32 K partials [SPLIT, M, D]; each
+    y row is their sum in split order rounded to out's dtype (as the one-split gemm2 stores it), then weighted."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BD + tl.arange(0, BD)
     ok = offs < D
     acc = tl.zeros((BD,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         wj = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
-        yj = tl.load(y_ptr + (t * TOP_K + j) * D + offs, mask=ok, other=0.0).to(tl.float32)
+        y_ptrs = y_ptr + (t * TOP_K + j) * D + offs
+        yj = tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
+        if SPLIT > 1:
+            for s in tl.static_range(1, SPLIT):
+                yj += tl.load(y_ptrs + s * stride_ys, mask=ok, other=0.0)
+            yj = cast_to(yj, out_ptr.dtype.element_ty, INTERP).to(tl.float32)
         acc += wj * yj
     tl.store(out_ptr + t * D + offs, cast_to(acc, out_ptr.dtype.element_ty, INTERP), mask=ok)
 
@@ -274,11 +297,44 @@ class MoEConfig:
     BK: int
     num_warps: int
     num_stages: int
+    nt1: int = 0     # GEMM1 N tiles per row block: 0 -> cdiv(I, BN1) BN1-wide tiles; > 0 -> I split evenly (RAGGED)
+    nt2: int = 0     # the same for GEMM2 over D
+    split2: int = 1  # GEMM2 K splits (fp32 partials summed in the combine kernel)
+    BK2: int = 0     # GEMM2 K tile, warps, stages; 0 -> as GEMM1
+    warps2: int = 0
+    stages2: int = 0
+
+    def short(self) -> str:
+        s = f"{self.BM},{self.BN1},{self.BN2},{self.BK},{self.num_warps},{self.num_stages}"
+        extra = [f"{k}={v}" for k, v in (("nt1", self.nt1), ("nt2", self.nt2), ("split2", self.split2),
+                                          ("BK2", self.BK2), ("warps2", self.warps2), ("stages2", self.stages2))
+                 if v != MoEConfig.__dataclass_fields__[k].default]
+        return s + ("," + ",".join(extra) if extra else "")
 
 
-def get_config(M: int, E: int, dtype: torch.dtype) -> MoEConfig:
+def expected_blocks(M: int, E: int, top_k: int) -> int:
+    """Expected BLOCK_M-16 row blocks for T = M / top_k tokens with distinct uniform ids per token: the expected
+    number of distinct experts, E * (1 - (1 - k/E)^T) (exact for T = 1; decode blocks hold <= 16 rows)."""
+    T = max(M // max(top_k, 1), 1)
+    return max(1, round(E * (1.0 - (1.0 - min(top_k, E) / E) ** T)))
+
+
+def balanced_tiles(N: int, BN: int, blocks: int, sms: int) -> int:
+    """N tiles per row block, in [cdiv(N, BN), 2 cdiv(N, BN)] (tiles at least about half full), that minimise the
+    busiest SM's columns: ceil(blocks * nt / sms) tiles of N / nt columns each (smallest nt on ties).
+    E.g. N 1024, BN 32, 9 blocks, 132 SMs: 44 tiles of 23-24 columns, 396 programs = 3 per SM (32 BN-wide tiles:
+    288 programs, 24 SMs run a third tile of 32 columns while the rest idle)."""
+    lo = triton.cdiv(N, BN)
+    best = min(range(lo, 2 * lo + 1), key=lambda nt: (triton.cdiv(blocks * nt, sms) / nt, nt))
+    return best if (best != lo or N % BN) else 0
+
+
+def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms: int = 132,
+               N1: int = 1024, N2: int = 2304) -> MoEConfig:
     """Tiles for H200 by the number of assignments M = T*k. Decode: BLOCK_M 16 (tl.dot minimum), narrow N tiles so
-    that the few selected experts' weights are streamed by many SMs; prefill: 128x128-class tensor-core tiles."""
+    that the few selected experts' weights are streamed by many SMs; prefill: 128x128-class tensor-core tiles.
+    With top_k (decode, M <= 128): N tile counts balanced over `sms` SMs for the expected number of row blocks
+    (balanced_tiles; N1 = I and N2 = D are GEMM1's and GEMM2's N)."""
     per_expert = M / max(E, 1)
     if M <= 64:  # T <= 8 at k=8
         cfg = MoEConfig(16, 32, 64, 128, 4, 4)
@@ -290,13 +346,110 @@ def get_config(M: int, E: int, dtype: torch.dtype) -> MoEConfig:
         cfg = MoEConfig(64, 64, 128, 64, 4, 3)
     else:
         cfg = MoEConfig(128, 64, 128, 64, 8, 3)
+    if top_k is not None and M <= 128 and cfg.BM == 16:
+        blocks = expected_blocks(M, E, top_k)
+        cfg = replace(cfg, nt1=balanced_tiles(N1, cfg.BN1, blocks, sms), nt2=balanced_tiles(N2, cfg.BN2, blocks, sms))
     if dtype == torch.float32:  # fp32 operands: halve the pipeline depth to fit shared memory
-        cfg = MoEConfig(cfg.BM, cfg.BN1, min(cfg.BN2, 64), min(cfg.BK, 64), cfg.num_warps, 2)
+        cfg = replace(cfg, BN2=min(cfg.BN2, 64), BK=min(cfg.BK, 64), num_stages=2, BK2=min(cfg.BK2, 64),
+                      stages2=min(cfg.stages2, 2))
     return cfg
 
 
 def _fit(b: int, n: int) -> int:
     return max(16, min(b, triton.next_power_of_2(n)))
+
+
+def _tiles(N: int, BN: int, nt: int) -> tuple[int, int, bool]:
+    """-> (BN, NT, RAGGED) for N columns: nt == 0 -> cdiv(N, BN) BN-wide tiles; else nt even tiles (<= BN wide)."""
+    if nt <= 0:
+        return BN, triton.cdiv(N, BN), False
+    nt = min(nt, N)
+    assert triton.cdiv(N, nt) <= BN, (N, BN, nt)
+    return BN, nt, not (N % nt == 0 and N // nt == BN)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# host side: rows, the two GEMMs and the combine (separately callable for bench/moe.py --sweep-decode)
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class MoERows:
+    """Where each GEMM program finds its rows: moe_align's outputs, or (ids_block > 0) the ids themselves."""
+    ids: torch.Tensor
+    sorted_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_post: torch.Tensor
+    max_blocks: int
+    ids_block: int
+    block_e: int
+    E: int
+    BM: int
+
+
+def moe_rows(topk_ids: torch.Tensor, E: int, BM: int) -> MoERows:
+    ids = topk_ids.to(torch.int32).contiguous()
+    M = ids.numel()
+    if M <= ALIGN_IN_GEMM_MAX:  # decode: the GEMM programs find their rows in the ids (one launch fewer)
+        return MoERows(ids, ids, ids, ids, max_padded_size(M, E, BM) // BM, max(16, triton.next_power_of_2(M)),
+                       max(16, triton.next_power_of_2(E + 1)), E, BM)
+    sorted_ids, expert_ids, num_post = moe_align(ids, E, BM)
+    return MoERows(ids, sorted_ids, expert_ids, num_post, expert_ids.numel(), 0, 0, E, BM)
+
+
+def moe_gemm1(x: torch.Tensor, w13: torch.Tensor, rows: MoERows, cfg: MoEConfig,
+              inter: torch.Tensor | None = None) -> torch.Tensor:
+    """-> inter [M, I] (x.dtype) = silu(gate) * up per assignment row (flat index t*k + j)."""
+    M = rows.ids.numel()
+    top_k = rows.ids.shape[-1]
+    inter_dim, D = w13.shape[1] // 2, w13.shape[2]
+    if inter is None:
+        inter = torch.empty(M, inter_dim, dtype=x.dtype, device=x.device)
+    BN, NT, ragged = _tiles(inter_dim, _fit(cfg.BN1, inter_dim), cfg.nt1)
+    BK = _fit(cfg.BK, D)
+    _moe_gemm1_kernel[(rows.max_blocks * NT,)](
+        x, w13, inter, rows.sorted_ids, rows.expert_ids, rows.num_post,
+        M, inter_dim, D, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), rows.ids, rows.E, NT,
+        TOP_K=top_k, BM=rows.BM, BN=BN, BK=BK, EVEN_K=D % BK == 0, MODE=dot_mode(x.dtype), INTERP=INTERPRET,
+        IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return inter
+
+
+def moe_gemm2(inter: torch.Tensor, w2: torch.Tensor, rows: MoERows, cfg: MoEConfig) -> torch.Tensor:
+    """-> y [M, D] (inter.dtype), or with cfg.split2 > 1 fp32 K partials [S, M, D] (S <= split2: no empty split)."""
+    M, inter_dim = inter.shape
+    D = w2.shape[1]
+    BN, NT, ragged = _tiles(D, _fit(cfg.BN2, D), cfg.nt2)
+    BK = _fit(cfg.BK2 or cfg.BK, inter_dim)
+    steps = triton.cdiv(inter_dim, BK)
+    k_steps = triton.cdiv(steps, max(1, min(cfg.split2, steps)))
+    S = triton.cdiv(steps, k_steps)
+    if S == 1:
+        y = torch.empty(M, D, dtype=inter.dtype, device=inter.device)
+    else:
+        y = torch.empty(S, M, D, dtype=torch.float32, device=inter.device)
+    _moe_gemm2_kernel[(rows.max_blocks * NT, S)](
+        inter, w2, y, rows.sorted_ids, rows.expert_ids, rows.num_post,
+        M, D, inter_dim, inter.stride(0), w2.stride(0), w2.stride(1), M * D, D, rows.ids, rows.E, NT, k_steps,
+        BM=rows.BM, BN=BN, BK=BK, EVEN_K=inter_dim % BK == 0, MODE=dot_mode(inter.dtype), INTERP=INTERPRET,
+        IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged,
+        num_warps=cfg.warps2 or cfg.num_warps, num_stages=cfg.stages2 or cfg.num_stages,
+    )
+    return y
+
+
+def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [T, D] = sum_j w[t, j] * y[t*k + j] (fp32); y from moe_gemm2 (one split or fp32 partials)."""
+    T, top_k = topk_weights.shape
+    D = out.shape[1]
+    assert out.is_contiguous() and y.is_contiguous() and y.shape[-2:] == (T * top_k, D)
+    split = y.shape[0] if y.dim() == 3 else 1
+    BD = min(1024, triton.next_power_of_2(D))
+    _moe_combine_kernel[(T, triton.cdiv(D, BD))](
+        y, topk_weights.contiguous(), out, D, T * top_k * D, TOP_K=top_k, SPLIT=split, BD=BD, INTERP=INTERPRET,
+        num_warps=4,
+    )
+    return out
 
 
 def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, config: MoEConfig | None = None):
@@ -310,6 +463,7 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, config: MoECo
     M = T * top_k
     if out is None:
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    assert out.is_contiguous() and out.shape == (T, D)
     if T == 0:
         return out
     x = x.contiguous()
@@ -319,42 +473,8 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, config: MoECo
         w13 = w13.to(x.dtype)
     if w2.dtype != x.dtype:
         w2 = w2.to(x.dtype)
-    cfg = config or get_config(M, E, x.dtype)
-    BM = cfg.BM
-    ids = topk_ids.to(torch.int32).contiguous()
-    if M <= ALIGN_IN_GEMM_MAX:  # decode: the GEMM programs find their rows in the ids (one launch fewer)
-        ids_block, block_e = max(16, triton.next_power_of_2(M)), max(16, triton.next_power_of_2(E + 1))
-        sorted_ids = expert_ids = num_post = ids  # unused by the kernels
-        max_blocks = max_padded_size(M, E, BM) // BM
-    else:
-        ids_block = block_e = 0
-        sorted_ids, expert_ids, num_post = moe_align(ids, E, BM)
-        max_blocks = expert_ids.numel()
-    mode = dot_mode(x.dtype)
-
-    inter = torch.empty(M, inter_dim, dtype=x.dtype, device=x.device)
-    BN1 = _fit(cfg.BN1, inter_dim)
-    BK1 = _fit(cfg.BK, D)
-    _moe_gemm1_kernel[(max_blocks * triton.cdiv(inter_dim, BN1),)](
-        x, w13, inter, sorted_ids, expert_ids, num_post,
-        M, inter_dim, D, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), ids, E,
-        TOP_K=top_k, BM=BM, BN=BN1, BK=BK1, EVEN_K=D % BK1 == 0, MODE=mode, INTERP=INTERPRET,
-        IDS_BLOCK=ids_block, BLOCK_E=block_e,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    y = torch.empty(M, D, dtype=x.dtype, device=x.device)
-    BN2 = _fit(cfg.BN2, D)
-    BK2 = _fit(cfg.BK, inter_dim)
-    _moe_gemm2_kernel[(max_blocks * triton.cdiv(D, BN2),)](
-        inter, w2, y, sorted_ids, expert_ids, num_post,
-        M, D, inter_dim, inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0), ids, E,
-        BM=BM, BN=BN2, BK=BK2, EVEN_K=inter_dim % BK2 == 0, MODE=mode, INTERP=INTERPRET,
-        IDS_BLOCK=ids_block, BLOCK_E=block_e,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    assert out.is_contiguous() and out.shape == (T, D)
-    BD = min(1024, triton.next_power_of_2(D))
-    _moe_combine_kernel[(T, triton.cdiv(D, BD))](
-        y, topk_weights.contiguous(), out, D, TOP_K=top_k, BD=BD, INTERP=INTERPRET, num_warps=4,
-    )
-    return out
+    cfg = config or get_config(M, E, x.dtype, top_k, num_sms(x.device), inter_dim, D)
+    rows = moe_rows(topk_ids, E, cfg.BM)
+    inter = moe_gemm1(x, w13, rows, cfg)
+    y = moe_gemm2(inter, w2, rows, cfg)
+    return moe_combine(y, topk_weights, out)

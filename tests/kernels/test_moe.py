@@ -348,6 +348,102 @@ def test_fused_moe_rows_from_ids_equal_align(pattern, T, k, monkeypatch):
     assert torch.equal(out, fm.fused_moe_triton(x, w13, w2, w, ids))
 
 
+def test_balanced_tiles_and_decode_config():
+    """Decode N tile counts from shapes: batch 1 (9 blocks) on 132 SMs -> 44 tiles per block, 396 programs = 3 per
+    SM for both GEMMs (BN-wide: 288 / 324 programs, a third tile on 24 / 60 SMs only)."""
+    from kernels.moe.fused import balanced_tiles, expected_blocks, get_config
+
+    assert expected_blocks(9, 257, 9) == 9 and expected_blocks(8, 256, 8) == 8
+    assert 60 <= expected_blocks(72, 257, 9) <= 66
+    assert balanced_tiles(1024, 32, 9, 132) == 44 and balanced_tiles(2304, 64, 9, 132) == 44
+    for N, BN, blocks, sms in [(1024, 32, 9, 132), (1024, 64, 64, 132), (2304, 64, 17, 132), (1024, 16, 33, 114)]:
+        lo = -(-N // BN)
+        nt = balanced_tiles(N, BN, blocks, sms) or lo
+        assert lo <= nt <= 2 * lo and -(-N // nt) <= BN
+        busiest = lambda t: -(-blocks * t // sms) / t  # noqa: E731 - busiest SM's share of one block's columns
+        assert busiest(nt) <= busiest(lo) and busiest(nt) >= blocks / sms
+    assert balanced_tiles(1024, 64, 33, 132) == 0  # 16 BN-wide tiles are already even (528 = 4 x 132)
+    c = get_config(9, 257, torch.bfloat16, 9, 132)
+    assert (c.BM, c.nt1, c.nt2, c.split2) == (16, 44, 44, 1)
+    assert get_config(9, 257, torch.bfloat16) == get_config(9, 257, torch.bfloat16, None, 132)  # no top_k: BN-wide
+    assert get_config(8192 * 9, 257, torch.bfloat16, 9).nt1 == 0  # prefill unchanged
+
+
+def _gemm_cfgs():
+    from kernels.moe.fused import MoEConfig
+
+    return [MoEConfig(16, 16, 32, 16, 4, 2, nt1=3, nt2=5),                         # ragged N tiles (I=24, D=48)
+            MoEConfig(16, 32, 32, 16, 4, 2, nt2=2, split2=2),                      # split-K, 2 K steps per split
+            MoEConfig(16, 32, 64, 32, 4, 2, split2=3, BK2=16, warps2=4, stages2=3),  # 3 splits of 1 step (K=24 ->
+            MoEConfig(16, 16, 16, 32, 4, 2, nt1=2, nt2=4, split2=4, BK2=16)]          # 2 steps: S <= steps); K tail
+
+
+@needs_triton
+@pytest.mark.parametrize("T,k", [(1, 9), (13, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_ragged_tiles_and_split_k(T, k, dtype):
+    """Ragged N tiles and GEMM2 split-K (fp32 partials summed by the combine kernel) vs the fp32 reference, with the
+    rows from the ids (M <= 32) and from moe_align (M = 52); bit-identical when run again (no atomics)."""
+    from kernels.moe.fused import fused_moe_triton
+
+    D, I, E = 48, 24, 12
+    x, w13, w2, w, ids = make_moe(T, D, I, E, k, dtype)
+    if T > 1:
+        ids[:, 0] = 3  # one expert in every token (the folded shared expert's pattern; > BLOCK_M rows at T = 13)
+    ref32 = fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)
+    for cfg in _gemm_cfgs():
+        out = fused_moe_triton(x, w13, w2, w, ids, config=cfg)
+        assert rms_ratio(out, ref32) <= _tol(dtype), cfg
+        if cfg.split2 > 1:
+            assert torch.equal(out, fused_moe_triton(x, w13, w2, w, ids, config=cfg)), cfg
+
+
+@needs_triton
+def test_gemm2_split_partials():
+    """moe_gemm2 with split2 = S: fp32 partials [S, M, D] (no empty split: 4 K steps in split2 3 -> 2 splits of 2)
+    whose split-order sum is the one-split y (fp32 operands: equal up to summation order); the combine sums them in
+    split order and rounds each expert output to out's dtype before weighting it (as the one-split y is stored)."""
+    import kernels.moe.fused as fm
+
+    T, k, D, I, E = 3, 3, 32, 64, 6
+    x, w13, w2, w, ids = make_moe(T, D, I, E, k, torch.float32)
+    rows = fm.moe_rows(ids, E, 16)
+    one = fm.MoEConfig(16, 32, 32, 16, 4, 2)
+    inter = fm.moe_gemm1(x, w13, rows, one)
+    y = fm.moe_gemm2(inter, w2, rows, one)
+    assert y.shape == (T * k, D) and y.dtype == torch.float32
+    assert fm.moe_gemm2(inter, w2, rows, fm.MoEConfig(16, 32, 32, 16, 4, 2, split2=3)).shape == (2, T * k, D)
+    p = fm.moe_gemm2(inter, w2, rows, fm.MoEConfig(16, 32, 32, 16, 4, 2, split2=4))
+    assert p.shape == (4, T * k, D) and p.dtype == torch.float32
+    torch.testing.assert_close(p.sum(0), y, rtol=1e-5, atol=1e-5)
+    psum = ((p[0] + p[1]) + p[2]) + p[3]
+    for dt in (torch.float32, torch.bfloat16):
+        out = fm.moe_combine(p, w, torch.empty(T, D, device=DEV, dtype=dt))
+        yr = psum.to(dt).float().view(T, k, D)
+        exp = torch.zeros(T, D, device=DEV)
+        for j in range(k):  # the kernel's order: j ascending, fp32
+            exp += w[:, j, None] * yr[:, j]
+        if INTERPRET:  # same operations in the same order (the GPU may fuse multiply-adds)
+            assert torch.equal(out, exp.to(dt))
+        else:
+            torch.testing.assert_close(out.float(), exp.to(dt).float(), rtol=1e-2 if dt == torch.bfloat16 else 1e-5,
+                                       atol=1e-5)
+
+
+def test_bench_sweep_decode_smoke():
+    """bench/moe.py --sweep-decode code paths (candidate lists, routings, timing loop, the combine variants) at tiny
+    shapes in a subprocess (CPU: interpreter, eager timing)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="0" if HAS_CUDA else "1")
+    r = subprocess.run([sys.executable, "bench/moe.py", "--sweep-decode", "--smoke"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.count("<- get_config") == 4 and "combine split2=4" in r.stdout, r.stdout[-2000:]
+
+
 @needs_triton
 def test_fused_moe_empty():
     from kernels.moe.fused import fused_moe_triton
@@ -429,3 +525,34 @@ def test_kimi_fused_moe_cuda_graph(T):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, step(x2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8])
+def test_kimi_decode_configs_gpu(T):
+    """The --sweep-decode candidates at Kimi shapes (E = 257 with the folded shared expert): ragged balanced N tiles,
+    BK 256, GEMM2 split-K; vs the fp32 reference, and bit-identical when run again."""
+    import importlib.util
+
+    from kernels._tensors import num_sms
+    from kernels.moe.fused import expected_blocks, fused_moe_triton
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_moe", os.path.join(os.path.dirname(__file__), "..", "..", "bench", "moe.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    D, I, E, k = KIMI["D"], KIMI["I"], KIMI["E"] + 1, KIMI["k"] + 1
+    x, w13, w2, _, _ = make_moe(T, D, I, E, k, torch.bfloat16, "cuda", ids=torch.zeros(T, k, dtype=torch.long))
+    g = (torch.randn(E - 1, D, device="cuda") / D**0.5).to(torch.bfloat16)
+    w, ids = moe_router(x, g, torch.randn(E - 1, device="cuda") * 0.05, k - 1, KIMI["scale"], True,
+                        append_expert=E - 1)
+    ref32 = fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)
+    g1, g2 = bench._decode_candidates(T * k, expected_blocks(T * k, E, k), num_sms("cuda"))
+    for i in range(max(len(g1), len(g2))):
+        c1, c2 = g1[i % len(g1)], g2[i % len(g2)]
+        cfg = type(c1)(16, c1.BN1, c2.BN2, c1.BK, c1.num_warps, c1.num_stages, c1.nt1, c2.nt2, c2.split2, c2.BK2,
+                       c2.warps2, c2.stages2)
+        out = fused_moe_triton(x, w13, w2, w, ids, config=cfg)
+        assert rms_ratio(out, ref32) <= 5e-3, cfg
+        assert torch.equal(out, fused_moe_triton(x, w13, w2, w, ids, config=cfg)), cfg
+    assert torch.equal(fused_moe_triton(x, w13, w2, w, ids), fused_moe(x, w13, w2, w, ids))
