@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from backend.engine.memory import BlockPool, StatePool
-from backend.engine.request import Request, RequestOutput, SamplingParams
+from backend.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from backend.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -105,14 +105,15 @@ class RequestStream:
         self._event = asyncio.Event() if loop is not None else None
         self._done = False
 
-    def put(self, out: RequestOutput) -> None:
-        """Engine thread."""
+    def put(self, out: RequestOutput, wake: dict = None) -> None:
+        """Engine thread. wake: {loop: [events]} collects this stream's wake-up for `wake_all` (one cross-thread
+        call per event loop and step instead of one per stream); None wakes it now."""
         self._q.put(out)
         if self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._event.set)
-            except RuntimeError:  # the loop is closed: nobody listens any more
-                pass
+            if wake is not None:
+                wake.setdefault(self._loop, []).append(self._event)
+            else:
+                wake_all({self._loop: [self._event]})
 
     def _take(self, out: RequestOutput) -> RequestOutput:
         if out.finished:
@@ -146,6 +147,27 @@ class RequestStream:
         self._engine.abort(self.request_id)
 
 
+def _set_all(events: list) -> None:
+    for e in events:
+        e.set()
+
+
+def wake_all(wake: dict) -> None:
+    """Sets the collected asyncio events, with one call_soon_threadsafe per loop."""
+    for loop, events in wake.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, events)
+        except RuntimeError:  # the loop is closed: nobody listens any more
+            pass
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A step on the device whose tokens are not collected yet (runner.launch)."""
+    out: SchedulerOutput
+    launched: object
+
+
 class LLMEngine:
     def __init__(self, runner, cfg: EngineConfig, start: bool = True):
         """start=False: no engine thread; the caller drives `step()` (benchmarks, tests)."""
@@ -171,6 +193,7 @@ class LLMEngine:
         self._fail_steps = _test_fail_steps()
         self.error = None  # set once by fail(): every request then fails with it
         self._idle_s = None  # tensor parallel: idle wake-up that pings the followers
+        self._inflight = None  # _InFlight: the launched step collected by the next step()
         if runner.group is not None:
             runner.group.on_failure = self.fail
             self._idle_s = runner.group.ping_s
@@ -263,17 +286,19 @@ class LLMEngine:
         while True:
             idle = False
             with self._lock:
-                while not self._inbox and not self.scheduler.has_unfinished and not self._stop and not self.error:
+                while (not self._inbox and not self.scheduler.has_unfinished and not self._stop and not self.error
+                       and self._inflight is None):
                     if not self._lock.wait(self._idle_s):
                         idle = True
                         break
                 stop, error = self._stop, self.error
             if error:
+                self._inflight = None
                 for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self._abort(req.request_id, "error", error)
                 return
             if stop:
-                self._drain_inbox()
+                self.step()  # collects a step in flight, then aborts everything
                 return
             try:
                 if idle:
@@ -282,6 +307,7 @@ class LLMEngine:
                     self.step()
             except Exception as e:  # a bug outside the guarded parts of step(): fail everyone, never hang streams
                 log.exception("engine step crashed")
+                self._inflight = None
                 for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self._abort(req.request_id, "error", f"engine error: {e!r}")
 
@@ -310,7 +336,17 @@ class LLMEngine:
         self._emit(req)
 
     def step(self) -> None:
-        """Applies the inbox, then runs one scheduling step; an exception fails the requests of this step only."""
+        """Applies the inbox, then runs one scheduling step; an exception fails the requests of this step only.
+
+        Decode-only steps that a graph replays are pipelined (runner.launch): while step N runs on the device, step
+        N+1 is scheduled and launched with N's tokens fed on the device (Scheduler.schedule_next), and only then are
+        N's tokens collected, applied and emitted; N+1 is collected by the next call. The tokens are the same as
+        step by step: a request's step N+1 depends only on its own token N, and update() drops N+1's token of a
+        request that N's token stopped. Anything else (inbox, waiting requests, a request finishing by length, no
+        free page, penalties that read the tokens, tensor parallel) first collects the step in flight."""
+        p, self._inflight = self._inflight, None
+        if p is not None and self._settle(p):
+            return
         if self._drain_inbox() or not self.scheduler.has_unfinished:
             return
         try:
@@ -323,34 +359,80 @@ class LLMEngine:
         if out.is_empty:
             time.sleep(0.001)
             return
+        pipelined = self.runner.group is None and self.runner.can_launch(out)
         try:
-            self._executed += 1
-            if self._executed in self._fail_steps:
-                raise RuntimeError(f"fault injected at engine step {self._executed} ({FAIL_STEPS_ENV}, testing only)")
-            ids, logprobs = self.runner.execute(out)
-            self._attach_logprobs(out, logprobs)
-            touched = self.scheduler.update(out, ids)
+            self._count_step()
+            if pipelined:
+                p = _InFlight(out, self.runner.launch(out))
+            else:
+                ids, logprobs = self.runner.execute(out)
         except Exception as e:
             # a tensor-parallel rank failure has already called fail() (runner.group.on_failure)
             log.exception("step failed for %d requests", len(out.seqs))
             self._fail(out, e)
             return
+        if pipelined:
+            self._settle(p)
+        else:
+            self._apply(out, ids, logprobs)
+
+    def _count_step(self):
+        self._executed += 1
+        if self._executed in self._fail_steps:
+            raise RuntimeError(f"fault injected at engine step {self._executed} ({FAIL_STEPS_ENV}, testing only)")
+
+    def _settle(self, p: _InFlight) -> bool:
+        """Launches the step after `p` if nothing changes the batch (it stays in flight), then collects `p`.
+        -> whether the next step was launched."""
+        nxt = failed = None
+        if (not self._inbox and not self._stop and self.error is None and self.runner.can_launch(p.out)
+                and not any(s.request.params.needs_history for s in p.out.seqs)):
+            out = self.scheduler.schedule_next(p.out)
+            if out is not None:
+                try:
+                    self._count_step()
+                    nxt = _InFlight(out, self.runner.launch(out, feed=p.launched))
+                except Exception as e:
+                    log.exception("step failed for %d requests", len(out.seqs))
+                    failed = (out, e)
+        try:
+            ids, logprobs = self.runner.collect(p.launched)
+        except Exception as e:
+            log.exception("step failed for %d requests", len(p.out.seqs))
+            self._fail(p.out, e)
+        else:
+            self._apply(p.out, ids, logprobs)
+        if failed is not None:
+            self._fail(*failed)
+        self._inflight = nxt
+        return nxt is not None or failed is not None
+
+    def _apply(self, out: SchedulerOutput, ids: list, logprobs: list):
+        """A step's sampled tokens -> requests (update) -> streams."""
+        try:
+            self._attach_logprobs(out, logprobs)
+            touched = self.scheduler.update(out, ids)
+        except Exception as e:
+            log.exception("step failed for %d requests", len(out.seqs))
+            self._fail(out, e)
+            return
         self._totals["steps"] += 1
-        self._totals["output_tokens"] += len(ids)
-        self._recent.append((time.monotonic(), len(ids)))
+        self._totals["output_tokens"] += len(touched)
+        now = time.monotonic()
+        self._recent.append((now, len(touched)))
         while len(self._recent) > 1000:
             self._recent.popleft()
-        now = time.monotonic()
+        wake = {}
         for req in touched:
             if req.first_token_time is None:
                 req.first_token_time = now
-            if req.is_finished:
-                self._totals["finished"] += 1
-            self._emit(req)
+            self._emit(req, now, wake)
+        self._totals["finished"] += sum(r.status is RequestStatus.FINISHED for r in touched)
+        wake_all(wake)
 
     def _attach_logprobs(self, out: SchedulerOutput, logprobs: list):
         for s, lp in zip((s for s in out.seqs if s.sample), logprobs):
-            if lp is not None:
+            if lp is not None and not s.request.is_finished:
                 s.request.pending_logprobs.append(lp)
 
     def _fail(self, out: SchedulerOutput, e: Exception):
@@ -361,22 +443,23 @@ class LLMEngine:
                 self._totals["errors"] += 1
             self._emit(req)
 
-    def _emit(self, req: Request):
-        new = req.output_token_ids[req.num_sent_tokens:]
-        req.num_sent_tokens = len(req.output_token_ids)
-        lps = req.pending_logprobs if req.params.wants_logprobs else None
-        req.pending_logprobs = []
-        now = time.monotonic()
-        first = req.first_token_time
+    def _emit(self, req: Request, now: float = None, wake: dict = None):
+        toks, sent = req.output_token_ids, req.num_sent_tokens
+        req.num_sent_tokens = m = len(toks)
+        lps = None
+        if req.pending_logprobs:
+            lps, req.pending_logprobs = req.pending_logprobs, []
+        elif req.params.logprobs or req.params.top_logprobs:
+            lps = []
+        if now is None:
+            now = time.monotonic()
+        first, finished = req.first_token_time, req.status is RequestStatus.FINISHED
         out = RequestOutput(
-            request_id=req.request_id, token_ids=new, logprobs=lps, finished=req.is_finished,
-            finish_reason=req.finish_reason, error=req.error, num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=len(req.output_token_ids),
-            prompt_time_s=(first if first is not None else now) - req.arrival_time,
-            gen_time_s=now - first if first is not None else 0.0)
-        if req.is_finished:
+            req.request_id, toks[sent:], lps, finished, req.finish_reason, req.error, len(req.prompt_token_ids), m,
+            (first if first is not None else now) - req.arrival_time, now - first if first is not None else 0.0)
+        if finished:
             stream = self._streams.pop(req.request_id, None)
         else:
             stream = self._streams.get(req.request_id)
         if stream is not None:
-            stream.put(out)
+            stream.put(out, wake)

@@ -62,6 +62,11 @@ class SamplingParams:
         return self.temperature < 1e-5  # below this, logits / T overflows: treat as greedy
 
     @property
+    def needs_history(self) -> bool:
+        """Sampling reads the tokens generated so far (repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
 

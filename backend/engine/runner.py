@@ -12,12 +12,13 @@ Tensor parallel (cfg.tp_size > 1 or a torchrun world): rank 0's runner launches 
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from backend.config import ModelConfig
-from backend.engine.sampler import SamplingMetadata, sample
+from backend.engine.sampler import SamplerOutput, SamplingMetadata, sample
 from backend.engine.scheduler import SchedulerOutput
 from backend.model import parallel
 from backend.model.batch import ForwardBatch
@@ -25,6 +26,14 @@ from backend.model.loader import load_model
 from backend.model.parallel import EAGER, PING, REPLAY, STOP, TP, RankFailure
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step queued on the device (ModelRunner.launch), not yet synced."""
+    sampled: SamplerOutput
+    md: SamplingMetadata
+    copy: tuple  # SamplerOutput.copy_to_host(): queued right after the sampling, before any later step
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _GIB = 1 << 30
@@ -44,6 +53,9 @@ def _pinned(data, dtype, device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t
+
+
+_UNKNOWN = object()  # a graph lane whose block-table row is not known (after a failed replay)
 
 
 def _tokens(r, a: int, n: int) -> list:
@@ -121,6 +133,7 @@ class ModelRunner:
                  capacity, self.num_blocks - 1, self.block_size, self.num_slots - 1, self.max_num_seqs,
                  self.max_model_len)
         self.graphs, self.graph_vars = {}, {}
+        self._sizes = (None, [])  # (graphs, smallest graph batch size >= n for each n)
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self._capture_graphs(min(cfg.max_graph_batch_size or self.max_num_seqs, self.max_num_seqs))
 
@@ -220,25 +233,55 @@ class ModelRunner:
         """-> (token ids, logprob entries) for the scheduled sequences that sample, in order; one host sync."""
         reqs = [s.request for s in out.seqs if s.sample]
         n = len(out.seqs)
+        if self.can_launch(out):
+            return self.collect(self.launch(out))
         try:
             if out.is_decode_only and self.graphs and n <= max(self.graphs):
-                logits = self._replay(out)
-                if len(reqs) < n:
-                    rows = [i for i, s in enumerate(out.seqs) if s.sample]
-                    logits = logits[_pinned(rows, torch.int64, self.device)]
+                rows = [i for i, s in enumerate(out.seqs) if s.sample]
+                logits = self._replay(out)[_pinned(rows, torch.int64, self.device)]
             else:
                 batch = self.prepare(out)
                 hidden = self.model(batch, self.cache)
                 logits = self.model.compute_logits(hidden, batch.logits_index)
         except Exception as e:
-            # tensor parallel: the ranks are out of step after a failed forward; nothing can run any more
-            if self.group is None or isinstance(e, RankFailure):
-                raise
-            raise self.group.fail(f"tensor-parallel step failed on rank 0: {type(e).__name__}: {e}") from e
+            raise self._step_error(e) from e
         if not reqs:
             return [], []
         md = SamplingMetadata.build(reqs, self.vocab_size, self.device)
         return sample(logits, md).to_host(md)
+
+    def _step_error(self, e: Exception) -> Exception:
+        # tensor parallel: the ranks are out of step after a failed forward; nothing can run any more
+        if self.group is None or isinstance(e, RankFailure):
+            return e
+        return self.group.fail(f"tensor-parallel step failed on rank 0: {type(e).__name__}: {e}")
+
+    def can_launch(self, out: SchedulerOutput) -> bool:
+        """A decode-only step that a graph replays and whose every sequence samples: `launch` runs it."""
+        return (out.is_decode_only and bool(self.graphs) and len(out.seqs) <= max(self.graphs)
+                and all(s.sample for s in out.seqs))
+
+    @torch.no_grad()
+    def launch(self, out: SchedulerOutput, feed: "Launched" = None) -> "Launched":
+        """Queues a `can_launch` step (graph replay + sampling) without waiting for it; `collect` syncs.
+
+        feed: the launched step just before, not collected yet, over the same sequences in the same order (this
+        step's input token of each is the token that one samples: it is copied on the device, never via the host).
+        Its sampling takes each request's output index as one past the known tokens."""
+        reqs = [s.request for s in out.seqs]
+        try:
+            logits = self._replay(out, None if feed is None else feed.sampled.token_ids)
+        except Exception as e:
+            raise self._step_error(e) from e
+        md = SamplingMetadata.build(reqs, self.vocab_size, self.device, pending=int(feed is not None))
+        sampled = sample(logits, md)
+        return Launched(sampled, md, sampled.copy_to_host())
+
+    @staticmethod
+    def collect(launched: "Launched") -> tuple:
+        """-> (token ids, logprob entries) of a launched step; waits for its device->host copy only (a step launched
+        after it may still run)."""
+        return launched.sampled.to_host(launched.md, launched.copy)
 
     # CUDA graphs
     def _capture_graphs(self, max_bs: int):
@@ -260,19 +303,42 @@ class ModelRunner:
                  sorted(self.graphs), time.monotonic() - t0)
 
     def _make_graph_vars(self, max_bs: int) -> dict:
-        """Static decode inputs; at rest every lane is a padding lane (null slot, null page, nothing stored)."""
+        """Static decode inputs; at rest every lane is a padding lane (null slot, null page, nothing stored).
+
+        The per-lane inputs live in one device byte buffer, `stage`: [input_ids i64 | slot_mapping i64 | seq_lens i32
+        | state_slots i32] x max_bs, then room for a step's block-table edits (flat index i64 x k | page i32 x k,
+        k <= max_bs * max_blocks). A replay fills one of two pinned host copies (alternating: the previous step's
+        copy may still be in flight) and moves it with one H2D copy; the block table changes by edits (`lanes`
+        remembers what each lane's row holds), scattered on the device only when some row changed."""
         dev, mb = self.device, self.max_blocks_per_seq
+        small = 24 * max_bs
+        size = small + 12 * max_bs * mb
+        stage = torch.empty(size, dtype=torch.uint8, device=dev)
+        pin = dev.type == "cuda"
+        hosts = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+
+        def lanes_of(buf, typed):
+            i64 = buf[:16 * max_bs].view(torch.int64)
+            i32 = buf[16 * max_bs:small].view(torch.int32)
+            parts = (i64[:max_bs], i64[max_bs:], i32[:max_bs], i32[max_bs:])
+            return tuple(t.numpy() for t in parts) if typed else parts
+
+        ids, slot_mapping, seq_lens, state_slots = lanes_of(stage, False)
+        for h in hosts:  # the padding values: id 0, nothing stored, 1 key, null slot
+            for a, pad in zip(lanes_of(h, True), (0, -1, 1, 0)):
+                a[:] = pad
+        stage[:small].copy_(hosts[0][:small])
         return dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
-            state_slots=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            input_ids=ids, slot_mapping=slot_mapping, seq_lens=seq_lens, state_slots=state_slots,
             block_table=torch.zeros(max_bs, mb, dtype=torch.int32, device=dev),
             cu_seqlens=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=dev),
             has_initial_state=torch.ones(max_bs, dtype=torch.bool, device=dev),
             logits_index=torch.arange(max_bs, dtype=torch.int64, device=dev),
             logits=torch.zeros(max_bs, self.vocab_size, dtype=torch.float32, device=dev),
+            stage=stage, hosts=[(h, h.numpy(), lanes_of(h, True)) for h in hosts], flip=[0],
+            # per lane: the block_ids list whose first `lens[i]` pages row i holds; None = col 0 is the null page
+            lanes=[None] * max_bs, lens=[0] * max_bs,
         )
 
     def static_batch(self, bs: int) -> ForwardBatch:
@@ -284,28 +350,86 @@ class ModelRunner:
             block_table=v["block_table"][:bs], slot_mapping=v["slot_mapping"][:bs],
             logits_index=v["logits_index"][:bs], max_query_len=1)
 
-    def _replay(self, out: SchedulerOutput) -> torch.Tensor:
-        n, bs_tok = len(out.seqs), self.block_size
-        bs = min(b for b in self.graphs if b >= n)
-        v = self.graph_vars
+    def _replay(self, out: SchedulerOutput, feed: torch.Tensor = None) -> torch.Tensor:
+        """Fills the graph inputs of a decode-only step and replays -> logits [n, V] (a view of the static buffer).
+        feed: [n] i64 device tensor of input ids (the previous step's samples), instead of the host's."""
+        n = len(out.seqs)
+        bs = self._graph_size(n)
+        if self.group is not None:
+            return self._replay_tp(out, bs)
+        try:
+            return self._fill_and_replay(out, n, bs, feed)
+        except BaseException:
+            self.graph_vars["lanes"][:] = [_UNKNOWN] * len(self.graph_vars["lanes"])  # rewrite every row next time
+            raise
+
+    def _fill_and_replay(self, out: SchedulerOutput, n: int, bs: int, feed) -> torch.Tensor:
+        B, v = self.block_size, self.graph_vars
+        mb, lanes, lens = self.max_blocks_per_seq, v["lanes"], v["lens"]
+        flip = v["flip"][0] = 1 - v["flip"][0]
+        host, raw, (h_ids, h_slot, h_len, h_state) = v["hosts"][flip]
+        reqs, starts = [s.request for s in out.seqs], [s.start for s in out.seqs]
+        e_idx, e_val = [], []
+        for i, r in enumerate(reqs):
+            # block_ids only grows in place (Scheduler._take) or is replaced (_release): a row takes the new pages
+            blocks = r.block_ids
+            k, m = lens[i], len(blocks)
+            if lanes[i] is not blocks or k > m:
+                lanes[i], k = blocks, 0
+            if k < m:
+                e_idx += range(i * mb + k, i * mb + m)
+                e_val += blocks[k:]
+                lens[i] = m
+        for i in range(n, bs):  # padding lanes read column 0 only: the null page
+            if lanes[i] is not None:
+                lanes[i], lens[i] = None, 0
+                e_idx.append(i * mb)
+                e_val.append(0)
+        if feed is None:
+            h_ids[:n] = [r.token_id(p) for r, p in zip(reqs, starts)]
+        h_slot[:n] = [r.block_ids[p // B] * B + p % B for r, p in zip(reqs, starts)]
+        h_len[:n] = [p + 1 for p in starts]
+        h_state[:n] = [r.state_slot for r in reqs]
+        h_ids[n:bs], h_slot[n:bs], h_len[n:bs], h_state[n:bs] = 0, -1, 1, 0
+        small, k = 24 * len(lanes), len(e_idx)
+        if k:
+            raw[small:small + 8 * k].view(np.int64)[:] = e_idx
+            raw[small + 8 * k:small + 12 * k].view(np.int32)[:] = e_val
+        stage = v["stage"]
+        stage[:small + 12 * k].copy_(host[:small + 12 * k], non_blocking=True)  # the one H2D copy
+        if k:
+            v["block_table"].view(-1).index_copy_(0, stage[small:small + 8 * k].view(torch.int64),
+                                                  stage[small + 8 * k:small + 12 * k].view(torch.int32))
+        if feed is not None:
+            v["input_ids"][:n].copy_(feed)
+        self.graphs[bs].replay()
+        return v["logits"][:n]
+
+    def _graph_size(self, n: int) -> int:
+        """The smallest captured batch size >= n (a lookup table, rebuilt when `graphs` is replaced)."""
+        if self._sizes[0] is not self.graphs:
+            top = max(self.graphs)
+            self._sizes = (self.graphs, [min(b for b in self.graphs if b >= i) for i in range(top + 1)])
+        return self._sizes[1][n]
+
+    def _replay_tp(self, out: SchedulerOutput, bs: int) -> torch.Tensor:
+        """Tensor parallel: rank 0 broadcasts the lanes' ints (ids, slot mapping, seq lens, slots, used block-table
+        columns) and every rank fills its graph inputs from the payload."""
+        n, B, v = len(out.seqs), self.block_size, self.graph_vars
         # only the used columns are refreshed: the kernel never reads pages past ceil(seq_len / block_size)
         w = max(len(s.request.block_ids) for s in out.seqs)
         ids, slot_mapping, seq_lens, slots, table = [], [], [], [], []
         for s in out.seqs:
             r, p = s.request, s.start
             ids.append(r.token_id(p))
-            slot_mapping.append(r.block_ids[p // bs_tok] * bs_tok + p % bs_tok)
+            slot_mapping.append(r.block_ids[p // B] * B + p % B)
             seq_lens.append(p + 1)
             slots.append(r.state_slot)
             table += r.block_ids + [0] * (w - len(r.block_ids))
         pad = bs - n
         l64 = ids + [0] * pad + slot_mapping + [-1] * pad
         l32 = seq_lens + [1] * pad + slots + [0] * pad + table + [0] * (pad * w)
-        # one int64 transfer (the int32 buffers take theirs by a casting copy_)
-        if self.group is None:
-            payload = _pinned(l64 + l32, torch.int64, self.device)
-        else:
-            payload = self.group.send(REPLAY, (bs, w), l64 + l32)
+        payload = self.group.send(REPLAY, (bs, w), l64 + l32)
         self._fill_graph(bs, w, payload[:2 * bs], payload[2 * bs:])
         self.graphs[bs].replay()
         return v["logits"][:n]

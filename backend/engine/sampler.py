@@ -162,14 +162,18 @@ class SamplingMetadata:
     any_greedy: bool = True  # (host) some row is greedy: the plain argmax is needed
 
     @staticmethod
-    def build(reqs: list, vocab_size: int, device: torch.device) -> "SamplingMetadata":
-        """At most two host->device transfers (floats, ints); none for an all-greedy step without penalties/bias."""
-        M = len(reqs)
+    def build(reqs: list, vocab_size: int, device: torch.device, pending: int = 0) -> "SamplingMetadata":
+        """At most two host->device transfers (floats, ints); none for an all-greedy step without penalties/bias.
+
+        pending: tokens sampled for each request but not yet in its output_token_ids (a step launched before the
+        previous one was collected): the output index of this step's token is len(output_token_ids) + pending. The
+        penalties read output_token_ids, so they need pending == 0."""
         ps = [r.params for r in reqs]
         greedy = [p.greedy for p in ps]
         all_greedy = all(greedy)
         sampled = [not g for g in greedy]
         use = lambda pred: any(s and pred(p) for s, p in zip(sampled, ps))  # noqa: E731
+        assert not pending or not any(p.needs_history for p in ps), "penalties need the previous tokens on the host"
         rep_rows, rep_cols, out_rows, out_cols, b_rows, b_cols, b_vals = [], [], [], [], [], [], []
         for m, (r, p) in enumerate(zip(reqs, ps)):
             if p.repetition_penalty != 1.0:
@@ -191,7 +195,7 @@ class SamplingMetadata:
                             [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps]], torch.float32, device)
         if not all_greedy:  # the greedy mask rides with the ints
             i = _to_device([[p.top_k if p.top_k > 0 else vocab_size for p in ps], [r.seed % (1 << 63) for r in reqs],
-                            [len(r.output_token_ids) for r in reqs], [int(g) for g in greedy]], torch.int64, device)
+                            [len(r.output_token_ids) + pending for r in reqs], [int(g) for g in greedy]], torch.int64, device)
         idx = lambda rows, cols: (_to_device(rows, torch.int64, device), _to_device(cols, torch.int64, device))  # noqa
         wants = [p.wants_logprobs for p in ps]
         return SamplingMetadata(
@@ -215,13 +219,31 @@ class SamplerOutput:
     top_ids: Optional[torch.Tensor]  # [M, k] i64
     top_logprobs: Optional[torch.Tensor]  # [M, k] f32
 
-    def to_host(self, md: SamplingMetadata) -> tuple:
-        """-> (token ids, per row None or {"token_id", "logprob", "top": [(id, logprob), ...]}); one host sync."""
+    def copy_to_host(self) -> tuple:
+        """Queues the device->host copy that to_host reads (pinned memory + an event on CUDA) -> its handle. A step
+        launched after this one (runner.launch) does not delay it: the copy is ahead of that step on the stream."""
         if self.logprobs is None:
-            return self.token_ids.tolist(), [None] * len(md.wants_logprobs)
-        # ids travel as fp64 (exact) so that ids and logprobs come back in one transfer
-        packed = torch.cat([self.token_ids[:, None].double(), self.logprobs[:, None].double(),
-                            self.top_ids.double(), self.top_logprobs.double()], dim=1).tolist()
+            t = self.token_ids
+        else:  # ids travel as fp64 (exact) so that ids and logprobs come back in one transfer
+            t = torch.cat([self.token_ids[:, None].double(), self.logprobs[:, None].double(),
+                           self.top_ids.double(), self.top_logprobs.double()], dim=1)
+        if t.device.type != "cuda":
+            return t, None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def to_host(self, md: SamplingMetadata, copy: tuple = None) -> tuple:
+        """-> (token ids, per row None or {"token_id", "logprob", "top": [(id, logprob), ...]}); one host sync.
+        copy: copy_to_host()'s handle (queued earlier), else the copy is queued now."""
+        host, done = copy if copy is not None else self.copy_to_host()
+        if done is not None:
+            done.synchronize()
+        if self.logprobs is None:
+            return host.tolist(), [None] * len(md.wants_logprobs)
+        packed = host.tolist()
         k = self.top_ids.shape[1]
         ids, entries = [], []
         for row, want, n in zip(packed, md.wants_logprobs, md.top_counts):

@@ -104,11 +104,19 @@ class Scheduler:
         prefill_budget = budget
         if self.max_prefill_tokens_with_decode and any(map(_decodes, self.running)):
             prefill_budget = self.max_prefill_tokens_with_decode
-        scheduled, preempted = [], []
+        decodes, prefills, preempted = [], [], []
+        bs = self.blocks.block_size
         i = 0
         # running requests, oldest first
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            nc = req.num_computed_tokens
+            if nc and len(req.prompt_token_ids) + len(req.output_token_ids) == nc + 1 and nc < len(req.block_ids) * bs:
+                # the common case, a decode with room in its last page: what the general path below gives
+                decodes.append(ScheduledSeq(req, nc, 1, True))
+                budget -= 1
+                i += 1
+                continue
             limit = budget if _decodes(req) else min(budget, prefill_budget)
             if limit == 0:  # a prefill over the cap: it waits for a later step, the decodes after it still run
                 i += 1
@@ -123,7 +131,8 @@ class Scheduler:
                 n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, limit))
             if n == 0:
                 break
-            scheduled.append(self._take(req, n))
+            s = self._take(req, n)
+            (decodes if s.is_decode else prefills).append(s)
             budget -= n
             if not _decodes(req):
                 prefill_budget -= n
@@ -140,12 +149,36 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget, prefill_budget))
-            scheduled.append(self._take(req, n))
+            s = self._take(req, n)
+            (decodes if s.is_decode else prefills).append(s)
             budget -= n
             prefill_budget -= n
-        decodes = [s for s in scheduled if s.is_decode]
-        prefills = [s for s in scheduled if not s.is_decode]
-        return SchedulerOutput(decodes + prefills, len(decodes), sum(s.num_new_tokens for s in scheduled), preempted)
+        return SchedulerOutput(decodes + prefills, len(decodes), self.max_num_batched_tokens - budget, preempted)
+
+    def schedule_next(self, prev: SchedulerOutput):
+        """The step after `prev` while `prev` is still on the device (not `update`d): every running request decodes
+        once more, in the same order, on the token `prev` samples for it. -> that SchedulerOutput (pages for the
+        new positions allocated), or None where schedule() after update(prev) could give another step: someone
+        waits, `prev` is not all the running requests' decodes, a request would finish by length at `prev`, or a
+        new page is not free (schedule() would preempt). A request that `prev`'s token stops is only known later:
+        update() then drops its token of this step."""
+        n = len(prev.seqs)
+        if self.waiting or n != len(self.running) or prev.num_decodes != n:
+            return None
+        bs, last, need = self.blocks.block_size, self.max_model_len - 2, []
+        for s, req in zip(prev.seqs, self.running):
+            p, q, m = req.params, s.start, len(req.output_token_ids)
+            # q + 1 == num_tokens: prev decodes the last token; no finish by length once its token is appended
+            if (s.request is not req or not s.sample or q + 1 != len(req.prompt_token_ids) + m
+                    or (p.max_tokens and m + 1 >= p.max_tokens) or q >= last):
+                return None
+            if q + 1 >= len(req.block_ids) * bs:  # position q + 1 opens a page
+                need.append(req)
+        if len(need) > self.blocks.num_free:
+            return None
+        for req in need:
+            req.block_ids += self.blocks.allocate(1)
+        return SchedulerOutput([ScheduledSeq(s.request, s.start + 1, 1, True) for s in prev.seqs], n, n)
 
     def _fit(self, req: Request, n: int) -> int:
         """Largest m <= n whose pages can be allocated for `req` now."""
@@ -178,10 +211,14 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: list) -> list:
         """Advances the scheduled requests by one step; `sampled` holds one token per seq with `sample` set.
 
-        Returns the requests that got a token or finished."""
+        Returns the requests that got a token or finished. A request that finished after `out` was scheduled (a
+        step launched before the previous one was collected: the previous token was a stop token) is left as is."""
         touched, j = [], 0
         for s in out.seqs:
             req = s.request
+            if req.status is RequestStatus.FINISHED:  # finished while this step was in flight: its token is dropped
+                j += s.sample
+                continue
             req.num_computed_tokens += s.num_new_tokens
             if not s.sample:
                 continue

@@ -23,9 +23,20 @@ def make_engine(tiny_dir, **kw):
     return LLMEngine.from_config(tiny_dir, EngineConfig(**opts))
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_dir):
+def with_graphs(eng, sizes=(1, 2, 4, 8)):
+    """CPU stand-ins for the decode graphs: decode-only steps take the graph path, pipelined (runner.launch);
+    runner.fed counts the steps launched with the previous step's tokens fed on the device."""
+    r = eng.runner
+    r.graph_vars = r._make_graph_vars(max(sizes))
+    r.graphs = {b: EagerGraph(r, b) for b in sizes}
+    return count_fed(eng)
+
+
+@pytest.fixture(scope="module", params=["eager", "graphs"])
+def engine(tiny_dir, request):
     eng = make_engine(tiny_dir)
+    if request.param == "graphs":
+        with_graphs(eng)
     yield eng
     eng.shutdown()
 
@@ -77,11 +88,78 @@ def test_continuous_batching_matches_alone(engine):
         assert last.num_output_tokens == m
     assert_pools_full(engine)
     assert engine.stats()["steps"] > 0
+    assert getattr(engine.runner, "fed", 1) > 0  # graphs: steps were pipelined
 
 
-def test_preemption_under_tiny_memory_gives_same_tokens(tiny_dir):
+def count_fed(eng):
+    """runner.fed counts the steps launched with the previous step's tokens fed on the device (pipelined)."""
+    r = eng.runner
+    real, r.fed = r.launch, 0
+
+    def launch(out, feed=None):
+        r.fed += feed is not None
+        return real(out, feed)
+
+    r.launch = launch
+    return eng
+
+
+def check_pipelined(eager, eng):
+    """Pipelined decode (eng, graphs) against the step-by-step engine (eager): a request stopped by the token of
+    step N was already in step N+1; that token is dropped, the others go on; seeded sampling gives the same tokens."""
+    work = workload(6, seed=7)
+    seeded = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=i, ignore_eos=True) for i in range(3)]
+    ref_seeded = [collect(s)[0] for s in [eager.add_request(p, sp) for (p, _), sp in zip(work, seeded)]]
+    ref = [greedy_generate(eng.runner.model, p, 12) for p, _ in work]
+    # request i stops at its (i + 2)-th token, unless that token came earlier
+    stops = [r[i + 1] for i, r in enumerate(ref)]
+    streams = [eng.add_request(p, SamplingParams(max_tokens=12, stop_token_ids=(t,), **GREEDY))
+               for (p, _), t in zip(work, stops)]
+    total = 0
+    for s, r, t in zip(streams, ref, stops):
+        toks, last = collect(s)
+        assert toks == r[:r.index(t) + 1] and last.finish_reason == "stop"
+        total += len(toks)
+    assert_pools_full(eng)
+    assert eng.stats()["output_tokens"] == total  # the dropped tokens are not counted
+    fed = eng.runner.fed
+    assert fed > 0
+    got = [eng.add_request(p, sp) for (p, _), sp in zip(work, seeded)]
+    assert [collect(s)[0] for s in got] == ref_seeded
+    assert eng.runner.fed > fed
+
+
+def test_stop_token_while_the_next_step_is_in_flight(tiny_dir):
+    eager, eng = make_engine(tiny_dir), with_graphs(make_engine(tiny_dir))
+    try:
+        check_pipelined(eager, eng)
+    finally:
+        eager.shutdown()
+        eng.shutdown()
+
+
+@pytest.mark.gpu
+def test_gpu_pipelined_decode(tiny_dir):
+    """The CUDA-graph engine pipelines decode steps (device-fed tokens, async copy back) with the tokens of the
+    eager engine."""
+    kw = dict(max_num_seqs=8, num_blocks=128, device="cuda", dtype="float32")
+    eager = make_engine(tiny_dir, enforce_eager=True, **kw)
+    eng = count_fed(make_engine(tiny_dir, **kw))
+    try:
+        assert eng.runner.graphs and not eager.runner.graphs
+        check_pipelined(eager, eng)
+    finally:
+        eager.shutdown()
+        eng.shutdown()
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_preemption_under_tiny_memory_gives_same_tokens(tiny_dir, graphs):
     # 7 usable pages of 16 tokens; 6 requests each grow to ~40-60 tokens (3-4 pages)
     eng = make_engine(tiny_dir, num_blocks=8, max_model_len=112, max_num_batched_tokens=64)
+    if graphs:
+        with_graphs(eng)
     try:
         rng = random.Random(1)
         work = [([rng.randrange(250) for _ in range(rng.randint(20, 40))], 20) for _ in range(6)]
@@ -261,7 +339,7 @@ def test_graph_replay_path_with_padding_lanes(tiny_dir):
         r.graphs = {b: EagerGraph(r, b) for b in (1, 2, 4, 8)}
         replays = []
         real = r._replay
-        r._replay = lambda out: replays.append(len(out.seqs)) or real(out)
+        r._replay = lambda out, *a: replays.append(len(out.seqs)) or real(out, *a)
         work = workload(10, seed=5)
         ref = alone(eng, work)
         streams = [eng.add_request(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in work]

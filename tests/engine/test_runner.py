@@ -1,5 +1,7 @@
 """ModelRunner.prepare against ForwardBatch.build (the model owner's reference builder), and memory sizing."""
 
+import random
+
 import pytest
 import torch
 
@@ -46,3 +48,47 @@ def test_sizes_and_graph_batch_sizes(tiny_dir):
     assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     with pytest.raises(ValueError, match="max_model_len 100 exceeds"):
         ModelRunner(tiny_dir, EngineConfig(block_size=16, num_blocks=4, max_model_len=100, device="cpu"))
+
+
+class NullGraph:
+    def replay(self):
+        pass
+
+
+def test_graph_inputs_after_replays(tiny_dir):
+    """Decode-graph inputs (one staged copy per step, block-table rows changed by edits only) equal a full rewrite's
+    after each step, as lanes change hands, pages are added in place and block lists are replaced (preemption)."""
+    runner = ModelRunner(tiny_dir, EngineConfig(block_size=4, max_num_seqs=8, max_model_len=64, device="cpu"))
+    runner.graph_vars = runner._make_graph_vars(8)
+    runner.graphs = {b: NullGraph() for b in (1, 2, 4, 8)}
+    rng, B, pages = random.Random(0), runner.block_size, iter(range(1, 10 ** 6))
+    reqs = []
+    for i in range(10):
+        n = rng.randint(1, 20)
+        reqs.append(req([rng.randrange(250) for _ in range(n + 1)], [], n, i + 1, [next(pages) for _ in range(n // B + 1)]))
+    for step in range(80):
+        chosen = rng.sample(reqs, rng.randint(1, 8))
+        for r in chosen:
+            if rng.random() < 0.1:  # preempted and recomputed: a new list of pages
+                r.block_ids = [next(pages) for _ in r.block_ids]
+        out = SchedulerOutput([ScheduledSeq(r, r.num_computed_tokens, 1, True) for r in chosen], len(chosen),
+                              len(chosen))
+        feed = torch.tensor([1000 + i for i in range(len(chosen))]) if step % 3 == 0 else None
+        runner._replay(out, feed)
+        v, n = runner.graph_vars, len(chosen)
+        bs = min(b for b in runner.graphs if b >= n)
+        ids = feed.tolist() if feed is not None else [r.token_id(r.num_computed_tokens) for r in chosen]
+        assert v["input_ids"][:bs].tolist() == ids + [0] * (bs - n)
+        p = [r.num_computed_tokens for r in chosen]
+        assert v["slot_mapping"][:bs].tolist() == [r.block_ids[q // B] * B + q % B for r, q in zip(chosen, p)] + \
+            [-1] * (bs - n)
+        assert v["seq_lens"][:bs].tolist() == [q + 1 for q in p] + [1] * (bs - n)
+        assert v["state_slots"][:bs].tolist() == [r.state_slot for r in chosen] + [0] * (bs - n)
+        for i, r in enumerate(chosen):
+            assert v["block_table"][i, :len(r.block_ids)].tolist() == r.block_ids
+        assert v["block_table"][n:bs, 0].tolist() == [0] * (bs - n)
+        for r in chosen:  # the step's token: a new page every B positions, added in place
+            r.output_token_ids.append(rng.randrange(250))
+            r.num_computed_tokens += 1
+            if r.num_computed_tokens >= len(r.block_ids) * B:
+                r.block_ids += [next(pages)]
