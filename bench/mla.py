@@ -5,6 +5,7 @@
     python bench/mla.py --no-sweep --no-dense
     python bench/mla.py --ptxas         # no GPU needed: compile for sm_90 offline, print smem / regs / spills
     python bench/mla.py --decode-only --sweep-decode   # decode variants (decode.DECODE_VARIANTS) next to FlashInfer
+    python bench/mla.py --decode-only --sweep-decode --no-flashinfer --variants "base,h64 n32"  # < 100 s
 
 Decode: B in {1, 8, 64, 128} x S in {1k, 8k, 64k, 128k}; effective bandwidth = cache bytes read (1152 B per key) /
 time, beside the device copy bandwidth measured in this run, a dense torch implementation (gather + matmul) and
@@ -15,6 +16,7 @@ FlashInfer's MLA decode (fa3) when `import flashinfer` works. Times: triton.test
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -240,13 +242,18 @@ def check_small(variants=None, decode_only=False):
     assert e < 1e-2 and torch.isfinite(out.float()).all()
 
 
-SWEEP_SHAPES = ((1, 8192), (1, 131072), (64, 8192), (64, 131072), (128, 8192), (128, 131072))
+SWEEP_SHAPES = ((1, 1024), (1, 8192), (1, 131072), (64, 8192), (128, 8192))
+# FlashInfer fa3 on the H200 (12-02, same harness): µs, CUDA graph at B=1, eager otherwise; the sweep's ratios use
+# these with --no-flashinfer
+FI_H200_US = {(1, 8192): 23.8, (1, 131072): 80.6, (64, 8192): 160.0, (128, 8192): 297.0}
 
 
-def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES):
+def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=False):
     """Each decode variant (decode.DECODE_VARIANTS) at each shape next to FlashInfer fa3: eager µs / TB/s (cache bytes
-    only, L2 flushed, median), CUDA-graph µs at B=1 (launch gaps matter there), output vs FlashInfer (or vs the first
-    variant). Then split counts at B=1 S=128k for the keys_m variants. Rows print as they finish."""
+    only, L2 flushed, median), CUDA-graph µs at B=1 (launch gaps matter there), output vs FlashInfer (without it: vs a
+    dense bf16 torch decode of the same pages). Each variant runs its own default schedule (num_splits=None: the
+    split heuristic with the variant's programs_per_sm). split_sweep: then split counts at B=1 S=128k. Rows print as
+    they finish."""
     variants = variants or dec.DECODE_VARIANTS
     res = {}  # (variant, B, S) -> seconds
     print("\n== decode variant sweep (eager, L2 flushed; µs / TB/s; graph µs at B=1) ==", flush=True)
@@ -255,8 +262,9 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES):
         q = torch.randn(B, H, L, device="cuda").to(DT)
         qp = torch.randn(B, H, R, device="cuda").to(DT)
         nbytes = B * S * ROW_BYTES
-        ns = default_num_splits(B, bt.shape[1], BS, H, nsm)
         ref = None
+        if fi is None:
+            ref = dense_decode(q, qp, pool.cache, bt, sl, SCALE).float()
         if fi is not None:
             try:
                 fi.plan(bt, sl, torch.ones(B, dtype=torch.int32, device="cuda"), causal=False)
@@ -277,8 +285,10 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES):
                 print(f"  flashinfer failed at B={B} S={S}: {type(e).__name__}: {e}")
         out = torch.empty(B, H, L, dtype=DT, device="cuda")
         for name, cfg in variants.items():
+            ns = default_num_splits(B, bt.shape[1], BS, H, nsm, cfg.get("programs_per_sm", 1))
+
             def run_v():
-                mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, num_splits=ns, out=out, config=cfg)
+                mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, out=out, config=cfg)
 
             try:
                 run_v()
@@ -301,7 +311,9 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES):
                 line += "  WARNING rel err"
             print(line + f"  splits {ns}", flush=True)
 
-    print("\nmarkdown (TB/s eager; [graph] at B=1; (x) = FlashInfer time / variant time, graph vs graph at B=1):")
+    rec = fi is None
+    print("\nmarkdown (µs eager / TB/s; [graph µs] at B=1; (x) = FlashInfer time / variant time, graph vs graph at B=1"
+          + ("; FlashInfer = its H200 run of 12-02 (FI_H200_US), not this run):" if rec else "):"))
     names = list(variants)
     print("| B | S | FlashInfer | " + " | ".join(names) + " |")
     print("|---|---|---|" + "---|" * len(names))
@@ -309,29 +321,39 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES):
         nbytes = B * S * ROW_BYTES
         fi_t = res.get(("flashinfer", B, S))
         fi_g = res.get(("flashinfer graph", B, S))
+        if rec and (B, S) in FI_H200_US:
+            fi_t = fi_g = None
+            if B == 1:
+                fi_g = FI_H200_US[(B, S)] * 1e-6
+            else:
+                fi_t = FI_H200_US[(B, S)] * 1e-6
         cells = []
         for n in names:
             t = res.get((n, B, S))
             if t is None:
                 cells.append("-")
                 continue
-            c = f"{nbytes / t / 1e12:.2f}"
+            c = f"{t * 1e6:.1f} / {nbytes / t / 1e12:.2f}"
             tg = res.get((n + " graph", B, S))
             if tg:
-                c += f" [{nbytes / tg / 1e12:.2f}]"
-            if fi_t:
-                c += f" ({(fi_g / tg if fi_g and tg else fi_t / t):.2f}x)"
+                c += f" [{tg * 1e6:.1f}]"
+            if fi_g and tg:
+                c += f" ({fi_g / tg:.2f}x)"
+            elif fi_t:
+                c += f" ({fi_t / t:.2f}x)"
             cells.append(c)
-        fi_c = f"{nbytes / fi_t / 1e12:.2f}" + (f" [{nbytes / fi_g / 1e12:.2f}]" if fi_g else "") if fi_t else "-"
+        fi_c = " ".join(([f"{fi_t * 1e6:.1f}"] if fi_t else []) + ([f"[{fi_g * 1e6:.1f}]"] if fi_g else [])) or "-"
         print(f"| {B} | {S} | {fi_c} | " + " | ".join(cells) + " |")
 
+    if not split_sweep:
+        return
     B, S = 1, max([s for b, s in shapes if b == 1] or [131072])
     print(f"\n== B=1 S={S}: split count x variant (graph µs / TB/s) ==", flush=True)
     bt, sl = pool.tables(B, S)
     q = torch.randn(B, H, L, device="cuda").to(DT)
     qp = torch.randn(B, H, R, device="cuda").to(DT)
     out = torch.empty(B, H, L, dtype=DT, device="cuda")
-    for name in [n for n in ("base", "keys_m", "keys_m p16", "keys_m tma") if n in variants] or names[:1]:
+    for name in [n for n in ("base", "h64 n32", "keys_m", "keys_m p16", "keys_m tma") if n in variants] or names[:1]:
         line = f"{name:<16}"
         for ns in (66, 132, 198, 264, 396):
             try:
@@ -355,7 +377,7 @@ def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90):
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     floats = {"qk_scale"}
     sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
-    div = [n for n in fn.arg_names if n not in consts and n not in floats and n not in ("N", "G")
+    div = [n for n in fn.arg_names if n not in consts and n not in floats and n not in ("N", "H", "G")
            and not sig[n].startswith("tensordesc")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
     cexpr = {(fn.arg_names.index(k),): v for k, v in consts.items()}
@@ -366,6 +388,11 @@ def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90):
     )
     ptx = k.asm["ptx"]
     mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
+    # smem ring buffers of the pipelined loads (TTGIR allocs with a leading stage dim, e.g. 2x64x512): 1 = no overlap
+    import re
+
+    rings = sorted({int(m) for m in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", k.asm["ttgir"])})
+    bufs = "x".join(map(str, rings)) or "-"
     res = "?"
     try:
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -375,8 +402,8 @@ def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90):
         os.unlink(f.name)
     except OSError:
         pass
-    print(f"{label:<60} smem {k.metadata.shared / 1024:6.1f} KB  {res:<22} {mma:<8} cp.async {ptx.count('cp.async.cg')}",
-          flush=True)
+    print(f"{label:<60} smem {k.metadata.shared / 1024:6.1f} KB  {res:<22} {mma:<8} cp.async {ptx.count('cp.async.cg')} "
+          f"tile buffers {bufs}", flush=True)
 
 
 def ptxas_report(arch=90, only=None):
@@ -393,7 +420,8 @@ def ptxas_report(arch=90, only=None):
         dcfgs = [dec.DECODE_CFG[dtn]]
         ecfgs = [ext.EXTEND_CFG[dtn]]
         if not ieee:
-            dcfgs += [dict(block_h=16, block_n=64, num_warps=4, num_stages=2)] + list(dec.DECODE_VARIANTS.values())
+            dcfgs += [dict(block_h=16, block_n=64, num_warps=4, num_stages=2)] + [
+                dict(v, label=k) for k, v in dec.DECODE_VARIANTS.items()]
             ecfgs += [dict(rows=64, block_n=32, num_warps=8, num_stages=2), dict(rows=64, block_n=32, num_warps=8, num_stages=1),
                       dict(rows=64, block_n=16, num_warps=8, num_stages=2), dict(rows=64, block_n=16, num_warps=8, num_stages=3)]
         pcfgs = [pre.PREFILL_CFG[dtn]]
@@ -419,15 +447,18 @@ def ptxas_report(arch=90, only=None):
                      MIN_TILES=4, DIRECT=False, IEEE=ieee, UPCAST=False, KEYS_M=c.get("keys_m", False),
                      PAGE_TILE=c.get("page_tile", False), WARP_SPEC=c.get("warp_spec", False),
                      **(dict(TMA=True) if c.get("tma") else dict(TMA=False, c_desc=None, k_desc=None))),
-                c["num_warps"], c["num_stages"], f"decode {dtn} {c}",
+                c["num_warps"], c["num_stages"],
+                f"decode {dtn} " + (repr(c.get("label")) if "label" in c else str(c)),
             )
         if not ieee:
-            build(
-                dec._mla_decode_stage2,
-                dict(seqlen_ptr="*i32", opart_ptr="*fp32", lse_ptr="*fp32", out_ptr=dts),
-                dict(L=L, BLOCK_N=64, BLOCK_B=128, MIN_TILES=4, BLOCK_S=32, BLOCK_L2=128),
-                4, 2, "decode stage 2 (merge)",
-            )
+            for n_, ns_ in ((1, 132), (64, 2)):
+                mc = dec.merge_config(n_, H, L, ns_, 132)
+                build(
+                    dec._mla_decode_stage2,
+                    dict(seqlen_ptr="*i32", opart_ptr="*fp32", lse_ptr="*fp32", out_ptr=dts),
+                    dict(L=L, BLOCK_N=64, BLOCK_B=128, MIN_TILES=1, **mc),
+                    4, 2, f"decode stage 2 (merge) B={n_} splits={ns_} {mc}",
+                )
         for c in ecfgs:
             bh = min(H, c["rows"])
             build(
@@ -451,6 +482,9 @@ def main():
     ap.add_argument("--decode-only", action="store_true", help="skip mixed lengths, prefill/extend and the old sweeps")
     ap.add_argument("--sweep-decode", action="store_true",
                     help="time decode.DECODE_VARIANTS at B {1,64,128} x S {8k,128k} next to FlashInfer")
+    ap.add_argument("--shapes", help="with --sweep-decode: comma-separated BxS, e.g. 1x1024,64x8192 (default: "
+                    + ",".join(f"{b}x{s}" for b, s in SWEEP_SHAPES) + ")")
+    ap.add_argument("--split-sweep", action="store_true", help="with --sweep-decode: split counts at B=1 S=128k too")
     ap.add_argument("--variants", help="with --sweep-decode: comma-separated DECODE_VARIANTS names (default: all but 'keys_m tma', which hit an "
                     "illegal address on the H200 on 12-02)")
     args = ap.parse_args()
@@ -460,7 +494,11 @@ def main():
     torch.manual_seed(0)
     dev = torch.cuda.get_device_properties(0)
     print(f"device: {dev.name}, {dev.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
-    names = args.variants.split(",") if args.variants else [n for n in dec.DECODE_VARIANTS if n != "keys_m tma"]
+    # '+' stands for a space in variant names ("h64+n32"): bench/h200.sh passes ARGS_mla word-split, unquoted
+    names = ([n.strip().replace("+", " ") for n in args.variants.split(",")] if args.variants
+             else [n for n in dec.DECODE_VARIANTS if n != "keys_m tma"])
+    unknown = [n for n in names if n not in dec.DECODE_VARIANTS]
+    assert not unknown, f"unknown variants {unknown}; known: {list(dec.DECODE_VARIANTS)}"
     check_small(variants=names if args.sweep_decode else None, decode_only=args.decode_only)
     copy_bw = copy_bandwidth()
     print(f"device copy bandwidth (read+write): {copy_bw / 1e12:.2f} TB/s")
@@ -479,10 +517,17 @@ def main():
     Ss = [1024, 8192, 65536, 131072]
     if args.quick:
         Bs, Ss = [1, 64], [8192, 131072]
+    shapes = (tuple(tuple(int(x) for x in bs.split("x")) for bs in args.shapes.split(",")) if args.shapes
+              else SWEEP_SHAPES)
     max_tokens = max(b * s for b in Bs for s in Ss)
+    if args.sweep_decode and args.decode_only:  # only the sweep runs: a pool just large enough (fast to fill)
+        max_tokens = max(b * s for b, s in shapes)
     pool = Pool(max_tokens + 1024)
     if args.sweep_decode:
-        sweep_decode(pool, fi, dev.multi_processor_count, {n: dec.DECODE_VARIANTS[n] for n in names})
+        t0 = time.time()
+        sweep_decode(pool, fi, dev.multi_processor_count, {n: dec.DECODE_VARIANTS[n] for n in names}, shapes,
+                     args.split_sweep)
+        print(f"sweep: {time.time() - t0:.1f} s", flush=True)
         if args.decode_only:
             return
 

@@ -9,8 +9,11 @@ base 2 (scale * log2(e) folded in), fp32 accumulation.
 * ``num_splits = k > 1``: work budget G = N * k. Every program derives the same schedule from ``seq_lens`` on the
   device (_unit_plan): one split length for the whole batch, ``max(MIN_SPLIT_TOKENS, total keys / G)``, so a long
   sequence gets many units and short ones few, and all units cost about the same (FlashMLA-style balance, mixed
-  lengths included). At most G + N units: grid (G + N, head_blocks); programs without a unit exit at once. Units
-  write a normalised fp32 partial and its LSE; stage 2 (grid (N, H, L / 128)) merges a sequence's non-empty units.
+  lengths included). MIN_SPLIT_TOKENS is one 64-key tile, so a short context on a mostly idle GPU (B=1 S=1k) runs as
+  one-tile units. At most G + N units: grid (G + N, head_blocks); programs without a unit exit at once. Units
+  write a normalised fp32 (or bf16: part16) partial and its LSE; stage 2 (grid (N, H / BLOCK_H2, L / BLOCK_L2),
+  merge_config) merges a sequence's non-empty units.
+* default_num_splits: 1 (no stage 2) once batch x head_blocks fills the SMs (B >= 116 on 132 SMs), else ~one wave.
 
 Graph capture: grids depend only on N, H and ``num_splits`` (a host int fixed at capture; the default comes from
 N and ``block_table.shape``); lengths are read on the device only. No host sync.
@@ -24,13 +27,15 @@ import triton.language as tl
 from kernels._tensors import num_sms, unit_last_stride
 
 LOG2E = 1.4426950408889634
-MIN_SPLIT_TOKENS = 256  # smallest split worth a program (keys)
+MIN_SPLIT_TOKENS = 64  # smallest work unit (keys): one 64-key tile (256 before 12-02; config min_split_tokens=256)
+MIN_UNIT_TOKENS = 64  # default_num_splits: at most one unit per 64 keys of the longest sequence
 MAX_SPLITS = 256
 
 # GPU tile configuration (Hopper, L=512/R=64), per cache dtype: BLOCK_H heads share each K tile of BLOCK_N tokens.
 # ptxas for sm_90 (Triton 3.9, 16-byte-divisible strides as the JIT specialises them; `python bench/mla.py --ptxas`):
-# bf16 (32, 64, 8 warps, 2 stages): 115 KB smem, 194 regs, no spill, 16-byte cp.async pipelined tiles;
-# (32, 32, 8, 3): 76 KB, 172 regs. fp32 (tests only; IEEE dots run on FMA units, spill): BLOCK_N 32, 1 stage = 147 KB.
+# bf16 (32, 64, 8 warps, 2 stages): 112 KB smem, 170 regs (194 before the mask-free tile loads), no spill, mma.sync,
+# tile single-buffered; (32, 32, 8, 3): 76 KB, 172 regs. fp32 (tests only; IEEE dots run on FMA units, spill):
+# BLOCK_N 32, 1 stage = 147 KB.
 # bench/mla.py sweeps these on the GPU.
 DECODE_CFG = {
     "16bit": dict(block_h=32, block_n=64, num_warps=8, num_stages=2),
@@ -48,8 +53,22 @@ DECODE_CFG = {
 #   double-buffers them behind an mbarrier), the partial last tile by masked pointer loads. Needs keys_m to keep the
 #   tile in smem; sm_90 regs: 3.9 255 + 8 B stack, 3.6 255 + 224 B stack (the peeled tail duplicates the body).
 # part16: bf16 split partials (stage-1 write + stage-2 read halve; the LSE merge stays fp32).
+# pad_heads (h64 *): BLOCK_H=64 with the 32 real heads (rows 32..63 masked) so both dots run wgmma heads-as-M: q from
+#   smem, the latent tile from smem (c^T as a transposed view for S, c for P c), P from registers; Triton double-buffers
+#   the tile by cp.async. Twice the tensor work of the 32 real heads, FlashMLA's M=64 trade. sm_90 (Triton 3.9, with the
+#   mask-free loads): n16 128 KB / 245 regs, n32 144 KB / 255 regs, no spill; n64 216 KB spills (255 regs + 128 B).
+# programs_per_sm: resident stage-1 programs per SM the split heuristic aims at (w4 n32: 74 KB, 252 regs x 128 -> 2).
+# min_split_tokens: smallest work unit (256 = the schedule before 12-02: B=1 S=1k ran as 4 units of 4 tiles).
 DECODE_VARIANTS = {
     "base": dict(block_h=32, block_n=64, num_warps=8, num_stages=2),
+    "base mt256": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, min_split_tokens=256),
+    "base p16": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, part16=True),
+    "w4 n32": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2),
+    "h64 n16": dict(block_h=64, block_n=16, num_warps=8, num_stages=2, pad_heads=True, page_tile=True),
+    "h64 n32": dict(block_h=64, block_n=32, num_warps=8, num_stages=2, pad_heads=True, page_tile=True),
+    "h64 n32 p16": dict(block_h=64, block_n=32, num_warps=8, num_stages=2, pad_heads=True, page_tile=True,
+                        part16=True),
+    "h64 n64": dict(block_h=64, block_n=64, num_warps=8, num_stages=2, pad_heads=True, page_tile=True),
     "base page": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, page_tile=True),
     "keys_m": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, keys_m=True),
     "keys_m page": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, keys_m=True, page_tile=True),
@@ -100,20 +119,31 @@ def _unit_plan(seqlen_ptr, N, G, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, M
 
 @triton.jit
 def _load_tile(cache_ptr, bt_row, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp, s_cr,
-               L: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr):
+               L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BS: tl.constexpr,
+               BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr):
     """Key tile t of one sequence: c [BLOCK_N, BLOCK_L] (latent, also V), kpe [BLOCK_N, BLOCK_R], row mask.
-    Rows past seq_len load 0 (a page's stale tail may hold NaN). PAGE_TILE (BS % BLOCK_N == 0): the tile lies in one
-    page, so one scalar block-table load and affine row addresses instead of a per-row gather."""
+    Rows past seq_len repeat the tile's first row (a page's stale tail may hold NaN); the caller masks their logits.
+    PAGE_TILE (BS % BLOCK_N == 0): the tile lies in one page, so one scalar block-table load instead of a per-row
+    gather."""
     tok = t * BLOCK_N + offs_n
     tmask = tok < seq_len
+    # rows past seq_len re-read the tile's first row (t * BLOCK_N < seq_len, same page): finite data whose p is 0, so
+    # the loads need no row mask (the page tail may be NaN, and 0 * NaN would poison acc)
+    tok = tl.where(tmask, tok, t * BLOCK_N)
     if PAGE_TILE:
         page = tl.load(bt_row + (t * BLOCK_N) // BS).to(tl.int64)
-        row = cache_ptr + page * s_cp + ((t * BLOCK_N) % BS + offs_n).to(tl.int64) * s_cr
-    else:
-        page = tl.load(bt_row + tok // BS, mask=tmask, other=0).to(tl.int64)
         row = cache_ptr + page * s_cp + (tok % BS).to(tl.int64) * s_cr
-    c = tl.load(row[:, None] + offs_l[None, :], mask=tmask[:, None] & lmask[None, :], other=0.0)
-    kpe = tl.load(row[:, None] + L + offs_r[None, :], mask=tmask[:, None] & rmask[None, :], other=0.0)
+    else:
+        page = tl.load(bt_row + tok // BS).to(tl.int64)
+        row = cache_ptr + page * s_cp + (tok % BS).to(tl.int64) * s_cr
+    if BLOCK_L == L:  # no column mask at Kimi shapes
+        c = tl.load(row[:, None] + offs_l[None, :])
+    else:
+        c = tl.load(row[:, None] + offs_l[None, :], mask=lmask[None, :], other=0.0)
+    if BLOCK_R == R:
+        kpe = tl.load(row[:, None] + L + offs_r[None, :])
+    else:
+        kpe = tl.load(row[:, None] + L + offs_r[None, :], mask=rmask[None, :], other=0.0)
     return c, kpe, tmask
 
 
@@ -251,12 +281,12 @@ def _mla_decode_stage1(
                 m_i, l_i, acc = _tile_update(q, qpe, c, kpe, full, m_i, l_i, acc, qk_scale, KEYS_M, IEEE, UPCAST)
             if t_full < t_end:
                 c, kpe, tmask = _load_tile(cache_ptr, bt_row, t_full, seq_len, offs_n, offs_l, offs_r, lmask, rmask,
-                                           s_cp, s_cr, L, BS, BLOCK_N, PAGE_TILE)
+                                           s_cp, s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, PAGE_TILE)
                 m_i, l_i, acc = _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, KEYS_M, IEEE, UPCAST)
         else:
             for t in tl.range(t_begin, t_end, warp_specialize=WARP_SPEC):
                 c, kpe, tmask = _load_tile(cache_ptr, bt_row, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp,
-                                           s_cr, L, BS, BLOCK_N, PAGE_TILE)
+                                           s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, PAGE_TILE)
                 m_i, l_i, acc = _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, KEYS_M, IEEE, UPCAST)
 
         if KEYS_M:
@@ -285,6 +315,7 @@ def _mla_decode_stage2(
     lse_ptr,
     out_ptr,
     N,
+    H,
     G,
     s_wu,
     s_wh,
@@ -296,10 +327,14 @@ def _mla_decode_stage2(
     BLOCK_B: tl.constexpr,
     MIN_TILES: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_H2: tl.constexpr,
     BLOCK_L2: tl.constexpr,
 ):
+    """LSE merge of sequence n's non-empty units for BLOCK_H2 heads x BLOCK_L2 latent columns: [BLOCK_S, BLOCK_H2,
+    BLOCK_L2] partial tiles, BLOCK_S units per step. Large batches take many heads per program (few, fat programs:
+    the per-program plan and LSE pass are latency, not bytes), B=1 many column slices (parallelism)."""
     n = tl.program_id(0)
-    h = tl.program_id(1)
+    hb = tl.program_id(1)
     lb = tl.program_id(2)
     offs_b, bm, lens, tiles, nsp, slen, first, last = _unit_plan(seqlen_ptr, N, G, BLOCK_B, BLOCK_N, MIN_TILES)
     sel = offs_b == n
@@ -309,39 +344,61 @@ def _mla_decode_stage2(
     nt = tl.sum(tl.where(sel, tiles, 0), 0)
 
     offs_s = tl.arange(0, BLOCK_S)
+    heads = hb * BLOCK_H2 + tl.arange(0, BLOCK_H2)
+    hmask = heads < H
     offs_l = lb * BLOCK_L2 + tl.arange(0, BLOCK_L2)
     lmask = offs_l < L
-    mx = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    mx = tl.full([BLOCK_S, BLOCK_H2], float("-inf"), tl.float32)
     for k0 in range(0, cnt, BLOCK_S):
         k = k0 + offs_s
         ok = (k < cnt) & (k * sl < nt)  # non-empty units only
-        mx = tl.maximum(mx, tl.load(lse_ptr + (u0 + k).to(tl.int64) * s_lu + h, mask=ok, other=float("-inf")))
-    m = tl.max(mx, 0)
+        m2 = ok[:, None] & hmask[None, :]
+        mx = tl.maximum(mx, tl.load(lse_ptr + (u0 + k).to(tl.int64)[:, None] * s_lu + heads[None, :], mask=m2,
+                                    other=float("-inf")))
+    m = tl.max(mx, 0)  # [BLOCK_H2]
+    m = tl.where(m > float("-inf"), m, 0.0)  # no unit (empty sequence): weights 0 below
 
-    acc = tl.zeros([BLOCK_L2], tl.float32)
-    den = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_H2, BLOCK_L2], tl.float32)
+    den = tl.zeros([BLOCK_S, BLOCK_H2], tl.float32)
     for k0 in range(0, cnt, BLOCK_S):
         k = k0 + offs_s
         ok = (k < cnt) & (k * sl < nt)
+        m2 = ok[:, None] & hmask[None, :]
         uu = (u0 + k).to(tl.int64)
-        lse = tl.load(lse_ptr + uu * s_lu + h, mask=ok, other=float("-inf"))
-        w = tl.where(ok, tl.exp2(lse - m), 0.0)
-        o = tl.load(opart_ptr + uu[:, None] * s_wu + h * s_wh + offs_l[None, :], mask=ok[:, None] & lmask[None, :],
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(w[:, None] * o, 0)
+        lse = tl.load(lse_ptr + uu[:, None] * s_lu + heads[None, :], mask=m2, other=float("-inf"))
+        w = tl.where(m2, tl.exp2(lse - m[None, :]), 0.0)  # [BLOCK_S, BLOCK_H2]
+        o = tl.load(opart_ptr + uu[:, None, None] * s_wu + heads[None, :, None] * s_wh + offs_l[None, None, :],
+                    mask=m2[:, :, None] & lmask[None, None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w[:, :, None] * o, 0)
         den += w
     d = tl.sum(den, 0)
-    res = tl.where(d > 0, acc / tl.where(d > 0, d, 1.0), 0.0)
-    tl.store(out_ptr + n.to(tl.int64) * s_on + h * s_oh + offs_l, res.to(out_ptr.dtype.element_ty), mask=lmask)
+    res = tl.where(d[:, None] > 0, acc / tl.where(d > 0, d, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + n.to(tl.int64) * s_on + heads[:, None] * s_oh + offs_l[None, :],
+             res.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & lmask[None, :])
+
+
+def merge_config(N: int, H: int, BLOCK_L: int, num_splits: int, num_sms: int = 132, elems: int = 8192) -> dict:
+    """Stage-2 tiles from host ints: BLOCK_S units x BLOCK_H2 heads x BLOCK_L2 columns per step, ~``elems`` fp32
+    values (a 32 KB tile, 64 registers per thread at 4 warps). Start from whole rows and all heads (fewest programs),
+    then halve heads, then columns (down to 64) until the grid has >= 2 programs per SM."""
+    bs = max(1, min(32, triton.next_power_of_2(max(1, num_splits))))
+    budget = max(1, elems // bs)
+    bl = max(1, min(BLOCK_L, triton.next_power_of_2(budget)))
+    bh = max(1, min(triton.next_power_of_2(H), budget // bl))
+
+    def programs(bh_, bl_):
+        return N * triton.cdiv(H, bh_) * triton.cdiv(BLOCK_L, bl_)
+
+    while programs(bh, bl) < 2 * num_sms and (bh > 1 or bl > 64):
+        if bh > 1:
+            bh //= 2
+        else:
+            bl //= 2
+    return dict(BLOCK_S=bs, BLOCK_H2=bh, BLOCK_L2=bl)
 
 
 def _upcast(dtype) -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1" and dtype in (torch.bfloat16, torch.float16)
-
-
-
-
-
 
 
 def _block_h(H: int, cap: int = GPU_BLOCK_H) -> int:
@@ -364,8 +421,9 @@ def decode_config(H: int, L: int, R: int, dtype, on_gpu: bool, block_n=None, con
     cfg = _gpu_cfg(DECODE_CFG, dtype)
     if config:
         cfg.update(config)
+    # pad_heads: BLOCK_H = block_h even above H (masked rows), e.g. 64 so Hopper runs wgmma (M = 64 per warpgroup)
     b = dict(
-        BLOCK_H=_block_h(H, cfg["block_h"]),
+        BLOCK_H=_dot_dim(cfg["block_h"]) if cfg.get("pad_heads") else _block_h(H, cfg["block_h"]),
         BLOCK_N=_dot_dim(block_n or (cfg["block_n"] if on_gpu else 16)),
         BLOCK_L=_dot_dim(L),
         BLOCK_R=_dot_dim(R),
@@ -380,16 +438,22 @@ def _gpu_cfg(table, dtype):
     return dict(table["fp32" if dtype == torch.float32 else "16bit"])
 
 
-def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: int = 32, num_sms: int = 132) -> int:
+def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: int = 32, num_sms: int = 132,
+                       programs_per_sm: int = 1) -> int:
     """Host heuristic from shapes only (graph-capturable): the work-unit budget per sequence of the balanced schedule.
-    The bf16 stage-1 config holds one program per SM (115 KB smem, 194 regs x 256 threads), so aim at about one wave,
-    G = batch * splits ~ #SM / head_blocks, but at least 2 so mixed-length batches stay balanced (the merge costs
-    ~1-2 % of the cache traffic); 1 (no split, no merge) only when no sequence can exceed MIN_SPLIT_TOKENS keys;
-    at most MAX_SPLITS."""
+    * 1 (direct: no partials, no merge) when batch x head_blocks programs already fill >= 7/8 of the SM slots
+      (``programs_per_sm`` resident stage-1 programs per SM: 1 for the 112-216 KB smem configs) -- e.g. B=128 on 132
+      SMs. Costs balance on mixed-length batches (one long sequence is one program).
+    * else about one wave, G = batch x splits ~ slots / head_blocks, at least 2 so mixed-length batches stay balanced;
+      capped by the key tiles of the longest possible sequence (units may be one BLOCK_N tile: few tiles per SM, e.g.
+      B=1 S=1k, then run as up to 16 one-tile units instead of 4 four-tile ones) and MAX_SPLITS."""
     head_blocks = triton.cdiv(num_heads, _block_h(num_heads))
     programs = max(1, batch * head_blocks)
-    splits = max(2, num_sms // programs)
-    max_useful = max(1, triton.cdiv(max_blocks * block_size, MIN_SPLIT_TOKENS))
+    slots = num_sms * max(1, programs_per_sm)
+    if programs * 8 >= slots * 7:
+        return 1
+    splits = max(2, slots // programs)
+    max_useful = max(1, triton.cdiv(max_blocks * block_size, MIN_UNIT_TOKENS))
     return int(max(1, min(splits, max_useful, MAX_SPLITS)))
 
 
@@ -427,9 +491,10 @@ def mla_decode_triton(
     cfg, blocks = decode_config(H, L, R, cache.dtype, on_gpu, block_n, config)
     BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R = blocks["BLOCK_H"], blocks["BLOCK_N"], blocks["BLOCK_L"], blocks["BLOCK_R"]
     if num_splits is None:
-        num_splits = default_num_splits(N, block_table.shape[1], BS, H, num_sms(q_lat.device))
+        num_splits = default_num_splits(N, block_table.shape[1], BS, H, num_sms(q_lat.device),
+                                        cfg.get("programs_per_sm", 1))
     num_splits = max(1, int(num_splits))
-    min_tiles = max(1, (min_split_tokens or MIN_SPLIT_TOKENS) // BLOCK_N)
+    min_tiles = max(1, (min_split_tokens or cfg.get("min_split_tokens") or MIN_SPLIT_TOKENS) // BLOCK_N)
     BLOCK_B = max(128, triton.next_power_of_2(N))  # one compile for every batch up to 128 (a 128-lane plan is cheap)
     direct = num_splits == 1
     G = N * num_splits  # work-unit budget of the balanced schedule
@@ -499,14 +564,16 @@ def mla_decode_triton(
         **kw,
     )
     if not direct:
-        BLOCK_L2 = min(BLOCK_L, 128)
-        BLOCK_S = min(32, triton.next_power_of_2(num_splits + 1))
-        _mla_decode_stage2[(N, H, triton.cdiv(L, BLOCK_L2))](
+        mc = merge_config(N, H, BLOCK_L, num_splits, num_sms(q_lat.device))
+        if cfg.get("merge"):  # tests / sweeps: explicit stage-2 tiles
+            mc.update(cfg["merge"])
+        _mla_decode_stage2[(N, triton.cdiv(H, mc["BLOCK_H2"]), triton.cdiv(L, mc["BLOCK_L2"]))](
             seq_lens,
             opart,
             lse,
             out,
             N,
+            H,
             G,
             *wstr,
             lstr,
@@ -516,8 +583,7 @@ def mla_decode_triton(
             BLOCK_N=BLOCK_N,
             BLOCK_B=BLOCK_B,
             MIN_TILES=min_tiles,
-            BLOCK_S=BLOCK_S,
-            BLOCK_L2=BLOCK_L2,
+            **mc,
             num_warps=4,
         )
     return out

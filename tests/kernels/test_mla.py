@@ -168,9 +168,13 @@ def test_decode_all_padded():
 
 def test_default_num_splits():
     assert default_num_splits(1, 2048, 64, 32, 132) >= 128  # long context at batch 1: many splits
-    assert default_num_splits(128, 128, 64, 32, 132) <= 3
+    assert default_num_splits(128, 128, 64, 32, 132) == 1  # 128 programs fill 132 SMs: direct, no merge
+    assert default_num_splits(64, 16, 64, 32, 132) == 2  # 64 programs: two units per sequence ~ one wave
+    assert default_num_splits(1, 16, 64, 32, 132) == 16  # B=1 S=1k: one 64-key unit per tile
     assert default_num_splits(1, 1, 64, 32, 132) == 1
-    assert default_num_splits(4, 16, 16, 4, 132) == 1  # 256 keys max -> a single split
+    assert default_num_splits(4, 4, 16, 4, 132) == 1  # 64 keys max -> a single unit
+    assert default_num_splits(64, 128, 64, 32, 132, programs_per_sm=2) == 4  # two resident programs per SM
+    assert default_num_splits(128, 128, 64, 32, 132, programs_per_sm=2) == 2
     for b in (1, 8, 64, 128):
         assert 1 <= default_num_splits(b, 2048, 64) <= 256
 

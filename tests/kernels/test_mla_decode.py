@@ -1,5 +1,6 @@
-"""Paged MLA decode variants (kernels/mla/decode.py DECODE_VARIANTS: keys-as-M, page tiles, bf16 partials) vs the
-torch reference, on shuffled pages whose unowned rows (page 0, each last page's tail) are NaN.
+"""Paged MLA decode variants (kernels/mla/decode.py DECODE_VARIANTS: keys-as-M, page tiles, bf16 partials, heads padded
+to 64, 4-warp tiles) and split schedules (one-tile units, direct path, stage-2 merge tiles) vs the torch reference, on
+shuffled pages whose unowned rows (page 0, each last page's tail) are NaN.
 
 CPU (interpreter): TRITON_INTERPRET=1 python -m pytest tests/kernels/test_mla_decode.py -q
 GPU (Kimi shapes, every variant's real tiles): python -m pytest tests/kernels/test_mla_decode.py -q -m gpu
@@ -9,7 +10,7 @@ import os
 import pytest
 import torch
 
-from kernels.mla.decode import DECODE_VARIANTS, mla_decode_triton
+from kernels.mla.decode import DECODE_VARIANTS, default_num_splits, merge_config, mla_decode_triton
 from kernels.mla.ref import mla_decode_ref
 from tests.kernels.test_mla import check_close, make_paged  # shared paged-cache builder (NaN outside owned rows)
 
@@ -29,7 +30,8 @@ def _needs_triton():
 
 # Interpreter tiles: BLOCK_N 16 by default; block_n=32 with 16-token pages takes the per-row gather (page_tile needs
 # BS % BLOCK_N == 0), 64-token pages hold several 16-token tiles (page_tile offsets inside a page).
-@pytest.mark.parametrize("variant", ["base", "base page", "keys_m", "keys_m page", "keys_m p16", "keys_m tma"])
+@pytest.mark.parametrize("variant", ["base", "base page", "keys_m", "keys_m page", "keys_m p16", "keys_m tma", "w4 n32",
+                                     "h64 n16", "h64 n32", "h64 n32 p16"])
 @pytest.mark.parametrize("bs,block_n", [(16, None), (64, None), (16, 32)])
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
@@ -61,6 +63,52 @@ def test_decode_variant_fp32_and_odd_heads(variant):
         check_close(o, ref, torch.float32)
 
 
+LONG = [4097, 1, 65, 0, 64]
+
+
+# One long sequence (4097 keys = 65 64-key tiles and 1 key) among short and padded ones: num_splits 1 (direct), a few
+# units, one-tile units (min_split_tokens 64 = BLOCK_N; budget 16 x 5 = 80 units > 69 tiles); the merge with one
+# unit per step, several heads per program and split columns, or wide steps over all heads.
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize("merge", [None, dict(BLOCK_S=1, BLOCK_H2=2, BLOCK_L2=16), dict(BLOCK_S=32, BLOCK_H2=4,
+                                                                                         BLOCK_L2=32)])
+@pytest.mark.parametrize("variant", ["base", "h64 n32"])
+def test_decode_schedule_long_and_short(num_splits, merge, variant):
+    if num_splits == 1 and merge is not None:
+        pytest.skip("no merge without splits")
+    cache, bt, sl = make_paged(LONG, torch.bfloat16, bs=64, l=L, r=R)
+    N = len(LONG)
+    q = torch.randn(N, H, L, device=DEV).bfloat16()
+    qp = torch.randn(N, H, R, device=DEV).bfloat16()
+    out = torch.full((N, H, L), float("nan"), dtype=torch.bfloat16, device=DEV)
+    cfg = dict(DECODE_VARIANTS[variant], **({"merge": merge} if merge else {}))
+    mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=num_splits, out=out, block_n=64, min_split_tokens=64,
+                      config=cfg)
+    check_close(out, mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, SCALE), torch.bfloat16)
+    assert (out[3] == 0).all()
+
+
+def test_decode_default_schedule_one_tile_units():
+    """Default num_splits / min_split_tokens (host ints only): a short batch-1 context runs as one-tile units."""
+    lens = [200]
+    cache, bt, sl = make_paged(lens, torch.float32, bs=16, l=L, r=R, max_blocks=16)
+    q = torch.randn(1, H, L, device=DEV)
+    qp = torch.randn(1, H, R, device=DEV)
+    assert default_num_splits(1, 16, 16, H) == 4  # 256-key table -> 4 units of >= 64 keys
+    o = mla_decode_triton(q, qp, cache, bt, sl, SCALE)
+    check_close(o, mla_decode_ref(q, qp, cache, bt, sl, SCALE), torch.float32)
+
+
+@pytest.mark.parametrize("n,h,ns", [(1, 32, 132), (1, 32, 16), (64, 32, 2), (128, 32, 2), (6, 4, 5), (2, 3, 40)])
+def test_merge_config(n, h, ns):
+    mc = merge_config(n, h, 512, ns, 132)
+    bs, bh, bl = mc["BLOCK_S"], mc["BLOCK_H2"], mc["BLOCK_L2"]
+    assert all(x >= 1 and x & (x - 1) == 0 for x in (bs, bh, bl))
+    assert bs * bh * bl <= 8192 and bs <= 32 and bh <= 32 and bl <= 512
+    programs = n * -(-h // bh) * (512 // bl)
+    assert programs >= 2 * 132 or (bh == 1 and bl == 64)  # enough programs, or as split as the tiles allow
+
+
 # ---------------------------------------------------------------- GPU, Kimi shapes
 
 @pytest.mark.gpu
@@ -80,3 +128,19 @@ def test_gpu_decode_variant_kimi(variant, num_splits):
                       config=DECODE_VARIANTS[variant])
     check_close(out, mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, 192 ** -0.5), torch.bfloat16)
     assert (out[5] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", ["base", "w4 n32", "h64 n16", "h64 n32"])
+@pytest.mark.parametrize("lens", [[1024], [8192], [300] * 128, [20000] + [700] * 63], ids=["b1_1k", "b1_8k", "b128",
+                                                                                             "mixed64"])
+def test_gpu_decode_default_schedule_kimi(variant, lens):
+    """Default schedules at Kimi shapes: B=1 one-tile units, B=128 direct (no merge), a mixed batch of 64 (merge)."""
+    cache, bt, sl = make_paged(lens, torch.bfloat16, bs=64, l=512, r=64, device="cuda", poison=False)
+    N = len(lens)
+    q = torch.randn(N, 32, 512, device="cuda").bfloat16()
+    qp = torch.randn(N, 32, 64, device="cuda").bfloat16()
+    out = torch.full((N, 32, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mla_decode_triton(q, qp, cache, bt, sl, 192 ** -0.5, out=out, config=DECODE_VARIANTS[variant])
+    check_close(out, mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, 192 ** -0.5), torch.bfloat16)
