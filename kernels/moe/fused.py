@@ -16,9 +16,16 @@ Pipeline (no host sync anywhere; every size comes from tensor shapes, so it is C
    expert ``w13[e]`` (read once per block of up to BLOCK_M tokens), two fp32 accumulators,
    ``silu(gate) * up`` in fp32, stored (x.dtype) into ``inter [M, I]`` at the flat assignment row.
 3. **GEMM 2** (``_moe_gemm2_kernel``): ``y [M, D] = inter @ w2[e].T`` per block, stored in x.dtype (like HF, whose
-   per-expert ``F.linear`` output is x.dtype).
+   per-expert ``F.linear`` output is x.dtype). Optional split-K (``split2``): S programs per tile write fp32 partials
+   ``[S, M, D]`` over K ranges instead.
 4. **Combine** (``_moe_combine_kernel``): ``out[t] = sum_j w[t, j] * y[t*k + j]`` in fp32 (j ascending), cast to
-   x.dtype. No atomics: bit-deterministic.
+   x.dtype; with split-K, ``y[i]`` is the partials' sum in split order rounded to x.dtype. No atomics:
+   bit-deterministic.
+
+Decode N tiles (``get_config`` with top_k): the few selected experts' weights are cut into ``nt`` even ("ragged")
+N tiles per row block, ``nt`` picked so that blocks * nt programs spread evenly over the SMs (``balanced_tiles``);
+BN-wide tiles leave a tail (batch 1, 9 blocks: 288 GEMM1 programs, 24 SMs run a third tile). KIMI_MOE_TILES=wide
+turns this off (A/B switch).
 
 Expert ids must lie in [0, E).
 """
@@ -40,6 +47,8 @@ ALIGN_SMALL_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") == "torch" else 2048
 # Largest M for which each GEMM program derives its block's rows from the ids itself (no align launch; decode b1-b3).
 # KIMI_MOE_ALIGN=kernel (or torch) turns it off: every M goes through moe_align (A/B switch).
 ALIGN_IN_GEMM_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") in ("torch", "kernel") else 32
+# Largest M whose decode configs get SM-balanced ragged N tile counts (get_config); KIMI_MOE_TILES=wide: none (A/B)
+BALANCE_MAX_M = 0 if os.environ.get("KIMI_MOE_TILES", "") == "wide" else 128
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -333,8 +342,8 @@ def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms
                N1: int = 1024, N2: int = 2304) -> MoEConfig:
     """Tiles for H200 by the number of assignments M = T*k. Decode: BLOCK_M 16 (tl.dot minimum), narrow N tiles so
     that the few selected experts' weights are streamed by many SMs; prefill: 128x128-class tensor-core tiles.
-    With top_k (decode, M <= 128): N tile counts balanced over `sms` SMs for the expected number of row blocks
-    (balanced_tiles; N1 = I and N2 = D are GEMM1's and GEMM2's N)."""
+    With top_k (decode, M <= BALANCE_MAX_M): N tile counts balanced over `sms` SMs for the expected number of row
+    blocks (balanced_tiles; N1 = I and N2 = D are GEMM1's and GEMM2's N)."""
     per_expert = M / max(E, 1)
     if M <= 64:  # T <= 8 at k=8
         cfg = MoEConfig(16, 32, 64, 128, 4, 4)
@@ -346,7 +355,7 @@ def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms
         cfg = MoEConfig(64, 64, 128, 64, 4, 3)
     else:
         cfg = MoEConfig(128, 64, 128, 64, 8, 3)
-    if top_k is not None and M <= 128 and cfg.BM == 16:
+    if top_k is not None and M <= BALANCE_MAX_M and cfg.BM == 16:
         blocks = expected_blocks(M, E, top_k)
         cfg = replace(cfg, nt1=balanced_tiles(N1, cfg.BN1, blocks, sms), nt2=balanced_tiles(N2, cfg.BN2, blocks, sms))
     if dtype == torch.float32:  # fp32 operands: halve the pipeline depth to fit shared memory

@@ -548,7 +548,7 @@ def test_kimi_decode_configs_gpu(T):
                         append_expert=E - 1)
     ref32 = fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)
     g1, g2 = bench._decode_candidates(T * k, expected_blocks(T * k, E, k), num_sms("cuda"))
-    for i in range(max(len(g1), len(g2))):
+    for i in range(max(len(g1), len(g2))):  # every candidate of both lists (~30 compiles at T = 1)
         c1, c2 = g1[i % len(g1)], g2[i % len(g2)]
         cfg = type(c1)(16, c1.BN1, c2.BN2, c1.BK, c1.num_warps, c1.num_stages, c1.nt1, c2.nt2, c2.split2, c2.BK2,
                        c2.warps2, c2.stages2)
