@@ -25,3 +25,17 @@ def num_sms(device, cpu: int = 132) -> int:
     if i not in _SM_COUNT:
         _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
     return _SM_COUNT[i]
+
+
+_COUNTERS: dict = {}  # device -> list of i32 counter buffers (all kept alive: captured graphs hold them)
+
+
+def arrival_counters(device, n: int) -> torch.Tensor:
+    """A zeroed i32 buffer of >= n arrival counters for "last program to arrive does the tail" kernels (KDA decode,
+    the decode router). Every launch leaves the counters it used at zero, so kernels on one stream can share it; two
+    streams running such kernels at once would need their own. Never freed or shrunk: a CUDA graph captured at one
+    size keeps pointing at its buffer when a larger one is made."""
+    bufs = _COUNTERS.setdefault(torch.device(device), [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
+    return bufs[-1]

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tensors import num_sms
+from kernels._tensors import arrival_counters, num_sms
 
 TAIL_SINGLE, TAIL_LAST, TAIL_POST = 0, 1, 2
 
@@ -190,7 +190,6 @@ def _kda_decode_post_kernel(
 
 
 # ------------------------------------------------------------------------------------------------- launch config
-_COUNTERS: dict = {}          # device -> list of i32 counter buffers (all kept alive: captured graphs hold them)
 _BV_NARROW = 32               # decode_config: V tile while the grid is small (BV 32 / 4 warps, late state load)
 _BV_WIDE = 64                 # ... and once there are >= _WIDE_PER_SM programs per SM at this tile (early load)
 _WIDE_PER_SM = 16             # H200 sweep 12-02 (graph us/step, copy BW 4.25 TB/s): N=1 BV32 late 5.97 (BV8 7.49),
@@ -228,15 +227,6 @@ def decode_config(N: int, H: int, K: int, V: int, n_sm: int = 132, BV: Optional[
         BV = _BV_WIDE if wide else _BV_NARROW
     BV = min(BV, VP)
     return DecodeConfig(BV, warps_for(BV, BK), TAIL_SINGLE if BV >= V else TAIL_LAST, wide)
-
-
-def _counters(device, n: int) -> torch.Tensor:
-    """A zeroed i32 buffer of >= n arrival counters, reused across calls (each launch leaves it zeroed). Never
-    freed or shrunk: a CUDA graph captured at one size keeps pointing at its buffer when a larger one is made."""
-    bufs = _COUNTERS.setdefault(torch.device(device), [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
-    return bufs[-1]
 
 
 def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state, state_slots,
@@ -282,7 +272,7 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         o_scratch = torch.empty(N, H, V, dtype=torch.float32, device=qkv.device)
     if cfg.tail == TAIL_LAST:
         if counters is None:
-            counters = _counters(qkv.device, N * H)
+            counters = arrival_counters(qkv.device, N * H)
         assert counters.dtype == torch.int32 and counters.numel() >= N * H
     _kda_decode_kernel[(NV, H, N)](
         qkv, conv_w, conv_state, z, b, A_log, dt_bias, state_slots, rec_state,

@@ -22,11 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._tensors import arrival_counters
+
 # The Triton interpreter multiplies the raw uint16 storage of bf16 operands in tl.dot; under TRITON_INTERPRET=1
 # the kernels upcast dot operands to fp32 (exact for bf16/fp16 products, so results are unchanged).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Largest T routed by the GEMV logits kernel and single-row top-k programs (decode batches)
 GEMV_MAX_T = 16
+# T <= GEMV_MAX_T: logits and top-k in one launch (the last-arriving logits program of a token selects its top-k);
+# KIMI_ROUTER_FUSED=0 keeps two launches (A/B switch)
+FUSED_DECODE = os.environ.get("KIMI_ROUTER_FUSED", "1") != "0"
 
 
 @triton.jit
@@ -107,22 +112,23 @@ def _router_logits_gemv_kernel(
 
 
 @triton.jit
-def _router_topk_kernel(
-    logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, T, E, stride_lt, scale, extra_id,
-    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr,
-    OUT_K: tl.constexpr,
-):
-    # output rows (OUT_K = TOP_K + HAS_EXTRA) hold TOP_K routed columns, then (HAS_EXTRA) one always-on column:
-    # id extra_id, weight 1.0
-    pid = tl.program_id(0)
-    offs_t = pid * BT + tl.arange(0, BT)
+def _select_topk(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, offs_t, T, E, stride_lt, scale, extra_id,
+                 TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr, OUT_K: tl.constexpr,
+                 CG: tl.constexpr):
+    """Top-k of the logits rows offs_t [BT] -> weights / ids rows. Output rows (OUT_K = TOP_K + HAS_EXTRA) hold TOP_K
+    routed columns, then (HAS_EXTRA) one always-on column: id extra_id, weight 1.0. CG: load the logits from L2
+    (.cg), for rows other programs of the same launch have just written."""
     offs_e = tl.arange(0, BLOCK_E)
     offs_k = tl.arange(0, BLOCK_K)
     t_ok = offs_t < T
     e_ok = offs_e < E
     mask = t_ok[:, None] & e_ok[None, :]
-    logits = tl.load(logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + offs_e[None, :], mask=mask, other=0.0)
+    l_ptrs = logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + offs_e[None, :]
+    if CG:
+        logits = tl.load(l_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        logits = tl.load(l_ptrs, mask=mask, other=0.0)
     scores = tl.sigmoid(logits)
     if HAS_BIAS:
         b = tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)
@@ -136,7 +142,7 @@ def _router_topk_kernel(
     key = ordered.to(tl.int64) * 4294967296 + (BLOCK_E - 1 - offs_e[None, :]).to(tl.int64)
     lowest = -9223372036854775807 - 1
     key = tl.where(mask, key, lowest)
-    top_i = tl.zeros((BT, BLOCK_K), dtype=tl.int32)
+    top_i = tl.zeros((offs_t.shape[0], BLOCK_K), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         m = tl.max(key, axis=1)
         idx = (BLOCK_E - 1 - (m - ((m >> 32) << 32))).to(tl.int32)   # the low 32 bits of the winning key
@@ -145,7 +151,11 @@ def _router_topk_kernel(
         key = tl.where(offs_e[None, :] == idx[:, None], lowest, key)
     # weights at the picked ids, read back from the logits (the same fp32 values as above -> the same sigmoid)
     kmask = t_ok[:, None] & (offs_k[None, :] < TOP_K)
-    lg = tl.load(logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + top_i, mask=kmask, other=0.0)
+    k_ptrs = logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + top_i
+    if CG:
+        lg = tl.load(k_ptrs, mask=kmask, other=0.0, cache_modifier=".cg")
+    else:
+        lg = tl.load(k_ptrs, mask=kmask, other=0.0)
     top_w = tl.sigmoid(lg)
     if BIASED_WEIGHTS:
         if HAS_BIAS:
@@ -155,14 +165,45 @@ def _router_topk_kernel(
         denom = tl.sum(top_w, axis=1) + 1e-20
         top_w = top_w / denom[:, None]
     top_w = top_w * scale
-    omask = t_ok[:, None] & (offs_k[None, :] < TOP_K)
     optr = offs_t[:, None].to(tl.int64) * OUT_K + offs_k[None, :]
-    tl.store(w_out_ptr + optr, top_w, mask=omask)
-    tl.store(id_out_ptr + optr, top_i, mask=omask)
+    tl.store(w_out_ptr + optr, top_w, mask=kmask)
+    tl.store(id_out_ptr + optr, top_i, mask=kmask)
     if HAS_EXTRA:
         eptr = offs_t.to(tl.int64) * OUT_K + TOP_K
-        tl.store(w_out_ptr + eptr, tl.zeros((BT,), dtype=tl.float32) + 1.0, mask=t_ok)
-        tl.store(id_out_ptr + eptr, tl.zeros((BT,), dtype=tl.int32) + extra_id, mask=t_ok)
+        tl.store(w_out_ptr + eptr, tl.zeros(offs_t.shape, dtype=tl.float32) + 1.0, mask=t_ok)
+        tl.store(id_out_ptr + eptr, tl.zeros(offs_t.shape, dtype=tl.int32) + extra_id, mask=t_ok)
+
+
+@triton.jit
+def _router_topk_kernel(
+    logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, T, E, stride_lt, scale, extra_id,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr,
+    OUT_K: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    _select_topk(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, offs_t, T, E, stride_lt, scale, extra_id,
+                 TOP_K, BLOCK_K, BLOCK_E, HAS_BIAS, BIASED_WEIGHTS, RENORM, HAS_EXTRA, OUT_K, False)
+
+
+@triton.jit
+def _router_fused_gemv_kernel(
+    x_ptr, w_ptr, logits_ptr, cnt_ptr, bias_ptr, w_out_ptr, id_out_ptr, T, E, D, stride_xt, stride_we, stride_lt,
+    scale, extra_id, BE: tl.constexpr, BK: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr, OUT_K: tl.constexpr,
+):
+    # decode (T <= GEMV_MAX_T): program (t, e-block) computes BE logits of token t like _router_logits_gemv_kernel;
+    # the last of the token's cdiv(E, BE) programs to arrive (acq_rel counter, reset to 0 by it: graph-replay safe)
+    # selects the token's top-k, so the router is one launch instead of two
+    t = tl.program_id(0)
+    _router_logits_gemv_kernel(x_ptr, w_ptr, logits_ptr, E, D, stride_xt, stride_we, stride_lt, BE, BK)
+    tl.debug_barrier()  # every thread's logit stores precede the (release) arrival
+    n_arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if n_arrived == tl.num_programs(1) - 1:
+        _select_topk(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, t + tl.arange(0, 1), T, E, stride_lt, scale,
+                     extra_id, TOP_K, BLOCK_K, BLOCK_E, HAS_BIAS, BIASED_WEIGHTS, RENORM, HAS_EXTRA, OUT_K, True)
+        tl.store(cnt_ptr + t, 0)
 
 
 def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
@@ -227,6 +268,34 @@ def router_topk_triton(logits, bias, top_k, routed_scaling_factor=1.0, renormali
 
 def moe_router_triton(x, gate_w, bias, top_k, routed_scaling_factor=1.0, renormalize=True, biased_weights=False,
                       append_expert=None):
-    """Same contract as ``moe_router_ref``."""
+    """Same contract as ``moe_router_ref``. T <= GEMV_MAX_T (decode) with FUSED_DECODE: one launch
+    (``_router_fused_gemv_kernel``); else the logits kernel, then the top-k kernel."""
+    if FUSED_DECODE and 0 < x.shape[0] <= GEMV_MAX_T:
+        return _router_fused(x, gate_w, bias, top_k, routed_scaling_factor, renormalize, biased_weights, append_expert)
     logits = router_logits_triton(x, gate_w)
     return router_topk_triton(logits, bias, top_k, routed_scaling_factor, renormalize, biased_weights, append_expert)
+
+
+def _router_fused(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert):
+    T, D = x.shape
+    E = gate_w.shape[0]
+    assert 1 <= top_k <= E
+    x = x.contiguous()
+    gate_w = gate_w.contiguous()
+    if gate_w.dtype != x.dtype:
+        gate_w = gate_w.to(x.dtype)
+    has_extra = append_expert is not None
+    out_k = top_k + int(has_extra)
+    logits = torch.empty(T, E, device=x.device, dtype=torch.float32)
+    w = torch.empty(T, out_k, device=x.device, dtype=torch.float32)
+    ids = torch.empty(T, out_k, device=x.device, dtype=torch.int32)
+    has_bias = bias is not None
+    _router_fused_gemv_kernel[(T, triton.cdiv(E, 2))](
+        x, gate_w, logits, arrival_counters(x.device, T), bias.contiguous() if has_bias else logits, w, ids,
+        T, E, D, x.stride(0), gate_w.stride(0), logits.stride(0), float(scale),
+        int(append_expert) if has_extra else 0,
+        BE=2, BK=min(4096, triton.next_power_of_2(D)), TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_E=triton.next_power_of_2(E), HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights),
+        RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k, num_warps=4,
+    )
+    return w, ids

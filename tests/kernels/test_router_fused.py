@@ -1,0 +1,106 @@
+"""Decode router in one launch (kernels/moe/router.py `_router_fused_gemv_kernel`): the last logits program of each
+token to arrive selects its top-k. Against the torch reference and the two-launch path, counters left at zero.
+
+CPU: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_router_fused.py -q   (small shapes)
+GPU: python -m pytest tests/kernels/test_router_fused.py -q                       (adds Kimi shapes, graph replay)
+"""
+import os
+
+import pytest
+import torch
+
+from kernels.moe import moe_router_ref
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+HAS_CUDA = torch.cuda.is_available()
+needs_triton = pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
+DEV = "cuda" if HAS_CUDA else "cpu"
+
+
+def _both(x, g, b, k, scale, renorm, biased, extra):
+    import kernels.moe.router as r
+
+    fused = r._router_fused(x, g, b, k, scale, renorm, biased, extra)
+    saved, r.FUSED_DECODE = r.FUSED_DECODE, False
+    try:
+        two = r.moe_router_triton(x, g, b, k, scale, renorm, biased, extra)
+    finally:
+        r.FUSED_DECODE = saved
+    return fused, two
+
+
+@needs_triton
+@pytest.mark.parametrize("T,E,k,D", [(1, 12, 3, 48), (7, 12, 3, 48), (16, 12, 3, 48), (5, 7, 7, 20),
+                                      (1, 256, 8, 40), (3, 256, 8, 40)])
+def test_fused_router_matches(T, E, k, D):
+    from kernels._tensors import arrival_counters
+
+    x, g = torch.randn(T, D, device=DEV).to(torch.bfloat16), torch.randn(E, D, device=DEV).to(torch.bfloat16)
+    b = torch.randn(E, device=DEV) * 2.0 - 1.0  # selection scores of both signs
+    every = [(bias, biased, renorm, extra) for bias in (b, None) for biased in (False, True)
+             for renorm, extra in ((True, E), (False, None))]
+    # the interpreter runs E/2 programs per token: at E = 256 two of the eight combinations (CI time)
+    for bias, biased, renorm, extra in (every if E < 64 or HAS_CUDA else [every[0], every[7]]):
+        (w, ids), (w2, ids2) = _both(x, g, bias, k, 2.446, renorm, biased, extra)
+        wr, ir = moe_router_ref(x, g, bias, k, 2.446, renorm, biased, append_expert=extra)
+        assert ids.dtype == torch.int32 and w.dtype == torch.float32 and w.shape == wr.shape
+        assert torch.equal(ids, ir) and torch.equal(ids, ids2)
+        assert torch.equal(w, w2)  # the same fp32 logits and the same selection code
+        torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
+    assert not arrival_counters(DEV, T)[:T].any()  # every launch resets its counters
+
+
+@needs_triton
+def test_fused_router_ties_and_nan():
+    """Duplicated gate rows tie exactly: the lower expert index wins; a NaN logit row (NaN ranks first)."""
+    import kernels.moe.router as r
+
+    x = torch.randn(5, 32, device=DEV)
+    g = torch.randn(4, 32, device=DEV).repeat(2, 1)  # expert e and e + 4 tie
+    w, ids = r._router_fused(x, g, None, 3, 1.0, True, False, None)
+    wr, ir = moe_router_ref(x, g, None, 3, 1.0, True)
+    assert torch.equal(ids, ir)
+    x[1, 0] = float("nan")
+    w, ids = r._router_fused(x, g, None, 2, 1.0, True, False, None)
+    assert ids[1].tolist() == [0, 1] and torch.equal(ids[0], ir[0, :2])
+
+
+@needs_triton
+def test_dispatch_takes_fused_path_for_decode():
+    import kernels.moe.router as r
+
+    calls = []
+    orig = r._router_fused
+    r._router_fused = lambda *a: calls.append(a[0].shape[0]) or orig(*a)
+    try:
+        for T in (1, r.GEMV_MAX_T, r.GEMV_MAX_T + 1):
+            x, g = torch.randn(T, 16, device=DEV), torch.randn(8, 16, device=DEV)
+            w, ids = r.moe_router_triton(x, g, None, 2)
+            assert torch.equal(ids, moe_router_ref(x, g, None, 2)[1])
+    finally:
+        r._router_fused = orig
+    assert calls == ([1, r.GEMV_MAX_T] if r.FUSED_DECODE else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 16])
+def test_fused_router_kimi_graph(T):
+    """Kimi shapes (E=256, k=8, D=2304, shared expert appended), captured in a CUDA graph and replayed with new inputs:
+    the counters reset inside each replay."""
+    import kernels.moe.router as r
+
+    E, k, D = 256, 8, 2304
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(E, D, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(E, device="cuda") * 0.1
+    r._router_fused(x, g, b, k, 2.446, True, False, E)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w, ids = r._router_fused(x, g, b, k, 2.446, True, False, E)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        wr, ir = moe_router_ref(x, g, b, k, 2.446, True, False, append_expert=E)
+        assert torch.equal(ids, ir)
+        torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
