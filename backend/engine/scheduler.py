@@ -158,12 +158,13 @@ class Scheduler:
     def schedule_next(self, prev: SchedulerOutput):
         """The step after `prev` while `prev` is still on the device (not `update`d): every running request decodes
         once more, in the same order, on the token `prev` samples for it. -> that SchedulerOutput (pages for the
-        new positions allocated), or None where schedule() after update(prev) could give another step: someone
-        waits, `prev` is not all the running requests' decodes, a request would finish by length at `prev`, or a
-        new page is not free (schedule() would preempt). A request that `prev`'s token stops is only known later:
-        update() then drops its token of this step."""
+        new positions allocated), or None where schedule() after update(prev) could give another step: a waiting
+        request could be admitted, `prev` is not all the running requests' decodes, a request would finish by length
+        at `prev`, or a new page is not free (schedule() would preempt). A request that `prev`'s token stops is only
+        known later: update() then drops its token of this step (and a waiting request that its finish lets in is
+        admitted one step later than step by step; each request's tokens do not depend on the batch)."""
         n = len(prev.seqs)
-        if self.waiting or n != len(self.running) or prev.num_decodes != n:
+        if n != len(self.running) or prev.num_decodes != n:
             return None
         bs, last, need = self.blocks.block_size, self.max_model_len - 2, []
         for s, req in zip(prev.seqs, self.running):
@@ -174,7 +175,12 @@ class Scheduler:
                 return None
             if q + 1 >= len(req.block_ids) * bs:  # position q + 1 opens a page
                 need.append(req)
-        if len(need) > self.blocks.num_free:
+        free = self.blocks.num_free - len(need)
+        if free < 0:
+            return None
+        # schedule() would admit the first waiting request (unless a request stops at prev: admitted a step later)
+        if (self.waiting and n < self.max_num_seqs and self.max_num_batched_tokens > n and self.states.can_allocate()
+                and self.blocks.blocks_for(self.waiting[0].num_tokens) <= free):
             return None
         for req in need:
             req.block_ids += self.blocks.allocate(1)

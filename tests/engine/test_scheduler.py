@@ -335,3 +335,41 @@ def test_random_workload_returns_pools_to_full(seed):
         if r.finish_reason == "length":
             assert len(r.output_token_ids) == r.params.max_tokens
     assert s.blocks.num_free == s.blocks.capacity and s.states.num_free == s.states.capacity
+
+
+def seqs_of(out) -> list:
+    return [(x.request.request_id, x.start, x.num_new_tokens, x.sample, list(x.request.block_ids)) for x in out.seqs]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_schedule_next_is_schedule_after_update(seed):
+    """schedule_next(prev) (before prev's tokens are known) gives what schedule() gives after update(prev), or None;
+    random arrivals, lengths and page pressure; no stop tokens (those are dropped by update, engine tests)."""
+    import copy
+
+    rng = random.Random(seed)
+    s = make(num_blocks=rng.choice([12, 24, 64]), max_num_seqs=rng.choice([2, 4, 8]), max_model_len=40)
+    chained = refused = 0
+    for step in range(300):
+        if rng.random() < 0.15:
+            s.add(req(rng.randint(1, 20), max_tokens=rng.randint(1, 15)))
+        prev = s.schedule()
+        toks = [rng.randrange(1, EOS) for x in prev.seqs if x.sample]
+        if prev.is_decode_only:
+            if rng.random() < 0.2:  # an arrival after prev was scheduled (or a victim of prev's preemption) waits
+                s.add(req(rng.randint(1, 20), max_tokens=rng.randint(1, 15)))
+            ref_s, ref_prev = copy.deepcopy((s, prev))
+            ref_s.update(ref_prev, toks)
+            ref = ref_s.schedule()
+            nxt = s.schedule_next(prev)
+            if nxt is None:
+                refused += 1
+            else:
+                chained += 1
+                assert seqs_of(nxt) == seqs_of(ref) and nxt.num_decodes == ref.num_decodes
+                assert s.blocks.num_free == ref_s.blocks.num_free
+                s.update(prev, toks)
+                prev, toks = nxt, [rng.randrange(1, EOS) for _ in nxt.seqs]
+        s.update(prev, toks)
+        check_invariants(s)
+    assert chained > 20 and refused > 5
