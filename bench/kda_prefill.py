@@ -7,6 +7,9 @@ the chunked delta rule, initial-state read and final-state write.
 Run: python bench/kda_prefill.py   (prints one line per case and, when fla is importable, the ratio)
      python bench/kda_prefill.py --sweep   (split path vs fla-core at T = 4k, 16k, 64k with per-stage times,
                                             then a launch-config sweep of the intra kernels at 16k; about a minute)
+     python bench/kda_prefill.py --quick   (< 1 minute: T=16k, the default vs every QUICK_VARIANTS entry (module
+                                            constants) vs fla-core, per-stage ms and a check against the default;
+                                            then varlen 16 x 1k)
      python bench/kda_prefill.py --sweep-state   (the older per-stage sweep of the state / output configs)
 Each case prints both paths of kernels/kda/chunk.py ("fused" = old: intra -> state+output in one sequential
 kernel; "split" = new: intra -> state pass only -> parallel output; module flag chunk.SPLIT picks the default),
@@ -341,8 +344,78 @@ def sweep_intra(T=16384, warmup=5, rep=25):
         torch.cuda.empty_cache()
 
 
+# --quick: (name, split path?, {module constant: value}) timed against the default and fla-core in one run
+QUICK_VARIANTS = [
+    ("default", True, {}),
+    ("akk-prod", True, dict(AKK_DIAG=1, AKK_UNROLL=0)),                       # 153 regs (3 CTAs/SM at 4 warps)
+    ("akk-prod-unrolled", True, dict(AKK_DIAG=1, AKK_UNROLL=1)),              # 181 regs (2 CTAs/SM)
+    ("akk-prod-w8", True, dict(AKK_DIAG=1, AKK_UNROLL=0, AKK_NUM_WARPS=8)),   # 125 regs (2 x 8 warps)
+    ("akk-prod-half-w8", True, dict(AKK_DIAG=2, AKK_UNROLL=0, AKK_NUM_WARPS=8)),  # 205 regs, 8 steps + 1 dot
+    ("hpass-prefetch", True, dict(HPASS_PREFETCH=1)),
+    ("hpass-prefetch-bv32", True, dict(HPASS_PREFETCH=1, HPASS_BV=32)),
+    ("prod+prefetch", True, dict(AKK_DIAG=1, AKK_UNROLL=0, HPASS_PREFETCH=1)),
+]
+
+
+def quick(warmup=5, rep=20):
+    """One short H200 run (< 1 minute, fla's autotune included): at T=16k every QUICK_VARIANTS entry (total and
+    per-stage ms, ratio to fla-core, rel-rms of o and the final state vs the default and vs fla), then varlen
+    16 x 1k for the default, the combined variant and fla. A FAILED line (e.g. a compile error on this Triton)
+    leaves the other lines intact."""
+    import triton.testing
+
+    import kernels.kda.chunk as ck
+
+    names = sorted({n for _, _, cfg in QUICK_VARIANTS for n in cfg})
+    saved = {n: getattr(ck, n) for n in names}
+    print(f"--quick: H={H} K={K} V={V} bf16, do_bench median (ms)", flush=True)
+    try:
+        for case, lens, which in (("T=16k", [16384], None), ("varlen 16x1k", [1024] * 16,
+                                                                  ("default", "prod+prefetch"))):
+            x = _inputs(lens)
+            try:
+                fms, fo, fst = _time_fla(x, warmup, rep)
+            except Exception as e:                   # fla missing or API mismatch: ours only
+                fms = None
+                print(f"{case}: fla unavailable: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            if fms:
+                print(f"{case}: fla-core {fms:.3f} ms", flush=True)
+            ref = None
+            for name, split, cfg in QUICK_VARIANTS:
+                if which and name not in which:
+                    continue
+                for n, val in saved.items():
+                    setattr(ck, n, cfg.get(n, val))
+                try:
+                    fn, get, launches = _ours(x, split=split, stages=True)
+                    fn()
+                    torch.cuda.synchronize()
+                    ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+                    st = _stage_times(launches, 2, 10)
+                    fn()
+                    torch.cuda.synchronize()
+                    o, s = (t.clone() for t in get())
+                    if ref is None:
+                        ref = (o, s)
+                    line = f"{case} {name:20s} {ms:6.3f} ms" + (f" {fms / ms:4.2f}x fla" if fms else "")
+                    line += f" | o {_rel(o, ref[0]):.1e} state {_rel(s, ref[1]):.1e} vs default"
+                    if fms:
+                        line += f", o {_rel(o, fo):.1e} state {_rel(s, fst):.1e} vs fla"
+                    line += " | " + _fmt_stages(st)
+                except Exception as e:
+                    line = f"{case} {name:20s} FAILED {type(e).__name__}: {str(e)[:200]}"
+                print(line, flush=True)
+            del x, ref
+            torch.cuda.empty_cache()
+    finally:
+        for n, val in saved.items():
+            setattr(ck, n, val)
+
+
 if __name__ == "__main__":
-    if "--sweep" in sys.argv:            # ours vs fla at 4k/16k/64k, then the intra launch-config sweep
+    if "--quick" in sys.argv:            # T=16k: default vs each QUICK_VARIANTS entry vs fla; varlen 16x1k
+        quick()
+    elif "--sweep" in sys.argv:            # ours vs fla at 4k/16k/64k, then the intra launch-config sweep
         intra_compare()
         sweep_intra()
     elif "--sweep-state" in sys.argv:    # the older state/output launch-config sweep

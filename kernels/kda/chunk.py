@@ -12,9 +12,12 @@ Launches:
    1b. ``_kda_akk_kernel``, grid (chunk x 16-row sub-chunk i, head): Aqk and Dkk for rows [16i, 16i+16):
        columns of earlier sub-chunks by one tensor-core dot per K tile, anchor = first row n of the sub-chunk
        ((x_r exp2(G_r - G_n)) . (k_s exp2(G_n - G_s)), both factors <= 1); the 16x16 diagonal block exactly per
-       pair (exp2(G_r - G_s), s <= r) on CUDA cores; then the diagonal block of (I + diag(beta) StrictTril(Dkk))
-       is inverted by forward substitution (fp32). Writes Aqk (the contract) and the scratch X [rows, 64] fp32
-       (block inverses Di on the diagonal blocks, beta-scaled Dkk below them).
+       pair (exp2(G_r - G_s), s <= r) on CUDA cores (AKK_DIAG=0: 16 x K exp2 per partner column, ~1G exp2 at
+       T=16k; AKK_DIAG=1: the same values as running products of per-token factors exp2(G_{t+1} - G_t) <= 1, K
+       exp2 per partner column; AKK_DIAG=2: running products inside 8x8 halves + one anchored 8x8 dot); then the
+       diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted by forward substitution (fp32). Writes Aqk
+       (the contract) and the scratch X [rows, 64] fp32 (block inverses Di on the diagonal blocks, beta-scaled Dkk
+       below them).
    1c. ``_kda_wu_kernel``, grid (chunk, head): M = (I - N + N^2 - N^3) Di with N = Di L_off (N is strictly
        block-lower, N^4 = 0), then w and u as [64, 64] x [64, BK|BV] dots.
    Per chunk the intra launches produce
@@ -29,7 +32,7 @@ Launches:
 2. Split path (``SPLIT = True``, the default), two launches:
    2a. ``_kda_hpass_kernel`` -- one program per (V tile, sequence, head), BV = 16 at B=1 (auto: the largest of
        64/32/16 giving >= 2 programs per SM): the sequential pass with the fp32 state in registers and only
-       two dots per chunk:
+       two dots per chunk (HPASS_PREFETCH=1 loads the next chunk's u / gl one iteration ahead):
            store h_c = h (bf16 for bf16 inputs: the MMA operand rounding the fused path already applies; fp32 for
            fp32 inputs) into hs [NT, H, K, V];  vn = u - w @ h_c, stored (same dtype);  h = exp2(gl) * h + kg^T @ vn
        then the final state to the slot and zeros for tokens outside [cu[0], cu[-1]).
@@ -81,6 +84,7 @@ SPLIT = True             # False: the old fused state+output kernel (kept for A/
 HPASS_BV = None          # None: largest of 64/32/16 giving >= 2 programs per SM ((V/BV) * P * H >= 2 * SMs)
 HPASS_NUM_WARPS = None   # None: 4 for BV <= 32, 8 for BV = 64
 HPASS_NUM_STAGES = 2
+HPASS_PREFETCH = 0       # 1: load u / gl of the next chunk one iteration ahead (off the serial chain)
 OUT_BV = 64
 OUT_NUM_WARPS = 4
 OUT_NUM_STAGES = 2
@@ -93,8 +97,11 @@ PREP_BK = 32
 PREP_NUM_WARPS = 4
 AKK_BK = 32
 AKK_NUM_WARPS = 4
-AKK_UNROLL = 1           # unroll the 16-step exact-diagonal loop (1) or not (0)
-AKK_HALF = 0             # 1: diagonal block as two exact 8x8 blocks (8 steps, gathered partners) + one 8x8 dot
+AKK_UNROLL = 1           # unroll the diagonal-block loop (1) or not (0)
+# akk variants (A/B; see _kda_akk_kernel): AKK_DIAG 0 = exact exp2 per pair and channel (16 steps of 16 x K exp2),
+# 1 = running products of per-token factors (16 steps of K exp2), 2 = 1 inside the two 8x8 halves (8 steps) + one
+# anchored 8x8 dot per K tile. (The old exact 8x8-split "HALF" diagonal, 4.63 ms, was removed.)
+AKK_DIAG = 0
 WU_BK = 32
 WU_BV = 32
 WU_NUM_WARPS = 4
@@ -192,10 +199,23 @@ def _kda_prep_kernel(
 
 
 @triton.jit
+def _akk_row(k, g_in, rs_in, t0, nv, cblk, i_h, tj, stride_k, K: tl.constexpr):
+    """Chunk row tj: (kn [K] fp32, zero beyond the sequence; G [K] fp32, log2 units)."""
+    cf = tl.arange(0, K)
+    mj = (tl.zeros([K], dtype=tl.int64) + tj) < nv
+    kj = tl.load(k + (t0 + tj) * stride_k + i_h * K + cf, mask=mj, other=0.0).to(tl.float32)
+    kj = kj * tl.load(rs_in + (cblk + tj) * 4 + 1)
+    Gj = tl.load(g_in + (cblk + tj) * K + cf)
+    return kj, Gj
+
+
+@triton.jit
 def _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, tj, j, qr, kr, Gr, d_kk, d_qk, stride_k,
                   K: tl.constexpr, BC: tl.constexpr):
-    """Column j (chunk row tj) of the exact diagonal block: exp2(G_r - G_j) for r >= j (exponent <= 0), 0 above;
-    the partner row is re-read from global (L1 hit). d_kk and d_qk [BC, BC] are accumulated."""
+    """DIAG=0, column j (chunk row tj) of the exact diagonal block: exp2(G_r - G_j) for r >= j (exponent <= 0),
+    0 above; the partner row is re-read from global (L1 hit). d_kk and d_qk [BC, BC] are accumulated.
+    (Loads inline and the kernel's statement order as measured: a reordering cost ptxas 8 registers, 168 -> 176,
+    i.e. one 4-warp CTA per SM fewer.)"""
     cf = tl.arange(0, K)
     r16 = tl.arange(0, BC)
     mj = (tl.zeros([K], dtype=tl.int64) + tj) < nv
@@ -211,25 +231,34 @@ def _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, tj, j, qr, kr, Gr, d_kk, d_
 
 
 @triton.jit
-def _akk_diag_col_half(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, j, qr, kr, Gr, d_kk, d_qk, stride_k,
-                       K: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr):
-    """HALF variant: column j of both BE x BE exact blocks of the diagonal block at once (row r's partner is row
-    (r // BE) BE + j of R, gathered from global), exp2(G_r - G_p) for r >= p inside its half."""
-    cf = tl.arange(0, K)
+def _akk_prod_step(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, j, qr, kr, pd, Ga1, Gb1, d_kk, d_qk, stride_k,
+                   K: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr):
+    """DIAG=1/2, step j (descending) of the running-product diagonal, BE-row groups (BE = BC: one group; BC/2:
+    two, whose partners are rows j and BE + j of R). Row r's partner p = (r // BE) BE + j and
+        pd[r] = exp2(G_r - G_p) = pd_prev[r] * exp2(G_{p+1} - G_p)   (r > p; every factor <= 1),  1 at r = p,
+    0 for r < p (never set yet): one exp2 per channel per group and step instead of one per row.
+    Ga1 / Gb1: G of row p + 1 of each group (the previous step's partner rows). Returns the new partner rows' G."""
     r16 = tl.arange(0, BC)
-    pr = (r16 // BE) * BE + j                                                         # partner row within R
-    tp = i_b * BC + pr                                                                # ... within the chunk
-    mp = (tp < nv)[:, None] & (cf < K)[None, :]
-    kp = tl.load(k + (t0 + tp)[:, None] * stride_k + i_h * K + cf[None, :], mask=mp, other=0.0).to(tl.float32)
-    kp = kp * tl.load(rs_in + (cblk + tp) * 4 + 1)[:, None]
-    Gp = tl.load(g_in + (cblk + tp)[:, None] * K + cf[None, :])
-    p = tl.where(((r16 % BE) >= j)[:, None], tl.exp2(tl.minimum(Gr - Gp, 0.0)), 0.0) * kp
-    dk = tl.sum(kr * p, 1)
+    ka, Ga = _akk_row(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, stride_k, K)
+    fa = tl.exp2(tl.minimum(Ga1 - Ga, 0.0))
+    if BE < BC:
+        kb, Gb = _akk_row(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + BE + j, stride_k, K)
+        fb = tl.exp2(tl.minimum(Gb1 - Gb, 0.0))
+        top = (r16 < BE)[:, None]
+        f = tl.where(top, fa[None, :], fb[None, :])
+        kp = tl.where(top, ka[None, :], kb[None, :])
+    else:
+        Gb = Ga
+        f = fa[None, :]
+        kp = ka[None, :]
+    pd = tl.where(((r16 % BE) == j)[:, None], 1.0, pd * f)
+    p = pd * kp
+    dk = tl.sum(kr * p, 1)                                                            # [BC]
     dq = tl.sum(qr * p, 1)
-    sel = r16[None, :] == pr[:, None]
+    sel = r16[None, :] == ((r16 // BE) * BE + j)[:, None]                              # column p of row r
     d_kk += tl.where(sel, dk[:, None], 0.0)
     d_qk += tl.where(sel, dq[:, None], 0.0)
-    return d_kk, d_qk
+    return pd, Ga, Gb, d_kk, d_qk
 
 
 @triton.jit
@@ -237,14 +266,19 @@ def _kda_akk_kernel(
     q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out,
     stride_q, stride_k,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, UNROLL: tl.constexpr = 1, HALF: tl.constexpr = 0,
+    PREC: tl.constexpr, UNROLL: tl.constexpr = 1, DIAG: tl.constexpr = 0,
 ):
     """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head): rows R = [i BC, (i+1) BC) of
          Aqk[r, s] = sum_d qn[r,d] kn[s,d] exp2(G[r,d] - G[s,d])  (s <= r)    -> a_out (the contract, zeros above)
          Dkk[r, s] = same with kn[r]                              (s < r)
        columns s < i BC by one tensor-core dot per K tile with the anchor n = i BC (first row of R):
          (x_r exp2(G_r - G_n)) . (kn_s exp2(G_n - G_s)), both factors <= 1;
-       the BC x BC diagonal block exactly per pair, exp2(G_r - G_s) with s <= r (CUDA cores);
+       the BC x BC diagonal block exactly per pair on CUDA cores:
+         DIAG=0: exp2(G_r - G_s) per pair and channel (BC steps of BC x K exp2);
+         DIAG=1: the same values as running products of per-token factors exp2(G_{t+1} - G_t) <= 1 (BC steps of
+                 K exp2 each);
+         DIAG=2: as 1 inside the two BC/2 x BC/2 diagonal halves (BC/2 steps), the lower-left BC/2 x BC/2 block by
+                 one anchored dot (anchor m = row BC/2 of R; both factors <= 1);
        then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted by forward substitution (fp32).
        x_out [rows, BT] fp32: columns < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di
        (columns above are not written)."""
@@ -261,10 +295,10 @@ def _kda_akk_kernel(
     rr = i_b * BC + r16                                  # rows of R within the chunk
     rmask = rr < nv
     cols = tl.arange(0, BT)
-    csel = (cols < i_b * BC) & (cols < nv)               # off-diagonal columns (earlier sub-chunks)
     rq = tl.load(rs_in + (cblk + rr) * 4)
     rk = tl.load(rs_in + (cblk + rr) * 4 + 1)
     beta = tl.load(rs_in + (cblk + rr) * 4 + 2)
+    csel = (cols < i_b * BC) & (cols < nv)               # off-diagonal columns (earlier sub-chunks)
     rk_c = tl.load(rs_in + (cblk + cols) * 4 + 1)
     acc_kk = tl.zeros([BC, BT], dtype=tl.float32)
     acc_qk = tl.zeros([BC, BT], dtype=tl.float32)
@@ -280,7 +314,7 @@ def _kda_akk_kernel(
         qr = qr * rq[:, None]
         kr = kr * rk[:, None]
         Gr = tl.load(g_in + (cblk + rr)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
-        # off-diagonal columns: anchor G_n (n = first row of R); no-op (all columns masked) for i_b = 0
+        # anchor G_n (n = first row of R); no-op (all columns masked) for i_b = 0
         Gn = tl.load(g_in + (cblk + i_b * BC) * K + c, mask=cm, other=0.0)
         mc = csel[:, None] & cm[None, :]
         kc = tl.load(k + (t0 + cols)[:, None] * stride_k + i_h * K + c[None, :], mask=mc, other=0.0).to(tl.float32)
@@ -289,40 +323,46 @@ def _kda_akk_kernel(
         ef = tl.exp2(tl.minimum(Gr - Gn[None, :], 0.0))
         acc_kk = tl.dot(kr * ef, kct, acc_kk, input_precision=PREC)
         acc_qk = tl.dot(qr * ef, kct, acc_qk, input_precision=PREC)
-        if HALF:
-            # rows BE.. x columns ..BE-1 of the diagonal block on the tensor cores, anchor m = row BE of R:
+        if DIAG == 2:
+            # lower-left BE x BE block of the diagonal block on the tensor cores, anchor m = row BE of R:
             # (x_r exp2(G_r - G_m)) . (k_s exp2(G_m - G_s)) with s < m <= r (both factors <= 1)
             Gm = tl.load(g_in + (cblk + i_b * BC + BE) * K + c, mask=cm, other=0.0)
             rf = tl.where((r16 >= BE)[:, None], tl.exp2(tl.minimum(Gr - Gm[None, :], 0.0)), 0.0)
             cft = tl.trans(tl.where((r16 < BE)[:, None], kr * tl.exp2(tl.minimum(Gm[None, :] - Gr, 0.0)), 0.0))
             d_kk = tl.dot(kr * rf, cft, d_kk, input_precision=PREC)
             d_qk = tl.dot(qr * rf, cft, d_qk, input_precision=PREC)
-    # diagonal block with all K channels at once ([BC, K] tiles; BC iterations): column j at a time,
-    # exp2(G_r - G_j) for r >= j (exponent <= 0), 0 above; the partner row j is re-read (L1 hit)
+    # the rows of R with all K channels at once ([BC, K] tiles)
     cf = tl.arange(0, K)
     m2 = rmask[:, None] & (cf < K)[None, :]
     qr = tl.load(q + (t0 + rr)[:, None] * stride_q + i_h * K + cf[None, :], mask=m2, other=0.0).to(tl.float32)
     kr = tl.load(k + (t0 + rr)[:, None] * stride_k + i_h * K + cf[None, :], mask=m2, other=0.0).to(tl.float32)
     qr = qr * rq[:, None]
     kr = kr * rk[:, None]
-    Gr = tl.load(g_in + (cblk + rr)[:, None] * K + cf[None, :])
-    if HALF:                                         # the two BE x BE exact blocks at once (BE steps)
-        if UNROLL:
-            for j in tl.static_range(BE):
-                d_kk, d_qk = _akk_diag_col_half(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, j, qr, kr, Gr, d_kk,
-                                                d_qk, stride_k, K, BC, BE)
+    if DIAG == 0:
+        Gr = tl.load(g_in + (cblk + rr)[:, None] * K + cf[None, :])
+        # column j at a time, exp2(G_r - G_j) for r >= j (exponent <= 0), 0 above; partner row j re-read (L1 hit)
+        if UNROLL:                                   # the partner-row loads of all j can be issued early
+            for j in tl.static_range(BC):
+                d_kk, d_qk = _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, j, qr, kr, Gr, d_kk,
+                                           d_qk, stride_k, K, BC)
         else:
-            for j in range(BE):
-                d_kk, d_qk = _akk_diag_col_half(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, j, qr, kr, Gr, d_kk,
-                                                d_qk, stride_k, K, BC, BE)
-    elif UNROLL:                                     # the partner-row loads of all j can be issued early
-        for j in tl.static_range(BC):
-            d_kk, d_qk = _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, j, qr, kr, Gr, d_kk, d_qk,
-                                       stride_k, K, BC)
+            for j in range(BC):
+                d_kk, d_qk = _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, j, qr, kr, Gr, d_kk,
+                                           d_qk, stride_k, K, BC)
     else:
-        for j in range(BC):
-            d_kk, d_qk = _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, j, qr, kr, Gr, d_kk, d_qk,
-                                       stride_k, K, BC)
+        # running products, partner columns descending (DIAG=1: BC steps, one group; DIAG=2: BE steps, two)
+        NG: tl.constexpr = BC // DIAG
+        pd = tl.zeros([BC, K], dtype=tl.float32)
+        Ga1 = tl.zeros([K], dtype=tl.float32)
+        Gb1 = tl.zeros([K], dtype=tl.float32)
+        if UNROLL:
+            for jj in tl.static_range(NG):
+                pd, Ga1, Gb1, d_kk, d_qk = _akk_prod_step(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, NG - 1 - jj, qr,
+                                                          kr, pd, Ga1, Gb1, d_kk, d_qk, stride_k, K, BC, NG)
+        else:
+            for jj in range(NG):
+                pd, Ga1, Gb1, d_kk, d_qk = _akk_prod_step(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, NG - 1 - jj, qr,
+                                                          kr, pd, Ga1, Gb1, d_kk, d_qk, stride_k, K, BC, NG)
     # Aqk rows of R: off-diagonal columns (zeros right of the diagonal block) and the diagonal block
     tl.store(a_out + (cblk + rr)[:, None] * BT + cols[None, :], acc_qk.to(a_out.dtype.element_ty),
              mask=((cols < i_b * BC) | (cols >= i_b * BC + BC))[None, :])
@@ -475,10 +515,12 @@ def _kda_hpass_kernel(
     cu_seqlens, chunk_offsets, state_slots, has_initial_state, n_seq, n_tok,
     stride_o, stride_s,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MM: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MM: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):
     """Split path, launch 2: the sequential state pass only. Per chunk: store h_c (the state at the chunk start,
-    in the MMA operand dtype) and vn = u - w h_c, then h = exp2(gl) h + kg^T vn. Two dots per chunk."""
+    in the MMA operand dtype) and vn = u - w h_c, then h = exp2(gl) h + kg^T vn. Two dots per chunk.
+    PREFETCH=1: u and gl (which feed no dot, so Triton's pipeliner leaves their loads in the loop body, on the
+    serial chain) are loaded one chunk ahead by hand."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_h = tl.program_id(2)
@@ -500,6 +542,10 @@ def _kda_hpass_kernel(
     h = tl.load(p_h + o_kv).to(tl.float32)
     h = tl.where(h0i != 0, h, 0.0)
     dt = w_in.dtype.element_ty
+    if PREFETCH:
+        ch = c0 * H + i_h
+        nx_u = tl.load(u_in + ch * BT * V + o_bv, mask=tl.zeros([BT, BV], dtype=tl.int32) < nt, other=0.0)
+        nx_gl = tl.load(gl_in + ch * K + kk, mask=tl.zeros([K], dtype=tl.int32) < nt, other=0.0)
 
     for it in range(nt):
         cg = c0 + it
@@ -507,8 +553,17 @@ def _kda_hpass_kernel(
         r0 = ch * BT
         b_w = tl.load(w_in + r0 * K + o_bk)
         b_kgt = tl.load(kg_in + r0 * K + o_kbt)                       # [K, BT]
-        b_u = tl.load(u_in + r0 * V + o_bv).to(tl.float32)
-        b_gl = tl.load(gl_in + ch * K + kk)
+        if PREFETCH:
+            b_u = nx_u.to(tl.float32)
+            b_gl = nx_gl
+            # chunk it + 1 of this sequence, if any
+            nx_u = tl.load(u_in + (r0 + H * BT) * V + o_bv,
+                           mask=(tl.zeros([BT, BV], dtype=tl.int32) + it + 1) < nt, other=0.0)
+            nx_gl = tl.load(gl_in + (ch + H) * K + kk, mask=(tl.zeros([K], dtype=tl.int32) + it + 1) < nt,
+                            other=0.0)
+        else:
+            b_u = tl.load(u_in + r0 * V + o_bv).to(tl.float32)
+            b_gl = tl.load(gl_in + ch * K + kk)
         hb = h.to(dt)
         tl.store(h_out + ch * K * V + o_kv, hb.to(h_out.dtype.element_ty))
         vn = b_u - _mm(b_w, hb, PREC, MM)
@@ -582,7 +637,8 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                   dict(kg_in=sd, w_in=sd, u_in=sd, gl_in="*fp32", h_out=sd, vn_out=sd, o=lp, rec_state="*fp32",
                        cu_seqlens="*i32", chunk_offsets="*i32", state_slots="*i32", has_initial_state="*i8",
                        n_seq="i32", n_tok="i32", stride_o="i32", stride_s="i32"),
-                  dict(H=H, K=K, V=V, BT=BT, BV=min(V, hpass_bv or 16), PREC=prec, MM=mm),
+                  dict(H=H, K=K, V=V, BT=BT, BV=min(V, hpass_bv or 16), PREC=prec, MM=mm,
+                       PREFETCH=int(HPASS_PREFETCH)),
                   dict(num_warps=HPASS_NUM_WARPS or (8 if (hpass_bv or 16) >= 64 else 4),
                        num_stages=HPASS_NUM_STAGES)),
         "out": (_kda_out_kernel,
@@ -601,7 +657,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "akk": (_kda_akk_kernel,
                 dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32", stride_k="i32"),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
-                     HALF=int(AKK_HALF)), dict(num_warps=AKK_NUM_WARPS)),
+                     DIAG=int(AKK_DIAG)), dict(num_warps=AKK_NUM_WARPS)),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec),
@@ -693,7 +749,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_akk_kernel[(BT // BC * NT, H)](
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
-                HALF=int(AKK_HALF), num_warps=AKK_NUM_WARPS,
+                DIAG=int(AKK_DIAG), num_warps=AKK_NUM_WARPS,
             )
 
         def wu():
@@ -739,7 +795,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             kg, w, u, gl, hs, vn, o, rec_state,
             cu_dev, chunk_offsets, slots, hi, P, T,
             o.stride(0), rec_state.stride(0),
-            H=H, K=K, V=V, BT=BT, BV=hbv, PREC=prec, MM=mm,
+            H=H, K=K, V=V, BT=BT, BV=hbv, PREC=prec, MM=mm, PREFETCH=int(HPASS_PREFETCH),
             num_warps=HPASS_NUM_WARPS or (8 if hbv >= 64 else 4), num_stages=HPASS_NUM_STAGES,
         )
 

@@ -242,10 +242,14 @@ def test_gpu_fp32_and_split():
     assert rel_rms(pool_b[2], pool_a[2]) <= 1e-4
 
 
-def test_tiling_fp32(monkeypatch):
-    """Several K tiles in the intra kernels and several V tiles in every kernel (as at K = V = 128 on the GPU)."""
+@pytest.mark.parametrize("diag", [0, 1, 2])
+def test_tiling_fp32(monkeypatch, diag):
+    """Several K tiles in the intra kernels and several V tiles in every kernel (as at K = V = 128 on the GPU),
+    for each akk diagonal variant (DIAG=2 does its anchored 8x8 dot per K tile)."""
     import kernels.kda.chunk as chunk_mod
 
+    monkeypatch.setattr(chunk_mod, "AKK_DIAG", diag)
+    monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", diag % 2)
     for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV"):
         monkeypatch.setattr(chunk_mod, name, 16)
     monkeypatch.setattr(chunk_mod, "STATE_BV", 16)
@@ -332,23 +336,82 @@ def test_intra_awkward_lengths_fp32(kda_path, lens, strong_gate):
     check(*res, slots, FP32_TOL)
 
 
-def test_akk_variants(kda_path, monkeypatch):
-    """The akk kernel's unrolled and rolled exact-diagonal loops give identical results, and the HALF variant
-    (two exact 8x8 blocks + one anchored 8x8 dot per diagonal block) agrees to fp32 rounding (strong gates,
-    partial chunks so the gathered partner rows are masked)."""
+# A/B variants of kernels/kda/chunk.py (module constants); each must match the default to fp32 rounding
+VARIANTS = {
+    "akk-rolled": dict(AKK_UNROLL=0),
+    "akk-prod": dict(AKK_DIAG=1, AKK_UNROLL=0),
+    "akk-prod-unrolled": dict(AKK_DIAG=1, AKK_UNROLL=1),
+    "akk-prod-half": dict(AKK_DIAG=2, AKK_UNROLL=0),
+    "akk-prod-half-unrolled": dict(AKK_DIAG=2, AKK_UNROLL=1),
+    "hpass-prefetch": dict(HPASS_PREFETCH=1),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("strong_gate", [False, True])
+def test_variants_match_default_fp32(kda_path, variant, strong_gate, monkeypatch):
+    """Each variant gives the default's intermediates (qg, kg, w, u, Aqk, gl), output and final states to fp32
+    rounding (running products vs exact per-pair exp2: a few ulps), with gates down to -20 per step (every exponent
+    formed is <= 0), partial chunks (masked partner rows) and varlen with length-0/1 sequences and poisoned unused
+    slots; then the variant end to end vs the fp64 recurrence."""
     if kda_path != "split":
-        pytest.skip("the intra launches are shared by both paths")
+        pytest.skip("compares the variants on the default path")
+    import kernels.kda.chunk as chunk_mod
+    from kernels.kda.chunk import chunk_kda_plan
+
+    lens = [1, 70, 0, 64, 1, 63]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    T = cu[-1]
+    inp = make_inputs(T, strong_gate=strong_gate)
+    P = len(lens)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV)
+    slots = list(range(1, P + 1))
+    res = {}
+    for name in ("default", variant):
+        with monkeypatch.context() as m:
+            for const, val in VARIANTS.get(name, {}).items():
+                m.setattr(chunk_mod, const, val)
+            pool = torch.full((P + 2, 2, 16, 32), float("nan"), device=DEV)
+            pool[1:P + 1] = 0.5
+            bufs = {}
+            o, launches = chunk_kda_plan(inp["q"], inp["k"], inp["v"], inp["z"], inp["A_log"], inp["dt_bias"],
+                                         inp["b"], 16 ** -0.5, pool, cu_t,
+                                         torch.tensor(slots, dtype=torch.int32, device=DEV), None,
+                                         cu_seqlens_cpu=cu, buffers=bufs)
+            for f in launches.values():
+                f()
+            res[name] = (o, pool, bufs)
+    (o0, p0, b0), (o1, p1, b1) = res["default"], res[variant]
+    for name, ref in b0.items():
+        assert torch.isfinite(b1[name]).all(), name
+        assert rel_rms(b1[name], ref) <= 1e-5, (name, rel_rms(b1[name], ref))
+    assert rel_rms(o1, o0) <= 1e-5 and rel_rms(p1[1:P + 1], p0[1:P + 1]) <= 1e-5
+    assert torch.isnan(p1[0]).all() and torch.isnan(p1[P + 1]).all()
+    with monkeypatch.context() as m:
+        for const, val in VARIANTS[variant].items():
+            m.setattr(chunk_mod, const, val)
+        r = run_pair(inp, cu, slots, [bool(i % 2) for i in range(P)], S=P + 3)
+    check(*r, slots, FP32_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_variants_bf16(kda_path, variant, monkeypatch):
+    """Each variant at Kimi shapes (bf16, strong gates, varlen with a partial last chunk and an empty sequence) vs
+    the fp64 recurrence: compiles and is correct on the device's Triton."""
+    if kda_path != "split":
+        pytest.skip("variants of the default path")
     import kernels.kda.chunk as chunk_mod
 
-    T = 75
-    inp = make_inputs(T, strong_gate=True)
-    res = {}
-    for half, unroll in ((0, 0), (0, 1), (1, 0), (1, 1)):
-        monkeypatch.setattr(chunk_mod, "AKK_UNROLL", unroll)
-        monkeypatch.setattr(chunk_mod, "AKK_HALF", half)
-        res[half, unroll] = run_pair(inp, [0, 1, 12, T], [1, 2, 3], [True, False, True], S=4)
-    assert torch.equal(res[0, 0][0], res[0, 1][0]) and torch.equal(res[0, 0][2], res[0, 1][2])
-    assert torch.equal(res[1, 0][0], res[1, 1][0]) and torch.equal(res[1, 0][2], res[1, 1][2])
-    assert rel_rms(res[1, 0][0], res[0, 0][0]) <= 1e-5
-    for r in res.values():
-        check(*r, [1, 2, 3], FP32_TOL)
+    for const, val in VARIANTS[variant].items():
+        monkeypatch.setattr(chunk_mod, const, val)
+    lens = [1, 1000, 0, 65, 300]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    slots = [2, 3, 4, 5, 6]
+    inp = make_inputs(cu[-1], H=32, K=128, V=128, dtype=torch.bfloat16, strong_gate=True)
+    res = run_pair(inp, cu, slots, [True, False, True, True, False], S=8)
+    check(*res, slots, BF16_TOL)
