@@ -209,7 +209,7 @@ def stop_decode(engine: LLMEngine, streams: list):
 def time_steps(engine: LLMEngine, steps: int) -> float:
     """-> seconds per engine.step() (decode-only steps; each syncs once, on the sampled ids)."""
     n = len(running(engine))
-    sync()
+    engine.step()  # steady state: decode steps are pipelined (one in flight), so sync() would not drain it
     t = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -437,6 +437,9 @@ class HostPhases:
         r, sch = engine.runner, engine.scheduler
         self._wrap(engine, "step", "step", instance=True)
         self._wrap(sch, "schedule", "schedule", instance=True)
+        self._wrap(sch, "schedule_next", "schedule", instance=True)  # pipelined decode: N+1 scheduled while N runs
+        self._wrap(r, "launch", "launch", instance=True)
+        self._wrap(r, "collect", "collect", instance=True)
         self._wrap(sch, "update", "update", instance=True)
         self._wrap(r, "execute", "execute", instance=True)
         self._wrap(r, "_replay", "replay", instance=True)
@@ -478,8 +481,10 @@ class HostPhases:
         t = {k: v * 1e6 / steps for k, v in self.t.items()}
         g = t.get
         launch = g("replay", 0.0) + g("prepare", 0.0)
-        wait = g("execute", 0.0) - launch - g("md_build", 0.0) - g("sample", 0.0)
-        rest = g("step", 0.0) - g("schedule", 0.0) - g("execute", 0.0) - g("update", 0.0)
+        # execute (step by step) or launch + collect (pipelined) hold prepare/replay, sampling and the wait
+        run = g("execute", 0.0) + g("launch", 0.0) + g("collect", 0.0)
+        wait = run - launch - g("md_build", 0.0) - g("sample", 0.0)
+        rest = g("step", 0.0) - g("schedule", 0.0) - run - g("update", 0.0)
         return (f"step {g('step', 0):.0f} us = schedule {g('schedule', 0):.0f} + inputs & launch "
                 f"{launch:.0f} ({'graph replay' if g('replay') else 'eager forward'}) + SamplingMetadata.build "
                 f"{g('md_build', 0):.0f} + sample() launch {g('sample', 0):.0f} + wait for GPU & .tolist() "
@@ -492,6 +497,7 @@ def profile_steps(engine: LLMEngine, steps: int, modules: bool, smoke: bool) -> 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     labels = Labels(engine, modules)
     try:
+        engine.step()  # the step in flight now launches before the profiler starts (else 6 steps' kernels / 5)
         sync()
         with profile(activities=acts) as prof:
             for _ in range(steps):
@@ -535,7 +541,7 @@ def profile_decode(engine: LLMEngine, batch: int, args, params: SamplingParams, 
             hp.close()
         path = "graph replay" if graphs else "eager"
         print(f"  wall ({path}): {wall:.0f} us/step, {batch * 1e6 / wall:.0f} tok/s")
-        print(f"  host phases ({path}, perf_counter): {hp.report(steps_time)}")
+        print(f"  host phases ({path}, perf_counter): {hp.report(steps_time + 1)}")  # + time_steps' settling step
         fwd = None
         if graphs and torch.cuda.is_available():
             fwd = graph_forward_us(engine.runner, batch)
