@@ -347,12 +347,16 @@ def sweep_intra(T=16384, warmup=5, rep=25):
 # --quick: (name, split path?, {module constant: value}) timed against the default and fla-core in one run
 QUICK_VARIANTS = [
     ("default", True, {}),
-    ("akk-prod", True, dict(AKK_DIAG=1, AKK_UNROLL=0)),                       # 153 regs (3 CTAs/SM at 4 warps)
-    ("akk-prod-unrolled", True, dict(AKK_DIAG=1, AKK_UNROLL=1)),              # 181 regs (2 CTAs/SM)
-    ("akk-prod-w8", True, dict(AKK_DIAG=1, AKK_UNROLL=0, AKK_NUM_WARPS=8)),   # 125 regs (2 x 8 warps)
-    ("akk-prod-half-w8", True, dict(AKK_DIAG=2, AKK_UNROLL=0, AKK_NUM_WARPS=8)),  # 205 regs, 8 steps + 1 dot
+    # registers: offline sm_90 with Triton 3.6 (the H200's), no spills; the default akk has 168 (3 CTAs/SM)
+    ("akk-prod", True, dict(AKK_DIAG=1, AKK_UNROLL=0)),                       # 166 regs
+    ("akk-prod-unrolled", True, dict(AKK_DIAG=1, AKK_UNROLL=1)),              # 168 regs
+    ("akk-prod-w8", True, dict(AKK_DIAG=1, AKK_UNROLL=0, AKK_NUM_WARPS=8)),   # 128 regs (2 x 8 warps)
+    ("akk-prod-half-w8", True, dict(AKK_DIAG=2, AKK_UNROLL=0, AKK_NUM_WARPS=8)),  # 212 regs, 8 steps + 1 dot
     ("hpass-prefetch", True, dict(HPASS_PREFETCH=1)),
+    # BV=16 (auto at B=1): 256 programs, but each re-reads the head's w / kg (32 KB per chunk) from L2: ~8 MB per
+    # serial step, ~4 TB/s at the measured ~2 us/step; BV=32 / 64 halve / quarter that with 128 / 64 programs
     ("hpass-prefetch-bv32", True, dict(HPASS_PREFETCH=1, HPASS_BV=32)),
+    ("hpass-prefetch-bv64", True, dict(HPASS_PREFETCH=1, HPASS_BV=64)),
     ("prod+prefetch", True, dict(AKK_DIAG=1, AKK_UNROLL=0, HPASS_PREFETCH=1)),
 ]
 

@@ -100,7 +100,9 @@ AKK_NUM_WARPS = 4
 AKK_UNROLL = 1           # unroll the diagonal-block loop (1) or not (0)
 # akk variants (A/B; see _kda_akk_kernel): AKK_DIAG 0 = exact exp2 per pair and channel (16 steps of 16 x K exp2),
 # 1 = running products of per-token factors (16 steps of K exp2), 2 = 1 inside the two 8x8 halves (8 steps) + one
-# anchored 8x8 dot per K tile. (The old exact 8x8-split "HALF" diagonal, 4.63 ms, was removed.)
+# anchored 8x8 dot per K tile. (The old exact 8x8-split "HALF" diagonal, 4.63 ms, was removed.) Offline sm_90,
+# Triton 3.6, no spills: akk 168 regs (DIAG=0, unrolled), 166 / 168 (DIAG=1 rolled / unrolled), 128 (DIAG=1,
+# 8 warps), 212 (DIAG=2, 8 warps); hpass with HPASS_PREFETCH=1: 82 regs at BV=16, 136 at BV=32.
 AKK_DIAG = 0
 WU_BK = 32
 WU_BV = 32
