@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -30,50 +29,13 @@ if ROOT not in sys.path:
 
 from kernels.conv import PREFILL_CONFIG, PrefillConfig, short_conv_prefill_ref, short_conv_prefill_triton  # noqa: E402
 from kernels.testing import assert_close, bf16_tol  # noqa: E402
+from _timing import copy_bandwidth, time_us  # noqa: E402  (bench/ is sys.path[0] when run)
 
 C_KIMI, PROJ_KIMI, W = 3 * 32 * 128, 3 * 32 * 128 + 2 * 128 + 32, 4
 CASES = [("1 x 8192", [8192]), ("16 x 512", [512] * 16)]
 SMOKE_CASES = [("1 x 40", [40]), ("4 x 10", [10, 1, 3, 26])]
 SWEEP = [PrefillConfig(RS=4), PrefillConfig(PF=True), PrefillConfig(RS=4, PF=True), PrefillConfig(BT=32),
          PrefillConfig(BT=128), PrefillConfig(BT=32, BC=512, num_warps=2)]
-
-
-def time_us(fns, smoke: bool, replays: int = 20) -> float:
-    """Median us per call of one CUDA graph running each fn once (CPU: wall time of one eager pass)."""
-    if smoke:
-        t = time.perf_counter()
-        for f in fns:
-            f()
-        return (time.perf_counter() - t) * 1e6 / len(fns)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:                                     # compile + warm up outside the capture
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(fns))
-    del g
-    return statistics.median(times)
-
-
-def copy_bandwidth(device, smoke: bool) -> float:
-    n = (64 << 20) if smoke else (1 << 30)
-    a = torch.empty(n, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    us = time_us([lambda: b.copy_(a)] * (1 if smoke else 5), smoke)
-    return 2 * n / (us * 1e-6)
 
 
 class Case:

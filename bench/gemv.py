@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -31,6 +29,7 @@ if ROOT not in sys.path:
 
 from kernels.gemv import GemvConfig, gemv_config, gemv_ref, gemv_triton  # noqa: E402
 from kernels.testing import assert_close, bf16_tol  # noqa: E402
+from _timing import copy_bandwidth, time_us  # noqa: E402  (bench/ is sys.path[0] when run)
 
 # (name, B, N, K, calls per decode step): Kimi-Linear-48B-A3B, D = 2304, 20 KDA + 7 MLA layers, layer 0 dense MLP
 SHAPES = [
@@ -51,44 +50,6 @@ SWEEP += [GemvConfig(dot=False, BN=bn, BK=bk, num_warps=w, num_stages=s) for bn,
 SWEEP += [GemvConfig(dot=True, BN=64, BK=128, split=1), GemvConfig(dot=True, BN=32, BK=256, split=1, num_stages=3)]
 L2_FLUSH_BYTES = 256 << 20
 MAX_COPIES = 64
-
-
-def time_us(fns, smoke: bool, replays: int = 20) -> float:
-    """Median us per call of one CUDA graph running each fn once (CPU: wall time of one eager pass)."""
-    if smoke:
-        t = time.perf_counter()
-        for f in fns:
-            f()
-        return (time.perf_counter() - t) * 1e6 / len(fns)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:                                     # compile + warm up outside the capture
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(fns))
-    del g
-    return statistics.median(times)
-
-
-def copy_bandwidth(device, smoke: bool) -> float:
-    n = (64 << 20) if smoke else (1 << 30)
-    a = torch.empty(n, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    us = time_us([lambda: b.copy_(a)] * (1 if smoke else 5), smoke)
-    return 2 * n / (us * 1e-6)
 
 
 class Case:

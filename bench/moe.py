@@ -29,6 +29,7 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.moe import fused_moe, fused_moe_ref, moe_router  # noqa: E402
+from _timing import time_us  # noqa: E402  (bench/ is sys.path[0] when run)
 from kernels.moe.fused import (MoEConfig, balanced_tiles, expected_blocks, fused_moe_triton, get_config,  # noqa: E402
                                moe_combine, moe_gemm1, moe_gemm2, moe_rows)
 
@@ -221,31 +222,7 @@ def _precompile(Ms, sms, workers):
 def _graph_us(fns, replays=10):
     """Median us per launch: one CUDA graph of the launches fns (one per routing), replayed (--smoke on the CPU:
     one eager pass, wall time)."""
-    if DEV != "cuda":
-        import time
-
-        t = time.perf_counter()
-        for f in fns:
-            f()
-        return (time.perf_counter() - t) * 1e6 / len(fns)
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(fns))
-    return sorted(ts)[len(ts) // 2]
+    return time_us(fns, DEV != "cuda", replays)
 
 
 def _print_sweep(name, res, nbytes, copy_bw, cur_label):
