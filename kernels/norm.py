@@ -5,6 +5,9 @@ rmsnorm_head(x [T, D + P], w [D], eps) -> [T, D + P]: rmsnorm of the first D col
                                                normed latent and its rope key, one cache row, one launch)
 add_rmsnorm(x, res [T, D], w, eps) -> (rmsnorm(h), h) with h = res + x in x.dtype: the decoder's residual add and
                                                the next norm in one launch (same rounding as the two torch ops)
+combine_add_rmsnorm(y [T*k, D], tw [T, k], res [T, D], w, eps) -> add_rmsnorm(x, res, w, eps) with
+                                               x = sum_j tw[t, j] * y[t*k + j] (fp32, j ascending) in res.dtype: the
+                                               MoE combine (kernels.moe.fused) folded into it, one launch for two
 gated_rmsnorm(o [T, H, V], r [T, H, V], w [V], eps) -> [T, H, V]:
                                                y = o_f32 * rsqrt(mean(o_f32^2) + eps) * w * sigmoid(r_f32)  (fp32 math)
 """
@@ -16,6 +19,7 @@ import triton.language as tl
 
 from kernels._dispatch import use_triton
 from kernels._tensors import unit_last_stride
+from kernels.moe.router import INTERPRET, cast_to
 
 
 # --------------------------------------------------------------------------------------------------- references
@@ -33,6 +37,22 @@ def rmsnorm_head_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tens
 def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
     h = residual + x
     return rmsnorm_ref(h, w, eps), h
+
+
+def combine_add_rmsnorm_ref(y: torch.Tensor, topk_weights: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                            eps: float):
+    """y [T*k, D] expert outputs (or fp32 K partials [S, T*k, D], summed in order and rounded per row first)."""
+    T, k = topk_weights.shape
+    if y.dim() == 3:
+        part = y[0].clone()
+        for s in range(1, y.shape[0]):
+            part += y[s]
+        y = part.to(residual.dtype)
+    acc = torch.zeros(T, residual.shape[1], dtype=torch.float32, device=residual.device)
+    yk = y.view(T, k, -1).float()
+    for j in range(k):
+        acc += topk_weights[:, j:j + 1].float() * yk[:, j]
+    return add_rmsnorm_ref(acc.to(residual.dtype), residual, w, eps)
 
 
 def gated_rmsnorm_ref(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,6 +121,37 @@ def _add_rmsnorm_kernel(
 
 
 @triton.jit
+def _combine_add_rmsnorm_kernel(
+    y_ptr, tw_ptr, r_ptr, w_ptr, o_ptr, h_ptr,
+    stride_ys, stride_r, stride_o, stride_h,
+    D, eps,
+    TOP_K: tl.constexpr, SPLIT: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
+):
+    # one program per token t: y [T*k, D] (or [SPLIT, T*k, D] fp32) contiguous, tw [T, k] fp32, r/o/h [T, D].
+    # The combine lines are _moe_combine_kernel's and the rest _add_rmsnorm_kernel's, op for op, so the bits match
+    # the two-launch sequence (keep them in step if either changes)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BD)
+    mask = offs < D
+    acc = tl.zeros((BD,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        wj = tl.load(tw_ptr + t * TOP_K + j).to(tl.float32)
+        y_ptrs = y_ptr + (t * TOP_K + j) * D + offs
+        yj = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if SPLIT > 1:
+            for s in tl.static_range(1, SPLIT):
+                yj += tl.load(y_ptrs + s * stride_ys, mask=mask, other=0.0)
+            yj = cast_to(yj, h_ptr.dtype.element_ty, INTERP).to(tl.float32)
+        acc += wj * yj
+    x = cast_to(acc, h_ptr.dtype.element_ty, INTERP).to(tl.float32)     # the combine's store + add_rmsnorm's load
+    r = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    h = (r + x).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + t * stride_h + offs, h, mask=mask)
+    o = _rms_weighted(h.to(tl.float32), w_ptr, offs, mask, D, eps, o_ptr.dtype.element_ty)
+    tl.store(o_ptr + t * stride_o + offs, o.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gated_rmsnorm_kernel(
     o_ptr, r_ptr, w_ptr, y_ptr,
     stride_o, stride_r, stride_y,       # row (token*head) strides; the last dim is contiguous
@@ -164,6 +215,27 @@ def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
     return y, h
 
 
+def combine_add_rmsnorm_triton(y: torch.Tensor, topk_weights: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                               eps: float):
+    """y: kernels.moe.fused.moe_gemm2's output ([T*k, D] in residual.dtype, or fp32 partials [S, T*k, D]),
+    topk_weights [T, k] fp32, residual [T, D] (row stride allowed) -> (y, h) contiguous [T, D] in residual.dtype."""
+    T, top_k = topk_weights.shape
+    D = residual.shape[1]
+    assert y.is_contiguous() and y.shape[-2:] == (T * top_k, D), (y.shape, topk_weights.shape, residual.shape)
+    assert y.dim() == 2 and y.dtype == residual.dtype or y.dim() == 3 and y.dtype == torch.float32, y.dtype
+    residual = unit_last_stride(residual)
+    out = torch.empty(T, D, dtype=residual.dtype, device=residual.device)
+    h = torch.empty_like(out)
+    if T:
+        BD = triton.next_power_of_2(D)
+        split = y.shape[0] if y.dim() == 3 else 1
+        # num_warps as add_rmsnorm_triton: the same reduction tree for the norm's sum of squares
+        _combine_add_rmsnorm_kernel[(T,)](y, topk_weights.contiguous(), residual, w, out, h, T * top_k * D,
+                                          residual.stride(0), out.stride(0), h.stride(0), D, eps, TOP_K=top_k,
+                                          SPLIT=split, BD=BD, INTERP=INTERPRET, num_warps=4 if BD <= 4096 else 8)
+    return out, h
+
+
 def gated_rmsnorm_triton(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float,
                          out: torch.Tensor | None = None) -> torch.Tensor:
     shape = o.shape
@@ -209,6 +281,14 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: f
     if use_triton(x):
         return add_rmsnorm_triton(x, residual, w, eps)
     return add_rmsnorm_ref(x, residual, w, eps)
+
+
+def combine_add_rmsnorm(y: torch.Tensor, topk_weights: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                        eps: float):
+    """-> add_rmsnorm(combine(y, topk_weights), residual, w, eps) (see combine_add_rmsnorm_triton for y)."""
+    if use_triton(residual):
+        return combine_add_rmsnorm_triton(y, topk_weights, residual, w, eps)
+    return combine_add_rmsnorm_ref(y, topk_weights, residual, w, eps)
 
 
 def gated_rmsnorm(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

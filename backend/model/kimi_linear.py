@@ -6,6 +6,7 @@ Tensor parallel (tp.world = W > 1, backend/model/parallel.py): modules hold this
 1/W of the dense MLPs; mixers and FFNs return partial sums that DecoderLayer all-reduces.
 """
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -14,16 +15,32 @@ from torch import nn
 from backend.config import ModelConfig
 from backend.model.batch import ForwardBatch, KimiCache
 from backend.model.parallel import TP, all_gather_last, all_reduce, folds_shared_expert
+from kernels._dispatch import use_triton
 from kernels.gemv import skinny_bmm_nt, skinny_linear
 from kernels.kda import kda_decode, kda_prefill
 from kernels.mla import mla_decode, mla_extend, mla_prefill, store_latent
 from kernels.moe import fused_moe, moe_router
-from kernels.norm import add_rmsnorm, rmsnorm, rmsnorm_head
+from kernels.moe.fused import fused_moe_uncombined_triton
+from kernels.norm import add_rmsnorm, combine_add_rmsnorm, rmsnorm, rmsnorm_head
 
 
 # Prefill segments with at least this many new tokens attend in expanded form (kernels.mla.mla_prefill: gather +
 # kv_b_proj + flash attention, ~3.4x fewer FLOPs than absorbed for large chunks), per device type; CPU: absorbed refs.
 MLA_EXPANDED_MIN_TOKENS = {"cuda": 256}
+
+
+class UncombinedMoE(NamedTuple):
+    """A MoE layer's output before the combine: y [T*k, D] per-assignment expert outputs (fused_moe_uncombined_triton;
+    or fp32 K partials [S, T*k, D]) and weights [T, k] fp32. The next RMSNorm combines it with the residual add."""
+    y: torch.Tensor
+    weights: torch.Tensor
+
+
+def _fuse_combine_norm_enabled() -> bool:
+    """KIMI_FUSE_COMBINE_NORM=1 (opt-in, read when the model is built): an unsharded MoE layer on the Triton path
+    skips fused_moe's combine launch; the next layer's input norm (or the final norm) runs combine + residual add +
+    RMSNorm in one kernel (kernels.norm.combine_add_rmsnorm; the same bits as the two launches)."""
+    return os.environ.get("KIMI_FUSE_COMBINE_NORM", "") == "1"
 
 
 class RMSNorm(nn.Module):
@@ -32,8 +49,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """-> rmsnorm(x); with residual: (rmsnorm(residual + x), residual + x) in one kernel."""
+    def forward(self, x: torch.Tensor | UncombinedMoE, residual: torch.Tensor | None = None):
+        """-> rmsnorm(x); with residual: (rmsnorm(residual + x), residual + x) in one kernel (x may be an
+        UncombinedMoE: combined in the same kernel)."""
+        if isinstance(x, UncombinedMoE):
+            return combine_add_rmsnorm(x.y, x.weights, residual, self.weight, self.eps)
         if residual is None:
             return rmsnorm(x, self.weight, self.eps)
         return add_rmsnorm(x, residual, self.weight, self.eps)
@@ -228,6 +248,13 @@ class KimiMoE(nn.Module):
             weights, ids = torch.where(mine, weights, 0.0), torch.where(mine, local, 0)
         return fused_moe(x, self.w13, self.w2, weights, ids) + self.shared_experts(x)
 
+    def forward_uncombined(self, x: torch.Tensor) -> UncombinedMoE:
+        """forward without the combine (folded shared expert, Triton path only); see UncombinedMoE."""
+        assert self.fold_shared
+        weights, ids = moe_router(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, self.scaling,
+                                  self.renormalize, self.biased_weights, self.num_local_experts)
+        return UncombinedMoE(fused_moe_uncombined_triton(x, self.w13, self.w2, weights, ids), weights)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int, dtype: torch.dtype, tp: TP = TP()):
@@ -244,17 +271,23 @@ class DecoderLayer(nn.Module):
             self.mlp = KimiMLP(cfg.hidden_size, cfg.intermediate_size // tp.world, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # unsharded only: with W > 1 an all-reduce sits between the MoE output and the next residual add
+        self.defer_combine = (_fuse_combine_norm_enabled() and self.is_moe and tp.world == 1
+                              and self.block_sparse_moe.fold_shared)
 
     def forward(self, out: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KimiCache):
         """(previous layer's FFN output, residual stream before it; None for the first layer with the embedding as
         out) -> (this layer's FFN output, residual stream before it). Each residual add runs fused with the norm
-        after it: h = residual + out, then norm(h) (the same two roundings as h + out followed by the norm)."""
+        after it: h = residual + out, then norm(h) (the same two roundings as h + out followed by the norm).
+        With defer_combine (Triton path) the FFN output is an UncombinedMoE, combined by the next norm."""
         if residual is None:
             x, h = self.input_layernorm(out), out
         else:
             x, h = self.input_layernorm(out, residual)
         attn = all_reduce(self.self_attn(x, batch, cache), self.tp)
         x, h = self.post_attention_layernorm(attn, h)
+        if self.defer_combine and use_triton(x):
+            return self.block_sparse_moe.forward_uncombined(x), h
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
         return all_reduce(ffn(x), self.tp), h
 

@@ -487,3 +487,19 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, config: MoECo
     inter = moe_gemm1(x, w13, rows, cfg)
     y = moe_gemm2(inter, w2, rows, cfg)
     return moe_combine(y, topk_weights, out)
+
+
+def fused_moe_uncombined_triton(x, w13, w2, topk_weights, topk_ids, config: MoEConfig | None = None) -> torch.Tensor:
+    """fused_moe_triton without the combine -> moe_gemm2's y: [T*k, D] in x.dtype (one split) or fp32 K partials
+    [S, T*k, D]; kernels.norm.combine_add_rmsnorm applies the combine (folded into the next residual add + norm)."""
+    T, D = x.shape
+    E, N2, Dw = w13.shape
+    assert Dw == D and w2.shape == (E, D, N2 // 2), (w13.shape, w2.shape)
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == T
+    top_k = topk_ids.shape[1]
+    if T == 0:
+        return torch.empty(0, D, dtype=x.dtype, device=x.device)
+    x, w13, w2 = x.contiguous(), w13.contiguous().to(x.dtype), w2.contiguous().to(x.dtype)
+    cfg = config or get_config(T * top_k, E, x.dtype, top_k, num_sms(x.device), N2 // 2, D)
+    rows = moe_rows(topk_ids, E, cfg.BM)
+    return moe_gemm2(moe_gemm1(x, w13, rows, cfg), w2, rows, cfg)
