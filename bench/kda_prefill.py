@@ -358,6 +358,13 @@ QUICK_VARIANTS = [
     ("hpass-prefetch-bv32", True, dict(HPASS_PREFETCH=1, HPASS_BV=32)),
     ("hpass-prefetch-bv64", True, dict(HPASS_PREFETCH=1, HPASS_BV=64)),
     ("prod+prefetch", True, dict(AKK_DIAG=1, AKK_UNROLL=0, HPASS_PREFETCH=1)),
+    # PREP_FUSED: no prep launch / fp32 G scratch (stages akk + wu replace prep + akk + wu). Offline sm_90, Triton
+    # 3.6: akk-fused 186 regs unrolled at 4 warps (2 CTAs/SM, no spills), 168 + 16 B stack rolled, 128 at 8 warps
+    # (DIAG=0, no spills), 117 (DIAG=1 unrolled, 8 warps); wu-fused 168 (default wu 144), 3 CTAs/SM
+    ("prep-fused", True, dict(PREP_FUSED=1)),
+    ("prep-fused-w8", True, dict(PREP_FUSED=1, AKK_NUM_WARPS=8)),
+    ("prep-fused-prod", True, dict(PREP_FUSED=1, AKK_DIAG=1, AKK_UNROLL=0)),
+    ("prep-fused-prod-w8", True, dict(PREP_FUSED=1, AKK_DIAG=1, AKK_UNROLL=1, AKK_NUM_WARPS=8)),
 ]
 
 
