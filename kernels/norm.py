@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kernels._dispatch import use_triton
 from kernels._tensors import unit_last_stride
+from kernels.moe.fused import combine_row
 from kernels.moe.router import INTERPRET, cast_to
 
 
@@ -128,21 +129,12 @@ def _combine_add_rmsnorm_kernel(
     TOP_K: tl.constexpr, SPLIT: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
 ):
     # one program per token t: y [T*k, D] (or [SPLIT, T*k, D] fp32) contiguous, tw [T, k] fp32, r/o/h [T, D].
-    # The combine lines are _moe_combine_kernel's and the rest _add_rmsnorm_kernel's, op for op, so the bits match
-    # the two-launch sequence (keep them in step if either changes)
+    # The combine is _moe_combine_kernel's (combine_row) and the rest _add_rmsnorm_kernel's, op for op, so the bits
+    # match the two-launch sequence (keep them in step if either changes)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     mask = offs < D
-    acc = tl.zeros((BD,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        wj = tl.load(tw_ptr + t * TOP_K + j).to(tl.float32)
-        y_ptrs = y_ptr + (t * TOP_K + j) * D + offs
-        yj = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-        if SPLIT > 1:
-            for s in tl.static_range(1, SPLIT):
-                yj += tl.load(y_ptrs + s * stride_ys, mask=mask, other=0.0)
-            yj = cast_to(yj, h_ptr.dtype.element_ty, INTERP).to(tl.float32)
-        acc += wj * yj
+    acc = combine_row(y_ptr, tw_ptr, t, offs, mask, D, stride_ys, TOP_K, SPLIT, h_ptr.dtype.element_ty, INTERP)
     x = cast_to(acc, h_ptr.dtype.element_ty, INTERP).to(tl.float32)     # the combine's store + add_rmsnorm's load
     r = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     h = (r + x).to(h_ptr.dtype.element_ty)

@@ -282,17 +282,27 @@ def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, D, stride_ys, TOP_K: tl.constexpr
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BD + tl.arange(0, BD)
     ok = offs < D
-    acc = tl.zeros((BD,), dtype=tl.float32)
+    acc = combine_row(y_ptr, w_ptr, t, offs, ok, D, stride_ys, TOP_K, SPLIT, out_ptr.dtype.element_ty, INTERP)
+    tl.store(out_ptr + t * D + offs, cast_to(acc, out_ptr.dtype.element_ty, INTERP), mask=ok)
+
+
+@triton.jit
+def combine_row(y_ptr, w_ptr, t, offs, mask, D, stride_ys, TOP_K: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr,
+                INTERP: tl.constexpr):
+    """fp32 sum_j w[t, j] * y[t*k + j] over the columns offs (SPLIT > 1: each y row is the sum of its fp32 K
+    partials in split order, rounded to DT first). Shared by _moe_combine_kernel and kernels.norm's fused
+    combine + add + RMSNorm, so both round alike."""
+    acc = tl.zeros(offs.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         wj = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
         y_ptrs = y_ptr + (t * TOP_K + j) * D + offs
-        yj = tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
+        yj = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
         if SPLIT > 1:
             for s in tl.static_range(1, SPLIT):
-                yj += tl.load(y_ptrs + s * stride_ys, mask=ok, other=0.0)
-            yj = cast_to(yj, out_ptr.dtype.element_ty, INTERP).to(tl.float32)
+                yj += tl.load(y_ptrs + s * stride_ys, mask=mask, other=0.0)
+            yj = cast_to(yj, DT, INTERP).to(tl.float32)
         acc += wj * yj
-    tl.store(out_ptr + t * D + offs, cast_to(acc, out_ptr.dtype.element_ty, INTERP), mask=ok)
+    return acc
 
 
 # ----------------------------------------------------------------------------------------------------------------
