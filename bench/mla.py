@@ -446,6 +446,7 @@ def ptxas_report(arch=90, only=None):
                 dict(L=L, R=R, BLOCK_L=L, BLOCK_R=R, BS=BS, BLOCK_N=c["block_n"], BLOCK_H=c["block_h"], BLOCK_B=128,
                      MIN_TILES=4, DIRECT=False, IEEE=ieee, UPCAST=False, KEYS_M=c.get("keys_m", False),
                      PAGE_TILE=c.get("page_tile", False), WARP_SPEC=c.get("warp_spec", False),
+                     PREFETCH=int(c.get("prefetch", 0)),
                      **(dict(TMA=True) if c.get("tma") else dict(TMA=False, c_desc=None, k_desc=None))),
                 c["num_warps"], c["num_stages"],
                 f"decode {dtn} " + (repr(c.get("label")) if "label" in c else str(c)),

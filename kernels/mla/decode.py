@@ -58,6 +58,17 @@ DECODE_CFG = {
 #   the tile by cp.async. Twice the tensor work of the 32 real heads, FlashMLA's M=64 trade. sm_90 (Triton 3.9, with the
 #   mask-free loads): n16 128 KB / 245 regs, n32 144 KB / 255 regs, no spill; n64 216 KB spills (255 regs + 128 B).
 # programs_per_sm: resident stage-1 programs per SM the split heuristic aims at (w4 n32: 74 KB, 252 regs x 128 -> 2).
+# prefetch (pf*): software pipelining by hand. Triton's pipeliner gives none of the variants above any load/compute
+#   overlap: whatever num_stages (2..4, ring of 1 or 2 tile buffers; the block-table load takes a stage of its own), the
+#   cp.async of tile t+1 is issued after tile t's dots and waited for (wait_group 0) at the top of iteration t+1, so
+#   each SM alternates HBM latency and MMAs (B=64 S=8k: ~5.6 us per 72 KB tile, 1.7 TB/s). prefetch=k loads tiles
+#   t+1..t+k into registers (plain predicated ld.global, issued before tile t's dots, consumed k iterations later by the
+#   st.shared that feeds the dots) and each tile's block-table entry one iteration before its loads; num_stages=1
+#   keeps Triton's pipeliner out. In flight per SM during the dots: k x BLOCK_N x 1152 B (pf n32: 36 KB, pf2: 72 KB).
+#   mma.sync heads-as-M re-reads q (36 KB) from smem per warp and tile, so BLOCK_N 16 would be smem-bound; BLOCK_N 64
+#   spills at prefetch=1. sm_90: pf n32 72 KB / 193 regs (Triton 3.6: 211), pf2 n32 72 KB / 234 (3.6: 246), no spill.
+#   keys_m pf n64 (wgmma, c stored once and read by both dots from smem): 108 KB, 3.6: 239 regs no spill; 3.9 spills
+#   (255 + 488 B stack).
 # min_split_tokens: smallest work unit (256 = the schedule before 12-02: B=1 S=1k ran as 4 units of 4 tiles).
 DECODE_VARIANTS = {
     "base": dict(block_h=32, block_n=64, num_warps=8, num_stages=2),
@@ -75,6 +86,9 @@ DECODE_VARIANTS = {
     "keys_m s3": dict(block_h=32, block_n=64, num_warps=8, num_stages=3, keys_m=True),
     "keys_m p16": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, keys_m=True, part16=True),
     "keys_m tma": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, keys_m=True, page_tile=True, tma=True),
+    "pf n32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1, page_tile=True, prefetch=1),
+    "pf2 n32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1, page_tile=True, prefetch=2),
+    "keys_m pf n64": dict(block_h=32, block_n=64, num_warps=8, num_stages=1, keys_m=True, page_tile=True, prefetch=1),
 }
 GPU_BLOCK_H = 32  # heads per program cap (the default split heuristic assumes it)
 # Every tl.dot operand dim (M, N, K) is padded to >= MIN_DOT: Triton's GPU lowering asserts K >= 16 (M, N >= 16 keeps
@@ -118,33 +132,53 @@ def _unit_plan(seqlen_ptr, N, G, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, M
 
 
 @triton.jit
+def _tile_page(bt_row, t, seq_len, offs_n, BS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr):
+    """Block-table entries of key tile t: one scalar (PAGE_TILE: BS % BLOCK_N == 0, the tile lies in one page) or
+    [BLOCK_N] per-row entries (rows past seq_len take the tile's first row's page, see _load_rows)."""
+    if PAGE_TILE:
+        return tl.load(bt_row + (t * BLOCK_N) // BS)
+    else:
+        tok = t * BLOCK_N + offs_n
+        return tl.load(bt_row + tl.where(tok < seq_len, tok, t * BLOCK_N) // BS)
+
+
+@triton.jit
+def _load_rows(cache_ptr, page, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp, s_cr, ok,
+               L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BS: tl.constexpr,
+               BLOCK_N: tl.constexpr, OK_MASK: tl.constexpr):
+    """Key tile t's rows from its pages (_tile_page): c [BLOCK_N, BLOCK_L] (latent, also V), kpe [BLOCK_N, BLOCK_R].
+    Rows past seq_len repeat the tile's first row (a page's stale tail may hold NaN); the caller masks their logits.
+    OK_MASK: the whole tile load is predicated on the scalar ``ok`` (a prefetch past the unit's last tile)."""
+    tok = t * BLOCK_N + offs_n
+    # rows past seq_len re-read the tile's first row (t * BLOCK_N < seq_len, same page): finite data whose p is 0, so
+    # the loads need no row mask (the page tail may be NaN, and 0 * NaN would poison acc)
+    tok = tl.where(tok < seq_len, tok, t * BLOCK_N)
+    row = cache_ptr + page.to(tl.int64) * s_cp + (tok % BS).to(tl.int64) * s_cr
+    cm = lmask[None, :]
+    km = rmask[None, :]
+    if OK_MASK:  # (where, not &: the interpreter turns bool & scalar bool into int)
+        cm = tl.where(ok, cm, False)
+        km = tl.where(ok, km, False)
+    if BLOCK_L == L and not OK_MASK:  # no column mask at Kimi shapes
+        c = tl.load(row[:, None] + offs_l[None, :])
+    else:
+        c = tl.load(row[:, None] + offs_l[None, :], mask=cm, other=0.0)
+    if BLOCK_R == R and not OK_MASK:
+        kpe = tl.load(row[:, None] + L + offs_r[None, :])
+    else:
+        kpe = tl.load(row[:, None] + L + offs_r[None, :], mask=km, other=0.0)
+    return c, kpe
+
+
+@triton.jit
 def _load_tile(cache_ptr, bt_row, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp, s_cr,
                L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BS: tl.constexpr,
                BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr):
-    """Key tile t of one sequence: c [BLOCK_N, BLOCK_L] (latent, also V), kpe [BLOCK_N, BLOCK_R], row mask.
-    Rows past seq_len repeat the tile's first row (a page's stale tail may hold NaN); the caller masks their logits.
-    PAGE_TILE (BS % BLOCK_N == 0): the tile lies in one page, so one scalar block-table load instead of a per-row
-    gather."""
-    tok = t * BLOCK_N + offs_n
-    tmask = tok < seq_len
-    # rows past seq_len re-read the tile's first row (t * BLOCK_N < seq_len, same page): finite data whose p is 0, so
-    # the loads need no row mask (the page tail may be NaN, and 0 * NaN would poison acc)
-    tok = tl.where(tmask, tok, t * BLOCK_N)
-    if PAGE_TILE:
-        page = tl.load(bt_row + (t * BLOCK_N) // BS).to(tl.int64)
-        row = cache_ptr + page * s_cp + (tok % BS).to(tl.int64) * s_cr
-    else:
-        page = tl.load(bt_row + tok // BS).to(tl.int64)
-        row = cache_ptr + page * s_cp + (tok % BS).to(tl.int64) * s_cr
-    if BLOCK_L == L:  # no column mask at Kimi shapes
-        c = tl.load(row[:, None] + offs_l[None, :])
-    else:
-        c = tl.load(row[:, None] + offs_l[None, :], mask=lmask[None, :], other=0.0)
-    if BLOCK_R == R:
-        kpe = tl.load(row[:, None] + L + offs_r[None, :])
-    else:
-        kpe = tl.load(row[:, None] + L + offs_r[None, :], mask=rmask[None, :], other=0.0)
-    return c, kpe, tmask
+    """Key tile t of one sequence: c [BLOCK_N, BLOCK_L], kpe [BLOCK_N, BLOCK_R], row mask (_tile_page + _load_rows)."""
+    page = _tile_page(bt_row, t, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
+    c, kpe = _load_rows(cache_ptr, page, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp, s_cr, True, L, R,
+                        BLOCK_L, BLOCK_R, BS, BLOCK_N, False)
+    return c, kpe, t * BLOCK_N + offs_n < seq_len
 
 
 @triton.jit
@@ -221,6 +255,7 @@ def _mla_decode_stage1(
     c_desc=None,  # TMA (host tensor descriptors over the [NB * BS, L + R] cache rows): c / kpe boxes of BLOCK_N rows
     k_desc=None,
     TMA: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,  # tiles t+1..t+PREFETCH loaded into registers before tile t's dots (DECODE_VARIANTS)
 ):
     u = tl.program_id(0)  # DIRECT: the sequence; else the work unit
     hb = tl.program_id(1)
@@ -283,6 +318,42 @@ def _mla_decode_stage1(
                 c, kpe, tmask = _load_tile(cache_ptr, bt_row, t_full, seq_len, offs_n, offs_l, offs_r, lmask, rmask,
                                            s_cp, s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, PAGE_TILE)
                 m_i, l_i, acc = _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, KEYS_M, IEEE, UPCAST)
+        elif PREFETCH == 1:
+            # software pipeline by hand (Triton's own, any num_stages, waits for tile t+1's cp.async at the top of
+            # iteration t+1 right after issuing it at the end of iteration t: no overlap). Tile t+1's HBM loads go to
+            # registers before tile t's dots and are consumed (stored to smem for the dots) one iteration later; its
+            # block-table entries were loaded one iteration before that, so no dependent latency either.
+            c, kpe, tmask = _load_tile(cache_ptr, bt_row, t_begin, seq_len, offs_n, offs_l, offs_r, lmask, rmask,
+                                       s_cp, s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, PAGE_TILE)
+            # pages of tile t+1 (clamped to the unit's last tile: always a real block-table entry)
+            page = _tile_page(bt_row, tl.minimum(t_begin + 1, t_end - 1), seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
+            for t in range(t_begin, t_end):
+                c_n, kpe_n = _load_rows(cache_ptr, page, t + 1, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp,
+                                        s_cr, t + 1 < t_end, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, True)
+                page = _tile_page(bt_row, tl.minimum(t + 2, t_end - 1), seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
+                tmask = t * BLOCK_N + offs_n < seq_len
+                m_i, l_i, acc = _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, KEYS_M, IEEE, UPCAST)
+                c = c_n
+                kpe = kpe_n
+        elif PREFETCH == 2:
+            # as PREFETCH == 1 with tiles t+1 and t+2 in flight (registers) during tile t's dots
+            c, kpe, tmask = _load_tile(cache_ptr, bt_row, t_begin, seq_len, offs_n, offs_l, offs_r, lmask, rmask,
+                                       s_cp, s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, PAGE_TILE)
+            t1 = tl.minimum(t_begin + 1, t_end - 1)
+            page = _tile_page(bt_row, t1, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
+            c1, kpe1 = _load_rows(cache_ptr, page, t1, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp, s_cr,
+                                  t_begin + 1 < t_end, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, True)
+            page = _tile_page(bt_row, tl.minimum(t_begin + 2, t_end - 1), seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
+            for t in range(t_begin, t_end):
+                c_n, kpe_n = _load_rows(cache_ptr, page, t + 2, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp,
+                                        s_cr, t + 2 < t_end, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, True)
+                page = _tile_page(bt_row, tl.minimum(t + 3, t_end - 1), seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
+                tmask = t * BLOCK_N + offs_n < seq_len
+                m_i, l_i, acc = _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, KEYS_M, IEEE, UPCAST)
+                c = c1
+                kpe = kpe1
+                c1 = c_n
+                kpe1 = kpe_n
         else:
             for t in tl.range(t_begin, t_end, warp_specialize=WARP_SPEC):
                 c, kpe, tmask = _load_tile(cache_ptr, bt_row, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp,
@@ -516,6 +587,7 @@ def mla_decode_triton(
         KEYS_M=bool(cfg.get("keys_m", False)),
         PAGE_TILE=bool(cfg.get("page_tile", False)) and BS % BLOCK_N == 0,
         WARP_SPEC=bool(cfg.get("warp_spec", False)) and on_gpu,
+        PREFETCH=int(cfg.get("prefetch", 0)),
     )
     # TMA boxes: exact L / R columns, tiles inside one page, rows viewable as one [NB * BS, L + R] tensor
     if cfg.get("tma", False) and BLOCK_L == L and BLOCK_R == R and BS % BLOCK_N == 0 and cache.stride(0) == BS * D:
