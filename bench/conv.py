@@ -29,6 +29,7 @@ if ROOT not in sys.path:
 
 from kernels.conv import PREFILL_CONFIG, PrefillConfig, short_conv_prefill_ref, short_conv_prefill_triton  # noqa: E402
 from kernels.testing import assert_close, bf16_tol  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself: _timing when loaded by path
 from _timing import copy_bandwidth, time_us  # noqa: E402  (bench/ is sys.path[0] when run)
 
 C_KIMI, PROJ_KIMI, W = 3 * 32 * 128, 3 * 32 * 128 + 2 * 128 + 32, 4

@@ -29,6 +29,7 @@ if ROOT not in sys.path:
 
 from kernels.gemv import GemvConfig, gemv_config, gemv_ref, gemv_triton  # noqa: E402
 from kernels.testing import assert_close, bf16_tol  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself: _timing when loaded by path
 from _timing import copy_bandwidth, time_us  # noqa: E402  (bench/ is sys.path[0] when run)
 
 # (name, B, N, K, calls per decode step): Kimi-Linear-48B-A3B, D = 2304, 20 KDA + 7 MLA layers, layer 0 dense MLP

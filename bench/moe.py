@@ -29,6 +29,7 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.moe import fused_moe, fused_moe_ref, moe_router  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself: _timing when loaded by path
 from _timing import time_us  # noqa: E402  (bench/ is sys.path[0] when run)
 from kernels.moe.fused import (MoEConfig, balanced_tiles, expected_blocks, fused_moe_triton, get_config,  # noqa: E402
                                moe_combine, moe_gemm1, moe_gemm2, moe_rows)
