@@ -13,7 +13,8 @@ base 2 (scale * log2(e) folded in), fp32 accumulation.
   one-tile units. At most G + N units: grid (G + N, head_blocks); programs without a unit exit at once. Units
   write a normalised fp32 (or bf16: part16) partial and its LSE; stage 2 (grid (N, H / BLOCK_H2, L / BLOCK_L2),
   merge_config) merges a sequence's non-empty units.
-* default_num_splits: 1 (no stage 2) once batch x head_blocks fills the SMs (B >= 116 on 132 SMs), else ~one wave.
+* default_num_splits: 1 (no stage 2) once batch x head_blocks fills the program slots (programs_per_sm x SMs: B >= 231
+  with the default two per SM on 132 SMs), else ~one wave.
 
 Graph capture: grids depend only on N, H and ``num_splits`` (a host int fixed at capture; the default comes from
 N and ``block_table.shape``); lengths are read on the device only. No host sync.
@@ -33,12 +34,14 @@ MAX_SPLITS = 256
 
 # GPU tile configuration (Hopper, L=512/R=64), per cache dtype: BLOCK_H heads share each K tile of BLOCK_N tokens.
 # ptxas for sm_90 (Triton 3.9, 16-byte-divisible strides as the JIT specialises them; `python bench/mla.py --ptxas`):
-# bf16 (32, 64, 8 warps, 2 stages): 112 KB smem, 170 regs (194 before the mask-free tile loads), no spill, mma.sync,
-# tile single-buffered; (32, 32, 8, 3): 76 KB, 172 regs. fp32 (tests only; IEEE dots run on FMA units, spill):
+# bf16 = variant 'w4 n32' (32, 32, 4 warps, 2 stages, page tiles): 74 KB smem, 254 regs x 128 threads -> two programs
+# per SM, so one loads while the other computes (the tile of one program is single-buffered); H200 12-02 (Triton 3.6,
+# L2 flushed, vs 'base' = (32, 64, 8 warps): 1 program per SM): B=64 S=8k 253 vs 332 us (2.38 vs 1.82 TB/s), B=128
+# S=8k 476 vs 631 us, B=1 S=128k graph 85.6 vs 99.3 us. fp32 (tests only; IEEE dots run on FMA units, spill):
 # BLOCK_N 32, 1 stage = 147 KB.
 # bench/mla.py sweeps these on the GPU.
 DECODE_CFG = {
-    "16bit": dict(block_h=32, block_n=64, num_warps=8, num_stages=2),
+    "16bit": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2),
     "fp32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1),
 }
 # Variants timed by `bench/mla.py --sweep-decode` (keys beyond DECODE_CFG's are optional, default False):
@@ -513,8 +516,8 @@ def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: 
                        programs_per_sm: int = 1) -> int:
     """Host heuristic from shapes only (graph-capturable): the work-unit budget per sequence of the balanced schedule.
     * 1 (direct: no partials, no merge) when batch x head_blocks programs already fill >= 7/8 of the SM slots
-      (``programs_per_sm`` resident stage-1 programs per SM: 1 for the 112-216 KB smem configs) -- e.g. B=128 on 132
-      SMs. Costs balance on mixed-length batches (one long sequence is one program).
+      (``programs_per_sm`` resident stage-1 programs per SM: 1 for the 112-216 KB smem configs, 2 for the default
+      'w4 n32') -- e.g. B=128 on 132 SMs at one per SM. Costs balance on mixed-length batches (one long sequence is one program).
     * else about one wave, G = batch x splits ~ slots / head_blocks, at least 2 so mixed-length batches stay balanced;
       capped by the key tiles of the longest possible sequence (units may be one BLOCK_N tile: few tiles per SM, e.g.
       B=1 S=1k, then run as up to 16 one-tile units instead of 4 four-tile ones) and MAX_SPLITS."""
