@@ -7,9 +7,10 @@ the chunked delta rule, initial-state read and final-state write.
 Run: python bench/kda_prefill.py   (prints one line per case and, when fla is importable, the ratio)
      python bench/kda_prefill.py --sweep   (split path vs fla-core at T = 4k, 16k, 64k with per-stage times,
                                             then a launch-config sweep of the intra kernels at 16k; about a minute)
-     python bench/kda_prefill.py --quick   (< 1 minute: T=16k, the default vs every QUICK_VARIANTS entry (module
-                                            constants) vs fla-core, per-stage ms and a check against the default;
-                                            then varlen 16 x 1k)
+     python bench/kda_prefill.py --quick [--variants default,intra-fused,...]   (T=16k: the default vs every
+                                            (named) QUICK_VARIANTS entry (module constants) vs fla-core, per-stage
+                                            ms and a check against the default; then varlen 16 x 1k. ~80 s per
+                                            variant that recompiles akk on the H200)
      python bench/kda_prefill.py --sweep-state   (the older per-stage sweep of the state / output configs)
 Each case prints both paths of kernels/kda/chunk.py ("fused" = old: intra -> state+output in one sequential
 kernel; "split" = new: intra -> state pass only -> parallel output; module flag chunk.SPLIT picks the default),
@@ -273,7 +274,7 @@ def sweep_prefill(lens_list=((16384,), (1024,) * 16), warmup=5, rep=25):
             setattr(ck, n, val)
 
 
-INTRA_STAGES = ("prep", "akk", "wu")
+INTRA_STAGES = ("prep", "akk", "wu", "intra")
 
 
 def intra_compare(Ts=(4096, 16384, 65536), warmup=10, rep=50):
@@ -347,6 +348,11 @@ def sweep_intra(T=16384, warmup=5, rep=25):
 # --quick: (name, split path?, {module constant: value}) timed against the default and fla-core in one run
 QUICK_VARIANTS = [
     ("default", True, {}),
+    # INTRA_FUSED: prep + akk + wu in one program per chunk-head, level-anchored tensor-core dots for all of
+    # Dqk / Dkk (6 exp2 tiles per K tile); offline sm_90 Triton 3.6: 128 regs (cap) / 8 warps, no spills
+    ("intra-fused", True, dict(INTRA_FUSED=1)),
+    ("intra-fused+prefetch", True, dict(INTRA_FUSED=1, HPASS_PREFETCH=1)),
+    ("intra-fused-nocap", True, dict(INTRA_FUSED=1, INTRA_MAXNREG=None)),      # 138 regs: 1 CTA / SM
     # registers: offline sm_90 with Triton 3.6 (the H200's), no spills; the default akk has 168 (3 CTAs/SM)
     ("akk-prod", True, dict(AKK_DIAG=1, AKK_UNROLL=0)),                       # 166 regs
     ("akk-prod-unrolled", True, dict(AKK_DIAG=1, AKK_UNROLL=1)),              # 168 regs
@@ -368,11 +374,12 @@ QUICK_VARIANTS = [
 ]
 
 
-def quick(warmup=5, rep=20):
-    """One short H200 run (< 1 minute, fla's autotune included): at T=16k every QUICK_VARIANTS entry (total and
-    per-stage ms, ratio to fla-core, rel-rms of o and the final state vs the default and vs fla), then varlen
-    16 x 1k for the default, the combined variant and fla. A FAILED line (e.g. a compile error on this Triton)
-    leaves the other lines intact."""
+def quick(warmup=5, rep=20, only=None):
+    """One short H200 run: at T=16k every QUICK_VARIANTS entry (or those named in ``only``, in list order; total
+    and per-stage ms, ratio to fla-core, rel-rms of o and the final state vs the default and vs fla), then varlen
+    16 x 1k for the default, intra-fused+prefetch and fla. A FAILED line (e.g. a compile error on this Triton)
+    leaves the other lines intact. Compiles dominate: on 2026-12-02 fla + 3 variants took ~320 s (each akk
+    variant recompiles), so name the variants wanted (--variants a,b,...)."""
     import triton.testing
 
     import kernels.kda.chunk as ck
@@ -381,8 +388,8 @@ def quick(warmup=5, rep=20):
     saved = {n: getattr(ck, n) for n in names}
     print(f"--quick: H={H} K={K} V={V} bf16, do_bench median (ms)", flush=True)
     try:
-        for case, lens, which in (("T=16k", [16384], None), ("varlen 16x1k", [1024] * 16,
-                                                                  ("default", "prod+prefetch"))):
+        for case, lens, which in (("T=16k", [16384], only), ("varlen 16x1k", [1024] * 16,
+                                                                  ("default", "intra-fused+prefetch"))):
             x = _inputs(lens)
             try:
                 fms, fo, fst = _time_fla(x, warmup, rep)
@@ -425,7 +432,12 @@ def quick(warmup=5, rep=20):
 
 if __name__ == "__main__":
     if "--quick" in sys.argv:            # T=16k: default vs each QUICK_VARIANTS entry vs fla; varlen 16x1k
-        quick()
+        only = None
+        if "--variants" in sys.argv:     # e.g. --variants default,intra-fused (the first one is the reference)
+            only = tuple(sys.argv[sys.argv.index("--variants") + 1].split(","))
+            unknown = set(only) - {n for n, _, _ in QUICK_VARIANTS}
+            assert not unknown, f"unknown variants {sorted(unknown)}"
+        quick(only=only)
     elif "--sweep" in sys.argv:            # ours vs fla at 4k/16k/64k, then the intra launch-config sweep
         intra_compare()
         sweep_intra()
