@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -27,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from kernels.gemv import GemvConfig, gemv_config, gemv_ref, gemv_triton  # noqa: E402
+from kernels.gemv import DOT_CONFIG, GemvConfig, gemv_config, gemv_ref, gemv_triton  # noqa: E402
 from kernels.testing import assert_close, bf16_tol  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself: _timing when loaded by path
 from _timing import copy_bandwidth, time_us  # noqa: E402  (bench/ is sys.path[0] when run)
@@ -38,17 +39,22 @@ SHAPES = [
     ("KDA f_b|g_b (bmm)", 2, 4096, 128, 20),
     ("o_proj (KDA+MLA)", 1, 2304, 4096, 27),
     ("MLA q|kv_a", 1, 6720, 2304, 7),
+    ("MLA w_uv (bmm)", 32, 128, 512, 7),        # absorbed out_lat [32, M, 512] x W_UV [32, 128, 512]^T
     ("MLP gate|up", 1, 18432, 2304, 1),
     ("MLP down", 1, 2304, 9216, 1),
     ("lm_head", 1, 163840, 2304, 1),
 ]
 SMOKE_SHAPES = [("smoke a", 1, 70, 96, 2), ("smoke bmm", 2, 48, 32, 1), ("smoke split", 1, 20, 512, 1)]
+SHAPE_NAMES = {s[0]: s for s in SHAPES}
+# sweep bases (tl.dot / FMA, BN, BK, warps, stages); each runs at the splits of sweep_splits()
 SWEEP = [GemvConfig(dot=True, BN=bn, BK=bk, num_warps=w, num_stages=s) for bn, bk, w, s in
          [(32, 128, 4, 4), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 4),
           (128, 64, 4, 6), (256, 64, 8, 4)]]
 SWEEP += [GemvConfig(dot=False, BN=bn, BK=bk, num_warps=w, num_stages=s) for bn, bk, w, s in
           [(16, 256, 4, 3), (32, 256, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (16, 512, 4, 2), (8, 512, 2, 2)]]
-SWEEP += [GemvConfig(dot=True, BN=64, BK=128, split=1), GemvConfig(dot=True, BN=32, BK=256, split=1, num_stages=3)]
+# variants of the default at its picked split: two-launch reduce, no eviction hint, .cg loads
+VARIANTS = [replace(DOT_CONFIG, fused=False), replace(DOT_CONFIG, evict=False), replace(DOT_CONFIG, cg=True)]
+PROGRAM_TARGETS = (132, 264, 396, 528)   # splits putting ~1..4 programs on each of 132 SMs
 L2_FLUSH_BYTES = 256 << 20
 MAX_COPIES = 64
 
@@ -82,8 +88,22 @@ def tbs(nbytes, us):
 
 
 def describe(c: GemvConfig, k_split: int) -> str:
+    flags = ("" if c.fused or c.split == 1 else " 2launch") + ("" if c.evict else " noevict") + (" cg" if c.cg else "")
     return (f"{'dot' if c.dot else 'fma'} BN{c.BN} BK{c.BK} w{c.num_warps} s{c.num_stages} split{c.split}"
-            f"(k{k_split})")
+            f"(k{k_split}){flags}")
+
+
+def sweep_splits(base: GemvConfig, M, N, K, B, device) -> list:
+    """base at the picked split, split 1, and the splits giving ~PROGRAM_TARGETS programs (distinct splits only)."""
+    picked, _ = gemv_config(M, N, K, B, device, base)
+    tiles = B * -(-N // base.BN)
+    out, seen = [], set()
+    for s in [None, 1] + [max(1, round(t / tiles)) for t in PROGRAM_TARGETS]:
+        c, k_split = gemv_config(M, N, K, B, device, replace(base, split=s))
+        if c.split not in seen:
+            seen.add(c.split)
+            out.append(replace(base, split=c.split))
+    return out
 
 
 def bench(shapes, ms, device, smoke, bw):
@@ -113,15 +133,21 @@ def bench(shapes, ms, device, smoke, bw):
 
 
 def sweep(shapes, ms, device, smoke, bw):
-    configs = SWEEP[:3] + SWEEP[8:10] + SWEEP[-1:] if smoke else SWEEP
+    bases = SWEEP[:2] + SWEEP[8:10] if smoke else SWEEP
     best = {}
     for name, B, N, K, _ in shapes:
         for M in ms:
             case = Case(B, N, K, M, device, smoke)
             default, dk = gemv_config(M, N, K, B, device)
-            results = []
+            t_ref = time_us(case.torch_fns(), smoke, replays=10)
+            configs = [c for base in bases for c in sweep_splits(base, M, N, K, B, device)]
+            configs += [replace(v, split=gemv_config(M, N, K, B, device, v)[0].split) for v in VARIANTS]
+            results, seen = [], set()
             for cfg in configs:
                 c, k_split = gemv_config(M, N, K, B, device, cfg)
+                if describe(c, k_split) in seen:
+                    continue
+                seen.add(describe(c, k_split))
                 bm = max(16, M) if c.dot else 1 << (M - 1).bit_length()
                 if not c.dot and bm * c.BN * c.BK > 128 * 32 * c.num_warps:   # FMA accumulator > 128 regs/thread
                     continue
@@ -131,18 +157,32 @@ def sweep(shapes, ms, device, smoke, bw):
                 except Exception as e:  # noqa: BLE001  (out of shared memory etc.: report, keep sweeping)
                     print(f"  {name} M={M} {describe(c, k_split)}: {type(e).__name__}: {str(e)[:100]}")
                     continue
-                results.append((us, describe(c, k_split)))
-            results.sort()
+                results.append((us, describe(c, k_split), c))
+            results.sort(key=lambda r: r[0])
             mark = describe(default, dk)
-            print(f"{name} M={M} ({N}x{K}, {case.wbytes / 1e6:.1f} MB):")
-            for us, d in results:
+            print(f"{name} M={M} ({B}x{N}x{K}, {case.wbytes / 1e6:.1f} MB): torch {t_ref:.2f} us "
+                  f"{tbs(case.wbytes, t_ref):.2f} TB/s")
+            for us, d, _ in results[:12] + [r for r in results[12:] if r[1] == mark]:
                 print(f"    {us:8.2f} us {tbs(case.wbytes, us):5.2f} TB/s {100 * case.wbytes / (us * 1e-6) / bw:5.1f}%"
                       f" {d}{'  <- default' if d == mark else ''}")
-            best[(name, M)] = results[0] if results else None
+            print(f"    ({len(results)} configs ran; the 12 fastest shown)")
+            best[(name, B, N, K, M)] = (t_ref, results[0] if results else None)
             del case
-    print("\nbest per shape:")
-    for (name, M), r in best.items():
-        print(f"  {name:20s} M={M:2d}: " + (f"{r[0]:8.2f} us  {r[1]}" if r else "none ran"))
+    print("\nbest per shape (SHAPE_CONFIGS entries for kernels/gemv.py where ours wins):")
+    for (name, B, N, K, M), (t_ref, r) in best.items():
+        if r is None:
+            print(f"  {name:20s} M={M:2d}: none ran")
+            continue
+        c = r[2]
+        print(f"  {name:20s} M={M:2d}: torch {t_ref:8.2f} us, ours {r[0]:8.2f} us ({t_ref / r[0]:.2f}x)  {r[1]}")
+        if r[0] < t_ref:
+            print(f"      ({B}, {N}, {K}, {M}): GemvConfig(BN={c.BN}, BK={c.BK}, split={c.split}, dot={c.dot}, "
+                  f"num_warps={c.num_warps}, num_stages={c.num_stages}, fused={c.fused}, evict={c.evict}, cg={c.cg}),")
+    for M in ms:
+        tr = sum(calls * best[(n, B, N, K, M)][0] for n, B, N, K, calls in shapes)
+        to = sum(calls * min(best[(n, B, N, K, M)][0], best[(n, B, N, K, M)][1][0] if best[(n, B, N, K, M)][1]
+                             else float("inf")) for n, B, N, K, calls in shapes)
+        print(f"  M={M:2d} per step: torch {tr:8.1f} us, best of ours/torch per shape {to:8.1f} us")
 
 
 def main():
@@ -150,9 +190,12 @@ def main():
     ap.add_argument("--m", default="1,4,16", help="rows (decode batch sizes), each <= 16")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes (testing this file)")
+    ap.add_argument("--shapes", default="", help="comma-separated prefixes of shape names (default: all)")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.shapes:
+        shapes = [s for s in shapes if any(s[0].startswith(p) for p in args.shapes.split(","))]
     ms = [int(m) for m in args.m.split(",")]
     torch.manual_seed(0)
     bw = copy_bandwidth(device, args.smoke)

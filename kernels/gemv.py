@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
-from kernels._tensors import num_sms
+from kernels._tensors import arrival_counters, num_sms
 
 GEMV_MAX_M = 16
 
@@ -44,14 +44,19 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, y_ptr,
+    x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr,
     M, N, K, k_split,
-    stride_xb, stride_xm, stride_wb, stride_wn, stride_yb, stride_ys, stride_ym,   # last dims contiguous
+    stride_xb, stride_xm, stride_wb, stride_wn, stride_yb, stride_ym, stride_ps, stride_pb, stride_pm,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr, W_EVICT: tl.constexpr, W_CACHE: tl.constexpr,
 ):
-    # grid (cdiv(N, BN), S, B): program (n, s, b) reads W[b, n*BN:+BN, s*k_split:+k_split] once and writes
-    # y[b, :M, n*BN:+BN] (S = 1, in y's dtype) or the fp32 partial y[s, b, :M, n*BN:+BN] (S > 1)
+    # grid (cdiv(N, BN), S, B): program (n, s, b) reads W[b, n*BN:+BN, s*k_split:+k_split] once (streamed: W_EVICT
+    # / W_CACHE hints keep it from evicting x, partials and other kernels' data from L2) and
+    #   SPLIT 0 (S = 1): writes y[b, :M, n*BN:+BN] in y's dtype;
+    #   SPLIT 1: writes the fp32 partial p[s, b, :M, n*BN:+BN] (summed by _split_reduce_kernel, a second launch);
+    #   SPLIT 2: writes the partial, then the last of the tile's S programs to arrive (acq_rel counter, left at 0:
+    #            graph-replay safe) sums p[0..S-1] in that order and writes y (deterministic, one launch)
     pid_n, pid_s, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = tl.arange(0, BM)
@@ -67,11 +72,13 @@ def _gemv_kernel(
         acc3 = tl.zeros((BM, BN, BK), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:      # K and k_split are multiples of BK: no mask along K keeps the loads 16-byte vectors
-            w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0, cache_modifier=W_CACHE,
+                        eviction_policy=W_EVICT)
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
         else:
             k_mask = (k0 + offs_k) < k_hi
-            w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0, cache_modifier=W_CACHE,
+                        eviction_policy=W_EVICT)
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if UPCAST:      # the Triton interpreter multiplies bf16 dot operands as raw uint16 (kernels/mla/decode.py)
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
@@ -79,14 +86,27 @@ def _gemv_kernel(
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)                                # [BN, BM]
         else:
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]                   # [BM, BN, BK]
-    y_base = y_ptr + pid_b * stride_yb + pid_s.to(tl.int64) * stride_ys
     if DOT:
-        y_ptrs = y_base + offs_m[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+        out = tl.trans(acc)                                                                        # [BM, BN]
     else:
         out = tl.sum(acc3, axis=2)                                                                 # [BM, BN]
-        y_ptrs = y_base + offs_m[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    y_ptrs = y_ptr + pid_b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if SPLIT == 0:
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mn_mask)
+    else:
+        p_ptrs = p_ptr + pid_b * stride_pb + offs_m[:, None] * stride_pm + offs_n[None, :]        # [BM, BN]
+        tl.store(p_ptrs + pid_s.to(tl.int64) * stride_ps, out, mask=mn_mask)
+        if SPLIT == 2:
+            S = tl.num_programs(1)
+            cnt = cnt_ptr + pid_b * tl.num_programs(0) + pid_n
+            tl.debug_barrier()      # every thread's partial stores precede the (release) arrival
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == S - 1:
+                tot = tl.zeros((BM, BN), dtype=tl.float32)
+                for s in range(S):  # fixed order: the same bits whichever program arrives last
+                    tot += tl.load(p_ptrs + s * stride_ps, mask=mn_mask, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=mn_mask)
+                tl.store(cnt, 0)
 
 
 @triton.jit
@@ -106,17 +126,23 @@ def _split_reduce_kernel(p_ptr, y_ptr, S, R, N, BR: tl.constexpr):
 class GemvConfig:
     BN: int = 64
     BK: int = 128
-    split: Optional[int] = None     # K splits; None: picked by fill()
+    split: Optional[int] = None     # K splits; None: picked by gemv_config's fill rule
     dot: Optional[bool] = None      # None: FMA for M <= FMA_MAX_M, tl.dot above
     num_warps: int = 4
     num_stages: int = 4
+    fused: bool = True              # split > 1: the last-arriving program reduces (one launch) / a reduce launch
+    evict: bool = True              # W loads evict_first (read once per call; leave L2 to x, partials, neighbours)
+    cg: bool = False                # W loads .cg (L2 only, bypass L1)
 
 
 FMA_MAX_M = 0            # FMA path for M <= this by default; 0: tl.dot everywhere until the H200 sweep says otherwise
 DOT_CONFIG = GemvConfig(BN=64, BK=128, num_warps=4, num_stages=4)
 FMA_CONFIG = GemvConfig(BN=32, BK=256, num_warps=4, num_stages=3)
-FILL_WAVES = 2           # split K until tiles * S >= FILL_WAVES * SMs ...
-MIN_STEPS_PER_SPLIT = 2  # ... while each split keeps >= this many BK steps
+MAX_SPLIT = 32           # K splits the balance rule (_pick_split) considers
+SM_PEAK_OVER_HBM = 1.15  # one SM streams ~15% more than its 1/SMs share of HBM bandwidth (so idle SMs cost little)
+PROGRAM_OVERHEAD = 1.0   # per program, in BK steps: first-load latency, epilogue, partial write / reduce
+# per-shape overrides {(B, N, K, M) or (B, N, K): config} (exact M first), filled from bench/gemv.py --sweep
+SHAPE_CONFIGS: dict = {}
 
 
 def _block_k(K: int, BK: int) -> int:
@@ -127,8 +153,27 @@ def _block_k(K: int, BK: int) -> int:
     return bk if bk >= 16 else BK
 
 
+def _pick_split(tiles: int, steps: int, sms: int) -> int:
+    """K splits S minimising the modelled time of the busiest SM: programs P = tiles * S are dealt round-robin
+    (ceil(P / SMs) on the busiest), each streams cdiv(steps, S) BK steps, bounded below by HBM bandwidth over all
+    SMs, plus a fixed cost per program. E.g. 197 in_proj tiles x 18 steps: S = 2 (394 programs, <= 3 x 9 steps per
+    SM) instead of S = 1 (<= 2 x 18); 36 o_proj tiles x 32 steps: S = 11."""
+    best = None
+    for s in range(1, min(steps, MAX_SPLIT) + 1):
+        k = -(-steps // s)
+        s_eff = -(-steps // k)
+        per_sm = -(-tiles * s_eff // sms)
+        t = max(per_sm * k, tiles * steps / sms * SM_PEAK_OVER_HBM) + PROGRAM_OVERHEAD * per_sm
+        if best is None or t < best[0] - 1e-9:
+            best = (t, s_eff)
+    return best[1]
+
+
 def gemv_config(M: int, N: int, K: int, B: int, device, cfg: Optional[GemvConfig] = None) -> tuple[GemvConfig, int]:
-    """-> (config with dot and BK resolved, k_split). split = 1 when B * cdiv(N, BN) programs fill the GPU."""
+    """-> (config with dot, BK and split resolved, k_split). Without cfg: SHAPE_CONFIGS' entry, else the FMA / dot
+    default by M; split None: _pick_split."""
+    if cfg is None:
+        cfg = SHAPE_CONFIGS.get((B, N, K, M), SHAPE_CONFIGS.get((B, N, K)))
     dot = cfg.dot if cfg is not None and cfg.dot is not None else M > FMA_MAX_M
     base = cfg if cfg is not None else (DOT_CONFIG if dot else FMA_CONFIG)
     bk = _block_k(K, base.BK)
@@ -136,11 +181,7 @@ def gemv_config(M: int, N: int, K: int, B: int, device, cfg: Optional[GemvConfig
         bk = max(bk, 16)
     tiles = B * triton.cdiv(N, base.BN)
     steps = triton.cdiv(K, bk)
-    split = base.split
-    if split is None:
-        split = 1
-        if tiles < num_sms(device):
-            split = min(triton.cdiv(FILL_WAVES * num_sms(device), tiles), max(steps // MIN_STEPS_PER_SPLIT, 1))
+    split = base.split if base.split is not None else _pick_split(tiles, steps, num_sms(device))
     split = max(1, min(split, steps))
     k_split = triton.cdiv(steps, split) * bk                          # a multiple of BK
     return replace(base, BK=bk, dot=dot, split=triton.cdiv(K, k_split)), k_split
@@ -165,20 +206,23 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
     c, k_split = gemv_config(M, N, K, B, x.device, cfg)
     S = c.split
     bm = max(16, triton.next_power_of_2(M)) if c.dot else triton.next_power_of_2(M)
-    out = y if S == 1 else torch.empty(S, B, M, N, dtype=torch.float32, device=x.device)
-    stride_ys = 0 if S == 1 else out.stride(0)
+    split_mode = 0 if S == 1 else (2 if c.fused else 1)
+    p = y if S == 1 else torch.empty(S, B, M, N, dtype=torch.float32, device=x.device)   # fp32 partials
+    cnt = arrival_counters(x.device, B * triton.cdiv(N, c.BN)) if split_mode == 2 else p
     even_k = K % c.BK == 0
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     upcast = c.dot and x.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET", "0") == "1"
     assert not c.dot or min(c.BN, c.BK) >= 16, c                     # tl.dot's GPU lowering needs dims >= 16
     _gemv_kernel[(triton.cdiv(N, c.BN), S, B)](
-        xb, wb, out, M, N, K, k_split,
-        xb.stride(0), xb.stride(1), wb.stride(0), wb.stride(1), y.stride(0), stride_ys, y.stride(1),
-        BM=bm, BN=c.BN, BK=c.BK, EVEN_K=even_k, DOT=c.dot, PREC=prec, UPCAST=upcast,
+        xb, wb, y, p, cnt, M, N, K, k_split,
+        xb.stride(0), xb.stride(1), wb.stride(0), wb.stride(1), y.stride(0), y.stride(1),
+        p.stride(0) if S > 1 else 0, p.stride(-3), p.stride(-2),
+        BM=bm, BN=c.BN, BK=c.BK, EVEN_K=even_k, DOT=c.dot, PREC=prec, UPCAST=upcast, SPLIT=split_mode,
+        W_EVICT="evict_first" if c.evict else "", W_CACHE=".cg" if c.cg else "",
         num_warps=c.num_warps, num_stages=c.num_stages)
-    if S > 1:
+    if split_mode == 1:
         br = min(1024, triton.next_power_of_2(N))
-        _split_reduce_kernel[(B * M, triton.cdiv(N, br))](out, y, S, B * M, N, BR=br, num_warps=4)
+        _split_reduce_kernel[(B * M, triton.cdiv(N, br))](p, y, S, B * M, N, BR=br, num_warps=4)
     return y if batched else y[0]
 
 
@@ -201,9 +245,10 @@ def skinny_bmm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------- offline check
-def compile_report(arch: int = 90, configs: Optional[list] = None, M: int = 16, bf16: bool = True) -> dict:
+def compile_report(arch: int = 90, configs: Optional[list] = None, M: int = 16, bf16: bool = True,
+                   split: int = 0) -> dict:
     """Compile _gemv_kernel offline for sm_<arch> (Triton's bundled ptxas; no GPU, no TRITON_INTERPRET) and return
-    {config: (registers, spill stack bytes, shared bytes)}."""
+    {(config, dot): (registers, spill stack bytes, shared bytes, kernel)} (SPLIT mode `split`: 0 / 1 / 2)."""
     import re
     import subprocess
     import tempfile
@@ -213,15 +258,16 @@ def compile_report(arch: int = 90, configs: Optional[list] = None, M: int = 16, 
 
     configs = configs or [DOT_CONFIG, FMA_CONFIG]
     ty = "*bf16" if bf16 else "*fp32"
-    types = dict(x_ptr=ty, w_ptr=ty, y_ptr=ty, M="i32", N="i32", K="i32", k_split="i32",
-                 stride_xb="i32", stride_xm="i32", stride_wb="i32", stride_wn="i32", stride_yb="i32",
-                 stride_ys="i32", stride_ym="i32")
+    types = dict(x_ptr=ty, w_ptr=ty, y_ptr=ty, p_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32",
+                 k_split="i32", stride_xb="i32", stride_xm="i32", stride_wb="i32", stride_wn="i32",
+                 stride_yb="i32", stride_ym="i32", stride_ps="i32", stride_pb="i32", stride_pm="i32")
     cuobjdump = f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump"
     fn, names, out = _gemv_kernel, _gemv_kernel.arg_names, {}
     for cfg in configs:
         dot = cfg.dot if cfg.dot is not None else cfg is DOT_CONFIG
         consts = dict(BM=max(16, M) if dot else triton.next_power_of_2(M), BN=cfg.BN, BK=cfg.BK, EVEN_K=True,
-                      DOT=dot, PREC="tf32" if bf16 else "ieee", UPCAST=False)
+                      DOT=dot, PREC="tf32" if bf16 else "ieee", UPCAST=False, SPLIT=split,
+                      W_EVICT="evict_first" if cfg.evict else "", W_CACHE=".cg" if cfg.cg else "")
         sig = {n: types.get(n, "constexpr") for n in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                  if n in types and (types[n].startswith("*") or n.startswith("stride") or n in ("K", "k_split"))}
@@ -234,5 +280,5 @@ def compile_report(arch: int = 90, configs: Optional[list] = None, M: int = 16, 
             f.flush()
             res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
         m = re.search(r"REG:(\d+) STACK:(\d+)", res)
-        out[(cfg, dot)] = (int(m.group(1)), int(m.group(2)), int(kern.metadata.shared))
+        out[(cfg, dot)] = (int(m.group(1)), int(m.group(2)), int(kern.metadata.shared), kern)
     return out
