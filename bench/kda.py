@@ -34,7 +34,7 @@ if ROOT not in sys.path:
 
 from kernels.kda import kda_decode_ref  # noqa: E402
 from kernels.kda.recurrent import (  # noqa: E402
-    TAIL_LAST, TAIL_POST, TAIL_SINGLE, decode_config, kda_decode_triton, num_sms, warps_for,
+    TAIL_LAST, TAIL_LOOP, TAIL_POST, TAIL_SINGLE, DecodeConfig, decode_config, kda_decode_triton, num_sms, warps_for,
 )
 from kernels.testing import assert_close, make_kda_layer, make_kda_tokens  # noqa: E402
 
@@ -150,18 +150,27 @@ def bench_decode(batches, use_fla=True):
     return rows
 
 
-_TAIL = {TAIL_SINGLE: "single", TAIL_LAST: "last", TAIL_POST: "post"}
-# (BV, num_warps, tail, early) candidates; BV = 128 = V is one program per head
-SWEEP = [(bv, warps_for(bv, K), TAIL_LAST, e) for bv in (8, 16, 32, 64) for e in (True, False)] + [
-    (32, 8, TAIL_LAST, False),
-    (128, 16, TAIL_SINGLE, True), (128, 16, TAIL_SINGLE, False),
-    (8, 1, TAIL_POST, False), (32, 4, TAIL_POST, False),          # the 12-02 kernel's configs (2 launches, late load)
-]
+_TAIL = {TAIL_SINGLE: "single", TAIL_LAST: "last", TAIL_POST: "post", TAIL_LOOP: "loop"}
+# DecodeConfig(BV, num_warps, tail, early, pps, maxnreg) candidates; BV = 128 = V is one program per head.
+# TAIL_LOOP: the persistent loop kernel sized for pps programs per SM (offline sm_90 regs, Triton 3.6 of the H200:
+# BV16/w4 118 -> 4 per SM, 96 with maxnreg (16 B spill) -> 5; BV32/w4 157 -> 3, 128 capped (48 B spill) -> 4;
+# BV32/w8 176 -> 1, 128 capped (16 B) -> 2; BV16/w2 215 -> 4)
+SWEEP = [DecodeConfig(bv, warps_for(bv, K), TAIL_LAST, e) for bv in (8, 16, 32, 64) for e in (True, False)] + [
+    DecodeConfig(32, 8, TAIL_LAST, False), DecodeConfig(64, 8, TAIL_LAST, True), DecodeConfig(64, 8, TAIL_LAST, False),
+    DecodeConfig(128, 16, TAIL_SINGLE, True), DecodeConfig(128, 16, TAIL_SINGLE, False),
+    DecodeConfig(8, 1, TAIL_POST, False), DecodeConfig(32, 4, TAIL_POST, False),   # 12-02 kernel's (2 launches)
+] + [DecodeConfig(bv, nw, TAIL_LOOP, True, pps, mr) for bv, nw, mr, ppss in (
+    (16, 4, 0, (3, 4, 8)), (16, 4, 96, (4, 5)), (32, 4, 0, (2, 3)), (32, 4, 128, (3, 4)), (32, 8, 128, (1, 2)),
+    (16, 2, 0, (4, 8)), (16, 2, 128, (6, 8)))
+    for pps in ppss]
 
 
 def _label(cfg):
-    bv, nw, tail, early = cfg
-    return f"BV{bv}/w{nw}/{_TAIL[tail]}/{'early' if early else 'late'}"
+    cfg = DecodeConfig(*cfg)
+    s = f"BV{cfg.BV}/w{cfg.num_warps}/{_TAIL[cfg.tail]}"
+    if cfg.tail == TAIL_LOOP:
+        return s + f"/pps{cfg.pps}" + (f"/r{cfg.maxnreg}" if cfg.maxnreg else "")
+    return s + f"/{'early' if cfg.early else 'late'}"
 
 
 def sweep_decode(batches, use_fla=True):
@@ -178,17 +187,18 @@ def sweep_decode(batches, use_fla=True):
         R = {k: v.clone() for k, v in L.items()}
         y_ref = kda_decode_ref(tok["qkv"], R["conv_w"], tok["z"], tok["b"], R["A_log"], R["dt_bias"], tok["r"],
                                R["o_norm_w"], EPS, R["conv_state"], R["rec_state"], slots)
-        del R
         rows = []
         for cfg in cfgs:
-            bv, nw, tail, early = cfg
-            kw = dict(BV=bv, num_warps=nw, tail=tail, early=early)
+            bv, nw, tail, early, pps, mr = cfg
+            kw = dict(BV=bv, num_warps=nw, tail=tail, early=early, pps=pps or None, maxnreg=mr or None)
             try:
                 C = {k: v.clone() for k, v in P0.items()}              # one step on fresh pools: correctness
                 y = _ours(C, tok, slots, **kw)()
                 ok = "ok"
                 try:
                     assert_close("o", y, y_ref, 5e-3)
+                    assert_close("state", C["rec_state"], R["rec_state"], 5e-3)
+                    assert torch.equal(C["conv_state"], R["conv_state"]), "conv state differs"
                 except AssertionError as e:
                     ok = f"MISMATCH ({e})"
                 del C
@@ -202,15 +212,15 @@ def sweep_decode(batches, use_fla=True):
             if f is not None:
                 rows.append((t_ms(f, graph=True, rep=25) * 1e3, None, "fla-core core only"))
         rows.sort(key=lambda r: r[0])
-        print(f"{'N':>5} {'config':<26} {'graph us':>9} {'% copy':>7}  check")
+        print(f"{'N':>5} {'config':<26} {'graph us':>9} {'state TB/s':>10} {'% copy':>7}  check")
         for us, cfg, ok in rows:
             name = "fla-core" if cfg is None else _label(cfg) + (" *" if cfg == dflt else "")
-            pct = 100 * state_bytes / (us * 1e-6) / bw_copy
-            print(f"{N:>5} {name:<26} {us:>9.2f} {pct:>6.1f}%  {ok}")
+            bw = state_bytes / (us * 1e-6)
+            print(f"{N:>5} {name:<26} {us:>9.2f} {bw / 1e12:>10.2f} {100 * bw / bw_copy:>6.1f}%  {ok}")
         good = [r for r in rows if r[1] is not None and r[2] == "ok"]
         if good:
             best[N] = good[0]
-        del L, tok, slots, P0
+        del L, tok, slots, P0, R
         torch.cuda.empty_cache()
     print("\n# best config per N (* = default): " + "; ".join(
         f"N={N}: {_label(c)} {us:.2f} us{' *' if c == tuple(decode_config(N, H, K, V, n_sm)) else ''}"

@@ -15,6 +15,10 @@ channels) needs all V tiles and must follow every tile's conv read. Three ways (
                  One launch.
     TAIL_POST    o tile -> scratch; a second kernel `_kda_decode_post_kernel`, grid (H, N), does the tail (kept
                  for comparison in bench/kda.py --sweep).
+    TAIL_LOOP    `_kda_decode_loop_kernel`, persistent grid (G,) sized for a few programs per SM: each program walks
+                 whole heads, tile by tile, with the next tile's state load (the next head's first tile after the
+                 last) issued before the current tile's math, so a program never waits on HBM with nothing in flight
+                 and no program starts cold; the head's tail runs in the program after a barrier (o via scratch).
 Launch config (`decode_config`): BV, warps, tail and the state-load position as a function of N, H, V and the SM
 count; see there. `bench/kda.py --sweep` times the alternatives.
 
@@ -24,6 +28,7 @@ step is CUDA-graph capturable.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -32,7 +37,7 @@ import triton.language as tl
 
 from kernels._tensors import arrival_counters, num_sms
 
-TAIL_SINGLE, TAIL_LAST, TAIL_POST = 0, 1, 2
+TAIL_SINGLE, TAIL_LAST, TAIL_POST, TAIL_LOOP = 0, 1, 2, 3
 
 
 @triton.jit
@@ -189,6 +194,106 @@ def _kda_decode_post_kernel(
     _conv_shift(cs, x_row, 2 * H * K + i_h * V + o_v, m_vv, stride_cs_w, W)
 
 
+@triton.jit
+def _conv_silu(x_row, convw_ptr, cs, c, m, stride_cs_w, W: tl.constexpr):
+    # short conv over (conv state rows, new x) of channels c, fp32, then SiLU -> [len(c)]
+    a = tl.load(x_row + c, mask=m, other=0.0).to(tl.float32) * tl.load(convw_ptr + c * W + (W - 1), mask=m, other=0.0)
+    for j in tl.static_range(W - 1):
+        a += tl.load(cs + j * stride_cs_w + c, mask=m, other=0.0).to(tl.float32) * \
+            tl.load(convw_ptr + c * W + j, mask=m, other=0.0)
+    return a * tl.sigmoid(a)
+
+
+@triton.jit
+def _kda_decode_loop_kernel(
+    qkv_ptr, convw_ptr, convs_ptr, z_ptr, b_ptr, alog_ptr, dtb_ptr, slot_ptr, state_ptr, o_ptr,
+    r_ptr, nw_ptr, y_ptr, n_units,
+    stride_qkv, stride_z, stride_b, stride_r, stride_y,
+    stride_cs_s, stride_cs_w,
+    stride_s_s, stride_s_h,
+    scale, eps,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BVF: tl.constexpr,
+):
+    # TAIL_LOOP: persistent grid (G,), G <= n_units = N*H. Program p owns the heads (units) u = p, p+G, ... (unit u =
+    # sequence u // H, head u % H) and walks each head's NV state tiles [K, BV] in order; the state load of the next
+    # tile (the next unit's first tile after a unit's last) is issued before the current tile's math and store, so
+    # each program always has one tile read in flight (one tile of registers more than the per-tile kernel).
+    # The head's tail (gated RMSNorm over V, conv shift) runs in the same program: no arrival counter, no second
+    # launch. Shapes as _kda_decode_kernel; o [N, H, V] f32 scratch (the head's o tiles, re-read after a barrier).
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    o_k = tl.arange(0, BK).to(tl.int64)
+    o_b = tl.arange(0, BV).to(tl.int64)
+    o_f = tl.arange(0, BVF).to(tl.int64)
+    zk = tl.zeros([BK], dtype=tl.int64)
+    zb = tl.zeros([BV], dtype=tl.int64)
+    zf = tl.zeros([BVF], dtype=tl.int64)
+    s_rows = o_k[:, None] * V                                       # [BK, 1] k-row offsets in a head's state
+
+    # first tile of the first unit (slot <= 0 or no unit: masked, no traffic)
+    u_n = pid.to(tl.int64)
+    slot_n = tl.load(slot_ptr + u_n // H, mask=u_n < n_units, other=0).to(tl.int64)
+    m_n = ((o_k < K) & (zk + slot_n > 0))[:, None] & ((o_b < V) & (zb + slot_n > 0))[None, :]
+    S_n = tl.load(state_ptr + (slot_n * stride_s_s + (u_n % H) * stride_s_h) + (s_rows + o_b[None, :]), mask=m_n,
+                  other=0.0, eviction_policy="evict_first")
+    u = pid.to(tl.int64) - G                                        # this program's unit, int64 (loop-carried)
+    for _ in range(pid, n_units, G):
+        u += G
+        i_n = u // H
+        i_h = u % H
+        slot = slot_n
+        # the next unit's slot, loaded a whole unit before its first tile load needs it
+        u_n = u + G
+        slot_n = tl.load(slot_ptr + u_n // H, mask=u_n < n_units, other=0).to(tl.int64)
+
+        m_k = (o_k < K) & (zk + slot > 0)
+        x_row = qkv_ptr + i_n * stride_qkv
+        cs = convs_ptr + slot * stride_cs_s
+        c_q = i_h * K + o_k
+        c_k = H * K + i_h * K + o_k
+        q = _conv_silu(x_row, convw_ptr, cs, c_q, m_k, stride_cs_w, W)
+        k = _conv_silu(x_row, convw_ptr, cs, c_k, m_k, stride_cs_w, W)
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        zz = tl.load(z_ptr + i_n * stride_z + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32) + \
+            tl.load(dtb_ptr + i_h * K + o_k, mask=m_k, other=0.0)
+        sp = tl.where(zz > 20.0, zz, tl.maximum(zz, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(zz))))
+        decay = tl.exp(-tl.exp(tl.load(alog_ptr + i_h)) * sp)           # [BK] exp(g), g <= 0
+        beta = tl.sigmoid(tl.load(b_ptr + i_n * stride_b + i_h).to(tl.float32))
+
+        s_head = state_ptr + (slot * stride_s_s + i_h * stride_s_h) + s_rows
+        o_row = o_ptr + u * V
+        h_n = u_n % H
+        for iv in range(NV):                                            # not unrolled: ptxas would hoist loads
+            S = S_n
+            o_v = iv * BV + o_b
+            m_v = (o_v < V) & (zb + slot > 0)
+            # prefetch: this head's next tile, or after its last the next unit's first (masked: no unit / null slot)
+            last = iv + 1 == NV
+            p_slot = tl.where(last, slot_n, slot)
+            p_ptr = state_ptr + (p_slot * stride_s_s + tl.where(last, h_n, i_h) * stride_s_h) + \
+                (s_rows + (tl.where(last, 0, (iv + 1) * BV) + o_b)[None, :])
+            m_p = ((o_k < K) & (zk + p_slot > 0))[:, None] & ((o_b < V) & (zb + p_slot > 0))[None, :]
+            S_n = tl.load(p_ptr, mask=m_p, other=0.0, eviction_policy="evict_first")
+            v = _conv_silu(x_row, convw_ptr, cs, 2 * H * K + i_h * V + o_v, m_v, stride_cs_w, W)
+            S = S * decay[:, None]
+            d = beta * (v - tl.sum(S * k[:, None], axis=0))             # [BV]
+            S = S + k[:, None] * d[None, :]
+            o = tl.sum(S * q[:, None], axis=0)
+            tl.store(s_head + o_v[None, :], S, mask=m_k[:, None] & m_v[None, :], eviction_policy="evict_first")
+            tl.store(o_row + o_v, o, mask=o_v < V)
+        # barrier: every thread's o stores and conv reads of this head precede the norm's reads and the shift
+        tl.debug_barrier()
+        m_f = o_f < V
+        of = tl.load(o_row + o_f, mask=m_f, other=0.0)
+        _gated_norm_store(of, r_ptr + i_n * stride_r + i_h * V, nw_ptr, y_ptr + i_n * stride_y + i_h * V, o_f, m_f,
+                          eps, V)
+        _conv_shift(cs, x_row, c_q, m_k, stride_cs_w, W)
+        _conv_shift(cs, x_row, c_k, m_k, stride_cs_w, W)
+        _conv_shift(cs, x_row, 2 * H * K + i_h * V + o_f, m_f & (zf + slot > 0), stride_cs_w, W)
+
+
 # ------------------------------------------------------------------------------------------------- launch config
 _BV_NARROW = 32               # decode_config: V tile while the grid is small (BV 32 / 4 warps, late state load)
 _BV_WIDE = 64                 # ... and once there are >= _WIDE_PER_SM programs per SM at this tile (early load)
@@ -200,11 +305,34 @@ _WIDE_PER_SM = 16             # H200 sweep 12-02 (graph us/step, copy BW 4.25 TB
 class DecodeConfig(NamedTuple):
     BV: int            # V tile per program; grid (V/BV, H, N)
     num_warps: int
-    tail: int          # TAIL_SINGLE (BV >= V) / TAIL_LAST / TAIL_POST
-    early: bool        # issue the state load before the prologue
+    tail: int          # TAIL_SINGLE (BV >= V) / TAIL_LAST / TAIL_POST / TAIL_LOOP (persistent `_kda_decode_loop_kernel`)
+    early: bool        # issue the state load before the prologue (the loop kernel always prefetches one tile ahead)
+    pps: int = 0       # TAIL_LOOP: resident programs per SM the grid is sized for (grid = loop_grid(N * H, ...))
+    maxnreg: int = 0   # TAIL_LOOP: ptxas register cap (0: none), to fit pps programs per SM
 
 
+# TAIL_LOOP candidate for large grids, (BV, num_warps, programs per SM, maxnreg); the default picker takes it only
+# when _LOOP_DEFAULT (set from the H200 sweep in bench/kda.py --sweep). KIMI_KDA_DECODE_LOOP="BV,warps,pps,maxnreg"
+# (or "0") overrides both for A/B runs of the whole model. Offline sm_90 registers, Triton 3.6 (3.9), K = V = 128,
+# no spills: BV16/w4 118 (96) -> 4 programs per SM; BV32/w4 157 (142) -> 3; BV32/w8 176 (128); with maxnreg 96
+# BV16/w4 spills 16 B on 3.6 (0 on 3.9) -> 5 per SM; BV32/w4 at 128: 48 B (16 B) -> 4 per SM.
+_LOOP = (16, 4, 4, 0)
+_LOOP_DEFAULT = False
+_env = os.environ.get("KIMI_KDA_DECODE_LOOP")
+if _env:
+    _LOOP_DEFAULT = _env != "0"
+    if _LOOP_DEFAULT:
+        _LOOP = tuple(int(x) for x in _env.split(","))
+        _LOOP = _LOOP + (0,) * (4 - len(_LOOP))
+        assert len(_LOOP) == 4, _env
 
+
+def loop_grid(n_units: int, pps: int, n_sm: int) -> int:
+    """Programs of the persistent loop kernel: n_units heads over at most pps * n_sm programs, every program taking
+    the same number of heads (cdiv) so none finishes a whole head early (N=64, H=32, 132 SMs, pps 4: 512 programs x 4
+    heads rather than 528 programs, 16 of them with 3)."""
+    per = triton.cdiv(n_units, max(1, pps * n_sm))
+    return triton.cdiv(n_units, per)
 
 
 def warps_for(BV: int, BK: int) -> int:
@@ -223,6 +351,9 @@ def decode_config(N: int, H: int, K: int, V: int, n_sm: int = 132, BV: Optional[
     BK = triton.next_power_of_2(K)
     VP = triton.next_power_of_2(V)
     wide = BV is None and N * H * triton.cdiv(V, _BV_WIDE) >= _WIDE_PER_SM * n_sm
+    if wide and _LOOP_DEFAULT:
+        bv, nw, pps, maxnreg = _LOOP
+        return DecodeConfig(min(bv, VP), nw, TAIL_LOOP, True, pps, maxnreg)
     if BV is None:
         BV = _BV_WIDE if wide else _BV_NARROW
     BV = min(BV, VP)
@@ -232,11 +363,13 @@ def decode_config(N: int, H: int, K: int, V: int, n_sm: int = 132, BV: Optional[
 def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state, state_slots,
                       BV: Optional[int] = None, num_warps: Optional[int] = None, tail: Optional[int] = None,
                       early: Optional[bool] = None, o_scratch: Optional[torch.Tensor] = None,
-                      out: Optional[torch.Tensor] = None, counters: Optional[torch.Tensor] = None):
+                      out: Optional[torch.Tensor] = None, counters: Optional[torch.Tensor] = None,
+                      pps: Optional[int] = None, grid: Optional[int] = None, maxnreg: Optional[int] = None):
     """Fused KDA decode step (see module doc). Shapes as kernels.kda.kda_decode. Returns [N, H*V] (qkv.dtype),
     written into `out` when given (every element is written, padded lanes get zeros). BV / num_warps / tail / early
-    override `decode_config` (tail TAIL_LAST or TAIL_POST when BV < V). `counters` (i32, >= N*H, zeroed) replaces
-    the module's shared arrival-counter buffer."""
+    override `decode_config` (tail TAIL_LAST or TAIL_POST when BV < V; TAIL_LOOP: the persistent loop kernel at any
+    BV, sized for `pps` programs per SM, or exactly `grid` programs; `maxnreg` caps its registers). `counters` (i32, >= N*H, zeroed) replaces the
+    module's shared arrival-counter buffer."""
     N = qkv.shape[0]
     H = b.shape[-1]
     K = z.shape[-1] // H
@@ -263,11 +396,32 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         cfg = cfg._replace(num_warps=num_warps)
     if early is not None:
         cfg = cfg._replace(early=bool(early))
-    if tail is not None and cfg.tail != TAIL_SINGLE:
+    if tail == TAIL_LOOP:
+        cfg = cfg._replace(tail=tail, pps=cfg.pps or _LOOP[2])
+    elif tail is not None and cfg.tail != TAIL_SINGLE:
         assert tail in (TAIL_LAST, TAIL_POST), tail
         cfg = cfg._replace(tail=tail)
+    if pps is not None:
+        cfg = cfg._replace(pps=pps)
+    if maxnreg is not None:
+        cfg = cfg._replace(maxnreg=maxnreg)
     BK = triton.next_power_of_2(K)
     NV = triton.cdiv(V, cfg.BV)
+    if cfg.tail == TAIL_LOOP:
+        if o_scratch is None:
+            o_scratch = torch.empty(N, H, V, dtype=torch.float32, device=qkv.device)
+        G = grid or loop_grid(N * H, cfg.pps, num_sms(qkv.device))
+        opt = dict(maxnreg=cfg.maxnreg) if cfg.maxnreg else {}
+        _kda_decode_loop_kernel[(min(G, N * H),)](
+            qkv, conv_w, conv_state, z, b, A_log, dt_bias, state_slots, rec_state, o_scratch, r, o_norm_w, out, N * H,
+            qkv.stride(0), z.stride(0), b.stride(0), r.stride(0), out.stride(0),
+            conv_state.stride(0), conv_state.stride(1),
+            rec_state.stride(0), rec_state.stride(1),
+            K ** -0.5, eps,
+            H=H, K=K, V=V, W=W, BK=BK, BV=cfg.BV, NV=NV, BVF=triton.next_power_of_2(V), num_warps=cfg.num_warps,
+            **opt,
+        )
+        return out
     if cfg.tail != TAIL_SINGLE and o_scratch is None:
         o_scratch = torch.empty(N, H, V, dtype=torch.float32, device=qkv.device)
     if cfg.tail == TAIL_LAST:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kernels.kda import kda_decode_ref, kda_decode_triton, kda_prefill_ref
-from kernels.kda.recurrent import TAIL_LAST, TAIL_POST, TAIL_SINGLE, decode_config
+from kernels.kda.recurrent import TAIL_LAST, TAIL_LOOP, TAIL_POST, TAIL_SINGLE, decode_config, loop_grid
 from kernels.testing import (
     assert_bits_equal,
     assert_close,
@@ -84,23 +84,86 @@ def test_decode_tile_sizes(BV, tail, early):
 
 
 @pytest.mark.parametrize("n_sm", [1, 8, 66, 132, 264])
-def test_decode_config(n_sm):
+def test_decode_config(n_sm, monkeypatch):
     # tile choice by N and SM count (from the H200 sweep): BV 32 with a late state load while the grid is small,
     # BV 64 with an early load once BV 64 gives >= _WIDE_PER_SM programs per SM; BV non-decreasing in N
     from kernels.kda import recurrent as R
+    monkeypatch.setattr(R, "_LOOP_DEFAULT", False)
     H, K, V = 32, 128, 128
     last = 0
     for N in (1, 2, 3, 4, 8, 16, 32, 33, 64, 256, 1024):
-        BV, nw, tail, early = decode_config(N, H, K, V, n_sm)
+        BV, nw, tail, early, pps, maxnreg = decode_config(N, H, K, V, n_sm)
         wide = N * H * (V // 64) >= R._WIDE_PER_SM * n_sm
         assert (BV, nw, early) == ((64, 4, True) if wide else (32, 4, False))
         assert tail == TAIL_LAST
         assert BV >= last
         last = BV
     assert decode_config(32, H, K, V, 132)[0] == 32 and decode_config(33, H, K, V, 132)[0] == 64
-    assert decode_config(1, H, K, V, 132, BV=128) == (128, 16, TAIL_SINGLE, False)   # explicit tile
+    assert decode_config(1, H, K, V, 132, BV=128) == (128, 16, TAIL_SINGLE, False, 0, 0)   # explicit tile
     assert decode_config(1, 2, 16, 16, 132)[0] == 16         # tiny V: tile capped by V
     assert decode_config(4096, 2, 16, 8, 132)[0] == 8             # V = 8: tile capped by V
+
+
+def test_decode_config_loop(monkeypatch):
+    # with the loop kernel as the large-grid default (KIMI_KDA_DECODE_LOOP / _LOOP_DEFAULT), wide grids take it,
+    # small ones keep the per-tile kernel; loop_grid gives every program the same number of heads
+    from kernels.kda import recurrent as R
+    monkeypatch.setattr(R, "_LOOP_DEFAULT", True)
+    monkeypatch.setattr(R, "_LOOP", (16, 4, 5, 96))
+    assert decode_config(64, 32, 128, 128, 132) == (16, 4, TAIL_LOOP, True, 5, 96)
+    assert decode_config(8, 32, 128, 128, 132)[2] == TAIL_LAST
+    assert decode_config(64, 32, 128, 128, 132, BV=64)[2] == TAIL_LAST          # an explicit tile: per-tile kernel
+    for units in (1, 7, 32, 256, 2048, 2049, 8192):
+        for pps, n_sm in ((1, 1), (4, 132), (5, 132), (3, 7)):
+            G = loop_grid(units, pps, n_sm)
+            per = -(-units // G)
+            assert 1 <= G <= min(units, pps * n_sm) and (G - 1) * per < units <= G * per
+    assert loop_grid(2048, 4, 132) == 512 and loop_grid(8192, 4, 132) == 512
+
+
+@pytest.mark.parametrize("BV,nw", [(8, 1), (16, 2), (32, 4)])
+@pytest.mark.parametrize("grid", [1, 3, None])
+def test_decode_loop(BV, nw, grid):
+    # persistent loop kernel: programs walk whole heads (grid 1: one program does every head of every lane; 3: heads
+    # split unevenly across programs; None: the pps-sized grid = one head each here); the next tile's state is
+    # prefetched across head and lane boundaries, including into and out of padded lanes (slot 0, NaN) and lanes at
+    # the end. Slots outside the batch stay bit-identical; padded lanes output zeros; 3 steps chain.
+    H, K, V, S = 3, 32, 32, 8
+    L = make_kda_layer(H, K, V, S, device=DEV)
+    L["rec_state"][0] = float("nan")
+    L["conv_state"][0] = float("nan")
+    L["rec_state"][5] = 1e30
+    L["conv_state"][6] = float("nan")
+    slots = _i32([4, 0, 1, 2, 0])
+    A, B = _clone(L), _clone(L)
+    for step in range(3):
+        tok = make_kda_tokens(5, H, K, V, device=DEV, seed=20 + step)
+        y_ref = _decode(kda_decode_ref, A, tok, slots)
+        y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV, num_warps=nw, tail=TAIL_LOOP, grid=grid,
+                        out=torch.full((5, H * V), float("nan"), device=DEV))
+        assert_close(f"o step {step}", y_tri, y_ref, 2e-5)
+        assert torch.equal(y_tri[1], torch.zeros_like(y_tri[1])) and torch.equal(y_tri[4], torch.zeros_like(y_tri[4]))
+        assert_close("state", B["rec_state"][1:5], A["rec_state"][1:5], 1e-5)
+        assert torch.equal(B["conv_state"][1:5], A["conv_state"][1:5])
+    for s in (0, 3, 5, 6, 7):
+        assert_bits_equal(f"rec slot {s}", B["rec_state"][s], L["rec_state"][s])
+        assert_bits_equal(f"conv slot {s}", B["conv_state"][s], L["conv_state"][s])
+
+
+def test_decode_loop_odd_shapes():
+    # K, V not powers of two (masked rows / columns), V not a multiple of BV (last tile partial), bf16, strong gates
+    H, K, V, S, N = 2, 24, 40, 5, 3
+    L = make_kda_layer(H, K, V, S, device=DEV, conv_dtype=torch.bfloat16)
+    L["A_log"] = torch.tensor([3.0, 0.0], device=DEV)
+    slots = _i32([3, 1, 4])
+    A, B = _clone(L), _clone(L)
+    for step in range(2):
+        tok = make_kda_tokens(N, H, K, V, dtype=torch.bfloat16, device=DEV, seed=30 + step, z_scale=30.0)
+        y_ref = _decode(kda_decode_ref, A, tok, slots)
+        y_tri = _decode(kda_decode_triton, B, tok, slots, BV=16, num_warps=2, tail=TAIL_LOOP, grid=4, maxnreg=96)
+        assert_close(f"o step {step}", y_tri, y_ref, bf16_tol())
+    assert_close("state", B["rec_state"], A["rec_state"], bf16_tol())
+    assert torch.equal(B["conv_state"], A["conv_state"])
 
 
 def test_padded_lanes_and_poison():
@@ -192,9 +255,10 @@ def test_decode_continues_ref_prefill(T, k):
 # ----------------------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [1, 8, 64, 256])
-@pytest.mark.parametrize("BV,tail", [(None, None), (128, None), (64, None), (8, TAIL_POST)])
+@pytest.mark.parametrize("BV,tail", [(None, None), (128, None), (64, None), (8, TAIL_POST), (16, TAIL_LOOP),
+                                     (32, TAIL_LOOP)])
 def test_decode_kimi_gpu(N, BV, tail):
-    # default pick (one launch, last-tile tail), one program per head, BV=64, and the 2-launch tail
+    # default pick (one launch, last-tile tail), one program per head, BV=64, the 2-launch tail, the loop kernel
     H, K, V = 32, 128, 128
     S = N + 2
     L = make_kda_layer(H, K, V, S, device="cuda", conv_dtype=torch.bfloat16)
@@ -210,18 +274,19 @@ def test_decode_kimi_gpu(N, BV, tail):
 
 
 @pytest.mark.gpu
-def test_decode_cuda_graph_gpu():
+@pytest.mark.parametrize("kw", [{}, dict(BV=16, num_warps=4, tail=TAIL_LOOP, pps=2, maxnreg=96)])
+def test_decode_cuda_graph_gpu(kw):
     H, K, V, N, S = 32, 128, 128, 8, 12
     L = make_kda_layer(H, K, V, S, device="cuda", conv_dtype=torch.bfloat16)
     tok = make_kda_tokens(N, H, K, V, dtype=torch.bfloat16, device="cuda")
     slots = _i32([3, 1, 0, 0, 7, 2, 0, 11])
     A, B = _clone(L), _clone(L)
-    y_eager = [_decode(kda_decode_triton, A, tok, slots) for _ in range(3)]
-    _decode(kda_decode_triton, _clone(L), tok, slots)   # compile outside the capture
+    y_eager = [_decode(kda_decode_triton, A, tok, slots, **kw) for _ in range(3)]
+    _decode(kda_decode_triton, _clone(L), tok, slots, **kw)   # compile outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):                           # recorded, not executed: B's pools are untouched
-        y_static = _decode(kda_decode_triton, B, tok, slots)
+        y_static = _decode(kda_decode_triton, B, tok, slots, **kw)
     for step in range(3):
         g.replay()
         torch.cuda.synchronize()
