@@ -120,24 +120,33 @@ DEC_REPS = 16
 
 
 def _decode_candidates(M, blocks, sms):
-    """-> (GEMM1 configs, GEMM2 configs) for M assignments (the DEC_G1 / DEC_G2 rows of the nearest listed M)."""
+    """-> (GEMM1 configs, GEMM2 configs) for M assignments (the DEC_G1 / DEC_G2 rows of the nearest listed M). At
+    M = K + 1 (batch 1: distinct ids) every candidate also runs with direct rows (one block per assignment)."""
     key = min(DEC_G1, key=lambda m: abs(m - M))
-    g1 = [MoEConfig(16, bn, 64, bk, nw, ns, nt1=nt) for bn, bk, nw, ns in DEC_G1[key]
-          for nt in sorted({0, balanced_tiles(I, bn, blocks, sms)})]
-    g2 = [MoEConfig(16, 32, bn, 128, 4, 4, nt2=nt, split2=sp, BK2=bk, warps2=nw, stages2=ns)
+    directs = (False, True) if M == K + 1 else (False,)
+    g1 = [MoEConfig(16, bn, 64, bk, nw, ns, nt1=nt, direct=dr) for bn, bk, nw, ns in DEC_G1[key]
+          for nt in sorted({0, balanced_tiles(I, bn, blocks, sms)}) for dr in directs]
+    g2 = [MoEConfig(16, 32, bn, 128, 4, 4, nt2=nt, split2=sp, BK2=bk, warps2=nw, stages2=ns, direct=dr)
           for bn, bk, nw, ns, splits in DEC_G2[key] for nt in sorted({0, balanced_tiles(D, bn, blocks, sms)})
-          for sp in splits]
+          for sp in splits for dr in directs]
     return g1, g2
+
+
+def _merge(c1, c2, direct):
+    """GEMM1 fields of c1, GEMM2 fields of c2 (one config for fused_moe_triton)."""
+    return MoEConfig(16, c1.BN1, c2.BN2, c1.BK, c1.num_warps, c1.num_stages, c1.nt1, c2.nt2, c2.split2,
+                     c2.BK2 or c2.BK, c2.warps2 or c2.num_warps, c2.stages2 or c2.num_stages, direct)
 
 
 def _label1(c):
     return (f"BN1={c.BN1} BK={c.BK} w={c.num_warps} s={c.num_stages} nt1={c.nt1 or -(-I // c.BN1)}"
-            f"{'' if c.nt1 else ' (BN-wide)'}")
+            f"{'' if c.nt1 else ' (BN-wide)'}{' direct' if c.direct else ''}")
 
 
 def _label2(c):
     return (f"BN2={c.BN2} BK2={c.BK2 or c.BK} w={c.warps2 or c.num_warps} s={c.stages2 or c.num_stages} "
-            f"nt2={c.nt2 or -(-D // c.BN2)}{'' if c.nt2 else ' (BN-wide)'} split2={c.split2}")
+            f"nt2={c.nt2 or -(-D // c.BN2)}{'' if c.nt2 else ' (BN-wide)'} split2={c.split2}"
+            f"{' direct' if c.direct else ''}")
 
 
 class _DecodeCase:
@@ -165,14 +174,22 @@ class _DecodeCase:
         self.inters = [torch.randn(M, I, device=dev, dtype=w13.dtype) for _ in routs]
         self.ws = [torch.rand(self.T, k, device=dev) for _ in routs]
         self.rows = [moe_rows(r, E1, 16) for r in self.routs]
+        self.rows_direct = [moe_rows(r, E1, 16, direct=True) for r in self.routs]
         self.g1, self.g2 = _decode_candidates(M, self.blocks, sms)
 
     def gemm1(self, c):
-        return [lambda i=i: moe_gemm1(self.xs[i], self.w13, self.rows[i], c, inter=self.inters[i])
+        rows = self.rows_direct if c.direct else self.rows
+        return [lambda i=i: moe_gemm1(self.xs[i], self.w13, rows[i], c, inter=self.inters[i])
                 for i in range(DEC_REPS)]
 
+    def chain(self, c):
+        outs = [torch.empty(self.T, D, device=DEV, dtype=torch.bfloat16) for _ in range(DEC_REPS)]
+        return [lambda i=i: fused_moe_triton(self.xs[i], self.w13, self.w2, self.ws[i], self.routs[i], out=outs[i],
+                                             config=c) for i in range(DEC_REPS)]
+
     def gemm2(self, c):
-        return [lambda i=i: moe_gemm2(self.inters[i], self.w2, self.rows[i], c) for i in range(DEC_REPS)]
+        rows = self.rows_direct if c.direct else self.rows
+        return [lambda i=i: moe_gemm2(self.inters[i], self.w2, rows[i], c) for i in range(DEC_REPS)]
 
 
 def _decode_weights(init=True):
@@ -228,7 +245,7 @@ def _graph_us(fns, replays=10):
 
 def _print_sweep(name, res, nbytes, copy_bw, cur_label):
     res.sort(key=lambda r: r[0])
-    for us, label in res:
+    for us, label, _ in res:
         tbs = nbytes / (us * 1e-6) / 1e12
         mark = "  <- get_config" if label == cur_label else ""
         print(f"  {name} {us:7.2f} us {tbs:5.2f} TB/s ({100 * tbs / copy_bw:3.0f}% of copy)  {label}{mark}")
@@ -256,14 +273,21 @@ def sweep_decode(args):
         cur = get_config(M, E + 1, torch.bfloat16, K + 1, sms, I, D)
         print(f"M={M} (T={case.T}): {case.uniq:.1f} unique experts per routing (get_config assumes {case.blocks} "
               f"blocks); get_config: {cur.short()}")
-        res = [(_graph_us(case.gemm1(c)), _label1(c)) for c in case.g1]
-        if _label1(cur) not in [r[1] for r in res]:
-            res.append((_graph_us(case.gemm1(cur)), _label1(cur)))
-        _print_sweep("gemm1", res, case.uniq * 2 * I * D * 2, copy_bw, _label1(cur))
-        res = [(_graph_us(case.gemm2(c)), _label2(c)) for c in case.g2]
-        if _label2(cur) not in [r[1] for r in res]:
-            res.append((_graph_us(case.gemm2(cur)), _label2(cur)))
-        _print_sweep("gemm2", res, case.uniq * D * I * 2, copy_bw, _label2(cur))
+        res1 = [(_graph_us(case.gemm1(c)), _label1(c), c) for c in case.g1]
+        if _label1(cur) not in [r[1] for r in res1]:
+            res1.append((_graph_us(case.gemm1(cur)), _label1(cur), cur))
+        _print_sweep("gemm1", res1, case.uniq * 2 * I * D * 2, copy_bw, _label1(cur))
+        res2 = [(_graph_us(case.gemm2(c)), _label2(c), c) for c in case.g2]
+        if _label2(cur) not in [r[1] for r in res2]:
+            res2.append((_graph_us(case.gemm2(cur)), _label2(cur), cur))
+        _print_sweep("gemm2", res2, case.uniq * D * I * 2, copy_bw, _label2(cur))
+        # the whole layer (rows + GEMM1 + GEMM2 + combine per routing, back to back as in the model): get_config vs the
+        # fastest GEMM1 with the fastest GEMM2 (one rows layout for both: each fastest one's direct flag in turn)
+        b1, b2 = res1[0][2], res2[0][2]
+        chains = [("get_config", cur)] + [(f"best gemm1 + best gemm2, direct={dr}", _merge(b1, b2, dr))
+                                          for dr in sorted({b1.direct, b2.direct})]
+        for name, c in chains:
+            print(f"  chain {_graph_us(case.chain(c)):7.2f} us  {name}: {c.short()}")
         outs = [torch.empty(case.T, D, device=DEV, dtype=torch.bfloat16) for _ in range(DEC_REPS)]
         for sp in (1, 2, 4):  # the combine with split-K partials reads S fp32 partials instead of one bf16 y
             ys = [torch.randn(sp, M, D, device=DEV) if sp > 1 else

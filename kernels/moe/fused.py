@@ -162,7 +162,9 @@ def _block_rows_from_ids(ids_ptr, pid_m, M, E, BM: tl.constexpr, BLOCK: tl.const
 def _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT, BM: tl.constexpr, BN: tl.constexpr,
                 RAGGED: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     """This program's row block, its N columns [n_lo, n_hi), the block's rows idx [BM] (>= M: padding), its expert and
-    the padded row count: from moe_align's outputs, or (IDS_BLOCK > 0) derived from the ids by _block_rows_from_ids.
+    the padded row count: from moe_align's outputs, (IDS_BLOCK > 0) derived from the ids by _block_rows_from_ids, or
+    (IDS_BLOCK < 0, "direct") one block per assignment: block b is row b alone, expert ids[b] (no sort, no histogram:
+    one id load before the weight loads; an expert chosen by several assignments is streamed once per assignment).
     NT N tiles per row block: BN wide (RAGGED False), or (RAGGED) N split evenly into NT tiles of N // NT or
     N // NT + 1 <= BN columns, so that blocks * NT programs can be a multiple of the SM count (no wave tail)."""
     pid = tl.program_id(0)
@@ -174,7 +176,11 @@ def _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT, BM:
     else:  # n_lo a multiple of BN: the compiler keeps the stores vectorised
         n_lo = pid_n * BN
         n_hi = N
-    if IDS_BLOCK > 0:
+    if IDS_BLOCK < 0:
+        idx = tl.where(tl.arange(0, BM) == 0, pid_m, M)
+        e = tl.load(ids_ptr + pid_m)
+        npost = (pid_m + 1) * BM
+    elif IDS_BLOCK > 0:
         idx, e, npost = _block_rows_from_ids(ids_ptr, pid_m, M, E, BM, IDS_BLOCK, BLOCK_E)
     else:
         npost = tl.load(npost_ptr)
@@ -191,7 +197,8 @@ def _moe_gemm1_kernel(
     MODE: tl.constexpr, INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, RAGGED: tl.constexpr,
 ):
     """inter[idx, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, N + n]) for the rows idx of one block.
-    IDS_BLOCK > 0: the block's rows come from the ids (_block_rows_from_ids), not from moe_align's outputs.
+    IDS_BLOCK > 0: the block's rows come from the ids (_block_rows_from_ids), not from moe_align's outputs; < 0: one
+    block per assignment (direct, see _block_rows).
     Grid: (blocks * NT,); NT and RAGGED as in _block_rows."""
     pid_m, n_lo, n_hi, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT,
                                                    BM, BN, RAGGED, IDS_BLOCK, BLOCK_E)
@@ -322,11 +329,13 @@ class MoEConfig:
     BK2: int = 0     # GEMM2 K tile, warps, stages; 0 -> as GEMM1
     warps2: int = 0
     stages2: int = 0
+    direct: bool = False  # one row block per assignment (no sort/histogram; for T = 1, where ids are distinct)
 
     def short(self) -> str:
         s = f"{self.BM},{self.BN1},{self.BN2},{self.BK},{self.num_warps},{self.num_stages}"
         extra = [f"{k}={v}" for k, v in (("nt1", self.nt1), ("nt2", self.nt2), ("split2", self.split2),
-                                          ("BK2", self.BK2), ("warps2", self.warps2), ("stages2", self.stages2))
+                                          ("BK2", self.BK2), ("warps2", self.warps2), ("stages2", self.stages2),
+                                          ("direct", self.direct))
                  if v != MoEConfig.__dataclass_fields__[k].default]
         return s + ("," + ",".join(extra) if extra else "")
 
@@ -392,7 +401,8 @@ def _tiles(N: int, BN: int, nt: int) -> tuple[int, int, bool]:
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
 class MoERows:
-    """Where each GEMM program finds its rows: moe_align's outputs, or (ids_block > 0) the ids themselves."""
+    """Where each GEMM program finds its rows: moe_align's outputs, (ids_block > 0) the ids themselves, or
+    (ids_block < 0, direct) one block per assignment (max_blocks = M)."""
     ids: torch.Tensor
     sorted_ids: torch.Tensor
     expert_ids: torch.Tensor
@@ -404,9 +414,11 @@ class MoERows:
     BM: int
 
 
-def moe_rows(topk_ids: torch.Tensor, E: int, BM: int) -> MoERows:
+def moe_rows(topk_ids: torch.Tensor, E: int, BM: int, direct: bool = False) -> MoERows:
     ids = topk_ids.to(torch.int32).contiguous()
     M = ids.numel()
+    if direct:  # block b = assignment b (row b, expert ids[b]); bytes-optimal only while no expert repeats (T = 1)
+        return MoERows(ids, ids, ids, ids, M, -1, 0, E, BM)
     if M <= ALIGN_IN_GEMM_MAX:  # decode: the GEMM programs find their rows in the ids (one launch fewer)
         return MoERows(ids, ids, ids, ids, max_padded_size(M, E, BM) // BM, max(16, triton.next_power_of_2(M)),
                        max(16, triton.next_power_of_2(E + 1)), E, BM)
@@ -493,7 +505,7 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, config: MoECo
     if w2.dtype != x.dtype:
         w2 = w2.to(x.dtype)
     cfg = config or get_config(M, E, x.dtype, top_k, num_sms(x.device), inter_dim, D)
-    rows = moe_rows(topk_ids, E, cfg.BM)
+    rows = moe_rows(topk_ids, E, cfg.BM, cfg.direct)
     inter = moe_gemm1(x, w13, rows, cfg)
     y = moe_gemm2(inter, w2, rows, cfg)
     return moe_combine(y, topk_weights, out)
@@ -511,5 +523,5 @@ def fused_moe_uncombined_triton(x, w13, w2, topk_weights, topk_ids, config: MoEC
         return torch.empty(0, D, dtype=x.dtype, device=x.device)
     x, w13, w2 = x.contiguous(), w13.contiguous().to(x.dtype), w2.contiguous().to(x.dtype)
     cfg = config or get_config(T * top_k, E, x.dtype, top_k, num_sms(x.device), N2 // 2, D)
-    rows = moe_rows(topk_ids, E, cfg.BM)
+    rows = moe_rows(topk_ids, E, cfg.BM, cfg.direct)
     return moe_gemm2(moe_gemm1(x, w13, rows, cfg), w2, rows, cfg)

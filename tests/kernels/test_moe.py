@@ -375,7 +375,9 @@ def _gemm_cfgs():
     return [MoEConfig(16, 16, 32, 16, 4, 2, nt1=3, nt2=5),                         # ragged N tiles (I=24, D=48)
             MoEConfig(16, 32, 32, 16, 4, 2, nt2=2, split2=2),                      # split-K, 2 K steps per split
             MoEConfig(16, 32, 64, 32, 4, 2, split2=3, BK2=16, warps2=4, stages2=3),  # 3 splits of 1 step (K=24 ->
-            MoEConfig(16, 16, 16, 32, 4, 2, nt1=2, nt2=4, split2=4, BK2=16)]          # 2 steps: S <= steps); K tail
+            MoEConfig(16, 16, 16, 32, 4, 2, nt1=2, nt2=4, split2=4, BK2=16),         # 2 steps: S <= steps); K tail
+            MoEConfig(16, 16, 32, 16, 4, 2, nt1=3, nt2=5, direct=True),            # one block per assignment
+            MoEConfig(16, 32, 32, 16, 4, 2, nt2=2, split2=2, direct=True)]
 
 
 @needs_triton
@@ -396,6 +398,27 @@ def test_fused_moe_ragged_tiles_and_split_k(T, k, dtype):
         assert rms_ratio(out, ref32) <= _tol(dtype), cfg
         if cfg.split2 > 1:
             assert torch.equal(out, fused_moe_triton(x, w13, w2, w, ids, config=cfg)), cfg
+
+
+@needs_triton
+@pytest.mark.parametrize("T,k", [(1, 9), (4, 3)])
+def test_direct_rows(T, k):
+    """Direct rows (one block per assignment, expert ids[b]): at T = 1 (distinct ids) the same blocks as the grouped
+    layout, so bit-identical to it; with repeated experts (T = 4, expert 2 in every token) still the reference."""
+    import kernels.moe.fused as fm
+
+    D, I, E = 32, 48, 10
+    x, w13, w2, w, ids = make_moe(T, D, I, E, k, torch.bfloat16)
+    if T > 1:
+        ids[:, 0] = 2
+    ids = ids[:, torch.randperm(k)]  # unsorted ids: block b keeps assignment b's row, whatever its expert
+    rows = fm.moe_rows(ids, E, 16, direct=True)
+    assert rows.max_blocks == T * k and rows.ids_block < 0
+    cfg = fm.MoEConfig(16, 16, 32, 16, 4, 2, nt1=4, nt2=1)
+    out = fm.fused_moe_triton(x, w13, w2, w, ids, config=fm.replace(cfg, direct=True))
+    assert rms_ratio(out, fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)) <= _tol(torch.bfloat16)
+    if T == 1:
+        assert torch.equal(out, fm.fused_moe_triton(x, w13, w2, w, ids, config=cfg))
 
 
 @needs_triton
@@ -548,10 +571,13 @@ def test_kimi_decode_configs_gpu(T):
                         append_expert=E - 1)
     ref32 = fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)
     g1, g2 = bench._decode_candidates(T * k, expected_blocks(T * k, E, k), num_sms("cuda"))
-    for i in range(max(len(g1), len(g2))):  # every candidate of both lists (~30 compiles at T = 1)
+    # the direct-rows twins differ only in where the rows come from: three of each list (compile time)
+    g1 = [c for c in g1 if not c.direct] + [c for c in g1 if c.direct][:3]
+    g2 = [c for c in g2 if not c.direct] + [c for c in g2 if c.direct][:3]
+    for i in range(max(len(g1), len(g2))):  # every candidate of both lists (~40 compiles at T = 1)
         c1, c2 = g1[i % len(g1)], g2[i % len(g2)]
         cfg = type(c1)(16, c1.BN1, c2.BN2, c1.BK, c1.num_warps, c1.num_stages, c1.nt1, c2.nt2, c2.split2, c2.BK2,
-                       c2.warps2, c2.stages2)
+                       c2.warps2, c2.stages2, c1.direct)
         out = fused_moe_triton(x, w13, w2, w, ids, config=cfg)
         assert rms_ratio(out, ref32) <= 5e-3, cfg
         assert torch.equal(out, fused_moe_triton(x, w13, w2, w, ids, config=cfg)), cfg
