@@ -13,6 +13,8 @@ gated_rmsnorm(o [T, H, V], r [T, H, V], w [V], eps) -> [T, H, V]:
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +23,16 @@ from kernels._dispatch import use_triton
 from kernels._tensors import unit_last_stride
 from kernels.moe.fused import combine_row
 from kernels.moe.router import INTERPRET, cast_to
+
+# Row kernels load the norm weight first (A/B switch: KIMI_NORM_EARLY_W=0 loads it where it is used, the old order)
+EARLY_W = os.environ.get("KIMI_NORM_EARLY_W", "1") != "0"
+# launch configs (num_warps, early weight load) that bench/router.py times for the row kernels; None -> row_config
+NORM_CONFIGS = [(4, False), (4, True), (2, True), (8, True)]
+
+
+def row_config(BD: int, cfg=None):
+    """-> (num_warps, early_w) for one program per row of BD (padded) columns; cfg overrides (bench)."""
+    return cfg if cfg is not None else (4 if BD <= 4096 else 8, EARLY_W)
 
 
 # --------------------------------------------------------------------------------------------------- references
@@ -64,12 +76,24 @@ def gated_rmsnorm_ref(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: fl
 
 # --------------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _rms_weighted(x, w_ptr, offs, mask, D, eps, OUT_TY: tl.constexpr):
-    # x [BD] fp32 (0 where masked) -> w * (x / rms(x)) in fp32, x / rms(x) rounded to OUT_TY first like the
-    # reference's (x/rms).to(x.dtype)
+def _load_w(w_ptr, offs, mask, EARLY: tl.constexpr):
+    # the norm weight [BD] fp32; EARLY (EARLY_W): loaded by the row kernels before anything else. Loaded where it is
+    # used, it is issued after the reduction and the h store (which the compiler may not move it across): its cold
+    # HBM read is then a second round trip per launch (PTX/SASS checked, sm_90)
+    if EARLY:
+        return tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        return offs
+
+
+@triton.jit
+def _rms_weighted(x, w, w_ptr, offs, mask, D, eps, OUT_TY: tl.constexpr, EARLY: tl.constexpr):
+    # x [BD] fp32 (0 where masked), w from _load_w -> w * (x / rms(x)) in fp32, x / rms(x) rounded to OUT_TY first
+    # like the reference's (x/rms).to(x.dtype)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     xn = (x * rstd).to(OUT_TY).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if not EARLY:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return w * xn
 
 
@@ -78,26 +102,29 @@ def _rmsnorm_kernel(
     x_ptr, w_ptr, y_ptr,
     stride_x, stride_y,
     D, eps,
-    BD: tl.constexpr,
+    BD: tl.constexpr, EARLY_W: tl.constexpr,
 ):
     # one program per row; x [T, D], w [D], y [T, D]
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     mask = offs < D
+    w = _load_w(w_ptr, offs, mask, EARLY_W)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    y = _rms_weighted(x, w_ptr, offs, mask, D, eps, y_ptr.dtype.element_ty)
+    y = _rms_weighted(x, w, w_ptr, offs, mask, D, eps, y_ptr.dtype.element_ty, EARLY_W)
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rmsnorm_head_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, C, eps, BC: tl.constexpr):
+def _rmsnorm_head_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, C, eps, BC: tl.constexpr,
+                         EARLY_W: tl.constexpr):
     # one program per row of C = D + P columns: the first D normalised like _rmsnorm_kernel, the rest copied
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BC)
     head = offs < D
+    w = _load_w(w_ptr, offs, head, EARLY_W)
     xr = tl.load(x_ptr + row * stride_x + offs, mask=offs < C, other=0.0)
     x = tl.where(head, xr.to(tl.float32), 0.0)
-    y = _rms_weighted(x, w_ptr, offs, head, D, eps, y_ptr.dtype.element_ty)
+    y = _rms_weighted(x, w, w_ptr, offs, head, D, eps, y_ptr.dtype.element_ty, EARLY_W)
     y = tl.where(head, y.to(y_ptr.dtype.element_ty), xr.to(y_ptr.dtype.element_ty))
     tl.store(y_ptr + row * stride_y + offs, y, mask=offs < C)
 
@@ -107,17 +134,18 @@ def _add_rmsnorm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr,
     stride_x, stride_r, stride_y, stride_h,
     D, eps,
-    BD: tl.constexpr,
+    BD: tl.constexpr, EARLY_W: tl.constexpr,
 ):
     # one program per row: h = r + x (rounded to the dtype like the torch add), y = rmsnorm(h) as _rmsnorm_kernel
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     mask = offs < D
+    w = _load_w(w_ptr, offs, mask, EARLY_W)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     h = (r + x).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + row * stride_h + offs, h, mask=mask)
-    y = _rms_weighted(h.to(tl.float32), w_ptr, offs, mask, D, eps, y_ptr.dtype.element_ty)
+    y = _rms_weighted(h.to(tl.float32), w, w_ptr, offs, mask, D, eps, y_ptr.dtype.element_ty, EARLY_W)
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -126,7 +154,7 @@ def _combine_add_rmsnorm_kernel(
     y_ptr, tw_ptr, r_ptr, w_ptr, o_ptr, h_ptr,
     stride_ys, stride_r, stride_o, stride_h,
     D, eps,
-    TOP_K: tl.constexpr, SPLIT: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
+    TOP_K: tl.constexpr, SPLIT: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr, EARLY_W: tl.constexpr,
 ):
     # one program per token t: y [T*k, D] (or [SPLIT, T*k, D] fp32) contiguous, tw [T, k] fp32, r/o/h [T, D].
     # The combine is _moe_combine_kernel's (combine_row) and the rest _add_rmsnorm_kernel's, op for op, so the bits
@@ -134,12 +162,16 @@ def _combine_add_rmsnorm_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     mask = offs < D
+    w = _load_w(w_ptr, offs, mask, EARLY_W)
+    if EARLY_W:  # the residual too: after the combine's loads and FMAs, its latency was exposed
+        r = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     acc = combine_row(y_ptr, tw_ptr, t, offs, mask, D, stride_ys, TOP_K, SPLIT, h_ptr.dtype.element_ty, INTERP)
     x = cast_to(acc, h_ptr.dtype.element_ty, INTERP).to(tl.float32)     # the combine's store + add_rmsnorm's load
-    r = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    if not EARLY_W:
+        r = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     h = (r + x).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + t * stride_h + offs, h, mask=mask)
-    o = _rms_weighted(h.to(tl.float32), w_ptr, offs, mask, D, eps, o_ptr.dtype.element_ty)
+    o = _rms_weighted(h.to(tl.float32), w, w_ptr, offs, mask, D, eps, o_ptr.dtype.element_ty, EARLY_W)
     tl.store(o_ptr + t * stride_o + offs, o.to(o_ptr.dtype.element_ty), mask=mask)
 
 
@@ -166,7 +198,7 @@ def _gated_rmsnorm_kernel(
 
 
 # --------------------------------------------------------------------------------------------------- wrappers
-def rmsnorm_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm_triton(x: torch.Tensor, w: torch.Tensor, eps: float, cfg=None) -> torch.Tensor:
     shape = x.shape
     D = shape[-1]
     x2 = x.reshape(-1, D)
@@ -176,8 +208,9 @@ def rmsnorm_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     if x2.shape[0] == 0:
         return y.reshape(shape)
     BD = triton.next_power_of_2(D)
-    _rmsnorm_kernel[(x2.shape[0],)](x2, w, y, x2.stride(0), y.stride(0), D, eps, BD=BD,
-                                     num_warps=4 if BD <= 4096 else 8)
+    warps, early = row_config(BD, cfg)
+    _rmsnorm_kernel[(x2.shape[0],)](x2, w, y, x2.stride(0), y.stride(0), D, eps, BD=BD, EARLY_W=early,
+                                     num_warps=warps)
     return y.reshape(shape)
 
 
@@ -188,12 +221,13 @@ def rmsnorm_head_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.T
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
     if T:
         BC = triton.next_power_of_2(C)
-        _rmsnorm_head_kernel[(T,)](x, w, y, x.stride(0), y.stride(0), w.shape[0], C, eps, BC=BC,
-                                   num_warps=4 if BC <= 4096 else 8)
+        warps, early = row_config(BC)
+        _rmsnorm_head_kernel[(T,)](x, w, y, x.stride(0), y.stride(0), w.shape[0], C, eps, BC=BC, EARLY_W=early,
+                                   num_warps=warps)
     return y
 
 
-def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
+def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, cfg=None):
     """x, residual [T, D] (row strides allowed) -> (y, h) contiguous [T, D] in x.dtype."""
     assert x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype, (x.shape, residual.shape)
     T, D = x.shape
@@ -202,13 +236,14 @@ def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
     h = torch.empty_like(y)
     if T:
         BD = triton.next_power_of_2(D)
+        warps, early = row_config(BD, cfg)
         _add_rmsnorm_kernel[(T,)](x, residual, w, y, h, x.stride(0), residual.stride(0), y.stride(0), h.stride(0),
-                                  D, eps, BD=BD, num_warps=4 if BD <= 4096 else 8)
+                                  D, eps, BD=BD, EARLY_W=early, num_warps=warps)
     return y, h
 
 
 def combine_add_rmsnorm_triton(y: torch.Tensor, topk_weights: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
-                               eps: float):
+                               eps: float, cfg=None):
     """y: kernels.moe.fused.moe_gemm2's output ([T*k, D] in residual.dtype, or fp32 partials [S, T*k, D]),
     topk_weights [T, k] fp32, residual [T, D] (row stride allowed) -> (y, h) contiguous [T, D] in residual.dtype."""
     T, top_k = topk_weights.shape
@@ -222,9 +257,10 @@ def combine_add_rmsnorm_triton(y: torch.Tensor, topk_weights: torch.Tensor, resi
         BD = triton.next_power_of_2(D)
         split = y.shape[0] if y.dim() == 3 else 1
         # num_warps as add_rmsnorm_triton: the same reduction tree for the norm's sum of squares
+        warps, early = row_config(BD, cfg)
         _combine_add_rmsnorm_kernel[(T,)](y, topk_weights.contiguous(), residual, w, out, h, T * top_k * D,
                                           residual.stride(0), out.stride(0), h.stride(0), D, eps, TOP_K=top_k,
-                                          SPLIT=split, BD=BD, INTERP=INTERPRET, num_warps=4 if BD <= 4096 else 8)
+                                          SPLIT=split, BD=BD, INTERP=INTERPRET, EARLY_W=early, num_warps=warps)
     return out, h
 
 

@@ -32,6 +32,12 @@ GEMV_MAX_T = 16
 # T <= GEMV_MAX_T: logits and top-k in one launch (the last-arriving logits program of a token selects its top-k);
 # KIMI_ROUTER_FUSED=0 keeps two launches (A/B switch)
 FUSED_DECODE = os.environ.get("KIMI_ROUTER_FUSED", "1") != "0"
+# which one-launch decode kernel (A/B switch, read per call so bench/router.py can flip it): "v1"
+# _router_fused_gemv_kernel (2 experts x one 4096-wide K tile per 4-warp program); "v2" _router_decode_kernel
+# (DECODE_BE experts per DECODE_WARPS-warp program, pow2 K chunks + tail, warp-local top-k without the L2 re-gather)
+ROUTER_DECODE = os.environ.get("KIMI_ROUTER_DECODE", "v1")
+DECODE_BE = int(os.environ.get("KIMI_ROUTER_BE", "2"))
+DECODE_WARPS = int(os.environ.get("KIMI_ROUTER_WARPS", "1"))
 
 
 @triton.jit
@@ -206,6 +212,101 @@ def _router_fused_gemv_kernel(
         tl.store(cnt_ptr + t, 0)
 
 
+@triton.jit
+def _dot_row_chunk(x_ptr, w_ptr, offs_e, e_ok, k0, D, stride_we, BK: tl.constexpr, MASK_K: tl.constexpr):
+    # [BE] fp32 partial dot products of the gate rows offs_e with x over columns k0 .. k0 + BK (MASK_K: some >= D)
+    offs_k = k0 + tl.arange(0, BK)
+    w_ptrs = w_ptr + offs_e[:, None].to(tl.int64) * stride_we + offs_k[None, :]
+    if MASK_K:
+        a = tl.load(x_ptr + offs_k, mask=offs_k < D, other=0.0).to(tl.float32)
+        b = tl.load(w_ptrs, mask=e_ok[:, None] & (offs_k < D)[None, :], other=0.0).to(tl.float32)
+    else:
+        a = tl.load(x_ptr + offs_k).to(tl.float32)
+        b = tl.load(w_ptrs, mask=e_ok[:, None], other=0.0).to(tl.float32)
+    return tl.sum(b * a[None, :], axis=1)
+
+
+@triton.jit
+def _select_topk_row(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, t, E, scale, extra_id,
+                     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr,
+                     OUT_K: tl.constexpr):
+    """_select_topk for one row (logits row at logits_ptr, read from L2: other programs just wrote it) on 1-D
+    tensors: the same keys, rounds and tie rule, but the weights come out of the registers (a masked sum over the
+    experts per pick) instead of a second, dependent L2 gather of the picked logits."""
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_k = tl.arange(0, BLOCK_K)
+    e_ok = offs_e < E
+    logits = tl.load(logits_ptr + offs_e, mask=e_ok, other=0.0, cache_modifier=".cg")
+    scores = tl.sigmoid(logits)
+    if HAS_BIAS:
+        sel = scores + tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)
+    else:
+        sel = scores
+    bits = sel.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = ordered.to(tl.int64) * 4294967296 + (BLOCK_E - 1 - offs_e).to(tl.int64)
+    lowest = -9223372036854775807 - 1
+    key = tl.where(e_ok, key, lowest)
+    if BIASED_WEIGHTS and HAS_BIAS:
+        src = sel      # the reference's s + bias: the same fp32 add as the selection score
+    else:
+        src = scores
+    top_i = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        m = tl.max(key, axis=0)
+        idx = (BLOCK_E - 1 - (m - ((m >> 32) << 32))).to(tl.int32)
+        idx = tl.minimum(tl.maximum(idx, 0), E - 1)
+        hit = offs_e == idx
+        # the pick's weight: a sum with one nonzero term (exact), in the keys' layout (no layout conversion); the
+        # next round depends only on key, so these reductions overlap the remaining rounds
+        top_w = tl.where(offs_k == j, tl.sum(tl.where(hit, src, 0.0), axis=0), top_w)
+        top_i = tl.where(offs_k == j, idx, top_i)
+        key = tl.where(hit, lowest, key)
+    kmask = offs_k < TOP_K
+    if RENORM:
+        denom = tl.sum(top_w, axis=0) + 1e-20
+        top_w = top_w / denom
+    top_w = top_w * scale
+    optr = t.to(tl.int64) * OUT_K + offs_k
+    tl.store(w_out_ptr + optr, top_w, mask=kmask)
+    tl.store(id_out_ptr + optr, top_i, mask=kmask)
+    if HAS_EXTRA:
+        tl.store(w_out_ptr + t.to(tl.int64) * OUT_K + TOP_K, 1.0)
+        tl.store(id_out_ptr + t.to(tl.int64) * OUT_K + TOP_K, extra_id)
+
+
+@triton.jit
+def _router_decode_kernel(
+    x_ptr, w_ptr, logits_ptr, cnt_ptr, bias_ptr, w_out_ptr, id_out_ptr, E, D, stride_xt, stride_we, stride_lt,
+    scale, extra_id, BE: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BK_TAIL: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr, OUT_K: tl.constexpr,
+):
+    # ROUTER_DECODE="v2" (T <= GEMV_MAX_T): program (t, e-block of BE experts), meant for 1 warp. D = NK * BK + tail
+    # (BK a power of two, tail < BK masked to BK_TAIL): no masked lanes beyond the tail (D 2304 = 2048 + 256, where
+    # v1's one 4096 tile idles 44% of its lanes) and every load of the row is issued before the first sum (static
+    # unroll, tail first). The last of the token's programs to arrive selects with _select_topk_row; with one warp
+    # its reductions are shuffles only (v1: 4 warps, shared memory + barriers in each of the k rounds)
+    t = tl.program_id(0)
+    offs_e = tl.program_id(1) * BE + tl.arange(0, BE)
+    e_ok = offs_e < E
+    x_row = x_ptr + t.to(tl.int64) * stride_xt
+    acc = tl.zeros((BE,), dtype=tl.float32)
+    if BK_TAIL > 0:
+        acc += _dot_row_chunk(x_row, w_ptr, offs_e, e_ok, NK * BK, D, stride_we, BK_TAIL, True)
+    for i in tl.static_range(NK):
+        acc += _dot_row_chunk(x_row, w_ptr, offs_e, e_ok, i * BK, D, stride_we, BK, False)
+    tl.store(logits_ptr + t.to(tl.int64) * stride_lt + offs_e, acc, mask=e_ok)
+    tl.debug_barrier()  # every thread's logit stores precede the (release) arrival
+    n_arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if n_arrived == tl.num_programs(1) - 1:
+        _select_topk_row(logits_ptr + t.to(tl.int64) * stride_lt, bias_ptr, w_out_ptr, id_out_ptr, t, E, scale,
+                         extra_id, TOP_K, BLOCK_K, BLOCK_E, HAS_BIAS, BIASED_WEIGHTS, RENORM, HAS_EXTRA, OUT_K)
+        tl.store(cnt_ptr + t, 0)
+
+
 def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
     """x [T, D] @ gate_w[E, D].T -> fp32 [T, E], fp32 accumulation (no TF32)."""
     T, D = x.shape
@@ -276,7 +377,24 @@ def moe_router_triton(x, gate_w, bias, top_k, routed_scaling_factor=1.0, renorma
     return router_topk_triton(logits, bias, top_k, routed_scaling_factor, renormalize, biased_weights, append_expert)
 
 
+def decode_k_split(D: int, BE: int, num_warps: int):
+    """-> (BK, NK, BK_TAIL): D = NK * BK + tail, BK the largest power of two <= D with BE * BK / threads <= 64
+    elements per thread and chunk; the tail (< BK) is one masked BK_TAIL = next_power_of_2(tail) chunk (0: none)."""
+    BK = 1 << (D.bit_length() - 1)
+    while BK > 16 and BE * BK > 64 * 32 * num_warps:
+        BK //= 2
+    NK, tail = D // BK, D % BK
+    return BK, NK, triton.next_power_of_2(tail) if tail else 0
+
+
 def _router_fused(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert):
+    """One-launch decode router (T <= GEMV_MAX_T); ROUTER_DECODE picks the kernel."""
+    if ROUTER_DECODE == "v2":
+        return _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert)
+    return _router_decode_v1(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert)
+
+
+def _router_decode_v1(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert):
     T, D = x.shape
     E = gate_w.shape[0]
     assert 1 <= top_k <= E
@@ -297,5 +415,34 @@ def _router_fused(x, gate_w, bias, top_k, scale, renormalize, biased_weights, ap
         BE=2, BK=min(4096, triton.next_power_of_2(D)), TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
         BLOCK_E=triton.next_power_of_2(E), HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights),
         RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k, num_warps=4,
+    )
+    return w, ids
+
+
+def _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert,
+                      BE=None, num_warps=None):
+    """One launch of _router_decode_kernel (T <= GEMV_MAX_T); BE / num_warps default to DECODE_BE / DECODE_WARPS."""
+    T, D = x.shape
+    E = gate_w.shape[0]
+    assert 1 <= top_k <= E
+    BE = min(BE or DECODE_BE, triton.next_power_of_2(E))
+    num_warps = num_warps or DECODE_WARPS
+    x = x.contiguous()
+    gate_w = gate_w.contiguous()
+    if gate_w.dtype != x.dtype:
+        gate_w = gate_w.to(x.dtype)
+    has_extra = append_expert is not None
+    out_k = top_k + int(has_extra)
+    logits = torch.empty(T, E, device=x.device, dtype=torch.float32)
+    w = torch.empty(T, out_k, device=x.device, dtype=torch.float32)
+    ids = torch.empty(T, out_k, device=x.device, dtype=torch.int32)
+    has_bias = bias is not None
+    BK, NK, BK_TAIL = decode_k_split(D, BE, num_warps)
+    _router_decode_kernel[(T, triton.cdiv(E, BE))](
+        x, gate_w, logits, arrival_counters(x.device, T), bias.contiguous() if has_bias else logits, w, ids,
+        E, D, x.stride(0), gate_w.stride(0), logits.stride(0), float(scale), int(append_expert) if has_extra else 0,
+        BE=BE, BK=BK, NK=NK, BK_TAIL=BK_TAIL, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_E=triton.next_power_of_2(E), HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights),
+        RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k, num_warps=num_warps,
     )
     return w, ids

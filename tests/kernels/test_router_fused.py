@@ -1,5 +1,6 @@
-"""Decode router in one launch (kernels/moe/router.py `_router_fused_gemv_kernel`): the last logits program of each
-token to arrive selects its top-k. Against the torch reference and the two-launch path, counters left at zero.
+"""Decode router in one launch (kernels/moe/router.py): the last logits program of each token to arrive selects its
+top-k. v1 `_router_fused_gemv_kernel`, v2 `_router_decode_kernel` (KIMI_ROUTER_DECODE, per BE / warps config).
+Against the torch reference and the two-launch path, counters left at zero.
 
 CPU: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_router_fused.py -q   (small shapes)
 GPU: python -m pytest tests/kernels/test_router_fused.py -q                       (adds Kimi shapes, graph replay)
@@ -17,10 +18,22 @@ needs_triton = pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs CUD
 DEV = "cuda" if HAS_CUDA else "cpu"
 
 
-def _both(x, g, b, k, scale, renorm, biased, extra):
+# (kernel, BE, warps): v1 and the v2 configs that bench/router.py sweeps (BE 1 / 2 / 4 / 8 experts per program)
+KERNELS = [("v1", None, None), ("v2", 2, 1), ("v2", 1, 1), ("v2", 4, 2), ("v2", 8, 4)]
+
+
+def _fused(kern, x, g, b, k, scale, renorm, biased, extra):
     import kernels.moe.router as r
 
-    fused = r._router_fused(x, g, b, k, scale, renorm, biased, extra)
+    if kern[0] == "v1":
+        return r._router_decode_v1(x, g, b, k, scale, renorm, biased, extra)
+    return r._router_decode_v2(x, g, b, k, scale, renorm, biased, extra, BE=kern[1], num_warps=kern[2])
+
+
+def _both(x, g, b, k, scale, renorm, biased, extra, kern=KERNELS[0]):
+    import kernels.moe.router as r
+
+    fused = _fused(kern, x, g, b, k, scale, renorm, biased, extra)
     saved, r.FUSED_DECODE = r.FUSED_DECODE, False
     try:
         two = r.moe_router_triton(x, g, b, k, scale, renorm, biased, extra)
@@ -30,9 +43,10 @@ def _both(x, g, b, k, scale, renorm, biased, extra):
 
 
 @needs_triton
+@pytest.mark.parametrize("kern", KERNELS, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("T,E,k,D", [(1, 12, 3, 48), (7, 12, 3, 48), (16, 12, 3, 48), (5, 7, 7, 20),
-                                      (1, 256, 8, 40), (3, 256, 8, 40)])
-def test_fused_router_matches(T, E, k, D):
+                                      (1, 256, 8, 40), (3, 256, 8, 40), (2, 40, 6, 300)])
+def test_fused_router_matches(T, E, k, D, kern):
     from kernels._tensors import arrival_counters
 
     x, g = torch.randn(T, D, device=DEV).to(torch.bfloat16), torch.randn(E, D, device=DEV).to(torch.bfloat16)
@@ -41,28 +55,64 @@ def test_fused_router_matches(T, E, k, D):
              for renorm, extra in ((True, E), (False, None))]
     # the interpreter runs E/2 programs per token: at E = 256 two of the eight combinations (CI time)
     for bias, biased, renorm, extra in (every if E < 64 or HAS_CUDA else [every[0], every[7]]):
-        (w, ids), (w2, ids2) = _both(x, g, bias, k, 2.446, renorm, biased, extra)
+        (w, ids), (w2, ids2) = _both(x, g, bias, k, 2.446, renorm, biased, extra, kern)
         wr, ir = moe_router_ref(x, g, bias, k, 2.446, renorm, biased, append_expert=extra)
         assert ids.dtype == torch.int32 and w.dtype == torch.float32 and w.shape == wr.shape
         assert torch.equal(ids, ir) and torch.equal(ids, ids2)
-        assert torch.equal(w, w2)  # the same fp32 logits and the same selection code
+        if kern[0] == "v1":
+            assert torch.equal(w, w2)  # the same fp32 logits and the same selection code
         torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
     assert not arrival_counters(DEV, T)[:T].any()  # every launch resets its counters
 
 
 @needs_triton
-def test_fused_router_ties_and_nan():
+@pytest.mark.parametrize("kern", KERNELS, ids=lambda c: "-".join(map(str, c)))
+def test_fused_router_ties_and_nan(kern):
     """Duplicated gate rows tie exactly: the lower expert index wins; a NaN logit row (NaN ranks first)."""
-    import kernels.moe.router as r
-
     x = torch.randn(5, 32, device=DEV)
     g = torch.randn(4, 32, device=DEV).repeat(2, 1)  # expert e and e + 4 tie
-    w, ids = r._router_fused(x, g, None, 3, 1.0, True, False, None)
+    w, ids = _fused(kern, x, g, None, 3, 1.0, True, False, None)
     wr, ir = moe_router_ref(x, g, None, 3, 1.0, True)
     assert torch.equal(ids, ir)
+    torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
     x[1, 0] = float("nan")
-    w, ids = r._router_fused(x, g, None, 2, 1.0, True, False, None)
+    w, ids = _fused(kern, x, g, None, 2, 1.0, True, False, None)
     assert ids[1].tolist() == [0, 1] and torch.equal(ids[0], ir[0, :2])
+
+
+@needs_triton
+@pytest.mark.parametrize("kern", KERNELS[1:], ids=lambda c: "-".join(map(str, c)))
+def test_v2_biased_weights_and_poisoned_logits(kern):
+    """v2 takes the picked weights from its registers: biased weights (s + bias) and a NaN-poisoned logits buffer
+    from an earlier launch must not leak in; the module switch routes _router_fused to v2."""
+    import kernels.moe.router as r
+
+    T, E, k, D = 3, 24, 5, 72
+    x, g = torch.randn(T, D, device=DEV), torch.randn(E, D, device=DEV)
+    b = torch.randn(E, device=DEV)
+    w, ids = _fused(kern, x, g, b, k, 0.5, True, True, None)
+    wr, ir = moe_router_ref(x, g, b, k, 0.5, True, True)
+    assert torch.equal(ids, ir)
+    torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
+    saved = r.ROUTER_DECODE, r.DECODE_BE, r.DECODE_WARPS
+    r.ROUTER_DECODE, r.DECODE_BE, r.DECODE_WARPS = "v2", kern[1], kern[2]
+    try:
+        w2, ids2 = r.moe_router_triton(x, g, b, k, 0.5, True, True)
+    finally:
+        r.ROUTER_DECODE, r.DECODE_BE, r.DECODE_WARPS = saved
+    assert torch.equal(ids2, ids) and torch.equal(w2, w)
+
+
+def test_decode_k_split():
+    import kernels.moe.router as r
+
+    assert r.decode_k_split(2304, 1, 1) == (2048, 1, 256)   # Kimi: no masked lanes but the tail's
+    assert r.decode_k_split(2304, 4, 1) == (512, 4, 256)    # <= 64 elements per thread and chunk
+    assert r.decode_k_split(2048, 2, 2) == (2048, 1, 0)
+    assert r.decode_k_split(300, 2, 1) == (256, 1, 64)
+    for D in (1, 16, 17, 40, 7168):
+        BK, NK, tail = r.decode_k_split(D, 2, 1)
+        assert NK * BK + (D % BK) == D and (tail == 0) == (D % BK == 0) and tail >= D % BK
 
 
 @needs_triton
@@ -83,20 +133,21 @@ def test_dispatch_takes_fused_path_for_decode():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kern", KERNELS, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("T", [1, 8, 16])
-def test_fused_router_kimi_graph(T):
+def test_fused_router_kimi_graph(T, kern):
     """Kimi shapes (E=256, k=8, D=2304, shared expert appended), captured in a CUDA graph and replayed with new inputs:
     the counters reset inside each replay."""
-    import kernels.moe.router as r
+    from kernels._tensors import arrival_counters
 
     E, k, D = 256, 8, 2304
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(E, D, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(E, device="cuda") * 0.1
-    r._router_fused(x, g, b, k, 2.446, True, False, E)  # compile outside the capture
+    _fused(kern, x, g, b, k, 2.446, True, False, E)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        w, ids = r._router_fused(x, g, b, k, 2.446, True, False, E)
+        w, ids = _fused(kern, x, g, b, k, 2.446, True, False, E)
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         graph.replay()
@@ -104,3 +155,4 @@ def test_fused_router_kimi_graph(T):
         wr, ir = moe_router_ref(x, g, b, k, 2.446, True, False, append_expert=E)
         assert torch.equal(ids, ir)
         torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
+    assert not arrival_counters("cuda", T)[:T].any()

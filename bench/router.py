@@ -1,0 +1,122 @@
+"""H200 benchmark: the MoE router (kernels/moe/router.py) at Kimi shapes (E 256, top-8, D 2304, bf16 gate, fp32 bias,
+shared expert appended), T = 1 / 8 / 64 tokens, against the torch reference; then the norms (kernels/norm.py).
+
+    python bench/router.py [--t 1,8,64] [--sweep] [--no-norm] [--smoke]
+
+Router rows: us per call inside a CUDA graph and gate-weight GB/s (E * D * 2 bytes / time). Each graph cycles through
+COPIES gate weights (> the 50 MB L2) so every call reads its gate from HBM, as in a decode step. Rows:
+  torch         moe_router_ref (fp32 matmul, stable sort)
+  two-launch    _router_logits_(gemv_)kernel + _router_topk_kernel (KIMI_ROUTER_FUSED=0)
+  v1            _router_fused_gemv_kernel (the one-launch decode router, T <= 16)
+  v2 BEb wN     _router_decode_kernel, b experts per N-warp program (KIMI_ROUTER_DECODE=v2 KIMI_ROUTER_BE=b
+                KIMI_ROUTER_WARPS=N); default configs only, --sweep: BE 1/2/4/8 x warps 1/2/4
+Every Triton row is checked against the reference first (ids equal, weights close).
+Norm rows (D 2304, bf16): add_rmsnorm, rmsnorm, combine (kernels.moe.fused.moe_combine, k = 9) + add_rmsnorm vs the
+fused combine_add_rmsnorm (KIMI_FUSE_COMBINE_NORM=1), per NORM_CONFIGS launch config (warps, early weight load),
+at T = 1, 64, 8192; each graph cycles through enough inputs to leave L2.
+--smoke: CPU, Triton interpreter, tiny shapes: runs every code path (CI check of this file), timings meaningless.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import kernels.moe.router as R  # noqa: E402
+import kernels.norm as N  # noqa: E402
+from kernels.moe import moe_router_ref  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself: _timing when loaded by path
+from _timing import time_us  # noqa: E402
+
+E, K, D, SCALE = 256, 8, 2304, 2.446
+COPIES = 48                   # 48 x 1.18 MB gate weights = 57 MB > L2
+V2_DEFAULT = [(R.DECODE_BE, R.DECODE_WARPS)]
+V2_SWEEP = [(be, w) for be in (1, 2, 4, 8) for w in (1, 2, 4)]
+
+
+def router_variants(T, sweep):
+    """name -> fn(x, g, b) -> (w, ids)."""
+    def two(x, g, b):
+        logits = R.router_logits_triton(x, g)
+        return R.router_topk_triton(logits, b, K, SCALE, True, False, E)
+
+    out = {"torch": lambda x, g, b: moe_router_ref(x, g, b, K, SCALE, True, False, append_expert=E),
+           "two-launch": two}
+    if T <= R.GEMV_MAX_T:
+        out["v1"] = lambda x, g, b: R._router_decode_v1(x, g, b, K, SCALE, True, False, E)
+        for be, w in (V2_SWEEP if sweep else V2_DEFAULT):
+            out[f"v2 BE{be} w{w}"] = (lambda be, w: lambda x, g, b: R._router_decode_v2(
+                x, g, b, K, SCALE, True, False, E, BE=be, num_warps=w))(be, w)
+    return out
+
+
+def bench_router(ts, sweep, smoke, dev):
+    e, d, copies = (E, 40, 2) if smoke else (E, D, COPIES)
+    print(f"== router: E {e}, top-{K}, D {d}, bf16 gate ({e * d * 2 / 1e6:.2f} MB) x {copies} copies, fp32 bias")
+    gs = [torch.randn(e, d, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    b = torch.randn(e, device=dev) * 0.05
+    for T in ts:
+        x = torch.randn(T, d, device=dev, dtype=torch.bfloat16)
+        for name, fn in router_variants(T, sweep).items():
+            w, ids = fn(x, gs[0], b)
+            wr, ir = moe_router_ref(x, gs[0], b, K, SCALE, True, False, append_expert=E)
+            ok = torch.equal(ids, ir) and torch.allclose(w, wr, rtol=1e-5, atol=1e-6)
+            us = time_us([(lambda g: lambda: fn(x, g, b))(g) for g in gs], smoke)
+            print(f"  T {T:3d}  {name:14s} {us:8.2f} us  {e * d * 2 / us / 1e3:7.1f} GB/s  "
+                  f"{'ok' if ok else 'MISMATCH vs reference'}")
+
+
+def bench_norm(smoke, dev):
+    d = 40 if smoke else D
+    print(f"== norms: D {d}, bf16; configs (warps, early weight load): {N.NORM_CONFIGS}")
+    w = torch.rand(d, device=dev, dtype=torch.bfloat16) + 0.5
+    for T in ((1, 5) if smoke else (1, 64, 8192)):
+        n = 2 if smoke else max(2, min(64, (128 << 20) // (T * d * 2 * 12)))   # inputs cycled: > L2 in all
+        xs = [torch.randn(T, d, device=dev, dtype=torch.bfloat16) for _ in range(n)]
+        rs = [torch.randn(T, d, device=dev, dtype=torch.bfloat16) for _ in range(n)]
+        ys = [torch.randn(T * 9, d, device=dev, dtype=torch.bfloat16) for _ in range(n)]
+        tw = torch.rand(T, 9, device=dev)
+        ref = N.add_rmsnorm_ref(xs[0], rs[0], w, 1e-6)
+        for cfg in N.NORM_CONFIGS:
+            got = N.add_rmsnorm_triton(xs[0], rs[0], w, 1e-6, cfg=cfg)
+            ok = all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2) for a, b in zip(got, ref))
+            us = time_us([(lambda i: lambda: N.add_rmsnorm_triton(xs[i], rs[i], w, 1e-6, cfg=cfg))(i)
+                          for i in range(n)], smoke)
+            us_n = time_us([(lambda i: lambda: N.rmsnorm_triton(xs[i], w, 1e-6, cfg=cfg))(i) for i in range(n)],
+                           smoke)
+            us_f = time_us([(lambda i: lambda: N.combine_add_rmsnorm_triton(ys[i], tw, rs[i], w, 1e-6, cfg=cfg))(i)
+                            for i in range(n)], smoke)
+            print(f"  T {T:5d} cfg {str(cfg):8s} add_rmsnorm {us:7.2f} us ({'ok' if ok else 'MISMATCH'})  "
+                  f"rmsnorm {us_n:7.2f} us  combine_add_rmsnorm {us_f:7.2f} us")
+        from kernels.moe.fused import moe_combine
+        out = torch.empty(T, d, device=dev, dtype=torch.bfloat16)
+        us_c = time_us([(lambda i: lambda: moe_combine(ys[i], tw, out))(i) for i in range(n)], smoke)
+        print(f"  T {T:5d} moe_combine alone {us_c:7.2f} us (the launch KIMI_FUSE_COMBINE_NORM=1 removes)")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--t", default="1,8,64")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-norm", action="store_true")
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args()
+    dev = "cpu" if a.smoke else "cuda"
+    if not a.smoke:
+        print(torch.cuda.get_device_name(), "| triton", __import__("triton").__version__)
+    bench_router([int(t) for t in a.t.split(",")], a.sweep, a.smoke, dev)
+    if not a.no_norm:
+        bench_norm(a.smoke, dev)
+
+
+if __name__ == "__main__":
+    main()
