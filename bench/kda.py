@@ -159,6 +159,10 @@ SWEEP = [DecodeConfig(bv, warps_for(bv, K), TAIL_LAST, e) for bv in (8, 16, 32, 
     DecodeConfig(32, 8, TAIL_LAST, False), DecodeConfig(64, 8, TAIL_LAST, True), DecodeConfig(64, 8, TAIL_LAST, False),
     DecodeConfig(128, 16, TAIL_SINGLE, True), DecodeConfig(128, 16, TAIL_SINGLE, False),
     DecodeConfig(8, 1, TAIL_POST, False), DecodeConfig(32, 4, TAIL_POST, False),   # 12-02 kernel's (2 launches)
+    # register caps (offline sm_90, Triton 3.6): BV64/w4 141 -> 128 without spills = 4 programs per SM instead of 3;
+    # 112: 8 B spilled; BV64/w8 130 -> 128 = 2 programs per SM instead of 1
+    DecodeConfig(64, 4, TAIL_LAST, True, 0, 128), DecodeConfig(64, 4, TAIL_LAST, False, 0, 128),
+    DecodeConfig(64, 4, TAIL_LAST, True, 0, 112), DecodeConfig(64, 8, TAIL_LAST, True, 0, 128),
 ] + [DecodeConfig(bv, nw, TAIL_LOOP, True, pps, mr) for bv, nw, mr, ppss in (
     (16, 4, 0, (3, 4, 8)), (16, 4, 96, (4, 5)), (32, 4, 0, (2, 3)), (32, 4, 128, (3, 4)), (32, 8, 128, (1, 2)),
     (16, 2, 0, (4, 8)), (16, 2, 128, (6, 8)))
@@ -168,9 +172,8 @@ SWEEP = [DecodeConfig(bv, warps_for(bv, K), TAIL_LAST, e) for bv in (8, 16, 32, 
 def _label(cfg):
     cfg = DecodeConfig(*cfg)
     s = f"BV{cfg.BV}/w{cfg.num_warps}/{_TAIL[cfg.tail]}"
-    if cfg.tail == TAIL_LOOP:
-        return s + f"/pps{cfg.pps}" + (f"/r{cfg.maxnreg}" if cfg.maxnreg else "")
-    return s + f"/{'early' if cfg.early else 'late'}"
+    s += f"/pps{cfg.pps}" if cfg.tail == TAIL_LOOP else f"/{'early' if cfg.early else 'late'}"
+    return s + (f"/r{cfg.maxnreg}" if cfg.maxnreg else "")
 
 
 def sweep_decode(batches, use_fla=True):

@@ -252,9 +252,11 @@ def _kda_decode_loop_kernel(
         cs = convs_ptr + slot * stride_cs_s
         c_q = i_h * K + o_k
         c_k = H * K + i_h * K + o_k
+        # q's norm (a cross-warp reduction: a barrier ptxas does not hoist loads over) before k's conv loads: half
+        # the prologue's loads in flight at once, next to the prefetched tile (Triton 3.6, BV16/w4: 118 -> ? regs)
         q = _conv_silu(x_row, convw_ptr, cs, c_q, m_k, stride_cs_w, W)
-        k = _conv_silu(x_row, convw_ptr, cs, c_k, m_k, stride_cs_w, W)
         q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+        k = _conv_silu(x_row, convw_ptr, cs, c_k, m_k, stride_cs_w, W)
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
         zz = tl.load(z_ptr + i_n * stride_z + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32) + \
             tl.load(dtb_ptr + i_h * K + o_k, mask=m_k, other=0.0)
@@ -308,7 +310,7 @@ class DecodeConfig(NamedTuple):
     tail: int          # TAIL_SINGLE (BV >= V) / TAIL_LAST / TAIL_POST / TAIL_LOOP (persistent `_kda_decode_loop_kernel`)
     early: bool        # issue the state load before the prologue (the loop kernel always prefetches one tile ahead)
     pps: int = 0       # TAIL_LOOP: resident programs per SM the grid is sized for (grid = loop_grid(N * H, ...))
-    maxnreg: int = 0   # TAIL_LOOP: ptxas register cap (0: none), to fit pps programs per SM
+    maxnreg: int = 0   # ptxas register cap (0: none), to fit more programs per SM
 
 
 # TAIL_LOOP candidate for large grids, (BV, num_warps, programs per SM, maxnreg); the default picker takes it only
@@ -368,7 +370,7 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
     """Fused KDA decode step (see module doc). Shapes as kernels.kda.kda_decode. Returns [N, H*V] (qkv.dtype),
     written into `out` when given (every element is written, padded lanes get zeros). BV / num_warps / tail / early
     override `decode_config` (tail TAIL_LAST or TAIL_POST when BV < V; TAIL_LOOP: the persistent loop kernel at any
-    BV, sized for `pps` programs per SM, or exactly `grid` programs; `maxnreg` caps its registers). `counters` (i32, >= N*H, zeroed) replaces the
+    BV, sized for `pps` programs per SM, or exactly `grid` programs); `maxnreg` caps the registers. `counters` (i32, >= N*H, zeroed) replaces the
     module's shared arrival-counter buffer."""
     N = qkv.shape[0]
     H = b.shape[-1]
@@ -407,11 +409,11 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         cfg = cfg._replace(maxnreg=maxnreg)
     BK = triton.next_power_of_2(K)
     NV = triton.cdiv(V, cfg.BV)
+    opt = dict(maxnreg=cfg.maxnreg) if cfg.maxnreg else {}
     if cfg.tail == TAIL_LOOP:
         if o_scratch is None:
             o_scratch = torch.empty(N, H, V, dtype=torch.float32, device=qkv.device)
         G = grid or loop_grid(N * H, cfg.pps, num_sms(qkv.device))
-        opt = dict(maxnreg=cfg.maxnreg) if cfg.maxnreg else {}
         _kda_decode_loop_kernel[(min(G, N * H),)](
             qkv, conv_w, conv_state, z, b, A_log, dt_bias, state_slots, rec_state, o_scratch, r, o_norm_w, out, N * H,
             qkv.stride(0), z.stride(0), b.stride(0), r.stride(0), out.stride(0),
@@ -437,7 +439,7 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         rec_state.stride(0), rec_state.stride(1),
         K ** -0.5, eps,
         H=H, K=K, V=V, W=W, BK=BK, BV=cfg.BV, NV=NV, BVF=triton.next_power_of_2(V), TAIL=cfg.tail,
-        EARLY=cfg.early, num_warps=cfg.num_warps,
+        EARLY=cfg.early, num_warps=cfg.num_warps, **opt,
     )
     if cfg.tail == TAIL_POST:
         _kda_decode_post_kernel[(H, N)](

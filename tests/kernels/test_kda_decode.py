@@ -75,7 +75,7 @@ def test_decode_tile_sizes(BV, tail, early):
     cnt = torch.zeros(N * H, dtype=torch.int32, device=DEV)
     y_ref = _decode(kda_decode_ref, A, tok, slots)
     y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV, tail=tail, counters=cnt, early=early,
-                    out=torch.full((N, H * V), float("nan"), device=DEV))
+                    out=torch.full((N, H * V), float("nan"), device=DEV), maxnreg=128 if early else None)
     assert torch.equal(cnt, torch.zeros_like(cnt))                # TAIL_LAST leaves its counters zeroed
     assert_close("o", y_tri, y_ref, 2e-5)
     assert_close("state", B["rec_state"][1:], A["rec_state"][1:], 1e-5)
@@ -255,10 +255,12 @@ def test_decode_continues_ref_prefill(T, k):
 # ----------------------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [1, 8, 64, 256])
-@pytest.mark.parametrize("BV,tail", [(None, None), (128, None), (64, None), (8, TAIL_POST), (16, TAIL_LOOP),
-                                     (32, TAIL_LOOP)])
-def test_decode_kimi_gpu(N, BV, tail):
-    # default pick (one launch, last-tile tail), one program per head, BV=64, the 2-launch tail, the loop kernel
+@pytest.mark.parametrize("BV,tail,mr", [(None, None, None), (128, None, None), (64, None, None), (64, None, 128),
+                                        (8, TAIL_POST, None), (16, TAIL_LOOP, None), (16, TAIL_LOOP, 96),
+                                        (32, TAIL_LOOP, 128)])
+def test_decode_kimi_gpu(N, BV, tail, mr):
+    # default pick (one launch, last-tile tail), one program per head, BV=64 (register cap 128: 4 programs per SM),
+    # the 2-launch tail, the loop kernel (capped: ptxas spills a few bytes on Triton 3.6)
     H, K, V = 32, 128, 128
     S = N + 2
     L = make_kda_layer(H, K, V, S, device="cuda", conv_dtype=torch.bfloat16)
@@ -267,7 +269,7 @@ def test_decode_kimi_gpu(N, BV, tail):
     for step in range(4):
         tok = make_kda_tokens(N, H, K, V, dtype=torch.bfloat16, device="cuda", seed=step)
         y_ref = _decode(kda_decode_ref, A, tok, slots)
-        y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV, tail=tail)
+        y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV, tail=tail, maxnreg=mr)
         assert_close("o", y_tri, y_ref, 5e-3)
     assert_close("state", B["rec_state"], A["rec_state"], 5e-3)
     assert torch.equal(B["conv_state"], A["conv_state"])
