@@ -31,6 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels.moe import fused_moe, fused_moe_ref, moe_router  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself: _timing when loaded by path
 from _timing import time_us  # noqa: E402  (bench/ is sys.path[0] when run)
+from dataclasses import replace  # noqa: E402
+
 from kernels.moe.fused import (MoEConfig, balanced_tiles, expected_blocks, fused_moe_triton, get_config,  # noqa: E402
                                moe_combine, moe_gemm1, moe_gemm2, moe_rows)
 
@@ -129,13 +131,17 @@ def _decode_candidates(M, blocks, sms):
     g2 = [MoEConfig(16, 32, bn, 128, 4, 4, nt2=nt, split2=sp, BK2=bk, warps2=nw, stages2=ns, direct=dr)
           for bn, bk, nw, ns, splits in DEC_G2[key] for nt in sorted({0, balanced_tiles(D, bn, blocks, sms)})
           for sp in splits for dr in directs]
+    # PDL after GEMM1 (prologue and optional L2 prefetch of the whole K range overlap the previous kernel's tail)
+    base = [c for c in g2 if c.nt2 and c.split2 == 1 and c.direct == directs[-1]][:3]
+    g2 += [replace(c, pdl=True, prefetch2=pf) for c in base for pf in (0, I)]
     return g1, g2
 
 
 def _merge(c1, c2, direct):
     """GEMM1 fields of c1, GEMM2 fields of c2 (one config for fused_moe_triton)."""
     return MoEConfig(16, c1.BN1, c2.BN2, c1.BK, c1.num_warps, c1.num_stages, c1.nt1, c2.nt2, c2.split2,
-                     c2.BK2 or c2.BK, c2.warps2 or c2.num_warps, c2.stages2 or c2.num_stages, direct)
+                     c2.BK2 or c2.BK, c2.warps2 or c2.num_warps, c2.stages2 or c2.num_stages, direct, c2.pdl,
+                     c2.prefetch2)
 
 
 def _label1(c):
@@ -146,7 +152,7 @@ def _label1(c):
 def _label2(c):
     return (f"BN2={c.BN2} BK2={c.BK2 or c.BK} w={c.warps2 or c.num_warps} s={c.stages2 or c.num_stages} "
             f"nt2={c.nt2 or -(-D // c.BN2)}{'' if c.nt2 else ' (BN-wide)'} split2={c.split2}"
-            f"{' direct' if c.direct else ''}")
+            f"{' direct' if c.direct else ''}{f' pdl prefetch2={c.prefetch2}' if c.pdl else ''}")
 
 
 class _DecodeCase:
@@ -284,8 +290,12 @@ def sweep_decode(args):
         # the whole layer (rows + GEMM1 + GEMM2 + combine per routing, back to back as in the model): get_config vs the
         # fastest GEMM1 with the fastest GEMM2 (one rows layout for both: each fastest one's direct flag in turn)
         b1, b2 = res1[0][2], res2[0][2]
+        b2n = next(c for _, _, c in res2 if not c.pdl)  # the fastest without PDL, with PDL on in the chain
         chains = [("get_config", cur)] + [(f"best gemm1 + best gemm2, direct={dr}", _merge(b1, b2, dr))
                                           for dr in sorted({b1.direct, b2.direct})]
+        chains += [(f"{name} + pdl prefetch2={pf}", replace(c, pdl=True, prefetch2=pf))
+                   for name, c in [("get_config", cur), ("best gemm1 + best non-PDL gemm2", _merge(b1, b2n, b1.direct))]
+                   for pf in (0, I)]
         for name, c in chains:
             print(f"  chain {_graph_us(case.chain(c)):7.2f} us  {name}: {c.short()}")
         outs = [torch.empty(case.T, D, device=DEV, dtype=torch.bfloat16) for _ in range(DEC_REPS)]

@@ -189,17 +189,44 @@ def _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT, BM:
     return pid_m, n_lo, n_hi, idx, e, npost
 
 
+@triton.jit
+def _gdc_launch_dependents():
+    """Let a kernel launched after this one with programmatic dependent launch (PDL) start its CTAs as SMs free up
+    (they run up to their _gdc_wait); a no-op for a normal launch."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def _gdc_wait():
+    """Wait until the previous kernel in the stream has completed and its writes are visible (no-op without PDL)."""
+    tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows_l2(ptrs, nbytes):
+    """cp.async.bulk.prefetch.L2 of nbytes (a multiple of 16, 16-byte aligned) from each pointer of ptrs: brings
+    weight rows into L2 without registers or shared memory (sm_90)."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r",
+                              [ptrs.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["M", "E", "NT"])  # runtime sizes: one compile for every batch size / tile count
 def _moe_gemm1_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
     M, N, K, stride_xm, stride_we, stride_wn, stride_om, ids_ptr, E, NT,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
     MODE: tl.constexpr, INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, RAGGED: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     """inter[idx, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, N + n]) for the rows idx of one block.
+    GDC: signal at once that a PDL-launched GEMM2 may start its CTAs as this kernel's CTAs retire (its pre-wait part
+    then overlaps this kernel's tail).
     IDS_BLOCK > 0: the block's rows come from the ids (_block_rows_from_ids), not from moe_align's outputs; < 0: one
     block per assignment (direct, see _block_rows).
     Grid: (blocks * NT,); NT and RAGGED as in _block_rows."""
+    if GDC:
+        _gdc_launch_dependents()
     pid_m, n_lo, n_hi, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT,
                                                    BM, BN, RAGGED, IDS_BLOCK, BLOCK_E)
     if pid_m * BM >= npost:
@@ -242,11 +269,15 @@ def _moe_gemm2_kernel(
     M, N, K, stride_am, stride_we, stride_wn, stride_os, stride_om, ids_ptr, E, NT, k_steps,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, RAGGED: tl.constexpr,
+    GDC: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     """out[s, idx, n] = inter[idx, Ks] . w2[e, n, Ks] for the rows idx of one block and the K range
     Ks = [s * k_steps * BK, (s + 1) * k_steps * BK) of split s = program_id(1) (one split: the whole K, out = y in
     x.dtype; several: fp32 partials [S, M, N], summed in split order by the combine kernel, no atomics).
-    Grid: (blocks * NT, S); IDS_BLOCK, NT and RAGGED as in _moe_gemm1_kernel."""
+    Grid: (blocks * NT, S); IDS_BLOCK, NT and RAGGED as in _moe_gemm1_kernel.
+    GDC (launched with PDL after GEMM1): the rows, expert and weight addresses (and with PREFETCH > 0 an L2 prefetch
+    of the first PREFETCH K elements of each of this tile's weight rows: no dependence on GEMM1) before waiting for
+    GEMM1's inter; then signal the (PDL-launched) combine."""
     pid_m, n_lo, n_hi, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT,
                                                    BM, BN, RAGGED, IDS_BLOCK, BLOCK_E)
     if pid_m * BM >= npost:
@@ -260,6 +291,13 @@ def _moe_gemm2_kernel(
     offs_n = n_lo + tl.arange(0, BN)
     n_ok = offs_n < n_hi
     offs_k = tl.arange(0, BK)
+    if GDC:
+        if PREFETCH > 0:  # rows past n_hi prefetch row n_hi - 1 again (no masked variant of the instruction)
+            pf_rows = tl.minimum(offs_n, n_hi - 1).to(tl.int64)
+            pf_bytes = tl.minimum(k_hi - k_lo, PREFETCH) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            _prefetch_rows_l2(w_ptr + e * stride_we + pf_rows * stride_wn + k_lo, pf_bytes + tl.zeros_like(offs_n))
+        _gdc_wait()
+        _gdc_launch_dependents()
     a_ptrs = a_ptr + row[:, None] * stride_am + k_lo + offs_k[None, :]
     b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + k_lo + offs_k[:, None]  # [BK, BN]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -283,9 +321,12 @@ def _moe_gemm2_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, D, stride_ys, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
-                        BD: tl.constexpr, INTERP: tl.constexpr):
+                        BD: tl.constexpr, INTERP: tl.constexpr, GDC: tl.constexpr = False):
     """out[t] = sum_j w[t, j] * y[t*k + j] in fp32. SPLIT > 1: y holds gemm2's fp32 K partials [SPLIT, M, D]; each
-    y row is their sum in split order rounded to out's dtype (as the one-split gemm2 stores it), then weighted."""
+    y row is their sum in split order rounded to out's dtype (as the one-split gemm2 stores it), then weighted.
+    GDC: launched with PDL after GEMM2 (waits for it first)."""
+    if GDC:
+        _gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BD + tl.arange(0, BD)
     ok = offs < D
@@ -330,12 +371,14 @@ class MoEConfig:
     warps2: int = 0
     stages2: int = 0
     direct: bool = False  # one row block per assignment (no sort/histogram; for T = 1, where ids are distinct)
+    pdl: bool = False     # GEMM2 and the combine launched with PDL (their prologue overlaps the previous kernel's tail)
+    prefetch2: int = 0    # with pdl: K elements of each GEMM2 weight row prefetched into L2 before the wait
 
     def short(self) -> str:
         s = f"{self.BM},{self.BN1},{self.BN2},{self.BK},{self.num_warps},{self.num_stages}"
         extra = [f"{k}={v}" for k, v in (("nt1", self.nt1), ("nt2", self.nt2), ("split2", self.split2),
                                           ("BK2", self.BK2), ("warps2", self.warps2), ("stages2", self.stages2),
-                                          ("direct", self.direct))
+                                          ("direct", self.direct), ("pdl", self.pdl), ("prefetch2", self.prefetch2))
                  if v != MoEConfig.__dataclass_fields__[k].default]
         return s + ("," + ",".join(extra) if extra else "")
 
@@ -426,6 +469,14 @@ def moe_rows(topk_ids: torch.Tensor, E: int, BM: int, direct: bool = False) -> M
     return MoERows(ids, sorted_ids, expert_ids, num_post, expert_ids.numel(), 0, 0, E, BM)
 
 
+def _gdc(pdl: bool, launch: bool = True, **consts) -> dict:
+    """Launch arguments of a kernel on the PDL path: GDC (and its PDL-only constexprs) and launch_pdl (launch False:
+    the kernel only signals its dependents, GEMM1). Off under the interpreter (no griddepcontrol there)."""
+    if not pdl or INTERPRET:
+        return {}
+    return dict(GDC=True, **consts, **({"launch_pdl": True} if launch else {}))
+
+
 def moe_gemm1(x: torch.Tensor, w13: torch.Tensor, rows: MoERows, cfg: MoEConfig,
               inter: torch.Tensor | None = None) -> torch.Tensor:
     """-> inter [M, I] (x.dtype) = silu(gate) * up per assignment row (flat index t*k + j)."""
@@ -440,7 +491,7 @@ def moe_gemm1(x: torch.Tensor, w13: torch.Tensor, rows: MoERows, cfg: MoEConfig,
         x, w13, inter, rows.sorted_ids, rows.expert_ids, rows.num_post,
         M, inter_dim, D, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), rows.ids, rows.E, NT,
         TOP_K=top_k, BM=rows.BM, BN=BN, BK=BK, EVEN_K=D % BK == 0, MODE=dot_mode(x.dtype), INTERP=INTERPRET,
-        IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged,
+        IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, launch=False),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return inter
@@ -463,14 +514,15 @@ def moe_gemm2(inter: torch.Tensor, w2: torch.Tensor, rows: MoERows, cfg: MoEConf
         inter, w2, y, rows.sorted_ids, rows.expert_ids, rows.num_post,
         M, D, inter_dim, inter.stride(0), w2.stride(0), w2.stride(1), M * D, D, rows.ids, rows.E, NT, k_steps,
         BM=rows.BM, BN=BN, BK=BK, EVEN_K=inter_dim % BK == 0, MODE=dot_mode(inter.dtype), INTERP=INTERPRET,
-        IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged,
+        IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, PREFETCH=cfg.prefetch2),
         num_warps=cfg.warps2 or cfg.num_warps, num_stages=cfg.stages2 or cfg.num_stages,
     )
     return y
 
 
-def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out [T, D] = sum_j w[t, j] * y[t*k + j] (fp32); y from moe_gemm2 (one split or fp32 partials)."""
+def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """out [T, D] = sum_j w[t, j] * y[t*k + j] (fp32); y from moe_gemm2 (one split or fp32 partials). pdl: launched
+    with programmatic dependent launch (waits for the previous kernel of the stream first)."""
     T, top_k = topk_weights.shape
     D = out.shape[1]
     assert out.is_contiguous() and y.is_contiguous() and y.shape[-2:] == (T * top_k, D)
@@ -478,7 +530,7 @@ def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) 
     BD = min(1024, triton.next_power_of_2(D))
     _moe_combine_kernel[(T, triton.cdiv(D, BD))](
         y, topk_weights.contiguous(), out, D, T * top_k * D, TOP_K=top_k, SPLIT=split, BD=BD, INTERP=INTERPRET,
-        num_warps=4,
+        **_gdc(pdl), num_warps=4,
     )
     return out
 
@@ -508,7 +560,7 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, config: MoECo
     rows = moe_rows(topk_ids, E, cfg.BM, cfg.direct)
     inter = moe_gemm1(x, w13, rows, cfg)
     y = moe_gemm2(inter, w2, rows, cfg)
-    return moe_combine(y, topk_weights, out)
+    return moe_combine(y, topk_weights, out, cfg.pdl)
 
 
 def fused_moe_uncombined_triton(x, w13, w2, topk_weights, topk_ids, config: MoEConfig | None = None) -> torch.Tensor:
