@@ -249,8 +249,18 @@ def _graph_us(fns, replays=10):
     return time_us(fns, DEV != "cuda", replays)
 
 
+def _try_us(fns, label):
+    """_graph_us, or nan with the error printed (a candidate that fails to compile or launch, e.g. PDL in a graph on
+    an older driver, must not end the sweep)."""
+    try:
+        return _graph_us(fns)
+    except Exception as exc:  # noqa: BLE001
+        print(f"  FAILED {label}: {type(exc).__name__}: {str(exc)[:200]}")
+        return float("nan")
+
+
 def _print_sweep(name, res, nbytes, copy_bw, cur_label):
-    res.sort(key=lambda r: r[0])
+    res.sort(key=lambda r: (r[0] != r[0], r[0]))  # failed (nan) last
     for us, label, _ in res:
         tbs = nbytes / (us * 1e-6) / 1e12
         mark = "  <- get_config" if label == cur_label else ""
@@ -279,11 +289,11 @@ def sweep_decode(args):
         cur = get_config(M, E + 1, torch.bfloat16, K + 1, sms, I, D)
         print(f"M={M} (T={case.T}): {case.uniq:.1f} unique experts per routing (get_config assumes {case.blocks} "
               f"blocks); get_config: {cur.short()}")
-        res1 = [(_graph_us(case.gemm1(c)), _label1(c), c) for c in case.g1]
+        res1 = [(_try_us(case.gemm1(c), _label1(c)), _label1(c), c) for c in case.g1]
         if _label1(cur) not in [r[1] for r in res1]:
             res1.append((_graph_us(case.gemm1(cur)), _label1(cur), cur))
         _print_sweep("gemm1", res1, case.uniq * 2 * I * D * 2, copy_bw, _label1(cur))
-        res2 = [(_graph_us(case.gemm2(c)), _label2(c), c) for c in case.g2]
+        res2 = [(_try_us(case.gemm2(c), _label2(c)), _label2(c), c) for c in case.g2]
         if _label2(cur) not in [r[1] for r in res2]:
             res2.append((_graph_us(case.gemm2(cur)), _label2(cur), cur))
         _print_sweep("gemm2", res2, case.uniq * D * I * 2, copy_bw, _label2(cur))
@@ -297,7 +307,7 @@ def sweep_decode(args):
                    for name, c in [("get_config", cur), ("best gemm1 + best non-PDL gemm2", _merge(b1, b2n, b1.direct))]
                    for pf in (0, I)]
         for name, c in chains:
-            print(f"  chain {_graph_us(case.chain(c)):7.2f} us  {name}: {c.short()}")
+            print(f"  chain {_try_us(case.chain(c), name):7.2f} us  {name}: {c.short()}")
         outs = [torch.empty(case.T, D, device=DEV, dtype=torch.bfloat16) for _ in range(DEC_REPS)]
         for sp in (1, 2, 4):  # the combine with split-K partials reads S fp32 partials instead of one bf16 y
             ys = [torch.randn(sp, M, D, device=DEV) if sp > 1 else
