@@ -151,7 +151,7 @@ def bench_decode(batches, use_fla=True):
 
 
 _TAIL = {TAIL_SINGLE: "single", TAIL_LAST: "last", TAIL_POST: "post", TAIL_LOOP: "loop"}
-# DecodeConfig(BV, num_warps, tail, early, pps, maxnreg) candidates; BV = 128 = V is one program per head.
+# DecodeConfig(BV, num_warps, tail, early, pps, maxnreg, store_after) candidates; BV = 128 = V is one program per head.
 # TAIL_LOOP: the persistent loop kernel sized for pps programs per SM (offline sm_90 regs, Triton 3.6 of the H200:
 # BV16/w4 118 -> 4 per SM, 96 with maxnreg (16 B spill) -> 5; BV32/w4 157 -> 3, 128 capped (48 B spill) -> 4;
 # BV32/w8 176 -> 1, 128 capped (16 B) -> 2; BV16/w2 215 -> 4)
@@ -163,6 +163,10 @@ SWEEP = [DecodeConfig(bv, warps_for(bv, K), TAIL_LAST, e) for bv in (8, 16, 32, 
     # 112: 8 B spilled; BV64/w8 130 -> 128 = 2 programs per SM instead of 1
     DecodeConfig(64, 4, TAIL_LAST, True, 0, 128), DecodeConfig(64, 4, TAIL_LAST, False, 0, 128),
     DecodeConfig(64, 4, TAIL_LAST, True, 0, 112), DecodeConfig(64, 8, TAIL_LAST, True, 0, 128),
+    # state stored after the arrival atomic (its release then waits for the o stores only)
+    DecodeConfig(64, 4, TAIL_LAST, True, 0, 0, True), DecodeConfig(64, 4, TAIL_LAST, True, 0, 128, True),
+    DecodeConfig(32, 4, TAIL_LAST, False, 0, 0, True), DecodeConfig(32, 4, TAIL_LAST, True, 0, 0, True),
+    DecodeConfig(16, 2, TAIL_LAST, True, 0, 0, True),
 ] + [DecodeConfig(bv, nw, TAIL_LOOP, True, pps, mr) for bv, nw, mr, ppss in (
     (16, 4, 0, (3, 4, 8)), (16, 4, 96, (4, 5)), (32, 4, 0, (2, 3)), (32, 4, 128, (3, 4)), (32, 8, 128, (1, 2)),
     (16, 2, 0, (4, 8)), (16, 2, 128, (6, 8)))
@@ -173,7 +177,7 @@ def _label(cfg):
     cfg = DecodeConfig(*cfg)
     s = f"BV{cfg.BV}/w{cfg.num_warps}/{_TAIL[cfg.tail]}"
     s += f"/pps{cfg.pps}" if cfg.tail == TAIL_LOOP else f"/{'early' if cfg.early else 'late'}"
-    return s + (f"/r{cfg.maxnreg}" if cfg.maxnreg else "")
+    return s + (f"/r{cfg.maxnreg}" if cfg.maxnreg else "") + ("/sa" if cfg.store_after else "")
 
 
 def sweep_decode(batches, use_fla=True):
@@ -192,8 +196,9 @@ def sweep_decode(batches, use_fla=True):
                                R["o_norm_w"], EPS, R["conv_state"], R["rec_state"], slots)
         rows = []
         for cfg in cfgs:
-            bv, nw, tail, early, pps, mr = cfg
-            kw = dict(BV=bv, num_warps=nw, tail=tail, early=early, pps=pps or None, maxnreg=mr or None)
+            bv, nw, tail, early, pps, mr, sa = cfg
+            kw = dict(BV=bv, num_warps=nw, tail=tail, early=early, pps=pps or None, maxnreg=mr or None,
+                      store_after=sa)
             try:
                 C = {k: v.clone() for k, v in P0.items()}              # one step on fresh pools: correctness
                 y = _ours(C, tok, slots, **kw)()

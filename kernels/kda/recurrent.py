@@ -69,7 +69,7 @@ def _kda_decode_kernel(
     scale, eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BVF: tl.constexpr, TAIL: tl.constexpr,
-    EARLY: tl.constexpr,
+    EARLY: tl.constexpr, STORE_AFTER: tl.constexpr = False,
 ):
     # qkv [N, 2HK+HV]; conv_w [C, W] f32; conv_state [S, W-1, C]; z [N, HK]; b [N, H]; A_log [H]; dt_bias [HK]
     # state [S, H, K, V] f32 (k-row stride V, v contiguous); o [N, H, V] f32 scratch (TAIL_LAST / TAIL_POST);
@@ -136,7 +136,8 @@ def _kda_decode_kernel(
     u = beta * (v - tl.sum(S * k[:, None], axis=0))                   # [BV]
     S = S + k[:, None] * u[None, :]                                   # rank-1 write
     o = tl.sum(S * q[:, None], axis=0)                                # [BV], read the updated state
-    tl.store(s_ptrs, S, mask=m_s, eviction_policy="evict_first")
+    if not (STORE_AFTER and TAIL == 1):
+        tl.store(s_ptrs, S, mask=m_s, eviction_policy="evict_first")
 
     y_row = y_ptr + i_n * stride_y + i_h * V
     o_row = o_ptr + (i_n * H + i_h) * V
@@ -152,6 +153,10 @@ def _kda_decode_kernel(
         # barrier: all threads' o stores and conv reads precede the (release) arrival
         tl.debug_barrier()
         n_arrived = tl.atomic_add(cnt_ptr + i_n * H + i_h, 1, sem="acq_rel", scope="gpu")
+        if STORE_AFTER:
+            # state tile written after the arrival: the release then waits for the o stores only, not for the
+            # tile's 16-32 KB of stores to be acknowledged, so the program frees its SM slot sooner
+            tl.store(s_ptrs, S, mask=m_s, eviction_policy="evict_first")
         if n_arrived == NV - 1:                                       # last tile of (sequence, head): the tail
             o_f = tl.arange(0, BVF).to(tl.int64)
             m_f = o_f < V
@@ -302,6 +307,8 @@ _BV_WIDE = 64                 # ... and once there are >= _WIDE_PER_SM programs 
 _WIDE_PER_SM = 16             # H200 sweep 12-02 (graph us/step, copy BW 4.25 TB/s): N=1 BV32 late 5.97 (BV8 7.49),
                               # N=8 BV32 late 14.15 (BV64 14.53), N=64 BV64 early 82.5 = 76.6% (BV32 late 88.9),
                               # N=256 BV64 early 346 (BV32 late 371)
+_WIDE_MAXNREG = 0             # register cap of the wide config (0: none; 128: BV64/w4 fits 4 programs per SM, not 3)
+_STORE_AFTER = False          # TAIL_LAST configs write the state after the arrival (DecodeConfig.store_after)
 
 
 class DecodeConfig(NamedTuple):
@@ -311,6 +318,7 @@ class DecodeConfig(NamedTuple):
     early: bool        # issue the state load before the prologue (the loop kernel always prefetches one tile ahead)
     pps: int = 0       # TAIL_LOOP: resident programs per SM the grid is sized for (grid = loop_grid(N * H, ...))
     maxnreg: int = 0   # ptxas register cap (0: none), to fit more programs per SM
+    store_after: bool = False  # TAIL_LAST: write the state tile after the arrival atomic, not before its release
 
 
 # TAIL_LOOP candidate for large grids, (BV, num_warps, programs per SM, maxnreg); the default picker takes it only
@@ -359,14 +367,17 @@ def decode_config(N: int, H: int, K: int, V: int, n_sm: int = 132, BV: Optional[
     if BV is None:
         BV = _BV_WIDE if wide else _BV_NARROW
     BV = min(BV, VP)
-    return DecodeConfig(BV, warps_for(BV, BK), TAIL_SINGLE if BV >= V else TAIL_LAST, wide)
+    tail = TAIL_SINGLE if BV >= V else TAIL_LAST
+    return DecodeConfig(BV, warps_for(BV, BK), tail, wide, 0, _WIDE_MAXNREG if wide else 0,
+                        _STORE_AFTER and tail == TAIL_LAST)
 
 
 def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state, state_slots,
                       BV: Optional[int] = None, num_warps: Optional[int] = None, tail: Optional[int] = None,
                       early: Optional[bool] = None, o_scratch: Optional[torch.Tensor] = None,
                       out: Optional[torch.Tensor] = None, counters: Optional[torch.Tensor] = None,
-                      pps: Optional[int] = None, grid: Optional[int] = None, maxnreg: Optional[int] = None):
+                      pps: Optional[int] = None, grid: Optional[int] = None, maxnreg: Optional[int] = None,
+                      store_after: Optional[bool] = None):
     """Fused KDA decode step (see module doc). Shapes as kernels.kda.kda_decode. Returns [N, H*V] (qkv.dtype),
     written into `out` when given (every element is written, padded lanes get zeros). BV / num_warps / tail / early
     override `decode_config` (tail TAIL_LAST or TAIL_POST when BV < V; TAIL_LOOP: the persistent loop kernel at any
@@ -407,6 +418,8 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         cfg = cfg._replace(pps=pps)
     if maxnreg is not None:
         cfg = cfg._replace(maxnreg=maxnreg)
+    if store_after is not None:
+        cfg = cfg._replace(store_after=bool(store_after))
     BK = triton.next_power_of_2(K)
     NV = triton.cdiv(V, cfg.BV)
     opt = dict(maxnreg=cfg.maxnreg) if cfg.maxnreg else {}
@@ -439,7 +452,7 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         rec_state.stride(0), rec_state.stride(1),
         K ** -0.5, eps,
         H=H, K=K, V=V, W=W, BK=BK, BV=cfg.BV, NV=NV, BVF=triton.next_power_of_2(V), TAIL=cfg.tail,
-        EARLY=cfg.early, num_warps=cfg.num_warps, **opt,
+        EARLY=cfg.early, STORE_AFTER=cfg.store_after, num_warps=cfg.num_warps, **opt,
     )
     if cfg.tail == TAIL_POST:
         _kda_decode_post_kernel[(H, N)](

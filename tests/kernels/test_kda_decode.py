@@ -60,12 +60,14 @@ def test_decode_vs_ref(N, KV, dtype):
         assert_bits_equal(f"conv slot {s}", B["conv_state"][s], L["conv_state"][s])
 
 
-@pytest.mark.parametrize("BV,tail", [(8, TAIL_LAST), (16, TAIL_LAST), (8, TAIL_POST), (16, TAIL_POST),
-                                     (32, TAIL_SINGLE)])
+@pytest.mark.parametrize("BV,tail,sa", [(8, TAIL_LAST, False), (16, TAIL_LAST, False), (8, TAIL_LAST, True),
+                                        (16, TAIL_LAST, True), (8, TAIL_POST, False), (16, TAIL_POST, False),
+                                        (32, TAIL_SINGLE, False)])
 @pytest.mark.parametrize("early", [True, False])
-def test_decode_tile_sizes(BV, tail, early):
+def test_decode_tile_sizes(BV, tail, sa, early):
     # BV = 32 = V: one program per head (norm + conv shift in it); BV < V: the last-arriving tile program does the
-    # head's tail (TAIL_LAST, one launch) or a second kernel does (TAIL_POST); padded lane included
+    # head's tail (TAIL_LAST, one launch; sa: state stored after the arrival) or a second kernel does (TAIL_POST);
+    # padded lane included
     H, K, V, N, S = 2, 32, 32, 4, 5
     L = make_kda_layer(H, K, V, S, device=DEV)
     L["rec_state"][0] = float("nan")
@@ -75,7 +77,8 @@ def test_decode_tile_sizes(BV, tail, early):
     cnt = torch.zeros(N * H, dtype=torch.int32, device=DEV)
     y_ref = _decode(kda_decode_ref, A, tok, slots)
     y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV, tail=tail, counters=cnt, early=early,
-                    out=torch.full((N, H * V), float("nan"), device=DEV), maxnreg=128 if early else None)
+                    out=torch.full((N, H * V), float("nan"), device=DEV), maxnreg=128 if early else None,
+                    store_after=sa)
     assert torch.equal(cnt, torch.zeros_like(cnt))                # TAIL_LAST leaves its counters zeroed
     assert_close("o", y_tri, y_ref, 2e-5)
     assert_close("state", B["rec_state"][1:], A["rec_state"][1:], 1e-5)
@@ -89,17 +92,19 @@ def test_decode_config(n_sm, monkeypatch):
     # BV 64 with an early load once BV 64 gives >= _WIDE_PER_SM programs per SM; BV non-decreasing in N
     from kernels.kda import recurrent as R
     monkeypatch.setattr(R, "_LOOP_DEFAULT", False)
+    monkeypatch.setattr(R, "_WIDE_MAXNREG", 128)
+    monkeypatch.setattr(R, "_STORE_AFTER", True)
     H, K, V = 32, 128, 128
     last = 0
     for N in (1, 2, 3, 4, 8, 16, 32, 33, 64, 256, 1024):
-        BV, nw, tail, early, pps, maxnreg = decode_config(N, H, K, V, n_sm)
+        BV, nw, tail, early, pps, maxnreg, sa = decode_config(N, H, K, V, n_sm)
         wide = N * H * (V // 64) >= R._WIDE_PER_SM * n_sm
-        assert (BV, nw, early) == ((64, 4, True) if wide else (32, 4, False))
-        assert tail == TAIL_LAST
+        assert (BV, nw, early, maxnreg) == ((64, 4, True, 128) if wide else (32, 4, False, 0))
+        assert tail == TAIL_LAST and pps == 0 and sa
         assert BV >= last
         last = BV
     assert decode_config(32, H, K, V, 132)[0] == 32 and decode_config(33, H, K, V, 132)[0] == 64
-    assert decode_config(1, H, K, V, 132, BV=128) == (128, 16, TAIL_SINGLE, False, 0, 0)   # explicit tile
+    assert decode_config(1, H, K, V, 132, BV=128) == (128, 16, TAIL_SINGLE, False, 0, 0, False)   # explicit tile
     assert decode_config(1, 2, 16, 16, 132)[0] == 16         # tiny V: tile capped by V
     assert decode_config(4096, 2, 16, 8, 132)[0] == 8             # V = 8: tile capped by V
 
@@ -110,7 +115,7 @@ def test_decode_config_loop(monkeypatch):
     from kernels.kda import recurrent as R
     monkeypatch.setattr(R, "_LOOP_DEFAULT", True)
     monkeypatch.setattr(R, "_LOOP", (16, 4, 5, 96))
-    assert decode_config(64, 32, 128, 128, 132) == (16, 4, TAIL_LOOP, True, 5, 96)
+    assert decode_config(64, 32, 128, 128, 132) == (16, 4, TAIL_LOOP, True, 5, 96, False)
     assert decode_config(8, 32, 128, 128, 132)[2] == TAIL_LAST
     assert decode_config(64, 32, 128, 128, 132, BV=64)[2] == TAIL_LAST          # an explicit tile: per-tile kernel
     for units in (1, 7, 32, 256, 2048, 2049, 8192):
@@ -255,12 +260,14 @@ def test_decode_continues_ref_prefill(T, k):
 # ----------------------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [1, 8, 64, 256])
-@pytest.mark.parametrize("BV,tail,mr", [(None, None, None), (128, None, None), (64, None, None), (64, None, 128),
-                                        (8, TAIL_POST, None), (16, TAIL_LOOP, None), (16, TAIL_LOOP, 96),
-                                        (32, TAIL_LOOP, 128)])
-def test_decode_kimi_gpu(N, BV, tail, mr):
+@pytest.mark.parametrize("BV,tail,mr,sa", [(None, None, None, None), (128, None, None, None), (64, None, None, None),
+                                           (64, None, 128, None), (64, None, 128, True), (32, None, None, True),
+                                           (8, TAIL_POST, None, None), (16, TAIL_LOOP, None, None),
+                                           (16, TAIL_LOOP, 96, None), (32, TAIL_LOOP, 128, None)])
+def test_decode_kimi_gpu(N, BV, tail, mr, sa):
     # default pick (one launch, last-tile tail), one program per head, BV=64 (register cap 128: 4 programs per SM),
-    # the 2-launch tail, the loop kernel (capped: ptxas spills a few bytes on Triton 3.6)
+    # state stored after the arrival (sa), the 2-launch tail, the loop kernel (capped: ptxas spills a few bytes on
+    # Triton 3.6)
     H, K, V = 32, 128, 128
     S = N + 2
     L = make_kda_layer(H, K, V, S, device="cuda", conv_dtype=torch.bfloat16)
@@ -269,7 +276,7 @@ def test_decode_kimi_gpu(N, BV, tail, mr):
     for step in range(4):
         tok = make_kda_tokens(N, H, K, V, dtype=torch.bfloat16, device="cuda", seed=step)
         y_ref = _decode(kda_decode_ref, A, tok, slots)
-        y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV, tail=tail, maxnreg=mr)
+        y_tri = _decode(kda_decode_triton, B, tok, slots, BV=BV, tail=tail, maxnreg=mr, store_after=sa)
         assert_close("o", y_tri, y_ref, 5e-3)
     assert_close("state", B["rec_state"], A["rec_state"], 5e-3)
     assert torch.equal(B["conv_state"], A["conv_state"])
