@@ -50,8 +50,10 @@ SHAPE_NAMES = {s[0]: s for s in SHAPES}
 SWEEP = [GemvConfig(dot=True, BN=bn, BK=bk, num_warps=w, num_stages=s) for bn, bk, w, s in
          [(32, 128, 4, 4), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 4),
           (128, 64, 4, 6), (256, 64, 8, 4)]]
-SWEEP += [GemvConfig(dot=False, BN=bn, BK=bk, num_warps=w, num_stages=s) for bn, bk, w, s in
-          [(16, 256, 4, 3), (32, 256, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (16, 512, 4, 2), (8, 512, 2, 2)]]
+# FMA: M = 1 tiles of BN x BK (BK / 8 16-byte loads per row), with / without the register prefetch of step k+1
+SWEEP += [GemvConfig(dot=False, BN=bn, BK=bk, num_warps=w, num_stages=1, prefetch=pf) for bn, bk, w, pf in
+          [(16, 512, 4, False), (16, 512, 4, True), (32, 512, 4, False), (8, 1024, 4, True), (32, 256, 4, True),
+           (64, 256, 8, False), (16, 256, 2, False), (8, 512, 2, True)]]
 # variants of the default at its picked split: two-launch reduce, no eviction hint, .cg loads
 VARIANTS = [replace(DOT_CONFIG, fused=False), replace(DOT_CONFIG, evict=False), replace(DOT_CONFIG, cg=True)]
 PROGRAM_TARGETS = (132, 264, 396, 528)   # splits putting ~1..4 programs on each of 132 SMs
@@ -133,7 +135,7 @@ def bench(shapes, ms, device, smoke, bw):
 
 
 def sweep(shapes, ms, device, smoke, bw):
-    bases = SWEEP[:2] + SWEEP[8:10] if smoke else SWEEP
+    bases = SWEEP[:2] + SWEEP[8:10] + [replace(SWEEP[9], BK=32)] if smoke else SWEEP
     best = {}
     for name, B, N, K, _ in shapes:
         for M in ms:

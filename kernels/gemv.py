@@ -4,15 +4,18 @@ gemv(x [M, K], w [N, K]) -> y [M, N]                y = x @ w^T (nn.Linear layou
 gemv(x [B, M, K], w [B, N, K]) -> y [B, M, N]      batched (the KDA f_b / g_b pair), x's batch/row strides allowed
 skinny_linear(x [M, K], w [N, K]) -> y [M, N]      gemv for M <= GEMV_MAX_M where use_triton(x), else F.linear
 
-Each program streams a [BN, k_split] slab of W once (rows contiguous along K: wide coalesced loads) and re-reads the
-few rows of x from L2. Two inner products:
+Each program streams a [BN, k_split] slab of W once (rows contiguous along K: wide coalesced loads, evict_first)
+and re-reads the few rows of x from L2. Two inner products:
   * DOT=True (the default): tl.dot(W tile [BN, BK], x^T [BK, 16]) -> [BN, 16] ("swap AB": W is the big MMA
     operand, x padded to 16 columns by masked loads, so padding costs no bytes). On sm_90 (Triton 3.9, offline):
-    wgmma fed by 16-byte cp.async loads, num_stages deep; 46 registers at BN 64 / BK 128;
-  * DOT=False (M <= FMA_MAX_M): elementwise fp32 FMAs into a [BM, BN, BK] accumulator, reduced over K once at the
-    end; plain 16-byte loads, not software-pipelined (142 registers at M 1, BN 32, BK 256).
-When cdiv(N, BN) programs would not fill the GPU, K is split over S programs that write fp32 partials
-[S, B, M, N]; a second launch sums them in a fixed order and casts (deterministic; no atomics, no memset).
+    wgmma fed by 16-byte cp.async loads, num_stages deep; 48 registers, 80 KB shared at BN 64 / BK 128 / 4 stages;
+  * DOT=False (M <= FMA_MAX_M): fp32 FMAs. M = 1: W as [BN, BK/8, 8] (one 16-byte load per 8 elements), reduced
+    over the 8 in registers each step into a [BN, BK/8] accumulator; optional register prefetch of step k+1;
+    78 registers at BN 16 / BK 512 / 4 warps, no shared memory or barriers in the loop. M > 1: a [BM, BN, BK]
+    accumulator reduced once at the end.
+K splits S (gemv_config's balance model, or the config's) write fp32 partials [S, B, M, N]; the last of a tile's S
+programs to arrive sums them in split order and writes y (one launch, deterministic, no atomics on data; or, with
+fused=False, a second launch does the sum).
 Grid and buffers depend on shapes only: CUDA-graph capturable, no host sync.
 """
 from __future__ import annotations
@@ -43,33 +46,15 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr,
-    M, N, K, k_split,
-    stride_xb, stride_xm, stride_wb, stride_wn, stride_yb, stride_ym, stride_ps, stride_pb, stride_pm,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr, W_EVICT: tl.constexpr, W_CACHE: tl.constexpr,
-):
-    # grid (cdiv(N, BN), S, B): program (n, s, b) reads W[b, n*BN:+BN, s*k_split:+k_split] once (streamed: W_EVICT
-    # / W_CACHE hints keep it from evicting x, partials and other kernels' data from L2) and
-    #   SPLIT 0 (S = 1): writes y[b, :M, n*BN:+BN] in y's dtype;
-    #   SPLIT 1: writes the fp32 partial p[s, b, :M, n*BN:+BN] (summed by _split_reduce_kernel, a second launch);
-    #   SPLIT 2: writes the partial, then the last of the tile's S programs to arrive (acq_rel counter, left at 0:
-    #            graph-replay safe) sums p[0..S-1] in that order and writes y (deterministic, one launch)
-    pid_n, pid_s, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_m = tl.arange(0, BM)
+def _dot_tile(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
+              BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+              W_EVICT: tl.constexpr, W_CACHE: tl.constexpr):
+    # -> fp32 [BM, BN] = x[:, k_lo:k_hi] @ W[n-tile, k_lo:k_hi]^T as tl.dot(W [BN, BK], x^T [BK, BM]) ("swap AB":
+    # W is the MMA's big operand, x padded to BM >= 16 columns by masked loads)
     offs_k = tl.arange(0, BK)
-    n_mask, m_mask = offs_n < N, offs_m < M
-    k_lo = pid_s * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
-    w_ptrs = w_ptr + pid_b * stride_wb + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]   # [BN, BK]
-    x_ptrs = x_ptr + pid_b * stride_xb + offs_m[:, None] * stride_xm + offs_k[None, :]                # [BM, BK]
-    if DOT:
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        acc3 = tl.zeros((BM, BN, BK), dtype=tl.float32)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]                         # [BN, BK]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]                                      # [BM, BK]
+    acc = tl.zeros((offs_n.shape[0], offs_m.shape[0]), dtype=tl.float32)                               # [BN, BM]
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:      # K and k_split are multiples of BK: no mask along K keeps the loads 16-byte vectors
             w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0, cache_modifier=W_CACHE,
@@ -82,14 +67,101 @@ def _gemv_kernel(
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if UPCAST:      # the Triton interpreter multiplies bf16 dot operands as raw uint16 (kernels/mla/decode.py)
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-        elif DOT:
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)                                # [BN, BM]
         else:
-            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]                   # [BM, BN, BK]
-    if DOT:
-        out = tl.trans(acc)                                                                        # [BM, BN]
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
+    return tl.trans(acc)
+
+
+@triton.jit
+def _fma_load(x_ptrs, w_ptrs, offs_k, n_mask, k0, k_hi,
+              EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, W_CACHE: tl.constexpr):
+    # W [BN, G, R] and x [BN, G, R] (row 0 of x broadcast over BN by its pointers: the same layout as W, so the
+    # product needs no layout conversion; a [G, R] x load converts through shared memory with barriers every step)
+    # at K offset k0; zeros past k_hi (the prefetch after the last step)
+    if EVEN_K:          # masks constant along K: 16-byte loads
+        x_mask = (tl.zeros((1, offs_k.shape[0], offs_k.shape[1]), tl.int32) + k0) < k_hi                   # [1, G, R]
     else:
-        out = tl.sum(acc3, axis=2)                                                                 # [BM, BN]
+        x_mask = (k0 + offs_k < k_hi)[None, :, :]
+    w_mask = n_mask[:, None, None] & x_mask
+    w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+    x = tl.load(x_ptrs + k0, mask=x_mask, other=0.0)
+    return x, w
+
+
+@triton.jit
+def _fma_tile(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
+              BK: tl.constexpr, R: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+              W_EVICT: tl.constexpr, W_CACHE: tl.constexpr):
+    # -> fp32 [BM, BN] by fp32 FMAs (no MMA, so no padding of M to 16).
+    # BM = 1: W as [BN, BK/R, R] with R contiguous elements (R = 8 bf16: one 16-byte load) per thread, reduced over R
+    # in registers every step: the accumulator is [BN, BK/R] (R x fewer registers than [BN, BK]), the registers go
+    # to bytes in flight. PREFETCH: step k+1's tiles are loaded before step k's FMAs (two W tiles live per thread).
+    # BM > 1: elementwise into a [BM, BN, BK] accumulator, reduced over K once at the end (a 4-d [BM, BN, BK/R, R]
+    # product gets a different layout from the loads' and converts through shared memory every step).
+    if offs_m.shape[0] == 1:
+        G: tl.constexpr = BK // R
+        offs_k = tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]                                # [G, R]
+        w_ptrs = w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]           # [BN, G, R]
+        x_ptrs = x_ptr + offs_k[None, :, :] + 0 * offs_n[:, None, None]                                # [BN, G, R]
+        acc = tl.zeros((offs_n.shape[0], G), dtype=tl.float32)                                         # [BN, G]
+        if PREFETCH:
+            x, w = _fma_load(x_ptrs, w_ptrs, offs_k, n_mask, k_lo, k_hi, EVEN_K, W_EVICT, W_CACHE)
+            for k0 in range(k_lo, k_hi, BK):
+                x_nxt, w_nxt = _fma_load(x_ptrs, w_ptrs, offs_k, n_mask, k0 + BK, k_hi, EVEN_K, W_EVICT, W_CACHE)
+                acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=2)
+                x, w = x_nxt, w_nxt
+        else:
+            for k0 in range(k_lo, k_hi, BK):
+                x, w = _fma_load(x_ptrs, w_ptrs, offs_k, n_mask, k0, k_hi, EVEN_K, W_EVICT, W_CACHE)
+                acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=2)
+        return tl.sum(acc, axis=1)[None, :]
+    else:
+        offs_k = tl.arange(0, BK)
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]                    # [BN, BK]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]                                 # [BM, BK]
+        acc3 = tl.zeros((offs_m.shape[0], offs_n.shape[0], BK), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            if EVEN_K:
+                w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0, cache_modifier=W_CACHE,
+                            eviction_policy=W_EVICT)
+                x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+            else:
+                k_mask = (k0 + offs_k) < k_hi
+                w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0, cache_modifier=W_CACHE,
+                            eviction_policy=W_EVICT)
+                x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]                       # [BM, BN, BK]
+        return tl.sum(acc3, axis=2)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr,
+    M, N, K, k_split,
+    stride_xb, stride_xm, stride_wb, stride_wn, stride_yb, stride_ym, stride_ps, stride_pb, stride_pm,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr, W_EVICT: tl.constexpr, W_CACHE: tl.constexpr, R: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    # grid (cdiv(N, BN), S, B): program (n, s, b) reads W[b, n*BN:+BN, s*k_split:+k_split] once (streamed: W_EVICT
+    # / W_CACHE hints keep it from evicting x, partials and other kernels' data from L2) and
+    #   SPLIT 0 (S = 1): writes y[b, :M, n*BN:+BN] in y's dtype;
+    #   SPLIT 1: writes the fp32 partial p[s, b, :M, n*BN:+BN] (summed by _split_reduce_kernel, a second launch);
+    #   SPLIT 2: writes the partial, then the last of the tile's S programs to arrive (acq_rel counter, left at 0:
+    #            graph-replay safe) sums p[0..S-1] in that order and writes y (deterministic, one launch)
+    pid_n, pid_s, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    n_mask, m_mask = offs_n < N, offs_m < M
+    k_lo = pid_s * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    xb, wb = x_ptr + pid_b * stride_xb, w_ptr + pid_b * stride_wb
+    if DOT:
+        out = _dot_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
+                        BK, EVEN_K, PREC, UPCAST, W_EVICT, W_CACHE)                                        # [BM, BN]
+    else:
+        out = _fma_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
+                        BK, R, EVEN_K, PREFETCH, W_EVICT, W_CACHE)                                         # [BM, BN]
     mn_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + pid_b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT == 0:
@@ -132,12 +204,14 @@ class GemvConfig:
     num_stages: int = 4
     fused: bool = True              # split > 1: the last-arriving program reduces (one launch) / a reduce launch
     evict: bool = True              # W loads evict_first (read once per call; leave L2 to x, partials, neighbours)
-    cg: bool = False                # W loads .cg (L2 only, bypass L1)
+    cg: bool = False                # W loads .cg (L2 only, bypass L1; ptxas takes no evict_first with it)
+    prefetch: bool = False          # FMA: next step's tiles loaded before this step's FMAs
 
 
+FMA_R = 8                # FMA path: contiguous K elements per thread and load (8 bf16 = 16 bytes)
 FMA_MAX_M = 0            # FMA path for M <= this by default; 0: tl.dot everywhere until the H200 sweep says otherwise
 DOT_CONFIG = GemvConfig(BN=64, BK=128, num_warps=4, num_stages=4)
-FMA_CONFIG = GemvConfig(BN=32, BK=256, num_warps=4, num_stages=3)
+FMA_CONFIG = GemvConfig(BN=16, BK=512, num_warps=4, num_stages=1)
 MAX_SPLIT = 32           # K splits the balance rule (_pick_split) considers
 SM_PEAK_OVER_HBM = 1.15  # one SM streams ~15% more than its 1/SMs share of HBM bandwidth (so idle SMs cost little)
 PROGRAM_OVERHEAD = 1.0   # per program, in BK steps: first-load latency, epilogue, partial write / reduce
@@ -218,8 +292,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
         xb.stride(0), xb.stride(1), wb.stride(0), wb.stride(1), y.stride(0), y.stride(1),
         p.stride(0) if S > 1 else 0, p.stride(-3), p.stride(-2),
         BM=bm, BN=c.BN, BK=c.BK, EVEN_K=even_k, DOT=c.dot, PREC=prec, UPCAST=upcast, SPLIT=split_mode,
-        W_EVICT="evict_first" if c.evict else "", W_CACHE=".cg" if c.cg else "",
-        num_warps=c.num_warps, num_stages=c.num_stages)
+        W_EVICT="evict_first" if c.evict and not c.cg else "", W_CACHE=".cg" if c.cg else "", R=min(FMA_R, c.BK),
+        PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages)
     if split_mode == 1:
         br = min(1024, triton.next_power_of_2(N))
         _split_reduce_kernel[(B * M, triton.cdiv(N, br))](p, y, S, B * M, N, BR=br, num_warps=4)
@@ -267,7 +341,8 @@ def compile_report(arch: int = 90, configs: Optional[list] = None, M: int = 16, 
         dot = cfg.dot if cfg.dot is not None else cfg is DOT_CONFIG
         consts = dict(BM=max(16, M) if dot else triton.next_power_of_2(M), BN=cfg.BN, BK=cfg.BK, EVEN_K=True,
                       DOT=dot, PREC="tf32" if bf16 else "ieee", UPCAST=False, SPLIT=split,
-                      W_EVICT="evict_first" if cfg.evict else "", W_CACHE=".cg" if cfg.cg else "")
+                      W_EVICT="evict_first" if cfg.evict and not cfg.cg else "", W_CACHE=".cg" if cfg.cg else "",
+                      R=min(FMA_R, cfg.BK), PREFETCH=cfg.prefetch)
         sig = {n: types.get(n, "constexpr") for n in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                  if n in types and (types[n].startswith("*") or n.startswith("stride") or n in ("K", "k_split"))}

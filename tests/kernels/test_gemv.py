@@ -25,6 +25,8 @@ CONFIGS = {
     "dot split2 2launch": GemvConfig(BN=32, BK=16, split=2, dot=True, fused=False, evict=False),
     "fma split3 2launch cg": GemvConfig(BN=16, BK=32, split=3, dot=False, fused=False, cg=True),
     "dot split5 cg": GemvConfig(BN=16, BK=16, split=5, dot=True, cg=True),
+    "fma prefetch split2": GemvConfig(BN=16, BK=32, split=2, dot=False, prefetch=True),
+    "fma prefetch bk64": GemvConfig(BN=32, BK=64, split=1, dot=False, prefetch=True, evict=False),
 }
 # (N, K, what) Kimi-Linear-48B decode projections (D = 2304)
 KIMI = [
@@ -56,14 +58,17 @@ def test_gemv_small(M, N, K, dtype, cfg):
 
 
 @requires_triton
+@pytest.mark.parametrize("cfg", [GemvConfig(BN=16, BK=16, split=2, dot=True),
+                                 GemvConfig(BN=16, BK=16, split=3, dot=False, prefetch=True)], ids=["dot", "fma"])
+@pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_batched_strided(dtype):
+def test_gemv_batched_strided(dtype, T, cfg):
     # the KDA f_b / g_b pair: x [2, T, K] is a transposed view of the input projection's output columns
-    T, K, N = 3, 32, 48
+    K, N = 32, 48
     y = torch.randn(T, 5 + 2 * K, device=DEV).to(dtype)
     x = y[:, 5:5 + 2 * K].view(T, 2, K).transpose(0, 1)
     w = torch.randn(2, N, K, device=DEV).to(dtype)
-    out = gemv_triton(x, w, GemvConfig(BN=16, BK=16, split=2, dot=True))
+    out = gemv_triton(x, w, cfg)
     assert out.shape == (2, T, N)
     assert_close("gemv batched", out, gemv_ref(x, w), TOL[dtype])
     assert_close("skinny_bmm_nt", skinny_bmm_nt(x, w), torch.bmm(x.float(), w.float().transpose(1, 2)), TOL[dtype])
