@@ -351,8 +351,13 @@ QUICK_VARIANTS = [
     # INTRA_FUSED: prep + akk + wu in one program per chunk-head, level-anchored tensor-core dots for all of
     # Dqk / Dkk (6 exp2 tiles per K tile); offline sm_90 Triton 3.6: 128 regs (cap) / 8 warps, no spills
     ("intra-fused", True, dict(INTRA_FUSED=1)),
-    ("intra-fused+prefetch", True, dict(INTRA_FUSED=1, HPASS_PREFETCH=1)),
-    ("intra-fused-nocap", True, dict(INTRA_FUSED=1, INTRA_MAXNREG=None)),      # 138 regs: 1 CTA / SM
+    # FAST_SOFTPLUS: lg2.approx softplus (offline sm_90: prep K-loop body 2134 -> 1446 instructions, intra pass 1
+    # 454 -> 364)
+    ("fast-softplus", True, dict(FAST_SOFTPLUS=1)),
+    ("intra-fused-fast", True, dict(INTRA_FUSED=1, FAST_SOFTPLUS=1)),
+    ("intra-fused-fast+prefetch", True, dict(INTRA_FUSED=1, FAST_SOFTPLUS=1, HPASS_PREFETCH=1)),
+    ("intra-fused-fast-nocap", True, dict(INTRA_FUSED=1, FAST_SOFTPLUS=1, INTRA_MAXNREG=None)),  # 138 regs, 1 CTA/SM
+    ("intra-fused-fast-bk32", True, dict(INTRA_FUSED=1, FAST_SOFTPLUS=1, INTRA_BK=32, INTRA_MAXNREG=None)),  # 204
     # registers: offline sm_90 with Triton 3.6 (the H200's), no spills; the default akk has 168 (3 CTAs/SM)
     ("akk-prod", True, dict(AKK_DIAG=1, AKK_UNROLL=0)),                       # 166 regs
     ("akk-prod-unrolled", True, dict(AKK_DIAG=1, AKK_UNROLL=1)),              # 168 regs
@@ -377,7 +382,7 @@ QUICK_VARIANTS = [
 def quick(warmup=5, rep=20, only=None):
     """One short H200 run: at T=16k every QUICK_VARIANTS entry (or those named in ``only``, in list order; total
     and per-stage ms, ratio to fla-core, rel-rms of o and the final state vs the default and vs fla), then varlen
-    16 x 1k for the default, intra-fused+prefetch and fla. A FAILED line (e.g. a compile error on this Triton)
+    16 x 1k for the default, intra-fused-fast+prefetch and fla. A FAILED line (e.g. a compile error on this Triton)
     leaves the other lines intact. Compiles dominate: on 2026-12-02 fla + 3 variants took ~320 s (each akk
     variant recompiles), so name the variants wanted (--variants a,b,...)."""
     import triton.testing
@@ -389,7 +394,7 @@ def quick(warmup=5, rep=20, only=None):
     print(f"--quick: H={H} K={K} V={V} bf16, do_bench median (ms)", flush=True)
     try:
         for case, lens, which in (("T=16k", [16384], only), ("varlen 16x1k", [1024] * 16,
-                                                                  ("default", "intra-fused+prefetch"))):
+                                                                  ("default", "intra-fused-fast+prefetch"))):
             x = _inputs(lens)
             try:
                 fms, fo, fst = _time_fla(x, warmup, rep)

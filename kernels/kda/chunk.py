@@ -126,6 +126,10 @@ PREP_FUSED = 0
 WU_BK = 32
 WU_BV = 32
 WU_NUM_WARPS = 4
+# FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep and the fused intra kernel (fla's
+# choice) instead of libdevice's accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop
+# body 2134 -> see --quick). No effect under the interpreter.
+FAST_SOFTPLUS = 0
 # INTRA_FUSED = 1 (A/B): one launch ``_kda_intra_kernel`` per (chunk, head) instead of prep -> akk -> wu; Dqk / Dkk
 # (diagonal blocks included) by level-anchored tensor-core dots (6 exp2 tiles per K tile instead of 16 x 16 x K exp2
 # per diagonal block), no G / rs / X scratch in HBM. Takes precedence over PREP_FUSED / AKK_*.
@@ -150,16 +154,24 @@ def _mm(a, b, PREC: tl.constexpr, MODE: tl.constexpr):
 
 
 @triton.jit
-def _softplus(x):
-    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+def _softplus(x, FAST: tl.constexpr = 0):
+    """log(1 + e^x), linear above 20. FAST=1: ex2 / lg2.approx (MUFU, as fla's softplus; ~2^-22 relative) instead
+    of libdevice's accurate logf (a ~25-instruction polynomial per element); not available in the interpreter."""
+    if FAST:
+        one_p = 1.0 + tl.exp2(tl.minimum(x, 20.0) * 1.4426950408889634)
+        lg = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [one_p], dtype=tl.float32, is_pure=True,
+                                       pack=1)
+        return tl.where(x > 20.0, x, lg * 0.6931471805599453)
+    else:
+        return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
 
 
 @triton.jit
-def _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K: tl.constexpr):
+def _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K: tl.constexpr, FAST: tl.constexpr = 0):
     """Chunk-local inclusive cumsum (log2 units) of g = -exp(A_log) softplus(z + dt_bias); padded rows -> 0."""
     zz = tl.load(z + tok[:, None] * stride_z + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
     zz = zz + tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)[None, :]
-    g = tl.where(m2, neg_a * _softplus(zz), 0.0)
+    g = tl.where(m2, neg_a * _softplus(zz, FAST), 0.0)
     return tl.cumsum(g, 0)
 
 
@@ -181,7 +193,7 @@ def _kda_prep_kernel(
     q, k, z, A_log, dt_bias, b, chunk_offsets, cu_seqlens, n_seq,
     qg_out, kg_out, gl_out, g_out, rs_out,
     stride_q, stride_k, stride_z, stride_b, scale,
-    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr = 0,
 ):
     """Intra launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
     contract outputs qg, kg, gl and the scratch G [rows, K] fp32 and rs [rows, 4] fp32 = (rq, rk, beta, -)
@@ -218,7 +230,7 @@ def _kda_prep_kernel(
         m2 = rmask[:, None] & cm[None, :]
         bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
         bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K)    # [BT, BK], <= 0
+        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K, FAST)  # [BT, BK], <= 0
         gl = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), 0)                    # G of the last row
         tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
         o_k = (cblk + rows)[:, None] * K + c[None, :]
@@ -640,7 +652,7 @@ def _kda_intra_kernel(
     qg_out, kg_out, gl_out, w_out, u_out, a_out, g_scr,
     stride_q, stride_k, stride_v, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOG_BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOG_BT: tl.constexpr, FAST: tl.constexpr = 0,
 ):
     """INTRA_FUSED=1, grid (chunk, head): the whole intra stage (prep, akk and wu) of one chunk in one program, with
     no fp32 scratch in HBM (G, rs, X stay on chip).
@@ -698,7 +710,7 @@ def _kda_intra_kernel(
         kn = tl.load(p_k + o_k + c[None, :], mask=m2, other=0.0).to(tl.float32) * rk[:, None]
         zz = tl.load(p_z + rows[:, None] * stride_z + c[None, :], mask=m2, other=0.0).to(tl.float32)
         zz = zz + tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)[None, :]
-        G = tl.cumsum(tl.where(m2, neg_a * _softplus(zz), 0.0), 0)                    # [BT, BK], <= 0
+        G = tl.cumsum(tl.where(m2, neg_a * _softplus(zz, FAST), 0.0), 0)              # [BT, BK], <= 0
         gl = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), 0)                    # G of the last row
         tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
         o_t = o_s + c[None, :]
@@ -1007,7 +1019,8 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                  dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", g_out="*fp32",
                       rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
-                 dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK)), dict(num_warps=PREP_NUM_WARPS)),
+                 dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS)),
+                 dict(num_warps=PREP_NUM_WARPS)),
         "akk": (_kda_akk_kernel,
                 dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32", stride_k="i32"),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
@@ -1035,7 +1048,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                        a_out=sd, g_scr="*fp32", stride_q="i32", stride_k="i32", stride_v="i32", stride_z="i32",
                        stride_b="i32", scale="fp32"),
                   dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
-                       LOG_BT=BT.bit_length() - 1),
+                       LOG_BT=BT.bit_length() - 1, FAST=int(FAST_SOFTPLUS)),
                   dict(num_warps=INTRA_NUM_WARPS, num_stages=INTRA_NUM_STAGES, **_maxnreg(INTRA_MAXNREG))),
     })
     specs = {n: specs[n] for n in which}
@@ -1057,6 +1070,10 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         m = re.search(r"REG:(\d+) STACK:(\d+)", res)
         out[name] = (int(m.group(1)), int(m.group(2)), int(kern.metadata.shared))
     return out
+
+
+def _fast_softplus() -> int:
+    return int(bool(FAST_SOFTPLUS) and not _interpreting())
 
 
 def _maxnreg(n) -> dict:
@@ -1122,7 +1139,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_prep_kernel[(NT, H)](
                 q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
                 q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
-                PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), num_warps=PREP_NUM_WARPS,
+                PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), num_warps=PREP_NUM_WARPS,
             )
 
         def akk():
@@ -1158,7 +1175,8 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, v, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, w, u, a, g2,
                 q.stride(0), k.stride(0), v.stride(0), z.stride(0), b.stride(0), float(scale),
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
-                LOG_BT=BT.bit_length() - 1, num_warps=INTRA_NUM_WARPS, num_stages=INTRA_NUM_STAGES,
+                LOG_BT=BT.bit_length() - 1, FAST=_fast_softplus(), num_warps=INTRA_NUM_WARPS,
+                num_stages=INTRA_NUM_STAGES,
                 **_maxnreg(INTRA_MAXNREG),
             )
         if INTRA_FUSED:

@@ -283,7 +283,8 @@ def test_sm90_offline_compile_no_spills(kda_path):
             "'bv32': c.compile_report(state_bv=32, state_warps=4, hpass_bv=32, which=('state', 'hpass')), "
             "'bv16': c.compile_report(hpass_bv=16, which=('hpass',)), "
             "'prep_fused': c.compile_report(which=('akk_fused', 'wu_fused')), "
-            "'intra_fused': c.compile_report(which=('intra',))}))")
+            "'intra_fused': c.compile_report(which=('intra',)), "
+            "'fast_softplus': (setattr(c, 'FAST_SOFTPLUS', 1), c.compile_report(which=('prep', 'intra')))[1]}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=400)
     if r.returncode != 0 and ("ptxas" in r.stderr or "cuobjdump" in r.stderr):
@@ -438,8 +439,16 @@ def test_variants_match_default_fp32(kda_path, variant, strong_gate, monkeypatch
     check(*r, slots, FP32_TOL)
 
 
+# variants whose difference exists only on the GPU (FAST_SOFTPLUS: inline PTX lg2.approx, the interpreter keeps logf)
+GPU_VARIANTS = dict(VARIANTS, **{
+    "fast-softplus": dict(FAST_SOFTPLUS=1),
+    "intra-fused-fast": dict(INTRA_FUSED=1, FAST_SOFTPLUS=1),
+    "intra-fused-fast-nocap": dict(INTRA_FUSED=1, FAST_SOFTPLUS=1, INTRA_MAXNREG=None),
+})
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(GPU_VARIANTS))
 def test_gpu_variants_bf16(kda_path, variant, monkeypatch):
     """Each variant at Kimi shapes (bf16, strong gates, varlen with a partial last chunk and an empty sequence) vs
     the fp64 recurrence: compiles and is correct on the device's Triton."""
@@ -447,7 +456,7 @@ def test_gpu_variants_bf16(kda_path, variant, monkeypatch):
         pytest.skip("variants of the default path")
     import kernels.kda.chunk as chunk_mod
 
-    for const, val in VARIANTS[variant].items():
+    for const, val in GPU_VARIANTS[variant].items():
         monkeypatch.setattr(chunk_mod, const, val)
     lens = [1, 1000, 0, 65, 300]
     cu = [0]
