@@ -59,18 +59,30 @@ class RMSNorm(nn.Module):
         return add_rmsnorm(x, residual, self.weight, self.eps)
 
 
+def _gemv_mode() -> str:
+    """KIMI_GEMV (read when a module is built): "1" every M <= 16 projection runs kernels.gemv on CUDA; "auto" only
+    the shapes of kernels.gemv.GEMV_WINS (measured faster than cuBLAS), cuBLAS for the rest; else cuBLAS."""
+    mode = os.environ.get("KIMI_GEMV", "")
+    return mode if mode in ("1", "auto") else ""
+
+
 def _gemv_enabled() -> bool:
-    """KIMI_GEMV=1 (opt-in, read when a module is built): M <= 16 projections run kernels.gemv on CUDA."""
-    return os.environ.get("KIMI_GEMV", "") == "1"
+    return _gemv_mode() != ""
 
 
 class _GemvLinear(nn.Linear):
+    measured_only = False                                # KIMI_GEMV=auto
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, self.weight)             # F.linear for M > 16 rows and on CPU
+        return skinny_linear(x, self.weight, self.measured_only)   # F.linear for M > 16 rows and on CPU
 
 
 def _linear(in_dim: int, out_dim: int, dtype: torch.dtype) -> nn.Linear:
-    return (_GemvLinear if _gemv_enabled() else nn.Linear)(in_dim, out_dim, bias=False, dtype=dtype)
+    if not _gemv_enabled():
+        return nn.Linear(in_dim, out_dim, bias=False, dtype=dtype)
+    lin = _GemvLinear(in_dim, out_dim, bias=False, dtype=dtype)
+    lin.measured_only = _gemv_mode() == "auto"
+    return lin
 
 
 class KimiDeltaAttention(nn.Module):

@@ -218,6 +218,32 @@ def test_model_opt_in_matches_default(tiny_fp32, monkeypatch):
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
 
 
+@requires_triton
+def test_skinny_linear_measured_only(monkeypatch):
+    # KIMI_GEMV=auto: ours only for the shapes and row counts of GEMV_WINS, F.linear (bit-exact) elsewhere
+    monkeypatch.setattr(kernels.gemv, "use_triton", lambda t: True)
+    monkeypatch.setattr(kernels.gemv, "GEMV_WINS", {(1, 24, 64): 2})
+    calls = []
+    real = kernels.gemv.gemv_triton
+    monkeypatch.setattr(kernels.gemv, "gemv_triton", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    x, w = _xw(3, 24, 64, torch.float32)
+    assert_close("win", skinny_linear(x[:2], w, measured_only=True), gemv_ref(x[:2], w), TOL[torch.float32])
+    assert torch.equal(skinny_linear(x, w, measured_only=True), F.linear(x, w))            # M = 3 > 2
+    assert torch.equal(skinny_linear(x[:1, :32], w[:, :32], measured_only=True), F.linear(x[:1, :32], w[:, :32]))
+    skinny_linear(x, w)                                                                   # not measured_only
+    assert calls == [2, 3]
+
+
+def test_model_auto_mode(tiny_fp32, monkeypatch):
+    # KIMI_GEMV=auto builds _GemvLinear modules that only take GEMV_WINS shapes
+    from backend.model import kimi_linear
+    from backend.model.loader import load_model
+
+    monkeypatch.setenv("KIMI_GEMV", "auto")
+    model = load_model(tiny_fp32, "cpu", torch.float32)
+    assert isinstance(model.lm_head, kimi_linear._GemvLinear) and model.lm_head.measured_only
+
+
 def test_bench_smoke():
     # bench/gemv.py --smoke (CPU, interpreter, tiny shapes) runs the benchmark and the sweep end to end
     import os
