@@ -134,6 +134,9 @@ def _decode_candidates(M, blocks, sms):
     # PDL after GEMM1 (prologue and optional L2 prefetch of the whole K range overlap the previous kernel's tail)
     base = [c for c in g2 if c.nt2 and c.split2 == 1 and c.direct == directs[-1]][:3]
     g2 += [replace(c, pdl=True, prefetch2=pf) for c in base for pf in (0, I)]
+    # weight loads evict_first (streamed once; matters in the chain, where they would evict prefetched GEMM2 rows)
+    g1 += [replace(c, evict=True) for c in g1[:4] if c.nt1]
+    g2 += [replace(c, evict=True) for c in base[:1]]
     return g1, g2
 
 
@@ -141,18 +144,19 @@ def _merge(c1, c2, direct):
     """GEMM1 fields of c1, GEMM2 fields of c2 (one config for fused_moe_triton)."""
     return MoEConfig(16, c1.BN1, c2.BN2, c1.BK, c1.num_warps, c1.num_stages, c1.nt1, c2.nt2, c2.split2,
                      c2.BK2 or c2.BK, c2.warps2 or c2.num_warps, c2.stages2 or c2.num_stages, direct, c2.pdl,
-                     c2.prefetch2)
+                     c2.prefetch2, c1.evict or c2.evict)
 
 
 def _label1(c):
     return (f"BN1={c.BN1} BK={c.BK} w={c.num_warps} s={c.num_stages} nt1={c.nt1 or -(-I // c.BN1)}"
-            f"{'' if c.nt1 else ' (BN-wide)'}{' direct' if c.direct else ''}")
+            f"{'' if c.nt1 else ' (BN-wide)'}{' direct' if c.direct else ''}{' evict' if c.evict else ''}")
 
 
 def _label2(c):
     return (f"BN2={c.BN2} BK2={c.BK2 or c.BK} w={c.warps2 or c.num_warps} s={c.stages2 or c.num_stages} "
             f"nt2={c.nt2 or -(-D // c.BN2)}{'' if c.nt2 else ' (BN-wide)'} split2={c.split2}"
-            f"{' direct' if c.direct else ''}{f' pdl prefetch2={c.prefetch2}' if c.pdl else ''}")
+            f"{' direct' if c.direct else ''}{f' pdl prefetch2={c.prefetch2}' if c.pdl else ''}"
+            f"{' evict' if c.evict else ''}")
 
 
 class _DecodeCase:
@@ -303,9 +307,10 @@ def sweep_decode(args):
         b2n = next(c for _, _, c in res2 if not c.pdl)  # the fastest without PDL, with PDL on in the chain
         chains = [("get_config", cur)] + [(f"best gemm1 + best gemm2, direct={dr}", _merge(b1, b2, dr))
                                           for dr in sorted({b1.direct, b2.direct})]
-        chains += [(f"{name} + pdl prefetch2={pf}", replace(c, pdl=True, prefetch2=pf))
+        chains += [(f"{name} + pdl prefetch2={pf}{' evict' if ev else ''}",
+                    replace(c, pdl=True, prefetch2=pf, evict=ev))
                    for name, c in [("get_config", cur), ("best gemm1 + best non-PDL gemm2", _merge(b1, b2n, b1.direct))]
-                   for pf in (0, I)]
+                   for pf, ev in ((0, False), (I, False), (I, True))]
         for name, c in chains:
             print(f"  chain {_try_us(case.chain(c), name):7.2f} us  {name}: {c.short()}")
         outs = [torch.empty(case.T, D, device=DEV, dtype=torch.bfloat16) for _ in range(DEC_REPS)]

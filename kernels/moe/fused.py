@@ -217,11 +217,12 @@ def _moe_gemm1_kernel(
     M, N, K, stride_xm, stride_we, stride_wn, stride_om, ids_ptr, E, NT,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
     MODE: tl.constexpr, INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, RAGGED: tl.constexpr,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = False, W_EVICT: tl.constexpr = "",
 ):
     """inter[idx, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, N + n]) for the rows idx of one block.
     GDC: signal at once that a PDL-launched GEMM2 may start its CTAs as this kernel's CTAs retire (its pre-wait part
-    then overlaps this kernel's tail).
+    then overlaps this kernel's tail). W_EVICT: the weight loads' L2 eviction policy ("evict_first": streamed once,
+    so they leave L2 to what is read again, e.g. GEMM2 weights prefetched by a PDL GEMM2).
     IDS_BLOCK > 0: the block's rows come from the ids (_block_rows_from_ids), not from moe_align's outputs; < 0: one
     block per assignment (direct, see _block_rows).
     Grid: (blocks * NT,); NT and RAGGED as in _block_rows."""
@@ -245,14 +246,14 @@ def _moe_gemm1_kernel(
     for k0 in range(0, K, BK):
         if EVEN_K:  # no K mask: keeps the contiguous K loads vectorised
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-            bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy=W_EVICT)
+            bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy=W_EVICT)
         else:
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             bmask = k_ok[:, None] & n_ok[None, :]
-            bg = tl.load(g_ptrs, mask=bmask, other=0.0)
-            bu = tl.load(u_ptrs, mask=bmask, other=0.0)
+            bg = tl.load(g_ptrs, mask=bmask, other=0.0, eviction_policy=W_EVICT)
+            bu = tl.load(u_ptrs, mask=bmask, other=0.0, eviction_policy=W_EVICT)
         acc_g = dot_acc(a, bg, acc_g, MODE)
         acc_u = dot_acc(a, bu, acc_u, MODE)
         a_ptrs += BK
@@ -269,7 +270,7 @@ def _moe_gemm2_kernel(
     M, N, K, stride_am, stride_we, stride_wn, stride_os, stride_om, ids_ptr, E, NT, k_steps,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, RAGGED: tl.constexpr,
-    GDC: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    GDC: tl.constexpr = False, PREFETCH: tl.constexpr = 0, W_EVICT: tl.constexpr = "",
 ):
     """out[s, idx, n] = inter[idx, Ks] . w2[e, n, Ks] for the rows idx of one block and the K range
     Ks = [s * k_steps * BK, (s + 1) * k_steps * BK) of split s = program_id(1) (one split: the whole K, out = y in
@@ -277,7 +278,7 @@ def _moe_gemm2_kernel(
     Grid: (blocks * NT, S); IDS_BLOCK, NT and RAGGED as in _moe_gemm1_kernel.
     GDC (launched with PDL after GEMM1): the rows, expert and weight addresses (and with PREFETCH > 0 an L2 prefetch
     of the first PREFETCH K elements of each of this tile's weight rows: no dependence on GEMM1) before waiting for
-    GEMM1's inter; then signal the (PDL-launched) combine."""
+    GEMM1's inter; then signal the (PDL-launched) combine. W_EVICT as in _moe_gemm1_kernel."""
     pid_m, n_lo, n_hi, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT,
                                                    BM, BN, RAGGED, IDS_BLOCK, BLOCK_E)
     if pid_m * BM >= npost:
@@ -304,11 +305,11 @@ def _moe_gemm2_kernel(
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy=W_EVICT)
         else:
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0, eviction_policy=W_EVICT)
         acc = dot_acc(a, b, acc, MODE)
         a_ptrs += BK
         b_ptrs += BK
@@ -373,12 +374,14 @@ class MoEConfig:
     direct: bool = False  # one row block per assignment (no sort/histogram; for T = 1, where ids are distinct)
     pdl: bool = False     # GEMM2 and the combine launched with PDL (their prologue overlaps the previous kernel's tail)
     prefetch2: int = 0    # with pdl: K elements of each GEMM2 weight row prefetched into L2 before the wait
+    evict: bool = False   # weight loads of both GEMMs evict_first in L2 (streamed once)
 
     def short(self) -> str:
         s = f"{self.BM},{self.BN1},{self.BN2},{self.BK},{self.num_warps},{self.num_stages}"
         extra = [f"{k}={v}" for k, v in (("nt1", self.nt1), ("nt2", self.nt2), ("split2", self.split2),
                                           ("BK2", self.BK2), ("warps2", self.warps2), ("stages2", self.stages2),
-                                          ("direct", self.direct), ("pdl", self.pdl), ("prefetch2", self.prefetch2))
+                                          ("direct", self.direct), ("pdl", self.pdl), ("prefetch2", self.prefetch2),
+                                          ("evict", self.evict))
                  if v != MoEConfig.__dataclass_fields__[k].default]
         return s + ("," + ",".join(extra) if extra else "")
 
@@ -492,6 +495,7 @@ def moe_gemm1(x: torch.Tensor, w13: torch.Tensor, rows: MoERows, cfg: MoEConfig,
         M, inter_dim, D, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), rows.ids, rows.E, NT,
         TOP_K=top_k, BM=rows.BM, BN=BN, BK=BK, EVEN_K=D % BK == 0, MODE=dot_mode(x.dtype), INTERP=INTERPRET,
         IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, launch=False),
+        W_EVICT="evict_first" if cfg.evict else "",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return inter
@@ -515,6 +519,7 @@ def moe_gemm2(inter: torch.Tensor, w2: torch.Tensor, rows: MoERows, cfg: MoEConf
         M, D, inter_dim, inter.stride(0), w2.stride(0), w2.stride(1), M * D, D, rows.ids, rows.E, NT, k_steps,
         BM=rows.BM, BN=BN, BK=BK, EVEN_K=inter_dim % BK == 0, MODE=dot_mode(inter.dtype), INTERP=INTERPRET,
         IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, PREFETCH=cfg.prefetch2),
+        W_EVICT="evict_first" if cfg.evict else "",
         num_warps=cfg.warps2 or cfg.num_warps, num_stages=cfg.stages2 or cfg.num_stages,
     )
     return y

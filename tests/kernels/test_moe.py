@@ -377,7 +377,7 @@ def _gemm_cfgs():
             MoEConfig(16, 32, 64, 32, 4, 2, split2=3, BK2=16, warps2=4, stages2=3),  # 3 splits of 1 step (K=24 ->
             MoEConfig(16, 16, 16, 32, 4, 2, nt1=2, nt2=4, split2=4, BK2=16),         # 2 steps: S <= steps); K tail
             MoEConfig(16, 16, 32, 16, 4, 2, nt1=3, nt2=5, direct=True),            # one block per assignment
-            MoEConfig(16, 32, 32, 16, 4, 2, nt2=2, split2=2, direct=True)]
+            MoEConfig(16, 32, 32, 16, 4, 2, nt2=2, split2=2, direct=True, evict=True)]
 
 
 @needs_triton
@@ -587,7 +587,7 @@ def test_kimi_decode_configs_gpu(T):
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_kimi_pdl_gpu(T):
     """PDL path (GEMM1 signals at once, GEMM2 computes its rows and prefetches its weight rows into L2 before
-    griddepcontrol.wait, the combine waits too): bit-identical to the same tiles without PDL, eager and replayed in a
+    griddepcontrol.wait, the combine waits too; also with evict_first weight loads): bit-identical to the same tiles without PDL, eager and replayed in a
     CUDA graph (programmatic edges), with inter / y / out buffers reused between layers as the model does."""
     from dataclasses import replace
 
@@ -602,8 +602,8 @@ def test_kimi_pdl_gpu(T):
     for cfg in [base, replace(base, direct=T == 1)]:
         exp = fused_moe_triton(x, w13, w2, w, ids, config=cfg)
         assert rms_ratio(exp, ref32) <= 5e-3
-        for pf in (0, I):
-            c = replace(cfg, pdl=True, prefetch2=pf)
+        for pf, ev in ((0, False), (I, False), (I, True)):
+            c = replace(cfg, pdl=True, prefetch2=pf, evict=ev)
             assert torch.equal(fused_moe_triton(x, w13, w2, w, ids, config=c), exp), c
             # a graph of 4 dependent layers (each layer's output is the next one's input) vs the same eagerly
             outs = [torch.empty(T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
