@@ -365,7 +365,7 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=
         print(line, flush=True)
 
 
-def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90):
+def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90, maxnreg=None):
     """Compile one kernel for sm_<arch> without a GPU (Triton's bundled ptxas); print smem / regs / spills."""
     import subprocess
     import tempfile
@@ -384,7 +384,7 @@ def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90):
     k = triton.compile(
         ASTSource(fn=fn, signature=sig, constexprs=cexpr, attrs=attrs),
         target=target,
-        options=dict(num_warps=num_warps, num_stages=num_stages),
+        options=dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {})),
     )
     ptx = k.asm["ptx"]
     mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
@@ -411,9 +411,9 @@ def ptxas_report(arch=90, only=None):
     alternatives. Strides and pointers get the 16-byte divisibility the JIT infers for the Kimi shapes.
     only: 'decode' / 'extend' / 'prefill' to compile one family."""
 
-    def build(fn, ptrs, consts, num_warps, num_stages, label):
+    def build(fn, ptrs, consts, num_warps, num_stages, label, maxnreg=None):
         if only is None or label.startswith(only):
-            ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch)
+            ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch, maxnreg)
 
     for dtn, dts in (("16bit", "*bf16"), ("fp32", "*fp32")):
         ieee = dtn == "fp32"
@@ -446,10 +446,10 @@ def ptxas_report(arch=90, only=None):
                 dict(L=L, R=R, BLOCK_L=L, BLOCK_R=R, BS=BS, BLOCK_N=c["block_n"], BLOCK_H=c["block_h"], BLOCK_B=128,
                      MIN_TILES=4, DIRECT=False, IEEE=ieee, UPCAST=False, KEYS_M=c.get("keys_m", False),
                      PAGE_TILE=c.get("page_tile", False), WARP_SPEC=c.get("warp_spec", False),
-                     PREFETCH=int(c.get("prefetch", 0)),
+                     PREFETCH=int(c.get("prefetch", 0)), LSPLIT=c.get("lsplit", False),
                      **(dict(TMA=True) if c.get("tma") else dict(TMA=False, c_desc=None, k_desc=None))),
                 c["num_warps"], c["num_stages"],
-                f"decode {dtn} " + (repr(c.get("label")) if "label" in c else str(c)),
+                f"decode {dtn} " + (repr(c.get("label")) if "label" in c else str(c)), c.get("maxnreg"),
             )
         if not ieee:
             for n_, ns_ in ((1, 132), (64, 2)):

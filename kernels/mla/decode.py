@@ -72,6 +72,14 @@ DECODE_CFG = {
 #   spills at prefetch=1. sm_90: pf n32 72 KB / 193 regs (Triton 3.6: 211), pf2 n32 72 KB / 234 (3.6: 246), no spill.
 #   keys_m pf n64 (wgmma, c stored once and read by both dots from smem): 108 KB, 3.6: 239 regs no spill; 3.9 spills
 #   (255 + 488 B stack).
+# lsplit (ls*): q, the latent tile and acc in two column halves (_unit_lsplit): S as three dots from zero (q0 c0^T,
+#   q1 c1^T, qpe kpe^T: three independent MMA accumulator chains instead of one of 36 k-steps) and two PV dots. It
+#   also cuts registers: (32, 64, 8 warps) 170 -> 140 (3.9) / 128 (3.6, no spill), so with maxnreg=128 (ptxas cap) two
+#   8-warp programs fit per SM (2 x 112 KB smem): 'ls n64 r128' = 'base' tiles, 2 programs per SM, 72 KB tiles
+#   (half the q smem re-reads per byte of 'w4 n32'). sm_90 (3.6 / 3.9): ls n64 r128 128 regs, no spill / 32 B stack;
+#   ls n32 w8 r128 74 KB, 128 / 128 + 32 B; w4 n32 ls 252 / 249 regs.
+# part16 on w4 n32 (w4 n32 p16): B=1 S=128k runs 256 units, whose fp32 partials (~17 MB written + read) are ~22% of
+#   the cache bytes.
 # min_split_tokens: smallest work unit (256 = the schedule before 12-02: B=1 S=1k ran as 4 units of 4 tiles).
 DECODE_VARIANTS = {
     "base": dict(block_h=32, block_n=64, num_warps=8, num_stages=2),
@@ -92,6 +100,14 @@ DECODE_VARIANTS = {
     "pf n32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1, page_tile=True, prefetch=1),
     "pf2 n32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1, page_tile=True, prefetch=2),
     "keys_m pf n64": dict(block_h=32, block_n=64, num_warps=8, num_stages=1, keys_m=True, page_tile=True, prefetch=1),
+    "w4 n32 p16": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2,
+                       part16=True),
+    "w4 n32 ls": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2,
+                      lsplit=True),
+    "ls n64 r128": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, page_tile=True, lsplit=True, maxnreg=128,
+                        programs_per_sm=2),
+    "ls n32 w8 r128": dict(block_h=32, block_n=32, num_warps=8, num_stages=2, page_tile=True, lsplit=True,
+                           maxnreg=128, programs_per_sm=2),
 }
 GPU_BLOCK_H = 32  # heads per program cap (the default split heuristic assumes it)
 # Every tl.dot operand dim (M, N, K) is padded to >= MIN_DOT: Triton's GPU lowering asserts K >= 16 (M, N >= 16 keeps
@@ -146,31 +162,49 @@ def _tile_page(bt_row, t, seq_len, offs_n, BS: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _tile_rows(cache_ptr, page, t, seq_len, offs_n, s_cp, s_cr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] row pointers of key tile t from its pages (_tile_page). Rows past seq_len repeat the tile's first row
+    (t * BLOCK_N < seq_len, same page): finite data whose p is 0, so the loads need no row mask (a page's stale tail
+    may be NaN, and 0 * NaN would poison acc); the caller masks their logits."""
+    tok = t * BLOCK_N + offs_n
+    tok = tl.where(tok < seq_len, tok, t * BLOCK_N)
+    return cache_ptr + page.to(tl.int64) * s_cp + (tok % BS).to(tl.int64) * s_cr
+
+
+@triton.jit
+def _load_cols(row, offs, cmask, ok, FULL: tl.constexpr, OK_MASK: tl.constexpr):
+    """[BLOCK_N, len(offs)] columns ``offs`` of rows ``row``. FULL: every column is real (no mask). OK_MASK: the load
+    is predicated on the scalar ``ok`` (a prefetch past the unit's last tile); where, not &: the interpreter turns
+    bool & scalar bool into int."""
+    if OK_MASK:
+        return tl.load(row[:, None] + offs[None, :], mask=tl.where(ok, cmask[None, :], False), other=0.0)
+    elif FULL:
+        return tl.load(row[:, None] + offs[None, :])
+    else:
+        return tl.load(row[:, None] + offs[None, :], mask=cmask[None, :], other=0.0)
+
+
+@triton.jit
 def _load_rows(cache_ptr, page, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp, s_cr, ok,
                L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BS: tl.constexpr,
                BLOCK_N: tl.constexpr, OK_MASK: tl.constexpr):
-    """Key tile t's rows from its pages (_tile_page): c [BLOCK_N, BLOCK_L] (latent, also V), kpe [BLOCK_N, BLOCK_R].
-    Rows past seq_len repeat the tile's first row (a page's stale tail may hold NaN); the caller masks their logits.
-    OK_MASK: the whole tile load is predicated on the scalar ``ok`` (a prefetch past the unit's last tile)."""
-    tok = t * BLOCK_N + offs_n
-    # rows past seq_len re-read the tile's first row (t * BLOCK_N < seq_len, same page): finite data whose p is 0, so
-    # the loads need no row mask (the page tail may be NaN, and 0 * NaN would poison acc)
-    tok = tl.where(tok < seq_len, tok, t * BLOCK_N)
-    row = cache_ptr + page.to(tl.int64) * s_cp + (tok % BS).to(tl.int64) * s_cr
-    cm = lmask[None, :]
-    km = rmask[None, :]
-    if OK_MASK:  # (where, not &: the interpreter turns bool & scalar bool into int)
-        cm = tl.where(ok, cm, False)
-        km = tl.where(ok, km, False)
-    if BLOCK_L == L and not OK_MASK:  # no column mask at Kimi shapes
-        c = tl.load(row[:, None] + offs_l[None, :])
-    else:
-        c = tl.load(row[:, None] + offs_l[None, :], mask=cm, other=0.0)
-    if BLOCK_R == R and not OK_MASK:
-        kpe = tl.load(row[:, None] + L + offs_r[None, :])
-    else:
-        kpe = tl.load(row[:, None] + L + offs_r[None, :], mask=km, other=0.0)
+    """Key tile t's rows (_tile_rows): c [BLOCK_N, BLOCK_L] (latent, also V), kpe [BLOCK_N, BLOCK_R]."""
+    row = _tile_rows(cache_ptr, page, t, seq_len, offs_n, s_cp, s_cr, BS, BLOCK_N)
+    c = _load_cols(row, offs_l, lmask, ok, BLOCK_L == L, OK_MASK)
+    kpe = _load_cols(row + L, offs_r, rmask, ok, BLOCK_R == R, OK_MASK)
     return c, kpe
+
+
+@triton.jit
+def _load_rows2(cache_ptr, page, t, seq_len, offs_n, offs_l0, offs_l1, offs_r, lmask0, lmask1, rmask, s_cp, s_cr, ok,
+                L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BS: tl.constexpr,
+                BLOCK_N: tl.constexpr, OK_MASK: tl.constexpr):
+    """_load_rows with the latent in two column halves (LSPLIT): c0, c1 [BLOCK_N, BLOCK_L / 2], kpe."""
+    row = _tile_rows(cache_ptr, page, t, seq_len, offs_n, s_cp, s_cr, BS, BLOCK_N)
+    c0 = _load_cols(row, offs_l0, lmask0, ok, BLOCK_L == L, OK_MASK)
+    c1 = _load_cols(row, offs_l1, lmask1, ok, BLOCK_L == L, OK_MASK)
+    kpe = _load_cols(row + L, offs_r, rmask, ok, BLOCK_R == R, OK_MASK)
+    return c0, c1, kpe
 
 
 @triton.jit
@@ -212,6 +246,74 @@ def _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, KEYS_M: tl.cons
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, IEEE, UPCAST)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scale, IEEE: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """_tile_update (heads as M) with the latent columns in halves (LSPLIT): S = q0 c0^T + q1 c1^T + qpe kpe^T as three
+    dots from zero, each scaled before the sum (a dot + add would be folded back into one accumulator chain), so each
+    MMA tile has three independent chains of K/32, K/32 and R/16 steps instead of one of (L + R)/16; acc0 / acc1
+    [BLOCK_H, BLOCK_L / 2] += P c0 / P c1."""
+    s = (_dot(q0, tl.trans(c0), IEEE, UPCAST) * qk_scale + _dot(q1, tl.trans(c1), IEEE, UPCAST) * qk_scale
+         + _dot(qpe, tl.trans(kpe), IEEE, UPCAST) * qk_scale)
+    s = tl.where(tmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(c0.dtype)
+    acc0 = acc0 * alpha[:, None] + _dot(p, c0, IEEE, UPCAST)
+    acc1 = acc1 * alpha[:, None] + _dot(p, c1, IEEE, UPCAST)
+    return m_new, l_i, acc0, acc1
+
+
+@triton.jit
+def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr, n, u, hb, H, seq_len, t_begin, t_end,
+                 qk_scale, s_qn, s_qh, s_pn, s_ph, s_cp, s_cr, s_on, s_oh, s_wu, s_wh, s_lu,
+                 L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+                 UPCAST: tl.constexpr, PAGE_TILE: tl.constexpr):
+    """Stage 1 of one work unit with q, the latent tile and acc in two column halves (LSPLIT, heads as M): the same
+    loads (Triton's pipeliner) and math as the main path, more independent MMA chains, fewer registers."""
+    HALF: tl.constexpr = BLOCK_L // 2
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    offs_l0 = tl.arange(0, HALF)
+    offs_l1 = HALF + offs_l0
+    offs_r = tl.arange(0, BLOCK_R)
+    lmask0 = offs_l0 < L
+    lmask1 = offs_l1 < L
+    rmask = offs_r < R
+    offs_n = tl.arange(0, BLOCK_N)
+    qrow = q_ptr + n.to(tl.int64) * s_qn + heads[:, None] * s_qh
+    dt = cache_ptr.dtype.element_ty
+    q0 = tl.load(qrow + offs_l0[None, :], mask=hmask[:, None] & lmask0[None, :], other=0.0).to(dt)
+    q1 = tl.load(qrow + offs_l1[None, :], mask=hmask[:, None] & lmask1[None, :], other=0.0).to(dt)
+    qpe = tl.load(qpe_ptr + n.to(tl.int64) * s_pn + heads[:, None] * s_ph + offs_r[None, :],
+                  mask=hmask[:, None] & rmask[None, :], other=0.0).to(dt)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, HALF], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
+    for t in range(t_begin, t_end):
+        page = _tile_page(bt_row, t, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
+        c0, c1, kpe = _load_rows2(cache_ptr, page, t, seq_len, offs_n, offs_l0, offs_l1, offs_r, lmask0, lmask1,
+                                  rmask, s_cp, s_cr, True, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, False)
+        tmask = t * BLOCK_N + offs_n < seq_len
+        m_i, l_i, acc0, acc1 = _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scale,
+                                             IEEE, UPCAST)
+    has = l_i > 0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    if DIRECT:
+        orow = out_ptr + n.to(tl.int64) * s_on + heads[:, None] * s_oh
+    else:
+        orow = opart_ptr + u.to(tl.int64) * s_wu + heads[:, None] * s_wh
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + u.to(tl.int64) * s_lu + heads, lse, mask=hmask)
+    odt = orow.dtype.element_ty
+    tl.store(orow + offs_l0[None, :], (acc0 * inv[:, None]).to(odt), mask=hmask[:, None] & lmask0[None, :])
+    tl.store(orow + offs_l1[None, :], (acc1 * inv[:, None]).to(odt), mask=hmask[:, None] & lmask1[None, :])
 
 
 @triton.jit
@@ -259,6 +361,7 @@ def _mla_decode_stage1(
     k_desc=None,
     TMA: tl.constexpr = False,
     PREFETCH: tl.constexpr = 0,  # tiles t+1..t+PREFETCH loaded into registers before tile t's dots (DECODE_VARIANTS)
+    LSPLIT: tl.constexpr = False,  # latent columns in two halves (_unit_lsplit; heads as M, no PREFETCH / TMA)
 ):
     u = tl.program_id(0)  # DIRECT: the sequence; else the work unit
     hb = tl.program_id(1)
@@ -277,7 +380,13 @@ def _mla_decode_stage1(
         t_begin = (u - tl.sum(tl.where(sel, first, 0), 0)) * sl
         t_end = tl.minimum(t_begin + sl, tl.sum(tl.where(sel, tiles, 0), 0))
         active = (n < N) & (t_begin < t_end)  # empty units are skipped by the merge (never written)
-    if active:
+    if LSPLIT:
+        if active:
+            _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_ptr + n.to(tl.int64) * s_btn, out_ptr, opart_ptr, lse_ptr, n, u,
+                         hb, H, seq_len, t_begin, t_end, qk_scale, s_qn, s_qh, s_pn, s_ph, s_cp, s_cr, s_on, s_oh,
+                         s_wu, s_wh, s_lu, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, BLOCK_H, DIRECT, IEEE, UPCAST,
+                         PAGE_TILE)
+    elif active:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
         offs_l = tl.arange(0, BLOCK_L)
@@ -499,7 +608,7 @@ def decode_config(H: int, L: int, R: int, dtype, on_gpu: bool, block_n=None, con
     b = dict(
         BLOCK_H=_dot_dim(cfg["block_h"]) if cfg.get("pad_heads") else _block_h(H, cfg["block_h"]),
         BLOCK_N=_dot_dim(block_n or (cfg["block_n"] if on_gpu else 16)),
-        BLOCK_L=_dot_dim(L),
+        BLOCK_L=max(_dot_dim(L), 2 * MIN_DOT) if cfg.get("lsplit") else _dot_dim(L),  # lsplit: halves >= MIN_DOT
         BLOCK_R=_dot_dim(R),
     )
     # S = q c^T, S += qpe kpe^T, acc += P c
@@ -586,12 +695,16 @@ def mla_decode_triton(
         wstr = opart.stride()[:2]
         lstr = lse.stride(0)
     kw = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) if on_gpu else {}
+    if on_gpu and cfg.get("maxnreg"):  # ptxas register cap (.maxnreg): e.g. 128 x 256 threads -> 2 programs per SM
+        kw["maxnreg"] = cfg["maxnreg"]
     variant = dict(
         KEYS_M=bool(cfg.get("keys_m", False)),
         PAGE_TILE=bool(cfg.get("page_tile", False)) and BS % BLOCK_N == 0,
         WARP_SPEC=bool(cfg.get("warp_spec", False)) and on_gpu,
         PREFETCH=int(cfg.get("prefetch", 0)),
+        LSPLIT=bool(cfg.get("lsplit", False)),
     )
+    assert not variant["LSPLIT"] or not (variant["KEYS_M"] or variant["PREFETCH"] or cfg.get("tma")), cfg
     # TMA boxes: exact L / R columns, tiles inside one page, rows viewable as one [NB * BS, L + R] tensor
     if cfg.get("tma", False) and BLOCK_L == L and BLOCK_R == R and BS % BLOCK_N == 0 and cache.stride(0) == BS * D:
         from triton.tools.tensor_descriptor import TensorDescriptor

@@ -31,7 +31,8 @@ def _needs_triton():
 # Interpreter tiles: BLOCK_N 16 by default; block_n=32 with 16-token pages takes the per-row gather (page_tile needs
 # BS % BLOCK_N == 0), 64-token pages hold several 16-token tiles (page_tile offsets inside a page).
 @pytest.mark.parametrize("variant", ["base", "base page", "keys_m", "keys_m page", "keys_m p16", "keys_m tma", "w4 n32",
-                                     "h64 n16", "h64 n32", "h64 n32 p16", "pf n32", "pf2 n32", "keys_m pf n64"])
+                                     "h64 n16", "h64 n32", "h64 n32 p16", "pf n32", "pf2 n32", "keys_m pf n64",
+                                     "w4 n32 p16", "w4 n32 ls", "ls n64 r128"])
 @pytest.mark.parametrize("bs,block_n", [(16, None), (64, None), (16, 32)])
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
@@ -49,7 +50,7 @@ def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
     assert torch.equal(cache.view(torch.int16), before.view(torch.int16))  # decode never writes the cache
 
 
-@pytest.mark.parametrize("variant", ["keys_m", "keys_m page", "keys_m tma", "pf2 n32", "keys_m pf n64"])
+@pytest.mark.parametrize("variant", ["keys_m", "keys_m page", "keys_m tma", "pf2 n32", "keys_m pf n64", "w4 n32 ls"])
 def test_decode_variant_fp32_and_odd_heads(variant):
     """fp32 cache (IEEE dots) and H=3 (masked head columns of the transposed tiles), splits on and off."""
     lens = [150, 97, 17, 1]
@@ -72,7 +73,7 @@ LONG = [4097, 1, 65, 0, 64]
 @pytest.mark.parametrize("num_splits", [1, 3, 16])
 @pytest.mark.parametrize("merge", [None, dict(BLOCK_S=1, BLOCK_H2=2, BLOCK_L2=16), dict(BLOCK_S=32, BLOCK_H2=4,
                                                                                          BLOCK_L2=32)])
-@pytest.mark.parametrize("variant", ["base", "h64 n32", "pf n32", "pf2 n32"])
+@pytest.mark.parametrize("variant", ["base", "h64 n32", "pf n32", "pf2 n32", "ls n64 r128"])
 def test_decode_schedule_long_and_short(num_splits, merge, variant):
     if num_splits == 1 and merge is not None:
         pytest.skip("no merge without splits")
@@ -132,7 +133,8 @@ def test_gpu_decode_variant_kimi(variant, num_splits):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("variant", ["base", "w4 n32", "h64 n16", "h64 n32", "pf n32", "pf2 n32"])
+@pytest.mark.parametrize("variant", ["base", "w4 n32", "h64 n16", "h64 n32", "pf n32", "pf2 n32", "ls n64 r128",
+                                     "w4 n32 ls"])
 @pytest.mark.parametrize("lens", [[1024], [8192], [300] * 128, [20000] + [700] * 63], ids=["b1_1k", "b1_8k", "b128",
                                                                                              "mixed64"])
 def test_gpu_decode_default_schedule_kimi(variant, lens):
