@@ -56,6 +56,8 @@ SWEEP += [GemvConfig(dot=False, BN=bn, BK=bk, num_warps=w, num_stages=1, prefetc
            (64, 256, 8, False), (16, 256, 2, False), (8, 512, 2, True)]]
 # variants of the default at its picked split: two-launch reduce, no eviction hint, .cg loads
 VARIANTS = [replace(DOT_CONFIG, fused=False), replace(DOT_CONFIG, evict=False), replace(DOT_CONFIG, cg=True)]
+# --tma: the dot bases with W by TMA boxes (a separate run: a fault would poison the CUDA context for what follows)
+TMA_SWEEP = [replace(c, tma=True) for c in SWEEP if c.dot]
 PROGRAM_TARGETS = (132, 264, 396, 528)   # splits putting ~1..4 programs on each of 132 SMs
 L2_FLUSH_BYTES = 256 << 20
 MAX_COPIES = 64
@@ -91,6 +93,7 @@ def tbs(nbytes, us):
 
 def describe(c: GemvConfig, k_split: int) -> str:
     flags = ("" if c.fused or c.split == 1 else " 2launch") + ("" if c.evict else " noevict") + (" cg" if c.cg else "")
+    flags += (" pf" if c.prefetch and not c.dot else "") + (" tma" if c.tma and c.dot else "")
     return (f"{'dot' if c.dot else 'fma'} BN{c.BN} BK{c.BK} w{c.num_warps} s{c.num_stages} split{c.split}"
             f"(k{k_split}){flags}")
 
@@ -134,8 +137,10 @@ def bench(shapes, ms, device, smoke, bw):
     print("\n".join(rows))
 
 
-def sweep(shapes, ms, device, smoke, bw):
+def sweep(shapes, ms, device, smoke, bw, tma=False):
     bases = SWEEP[:2] + SWEEP[8:10] + [replace(SWEEP[9], BK=32)] if smoke else SWEEP
+    if tma:
+        bases = [replace(c, tma=True) for c in SWEEP[:2]] if smoke else TMA_SWEEP
     best = {}
     for name, B, N, K, _ in shapes:
         for M in ms:
@@ -143,7 +148,8 @@ def sweep(shapes, ms, device, smoke, bw):
             default, dk = gemv_config(M, N, K, B, device)
             t_ref = time_us(case.torch_fns(), smoke, replays=10)
             configs = [c for base in bases for c in sweep_splits(base, M, N, K, B, device)]
-            configs += [replace(v, split=gemv_config(M, N, K, B, device, v)[0].split) for v in VARIANTS]
+            if not tma:
+                configs += [replace(v, split=gemv_config(M, N, K, B, device, v)[0].split) for v in VARIANTS]
             results, seen = [], set()
             for cfg in configs:
                 c, k_split = gemv_config(M, N, K, B, device, cfg)
@@ -179,7 +185,8 @@ def sweep(shapes, ms, device, smoke, bw):
         print(f"  {name:20s} M={M:2d}: torch {t_ref:8.2f} us, ours {r[0]:8.2f} us ({t_ref / r[0]:.2f}x)  {r[1]}")
         if r[0] < t_ref:
             print(f"      ({B}, {N}, {K}, {M}): GemvConfig(BN={c.BN}, BK={c.BK}, split={c.split}, dot={c.dot}, "
-                  f"num_warps={c.num_warps}, num_stages={c.num_stages}, fused={c.fused}, evict={c.evict}, cg={c.cg}),")
+                  f"num_warps={c.num_warps}, num_stages={c.num_stages}, fused={c.fused}, evict={c.evict}, cg={c.cg}, "
+                  f"prefetch={c.prefetch}, tma={c.tma}),")
     for M in ms:
         tr = sum(calls * best[(n, B, N, K, M)][0] for n, B, N, K, calls in shapes)
         to = sum(calls * min(best[(n, B, N, K, M)][0], best[(n, B, N, K, M)][1][0] if best[(n, B, N, K, M)][1]
@@ -192,6 +199,7 @@ def main():
     ap.add_argument("--m", default="1,4,16", help="rows (decode batch sizes), each <= 16")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes (testing this file)")
+    ap.add_argument("--tma", action="store_true", help="sweep the TMA variants only (run it separately: see TMA_SWEEP)")
     ap.add_argument("--shapes", default="", help="comma-separated prefixes of shape names (default: all)")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -204,6 +212,9 @@ def main():
     if device == "cuda":
         print(f"# {torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
     print(f"# device copy bandwidth {bw / 1e12:.2f} TB/s (2 x bytes / t, same run)")
+    if args.tma:
+        sweep(shapes, ms, device, args.smoke, bw, tma=True)
+        return
     bench(shapes, ms, device, args.smoke, bw)
     if args.sweep:
         print()

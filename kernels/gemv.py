@@ -48,22 +48,30 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _dot_tile(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
               BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-              W_EVICT: tl.constexpr, W_CACHE: tl.constexpr):
+              W_EVICT: tl.constexpr, W_CACHE: tl.constexpr, w_desc, w_row0, TMA: tl.constexpr):
     # -> fp32 [BM, BN] = x[:, k_lo:k_hi] @ W[n-tile, k_lo:k_hi]^T as tl.dot(W [BN, BK], x^T [BK, BM]) ("swap AB":
-    # W is the MMA's big operand, x padded to BM >= 16 columns by masked loads)
+    # W is the MMA's big operand, x padded to BM >= 16 columns by masked loads).
+    # TMA: W boxes [BN, BK] from w_desc over W viewed as [B * N, K] at rows w_row0.. (rows past this batch's N are
+    # the next batch's or zero fill: their outputs are masked; K past the end is zero fill; splits end on BK steps)
     offs_k = tl.arange(0, BK)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]                         # [BN, BK]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]                                      # [BM, BK]
     acc = tl.zeros((offs_n.shape[0], offs_m.shape[0]), dtype=tl.float32)                               # [BN, BM]
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:      # K and k_split are multiples of BK: no mask along K keeps the loads 16-byte vectors
-            w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0, cache_modifier=W_CACHE,
-                        eviction_policy=W_EVICT)
+            if TMA:
+                w = w_desc.load([w_row0, k0])
+            else:
+                w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0, cache_modifier=W_CACHE,
+                            eviction_policy=W_EVICT)
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
         else:
             k_mask = (k0 + offs_k) < k_hi
-            w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0, cache_modifier=W_CACHE,
-                        eviction_policy=W_EVICT)
+            if TMA:
+                w = w_desc.load([w_row0, k0])
+            else:
+                w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0, cache_modifier=W_CACHE,
+                            eviction_policy=W_EVICT)
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if UPCAST:      # the Triton interpreter multiplies bf16 dot operands as raw uint16 (kernels/mla/decode.py)
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
@@ -142,6 +150,7 @@ def _gemv_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT: tl.constexpr, W_EVICT: tl.constexpr, W_CACHE: tl.constexpr, R: tl.constexpr, PREFETCH: tl.constexpr,
+    w_desc=None, TMA: tl.constexpr = False,
 ):
     # grid (cdiv(N, BN), S, B): program (n, s, b) reads W[b, n*BN:+BN, s*k_split:+k_split] once (streamed: W_EVICT
     # / W_CACHE hints keep it from evicting x, partials and other kernels' data from L2) and
@@ -157,8 +166,9 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_split, K)
     xb, wb = x_ptr + pid_b * stride_xb, w_ptr + pid_b * stride_wb
     if DOT:
+        row0 = (pid_b * N + pid_n * BN).to(tl.int32)                                                # TMA box row
         out = _dot_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
-                        BK, EVEN_K, PREC, UPCAST, W_EVICT, W_CACHE)                                        # [BM, BN]
+                        BK, EVEN_K, PREC, UPCAST, W_EVICT, W_CACHE, w_desc, row0, TMA)                     # [BM, BN]
     else:
         out = _fma_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
                         BK, R, EVEN_K, PREFETCH, W_EVICT, W_CACHE)                                         # [BM, BN]
@@ -206,6 +216,7 @@ class GemvConfig:
     evict: bool = True              # W loads evict_first (read once per call; leave L2 to x, partials, neighbours)
     cg: bool = False                # W loads .cg (L2 only, bypass L1; ptxas takes no evict_first with it)
     prefetch: bool = False          # FMA: next step's tiles loaded before this step's FMAs
+    tma: bool = False               # dot: W by TMA boxes (host TensorDescriptor) where W's layout allows
 
 
 FMA_R = 8                # FMA path: contiguous K elements per thread and load (8 bf16 = 16 bytes)
@@ -264,6 +275,14 @@ def gemv_config(M: int, N: int, K: int, B: int, device, cfg: Optional[GemvConfig
 
 
 # --------------------------------------------------------------------------------------------------- wrappers
+def _tma_ok(wb: torch.Tensor) -> bool:
+    """W [B, N, K] viewable as [B * N, K] with 16-byte aligned base and row stride (TMA descriptor rules)."""
+    B, N, K = wb.shape
+    es = wb.element_size()
+    return ((B == 1 or wb.stride(0) == N * wb.stride(1)) and wb.stride(2) == 1 and (wb.stride(1) * es) % 16 == 0
+            and wb.data_ptr() % 16 == 0 and K * es >= 16)
+
+
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = None) -> torch.Tensor:
     batched = x.dim() == 3
     xb, wb = (x, w) if batched else (x[None], w[None])
@@ -289,13 +308,17 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     upcast = c.dot and x.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET", "0") == "1"
     assert not c.dot or min(c.BN, c.BK) >= 16, c                     # tl.dot's GPU lowering needs dims >= 16
+    tma = {}
+    if c.tma and c.dot and _tma_ok(wb):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        tma = dict(TMA=True, w_desc=TensorDescriptor.from_tensor(wb.view(B * N, K), [c.BN, c.BK]))
     _gemv_kernel[(triton.cdiv(N, c.BN), S, B)](
         xb, wb, y, p, cnt, M, N, K, k_split,
         xb.stride(0), xb.stride(1), wb.stride(0), wb.stride(1), y.stride(0), y.stride(1),
         p.stride(0) if S > 1 else 0, p.stride(-3), p.stride(-2),
         BM=bm, BN=c.BN, BK=c.BK, EVEN_K=even_k, DOT=c.dot, PREC=prec, UPCAST=upcast, SPLIT=split_mode,
         W_EVICT="evict_first" if c.evict and not c.cg else "", W_CACHE=".cg" if c.cg else "", R=min(FMA_R, c.BK),
-        PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages)
+        PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages, **tma)
     if split_mode == 1:
         br = min(1024, triton.next_power_of_2(N))
         _split_reduce_kernel[(B * M, triton.cdiv(N, br))](p, y, S, B * M, N, BR=br, num_warps=4)
@@ -347,6 +370,12 @@ def compile_report(arch: int = 90, configs: Optional[list] = None, M: int = 16, 
                       DOT=dot, PREC="tf32" if bf16 else "ieee", UPCAST=False, SPLIT=split,
                       W_EVICT="evict_first" if cfg.evict and not cfg.cg else "", W_CACHE=".cg" if cfg.cg else "",
                       R=min(FMA_R, cfg.BK), PREFETCH=cfg.prefetch)
+        if cfg.tma and dot:
+            consts["TMA"] = True
+            types["w_desc"] = f"tensordesc<{ty[1:]}[{cfg.BN}, {cfg.BK}]>"
+        else:
+            consts["TMA"] = False
+            consts["w_desc"] = None
         sig = {n: types.get(n, "constexpr") for n in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                  if n in types and (types[n].startswith("*") or n.startswith("stride") or n in ("K", "k_split"))}

@@ -26,6 +26,7 @@ CONFIGS = {
     "fma split3 2launch cg": GemvConfig(BN=16, BK=32, split=3, dot=False, fused=False, cg=True),
     "dot split5 cg": GemvConfig(BN=16, BK=16, split=5, dot=True, cg=True),
     "fma prefetch split2": GemvConfig(BN=16, BK=32, split=2, dot=False, prefetch=True),
+    "dot tma split2": GemvConfig(BN=16, BK=32, split=2, dot=True, tma=True),
     "fma prefetch bk64": GemvConfig(BN=32, BK=64, split=1, dot=False, prefetch=True, evict=False),
 }
 # (N, K, what) Kimi-Linear-48B decode projections (D = 2304)
@@ -59,7 +60,8 @@ def test_gemv_small(M, N, K, dtype, cfg):
 
 @requires_triton
 @pytest.mark.parametrize("cfg", [GemvConfig(BN=16, BK=16, split=2, dot=True),
-                                 GemvConfig(BN=16, BK=16, split=3, dot=False, prefetch=True)], ids=["dot", "fma"])
+                                 GemvConfig(BN=16, BK=16, split=3, dot=False, prefetch=True),
+                                 GemvConfig(BN=32, BK=16, split=1, dot=True, tma=True)], ids=["dot", "fma", "tma"])
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_batched_strided(dtype, T, cfg):
@@ -251,7 +253,23 @@ def test_bench_smoke():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, os.path.join(root, "bench", "gemv.py"), "--smoke", "--sweep", "--m", "1,3"],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+                       capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "best per shape" in r.stdout and "projections of one decode step" in r.stdout
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "gemv.py"), "--smoke", "--tma", "--m", "1"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert " tma" in r.stdout and "best per shape" in r.stdout
+
+
+# last in the file: a TMA fault would poison the CUDA context for every later GPU test
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("N,K,what", KIMI[:3], ids=[k[2] for k in KIMI[:3]])
+def test_gemv_tma_gpu(M, N, K, what):
+    x, w = _xw(M, N, K, torch.bfloat16)
+    for cfg in [GemvConfig(BN=64, BK=128, dot=True, tma=True), GemvConfig(BN=128, BK=128, dot=True, tma=True,
+                                                                          num_stages=3, split=1)]:
+        assert_close(what + " tma", gemv_triton(x, w, cfg), gemv_ref(x, w), bf16_tol())
