@@ -77,7 +77,7 @@ DECODE_CFG = {
 #   also cuts registers: (32, 64, 8 warps) 170 -> 140 (3.9) / 128 (3.6, no spill), so with maxnreg=128 (ptxas cap) two
 #   8-warp programs fit per SM (2 x 112 KB smem): 'ls n64 r128' = 'base' tiles, 2 programs per SM, 72 KB tiles
 #   (half the q smem re-reads per byte of 'w4 n32'). sm_90 (3.6 / 3.9): ls n64 r128 128 regs, no spill / 32 B stack;
-#   ls n32 w8 r128 74 KB, 128 / 128 + 32 B; w4 n32 ls 252 / 249 regs.
+#   ls n32 w8 r128 74 KB, 128 / 128 + 32 B; w4 n32 ls 252 / 249 regs; ls n64 r128 p16 (3.6) 128, no spill.
 # part16 on w4 n32 (w4 n32 p16): B=1 S=128k runs 256 units, whose fp32 partials (~17 MB written + read) are ~22% of
 #   the cache bytes.
 # min_split_tokens: smallest work unit (256 = the schedule before 12-02: B=1 S=1k ran as 4 units of 4 tiles).
@@ -106,6 +106,8 @@ DECODE_VARIANTS = {
                       lsplit=True),
     "ls n64 r128": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, page_tile=True, lsplit=True, maxnreg=128,
                         programs_per_sm=2),
+    "ls n64 r128 p16": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, page_tile=True, lsplit=True,
+                            maxnreg=128, programs_per_sm=2, part16=True),
     "ls n32 w8 r128": dict(block_h=32, block_n=32, num_warps=8, num_stages=2, page_tile=True, lsplit=True,
                            maxnreg=128, programs_per_sm=2),
 }
