@@ -311,6 +311,9 @@ def sweep_decode(args):
                     replace(c, pdl=True, prefetch2=pf, evict=ev))
                    for name, c in [("get_config", cur), ("best gemm1 + best non-PDL gemm2", _merge(b1, b2n, b1.direct))]
                    for pf, ev in ((0, False), (I, False), (I, True))]
+        if M > 32 and M <= 256:  # rows from the ids in every GEMM program instead of the align launch
+            chains += [(f"get_config + ids_rows=256{' + pdl prefetch2=' + str(I) if p else ''}",
+                        replace(cur, ids_rows=256, pdl=p, prefetch2=I if p else 0)) for p in (False, True)]
         for name, c in chains:
             print(f"  chain {_try_us(case.chain(c), name):7.2f} us  {name}: {c.short()}")
         outs = [torch.empty(case.T, D, device=DEV, dtype=torch.bfloat16) for _ in range(DEC_REPS)]

@@ -49,6 +49,11 @@ ALIGN_SMALL_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") == "torch" else 2048
 ALIGN_IN_GEMM_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") in ("torch", "kernel") else 32
 # Largest M whose decode configs get SM-balanced ragged N tile counts (get_config); KIMI_MOE_TILES=wide: none (A/B)
 BALANCE_MAX_M = 0 if os.environ.get("KIMI_MOE_TILES", "") == "wide" else 128
+# Decode (BLOCK_M 16) A/B switches of get_config, off until measured: KIMI_MOE_DIRECT=1 -> direct rows at T = 1;
+# KIMI_MOE_PDL=1 -> PDL GEMM2 + combine, "=prefetch" adding the L2 prefetch of GEMM2's rows, ",evict" evict_first loads
+DECODE_DIRECT = os.environ.get("KIMI_MOE_DIRECT", "0") == "1"
+_PDL = set(os.environ.get("KIMI_MOE_PDL", "0").split(",")) - {"0", ""}
+DECODE_PDL, DECODE_PREFETCH, DECODE_EVICT = bool(_PDL), "prefetch" in _PDL, "evict" in _PDL
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -375,13 +380,14 @@ class MoEConfig:
     pdl: bool = False     # GEMM2 and the combine launched with PDL (their prologue overlaps the previous kernel's tail)
     prefetch2: int = 0    # with pdl: K elements of each GEMM2 weight row prefetched into L2 before the wait
     evict: bool = False   # weight loads of both GEMMs evict_first in L2 (streamed once)
+    ids_rows: int = 0     # largest M whose GEMM programs derive their rows from the ids (0: ALIGN_IN_GEMM_MAX)
 
     def short(self) -> str:
         s = f"{self.BM},{self.BN1},{self.BN2},{self.BK},{self.num_warps},{self.num_stages}"
         extra = [f"{k}={v}" for k, v in (("nt1", self.nt1), ("nt2", self.nt2), ("split2", self.split2),
                                           ("BK2", self.BK2), ("warps2", self.warps2), ("stages2", self.stages2),
                                           ("direct", self.direct), ("pdl", self.pdl), ("prefetch2", self.prefetch2),
-                                          ("evict", self.evict))
+                                          ("evict", self.evict), ("ids_rows", self.ids_rows))
                  if v != MoEConfig.__dataclass_fields__[k].default]
         return s + ("," + ",".join(extra) if extra else "")
 
@@ -408,7 +414,8 @@ def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms
     """Tiles for H200 by the number of assignments M = T*k. Decode: BLOCK_M 16 (tl.dot minimum), narrow N tiles so
     that the few selected experts' weights are streamed by many SMs; prefill: 128x128-class tensor-core tiles.
     With top_k (decode, M <= BALANCE_MAX_M): N tile counts balanced over `sms` SMs for the expected number of row
-    blocks (balanced_tiles; N1 = I and N2 = D are GEMM1's and GEMM2's N)."""
+    blocks (balanced_tiles; N1 = I and N2 = D are GEMM1's and GEMM2's N), and the KIMI_MOE_DIRECT / KIMI_MOE_PDL
+    switches (DECODE_DIRECT: direct rows when M == top_k, i.e. one token; DECODE_PDL / _PREFETCH / _EVICT)."""
     per_expert = M / max(E, 1)
     if M <= 64:  # T <= 8 at k=8
         cfg = MoEConfig(16, 32, 64, 128, 4, 4)
@@ -423,6 +430,9 @@ def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms
     if top_k is not None and M <= BALANCE_MAX_M and cfg.BM == 16:
         blocks = expected_blocks(M, E, top_k)
         cfg = replace(cfg, nt1=balanced_tiles(N1, cfg.BN1, blocks, sms), nt2=balanced_tiles(N2, cfg.BN2, blocks, sms))
+    if top_k is not None and cfg.BM == 16:
+        cfg = replace(cfg, direct=DECODE_DIRECT and M == top_k, pdl=DECODE_PDL,
+                      prefetch2=N1 if DECODE_PDL and DECODE_PREFETCH else 0, evict=DECODE_EVICT)
     if dtype == torch.float32:  # fp32 operands: halve the pipeline depth to fit shared memory
         cfg = replace(cfg, BN2=min(cfg.BN2, 64), BK=min(cfg.BK, 64), num_stages=2, BK2=min(cfg.BK2, 64),
                       stages2=min(cfg.stages2, 2))
@@ -460,12 +470,14 @@ class MoERows:
     BM: int
 
 
-def moe_rows(topk_ids: torch.Tensor, E: int, BM: int, direct: bool = False) -> MoERows:
+def moe_rows(topk_ids: torch.Tensor, E: int, BM: int, direct: bool = False, ids_rows: int = 0) -> MoERows:
+    """Row layout of the GEMMs: direct, from the ids in the GEMM programs (M <= ids_rows, 0: ALIGN_IN_GEMM_MAX), or
+    moe_align's outputs."""
     ids = topk_ids.to(torch.int32).contiguous()
     M = ids.numel()
     if direct:  # block b = assignment b (row b, expert ids[b]); bytes-optimal only while no expert repeats (T = 1)
         return MoERows(ids, ids, ids, ids, M, -1, 0, E, BM)
-    if M <= ALIGN_IN_GEMM_MAX:  # decode: the GEMM programs find their rows in the ids (one launch fewer)
+    if M <= (ids_rows or ALIGN_IN_GEMM_MAX):  # decode: the GEMM programs find their rows in the ids (no align launch)
         return MoERows(ids, ids, ids, ids, max_padded_size(M, E, BM) // BM, max(16, triton.next_power_of_2(M)),
                        max(16, triton.next_power_of_2(E + 1)), E, BM)
     sorted_ids, expert_ids, num_post = moe_align(ids, E, BM)
@@ -562,7 +574,7 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, config: MoECo
     if w2.dtype != x.dtype:
         w2 = w2.to(x.dtype)
     cfg = config or get_config(M, E, x.dtype, top_k, num_sms(x.device), inter_dim, D)
-    rows = moe_rows(topk_ids, E, cfg.BM, cfg.direct)
+    rows = moe_rows(topk_ids, E, cfg.BM, cfg.direct, cfg.ids_rows)
     inter = moe_gemm1(x, w13, rows, cfg)
     y = moe_gemm2(inter, w2, rows, cfg)
     return moe_combine(y, topk_weights, out, cfg.pdl)
@@ -580,5 +592,5 @@ def fused_moe_uncombined_triton(x, w13, w2, topk_weights, topk_ids, config: MoEC
         return torch.empty(0, D, dtype=x.dtype, device=x.device)
     x, w13, w2 = x.contiguous(), w13.contiguous().to(x.dtype), w2.contiguous().to(x.dtype)
     cfg = config or get_config(T * top_k, E, x.dtype, top_k, num_sms(x.device), N2 // 2, D)
-    rows = moe_rows(topk_ids, E, cfg.BM, cfg.direct)
+    rows = moe_rows(topk_ids, E, cfg.BM, cfg.direct, cfg.ids_rows)
     return moe_gemm2(moe_gemm1(x, w13, rows, cfg), w2, rows, cfg)

@@ -346,6 +346,8 @@ def test_fused_moe_rows_from_ids_equal_align(pattern, T, k, monkeypatch):
     assert rms_ratio(out, fused_moe_ref(x, w13, w2, w, ids)) <= 1e-5
     monkeypatch.setattr(fm, "ALIGN_IN_GEMM_MAX", 0)
     assert torch.equal(out, fm.fused_moe_triton(x, w13, w2, w, ids))
+    cfg = fm.get_config(M, E, x.dtype, k, fm.num_sms(x.device), I, D)  # the same through MoEConfig.ids_rows
+    assert torch.equal(out, fm.fused_moe_triton(x, w13, w2, w, ids, config=fm.replace(cfg, ids_rows=M)))
 
 
 def test_balanced_tiles_and_decode_config():
@@ -367,6 +369,25 @@ def test_balanced_tiles_and_decode_config():
     assert (c.BM, c.nt1, c.nt2, c.split2) == (16, 44, 44, 1)
     assert get_config(9, 257, torch.bfloat16) == get_config(9, 257, torch.bfloat16, None, 132)  # no top_k: BN-wide
     assert get_config(8192 * 9, 257, torch.bfloat16, 9).nt1 == 0  # prefill unchanged
+
+
+def test_decode_switches(monkeypatch):
+    """KIMI_MOE_DIRECT / KIMI_MOE_PDL (module flags): direct rows only at one token (M == top_k), PDL / prefetch of
+    GEMM2's whole K / evict_first on every BLOCK_M-16 decode config, prefill configs untouched."""
+    import kernels.moe.fused as fm
+
+    monkeypatch.setattr(fm, "DECODE_DIRECT", True)
+    monkeypatch.setattr(fm, "DECODE_PDL", True)
+    monkeypatch.setattr(fm, "DECODE_PREFETCH", True)
+    monkeypatch.setattr(fm, "DECODE_EVICT", True)
+    c1, c8 = fm.get_config(9, 257, torch.bfloat16, 9, 132), fm.get_config(72, 257, torch.bfloat16, 9, 132)
+    assert c1.direct and not c8.direct and c1.pdl and c8.pdl and c1.prefetch2 == c8.prefetch2 == 1024 and c1.evict
+    assert c1.nt1 == 44 and c8.BM == 16
+    pre = fm.get_config(8192 * 9, 257, torch.bfloat16, 9, 132)
+    assert not (pre.direct or pre.pdl or pre.evict or pre.prefetch2)
+    assert not fm.get_config(9, 257, torch.bfloat16).direct  # no top_k: no switches
+    monkeypatch.setattr(fm, "DECODE_PREFETCH", False)
+    assert fm.get_config(9, 257, torch.bfloat16, 9, 132).prefetch2 == 0
 
 
 def _gemm_cfgs():
@@ -599,7 +620,7 @@ def test_kimi_pdl_gpu(T):
                      torch.full((T, 1), E - 1, device="cuda")], 1).to(torch.int32)
     ref32 = fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)
     base = get_config(T * k, E, torch.bfloat16, k)
-    for cfg in [base, replace(base, direct=T == 1)]:
+    for cfg in [base, replace(base, direct=T == 1), replace(base, ids_rows=256)]:
         exp = fused_moe_triton(x, w13, w2, w, ids, config=cfg)
         assert rms_ratio(exp, ref32) <= 5e-3
         for pf, ev in ((0, False), (I, False), (I, True)):
