@@ -36,7 +36,11 @@ Totals at 16k: intra ~82 GFLOP / ~1.1 GB (~0.25 ms at bandwidth, if not latency 
 output ~25 GFLOP / ~0.7 GB (~0.16 ms). h_c scratch: T*H*K*V*2/C = T*H*512 B (268 MB at 16k, bf16 = the MMA
 operand the fused path already rounds the state to, so both paths give the same o).
 (The intra row above describes the removed one-kernel intra; the current prep -> akk -> wu launches do the same
-math.) Measured 2026-12-02 on the H200 at 16k: prep 0.56, akk 1.59, wu 0.44, hpass 0.51, out 0.24 ms.
+math.) Measured 2026-12-02 on the H200 at 16k: prep 0.56, akk 1.59, wu 0.44, hpass 0.51, out 0.24 ms (3.35 ms end
+to end vs fla-core 2.08). SASS instruction count (offline, Triton 3.6) is the proxy that matched: akk ~112k warp-
+instructions per chunk-head (4 programs x 4 warps) -> 1.59 ms = ~55% of the H200's issue rate; prep ~34k, wu ~11k.
+INTRA_FUSED=1 (one program per chunk-head, 8 warps) estimates ~96k with FAST_SOFTPLUS=1 (levels ~38k, pass 1 ~23k,
+substitution ~12k, w/u ~13k): ~1.2-1.6 ms for the whole intra if the issue efficiency holds.
 """
 from __future__ import annotations
 
