@@ -136,6 +136,8 @@ def _decode_candidates(M, blocks, sms):
     g2 += [replace(c, pdl=True, prefetch2=pf) for c in base for pf in (0, I)]
     # weight loads evict_first (streamed once; matters in the chain, where they would evict prefetched GEMM2 rows)
     g1 += [replace(c, evict=True) for c in g1[:4] if c.nt1]
+    # GEMM1 with PDL after a kernel that signals at once (here the previous GEMM1; the router does not yet): optimistic
+    g1 += [replace(c, pdl1=True, pdl=True) for c in g1[:4] if c.nt1 and c.direct == directs[-1]][:1]
     g2 += [replace(c, evict=True) for c in base[:1]]
     return g1, g2
 
@@ -144,12 +146,13 @@ def _merge(c1, c2, direct):
     """GEMM1 fields of c1, GEMM2 fields of c2 (one config for fused_moe_triton)."""
     return MoEConfig(16, c1.BN1, c2.BN2, c1.BK, c1.num_warps, c1.num_stages, c1.nt1, c2.nt2, c2.split2,
                      c2.BK2 or c2.BK, c2.warps2 or c2.num_warps, c2.stages2 or c2.num_stages, direct, c2.pdl,
-                     c2.prefetch2, c1.evict or c2.evict)
+                     c2.prefetch2, c1.evict or c2.evict)  # (pdl1 off: GEMM1 follows the router in the model)
 
 
 def _label1(c):
     return (f"BN1={c.BN1} BK={c.BK} w={c.num_warps} s={c.num_stages} nt1={c.nt1 or -(-I // c.BN1)}"
-            f"{'' if c.nt1 else ' (BN-wide)'}{' direct' if c.direct else ''}{' evict' if c.evict else ''}")
+            f"{'' if c.nt1 else ' (BN-wide)'}{' direct' if c.direct else ''}{' evict' if c.evict else ''}"
+            f"{' pdl1 (after an early-signalling kernel)' if c.pdl1 else ''}")
 
 
 def _label2(c):
@@ -311,6 +314,9 @@ def sweep_decode(args):
                     replace(c, pdl=True, prefetch2=pf, evict=ev))
                    for name, c in [("get_config", cur), ("best gemm1 + best non-PDL gemm2", _merge(b1, b2n, b1.direct))]
                    for pf, ev in ((0, False), (I, False), (I, True))]
+        if M == K + 1:  # GEMM1 with PDL after the previous routing's combine (no early signal: realistic)
+            chains += [("best + pdl1 + pdl prefetch2 evict", replace(_merge(b1, b2n, b1.direct), pdl1=True, pdl=True,
+                                                                    prefetch2=I, evict=True))]
         if M > 32 and M <= 256:  # rows from the ids in every GEMM program instead of the align launch
             chains += [(f"get_config + ids_rows=256{' + pdl prefetch2=' + str(I) if p else ''}",
                         replace(cur, ids_rows=256, pdl=p, prefetch2=I if p else 0)) for p in (False, True)]

@@ -50,10 +50,12 @@ ALIGN_IN_GEMM_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") in ("torch", "kern
 # Largest M whose decode configs get SM-balanced ragged N tile counts (get_config); KIMI_MOE_TILES=wide: none (A/B)
 BALANCE_MAX_M = 0 if os.environ.get("KIMI_MOE_TILES", "") == "wide" else 128
 # Decode (BLOCK_M 16) A/B switches of get_config, off until measured: KIMI_MOE_DIRECT=1 -> direct rows at T = 1;
-# KIMI_MOE_PDL=1 -> PDL GEMM2 + combine, "=prefetch" adding the L2 prefetch of GEMM2's rows, ",evict" evict_first loads
+# KIMI_MOE_PDL=1 -> PDL GEMM2 + combine, "=prefetch" adding the L2 prefetch of GEMM2's rows, ",evict" evict_first loads,
+# ",gemm1" GEMM1 launched with PDL too (MoEConfig.pdl1)
 DECODE_DIRECT = os.environ.get("KIMI_MOE_DIRECT", "0") == "1"
 _PDL = set(os.environ.get("KIMI_MOE_PDL", "0").split(",")) - {"0", ""}
 DECODE_PDL, DECODE_PREFETCH, DECODE_EVICT = bool(_PDL), "prefetch" in _PDL, "evict" in _PDL
+DECODE_PDL1 = "gemm1" in _PDL
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -222,15 +224,34 @@ def _moe_gemm1_kernel(
     M, N, K, stride_xm, stride_we, stride_wn, stride_om, ids_ptr, E, NT,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
     MODE: tl.constexpr, INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, RAGGED: tl.constexpr,
-    GDC: tl.constexpr = False, W_EVICT: tl.constexpr = "",
+    GDC: tl.constexpr = False, W_EVICT: tl.constexpr = "", WAIT: tl.constexpr = False, SHARED_PF: tl.constexpr = False,
 ):
     """inter[idx, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, N + n]) for the rows idx of one block.
     GDC: signal at once that a PDL-launched GEMM2 may start its CTAs as this kernel's CTAs retire (its pre-wait part
-    then overlaps this kernel's tail). W_EVICT: the weight loads' L2 eviction policy ("evict_first": streamed once,
+    then overlaps this kernel's tail; with WAIT only once past the wait, so that the dependent never reads ids
+    before the router is done). WAIT: launched with PDL after the router: nothing is read before griddepcontrol.wait
+    but, with SHARED_PF (direct rows), the programs of each token's last column prefetch expert E - 1's gate and up
+    rows into L2 (speculative: the model's shared expert, appended last by the router; useless, not wrong, else).
+    W_EVICT: the weight loads' L2 eviction policy ("evict_first": streamed once,
     so they leave L2 to what is read again, e.g. GEMM2 weights prefetched by a PDL GEMM2).
     IDS_BLOCK > 0: the block's rows come from the ids (_block_rows_from_ids), not from moe_align's outputs; < 0: one
     block per assignment (direct, see _block_rows).
     Grid: (blocks * NT,); NT and RAGGED as in _block_rows."""
+    if WAIT:
+        if SHARED_PF:
+            pf_m = tl.program_id(0) // NT
+            if pf_m % TOP_K == TOP_K - 1:
+                pf_n = tl.program_id(0) % NT
+                if RAGGED:
+                    lo, hi = pf_n * N // NT, (pf_n + 1) * N // NT
+                else:
+                    lo, hi = pf_n * BN, tl.minimum(pf_n * BN + BN, N)
+                rows = tl.minimum(lo + tl.arange(0, BN), hi - 1).to(tl.int64)
+                nbytes = (K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)) // 16 * 16 + tl.zeros_like(rows)
+                shared = w_ptr + (E - 1).to(tl.int64) * stride_we + rows * stride_wn
+                _prefetch_rows_l2(shared, nbytes.to(tl.int32))
+                _prefetch_rows_l2(shared + N * stride_wn, nbytes.to(tl.int32))
+        _gdc_wait()
     if GDC:
         _gdc_launch_dependents()
     pid_m, n_lo, n_hi, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT,
@@ -381,13 +402,14 @@ class MoEConfig:
     prefetch2: int = 0    # with pdl: K elements of each GEMM2 weight row prefetched into L2 before the wait
     evict: bool = False   # weight loads of both GEMMs evict_first in L2 (streamed once)
     ids_rows: int = 0     # largest M whose GEMM programs derive their rows from the ids (0: ALIGN_IN_GEMM_MAX)
+    pdl1: bool = False    # GEMM1 launched with PDL (gains only if the router signals early; direct: prefetches E - 1)
 
     def short(self) -> str:
         s = f"{self.BM},{self.BN1},{self.BN2},{self.BK},{self.num_warps},{self.num_stages}"
         extra = [f"{k}={v}" for k, v in (("nt1", self.nt1), ("nt2", self.nt2), ("split2", self.split2),
                                           ("BK2", self.BK2), ("warps2", self.warps2), ("stages2", self.stages2),
                                           ("direct", self.direct), ("pdl", self.pdl), ("prefetch2", self.prefetch2),
-                                          ("evict", self.evict), ("ids_rows", self.ids_rows))
+                                          ("evict", self.evict), ("ids_rows", self.ids_rows), ("pdl1", self.pdl1))
                  if v != MoEConfig.__dataclass_fields__[k].default]
         return s + ("," + ",".join(extra) if extra else "")
 
@@ -432,7 +454,7 @@ def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms
         cfg = replace(cfg, nt1=balanced_tiles(N1, cfg.BN1, blocks, sms), nt2=balanced_tiles(N2, cfg.BN2, blocks, sms))
     if top_k is not None and cfg.BM == 16:
         cfg = replace(cfg, direct=DECODE_DIRECT and M == top_k, pdl=DECODE_PDL,
-                      prefetch2=N1 if DECODE_PDL and DECODE_PREFETCH else 0, evict=DECODE_EVICT)
+                      prefetch2=N1 if DECODE_PDL and DECODE_PREFETCH else 0, evict=DECODE_EVICT, pdl1=DECODE_PDL1)
     if dtype == torch.float32:  # fp32 operands: halve the pipeline depth to fit shared memory
         cfg = replace(cfg, BN2=min(cfg.BN2, 64), BK=min(cfg.BK, 64), num_stages=2, BK2=min(cfg.BK2, 64),
                       stages2=min(cfg.stages2, 2))
@@ -492,6 +514,14 @@ def _gdc(pdl: bool, launch: bool = True, **consts) -> dict:
     return dict(GDC=True, **consts, **({"launch_pdl": True} if launch else {}))
 
 
+def _gdc1(pdl1: bool, shared_pf: bool) -> dict:
+    """GEMM1 launched with PDL (WAIT; SHARED_PF: the speculative L2 prefetch of expert E - 1, direct rows and
+    16-byte aligned weight rows only)."""
+    if not pdl1 or INTERPRET:
+        return {}
+    return dict(WAIT=True, SHARED_PF=shared_pf, launch_pdl=True)
+
+
 def moe_gemm1(x: torch.Tensor, w13: torch.Tensor, rows: MoERows, cfg: MoEConfig,
               inter: torch.Tensor | None = None) -> torch.Tensor:
     """-> inter [M, I] (x.dtype) = silu(gate) * up per assignment row (flat index t*k + j)."""
@@ -507,6 +537,8 @@ def moe_gemm1(x: torch.Tensor, w13: torch.Tensor, rows: MoERows, cfg: MoEConfig,
         M, inter_dim, D, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), rows.ids, rows.E, NT,
         TOP_K=top_k, BM=rows.BM, BN=BN, BK=BK, EVEN_K=D % BK == 0, MODE=dot_mode(x.dtype), INTERP=INTERPRET,
         IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, launch=False),
+        **_gdc1(cfg.pdl1, rows.ids_block < 0 and (w13.stride(0) * w13.element_size()) % 16 == 0
+                and (w13.stride(1) * w13.element_size()) % 16 == 0),
         W_EVICT="evict_first" if cfg.evict else "",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

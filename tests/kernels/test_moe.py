@@ -382,6 +382,7 @@ def test_decode_switches(monkeypatch):
     monkeypatch.setattr(fm, "DECODE_EVICT", True)
     c1, c8 = fm.get_config(9, 257, torch.bfloat16, 9, 132), fm.get_config(72, 257, torch.bfloat16, 9, 132)
     assert c1.direct and not c8.direct and c1.pdl and c8.pdl and c1.prefetch2 == c8.prefetch2 == 1024 and c1.evict
+    assert not c1.pdl1
     assert c1.nt1 == 44 and c8.BM == 16
     pre = fm.get_config(8192 * 9, 257, torch.bfloat16, 9, 132)
     assert not (pre.direct or pre.pdl or pre.evict or pre.prefetch2)
@@ -608,8 +609,9 @@ def test_kimi_decode_configs_gpu(T):
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_kimi_pdl_gpu(T):
     """PDL path (GEMM1 signals at once, GEMM2 computes its rows and prefetches its weight rows into L2 before
-    griddepcontrol.wait, the combine waits too; also with evict_first weight loads): bit-identical to the same tiles without PDL, eager and replayed in a
-    CUDA graph (programmatic edges), with inter / y / out buffers reused between layers as the model does."""
+    griddepcontrol.wait, the combine waits too; also with evict_first weight loads and a PDL GEMM1 prefetching expert
+    E - 1): bit-identical to the same tiles without PDL, eager and replayed in a CUDA graph (programmatic edges), with
+    inter / y / out buffers reused between layers as the model does."""
     from dataclasses import replace
 
     from kernels.moe.fused import fused_moe_triton, get_config
@@ -623,8 +625,8 @@ def test_kimi_pdl_gpu(T):
     for cfg in [base, replace(base, direct=T == 1), replace(base, ids_rows=256)]:
         exp = fused_moe_triton(x, w13, w2, w, ids, config=cfg)
         assert rms_ratio(exp, ref32) <= 5e-3
-        for pf, ev in ((0, False), (I, False), (I, True)):
-            c = replace(cfg, pdl=True, prefetch2=pf, evict=ev)
+        for pf, ev, p1 in ((0, False, False), (I, False, False), (I, True, False), (I, True, True)):
+            c = replace(cfg, pdl=True, prefetch2=pf, evict=ev, pdl1=p1)
             assert torch.equal(fused_moe_triton(x, w13, w2, w, ids, config=c), exp), c
             # a graph of 4 dependent layers (each layer's output is the next one's input) vs the same eagerly
             outs = [torch.empty(T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
