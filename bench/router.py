@@ -6,10 +6,13 @@ shared expert appended), T = 1 / 8 / 64 tokens, against the torch reference; the
 Router rows: us per call inside a CUDA graph and gate-weight GB/s (E * D * 2 bytes / time). Each graph cycles through
 COPIES gate weights (> the 50 MB L2) so every call reads its gate from HBM, as in a decode step. Rows:
   torch         moe_router_ref (fp32 matmul, stable sort)
-  two-launch    _router_logits_(gemv_)kernel + _router_topk_kernel (KIMI_ROUTER_FUSED=0)
+  two-launch    _router_logits_(gemv_)kernel + _router_topk_kernel (KIMI_ROUTER_FUSED=0; T > 16 always)
+  ... row top-k the same with _router_topk_row_kernel (what v2 / v3 use for 16 < T <= TOPK_ROW_MAX_T)
   v1            _router_fused_gemv_kernel (the one-launch decode router, T <= 16)
-  v2 BEb wN     _router_decode_kernel, b experts per N-warp program (KIMI_ROUTER_DECODE=v2 KIMI_ROUTER_BE=b
-                KIMI_ROUTER_WARPS=N); default configs only, --sweep: BE 1/2/4/8 x warps 1/2/4
+  v2 BEb wN     _router_decode_kernel with the arrival counter, b experts per N-warp program
+                (KIMI_ROUTER_DECODE=v2 KIMI_ROUTER_BE=b KIMI_ROUTER_WARPS=N)
+  v3 BEb wN     the same with the flag-in-data handshake (KIMI_ROUTER_DECODE=v3)
+                default config (+ v3 with maxnreg 0, i.e. no register cap) only; --sweep: v3 at BE 1/2/4 x warps 1/2/4
 Every Triton row is checked against the reference first (ids equal, weights close).
 Norm rows (D 2304, bf16): add_rmsnorm, rmsnorm, combine (kernels.moe.fused.moe_combine, k = 9) + add_rmsnorm vs the
 fused combine_add_rmsnorm (KIMI_FUSE_COMBINE_NORM=1), per NORM_CONFIGS launch config (warps, early weight load),
@@ -40,7 +43,7 @@ from _timing import time_us  # noqa: E402
 E, K, D, SCALE = 256, 8, 2304, 2.446
 COPIES = 48                   # 48 x 1.18 MB gate weights = 57 MB > L2
 V2_DEFAULT = [(R.DECODE_BE, R.DECODE_WARPS)]
-V2_SWEEP = [(be, w) for be in (1, 2, 4, 8) for w in (1, 2, 4)]
+V2_SWEEP = [(be, w) for be in (1, 2, 4) for w in (1, 2, 4)]
 
 
 def router_variants(T, sweep):
@@ -49,13 +52,33 @@ def router_variants(T, sweep):
         logits = R.router_logits_triton(x, g)
         return R.router_topk_triton(logits, b, K, SCALE, True, False, E)
 
+    def two_rows(x, g, b):   # the two-launch path as v2 / v3 run it (top-k: _router_topk_row_kernel)
+        saved, R.ROUTER_DECODE = R.ROUTER_DECODE, "v3"
+        try:
+            return two(x, g, b)
+        finally:
+            R.ROUTER_DECODE = saved
+
+    def two_v1(x, g, b):
+        saved, R.ROUTER_DECODE = R.ROUTER_DECODE, "v1"
+        try:
+            return two(x, g, b)
+        finally:
+            R.ROUTER_DECODE = saved
+
     out = {"torch": lambda x, g, b: moe_router_ref(x, g, b, K, SCALE, True, False, append_expert=E),
-           "two-launch": two}
+           "two-launch": two_v1}
+    if T <= R.TOPK_ROW_MAX_T:
+        out["two-launch row top-k"] = two_rows
     if T <= R.GEMV_MAX_T:
         out["v1"] = lambda x, g, b: R._router_decode_v1(x, g, b, K, SCALE, True, False, E)
-        for be, w in (V2_SWEEP if sweep else V2_DEFAULT):
-            out[f"v2 BE{be} w{w}"] = (lambda be, w: lambda x, g, b: R._router_decode_v2(
-                x, g, b, K, SCALE, True, False, E, BE=be, num_warps=w))(be, w)
+        for poll in (False, True):
+            for be, w in (V2_SWEEP if sweep and poll else V2_DEFAULT):
+                out[f"v{2 + poll} BE{be} w{w}"] = (lambda be, w, poll: lambda x, g, b: R._router_decode_v2(
+                    x, g, b, K, SCALE, True, False, E, BE=be, num_warps=w, poll=poll))(be, w, poll)
+        be, w = V2_DEFAULT[0]
+        out[f"v3 BE{be} w{w} nocap"] = lambda x, g, b: R._router_decode_v2(
+            x, g, b, K, SCALE, True, False, E, BE=be, num_warps=w, poll=True, maxnreg=0)
     return out
 
 
@@ -71,7 +94,7 @@ def bench_router(ts, sweep, smoke, dev):
             wr, ir = moe_router_ref(x, gs[0], b, K, SCALE, True, False, append_expert=E)
             ok = torch.equal(ids, ir) and torch.allclose(w, wr, rtol=1e-5, atol=1e-6)
             us = time_us([(lambda g: lambda: fn(x, g, b))(g) for g in gs], smoke)
-            print(f"  T {T:3d}  {name:14s} {us:8.2f} us  {e * d * 2 / us / 1e3:7.1f} GB/s  "
+            print(f"  T {T:3d}  {name:20s} {us:8.2f} us  {e * d * 2 / us / 1e3:7.1f} GB/s  "
                   f"{'ok' if ok else 'MISMATCH vs reference'}")
 
 

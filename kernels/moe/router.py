@@ -34,10 +34,18 @@ GEMV_MAX_T = 16
 FUSED_DECODE = os.environ.get("KIMI_ROUTER_FUSED", "1") != "0"
 # which one-launch decode kernel (A/B switch, read per call so bench/router.py can flip it): "v1"
 # _router_fused_gemv_kernel (2 experts x one 4096-wide K tile per 4-warp program); "v2" _router_decode_kernel
-# (DECODE_BE experts per DECODE_WARPS-warp program, pow2 K chunks + tail, warp-local top-k without the L2 re-gather)
+# (DECODE_BE experts per DECODE_WARPS-warp program, pow2 K chunks + tail, bias loaded up front, warp-local 32-bit
+# top-k without the L2 re-gather; arrival counter); "v3" the same with the flag-in-data handshake (POLL)
 ROUTER_DECODE = os.environ.get("KIMI_ROUTER_DECODE", "v1")
-DECODE_BE = int(os.environ.get("KIMI_ROUTER_BE", "2"))
+DECODE_BE = int(os.environ.get("KIMI_ROUTER_BE", "1"))
 DECODE_WARPS = int(os.environ.get("KIMI_ROUTER_WARPS", "1"))
+# ptxas register cap for v2/v3 (0: none). Left alone, ptxas gave the 1-warp program 80 registers and issued most of
+# the row's loads only after the first chunk's data was in use (serial HBM round trips); with a cap of 168 it
+# takes 94 and issues every gate/x load before the first FMA (Triton 3.9 sm_90 SASS)
+DECODE_MAXNREG = int(os.environ.get("KIMI_ROUTER_MAXNREG", "168"))
+# v2 / v3 also select the top-k of up to this many tokens (two-launch path) one token per 1-warp program
+# (_router_topk_row_kernel) instead of _router_topk_kernel's rows-per-4-warp programs
+TOPK_ROW_MAX_T = int(os.environ.get("KIMI_ROUTER_TOPK_ROW_MAX_T", "256"))
 
 
 @triton.jit
@@ -213,58 +221,71 @@ def _router_fused_gemv_kernel(
 
 
 @triton.jit
-def _dot_row_chunk(x_ptr, w_ptr, offs_e, e_ok, k0, D, stride_we, BK: tl.constexpr, MASK_K: tl.constexpr):
-    # [BE] fp32 partial dot products of the gate rows offs_e with x over columns k0 .. k0 + BK (MASK_K: some >= D)
+def _load_row_chunk(x_ptr, w_ptr, offs_e, e_ok, k0, D, stride_we, BK: tl.constexpr, MASK_K: tl.constexpr):
+    # x[k0 : k0 + BK] [BK] and the gate rows offs_e over those columns [BE, BK] (raw dtype; MASK_K: some >= D)
     offs_k = k0 + tl.arange(0, BK)
     w_ptrs = w_ptr + offs_e[:, None].to(tl.int64) * stride_we + offs_k[None, :]
     if MASK_K:
-        a = tl.load(x_ptr + offs_k, mask=offs_k < D, other=0.0).to(tl.float32)
-        b = tl.load(w_ptrs, mask=e_ok[:, None] & (offs_k < D)[None, :], other=0.0).to(tl.float32)
+        a = tl.load(x_ptr + offs_k, mask=offs_k < D, other=0.0)
+        b = tl.load(w_ptrs, mask=e_ok[:, None] & (offs_k < D)[None, :], other=0.0)
     else:
-        a = tl.load(x_ptr + offs_k).to(tl.float32)
-        b = tl.load(w_ptrs, mask=e_ok[:, None], other=0.0).to(tl.float32)
-    return tl.sum(b * a[None, :], axis=1)
+        a = tl.load(x_ptr + offs_k)
+        b = tl.load(w_ptrs, mask=e_ok[:, None], other=0.0)
+    return a, b
 
 
 @triton.jit
-def _select_topk_row(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, t, E, scale, extra_id,
+def _dot_rows(a, b):
+    # [BE] fp32 sums of b [BE, BK] * a [BK] (bf16/fp16 products exact in fp32)
+    return tl.sum(b.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _select_topk_row(logits, b, w_out_ptr, id_out_ptr, t, E, scale, extra_id,
                      TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr,
                      OUT_K: tl.constexpr):
-    """_select_topk for one row (logits row at logits_ptr, read from L2: other programs just wrote it) on 1-D
-    tensors: the same keys, rounds and tie rule, but the weights come out of the registers (a masked sum over the
-    experts per pick) instead of a second, dependent L2 gather of the picked logits."""
+    """_select_topk for one token on 1-D tensors in registers: logits [BLOCK_E] fp32, b [BLOCK_E] the bias (unused
+    without HAS_BIAS). Same order and tie rule (descending score, then lowest expert), but 32-bit keys: per round
+    m = max(key), the pick = min expert with key == m (with one warp each is a local tree + one redux.sync instead of
+    a 64-bit shuffle tree), and the pick's weight is read out of the registers (an OR over the experts of its bits,
+    one nonzero term: exact) instead of a dependent L2 gather of the picked logits."""
     offs_e = tl.arange(0, BLOCK_E)
     offs_k = tl.arange(0, BLOCK_K)
     e_ok = offs_e < E
-    logits = tl.load(logits_ptr + offs_e, mask=e_ok, other=0.0, cache_modifier=".cg")
     scores = tl.sigmoid(logits)
     if HAS_BIAS:
-        sel = scores + tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)
+        sel = scores + b
     else:
         sel = scores
-    bits = sel.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    key = ordered.to(tl.int64) * 4294967296 + (BLOCK_E - 1 - offs_e).to(tl.int64)
-    lowest = -9223372036854775807 - 1
-    key = tl.where(e_ok, key, lowest)
     if BIASED_WEIGHTS and HAS_BIAS:
-        src = sel      # the reference's s + bias: the same fp32 add as the selection score
+        src = sel.to(tl.int32, bitcast=True)      # the reference's s + bias: the same fp32 add as the selection
     else:
-        src = scores
+        src = scores.to(tl.int32, bitcast=True)
+    # order-preserving int32 image of the fp32 score (negatives: flip the magnitude bits; NaN above +inf as in
+    # _select_topk); INT32_MIN is kept for "taken / padding" (the one score mapping there, a negative NaN with every
+    # payload bit set, is merged with its neighbour)
+    bits = sel.to(tl.int32, bitcast=True)
+    key = tl.maximum(bits ^ ((bits >> 31) & 0x7FFFFFFF), -2147483647)
+    taken = -2147483647 - 1
+    key = tl.where(e_ok, key, taken)
     top_i = tl.zeros((BLOCK_K,), dtype=tl.int32)
-    top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    top_b = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         m = tl.max(key, axis=0)
-        idx = (BLOCK_E - 1 - (m - ((m >> 32) << 32))).to(tl.int32)
-        idx = tl.minimum(tl.maximum(idx, 0), E - 1)
+        idx = tl.min(tl.where(key == m, offs_e, BLOCK_E), axis=0)
         hit = offs_e == idx
-        # the pick's weight: a sum with one nonzero term (exact), in the keys' layout (no layout conversion); the
-        # next round depends only on key, so these reductions overlap the remaining rounds
-        top_w = tl.where(offs_k == j, tl.sum(tl.where(hit, src, 0.0), axis=0), top_w)
+        # the weight's bits: off the next round's dependency chain (that needs key only)
+        top_b = tl.where(offs_k == j, tl.reduce(tl.where(hit, src, 0), 0, _bit_or), top_b)
         top_i = tl.where(offs_k == j, idx, top_i)
-        key = tl.where(hit, lowest, key)
+        key = tl.where(hit, taken, key)
     kmask = offs_k < TOP_K
+    top_w = tl.where(kmask, top_b.to(tl.float32, bitcast=True), 0.0)
     if RENORM:
         denom = tl.sum(top_w, axis=0) + 1e-20
         top_w = top_w / denom
@@ -283,28 +304,86 @@ def _router_decode_kernel(
     scale, extra_id, BE: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BK_TAIL: tl.constexpr,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr, OUT_K: tl.constexpr,
+    POLL: tl.constexpr, MAX_SPINS: tl.constexpr,
 ):
-    # ROUTER_DECODE="v2" (T <= GEMV_MAX_T): program (t, e-block of BE experts), meant for 1 warp. D = NK * BK + tail
-    # (BK a power of two, tail < BK masked to BK_TAIL): no masked lanes beyond the tail (D 2304 = 2048 + 256, where
-    # v1's one 4096 tile idles 44% of its lanes) and every load of the row is issued before the first sum (static
-    # unroll, tail first). The last of the token's programs to arrive selects with _select_topk_row; with one warp
-    # its reductions are shuffles only (v1: 4 warps, shared memory + barriers in each of the k rounds)
+    # ROUTER_DECODE v2 / v3 (T <= GEMV_MAX_T): program (t, e-block of BE experts), meant for 1 warp. D = NK * BK +
+    # tail (BK a power of two, tail < BK masked to BK_TAIL): no masked lanes beyond the tail (D 2304 = 2048 + 256,
+    # where v1's one 4096 tile idles 44% of its lanes), the loads of up to two chunks and the tail issued together. Every program also loads the bias up front (1 KB, cold in HBM: in the selecting
+    # program's tail it was one more memory round trip). Then one program per token selects (_select_topk_row):
+    #   v2 (not POLL): logits to logits_ptr, acq_rel arrival counter; the last to arrive reads them back (L2)
+    #   v3 (POLL): each logit goes to a persistent zeroed slot row [BLOCK_E] int64 as (1 << 32 | its fp32 bits),
+    #     data and ready flag in one single-copy-atomic store (no release fence, no counter atomic); the token's
+    #     last program in launch order spins on volatile loads of the row until every flag is set, then zeroes it
+    #     (the next launch finds it clear). The spinner is dispatched after the programs it waits for (blocks go out
+    #     in linear order; the interpreter runs them in order), so it cannot starve them; MAX_SPINS bounds the wait
     t = tl.program_id(0)
     offs_e = tl.program_id(1) * BE + tl.arange(0, BE)
     e_ok = offs_e < E
+    offs_all = tl.arange(0, BLOCK_E)
+    all_ok = offs_all < E
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + offs_all, mask=all_ok, other=0.0).to(tl.float32)
+    else:
+        b = tl.zeros((BLOCK_E,), dtype=tl.float32)
     x_row = x_ptr + t.to(tl.int64) * stride_xt
-    acc = tl.zeros((BE,), dtype=tl.float32)
+    # every load of the row before the first product: consumed chunk by chunk, ptxas issued the next chunk's loads
+    # only after the previous chunk's data had arrived (two to three serial HBM round trips, SASS checked)
+    a0, b0 = _load_row_chunk(x_row, w_ptr, offs_e, e_ok, 0, D, stride_we, BK, False)
+    if NK > 1:
+        a1, b1 = _load_row_chunk(x_row, w_ptr, offs_e, e_ok, BK, D, stride_we, BK, False)
     if BK_TAIL > 0:
-        acc += _dot_row_chunk(x_row, w_ptr, offs_e, e_ok, NK * BK, D, stride_we, BK_TAIL, True)
-    for i in tl.static_range(NK):
-        acc += _dot_row_chunk(x_row, w_ptr, offs_e, e_ok, i * BK, D, stride_we, BK, False)
-    tl.store(logits_ptr + t.to(tl.int64) * stride_lt + offs_e, acc, mask=e_ok)
-    tl.debug_barrier()  # every thread's logit stores precede the (release) arrival
-    n_arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
-    if n_arrived == tl.num_programs(1) - 1:
-        _select_topk_row(logits_ptr + t.to(tl.int64) * stride_lt, bias_ptr, w_out_ptr, id_out_ptr, t, E, scale,
-                         extra_id, TOP_K, BLOCK_K, BLOCK_E, HAS_BIAS, BIASED_WEIGHTS, RENORM, HAS_EXTRA, OUT_K)
-        tl.store(cnt_ptr + t, 0)
+        at, bt = _load_row_chunk(x_row, w_ptr, offs_e, e_ok, NK * BK, D, stride_we, BK_TAIL, True)
+    acc = _dot_rows(a0, b0)
+    if NK > 1:
+        acc += _dot_rows(a1, b1)
+    for i in tl.static_range(2, NK):   # D >= 3 BK (only when BE * BK is capped by decode_k_split): chunk by chunk
+        a2, b2 = _load_row_chunk(x_row, w_ptr, offs_e, e_ok, i * BK, D, stride_we, BK, False)
+        acc += _dot_rows(a2, b2)
+    if BK_TAIL > 0:
+        acc += _dot_rows(at, bt)
+    if POLL:
+        slot_row = cnt_ptr + t.to(tl.int64) * BLOCK_E
+        word = (acc.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF) | 0x100000000
+        tl.store(slot_row + offs_e, word, mask=e_ok)
+        if tl.program_id(1) == tl.num_programs(1) - 1:
+            words = tl.load(slot_row + offs_all, mask=all_ok, other=0x100000000, volatile=True)
+            spins = 0
+            while (tl.min((words >> 32).to(tl.int32), axis=0) == 0) & (spins < MAX_SPINS):
+                words = tl.load(slot_row + offs_all, mask=all_ok, other=0x100000000, volatile=True)
+                spins += 1
+            tl.store(slot_row + offs_all, tl.zeros((BLOCK_E,), dtype=tl.int64), mask=all_ok)
+            logits = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            _select_topk_row(logits, b, w_out_ptr, id_out_ptr, t, E, scale, extra_id, TOP_K, BLOCK_K, BLOCK_E,
+                             HAS_BIAS, BIASED_WEIGHTS, RENORM, HAS_EXTRA, OUT_K)
+    else:
+        l_row = logits_ptr + t.to(tl.int64) * stride_lt
+        tl.store(l_row + offs_e, acc, mask=e_ok)
+        tl.debug_barrier()  # every thread's logit stores precede the (release) arrival
+        n_arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
+        if n_arrived == tl.num_programs(1) - 1:
+            logits = tl.load(l_row + offs_all, mask=all_ok, other=0.0, cache_modifier=".cg")
+            _select_topk_row(logits, b, w_out_ptr, id_out_ptr, t, E, scale, extra_id, TOP_K, BLOCK_K, BLOCK_E,
+                             HAS_BIAS, BIASED_WEIGHTS, RENORM, HAS_EXTRA, OUT_K)
+            tl.store(cnt_ptr + t, 0)
+
+
+@triton.jit
+def _router_topk_row_kernel(
+    logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, E, stride_lt, scale, extra_id,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr, OUT_K: tl.constexpr,
+):
+    # ROUTER_DECODE v2 / v3, GEMV_MAX_T < T <= TOPK_ROW_MAX_T: one token per (1-warp) program, _select_topk_row
+    t = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    logits = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + offs_e, mask=e_ok, other=0.0)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)
+    else:
+        b = logits
+    _select_topk_row(logits, b, w_out_ptr, id_out_ptr, t, E, scale, extra_id, TOP_K, BLOCK_K, BLOCK_E,
+                     HAS_BIAS, BIASED_WEIGHTS, RENORM, HAS_EXTRA, OUT_K)
 
 
 def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
@@ -352,10 +431,19 @@ def router_topk_triton(logits, bias, top_k, routed_scaling_factor=1.0, renormali
     assert 1 <= top_k <= E
     logits = logits.contiguous()
     BLOCK_E = triton.next_power_of_2(E)
+    has_bias = bias is not None
+    if ROUTER_DECODE in ("v2", "v3") and T <= TOPK_ROW_MAX_T and BLOCK_E <= 1024:
+        _router_topk_row_kernel[(T,)](
+            logits, bias.contiguous() if has_bias else logits, w, ids, E, logits.stride(0),
+            float(routed_scaling_factor), int(append_expert) if has_extra else 0,
+            TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=BLOCK_E, HAS_BIAS=has_bias,
+            BIASED_WEIGHTS=bool(biased_weights), RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k,
+            num_warps=1,
+        )
+        return w, ids
     # decode: one row per single-warp program (shuffle reductions); many rows: a few rows per 4-warp program
     small = T <= GEMV_MAX_T
     BT = 1 if small else max(1, min(16, 2048 // BLOCK_E))
-    has_bias = bias is not None
     bias_arg = bias.contiguous() if has_bias else logits
     _router_topk_kernel[(triton.cdiv(T, BT),)](
         logits, bias_arg, w, ids, T, E, logits.stride(0), float(routed_scaling_factor),
@@ -389,7 +477,7 @@ def decode_k_split(D: int, BE: int, num_warps: int):
 
 def _router_fused(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert):
     """One-launch decode router (T <= GEMV_MAX_T); ROUTER_DECODE picks the kernel."""
-    if ROUTER_DECODE == "v2":
+    if ROUTER_DECODE in ("v2", "v3"):
         return _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert)
     return _router_decode_v1(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert)
 
@@ -420,29 +508,49 @@ def _router_decode_v1(x, gate_w, bias, top_k, scale, renormalize, biased_weights
 
 
 def _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert,
-                      BE=None, num_warps=None):
-    """One launch of _router_decode_kernel (T <= GEMV_MAX_T); BE / num_warps default to DECODE_BE / DECODE_WARPS."""
+                      BE=None, num_warps=None, poll=None, maxnreg=None):
+    """One launch of _router_decode_kernel (T <= GEMV_MAX_T); BE / num_warps default to DECODE_BE / DECODE_WARPS,
+    poll (the v3 handshake) to ROUTER_DECODE == "v3"."""
     T, D = x.shape
     E = gate_w.shape[0]
     assert 1 <= top_k <= E
     BE = min(BE or DECODE_BE, triton.next_power_of_2(E))
     num_warps = num_warps or DECODE_WARPS
+    poll = ROUTER_DECODE == "v3" if poll is None else poll
+    maxnreg = DECODE_MAXNREG if maxnreg is None else maxnreg
+    extra = {"maxnreg": maxnreg} if maxnreg and not INTERPRET else {}
     x = x.contiguous()
     gate_w = gate_w.contiguous()
     if gate_w.dtype != x.dtype:
         gate_w = gate_w.to(x.dtype)
     has_extra = append_expert is not None
     out_k = top_k + int(has_extra)
-    logits = torch.empty(T, E, device=x.device, dtype=torch.float32)
+    BLOCK_E = triton.next_power_of_2(E)
+    # v3 exchanges the logits through the slot rows; the (unused) logits argument then points at them too
+    sync = _poll_slots(x.device, T * BLOCK_E) if poll else arrival_counters(x.device, T)
+    logits = sync if poll else torch.empty(T, E, device=x.device, dtype=torch.float32)
     w = torch.empty(T, out_k, device=x.device, dtype=torch.float32)
     ids = torch.empty(T, out_k, device=x.device, dtype=torch.int32)
     has_bias = bias is not None
     BK, NK, BK_TAIL = decode_k_split(D, BE, num_warps)
     _router_decode_kernel[(T, triton.cdiv(E, BE))](
-        x, gate_w, logits, arrival_counters(x.device, T), bias.contiguous() if has_bias else logits, w, ids,
-        E, D, x.stride(0), gate_w.stride(0), logits.stride(0), float(scale), int(append_expert) if has_extra else 0,
+        x, gate_w, logits, sync, bias.contiguous() if has_bias else w, w, ids,
+        E, D, x.stride(0), gate_w.stride(0), E, float(scale), int(append_expert) if has_extra else 0,
         BE=BE, BK=BK, NK=NK, BK_TAIL=BK_TAIL, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
-        BLOCK_E=triton.next_power_of_2(E), HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights),
-        RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k, num_warps=num_warps,
+        BLOCK_E=BLOCK_E, HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights),
+        RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k, POLL=bool(poll), MAX_SPINS=1 << 20,
+        num_warps=num_warps, **extra,
     )
     return w, ids
+
+
+_SLOTS: dict = {}  # device -> list of int64 slot buffers (all kept alive: captured graphs hold them)
+
+
+def _poll_slots(device, n: int) -> torch.Tensor:
+    """A zeroed int64 buffer of >= n logit slots for the v3 handshake; every launch leaves its slots at zero (one
+    stream at a time, like kernels._tensors.arrival_counters). Never freed: captured graphs keep their buffer."""
+    bufs = _SLOTS.setdefault(torch.device(device), [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, GEMV_MAX_T * 1024), dtype=torch.int64, device=device))
+    return bufs[-1]

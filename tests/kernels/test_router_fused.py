@@ -18,8 +18,8 @@ needs_triton = pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs CUD
 DEV = "cuda" if HAS_CUDA else "cpu"
 
 
-# (kernel, BE, warps): v1 and the v2 configs that bench/router.py sweeps (BE 1 / 2 / 4 / 8 experts per program)
-KERNELS = [("v1", None, None), ("v2", 2, 1), ("v2", 1, 1), ("v2", 4, 2), ("v2", 8, 4)]
+# (kernel, BE, warps): v1, v2 (arrival counter) and v3 (flag-in-data slots) at configs bench/router.py sweeps
+KERNELS = [("v1", None, None), ("v2", 1, 1), ("v3", 1, 1), ("v2", 2, 1), ("v3", 4, 2), ("v3", 8, 4)]
 
 
 def _fused(kern, x, g, b, k, scale, renorm, biased, extra):
@@ -27,7 +27,8 @@ def _fused(kern, x, g, b, k, scale, renorm, biased, extra):
 
     if kern[0] == "v1":
         return r._router_decode_v1(x, g, b, k, scale, renorm, biased, extra)
-    return r._router_decode_v2(x, g, b, k, scale, renorm, biased, extra, BE=kern[1], num_warps=kern[2])
+    return r._router_decode_v2(x, g, b, k, scale, renorm, biased, extra, BE=kern[1], num_warps=kern[2],
+                               poll=kern[0] == "v3")
 
 
 def _both(x, g, b, k, scale, renorm, biased, extra, kern=KERNELS[0]):
@@ -53,8 +54,8 @@ def test_fused_router_matches(T, E, k, D, kern):
     b = torch.randn(E, device=DEV) * 2.0 - 1.0  # selection scores of both signs
     every = [(bias, biased, renorm, extra) for bias in (b, None) for biased in (False, True)
              for renorm, extra in ((True, E), (False, None))]
-    # the interpreter runs E/2 programs per token: at E = 256 two of the eight combinations (CI time)
-    for bias, biased, renorm, extra in (every if E < 64 or HAS_CUDA else [every[0], every[7]]):
+    # the interpreter runs E/BE programs per token: at E = 256 or T = 16 two of the eight combinations (CI time)
+    for bias, biased, renorm, extra in (every if (E < 64 and T < 16) or HAS_CUDA else [every[0], every[7]]):
         (w, ids), (w2, ids2) = _both(x, g, bias, k, 2.446, renorm, biased, extra, kern)
         wr, ir = moe_router_ref(x, g, bias, k, 2.446, renorm, biased, append_expert=extra)
         assert ids.dtype == torch.int32 and w.dtype == torch.float32 and w.shape == wr.shape
@@ -62,7 +63,9 @@ def test_fused_router_matches(T, E, k, D, kern):
         if kern[0] == "v1":
             assert torch.equal(w, w2)  # the same fp32 logits and the same selection code
         torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
-    assert not arrival_counters(DEV, T)[:T].any()  # every launch resets its counters
+    assert not arrival_counters(DEV, T)[:T].any()  # every launch resets its counters (v3: its slots)
+    import kernels.moe.router as r
+    assert all(not buf.any() for buf in r._SLOTS.get(torch.device(DEV), []))
 
 
 @needs_triton
@@ -82,9 +85,9 @@ def test_fused_router_ties_and_nan(kern):
 
 @needs_triton
 @pytest.mark.parametrize("kern", KERNELS[1:], ids=lambda c: "-".join(map(str, c)))
-def test_v2_biased_weights_and_poisoned_logits(kern):
-    """v2 takes the picked weights from its registers: biased weights (s + bias) and a NaN-poisoned logits buffer
-    from an earlier launch must not leak in; the module switch routes _router_fused to v2."""
+def test_v2_v3_biased_weights_and_switch(kern):
+    """v2 / v3 take the picked weights from their registers: biased weights (s + bias) must come out exactly like
+    the reference's; the module switches route _router_fused to them."""
     import kernels.moe.router as r
 
     T, E, k, D = 3, 24, 5, 72
@@ -95,12 +98,48 @@ def test_v2_biased_weights_and_poisoned_logits(kern):
     assert torch.equal(ids, ir)
     torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
     saved = r.ROUTER_DECODE, r.DECODE_BE, r.DECODE_WARPS
-    r.ROUTER_DECODE, r.DECODE_BE, r.DECODE_WARPS = "v2", kern[1], kern[2]
+    r.ROUTER_DECODE, r.DECODE_BE, r.DECODE_WARPS = kern
     try:
         w2, ids2 = r.moe_router_triton(x, g, b, k, 0.5, True, True)
     finally:
         r.ROUTER_DECODE, r.DECODE_BE, r.DECODE_WARPS = saved
     assert torch.equal(ids2, ids) and torch.equal(w2, w)
+
+
+@needs_triton
+@pytest.mark.parametrize("poll", [False, True])
+def test_v2_v3_many_k_chunks(poll):
+    """BE = 64 experts per 1-warp program caps the K chunk at 32: D = 300 is 9 chunks + a 12-wide tail (the
+    chunk-by-chunk loop after the first two)."""
+    import kernels.moe.router as r
+
+    assert r.decode_k_split(300, 64, 1) == (32, 9, 16)
+    T, E, k, D = 2, 130, 8, 300
+    x, g = torch.randn(T, D, device=DEV).to(torch.bfloat16), torch.randn(E, D, device=DEV).to(torch.bfloat16)
+    b = torch.randn(E, device=DEV) * 0.3
+    w, ids = r._router_decode_v2(x, g, b, k, 2.446, True, False, E, BE=64, num_warps=1, poll=poll)
+    wr, ir = moe_router_ref(x, g, b, k, 2.446, True, False, append_expert=E)
+    assert torch.equal(ids, ir)
+    torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [17, 40])
+def test_topk_row_kernel(T, monkeypatch):
+    """v2 / v3 select the top-k of 16 < T <= TOPK_ROW_MAX_T tokens (two launches) one token per 1-warp program."""
+    import kernels.moe.router as r
+
+    monkeypatch.setattr(r, "ROUTER_DECODE", "v3")
+    E, k, D = 64, 6, 32
+    x, g = torch.randn(T, D, device=DEV), torch.randn(E, D, device=DEV)
+    b = torch.randn(E, device=DEV) * 0.5
+    x[3, 0] = float("nan")                                  # NaN ranks first: ids 0..k-1 in order
+    for bias, biased in ((b, False), (b, True), (None, False)):
+        w, ids = r.moe_router_triton(x, g, bias, k, 2.446, True, biased, E)
+        wr, ir = moe_router_ref(x, g, bias, k, 2.446, True, biased, append_expert=E)
+        assert torch.equal(ids, ir)
+        keep = torch.arange(T, device=DEV) != 3
+        torch.testing.assert_close(w[keep], wr[keep], rtol=1e-5, atol=1e-6)
 
 
 def test_decode_k_split():
@@ -137,7 +176,8 @@ def test_dispatch_takes_fused_path_for_decode():
 @pytest.mark.parametrize("T", [1, 8, 16])
 def test_fused_router_kimi_graph(T, kern):
     """Kimi shapes (E=256, k=8, D=2304, shared expert appended), captured in a CUDA graph and replayed with new inputs:
-    the counters reset inside each replay."""
+    the counters (v3: slots) reset inside each replay."""
+    import kernels.moe.router as r
     from kernels._tensors import arrival_counters
 
     E, k, D = 256, 8, 2304
@@ -156,3 +196,4 @@ def test_fused_router_kimi_graph(T, kern):
         assert torch.equal(ids, ir)
         torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
     assert not arrival_counters("cuda", T)[:T].any()
+    assert all(not buf.any() for buf in r._SLOTS.get(torch.device("cuda", torch.cuda.current_device()), []))
