@@ -7,7 +7,8 @@ Router rows: us per call inside a CUDA graph and gate-weight GB/s (E * D * 2 byt
 COPIES gate weights (> the 50 MB L2) so every call reads its gate from HBM, as in a decode step. Rows:
   torch         moe_router_ref (fp32 matmul, stable sort)
   two-launch    _router_logits_(gemv_)kernel + _router_topk_kernel (KIMI_ROUTER_FUSED=0; T > 16 always)
-  ... row top-k the same with _router_topk_row_kernel (what v2 / v3 use for 16 < T <= TOPK_ROW_MAX_T)
+  ... row top-k the same with _router_topk_row_kernel
+  v3 split-K    T > 16 under v2 / v3: _router_logits_splitk_kernel + _router_topk_row_kernel (T <= TOPK_ROW_MAX_T)
   v1            _router_fused_gemv_kernel (the one-launch decode router, T <= 16)
   v2 BEb wN     _router_decode_kernel with the arrival counter, b experts per N-warp program
                 (KIMI_ROUTER_DECODE=v2 KIMI_ROUTER_BE=b KIMI_ROUTER_WARPS=N)
@@ -70,6 +71,14 @@ def router_variants(T, sweep):
            "two-launch": two_v1}
     if T <= R.TOPK_ROW_MAX_T:
         out["two-launch row top-k"] = two_rows
+    if R.GEMV_MAX_T < T <= R.TOPK_ROW_MAX_T:
+        def splitk(x, g, b):   # what moe_router_triton runs for these T under v2 / v3
+            saved, R.ROUTER_DECODE = R.ROUTER_DECODE, "v3"
+            try:
+                return R.moe_router_triton(x, g, b, K, SCALE, True, False, E)
+            finally:
+                R.ROUTER_DECODE = saved
+        out["v3 split-K + row top-k"] = splitk
     if T <= R.GEMV_MAX_T:
         out["v1"] = lambda x, g, b: R._router_decode_v1(x, g, b, K, SCALE, True, False, E)
         for poll in (False, True):

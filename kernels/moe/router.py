@@ -43,8 +43,9 @@ DECODE_WARPS = int(os.environ.get("KIMI_ROUTER_WARPS", "1"))
 # the row's loads only after the first chunk's data was in use (serial HBM round trips); with a cap of 168 it
 # takes 94 and issues every gate/x load before the first FMA (Triton 3.9 sm_90 SASS)
 DECODE_MAXNREG = int(os.environ.get("KIMI_ROUTER_MAXNREG", "168"))
-# v2 / v3 also select the top-k of up to this many tokens (two-launch path) one token per 1-warp program
-# (_router_topk_row_kernel) instead of _router_topk_kernel's rows-per-4-warp programs
+# v2 / v3 also route up to this many tokens in two launches of their own: split-K logits partials
+# (_router_logits_splitk_kernel) and a top-k of one token per 1-warp program (_router_topk_row_kernel) summing them,
+# instead of _router_logits_kernel + _router_topk_kernel (rows per 4-warp program)
 TOPK_ROW_MAX_T = int(os.environ.get("KIMI_ROUTER_TOPK_ROW_MAX_T", "256"))
 
 
@@ -368,16 +369,51 @@ def _router_decode_kernel(
 
 
 @triton.jit
+def _router_logits_splitk_kernel(
+    x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we, stride_os, stride_ot, KS,
+    BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
+):
+    # program (t-block, e-block, K split s): out[s, t, e] = sum over d in [s KS, (s + 1) KS) of x[t, d] w[e, d], fp32.
+    # v2 / v3 for GEMV_MAX_T < T <= TOPK_ROW_MAX_T: _router_logits_kernel ran cdiv(T, 32) x 16 programs over all
+    # 18 K tiles of D 2304 (T = 64: 32 programs, 9.1 us on the H200); here 9 splits of 2 tiles -> 9x the programs
+    pid_t = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    s = tl.program_id(2)
+    offs_t = pid_t * BT + tl.arange(0, BT)
+    offs_e = pid_e * BE + tl.arange(0, BE)
+    offs_k = s * KS + tl.arange(0, BK)
+    t_ok = offs_t < T
+    e_ok = offs_e < E
+    x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
+    w_ptrs = w_ptr + offs_e[None, :].to(tl.int64) * stride_we + offs_k[:, None]  # [BK, BE]
+    acc = tl.zeros((BT, BE), dtype=tl.float32)
+    for k0 in range(0, KS, BK):
+        k_ok = offs_k < D - k0
+        a = tl.load(x_ptrs, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None] & e_ok[None, :], other=0.0)
+        acc = dot_acc(a, b, acc, MODE)
+        x_ptrs += BK
+        w_ptrs += BK
+    o_ptrs = out_ptr + s * stride_os + offs_t[:, None].to(tl.int64) * stride_ot + offs_e[None, :]
+    tl.store(o_ptrs, acc, mask=t_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
 def _router_topk_row_kernel(
-    logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, E, stride_lt, scale, extra_id,
+    logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, E, stride_ls, stride_lt, scale, extra_id,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr, OUT_K: tl.constexpr,
+    NS: tl.constexpr,
 ):
-    # ROUTER_DECODE v2 / v3, GEMV_MAX_T < T <= TOPK_ROW_MAX_T: one token per (1-warp) program, _select_topk_row
+    # ROUTER_DECODE v2 / v3, T <= TOPK_ROW_MAX_T: one token per (1-warp) program, _select_topk_row; the logits are
+    # the sum of NS split-K partials [NS, T, E], added in split order (deterministic)
     t = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
-    logits = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + offs_e, mask=e_ok, other=0.0)
+    l_ptrs = logits_ptr + t.to(tl.int64) * stride_lt + offs_e
+    logits = tl.load(l_ptrs, mask=e_ok, other=0.0)
+    for i in tl.static_range(1, NS):
+        logits += tl.load(l_ptrs + i * stride_ls, mask=e_ok, other=0.0)
     if HAS_BIAS:
         b = tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)
     else:
@@ -433,13 +469,8 @@ def router_topk_triton(logits, bias, top_k, routed_scaling_factor=1.0, renormali
     BLOCK_E = triton.next_power_of_2(E)
     has_bias = bias is not None
     if ROUTER_DECODE in ("v2", "v3") and T <= TOPK_ROW_MAX_T and BLOCK_E <= 1024:
-        _router_topk_row_kernel[(T,)](
-            logits, bias.contiguous() if has_bias else logits, w, ids, E, logits.stride(0),
-            float(routed_scaling_factor), int(append_expert) if has_extra else 0,
-            TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=BLOCK_E, HAS_BIAS=has_bias,
-            BIASED_WEIGHTS=bool(biased_weights), RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k,
-            num_warps=1,
-        )
+        _topk_rows(logits[None], bias, w, ids, top_k, routed_scaling_factor, renormalize, biased_weights,
+                   append_expert)
         return w, ids
     # decode: one row per single-warp program (shuffle reductions); many rows: a few rows per 4-warp program
     small = T <= GEMV_MAX_T
@@ -455,12 +486,62 @@ def router_topk_triton(logits, bias, top_k, routed_scaling_factor=1.0, renormali
     return w, ids
 
 
+def _topk_rows(parts, bias, w, ids, top_k, scale, renormalize, biased_weights, append_expert):
+    """_router_topk_row_kernel over parts [NS, T, E] fp32 (row-contiguous logits partials) -> w, ids."""
+    NS, T, E = parts.shape
+    has_bias, has_extra = bias is not None, append_expert is not None
+    _router_topk_row_kernel[(T,)](
+        parts, bias.contiguous() if has_bias else parts, w, ids, E, parts.stride(0), parts.stride(1), float(scale),
+        int(append_expert) if has_extra else 0,
+        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), HAS_BIAS=has_bias,
+        BIASED_WEIGHTS=bool(biased_weights), RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=w.shape[1], NS=NS,
+        num_warps=1,
+    )
+
+
+# K split of the v2 / v3 logits for GEMV_MAX_T < T <= TOPK_ROW_MAX_T (two BK = 128 tiles per split: 9 for D 2304)
+SPLITK_KS = 256
+
+
+def router_logits_splitk(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
+    """x [T, D] @ gate_w[E, D].T as fp32 partials [S, T, E] over S = cdiv(D, SPLITK_KS) K ranges (sum them in
+    order for the logits)."""
+    T, D = x.shape
+    E = gate_w.shape[0]
+    x = x.contiguous()
+    gate_w = gate_w.contiguous()
+    if gate_w.dtype != x.dtype:
+        gate_w = gate_w.to(x.dtype)
+    is_fp32 = x.dtype == torch.float32
+    BK = 64 if is_fp32 else 128
+    KS = max(BK, SPLITK_KS // BK * BK)
+    S = triton.cdiv(D, KS)
+    out = torch.empty(S, T, E, device=x.device, dtype=torch.float32)
+    BT = 16 if T <= 16 else (32 if T <= 128 else 64)
+    BE = min(16 if T <= 128 else 32, max(16, triton.next_power_of_2(E)))
+    _router_logits_splitk_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE), S)](
+        x, gate_w, out, T, E, D, x.stride(0), gate_w.stride(0), out.stride(0), out.stride(1), KS,
+        BT=BT, BE=BE, BK=BK, MODE=dot_mode(x.dtype), num_warps=4, num_stages=2,
+    )
+    return out
+
+
 def moe_router_triton(x, gate_w, bias, top_k, routed_scaling_factor=1.0, renormalize=True, biased_weights=False,
                       append_expert=None):
-    """Same contract as ``moe_router_ref``. T <= GEMV_MAX_T (decode) with FUSED_DECODE: one launch
-    (``_router_fused_gemv_kernel``); else the logits kernel, then the top-k kernel."""
+    """Same contract as ``moe_router_ref``. T <= GEMV_MAX_T (decode) with FUSED_DECODE: one launch (ROUTER_DECODE
+    picks the kernel); v2 / v3 with T <= TOPK_ROW_MAX_T: split-K logits, then the row top-k; else the logits
+    kernel, then the top-k kernel."""
     if FUSED_DECODE and 0 < x.shape[0] <= GEMV_MAX_T:
         return _router_fused(x, gate_w, bias, top_k, routed_scaling_factor, renormalize, biased_weights, append_expert)
+    T, E = x.shape[0], gate_w.shape[0]
+    if ROUTER_DECODE in ("v2", "v3") and GEMV_MAX_T < T <= TOPK_ROW_MAX_T and E <= 1024:
+        assert 1 <= top_k <= E
+        out_k = top_k + int(append_expert is not None)
+        w = torch.empty(T, out_k, device=x.device, dtype=torch.float32)
+        ids = torch.empty(T, out_k, device=x.device, dtype=torch.int32)
+        _topk_rows(router_logits_splitk(x, gate_w), bias, w, ids, top_k, routed_scaling_factor, renormalize,
+                   biased_weights, append_expert)
+        return w, ids
     logits = router_logits_triton(x, gate_w)
     return router_topk_triton(logits, bias, top_k, routed_scaling_factor, renormalize, biased_weights, append_expert)
 

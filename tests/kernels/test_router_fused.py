@@ -126,7 +126,8 @@ def test_v2_v3_many_k_chunks(poll):
 @needs_triton
 @pytest.mark.parametrize("T", [17, 40])
 def test_topk_row_kernel(T, monkeypatch):
-    """v2 / v3 select the top-k of 16 < T <= TOPK_ROW_MAX_T tokens (two launches) one token per 1-warp program."""
+    """v2 / v3 route 16 < T <= TOPK_ROW_MAX_T tokens in two launches: split-K logits, top-k one token per 1-warp
+    program summing the partials."""
     import kernels.moe.router as r
 
     monkeypatch.setattr(r, "ROUTER_DECODE", "v3")
@@ -140,6 +141,24 @@ def test_topk_row_kernel(T, monkeypatch):
         assert torch.equal(ids, ir)
         keep = torch.arange(T, device=DEV) != 3
         torch.testing.assert_close(w[keep], wr[keep], rtol=1e-5, atol=1e-6)
+        # the row top-k alone over one logits tensor (router_topk_triton under v2 / v3)
+        w1, ids1 = r.router_topk_triton(x.float() @ g.float().t(), bias, k, 2.446, True, biased, E)
+        assert torch.equal(ids1, ir)
+        torch.testing.assert_close(w1[keep], wr[keep], rtol=1e-5, atol=1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("T,D,dtype", [(20, 300, torch.bfloat16), (33, 100, torch.float32)])
+def test_logits_splitk(T, D, dtype):
+    """Split-K partials [S, T, E] sum (in order) to the reference logits; S = cdiv(D, KS), the last split ragged."""
+    import kernels.moe.router as r
+
+    E = 40
+    x, g = torch.randn(T, D, device=DEV).to(dtype), torch.randn(E, D, device=DEV).to(dtype)
+    parts = r.router_logits_splitk(x, g)
+    BK = 64 if dtype == torch.float32 else 128
+    assert parts.shape == (-(-D // (r.SPLITK_KS // BK * BK)), T, E)
+    torch.testing.assert_close(parts.sum(0), x.float() @ g.float().t(), rtol=1e-5, atol=1e-4)
 
 
 def test_decode_k_split():
