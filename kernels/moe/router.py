@@ -11,6 +11,10 @@ Two kernels, no host sync (CUDA-graph capturable):
      then weights from the unbiased (or, with ``biased_weights``, biased) scores at the picked ids, renormalised and
      scaled. Small T: one warp per row (the reductions are warp shuffles, no shared-memory round trips).
 
+Decode (T <= GEMV_MAX_T) runs in one launch: logits programs, then one program per token selects (the last to arrive
+on an arrival counter, v1 / v2, or the last in launch order spinning on flag-carrying logit slots, v3); see
+ROUTER_DECODE. v2 / v3 route 16 < T <= TOPK_ROW_MAX_T through split-K logits and a one-warp-per-token top-k.
+
 Tie-breaking matches ``moe_router_ref``: descending selection score, equal scores -> lower expert index first;
 ``topk_ids[:, 0]`` is the best expert.
 """
@@ -309,8 +313,9 @@ def _router_decode_kernel(
 ):
     # ROUTER_DECODE v2 / v3 (T <= GEMV_MAX_T): program (t, e-block of BE experts), meant for 1 warp. D = NK * BK +
     # tail (BK a power of two, tail < BK masked to BK_TAIL): no masked lanes beyond the tail (D 2304 = 2048 + 256,
-    # where v1's one 4096 tile idles 44% of its lanes), the loads of up to two chunks and the tail issued together. Every program also loads the bias up front (1 KB, cold in HBM: in the selecting
-    # program's tail it was one more memory round trip). Then one program per token selects (_select_topk_row):
+    # where v1's one 4096 tile idles 44% of its lanes), the loads of up to two chunks and the tail issued together.
+    # Every program also loads the bias (1 KB, cold in HBM; ptxas places it after the dot products, so in v3 it
+    # overlaps the spin instead of following the arrival). Then one program per token selects (_select_topk_row):
     #   v2 (not POLL): logits to logits_ptr, acq_rel arrival counter; the last to arrive reads them back (L2)
     #   v3 (POLL): each logit goes to a persistent zeroed slot row [BLOCK_E] int64 as (1 << 32 | its fp32 bits),
     #     data and ready flag in one single-copy-atomic store (no release fence, no counter atomic); the token's
