@@ -514,6 +514,12 @@ def _gdc(pdl: bool, launch: bool = True, **consts) -> dict:
     return dict(GDC=True, **consts, **({"launch_pdl": True} if launch else {}))
 
 
+def _bulk_ok(w: torch.Tensor, K: int) -> bool:
+    """Rows of w [E, N, K] can take cp.async.bulk.prefetch.L2: 16-byte aligned starts and K in 16-byte units."""
+    sz = w.element_size()
+    return w.data_ptr() % 16 == 0 and all(st * sz % 16 == 0 for st in w.stride()[:2]) and K * sz % 16 == 0
+
+
 def _gdc1(pdl1: bool, shared_pf: bool) -> dict:
     """GEMM1 launched with PDL (WAIT; SHARED_PF: the speculative L2 prefetch of expert E - 1, direct rows and
     16-byte aligned weight rows only)."""
@@ -537,8 +543,7 @@ def moe_gemm1(x: torch.Tensor, w13: torch.Tensor, rows: MoERows, cfg: MoEConfig,
         M, inter_dim, D, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), rows.ids, rows.E, NT,
         TOP_K=top_k, BM=rows.BM, BN=BN, BK=BK, EVEN_K=D % BK == 0, MODE=dot_mode(x.dtype), INTERP=INTERPRET,
         IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, launch=False),
-        **_gdc1(cfg.pdl1, rows.ids_block < 0 and (w13.stride(0) * w13.element_size()) % 16 == 0
-                and (w13.stride(1) * w13.element_size()) % 16 == 0),
+        **_gdc1(cfg.pdl1, rows.ids_block < 0 and _bulk_ok(w13, D)),
         W_EVICT="evict_first" if cfg.evict else "",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -549,6 +554,7 @@ def moe_gemm2(inter: torch.Tensor, w2: torch.Tensor, rows: MoERows, cfg: MoEConf
     """-> y [M, D] (inter.dtype), or with cfg.split2 > 1 fp32 K partials [S, M, D] (S <= split2: no empty split)."""
     M, inter_dim = inter.shape
     D = w2.shape[1]
+    assert cfg.prefetch2 % 16 == 0, cfg  # whole 16-byte units per row (K = inter_dim itself is checked by _bulk_ok)
     BN, NT, ragged = _tiles(D, _fit(cfg.BN2, D), cfg.nt2)
     BK = _fit(cfg.BK2 or cfg.BK, inter_dim)
     steps = triton.cdiv(inter_dim, BK)
@@ -562,7 +568,7 @@ def moe_gemm2(inter: torch.Tensor, w2: torch.Tensor, rows: MoERows, cfg: MoEConf
         inter, w2, y, rows.sorted_ids, rows.expert_ids, rows.num_post,
         M, D, inter_dim, inter.stride(0), w2.stride(0), w2.stride(1), M * D, D, rows.ids, rows.E, NT, k_steps,
         BM=rows.BM, BN=BN, BK=BK, EVEN_K=inter_dim % BK == 0, MODE=dot_mode(inter.dtype), INTERP=INTERPRET,
-        IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, PREFETCH=cfg.prefetch2),
+        IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, PREFETCH=cfg.prefetch2 if _bulk_ok(w2, inter_dim) else 0),
         W_EVICT="evict_first" if cfg.evict else "",
         num_warps=cfg.warps2 or cfg.num_warps, num_stages=cfg.stages2 or cfg.num_stages,
     )
