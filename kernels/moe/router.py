@@ -51,6 +51,8 @@ DECODE_MAXNREG = int(os.environ.get("KIMI_ROUTER_MAXNREG", "168"))
 # (_router_logits_splitk_kernel) and a top-k of one token per 1-warp program (_router_topk_row_kernel) summing them,
 # instead of _router_logits_kernel + _router_topk_kernel (rows per 4-warp program)
 TOPK_ROW_MAX_T = int(os.environ.get("KIMI_ROUTER_TOPK_ROW_MAX_T", "256"))
+# v2 / v3 decode: every program signals griddepcontrol.launch_dependents first (not under the interpreter)
+DECODE_GDC = os.environ.get("KIMI_ROUTER_GDC", "1") != "0" and not INTERPRET
 
 
 @triton.jit
@@ -309,7 +311,7 @@ def _router_decode_kernel(
     scale, extra_id, BE: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BK_TAIL: tl.constexpr,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr, OUT_K: tl.constexpr,
-    POLL: tl.constexpr, MAX_SPINS: tl.constexpr,
+    POLL: tl.constexpr, MAX_SPINS: tl.constexpr, GDC: tl.constexpr = False,
 ):
     # ROUTER_DECODE v2 / v3 (T <= GEMV_MAX_T): program (t, e-block of BE experts), meant for 1 warp. D = NK * BK +
     # tail (BK a power of two, tail < BK masked to BK_TAIL): no masked lanes beyond the tail (D 2304 = 2048 + 256,
@@ -322,6 +324,11 @@ def _router_decode_kernel(
     #     last program in launch order spins on volatile loads of the row until every flag is set, then zeroes it
     #     (the next launch finds it clear). The spinner is dispatched after the programs it waits for (blocks go out
     #     in linear order; the interpreter runs them in order), so it cannot starve them; MAX_SPINS bounds the wait
+    if GDC:
+        # a PDL-launched dependent (the MoE GEMM1, KIMI_MOE_PDL=...,gemm1) may start its CTAs now: it reads nothing
+        # of ours before its griddepcontrol.wait, which waits for this whole grid; a no-op without PDL
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
     t = tl.program_id(0)
     offs_e = tl.program_id(1) * BE + tl.arange(0, BE)
     e_ok = offs_e < E
@@ -625,7 +632,7 @@ def _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights
         BE=BE, BK=BK, NK=NK, BK_TAIL=BK_TAIL, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
         BLOCK_E=BLOCK_E, HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights),
         RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k, POLL=bool(poll), MAX_SPINS=1 << 20,
-        num_warps=num_warps, **extra,
+        GDC=DECODE_GDC, num_warps=num_warps, **extra,
     )
     return w, ids
 
