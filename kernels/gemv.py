@@ -227,9 +227,17 @@ MAX_SPLIT = 32           # K splits the balance rule (_pick_split) considers
 SM_PEAK_OVER_HBM = 1.15  # one SM streams ~15% more than its 1/SMs share of HBM bandwidth (so idle SMs cost little)
 PROGRAM_OVERHEAD = 1.0   # per program, in BK steps: first-load latency, epilogue, partial write / reduce
 # per-shape overrides {(B, N, K, M) or (B, N, K): config} (exact M first), filled from bench/gemv.py --sweep
-SHAPE_CONFIGS: dict = {}
+# H200 sweep 2026-12-03 (bench/gemv.py --m 1 --sweep --shapes KDA,o_proj,MLA; L2 flushed, us ours vs cuBLAS):
+# in_proj 16.82 vs 18.71, f_b|g_b 2.76 vs 3.33, o_proj 8.30 vs 9.88, q|kv_a 10.03 vs 11.27, w_uv 3.62 vs 4.11
+SHAPE_CONFIGS: dict = {
+    (1, 12576, 2304, 1): GemvConfig(BN=64, BK=128, split=1, dot=True, num_warps=4, num_stages=4),     # KDA in_proj
+    (2, 4096, 128, 1): GemvConfig(BN=8, BK=128, split=1, dot=False, num_warps=2, num_stages=1, prefetch=True),
+    (1, 2304, 4096, 1): GemvConfig(BN=64, BK=128, split=3, dot=True, num_warps=4, num_stages=6),      # o_proj
+    (1, 6720, 2304, 1): GemvConfig(BN=64, BK=128, split=1, dot=True, num_warps=4, num_stages=6),      # MLA q|kv_a
+    (32, 128, 512, 1): GemvConfig(BN=64, BK=128, split=1, dot=True, num_warps=4, num_stages=4),       # MLA w_uv
+}
 # {(B, N, K): largest M} where ours beat cuBLAS on the H200 (skinny_linear(measured_only=True), KIMI_GEMV=auto)
-GEMV_WINS: dict = {}
+GEMV_WINS: dict = {(1, 12576, 2304): 1, (1, 2304, 4096): 1, (1, 6720, 2304): 1}
 
 
 def _block_k(K: int, BK: int) -> int:

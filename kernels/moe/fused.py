@@ -49,12 +49,16 @@ ALIGN_SMALL_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") == "torch" else 2048
 ALIGN_IN_GEMM_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") in ("torch", "kernel") else 32
 # Largest M whose decode configs get SM-balanced ragged N tile counts (get_config); KIMI_MOE_TILES=wide: none (A/B)
 BALANCE_MAX_M = 0 if os.environ.get("KIMI_MOE_TILES", "") == "wide" else 128
-# Decode (BLOCK_M 16) A/B switches of get_config, off until measured: KIMI_MOE_DIRECT=1 -> direct rows at T = 1;
-# KIMI_MOE_PDL=1 -> PDL GEMM2 + combine, "=prefetch" adding the L2 prefetch of GEMM2's rows, ",evict" evict_first loads,
-# ",gemm1" GEMM1 launched with PDL too (MoEConfig.pdl1)
-DECODE_DIRECT = os.environ.get("KIMI_MOE_DIRECT", "0") == "1"
-_PDL = set(os.environ.get("KIMI_MOE_PDL", "0").split(",")) - {"0", ""}
+# Decode (BLOCK_M 16) switches of get_config. One token (M == top_k) defaults to the chain measured fastest on the
+# H200 (2026-12-03, bench/moe.py --sweep-decode --decode-m 9: 36.97 vs 44.66 us per layer): direct rows, GEMM1 3
+# stages, GEMM2 + combine with PDL (no prefetch). KIMI_MOE_DIRECT=0 / KIMI_MOE_PDL=0 turn those off (A/B);
+# KIMI_MOE_DIRECT=1 is the default; KIMI_MOE_PDL=1 -> PDL on every BLOCK_M-16 decode config, "=prefetch" adding the L2
+# prefetch of GEMM2's rows, ",evict" evict_first loads, ",gemm1" GEMM1 launched with PDL too (MoEConfig.pdl1)
+DECODE_DIRECT = os.environ.get("KIMI_MOE_DIRECT", "1") == "1"
+_PDL_ENV = os.environ.get("KIMI_MOE_PDL", "")
+_PDL = set(_PDL_ENV.split(",")) - {"0", ""}
 DECODE_PDL, DECODE_PREFETCH, DECODE_EVICT = bool(_PDL), "prefetch" in _PDL, "evict" in _PDL
+DECODE_PDL_T1 = _PDL_ENV != "0"          # PDL at one token unless switched off
 DECODE_PDL1 = "gemm1" in _PDL
 
 
@@ -453,8 +457,12 @@ def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms
         blocks = expected_blocks(M, E, top_k)
         cfg = replace(cfg, nt1=balanced_tiles(N1, cfg.BN1, blocks, sms), nt2=balanced_tiles(N2, cfg.BN2, blocks, sms))
     if top_k is not None and cfg.BM == 16:
-        cfg = replace(cfg, direct=DECODE_DIRECT and M == top_k, pdl=DECODE_PDL,
-                      prefetch2=N1 if DECODE_PDL and DECODE_PREFETCH else 0, evict=DECODE_EVICT, pdl1=DECODE_PDL1)
+        one = M == top_k
+        pdl = DECODE_PDL or (one and DECODE_PDL_T1)
+        cfg = replace(cfg, direct=DECODE_DIRECT and one, pdl=pdl, prefetch2=N1 if DECODE_PDL and DECODE_PREFETCH else 0,
+                      evict=DECODE_EVICT, pdl1=DECODE_PDL1)
+        if one and DECODE_DIRECT:
+            cfg = replace(cfg, num_stages=3, stages2=cfg.num_stages)        # GEMM1 3 stages, GEMM2 keeps 4
     if dtype == torch.float32:  # fp32 operands: halve the pipeline depth to fit shared memory
         cfg = replace(cfg, BN2=min(cfg.BN2, 64), BK=min(cfg.BK, 64), num_stages=2, BK2=min(cfg.BK2, 64),
                       stages2=min(cfg.stages2, 2))

@@ -391,6 +391,25 @@ def test_decode_switches(monkeypatch):
     assert fm.get_config(9, 257, torch.bfloat16, 9, 132).prefetch2 == 0
 
 
+def test_decode_defaults(monkeypatch):
+    """Defaults (no env): one token gets the H200-measured chain (direct rows, GEMM1 3 stages, GEMM2 4, PDL without
+    prefetch); T = 8 keeps the plain config; KIMI_MOE_PDL=0 / KIMI_MOE_DIRECT=0 (flags off) restore the old T = 1."""
+    import kernels.moe.fused as fm
+
+    for name, val in (("DECODE_DIRECT", True), ("DECODE_PDL", False), ("DECODE_PDL_T1", True),
+                      ("DECODE_PREFETCH", False), ("DECODE_EVICT", False), ("DECODE_PDL1", False)):
+        monkeypatch.setattr(fm, name, val)
+    c1, c8 = fm.get_config(9, 257, torch.bfloat16, 9, 132), fm.get_config(72, 257, torch.bfloat16, 9, 132)
+    assert c1.direct and c1.pdl and c1.prefetch2 == 0 and (c1.num_stages, c1.stages2) == (3, 4)
+    assert not (c8.direct or c8.pdl) and c8.num_stages == 4 and c8.stages2 == 0
+    f32 = fm.get_config(9, 257, torch.float32, 9, 132)
+    assert f32.num_stages == 2 and f32.stages2 == 2
+    monkeypatch.setattr(fm, "DECODE_PDL_T1", False)
+    monkeypatch.setattr(fm, "DECODE_DIRECT", False)
+    c1 = fm.get_config(9, 257, torch.bfloat16, 9, 132)
+    assert not (c1.direct or c1.pdl) and c1.num_stages == 4 and c1.stages2 == 0
+
+
 def _gemm_cfgs():
     from kernels.moe.fused import MoEConfig
 
