@@ -380,13 +380,26 @@ QUICK_VARIANTS = [
     ("prep-fused-w8", True, dict(PREP_FUSED=1, AKK_NUM_WARPS=8)),
     ("prep-fused-prod", True, dict(PREP_FUSED=1, AKK_DIAG=1, AKK_UNROLL=0)),
     ("prep-fused-prod-w8", True, dict(PREP_FUSED=1, AKK_DIAG=1, AKK_UNROLL=1, AKK_NUM_WARPS=8)),
+    # session 5 (offline sm_90 SASS, Triton 3.6; per chunk-head warp-instructions, the proxy that matched):
+    # akk-lv: _kda_akk_lv_kernel, 1 warp per 16-row sub-chunk, diagonal blocks by level-anchored tensor-core dots,
+    # off-diagonal per earlier 16-column block only; 244 regs / 12.8 KB smem, no spills; ~26k vs the default akk's
+    # ~86-112k (the default's [16, x] tiles are replicated in all 4 warps: same per-thread count at 1, 2, 4 warps)
+    ("akk-lv", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16)),
+    ("akk-lv-w2", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=2, AKK_BK=16)),                  # 255 regs, no spills
+    # cumsum-dot: prep's gate cumsum as 2 tf32 dots with the triangular ones matrix (hi/lo split, fp32-accurate)
+    # instead of tl.cumsum's scan (~40% of prep's instructions); prep BK=16: 123 regs (4 CTAs/SM), ~18k vs ~27k
+    # (FAST_SOFTPLUS alone) / ~36k (default)
+    ("cumsum-dot", True, dict(FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16)),
+    ("lv+cs", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16)),
+    ("lv+cs+prefetch", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1,
+                                  PREP_BK=16, HPASS_PREFETCH=1)),
 ]
 
 
 def quick(warmup=5, rep=20, only=None):
     """One short H200 run: at T=16k every QUICK_VARIANTS entry (or those named in ``only``, in list order; total
     and per-stage ms, ratio to fla-core, rel-rms of o and the final state vs the default and vs fla), then varlen
-    16 x 1k for the default, intra-fused-fast+prefetch and fla. A FAILED line (e.g. a compile error on this Triton)
+    16 x 1k for the same variants (default: the default, intra-fused-fast+prefetch) and fla. A FAILED line (e.g. a compile error on this Triton)
     leaves the other lines intact. Compiles dominate: on 2026-12-02 fla + 3 variants took ~320 s (each akk
     variant recompiles), so name the variants wanted (--variants a,b,...)."""
     import triton.testing
@@ -398,7 +411,7 @@ def quick(warmup=5, rep=20, only=None):
     print(f"--quick: H={H} K={K} V={V} bf16, do_bench median (ms)", flush=True)
     try:
         for case, lens, which in (("T=16k", [16384], only), ("varlen 16x1k", [1024] * 16,
-                                                                  ("default", "intra-fused-fast+prefetch"))):
+                                                                  only or ("default", "intra-fused-fast+prefetch"))):
             x = _inputs(lens)
             try:
                 fms, fo, fst = _time_fla(x, warmup, rep)

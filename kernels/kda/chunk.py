@@ -107,6 +107,7 @@ PREP_NUM_WARPS = 4
 AKK_BK = 32
 AKK_NUM_WARPS = 4
 AKK_UNROLL = 1           # unroll the diagonal-block loop (1) or not (0)
+AKK_MAXNREG = None       # ptxas register cap for akk (None: uncapped)
 # akk variants (A/B; see _kda_akk_kernel): AKK_DIAG 0 = exact exp2 per pair and channel (16 steps of 16 x K exp2),
 # 1 = running products of per-token factors (16 steps of K exp2), 2 = 1 inside the two 8x8 halves (8 steps) + one
 # anchored 8x8 dot per K tile. (The old exact 8x8-split "HALF" diagonal, 4.63 ms, was removed.) Offline sm_90,
@@ -139,6 +140,11 @@ INTRA_BV = 32
 INTRA_NUM_WARPS = 8
 INTRA_NUM_STAGES = 1
 INTRA_MAXNREG = 128      # ptxas register cap (2 CTAs of 8 warps per SM); None: uncapped (Triton 3.6: 138 at BK=16)
+# CUMSUM_DOT = 1 (A/B): the chunk-local gate cumsum (prep, INTRA_FUSED pass 1) as two tf32 tensor-core dots with the
+# lower-triangular ones matrix on a hi / lo split of g (fp32-accurate; see _cumsum0) instead of tl.cumsum, whose
+# scan over rows spread across lanes and warps was ~40% of prep's instructions (offline sm_90, Triton 3.6, FAST_SOFTPLUS:
+# prep K-loop body 1446 -> 761 SASS instructions per 16 elements/thread).
+CUMSUM_DOT = 0
 
 
 @triton.jit
@@ -167,12 +173,31 @@ def _softplus(x, FAST: tl.constexpr = 0):
 
 
 @triton.jit
-def _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K: tl.constexpr, FAST: tl.constexpr = 0):
-    """Chunk-local inclusive cumsum (log2 units) of g = -exp(A_log) softplus(z + dt_bias); padded rows -> 0."""
+def _cumsum0(g, BT: tl.constexpr, CS: tl.constexpr = 0):
+    """Inclusive cumsum over the rows of g [BT, BK] fp32.
+    CS=0: tl.cumsum, a scan over rows spread across lanes and warps (offline sm_90, Triton 3.6: ~38 SASS
+    instructions per element in prep: shuffles, shared-memory passes, barriers).
+    CS=1: two tensor-core dots with the lower-triangular ones matrix Tri [BT, BT]: Tri @ hi + Tri @ (g - hi), hi = g
+    with the low 13 mantissa bits cleared (exact in tf32), so every product is exact; the only error beyond fp32
+    accumulation is the tf32 rounding of lo = g - hi (<= 2^-11 |lo| <= 2^-21 |g| per term)."""
+    if CS:
+        r = tl.arange(0, BT)
+        tri = tl.where(r[:, None] >= r[None, :], 1.0, 0.0)
+        hi = (g.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        return tl.dot(tri, g - hi, tl.dot(tri, hi, input_precision="tf32"), input_precision="tf32")
+    else:
+        return tl.cumsum(g, 0)
+
+
+@triton.jit
+def _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K: tl.constexpr, FAST: tl.constexpr = 0,
+                      CS: tl.constexpr = 0):
+    """Chunk-local inclusive cumsum (log2 units) of g = -exp(A_log) softplus(z + dt_bias); padded rows -> 0.
+    CS: see _cumsum0 (CS=1 needs >= 16 rows: the tensor-core path)."""
     zz = tl.load(z + tok[:, None] * stride_z + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
     zz = zz + tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)[None, :]
     g = tl.where(m2, neg_a * _softplus(zz, FAST), 0.0)
-    return tl.cumsum(g, 0)
+    return _cumsum0(g, tok.shape[0], CS)
 
 
 # ---------------------------------------------------------------------------------------------- intra (3 kernels)
@@ -194,6 +219,7 @@ def _kda_prep_kernel(
     qg_out, kg_out, gl_out, g_out, rs_out,
     stride_q, stride_k, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr = 0,
+    CS: tl.constexpr = 0,
 ):
     """Intra launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
     contract outputs qg, kg, gl and the scratch G [rows, K] fp32 and rs [rows, 4] fp32 = (rq, rk, beta, -)
@@ -230,7 +256,7 @@ def _kda_prep_kernel(
         m2 = rmask[:, None] & cm[None, :]
         bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
         bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K, FAST)  # [BT, BK], <= 0
+        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K, FAST, CS)  # [BT, BK], <= 0
         gl = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), 0)                    # G of the last row
         tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
         o_k = (cblk + rows)[:, None] * K + c[None, :]
@@ -301,6 +327,35 @@ def _akk_prod_step(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, j, qr, kr, pd, Ga1, G
     d_kk += tl.where(sel, dk[:, None], 0.0)
     d_qk += tl.where(sel, dq[:, None], 0.0)
     return pd, Ga, Gb, d_kk, d_qk
+
+
+@triton.jit
+def _akk_level(g_in, cblk, i_b, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+               PREC: tl.constexpr):
+    """DIAG=3, one level of the diagonal block on one K tile: rows r of R with bit hb set pair with the rows s of
+    the lower half of their aligned 2 hb-block through the anchor n = the first row of the upper half (s < n <= r):
+        (x_r exp2(G_r - G_n)) . (k_s exp2(G_n - G_s)),  both factors <= 1.
+    One exp2 tile e = exp2(-|G - G_n(row)|) serves both sides; the operands are unmasked (all factors <= 1, so the
+    unused cross products are finite) and the level's pairs are selected from lk / lq [BC, BC] after the K loop."""
+    r16 = tl.arange(0, BC)
+    a = i_b * BC + ((r16 & ~(2 * hb - 1)) | hb)                                        # anchor row of each row
+    Ga = tl.load(g_in + (cblk + a)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
+    d = Gr - Ga
+    e = tl.exp2(tl.minimum(d, -d))
+    ke = kr * e
+    ct = tl.trans(ke)                                                                  # [BK, BC]
+    lk = tl.dot(ke, ct, lk, input_precision=PREC)
+    lq = tl.dot(qr * e, ct, lq, input_precision=PREC)
+    return lk, lq
+
+
+@triton.jit
+def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
+    """DIAG=3: add level hb's pairs (r with bit hb set, s without, same aligned 2 hb-block) to the diagonal block."""
+    r16 = tl.arange(0, BC)
+    up = (r16 & hb) != 0
+    sel = (((r16[:, None] ^ r16[None, :]) < 2 * hb) & up[:, None]) & (~up)[None, :]
+    return d_kk + tl.where(sel, lk, 0.0), d_qk + tl.where(sel, lq, 0.0)
 
 
 @triton.jit
@@ -411,6 +466,157 @@ def _kda_akk_kernel(
     tl.store(a_out + (cblk + rr)[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(a_out.dtype.element_ty))
     tl.store(x_out + (cblk + rr)[:, None] * BT + cols[None, :], acc_kk * beta[:, None],
              mask=(cols < i_b * BC)[None, :])
+    # (I + L_ii)^-1 by forward substitution: X[r] = e_r - sum_{c<r} L[r, c] X[c]
+    lt = tl.trans(tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0))   # lt[c, r] = L[r, c]
+    di = tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)
+    for r in range(1, BC):
+        a_r = tl.sum(tl.where((r16 == r)[None, :], lt, 0.0), 1)                        # [BC] over c (axis 0)
+        nr = tl.sum(a_r[:, None] * di, 0)                                              # [BC] over columns
+        di = tl.where((r16 == r)[:, None], di - nr[None, :], di)
+    tl.store(x_out + (cblk + rr)[:, None] * BT + (i_b * BC + r16)[None, :], di)
+
+
+@triton.jit
+def _akk_off_block(k, g_in, rs_in, t0, nv, cblk, i_h, j, c, cm, Gn, qe, ke, ok, oq, stride_k,
+                   K: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """DIAG=3, off-diagonal column block j (chunk rows [j BC, (j+1) BC), all before the anchor n) on one K tile:
+    ok / oq += (x_r exp2(G_r - G_n)) . (kn_s exp2(G_n - G_s)) (the row sides qe / ke come in scaled)."""
+    r16 = tl.arange(0, BC)
+    cols = j * BC + r16
+    mc = (cols < nv)[:, None] & cm[None, :]
+    kc = tl.load(k + (t0 + cols)[:, None] * stride_k + i_h * K + c[None, :], mask=mc, other=0.0).to(tl.float32)
+    rkc = tl.load(rs_in + (cblk + cols) * 4 + 1)
+    Gc = tl.load(g_in + (cblk + cols)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
+    kct = tl.trans(kc * rkc[:, None] * tl.exp2(tl.minimum(Gn[None, :] - Gc, 0.0)))             # [BK, BC]
+    ok = tl.dot(ke, kct, ok, input_precision=PREC)
+    oq = tl.dot(qe, kct, oq, input_precision=PREC)
+    return ok, oq
+
+
+@triton.jit
+def _akk_level(g_in, cblk, i_b, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+               PREC: tl.constexpr):
+    """DIAG=3, level hb of the diagonal block on one K tile: the rows r of R with bit hb set pair with the rows s of
+    the lower half of their aligned 2 hb-block through the anchor n = the first row of the upper half (s < n <= r):
+        (x_r exp2(G_r - G_n)) . (kn_s exp2(G_n - G_s)),  both factors <= 1.
+    One exp2 tile e = exp2(-|G - G_n(row)|) serves both sides; the operands are unmasked (every factor <= 1, so the
+    unused cross products are finite) and the level's pairs are picked from lk / lq [BC, BC] after the K loop."""
+    r16 = tl.arange(0, BC)
+    a = i_b * BC + ((r16 & ~(2 * hb - 1)) | hb)                                        # anchor row of each row
+    Ga = tl.load(g_in + (cblk + a)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
+    d = Gr - Ga
+    e = tl.exp2(tl.minimum(d, -d))
+    ke = kr * e
+    ct = tl.trans(ke)                                                                  # [BK, BC]
+    lk = tl.dot(ke, ct, lk, input_precision=PREC)
+    lq = tl.dot(qr * e, ct, lq, input_precision=PREC)
+    return lk, lq
+
+
+@triton.jit
+def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
+    """DIAG=3: add level hb's pairs (r with bit hb set, s without, same aligned 2 hb-block) to the diagonal block."""
+    r16 = tl.arange(0, BC)
+    up = (r16 & hb) != 0
+    sel = (((r16[:, None] ^ r16[None, :]) < 2 * hb) & up[:, None]) & (~up)[None, :]
+    return d_kk + tl.where(sel, lk, 0.0), d_qk + tl.where(sel, lq, 0.0)
+
+
+@triton.jit
+def _akk_store_block(a_out, x_out, cblk, rr, i_b, j: tl.constexpr, ok, oq, d_qk, beta, BT: tl.constexpr,
+                     BC: tl.constexpr):
+    """DIAG=3: column block j of the rows R: Aqk (ok / oq for j < i, the diagonal block for j = i, zeros above) and
+    X = beta Dkk for j < i (the diagonal block of X is stored after the substitution)."""
+    r16 = tl.arange(0, BC)
+    val = tl.where(i_b > j, oq, tl.where(i_b == j, d_qk, 0.0))
+    p = (cblk + rr)[:, None] * BT + (j * BC + r16)[None, :]
+    tl.store(a_out + p, val.to(a_out.dtype.element_ty))
+    tl.store(x_out + p, ok * beta[:, None], mask=(tl.zeros([BC, BC], dtype=tl.int32) + i_b) > j)
+
+
+@triton.jit
+def _kda_akk_lv_kernel(
+    q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out,
+    stride_q, stride_k,
+    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """AKK_DIAG=3 akk (same grid and outputs as ``_kda_akk_kernel``; meant for num_warps=1): rows R = [i BC, (i+1) BC)
+    of Aqk / Dkk with every pair on the tensor cores and every exponent <= 0:
+      off-diagonal: one [BC, BK] x [BK, BC] dot pair per earlier column block j < i (a warp-uniform branch, so
+        sub-chunk 0 does none; the default computes all BT columns masked), anchor n = i BC;
+      diagonal block: level anchors hb = BC/2, ..., 1 (_akk_level), 4 exp2 tiles per K tile for BC = 16 instead of
+        the default's BC x BC x K exp2 and 2 BC cross-lane K reductions per block; s = r of Aqk: sum qn kn.
+    Then the same block forward substitution as ``_kda_akk_kernel``.
+    (Offline sm_90, Triton 3.6: at 2 or 4 warps these [16, x] tiles are replicated in every warp (the dot-operand
+    layouts), so 1 warp does the same work with a quarter of the issue slots.)"""
+    tl.static_assert(BT == 4 * BC)
+    i_b = tl.program_id(0) % (BT // BC)
+    i_c = tl.program_id(0) // (BT // BC)
+    i_h = tl.program_id(1)
+    if i_c >= tl.load(chunk_offsets + n_seq):
+        return
+    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
+    nv = eos - t0                                        # valid rows of this chunk (may exceed BT)
+    cblk = (i_c.to(tl.int64) * H + i_h) * BT
+    r16 = tl.arange(0, BC)
+    rr = i_b * BC + r16                                  # rows of R within the chunk
+    rmask = rr < nv
+    rq = tl.load(rs_in + (cblk + rr) * 4)
+    rk = tl.load(rs_in + (cblk + rr) * 4 + 1)
+    beta = tl.load(rs_in + (cblk + rr) * 4 + 2)
+    o0k = tl.zeros([BC, BC], dtype=tl.float32)          # off-diagonal column blocks 0..2
+    o0q = tl.zeros([BC, BC], dtype=tl.float32)
+    o1k = tl.zeros([BC, BC], dtype=tl.float32)
+    o1q = tl.zeros([BC, BC], dtype=tl.float32)
+    o2k = tl.zeros([BC, BC], dtype=tl.float32)
+    o2q = tl.zeros([BC, BC], dtype=tl.float32)
+    l8k = tl.zeros([BC, BC], dtype=tl.float32)          # diagonal-block levels hb = 8, 4, 2, 1 (BC = 16)
+    l8q = tl.zeros([BC, BC], dtype=tl.float32)
+    l4k = tl.zeros([BC, BC], dtype=tl.float32)
+    l4q = tl.zeros([BC, BC], dtype=tl.float32)
+    l2k = tl.zeros([BC, BC], dtype=tl.float32)
+    l2q = tl.zeros([BC, BC], dtype=tl.float32)
+    l1k = tl.zeros([BC, BC], dtype=tl.float32)
+    l1q = tl.zeros([BC, BC], dtype=tl.float32)
+    dq0 = tl.zeros([BC], dtype=tl.float32)               # diagonal s = r of Aqk
+    for kb in range(0, K, BK):
+        c = kb + tl.arange(0, BK)
+        cm = c < K
+        m2 = rmask[:, None] & cm[None, :]
+        qr = tl.load(q + (t0 + rr)[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        kr = tl.load(k + (t0 + rr)[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        qr = qr * rq[:, None]
+        kr = kr * rk[:, None]
+        Gr = tl.load(g_in + (cblk + rr)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
+        Gn = tl.load(g_in + (cblk + i_b * BC) * K + c, mask=cm, other=0.0)            # anchor n = i BC
+        ef = tl.exp2(tl.minimum(Gr - Gn[None, :], 0.0))
+        qe = qr * ef
+        ke = kr * ef
+        if i_b > 0:
+            o0k, o0q = _akk_off_block(k, g_in, rs_in, t0, nv, cblk, i_h, 0, c, cm, Gn, qe, ke, o0k, o0q, stride_k,
+                                      K, BC, PREC)
+        if i_b > 1:
+            o1k, o1q = _akk_off_block(k, g_in, rs_in, t0, nv, cblk, i_h, 1, c, cm, Gn, qe, ke, o1k, o1q, stride_k,
+                                      K, BC, PREC)
+        if i_b > 2:
+            o2k, o2q = _akk_off_block(k, g_in, rs_in, t0, nv, cblk, i_h, 2, c, cm, Gn, qe, ke, o2k, o2q, stride_k,
+                                      K, BC, PREC)
+        dq0 += tl.sum(qr * kr, 1)
+        l8k, l8q = _akk_level(g_in, cblk, i_b, c, cm, qr, kr, Gr, l8k, l8q, BC // 2, K, BC, PREC)
+        l4k, l4q = _akk_level(g_in, cblk, i_b, c, cm, qr, kr, Gr, l4k, l4q, BC // 4, K, BC, PREC)
+        l2k, l2q = _akk_level(g_in, cblk, i_b, c, cm, qr, kr, Gr, l2k, l2q, BC // 8, K, BC, PREC)
+        l1k, l1q = _akk_level(g_in, cblk, i_b, c, cm, qr, kr, Gr, l1k, l1q, BC // 16, K, BC, PREC)
+    d_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    d_qk = tl.where(r16[:, None] == r16[None, :], dq0[:, None], 0.0)
+    d_kk, d_qk = _akk_level_sel(l8k, l8q, d_kk, d_qk, BC // 2, BC)
+    d_kk, d_qk = _akk_level_sel(l4k, l4q, d_kk, d_qk, BC // 4, BC)
+    d_kk, d_qk = _akk_level_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
+    d_kk, d_qk = _akk_level_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
+    _akk_store_block(a_out, x_out, cblk, rr, i_b, 0, o0k, o0q, d_qk, beta, BT, BC)
+    _akk_store_block(a_out, x_out, cblk, rr, i_b, 1, o1k, o1q, d_qk, beta, BT, BC)
+    _akk_store_block(a_out, x_out, cblk, rr, i_b, 2, o2k, o2q, d_qk, beta, BT, BC)
+    _akk_store_block(a_out, x_out, cblk, rr, i_b, 3, o2k, o2q, d_qk, beta, BT, BC)   # (o2: unused, i < 4)
     # (I + L_ii)^-1 by forward substitution: X[r] = e_r - sum_{c<r} L[r, c] X[c]
     lt = tl.trans(tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0))   # lt[c, r] = L[r, c]
     di = tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)
@@ -653,6 +859,7 @@ def _kda_intra_kernel(
     stride_q, stride_k, stride_v, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOG_BT: tl.constexpr, FAST: tl.constexpr = 0,
+    CS: tl.constexpr = 0,
 ):
     """INTRA_FUSED=1, grid (chunk, head): the whole intra stage (prep, akk and wu) of one chunk in one program, with
     no fp32 scratch in HBM (G, rs, X stay on chip).
@@ -710,7 +917,7 @@ def _kda_intra_kernel(
         kn = tl.load(p_k + o_k + c[None, :], mask=m2, other=0.0).to(tl.float32) * rk[:, None]
         zz = tl.load(p_z + rows[:, None] * stride_z + c[None, :], mask=m2, other=0.0).to(tl.float32)
         zz = zz + tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)[None, :]
-        G = tl.cumsum(tl.where(m2, neg_a * _softplus(zz, FAST), 0.0), 0)              # [BT, BK], <= 0
+        G = _cumsum0(tl.where(m2, neg_a * _softplus(zz, FAST), 0.0), BT, CS)           # [BT, BK], <= 0
         gl = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), 0)                    # G of the last row
         tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
         o_t = o_s + c[None, :]
@@ -1019,12 +1226,16 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                  dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", g_out="*fp32",
                       rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
-                 dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS)),
+                 dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT)),
                  dict(num_warps=PREP_NUM_WARPS)),
-        "akk": (_kda_akk_kernel,
+        "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
+                                         stride_k="i32"),
+                dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec),
+                dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))) if int(AKK_DIAG) == 3 else
+               (_kda_akk_kernel,
                 dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32", stride_k="i32"),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
-                     DIAG=int(AKK_DIAG)), dict(num_warps=AKK_NUM_WARPS)),
+                     DIAG=int(AKK_DIAG)), dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec),
@@ -1048,7 +1259,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                        a_out=sd, g_scr="*fp32", stride_q="i32", stride_k="i32", stride_v="i32", stride_z="i32",
                        stride_b="i32", scale="fp32"),
                   dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
-                       LOG_BT=BT.bit_length() - 1, FAST=int(FAST_SOFTPLUS)),
+                       LOG_BT=BT.bit_length() - 1, FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT)),
                   dict(num_warps=INTRA_NUM_WARPS, num_stages=INTRA_NUM_STAGES, **_maxnreg(INTRA_MAXNREG))),
     })
     specs = {n: specs[n] for n in which}
@@ -1139,14 +1350,21 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_prep_kernel[(NT, H)](
                 q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
                 q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
-                PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), num_warps=PREP_NUM_WARPS,
+                PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), CS=int(CUMSUM_DOT),
+                num_warps=PREP_NUM_WARPS,
             )
 
         def akk():
+            if int(AKK_DIAG) == 3:
+                return _kda_akk_lv_kernel[(BT // BC * NT, H)](
+                    q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
+                    PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, num_warps=AKK_NUM_WARPS,
+                    **_maxnreg(AKK_MAXNREG),
+                )
             return _kda_akk_kernel[(BT // BC * NT, H)](
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
-                DIAG=int(AKK_DIAG), num_warps=AKK_NUM_WARPS,
+                DIAG=int(AKK_DIAG), num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
             )
 
         def wu():
@@ -1175,7 +1393,8 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, v, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, w, u, a, g2,
                 q.stride(0), k.stride(0), v.stride(0), z.stride(0), b.stride(0), float(scale),
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
-                LOG_BT=BT.bit_length() - 1, FAST=_fast_softplus(), num_warps=INTRA_NUM_WARPS,
+                LOG_BT=BT.bit_length() - 1, FAST=_fast_softplus(), CS=int(CUMSUM_DOT),
+                num_warps=INTRA_NUM_WARPS,
                 num_stages=INTRA_NUM_STAGES,
                 **_maxnreg(INTRA_MAXNREG),
             )

@@ -242,7 +242,7 @@ def test_gpu_fp32_and_split():
     assert rel_rms(pool_b[2], pool_a[2]) <= 1e-4
 
 
-@pytest.mark.parametrize("diag,fused", [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (0, 2)])
+@pytest.mark.parametrize("diag,fused", [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (0, 2)])
 def test_tiling_fp32(kda_path, monkeypatch, diag, fused):
     """Several K tiles in the intra kernels and several V tiles in every kernel (as at K = V = 128 on the GPU),
     for each akk diagonal variant (DIAG=2 does its anchored 8x8 dot per K tile), PREP_FUSED (fused=1: norms summed
@@ -284,7 +284,11 @@ def test_sm90_offline_compile_no_spills(kda_path):
             "'bv16': c.compile_report(hpass_bv=16, which=('hpass',)), "
             "'prep_fused': c.compile_report(which=('akk_fused', 'wu_fused')), "
             "'intra_fused': c.compile_report(which=('intra',)), "
-            "'fast_softplus': (setattr(c, 'FAST_SOFTPLUS', 1), c.compile_report(which=('prep', 'intra')))[1]}))")
+            "'fast_softplus': (setattr(c, 'FAST_SOFTPLUS', 1), c.compile_report(which=('prep', 'intra')))[1], "
+            "'cumsum_dot': (setattr(c, 'CUMSUM_DOT', 1), setattr(c, 'PREP_BK', 16), "
+            "c.compile_report(which=('prep',)))[-1], "
+            "'akk_lv': (setattr(c, 'AKK_DIAG', 3), setattr(c, 'AKK_NUM_WARPS', 1), setattr(c, 'AKK_BK', 16), "
+            "c.compile_report(which=('akk',)))[-1]}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=400)
     if r.returncode != 0 and ("ptxas" in r.stderr or "cuobjdump" in r.stderr):
@@ -383,6 +387,10 @@ VARIANTS = {
     "prep-fused": dict(PREP_FUSED=1),
     "prep-fused-prod": dict(PREP_FUSED=1, AKK_DIAG=1, AKK_UNROLL=0),
     "intra-fused": dict(INTRA_FUSED=1),
+    # session 5: level-anchored tensor-core diagonal blocks in a 1-warp akk; tensor-core gate cumsum
+    "akk-lv": dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16),
+    "cumsum-dot": dict(CUMSUM_DOT=1, PREP_BK=16),
+    "intra-fused-cs": dict(INTRA_FUSED=1, CUMSUM_DOT=1),
 }
 
 
