@@ -108,6 +108,7 @@ AKK_BK = 32
 AKK_NUM_WARPS = 4
 AKK_UNROLL = 1           # unroll the diagonal-block loop (1) or not (0)
 AKK_MAXNREG = None       # ptxas register cap for akk (None: uncapped)
+AKK_LV_SPLITK = 0        # AKK_DIAG=3: 1 = two passes over K (off-diagonal blocks, then the levels; fewer registers)
 # akk variants (A/B; see _kda_akk_kernel): AKK_DIAG 0 = exact exp2 per pair and channel (16 steps of 16 x K exp2),
 # 1 = running products of per-token factors (16 steps of K exp2), 2 = 1 inside the two 8x8 halves (8 steps) + one
 # anchored 8x8 dot per K tile. (The old exact 8x8-split "HALF" diagonal, 4.63 ms, was removed.) Offline sm_90,
@@ -330,35 +331,6 @@ def _akk_prod_step(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, j, qr, kr, pd, Ga1, G
 
 
 @triton.jit
-def _akk_level(g_in, cblk, i_b, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
-               PREC: tl.constexpr):
-    """DIAG=3, one level of the diagonal block on one K tile: rows r of R with bit hb set pair with the rows s of
-    the lower half of their aligned 2 hb-block through the anchor n = the first row of the upper half (s < n <= r):
-        (x_r exp2(G_r - G_n)) . (k_s exp2(G_n - G_s)),  both factors <= 1.
-    One exp2 tile e = exp2(-|G - G_n(row)|) serves both sides; the operands are unmasked (all factors <= 1, so the
-    unused cross products are finite) and the level's pairs are selected from lk / lq [BC, BC] after the K loop."""
-    r16 = tl.arange(0, BC)
-    a = i_b * BC + ((r16 & ~(2 * hb - 1)) | hb)                                        # anchor row of each row
-    Ga = tl.load(g_in + (cblk + a)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
-    d = Gr - Ga
-    e = tl.exp2(tl.minimum(d, -d))
-    ke = kr * e
-    ct = tl.trans(ke)                                                                  # [BK, BC]
-    lk = tl.dot(ke, ct, lk, input_precision=PREC)
-    lq = tl.dot(qr * e, ct, lq, input_precision=PREC)
-    return lk, lq
-
-
-@triton.jit
-def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
-    """DIAG=3: add level hb's pairs (r with bit hb set, s without, same aligned 2 hb-block) to the diagonal block."""
-    r16 = tl.arange(0, BC)
-    up = (r16 & hb) != 0
-    sel = (((r16[:, None] ^ r16[None, :]) < 2 * hb) & up[:, None]) & (~up)[None, :]
-    return d_kk + tl.where(sel, lk, 0.0), d_qk + tl.where(sel, lq, 0.0)
-
-
-@triton.jit
 def _kda_akk_kernel(
     q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out,
     stride_q, stride_k,
@@ -477,16 +449,16 @@ def _kda_akk_kernel(
 
 
 @triton.jit
-def _akk_off_block(k, g_in, rs_in, t0, nv, cblk, i_h, j, c, cm, Gn, qe, ke, ok, oq, stride_k,
-                   K: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+def _akk_off_block(pk, pg, prs, nv, j, c, cm, Gn, qe, ke, ok, oq, stride_k, K: tl.constexpr, BC: tl.constexpr,
+                   PREC: tl.constexpr):
     """DIAG=3, off-diagonal column block j (chunk rows [j BC, (j+1) BC), all before the anchor n) on one K tile:
-    ok / oq += (x_r exp2(G_r - G_n)) . (kn_s exp2(G_n - G_s)) (the row sides qe / ke come in scaled)."""
-    r16 = tl.arange(0, BC)
-    cols = j * BC + r16
+    ok / oq += (x_r exp2(G_r - G_n)) . (kn_s exp2(G_n - G_s)) (the row sides qe / ke come in scaled).
+    pk / pg / prs: the chunk's row-0 bases of k, G and rs (scalar 64-bit; in-tile offsets stay 32-bit)."""
+    cols = j * BC + tl.arange(0, BC)
     mc = (cols < nv)[:, None] & cm[None, :]
-    kc = tl.load(k + (t0 + cols)[:, None] * stride_k + i_h * K + c[None, :], mask=mc, other=0.0).to(tl.float32)
-    rkc = tl.load(rs_in + (cblk + cols) * 4 + 1)
-    Gc = tl.load(g_in + (cblk + cols)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
+    kc = tl.load(pk + cols[:, None] * stride_k + c[None, :], mask=mc, other=0.0).to(tl.float32)
+    rkc = tl.load(prs + cols * 4 + 1)
+    Gc = tl.load(pg + cols[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
     kct = tl.trans(kc * rkc[:, None] * tl.exp2(tl.minimum(Gn[None, :] - Gc, 0.0)))             # [BK, BC]
     ok = tl.dot(ke, kct, ok, input_precision=PREC)
     oq = tl.dot(qe, kct, oq, input_precision=PREC)
@@ -494,7 +466,7 @@ def _akk_off_block(k, g_in, rs_in, t0, nv, cblk, i_h, j, c, cm, Gn, qe, ke, ok, 
 
 
 @triton.jit
-def _akk_level(g_in, cblk, i_b, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+def _akk_level(pg, i_b, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
                PREC: tl.constexpr):
     """DIAG=3, level hb of the diagonal block on one K tile: the rows r of R with bit hb set pair with the rows s of
     the lower half of their aligned 2 hb-block through the anchor n = the first row of the upper half (s < n <= r):
@@ -503,7 +475,7 @@ def _akk_level(g_in, cblk, i_b, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: 
     unused cross products are finite) and the level's pairs are picked from lk / lq [BC, BC] after the K loop."""
     r16 = tl.arange(0, BC)
     a = i_b * BC + ((r16 & ~(2 * hb - 1)) | hb)                                        # anchor row of each row
-    Ga = tl.load(g_in + (cblk + a)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
+    Ga = tl.load(pg + a[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
     d = Gr - Ga
     e = tl.exp2(tl.minimum(d, -d))
     ke = kr * e
@@ -523,15 +495,24 @@ def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _akk_store_block(a_out, x_out, cblk, rr, i_b, j: tl.constexpr, ok, oq, d_qk, beta, BT: tl.constexpr,
-                     BC: tl.constexpr):
-    """DIAG=3: column block j of the rows R: Aqk (ok / oq for j < i, the diagonal block for j = i, zeros above) and
-    X = beta Dkk for j < i (the diagonal block of X is stored after the substitution)."""
+def _akk_store_off(pa, px, rr, i_b, j: tl.constexpr, ok, oq, beta, BT: tl.constexpr, BC: tl.constexpr):
+    """DIAG=3: column block j != i of the rows R: Aqk (oq for j < i, zeros for j > i) and X = beta Dkk for j < i
+    (the diagonal block i of both is stored separately). pa / px: the chunk's row-0 bases of Aqk and X."""
     r16 = tl.arange(0, BC)
-    val = tl.where(i_b > j, oq, tl.where(i_b == j, d_qk, 0.0))
-    p = (cblk + rr)[:, None] * BT + (j * BC + r16)[None, :]
-    tl.store(a_out + p, val.to(a_out.dtype.element_ty))
-    tl.store(x_out + p, ok * beta[:, None], mask=(tl.zeros([BC, BC], dtype=tl.int32) + i_b) > j)
+    jj = tl.zeros([BC, BC], dtype=tl.int32) + j
+    o = rr[:, None] * BT + (j * BC + r16)[None, :]
+    tl.store(pa + o, tl.where(jj < i_b, oq, 0.0).to(pa.dtype.element_ty), mask=jj != i_b)
+    tl.store(px + o, ok * beta[:, None], mask=jj < i_b)
+
+
+@triton.jit
+def _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K: tl.constexpr):
+    """DIAG=3: the rows R on one K tile: qn (scale folded in), kn, G (log2 units)."""
+    m2 = rmask[:, None] & cm[None, :]
+    qr = tl.load(pq + rr[:, None] * stride_q + c[None, :], mask=m2, other=0.0).to(tl.float32)
+    kr = tl.load(pk + rr[:, None] * stride_k + c[None, :], mask=m2, other=0.0).to(tl.float32)
+    Gr = tl.load(pg + rr[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
+    return qr * rq[:, None], kr * rk[:, None], Gr
 
 
 @triton.jit
@@ -539,7 +520,7 @@ def _kda_akk_lv_kernel(
     q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out,
     stride_q, stride_k,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, SPLITK: tl.constexpr = 0,
 ):
     """AKK_DIAG=3 akk (same grid and outputs as ``_kda_akk_kernel``; meant for num_warps=1): rows R = [i BC, (i+1) BC)
     of Aqk / Dkk with every pair on the tensor cores and every exponent <= 0:
@@ -562,9 +543,16 @@ def _kda_akk_lv_kernel(
     r16 = tl.arange(0, BC)
     rr = i_b * BC + r16                                  # rows of R within the chunk
     rmask = rr < nv
-    rq = tl.load(rs_in + (cblk + rr) * 4)
-    rk = tl.load(rs_in + (cblk + rr) * 4 + 1)
-    beta = tl.load(rs_in + (cblk + rr) * 4 + 2)
+    # scalar 64-bit row-0 bases of this chunk-head + 32-bit in-tile offsets (small address tensors)
+    pq = q + t0 * stride_q + i_h * K
+    pk = k + t0 * stride_k + i_h * K
+    pg = g_in + cblk * K
+    prs = rs_in + cblk * 4
+    pa = a_out + cblk * BT
+    px = x_out + cblk * BT
+    rq = tl.load(prs + rr * 4)
+    rk = tl.load(prs + rr * 4 + 1)
+    beta = tl.load(prs + rr * 4 + 2)
     o0k = tl.zeros([BC, BC], dtype=tl.float32)          # off-diagonal column blocks 0..2
     o0q = tl.zeros([BC, BC], dtype=tl.float32)
     o1k = tl.zeros([BC, BC], dtype=tl.float32)
@@ -580,43 +568,50 @@ def _kda_akk_lv_kernel(
     l1k = tl.zeros([BC, BC], dtype=tl.float32)
     l1q = tl.zeros([BC, BC], dtype=tl.float32)
     dq0 = tl.zeros([BC], dtype=tl.float32)               # diagonal s = r of Aqk
+    # SPLITK=1: two passes over K (off-diagonal blocks, then the levels): fewer live accumulators (registers)
     for kb in range(0, K, BK):
         c = kb + tl.arange(0, BK)
         cm = c < K
-        m2 = rmask[:, None] & cm[None, :]
-        qr = tl.load(q + (t0 + rr)[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        kr = tl.load(k + (t0 + rr)[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        qr = qr * rq[:, None]
-        kr = kr * rk[:, None]
-        Gr = tl.load(g_in + (cblk + rr)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
-        Gn = tl.load(g_in + (cblk + i_b * BC) * K + c, mask=cm, other=0.0)            # anchor n = i BC
+        qr, kr, Gr = _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K)
+        Gn = tl.load(pg + i_b * BC * K + c, mask=cm, other=0.0)            # anchor n = i BC
         ef = tl.exp2(tl.minimum(Gr - Gn[None, :], 0.0))
         qe = qr * ef
         ke = kr * ef
         if i_b > 0:
-            o0k, o0q = _akk_off_block(k, g_in, rs_in, t0, nv, cblk, i_h, 0, c, cm, Gn, qe, ke, o0k, o0q, stride_k,
-                                      K, BC, PREC)
+            o0k, o0q = _akk_off_block(pk, pg, prs, nv, 0, c, cm, Gn, qe, ke, o0k, o0q, stride_k, K, BC,
+                                      PREC)
         if i_b > 1:
-            o1k, o1q = _akk_off_block(k, g_in, rs_in, t0, nv, cblk, i_h, 1, c, cm, Gn, qe, ke, o1k, o1q, stride_k,
-                                      K, BC, PREC)
+            o1k, o1q = _akk_off_block(pk, pg, prs, nv, 1, c, cm, Gn, qe, ke, o1k, o1q, stride_k, K, BC,
+                                      PREC)
         if i_b > 2:
-            o2k, o2q = _akk_off_block(k, g_in, rs_in, t0, nv, cblk, i_h, 2, c, cm, Gn, qe, ke, o2k, o2q, stride_k,
-                                      K, BC, PREC)
+            o2k, o2q = _akk_off_block(pk, pg, prs, nv, 2, c, cm, Gn, qe, ke, o2k, o2q, stride_k, K, BC,
+                                      PREC)
         dq0 += tl.sum(qr * kr, 1)
-        l8k, l8q = _akk_level(g_in, cblk, i_b, c, cm, qr, kr, Gr, l8k, l8q, BC // 2, K, BC, PREC)
-        l4k, l4q = _akk_level(g_in, cblk, i_b, c, cm, qr, kr, Gr, l4k, l4q, BC // 4, K, BC, PREC)
-        l2k, l2q = _akk_level(g_in, cblk, i_b, c, cm, qr, kr, Gr, l2k, l2q, BC // 8, K, BC, PREC)
-        l1k, l1q = _akk_level(g_in, cblk, i_b, c, cm, qr, kr, Gr, l1k, l1q, BC // 16, K, BC, PREC)
+        if not SPLITK:
+            l8k, l8q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, BC // 2, K, BC, PREC)
+            l4k, l4q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l4k, l4q, BC // 4, K, BC, PREC)
+            l2k, l2q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l2k, l2q, BC // 8, K, BC, PREC)
+            l1k, l1q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l1k, l1q, BC // 16, K, BC, PREC)
+    _akk_store_off(pa, px, rr, i_b, 0, o0k, o0q, beta, BT, BC)
+    _akk_store_off(pa, px, rr, i_b, 1, o1k, o1q, beta, BT, BC)
+    _akk_store_off(pa, px, rr, i_b, 2, o2k, o2q, beta, BT, BC)
+    _akk_store_off(pa, px, rr, i_b, 3, o2k, o2q, beta, BT, BC)     # (block 3 is never < i: zeros)
+    if SPLITK:
+        for kb in range(0, K, BK):
+            c = kb + tl.arange(0, BK)
+            cm = c < K
+            qr, kr, Gr = _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K)
+            l8k, l8q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, BC // 2, K, BC, PREC)
+            l4k, l4q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l4k, l4q, BC // 4, K, BC, PREC)
+            l2k, l2q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l2k, l2q, BC // 8, K, BC, PREC)
+            l1k, l1q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l1k, l1q, BC // 16, K, BC, PREC)
     d_kk = tl.zeros([BC, BC], dtype=tl.float32)
     d_qk = tl.where(r16[:, None] == r16[None, :], dq0[:, None], 0.0)
     d_kk, d_qk = _akk_level_sel(l8k, l8q, d_kk, d_qk, BC // 2, BC)
     d_kk, d_qk = _akk_level_sel(l4k, l4q, d_kk, d_qk, BC // 4, BC)
     d_kk, d_qk = _akk_level_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
     d_kk, d_qk = _akk_level_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
-    _akk_store_block(a_out, x_out, cblk, rr, i_b, 0, o0k, o0q, d_qk, beta, BT, BC)
-    _akk_store_block(a_out, x_out, cblk, rr, i_b, 1, o1k, o1q, d_qk, beta, BT, BC)
-    _akk_store_block(a_out, x_out, cblk, rr, i_b, 2, o2k, o2q, d_qk, beta, BT, BC)
-    _akk_store_block(a_out, x_out, cblk, rr, i_b, 3, o2k, o2q, d_qk, beta, BT, BC)   # (o2: unused, i < 4)
+    tl.store(pa + rr[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(a_out.dtype.element_ty))
     # (I + L_ii)^-1 by forward substitution: X[r] = e_r - sum_{c<r} L[r, c] X[c]
     lt = tl.trans(tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0))   # lt[c, r] = L[r, c]
     di = tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)
@@ -624,7 +619,7 @@ def _kda_akk_lv_kernel(
         a_r = tl.sum(tl.where((r16 == r)[None, :], lt, 0.0), 1)                        # [BC] over c (axis 0)
         nr = tl.sum(a_r[:, None] * di, 0)                                              # [BC] over columns
         di = tl.where((r16 == r)[:, None], di - nr[None, :], di)
-    tl.store(x_out + (cblk + rr)[:, None] * BT + (i_b * BC + r16)[None, :], di)
+    tl.store(px + rr[:, None] * BT + (i_b * BC + r16)[None, :], di)
 
 
 @triton.jit
@@ -1230,7 +1225,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                  dict(num_warps=PREP_NUM_WARPS)),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
-                dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec),
+                dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK)),
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))) if int(AKK_DIAG) == 3 else
                (_kda_akk_kernel,
                 dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32", stride_k="i32"),
@@ -1358,8 +1353,8 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             if int(AKK_DIAG) == 3:
                 return _kda_akk_lv_kernel[(BT // BC * NT, H)](
                     q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
-                    PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, num_warps=AKK_NUM_WARPS,
-                    **_maxnreg(AKK_MAXNREG),
+                    PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
+                    num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
                 )
             return _kda_akk_kernel[(BT // BC * NT, H)](
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),

@@ -256,6 +256,7 @@ def test_tiling_fp32(kda_path, monkeypatch, diag, fused):
     monkeypatch.setattr(chunk_mod, "PREP_FUSED", int(fused == 1))
     monkeypatch.setattr(chunk_mod, "INTRA_FUSED", int(fused == 2))
     monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", diag % 2)
+    monkeypatch.setattr(chunk_mod, "AKK_LV_SPLITK", int(diag == 3))   # (the variants test runs DIAG=3 unsplit)
     for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV", "INTRA_BK", "INTRA_BV"):
         monkeypatch.setattr(chunk_mod, name, 16)
     monkeypatch.setattr(chunk_mod, "STATE_BV", 16)
@@ -288,7 +289,8 @@ def test_sm90_offline_compile_no_spills(kda_path):
             "'cumsum_dot': (setattr(c, 'CUMSUM_DOT', 1), setattr(c, 'PREP_BK', 16), "
             "c.compile_report(which=('prep',)))[-1], "
             "'akk_lv': (setattr(c, 'AKK_DIAG', 3), setattr(c, 'AKK_NUM_WARPS', 1), setattr(c, 'AKK_BK', 16), "
-            "c.compile_report(which=('akk',)))[-1]}))")
+            "c.compile_report(which=('akk',)))[-1], "
+            "'akk_lv_2k': (setattr(c, 'AKK_LV_SPLITK', 1), c.compile_report(which=('akk',)))[-1]}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=400)
     if r.returncode != 0 and ("ptxas" in r.stderr or "cuobjdump" in r.stderr):
@@ -389,6 +391,7 @@ VARIANTS = {
     "intra-fused": dict(INTRA_FUSED=1),
     # session 5: level-anchored tensor-core diagonal blocks in a 1-warp akk; tensor-core gate cumsum
     "akk-lv": dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16),
+    "akk-lv-2k": dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, AKK_LV_SPLITK=1),
     "cumsum-dot": dict(CUMSUM_DOT=1, PREP_BK=16),
     "intra-fused-cs": dict(INTRA_FUSED=1, CUMSUM_DOT=1),
 }
