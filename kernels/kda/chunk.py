@@ -477,7 +477,7 @@ def _akk_level(pg, i_b, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.const
     a = i_b * BC + ((r16 & ~(2 * hb - 1)) | hb)                                        # anchor row of each row
     Ga = tl.load(pg + a[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
     d = Gr - Ga
-    e = tl.exp2(tl.minimum(d, -d))
+    e = tl.exp2(-tl.abs(d))
     ke = kr * e
     ct = tl.trans(ke)                                                                  # [BK, BC]
     lk = tl.dot(ke, ct, lk, input_precision=PREC)
@@ -531,7 +531,7 @@ def _kda_akk_lv_kernel(
     Then the same block forward substitution as ``_kda_akk_kernel``.
     (Offline sm_90, Triton 3.6: at 2 or 4 warps these [16, x] tiles are replicated in every warp (the dot-operand
     layouts), so 1 warp does the same work with a quarter of the issue slots.)"""
-    tl.static_assert(BT == 4 * BC)
+    tl.static_assert((BT == 64) & (BC == 16))           # 3 off-diagonal column blocks, 4 levels
     i_b = tl.program_id(0) % (BT // BC)
     i_c = tl.program_id(0) // (BT // BC)
     i_h = tl.program_id(1)
@@ -942,7 +942,7 @@ def _kda_intra_kernel(
             G = tl.load(p_g + o_s + c[None, :], mask=cm[None, :], other=0.0)
             Ga = tl.load(p_g + o_a + c[None, :], mask=cm[None, :], other=0.0)
             d = G - Ga
-            e = tl.exp2(tl.minimum(d, -d))               # rows >= anchor: G_r - G_n; rows < anchor: G_n - G_s
+            e = tl.exp2(-tl.abs(d))                       # rows >= anchor: G_r - G_n; rows < anchor: G_n - G_s
             ke = bk * e
             ct = tl.trans(tl.where(up[:, None], 0.0, ke))                              # [BK, BT]
             l_kk = tl.dot(tl.where(up[:, None], ke, 0.0), ct, l_kk, input_precision=PREC)
