@@ -17,6 +17,10 @@ K splits S (gemv_config's balance model, or the config's) write fp32 partials [S
 programs to arrive sums them in split order and writes y (one launch, deterministic, no atomics on data; or, with
 fused=False, a second launch does the sum).
 Grid and buffers depend on shapes only: CUDA-graph capturable, no host sync.
+PDL (KIMI_PDL=1, kernels._pdl; `pdl` overrides): launched with programmatic dependent launch, each program first
+prefetches the head of its W slab into L2 (PDL_L2_MB over the whole grid, at most PDL_MAX_LINES 128-byte lines per
+row), then waits for the previous kernel: the weight stream starts while the previous kernel (a norm, the KDA
+decode) still runs; x and everything after come after the wait, so the bits are the same.
 """
 from __future__ import annotations
 
@@ -30,9 +34,14 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels._pdl import gdc_enter, pdl_launch, pdl_on, prefetch_l2
 from kernels._tensors import arrival_counters, num_sms
 
 GEMV_MAX_M = 16
+# PDL launch: W bytes the whole grid prefetches into L2 before griddepcontrol.wait (KIMI_PDL_L2_MB; a fraction of
+# the H200's 50 MB L2, so the prefetched head of the slabs is still there when the loop reaches it) and its cap
+PDL_L2_MB = float(os.environ.get("KIMI_PDL_L2_MB", "16"))
+PDL_MAX_LINES = 64
 
 
 
@@ -151,6 +160,7 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT: tl.constexpr, W_EVICT: tl.constexpr, W_CACHE: tl.constexpr, R: tl.constexpr, PREFETCH: tl.constexpr,
     w_desc=None, TMA: tl.constexpr = False,
+    GDC: tl.constexpr = False, PF_N: tl.constexpr = 0, PF_L: tl.constexpr = 1, PF_STEP: tl.constexpr = 64,
 ):
     # grid (cdiv(N, BN), S, B): program (n, s, b) reads W[b, n*BN:+BN, s*k_split:+k_split] once (streamed: W_EVICT
     # / W_CACHE hints keep it from evicting x, partials and other kernels' data from L2) and
@@ -165,6 +175,15 @@ def _gemv_kernel(
     k_lo = pid_s * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     xb, wb = x_ptr + pid_b * stride_xb, w_ptr + pid_b * stride_wb
+    if GDC:
+        # PDL: prefetch into L2 the first PF_N lines (PF_STEP elements each) of this program's BN rows from k_lo,
+        # then wait for the previous kernel (x is its output); the loop then finds that head of the slab in L2
+        if PF_N > 0:
+            lines = tl.arange(0, PF_L)
+            cols = k_lo + lines * PF_STEP                                                             # [PF_L]
+            pf = wb + offs_n[:, None].to(tl.int64) * stride_wn + cols[None, :]                        # [BN, PF_L]
+            prefetch_l2(pf, n_mask[:, None] & ((lines < PF_N) & (cols < k_hi))[None, :])
+        gdc_enter(GDC)
     if DOT:
         row0 = (pid_b * N + pid_n * BN).to(tl.int32)                                                # TMA box row
         out = _dot_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
@@ -291,7 +310,18 @@ def _tma_ok(wb: torch.Tensor) -> bool:
             and wb.data_ptr() % 16 == 0 and K * es >= 16)
 
 
-def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = None) -> torch.Tensor:
+def _pdl_prefetch(B: int, N: int, S: int, k_split: int, es: int) -> dict:
+    """PDL-only constexprs: L2 lines prefetched per W row and K split before the wait (PDL_L2_MB over the grid's
+    B * N * S row slabs, at most the slab's k_split columns and PDL_MAX_LINES), their power-of-2 tile and the
+    elements per 128-byte line. E.g. bf16 o_proj (N 2304, S 3): 18 of 22 lines; in_proj (N 12576): 10 of 36."""
+    step = max(1, 128 // es)
+    n = min(triton.cdiv(k_split, step), int(PDL_L2_MB * (1 << 20)) // (B * N * S * 128), PDL_MAX_LINES)
+    return dict(PF_N=n, PF_L=triton.next_power_of_2(max(n, 1)), PF_STEP=step)
+
+
+def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = None,
+                pdl: Optional[bool] = None) -> torch.Tensor:
+    """pdl: launch with PDL (kernels._pdl; None: KIMI_PDL)."""
     batched = x.dim() == 3
     xb, wb = (x, w) if batched else (x[None], w[None])
     if xb.stride(-1) != 1:
@@ -326,7 +356,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
         p.stride(0) if S > 1 else 0, p.stride(-3), p.stride(-2),
         BM=bm, BN=c.BN, BK=c.BK, EVEN_K=even_k, DOT=c.dot, PREC=prec, UPCAST=upcast, SPLIT=split_mode,
         W_EVICT="evict_first" if c.evict and not c.cg else "", W_CACHE=".cg" if c.cg else "", R=min(FMA_R, c.BK),
-        PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages, **tma)
+        PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages, **tma,
+        **(pdl_launch(pdl, **_pdl_prefetch(B, N, S, k_split, wb.element_size())) if pdl_on(pdl) else {}))
     if split_mode == 1:
         br = min(1024, triton.next_power_of_2(N))
         _split_reduce_kernel[(B * M, triton.cdiv(N, br))](p, y, S, B * M, N, BR=br, num_warps=4)

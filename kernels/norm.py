@@ -10,6 +10,8 @@ combine_add_rmsnorm(y [T*k, D], tw [T, k], res [T, D], w, eps) -> add_rmsnorm(x,
                                                MoE combine (kernels.moe.fused) folded into it, one launch for two
 gated_rmsnorm(o [T, H, V], r [T, H, V], w [V], eps) -> [T, H, V]:
                                                y = o_f32 * rsqrt(mean(o_f32^2) + eps) * w * sigmoid(r_f32)  (fp32 math)
+PDL (KIMI_PDL=1, kernels._pdl; `pdl` overrides): the row kernels (all but gated_rmsnorm, which decode does not run)
+are launched with programmatic dependent launch and load only the norm weight before griddepcontrol.wait.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels._pdl import gdc_enter, pdl_launch
 from kernels._tensors import unit_last_stride
 from kernels.moe.fused import combine_row
 from kernels.moe.router import INTERPRET, cast_to
@@ -102,13 +105,14 @@ def _rmsnorm_kernel(
     x_ptr, w_ptr, y_ptr,
     stride_x, stride_y,
     D, eps,
-    BD: tl.constexpr, EARLY_W: tl.constexpr,
+    BD: tl.constexpr, EARLY_W: tl.constexpr, GDC: tl.constexpr = False,
 ):
-    # one program per row; x [T, D], w [D], y [T, D]
+    # one program per row; x [T, D], w [D], y [T, D]. GDC (PDL launch): the weight load precedes the wait
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     mask = offs < D
     w = _load_w(w_ptr, offs, mask, EARLY_W)
+    gdc_enter(GDC)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     y = _rms_weighted(x, w, w_ptr, offs, mask, D, eps, y_ptr.dtype.element_ty, EARLY_W)
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -116,12 +120,13 @@ def _rmsnorm_kernel(
 
 @triton.jit
 def _rmsnorm_head_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, C, eps, BC: tl.constexpr,
-                         EARLY_W: tl.constexpr):
+                         EARLY_W: tl.constexpr, GDC: tl.constexpr = False):
     # one program per row of C = D + P columns: the first D normalised like _rmsnorm_kernel, the rest copied
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BC)
     head = offs < D
     w = _load_w(w_ptr, offs, head, EARLY_W)
+    gdc_enter(GDC)
     xr = tl.load(x_ptr + row * stride_x + offs, mask=offs < C, other=0.0)
     x = tl.where(head, xr.to(tl.float32), 0.0)
     y = _rms_weighted(x, w, w_ptr, offs, head, D, eps, y_ptr.dtype.element_ty, EARLY_W)
@@ -134,13 +139,14 @@ def _add_rmsnorm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr,
     stride_x, stride_r, stride_y, stride_h,
     D, eps,
-    BD: tl.constexpr, EARLY_W: tl.constexpr,
+    BD: tl.constexpr, EARLY_W: tl.constexpr, GDC: tl.constexpr = False,
 ):
     # one program per row: h = r + x (rounded to the dtype like the torch add), y = rmsnorm(h) as _rmsnorm_kernel
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     mask = offs < D
     w = _load_w(w_ptr, offs, mask, EARLY_W)
+    gdc_enter(GDC)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     h = (r + x).to(h_ptr.dtype.element_ty)
@@ -155,6 +161,7 @@ def _combine_add_rmsnorm_kernel(
     stride_ys, stride_r, stride_o, stride_h,
     D, eps,
     TOP_K: tl.constexpr, SPLIT: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr, EARLY_W: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     # one program per token t: y [T*k, D] (or [SPLIT, T*k, D] fp32) contiguous, tw [T, k] fp32, r/o/h [T, D].
     # The combine is _moe_combine_kernel's (combine_row) and the rest _add_rmsnorm_kernel's, op for op, so the bits
@@ -163,6 +170,7 @@ def _combine_add_rmsnorm_kernel(
     offs = tl.arange(0, BD)
     mask = offs < D
     w = _load_w(w_ptr, offs, mask, EARLY_W)
+    gdc_enter(GDC)   # PDL launch: only the weight before the wait (y, tw and the residual are activations)
     if EARLY_W:  # the residual too: after the combine's loads and FMAs, its latency was exposed
         r = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     acc = combine_row(y_ptr, tw_ptr, t, offs, mask, D, stride_ys, TOP_K, SPLIT, h_ptr.dtype.element_ty, INTERP)
@@ -198,7 +206,7 @@ def _gated_rmsnorm_kernel(
 
 
 # --------------------------------------------------------------------------------------------------- wrappers
-def rmsnorm_triton(x: torch.Tensor, w: torch.Tensor, eps: float, cfg=None) -> torch.Tensor:
+def rmsnorm_triton(x: torch.Tensor, w: torch.Tensor, eps: float, cfg=None, pdl=None) -> torch.Tensor:
     shape = x.shape
     D = shape[-1]
     x2 = x.reshape(-1, D)
@@ -210,11 +218,11 @@ def rmsnorm_triton(x: torch.Tensor, w: torch.Tensor, eps: float, cfg=None) -> to
     BD = triton.next_power_of_2(D)
     warps, early = row_config(BD, cfg)
     _rmsnorm_kernel[(x2.shape[0],)](x2, w, y, x2.stride(0), y.stride(0), D, eps, BD=BD, EARLY_W=early,
-                                     num_warps=warps)
+                                     num_warps=warps, **pdl_launch(pdl))
     return y.reshape(shape)
 
 
-def rmsnorm_head_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm_head_triton(x: torch.Tensor, w: torch.Tensor, eps: float, pdl=None) -> torch.Tensor:
     """x [T, D + P] (row stride allowed) -> contiguous [T, D + P] in x.dtype."""
     T, C = x.shape
     x = unit_last_stride(x)
@@ -223,11 +231,11 @@ def rmsnorm_head_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.T
         BC = triton.next_power_of_2(C)
         warps, early = row_config(BC)
         _rmsnorm_head_kernel[(T,)](x, w, y, x.stride(0), y.stride(0), w.shape[0], C, eps, BC=BC, EARLY_W=early,
-                                   num_warps=warps)
+                                   num_warps=warps, **pdl_launch(pdl))
     return y
 
 
-def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, cfg=None):
+def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, cfg=None, pdl=None):
     """x, residual [T, D] (row strides allowed) -> (y, h) contiguous [T, D] in x.dtype."""
     assert x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype, (x.shape, residual.shape)
     T, D = x.shape
@@ -238,12 +246,12 @@ def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
         BD = triton.next_power_of_2(D)
         warps, early = row_config(BD, cfg)
         _add_rmsnorm_kernel[(T,)](x, residual, w, y, h, x.stride(0), residual.stride(0), y.stride(0), h.stride(0),
-                                  D, eps, BD=BD, EARLY_W=early, num_warps=warps)
+                                  D, eps, BD=BD, EARLY_W=early, num_warps=warps, **pdl_launch(pdl))
     return y, h
 
 
 def combine_add_rmsnorm_triton(y: torch.Tensor, topk_weights: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
-                               eps: float, cfg=None):
+                               eps: float, cfg=None, pdl=None):
     """y: kernels.moe.fused.moe_gemm2's output ([T*k, D] in residual.dtype, or fp32 partials [S, T*k, D]),
     topk_weights [T, k] fp32, residual [T, D] (row stride allowed) -> (y, h) contiguous [T, D] in residual.dtype."""
     T, top_k = topk_weights.shape
@@ -260,7 +268,8 @@ def combine_add_rmsnorm_triton(y: torch.Tensor, topk_weights: torch.Tensor, resi
         warps, early = row_config(BD, cfg)
         _combine_add_rmsnorm_kernel[(T,)](y, topk_weights.contiguous(), residual, w, out, h, T * top_k * D,
                                           residual.stride(0), out.stride(0), h.stride(0), D, eps, TOP_K=top_k,
-                                          SPLIT=split, BD=BD, INTERP=INTERPRET, EARLY_W=early, num_warps=warps)
+                                          SPLIT=split, BD=BD, INTERP=INTERPRET, EARLY_W=early, num_warps=warps,
+                                          **pdl_launch(pdl))
     return out, h
 
 

@@ -22,6 +22,10 @@ channels) needs all V tiles and must follow every tile's conv read. Three ways (
 Launch config (`decode_config`): BV, warps, tail and the state-load position as a function of N, H, V and the SM
 count; see there. `bench/kda.py --sweep` times the alternatives.
 
+PDL (KIMI_PDL=1, kernels._pdl; `pdl` overrides): the kernels take GDC and are launched with programmatic
+dependent launch; before griddepcontrol.wait they only compute offsets and (the per-tile kernel) prefetch the head's
+conv weights, dt_bias and norm weight into L2; the slot, the state and every activation are read after it.
+
 Lanes whose slot is <= 0 (the null slot, CUDA-graph padding) read and write no state and output zeros, so padded
 lanes cost almost no bandwidth and never touch a real slot. No host syncs, no data-dependent shapes: the whole
 step is CUDA-graph capturable.
@@ -35,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._pdl import gdc_enter, pdl_launch, prefetch_l2
 from kernels._tensors import arrival_counters, num_sms
 
 TAIL_SINGLE, TAIL_LAST, TAIL_POST, TAIL_LOOP = 0, 1, 2, 3
@@ -69,7 +74,7 @@ def _kda_decode_kernel(
     scale, eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BVF: tl.constexpr, TAIL: tl.constexpr,
-    EARLY: tl.constexpr, STORE_AFTER: tl.constexpr = False,
+    EARLY: tl.constexpr, STORE_AFTER: tl.constexpr = False, GDC: tl.constexpr = False,
 ):
     # qkv [N, 2HK+HV]; conv_w [C, W] f32; conv_state [S, W-1, C]; z [N, HK]; b [N, H]; A_log [H]; dt_bias [HK]
     # state [S, H, K, V] f32 (k-row stride V, v contiguous); o [N, H, V] f32 scratch (TAIL_LAST / TAIL_POST);
@@ -77,10 +82,19 @@ def _kda_decode_kernel(
     i_v = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_n = tl.program_id(2).to(tl.int64)
-    slot = tl.load(slot_ptr + i_n).to(tl.int64)
-
     o_k = tl.arange(0, BK).to(tl.int64)                              # int64 offsets: fewer registers (ptxas)
     o_v = i_v.to(tl.int64) * BV + tl.arange(0, BV).to(tl.int64)
+    if GDC:
+        # PDL: the weights this program reads (conv taps of its q, k, v channels, dt_bias, the o_norm weight) into
+        # L2 while the previous kernel (the projection writing qkv, z, b, r) finishes; then wait for it
+        prefetch_l2(convw_ptr + (i_h * K + o_k) * W, o_k < K)
+        prefetch_l2(convw_ptr + (H * K + i_h * K + o_k) * W, o_k < K)
+        prefetch_l2(convw_ptr + (2 * H * K + i_h * V + o_v) * W, o_v < V)
+        prefetch_l2(dtb_ptr + i_h * K + o_k, o_k < K)
+        prefetch_l2(nw_ptr + o_v, o_v < V)
+        gdc_enter(GDC)
+    slot = tl.load(slot_ptr + i_n).to(tl.int64)
+
     # slot <= 0: padded lane, no state I/O. The slot test is a splat, constant along v: the masked state tile
     # moves in 16-byte vectors (ld/st.global.v4 in the PTX)
     m_k = (o_k < K) & ((tl.zeros([BK], dtype=tl.int64) + slot) > 0)
@@ -178,9 +192,10 @@ def _kda_decode_post_kernel(
     stride_r, stride_y, stride_qkv, stride_cs_s, stride_cs_w,
     eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BK: tl.constexpr, BVF: tl.constexpr,
+    BK: tl.constexpr, BVF: tl.constexpr, GDC: tl.constexpr = False,
 ):
     # TAIL_POST: o [N, H, V] f32 -> y [N, H*V] = o * rsqrt(mean(o^2) + eps) * w * sigmoid(r); conv shift of head i_h
+    gdc_enter(GDC)
     i_h = tl.program_id(0).to(tl.int64)
     i_n = tl.program_id(1).to(tl.int64)
     o_v = tl.arange(0, BVF).to(tl.int64)
@@ -218,7 +233,7 @@ def _kda_decode_loop_kernel(
     stride_s_s, stride_s_h,
     scale, eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BVF: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BVF: tl.constexpr, GDC: tl.constexpr = False,
 ):
     # TAIL_LOOP: persistent grid (G,), G <= n_units = N*H. Program p owns the heads (units) u = p, p+G, ... (unit u =
     # sequence u // H, head u % H) and walks each head's NV state tiles [K, BV] in order; the state load of the next
@@ -235,6 +250,7 @@ def _kda_decode_loop_kernel(
     zb = tl.zeros([BV], dtype=tl.int64)
     zf = tl.zeros([BVF], dtype=tl.int64)
     s_rows = o_k[:, None] * V                                       # [BK, 1] k-row offsets in a head's state
+    gdc_enter(GDC)                                                  # PDL: nothing read before the wait
 
     # first tile of the first unit (slot <= 0 or no unit: masked, no traffic)
     u_n = pid.to(tl.int64)
@@ -377,12 +393,13 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
                       early: Optional[bool] = None, o_scratch: Optional[torch.Tensor] = None,
                       out: Optional[torch.Tensor] = None, counters: Optional[torch.Tensor] = None,
                       pps: Optional[int] = None, grid: Optional[int] = None, maxnreg: Optional[int] = None,
-                      store_after: Optional[bool] = None):
+                      store_after: Optional[bool] = None, pdl: Optional[bool] = None):
     """Fused KDA decode step (see module doc). Shapes as kernels.kda.kda_decode. Returns [N, H*V] (qkv.dtype),
     written into `out` when given (every element is written, padded lanes get zeros). BV / num_warps / tail / early
     override `decode_config` (tail TAIL_LAST or TAIL_POST when BV < V; TAIL_LOOP: the persistent loop kernel at any
-    BV, sized for `pps` programs per SM, or exactly `grid` programs); `maxnreg` caps the registers. `counters` (i32, >= N*H, zeroed) replaces the
-    module's shared arrival-counter buffer."""
+    BV, sized for `pps` programs per SM, or exactly `grid` programs); `maxnreg` caps the registers. `counters` (i32,
+    >= N*H, zeroed) replaces the module's shared arrival-counter buffer. pdl: launch with PDL (kernels._pdl; None:
+    KIMI_PDL)."""
     N = qkv.shape[0]
     H = b.shape[-1]
     K = z.shape[-1] // H
@@ -423,6 +440,7 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
     BK = triton.next_power_of_2(K)
     NV = triton.cdiv(V, cfg.BV)
     opt = dict(maxnreg=cfg.maxnreg) if cfg.maxnreg else {}
+    opt.update(pdl_launch(pdl))
     if cfg.tail == TAIL_LOOP:
         if o_scratch is None:
             o_scratch = torch.empty(N, H, V, dtype=torch.float32, device=qkv.device)
@@ -459,6 +477,6 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
             o_scratch, r, o_norm_w, out, qkv, conv_state, state_slots,
             r.stride(0), out.stride(0), qkv.stride(0), conv_state.stride(0), conv_state.stride(1),
             eps,
-            H=H, K=K, V=V, W=W, BK=BK, BVF=triton.next_power_of_2(V), num_warps=4,
+            H=H, K=K, V=V, W=W, BK=BK, BVF=triton.next_power_of_2(V), num_warps=4, **pdl_launch(pdl),
         )
     return out

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._pdl import gdc_enter, gdc_wait, pdl_launch, pdl_on
+
 from kernels._tensors import arrival_counters
 
 # The Triton interpreter multiplies the raw uint16 storage of bf16 operands in tl.dot; under TRITON_INTERPRET=1
@@ -53,6 +55,8 @@ DECODE_MAXNREG = int(os.environ.get("KIMI_ROUTER_MAXNREG", "168"))
 TOPK_ROW_MAX_T = int(os.environ.get("KIMI_ROUTER_TOPK_ROW_MAX_T", "256"))
 # v2 / v3 decode: every program signals griddepcontrol.launch_dependents first (not under the interpreter)
 DECODE_GDC = os.environ.get("KIMI_ROUTER_GDC", "1") != "0" and not INTERPRET
+# KIMI_PDL=1 (kernels._pdl): the decode routers (v1, v2 / v3) are launched with PDL and wait for the previous kernel
+# (the post-attention norm) after loading their gate rows
 
 
 @triton.jit
@@ -115,15 +119,26 @@ def _router_logits_kernel(
 @triton.jit
 def _router_logits_gemv_kernel(
     x_ptr, w_ptr, out_ptr, E, D, stride_xt, stride_we, stride_ot,
-    BE: tl.constexpr, BK: tl.constexpr,
+    BE: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr = False,
 ):
-    # program (t, e-block): out[t, e] = sum_d x[t, d] * w[e, d] in fp32 (bf16/fp16 products are exact in fp32)
+    # program (t, e-block): out[t, e] = sum_d x[t, d] * w[e, d] in fp32 (bf16/fp16 products are exact in fp32).
+    # GDC (PDL launch): the first K tile of the gate rows is loaded before griddepcontrol.wait, x after it (the
+    # first step peeled: the same sums in the same order)
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BE + tl.arange(0, BE)
     offs_k = tl.arange(0, BK)
     e_ok = offs_e < E
     acc = tl.zeros((BE,), dtype=tl.float32)
-    for k0 in range(0, D, BK):
+    k_first = 0
+    if GDC:
+        k_ok = offs_k < D
+        b = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_we + offs_k[None, :],
+                    mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        gdc_enter(GDC)
+        a = tl.load(x_ptr + t * stride_xt + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        acc += tl.sum(b * a[None, :], axis=1)
+        k_first = BK
+    for k0 in range(k_first, D, BK):
         k_ok = offs_k < D - k0
         a = tl.load(x_ptr + t * stride_xt + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         b = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_we + k0 + offs_k[None, :],
@@ -213,12 +228,14 @@ def _router_fused_gemv_kernel(
     scale, extra_id, BE: tl.constexpr, BK: tl.constexpr,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr, OUT_K: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     # decode (T <= GEMV_MAX_T): program (t, e-block) computes BE logits of token t like _router_logits_gemv_kernel;
     # the last of the token's cdiv(E, BE) programs to arrive (acq_rel counter, reset to 0 by it: graph-replay safe)
-    # selects the token's top-k, so the router is one launch instead of two
+    # selects the token's top-k, so the router is one launch instead of two. GDC: PDL launch (gate tile loaded
+    # before the wait, see _router_logits_gemv_kernel; the counter and logits only after it)
     t = tl.program_id(0)
-    _router_logits_gemv_kernel(x_ptr, w_ptr, logits_ptr, E, D, stride_xt, stride_we, stride_lt, BE, BK)
+    _router_logits_gemv_kernel(x_ptr, w_ptr, logits_ptr, E, D, stride_xt, stride_we, stride_lt, BE, BK, GDC)
     tl.debug_barrier()  # every thread's logit stores precede the (release) arrival
     n_arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
     if n_arrived == tl.num_programs(1) - 1:
@@ -239,6 +256,25 @@ def _load_row_chunk(x_ptr, w_ptr, offs_e, e_ok, k0, D, stride_we, BK: tl.constex
         a = tl.load(x_ptr + offs_k)
         b = tl.load(w_ptrs, mask=e_ok[:, None], other=0.0)
     return a, b
+
+
+@triton.jit
+def _load_w_chunk(w_ptr, offs_e, e_ok, k0, D, stride_we, BK: tl.constexpr, MASK_K: tl.constexpr):
+    # _load_row_chunk's gate rows alone (loaded before the PDL wait)
+    offs_k = k0 + tl.arange(0, BK)
+    w_ptrs = w_ptr + offs_e[:, None].to(tl.int64) * stride_we + offs_k[None, :]
+    if MASK_K:
+        return tl.load(w_ptrs, mask=e_ok[:, None] & (offs_k < D)[None, :], other=0.0)
+    return tl.load(w_ptrs, mask=e_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _load_x_chunk(x_ptr, k0, D, BK: tl.constexpr, MASK_K: tl.constexpr):
+    # _load_row_chunk's x part (after the PDL wait)
+    offs_k = k0 + tl.arange(0, BK)
+    if MASK_K:
+        return tl.load(x_ptr + offs_k, mask=offs_k < D, other=0.0)
+    return tl.load(x_ptr + offs_k)
 
 
 @triton.jit
@@ -311,7 +347,7 @@ def _router_decode_kernel(
     scale, extra_id, BE: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BK_TAIL: tl.constexpr,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr, OUT_K: tl.constexpr,
-    POLL: tl.constexpr, MAX_SPINS: tl.constexpr, GDC: tl.constexpr = False,
+    POLL: tl.constexpr, MAX_SPINS: tl.constexpr, GDC: tl.constexpr = False, WAIT: tl.constexpr = False,
 ):
     # ROUTER_DECODE v2 / v3 (T <= GEMV_MAX_T): program (t, e-block of BE experts), meant for 1 warp. D = NK * BK +
     # tail (BK a power of two, tail < BK masked to BK_TAIL): no masked lanes beyond the tail (D 2304 = 2048 + 256,
@@ -324,6 +360,8 @@ def _router_decode_kernel(
     #     last program in launch order spins on volatile loads of the row until every flag is set, then zeroes it
     #     (the next launch finds it clear). The spinner is dispatched after the programs it waits for (blocks go out
     #     in linear order; the interpreter runs them in order), so it cannot starve them; MAX_SPINS bounds the wait
+    # WAIT (PDL launch, KIMI_PDL=1): the bias and the gate rows of the first chunks (and the tail) are loaded
+    # before griddepcontrol.wait, x after it (same products and sums)
     if GDC:
         # a PDL-launched dependent (the MoE GEMM1, KIMI_MOE_PDL=...,gemm1) may start its CTAs now: it reads nothing
         # of ours before its griddepcontrol.wait, which waits for this whole grid; a no-op without PDL
@@ -341,11 +379,24 @@ def _router_decode_kernel(
     x_row = x_ptr + t.to(tl.int64) * stride_xt
     # every load of the row before the first product: consumed chunk by chunk, ptxas issued the next chunk's loads
     # only after the previous chunk's data had arrived (two to three serial HBM round trips, SASS checked)
-    a0, b0 = _load_row_chunk(x_row, w_ptr, offs_e, e_ok, 0, D, stride_we, BK, False)
-    if NK > 1:
-        a1, b1 = _load_row_chunk(x_row, w_ptr, offs_e, e_ok, BK, D, stride_we, BK, False)
-    if BK_TAIL > 0:
-        at, bt = _load_row_chunk(x_row, w_ptr, offs_e, e_ok, NK * BK, D, stride_we, BK_TAIL, True)
+    if WAIT:
+        b0 = _load_w_chunk(w_ptr, offs_e, e_ok, 0, D, stride_we, BK, False)
+        if NK > 1:
+            b1 = _load_w_chunk(w_ptr, offs_e, e_ok, BK, D, stride_we, BK, False)
+        if BK_TAIL > 0:
+            bt = _load_w_chunk(w_ptr, offs_e, e_ok, NK * BK, D, stride_we, BK_TAIL, True)
+        gdc_wait()
+        a0 = _load_x_chunk(x_row, 0, D, BK, False)
+        if NK > 1:
+            a1 = _load_x_chunk(x_row, BK, D, BK, False)
+        if BK_TAIL > 0:
+            at = _load_x_chunk(x_row, NK * BK, D, BK_TAIL, True)
+    else:
+        a0, b0 = _load_row_chunk(x_row, w_ptr, offs_e, e_ok, 0, D, stride_we, BK, False)
+        if NK > 1:
+            a1, b1 = _load_row_chunk(x_row, w_ptr, offs_e, e_ok, BK, D, stride_we, BK, False)
+        if BK_TAIL > 0:
+            at, bt = _load_row_chunk(x_row, w_ptr, offs_e, e_ok, NK * BK, D, stride_we, BK_TAIL, True)
     acc = _dot_rows(a0, b0)
     if NK > 1:
         acc += _dot_rows(a1, b1)
@@ -539,12 +590,13 @@ def router_logits_splitk(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
 
 
 def moe_router_triton(x, gate_w, bias, top_k, routed_scaling_factor=1.0, renormalize=True, biased_weights=False,
-                      append_expert=None):
+                      append_expert=None, pdl=None):
     """Same contract as ``moe_router_ref``. T <= GEMV_MAX_T (decode) with FUSED_DECODE: one launch (ROUTER_DECODE
-    picks the kernel); v2 / v3 with T <= TOPK_ROW_MAX_T: split-K logits, then the row top-k; else the logits
-    kernel, then the top-k kernel."""
+    picks the kernel; pdl: launched with PDL, kernels._pdl, None: KIMI_PDL); v2 / v3 with T <= TOPK_ROW_MAX_T:
+    split-K logits, then the row top-k; else the logits kernel, then the top-k kernel."""
     if FUSED_DECODE and 0 < x.shape[0] <= GEMV_MAX_T:
-        return _router_fused(x, gate_w, bias, top_k, routed_scaling_factor, renormalize, biased_weights, append_expert)
+        return _router_fused(x, gate_w, bias, top_k, routed_scaling_factor, renormalize, biased_weights, append_expert,
+                             pdl)
     T, E = x.shape[0], gate_w.shape[0]
     if ROUTER_DECODE in ("v2", "v3") and GEMV_MAX_T < T <= TOPK_ROW_MAX_T and E <= 1024:
         assert 1 <= top_k <= E
@@ -568,14 +620,14 @@ def decode_k_split(D: int, BE: int, num_warps: int):
     return BK, NK, triton.next_power_of_2(tail) if tail else 0
 
 
-def _router_fused(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert):
+def _router_fused(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert, pdl=None):
     """One-launch decode router (T <= GEMV_MAX_T); ROUTER_DECODE picks the kernel."""
     if ROUTER_DECODE in ("v2", "v3"):
-        return _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert)
-    return _router_decode_v1(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert)
+        return _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert, pdl=pdl)
+    return _router_decode_v1(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert, pdl)
 
 
-def _router_decode_v1(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert):
+def _router_decode_v1(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert, pdl=None):
     T, D = x.shape
     E = gate_w.shape[0]
     assert 1 <= top_k <= E
@@ -595,15 +647,15 @@ def _router_decode_v1(x, gate_w, bias, top_k, scale, renormalize, biased_weights
         int(append_expert) if has_extra else 0,
         BE=2, BK=min(4096, triton.next_power_of_2(D)), TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
         BLOCK_E=triton.next_power_of_2(E), HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights),
-        RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k, num_warps=4,
+        RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k, num_warps=4, **pdl_launch(pdl),
     )
     return w, ids
 
 
 def _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert,
-                      BE=None, num_warps=None, poll=None, maxnreg=None):
+                      BE=None, num_warps=None, poll=None, maxnreg=None, pdl=None):
     """One launch of _router_decode_kernel (T <= GEMV_MAX_T); BE / num_warps default to DECODE_BE / DECODE_WARPS,
-    poll (the v3 handshake) to ROUTER_DECODE == "v3"."""
+    poll (the v3 handshake) to ROUTER_DECODE == "v3"; pdl: PDL launch, WAIT (None: KIMI_PDL)."""
     T, D = x.shape
     E = gate_w.shape[0]
     assert 1 <= top_k <= E
@@ -632,7 +684,7 @@ def _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights
         BE=BE, BK=BK, NK=NK, BK_TAIL=BK_TAIL, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
         BLOCK_E=BLOCK_E, HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights),
         RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k, POLL=bool(poll), MAX_SPINS=1 << 20,
-        GDC=DECODE_GDC, num_warps=num_warps, **extra,
+        GDC=DECODE_GDC, num_warps=num_warps, **extra, **(dict(WAIT=True, launch_pdl=True) if pdl_on(pdl) else {}),
     )
     return w, ids
 

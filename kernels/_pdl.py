@@ -1,0 +1,100 @@
+"""Programmatic dependent launch (PDL) for the decode chain: shared jit helpers and the launch switch.
+
+A kernel launched with PDL (launch kwarg launch_pdl=True, Triton >= 3.6) may start its CTAs while the previous kernel
+in the stream is still running: once every CTA of that kernel has executed griddepcontrol.launch_dependents (or
+exited). Contract of every kernel here that takes GDC=True:
+  * before gdc_wait(): only pointer math and reads of weights / constants (never an activation, slot index, counter
+    or anything a kernel of this step writes), and L2 prefetches (hints: L2 is the coherence point, so a prefetched
+    line is never stale for a load after the wait);
+  * gdc_wait() in every CTA (it waits for the previous grid's completion and memory flush; a PDL-launched kernel
+    that never waits would let its successor's wait see only its own completion: the chain's transitivity breaks);
+  * gdc_launch_dependents() right after the wait: the next kernel's pre-wait part overlaps this kernel's body, and
+    at most two kernels of the chain are resident at once (signalling before the wait would stack waiting CTAs of
+    several kernels on the SMs);
+  * no stores before the wait (the previous kernel may still read the buffers).
+Without PDL both instructions are no-ops, so GDC kernels give the same bits either way.
+
+KIMI_PDL=1 (read once at import) turns the chain on; always off under TRITON_INTERPRET (no griddepcontrol there).
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+ENABLED = os.environ.get("KIMI_PDL", "0") == "1" and not INTERPRET
+
+
+def pdl_on(pdl: bool | None = None) -> bool:
+    """The effective switch of one launch: `pdl` (None: KIMI_PDL), never under the interpreter."""
+    return (ENABLED if pdl is None else bool(pdl)) and not INTERPRET
+
+
+def pdl_launch(pdl: bool | None = None, **consts) -> dict:
+    """Launch kwargs of a GDC kernel: {} off; else GDC=True (plus the kernel's PDL-only constexprs `consts`) and
+    launch_pdl=True."""
+    if not pdl_on(pdl):
+        return {}
+    return dict(GDC=True, **consts, launch_pdl=True)
+
+
+@triton.jit
+def gdc_wait():
+    """griddepcontrol.wait: block until the previous grid has completed and its writes are visible (no-op when the
+    kernel was not launched with PDL)."""
+    tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def gdc_launch_dependents():
+    """griddepcontrol.launch_dependents: the next PDL-launched kernel may start its CTAs once every CTA of this grid
+    has executed this (or exited); no-op without a PDL dependent."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def gdc_enter(GDC: tl.constexpr):
+    """The PDL boundary of a GDC kernel: wait for the previous grid, then let the next one start."""
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """prefetch.global.L2 of the line of each pointer where mask (a hint: no registers, no fault path taken for
+    masked lanes; L2 stays coherent, so this may run before gdc_wait on any address)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } // $0", "=r,l,r",
+        [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+# --------------------------------------------------------------------------------------------------- offline check
+PTX_EVENTS = ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2", "ld.global",
+              "st.global", "atom.")
+
+
+def ptx_events(fn, consts: dict, ptr_types: dict | None = None, num_warps: int = 4, arch: int = 90) -> list:
+    """Compile jit kernel `fn` offline for sm_<arch> (no GPU, not under TRITON_INTERPRET) with the constexprs
+    `consts` (the rest: *_ptr args ptr_types.get(name, "*bf16"), eps / scale fp32, other args i32) -> the PTX
+    memory and griddepcontrol instructions in program order (PTX_EVENTS names), to check what runs before the
+    wait."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptr_types = ptr_types or {}
+    sig, cst = {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr or p.name in consts:
+            sig[p.name] = "constexpr"
+            cst[(i,)] = consts.get(p.name, p.default)
+        elif p.name.endswith("_ptr"):
+            sig[p.name] = ptr_types.get(p.name, "*bf16")
+        else:
+            sig[p.name] = "fp32" if p.name in ("eps", "scale") else "i32"
+    kern = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cst), target=GPUTarget("cuda", arch, 64),
+                          options=dict(num_warps=num_warps))
+    return [e for line in kern.asm["ptx"].splitlines() for e in PTX_EVENTS if e in line]
