@@ -15,6 +15,7 @@ from kernels import norm as norm_mod
 from kernels.kda import recurrent as rec_mod
 from kernels.moe import router as router_mod
 from kernels.testing import make_kda_layer
+from tests.kernels.conftest import requires_triton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -194,7 +195,7 @@ def _chain(P, S, pdl):
     """The decode chain of one KDA + MoE-router layer (plus the other norms) on P's weights and S's state pools,
     every launch with pdl -> dict of outputs. 11 kernels in stream order, each reading its predecessor's output."""
     from kernels.kda import kda_decode_triton
-    eps, k = 1e-6, 128
+    eps, k, E, top_k = 1e-6, P["K"], P["E"], P["top_k"]
     out = {}
     out["xn"], out["h"] = norm_mod.add_rmsnorm_triton(P["x"], P["res"], P["w1"], eps, pdl=pdl)
     y = gemv_mod.gemv_triton(out["xn"], P["W_in"], pdl=pdl)                                    # in_proj
@@ -205,38 +206,56 @@ def _chain(P, S, pdl):
                                  S["rec_state"], P["slots"], pdl=pdl)
     out["a"] = gemv_mod.gemv_triton(out["o"], P["W_o"], pdl=pdl)                               # o_proj (split K)
     out["xn2"], out["h2"] = norm_mod.add_rmsnorm_triton(out["a"], out["h"], P["w2"], eps, pdl=pdl)
-    out["tw"], out["ids"] = router_mod._router_decode_v1(out["xn2"], P["gate"], P["bias"], 8, 2.5, True, False,
-                                                         256, pdl=pdl)
-    out["tw3"], out["ids3"] = router_mod._router_decode_v2(out["xn2"], P["gate"], P["bias"], 8, 2.5, True, False,
-                                                           256, poll=True, pdl=pdl)
+    out["tw"], out["ids"] = router_mod._router_decode_v1(out["xn2"], P["gate"], P["bias"], top_k, 2.5, True, False,
+                                                         E, pdl=pdl)
+    out["tw3"], out["ids3"] = router_mod._router_decode_v2(out["xn2"], P["gate"], P["bias"], top_k, 2.5, True,
+                                                           False, E, poll=True, pdl=pdl)
     out["m"], out["h3"] = norm_mod.combine_add_rmsnorm_triton(P["Y"], out["tw"], out["h2"], P["w3"], eps, pdl=pdl)
     fg_a = out["m"][:, :2 * k].view(-1, 2, k).transpose(0, 1)                                 # [2, N, K] strided
     out["fg"] = gemv_mod.gemv_triton(fg_a, P["fg_b"], pdl=pdl)                                 # batched f_b | g_b
     out["r"] = norm_mod.rmsnorm_triton(out["fg"][0], P["w4"], eps, pdl=pdl)
-    out["lat"] = norm_mod.rmsnorm_head_triton(out["r"][:, :576], P["w5"], eps, pdl=pdl)
+    out["lat"] = norm_mod.rmsnorm_head_triton(out["r"][:, :P["w5"].numel() + P["rope"]], P["w5"], eps, pdl=pdl)
     return out
 
 
-def _chain_inputs(N):
-    g = torch.Generator(device="cuda").manual_seed(N)
-    bf, D, H, K, V = torch.bfloat16, 2304, 32, 128, 128
+def _chain_inputs(N, device="cuda", D=2304, H=32, K=128, E=256, top_k=8):
+    """Kimi shapes by default (V = K; MLA latent 512 + rope 64 for rmsnorm_head)."""
+    g = torch.Generator(device=device).manual_seed(N)
+    bf, V = torch.bfloat16, K
 
     def rnd(*shape, scale=1.0, dtype=bf):
-        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
 
     C, HK = 2 * H * K + H * V, H * K
+    rope = 64 if HK >= 576 else 8
+    lat = min(512, HK - rope)
     P = dict(x=rnd(N, D), res=rnd(N, D), w1=rnd(D, scale=0.1) + 1, w2=rnd(D, scale=0.1) + 1,
-             w3=rnd(D, scale=0.1) + 1, w4=rnd(HK, scale=0.1) + 1, w5=rnd(512, scale=0.1) + 1,
+             w3=rnd(D, scale=0.1) + 1, w4=rnd(HK, scale=0.1) + 1, w5=rnd(lat, scale=0.1) + 1,
              W_in=rnd(C + HK + H + H * V, D, scale=D ** -0.5), W_o=rnd(D, H * V, scale=(H * V) ** -0.5),
-             gate=rnd(256, D, scale=D ** -0.5), bias=rnd(256, scale=0.01, dtype=torch.float32),
-             Y=rnd(N * 9, D), fg_b=rnd(2, HK, K, scale=K ** -0.5), C=C, HK=HK, H=H,
-             slots=torch.tensor([3, 1, 0, 7, 2, 0, 5, 4][:N], dtype=torch.int32, device="cuda"))
-    S = make_kda_layer(H, K, V, 8, device="cuda", conv_dtype=bf)
+             gate=rnd(E, D, scale=D ** -0.5), bias=rnd(E, scale=0.01, dtype=torch.float32),
+             Y=rnd(N * (top_k + 1), D), fg_b=rnd(2, HK, K, scale=K ** -0.5), C=C, HK=HK, H=H, K=K, E=E, top_k=top_k, rope=rope,
+             slots=torch.tensor([3, 1, 0, 7, 2, 0, 5, 4][:N], dtype=torch.int32, device=device))
+    S = make_kda_layer(H, K, V, 8, device=device, conv_dtype=bf)
     return P, S
 
 
 def _clone(S):
     return {k: v.clone() for k, v in S.items()}
+
+
+@requires_triton
+def test_chain_small():
+    """The GPU test's chain at small shapes on any device (interpreter: PDL requested, forced off): runs, and pdl
+    on / off agree bit for bit; on a GPU this is a real PDL chain (eager)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    P, S = _chain_inputs(2, dev, D=64, H=2, K=16, E=16, top_k=4)
+    A, B = _clone(S), _clone(S)
+    for _ in range(2):
+        ref, got = _chain(P, A, False), _chain(P, B, True)
+        for key in ref:
+            assert torch.equal(ref[key], got[key]), key
+    assert torch.equal(A["rec_state"], B["rec_state"]) and torch.equal(A["conv_state"], B["conv_state"])
+    assert not torch.equal(A["rec_state"], S["rec_state"])
 
 
 @pytest.mark.gpu
@@ -274,7 +293,7 @@ def test_pdl_kda_variants_gpu():
     """The KDA decode's other tails (two-launch post kernel, persistent loop) with PDL: bit-identical to no PDL."""
     from kernels.kda import kda_decode_triton
     P, S = _chain_inputs(8)
-    toks = [torch.randn(8, P["C"] + P["HK"] + P["H"] + 32 * 128, device="cuda").to(torch.bfloat16)
+    toks = [torch.randn(8, P["W_in"].shape[0], device="cuda").to(torch.bfloat16)
             for _ in range(3)]
     C, HK, H = P["C"], P["HK"], P["H"]
     for kw in (dict(BV=32, tail=rec_mod.TAIL_POST), dict(BV=16, tail=rec_mod.TAIL_LOOP, pps=2)):
