@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._pdl import gdc_launch_dependents, gdc_wait
 from kernels._tensors import num_sms
 from kernels.moe.router import INTERPRET, cast_to, dot_acc, dot_mode
 
@@ -201,20 +202,6 @@ def _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT, BM:
 
 
 @triton.jit
-def _gdc_launch_dependents():
-    """Let a kernel launched after this one with programmatic dependent launch (PDL) start its CTAs as SMs free up
-    (they run up to their _gdc_wait); a no-op for a normal launch."""
-    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
-def _gdc_wait():
-    """Wait until the previous kernel in the stream has completed and its writes are visible (no-op without PDL)."""
-    tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _prefetch_rows_l2(ptrs, nbytes):
     """cp.async.bulk.prefetch.L2 of nbytes (a multiple of 16, 16-byte aligned) from each pointer of ptrs: brings
     weight rows into L2 without registers or shared memory (sm_90)."""
@@ -255,9 +242,9 @@ def _moe_gemm1_kernel(
                 shared = w_ptr + (E - 1).to(tl.int64) * stride_we + rows * stride_wn
                 _prefetch_rows_l2(shared, nbytes.to(tl.int32))
                 _prefetch_rows_l2(shared + N * stride_wn, nbytes.to(tl.int32))
-        _gdc_wait()
+        gdc_wait()
     if GDC:
-        _gdc_launch_dependents()
+        gdc_launch_dependents()
     pid_m, n_lo, n_hi, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT,
                                                    BM, BN, RAGGED, IDS_BLOCK, BLOCK_E)
     if pid_m * BM >= npost:
@@ -327,8 +314,8 @@ def _moe_gemm2_kernel(
             pf_rows = tl.minimum(offs_n, n_hi - 1).to(tl.int64)
             pf_bytes = tl.minimum(k_hi - k_lo, PREFETCH) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
             _prefetch_rows_l2(w_ptr + e * stride_we + pf_rows * stride_wn + k_lo, pf_bytes + tl.zeros_like(offs_n))
-        _gdc_wait()
-        _gdc_launch_dependents()
+        gdc_wait()
+        gdc_launch_dependents()
     a_ptrs = a_ptr + row[:, None] * stride_am + k_lo + offs_k[None, :]
     b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + k_lo + offs_k[:, None]  # [BK, BN]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -357,7 +344,7 @@ def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, D, stride_ys, TOP_K: tl.constexpr
     y row is their sum in split order rounded to out's dtype (as the one-split gemm2 stores it), then weighted.
     GDC: launched with PDL after GEMM2 (waits for it first)."""
     if GDC:
-        _gdc_wait()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BD + tl.arange(0, BD)
     ok = offs < D
