@@ -71,7 +71,14 @@ DECODE_CFG = {
 #   mma.sync heads-as-M re-reads q (36 KB) from smem per warp and tile, so BLOCK_N 16 would be smem-bound; BLOCK_N 64
 #   spills at prefetch=1. sm_90: pf n32 72 KB / 193 regs (Triton 3.6: 211), pf2 n32 72 KB / 234 (3.6: 246), no spill.
 #   keys_m pf n64 (wgmma, c stored once and read by both dots from smem): 108 KB, 3.6: 239 regs no spill; 3.9 spills
-#   (255 + 488 B stack).
+#   (255 + 488 B stack). H200 12-03 (call 2, Triton 3.6): WRONG on the direct path (num_splits=1: rel err 2.8e+01;
+#   the split path was never checked), plain keys_m* correct (cp.async ring). Offline 3.6 the direct compile is the one
+#   that spills (255 regs + 120 B stack: 16-bit STL/LDL of the carried tile's halves, which Triton keeps one bf16 per
+#   register), the split compile does not (239); TTGIR/PTX of both paths order stores, fence.proxy.async, bar.sync and
+#   wgmma waits as keys_m page does (no missing barrier found). Bisection variants: 'keys_m pf n64 nd' (no_direct:
+#   num_splits=1 runs the split kernel + merge, so the unspilled compile), 'keys_m s1' (register -> smem -> wgmma
+#   without prefetch: 1 stage, 206 regs, 108 KB). Carrying the tile as int32 pairs (one register per two values)
+#   spilled more on 3.6 (784 B), not kept.
 # lsplit (ls*): q, the latent tile and acc in two column halves (_unit_lsplit): S as three dots from zero (q0 c0^T,
 #   q1 c1^T, qpe kpe^T: three independent MMA accumulator chains instead of one of 36 k-steps) and two PV dots. It
 #   also cuts registers: (32, 64, 8 warps) 170 -> 140 (3.9) / 128 (3.6, no spill), so with maxnreg=128 (ptxas cap) two
@@ -100,6 +107,9 @@ DECODE_VARIANTS = {
     "pf n32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1, page_tile=True, prefetch=1),
     "pf2 n32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1, page_tile=True, prefetch=2),
     "keys_m pf n64": dict(block_h=32, block_n=64, num_warps=8, num_stages=1, keys_m=True, page_tile=True, prefetch=1),
+    "keys_m s1": dict(block_h=32, block_n=64, num_warps=8, num_stages=1, keys_m=True, page_tile=True),
+    "keys_m pf n64 nd": dict(block_h=32, block_n=64, num_warps=8, num_stages=1, keys_m=True, page_tile=True,
+                             prefetch=1, no_direct=True),
     "w4 n32 p16": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2,
                        part16=True),
     "w4 n32 ls": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2,
@@ -439,8 +449,10 @@ def _mla_decode_stage1(
             # block-table entries were loaded one iteration before that, so no dependent latency either.
             c, kpe, tmask = _load_tile(cache_ptr, bt_row, t_begin, seq_len, offs_n, offs_l, offs_r, lmask, rmask,
                                        s_cp, s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, PAGE_TILE)
-            # pages of tile t+1 (clamped to the unit's last tile: always a real block-table entry)
-            page = _tile_page(bt_row, tl.minimum(t_begin + 1, t_end - 1), seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
+            # pages of tile t+1, clamped to the unit's tiles (always a real block-table entry; t_end - 1 is -1 for an
+            # empty sequence on the direct path, which read bt_row[-1])
+            t1 = tl.maximum(tl.minimum(t_begin + 1, t_end - 1), t_begin)
+            page = _tile_page(bt_row, t1, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
             for t in range(t_begin, t_end):
                 c_n, kpe_n = _load_rows(cache_ptr, page, t + 1, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp,
                                         s_cr, t + 1 < t_end, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, True)
@@ -453,11 +465,12 @@ def _mla_decode_stage1(
             # as PREFETCH == 1 with tiles t+1 and t+2 in flight (registers) during tile t's dots
             c, kpe, tmask = _load_tile(cache_ptr, bt_row, t_begin, seq_len, offs_n, offs_l, offs_r, lmask, rmask,
                                        s_cp, s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, PAGE_TILE)
-            t1 = tl.minimum(t_begin + 1, t_end - 1)
+            t1 = tl.maximum(tl.minimum(t_begin + 1, t_end - 1), t_begin)
             page = _tile_page(bt_row, t1, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
             c1, kpe1 = _load_rows(cache_ptr, page, t1, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp, s_cr,
                                   t_begin + 1 < t_end, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, True)
-            page = _tile_page(bt_row, tl.minimum(t_begin + 2, t_end - 1), seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
+            page = _tile_page(bt_row, tl.maximum(tl.minimum(t_begin + 2, t_end - 1), t_begin), seq_len, offs_n, BS,
+                              BLOCK_N, PAGE_TILE)
             for t in range(t_begin, t_end):
                 c_n, kpe_n = _load_rows(cache_ptr, page, t + 2, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp,
                                         s_cr, t + 2 < t_end, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, True)
@@ -682,7 +695,8 @@ def mla_decode_triton(
     num_splits = max(1, int(num_splits))
     min_tiles = max(1, (min_split_tokens or cfg.get("min_split_tokens") or MIN_SPLIT_TOKENS) // BLOCK_N)
     BLOCK_B = max(128, triton.next_power_of_2(N))  # one compile for every batch up to 128 (a 128-lane plan is cheap)
-    direct = num_splits == 1
+    # no_direct: num_splits 1 runs the split kernel (one unit per sequence) + stage 2 instead of the direct path
+    direct = num_splits == 1 and not cfg.get("no_direct", False)
     G = N * num_splits  # work-unit budget of the balanced schedule
     n_units = N if direct else G + N
     if direct:

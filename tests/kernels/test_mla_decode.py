@@ -32,6 +32,7 @@ def _needs_triton():
 # BS % BLOCK_N == 0), 64-token pages hold several 16-token tiles (page_tile offsets inside a page).
 @pytest.mark.parametrize("variant", ["base", "base page", "keys_m", "keys_m page", "keys_m p16", "keys_m tma", "w4 n32",
                                      "h64 n16", "h64 n32", "h64 n32 p16", "pf n32", "pf2 n32", "keys_m pf n64",
+                                     "keys_m pf n64 nd", "keys_m s1",
                                      "w4 n32 p16", "w4 n32 ls", "ls n64 r128", "ls n64 r128 p16"])
 @pytest.mark.parametrize("bs,block_n", [(16, None), (64, None), (16, 32)])
 @pytest.mark.parametrize("num_splits", [1, 5])
@@ -50,7 +51,8 @@ def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
     assert torch.equal(cache.view(torch.int16), before.view(torch.int16))  # decode never writes the cache
 
 
-@pytest.mark.parametrize("variant", ["keys_m", "keys_m page", "keys_m tma", "pf2 n32", "keys_m pf n64", "w4 n32 ls"])
+@pytest.mark.parametrize("variant", ["keys_m", "keys_m page", "keys_m tma", "pf2 n32", "keys_m pf n64", "keys_m pf n64 nd",
+                                     "w4 n32 ls"])
 def test_decode_variant_fp32_and_odd_heads(variant):
     """fp32 cache (IEEE dots) and H=3 (masked head columns of the transposed tiles), splits on and off."""
     lens = [150, 97, 17, 1]
@@ -62,6 +64,26 @@ def test_decode_variant_fp32_and_odd_heads(variant):
         o = mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=ns, min_split_tokens=16,
                               config=DECODE_VARIANTS[variant])
         check_close(o, ref, torch.float32)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter check of the GPU tiles; on a GPU test_gpu_decode_variant_kimi runs them")
+@pytest.mark.parametrize("variant", ["keys_m pf n64", "keys_m pf n64 nd"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_prefetch_gpu_tiles(variant, num_splits):
+    """The register-prefetch keys-as-M variant at its GPU tile (BLOCK_N 64 = one 64-token page, Kimi L/R/H): the
+    interpreter tests above run BLOCK_N 16/32. 'keys_m pf n64' was wrong on the H200 (direct path, rel err 28, call 2)
+    while passing here: this pins the math and the schedule (empty lane: the clamped prefetch page) at the real tile,
+    so a GPU failure is the lowering's."""
+    lens = [1, 63, 64, 65, 300, 0]
+    cache, bt, sl = make_paged(lens, torch.bfloat16, bs=64, l=512, r=64)
+    q = torch.randn(len(lens), 32, 512).bfloat16()
+    qp = torch.randn(len(lens), 32, 64).bfloat16()
+    out = torch.full((len(lens), 32, 512), float("nan"), dtype=torch.bfloat16)
+    cfg = DECODE_VARIANTS[variant]
+    mla_decode_triton(q, qp, cache, bt, sl, 192 ** -0.5, num_splits=num_splits, out=out, block_n=cfg["block_n"],
+                      config=cfg)
+    check_close(out, mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, 192 ** -0.5), torch.bfloat16)
+    assert (out[-1] == 0).all()
 
 
 LONG = [4097, 1, 65, 0, 64]
