@@ -79,6 +79,9 @@ DECODE_CFG = {
 #   num_splits=1 runs the split kernel + merge, so the unspilled compile), 'keys_m s1' (register -> smem -> wgmma
 #   without prefetch: 1 stage, 206 regs, 108 KB). Carrying the tile as int32 pairs (one register per two values)
 #   spilled more on 3.6 (784 B), not kept.
+# keys_m n32 w4: 'w4 n32' tiles (32 keys, 4 warps, 2 programs per SM) in the keys-as-M form: S^T (M = 32 keys) stays
+#   mma.sync, P V becomes wgmma (M = 512 latent rows, c^T from the cp.async tile in smem): about half of w4 n32's
+#   mma.sync work moves to wgmma. Triton 3.6 sm_90: 243 regs, no spill, single tile buffer (as w4 n32).
 # lsplit (ls*): q, the latent tile and acc in two column halves (_unit_lsplit): S as three dots from zero (q0 c0^T,
 #   q1 c1^T, qpe kpe^T: three independent MMA accumulator chains instead of one of 36 k-steps) and two PV dots. It
 #   also cuts registers: (32, 64, 8 warps) 170 -> 140 (3.9) / 128 (3.6, no spill), so with maxnreg=128 (ptxas cap) two
@@ -108,6 +111,8 @@ DECODE_VARIANTS = {
     "pf2 n32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1, page_tile=True, prefetch=2),
     "keys_m pf n64": dict(block_h=32, block_n=64, num_warps=8, num_stages=1, keys_m=True, page_tile=True, prefetch=1),
     "keys_m s1": dict(block_h=32, block_n=64, num_warps=8, num_stages=1, keys_m=True, page_tile=True),
+    "keys_m n32 w4": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, keys_m=True, page_tile=True,
+                          programs_per_sm=2),
     "keys_m pf n64 nd": dict(block_h=32, block_n=64, num_warps=8, num_stages=1, keys_m=True, page_tile=True,
                              prefetch=1, no_direct=True),
     "w4 n32 p16": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2,
