@@ -396,6 +396,13 @@ QUICK_VARIANTS = [
     ("lv+cs", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16)),
     ("lv2k+cs", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, AKK_LV_SPLITK=1, FAST_SOFTPLUS=1, CUMSUM_DOT=1,
                            PREP_BK=16)),
+    # wu-kb: prep parks beta kn exp2(G) (bf16) in w, wu multiplies by M in place: wu reads 16 KB instead of 48 KB
+    # per chunk-head (no k, no fp32 G), 128 regs (4 CTAs/SM; default wu 144); prep +16 KB written
+    ("wu-kb", True, dict(WU_KB=1)),
+    ("lv+cs+kb", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16,
+                            WU_KB=1)),
+    ("lv2k+cs+kb", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, AKK_LV_SPLITK=1, FAST_SOFTPLUS=1,
+                              CUMSUM_DOT=1, PREP_BK=16, WU_KB=1)),
     ("lv+cs+prefetch", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1,
                                   PREP_BK=16, HPASS_PREFETCH=1)),
 ]

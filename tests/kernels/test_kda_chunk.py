@@ -257,6 +257,7 @@ def test_tiling_fp32(kda_path, monkeypatch, diag, fused):
     monkeypatch.setattr(chunk_mod, "INTRA_FUSED", int(fused == 2))
     monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", diag % 2)
     monkeypatch.setattr(chunk_mod, "AKK_LV_SPLITK", int(diag == 3))   # (the variants test runs DIAG=3 unsplit)
+    monkeypatch.setattr(chunk_mod, "WU_KB", int(diag == 3))           # (w's operand parked by prep, 2 K tiles)
     for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV", "INTRA_BK", "INTRA_BV"):
         monkeypatch.setattr(chunk_mod, name, 16)
     monkeypatch.setattr(chunk_mod, "STATE_BV", 16)
@@ -290,7 +291,8 @@ def test_sm90_offline_compile_no_spills(kda_path):
             "c.compile_report(which=('prep',)))[-1], "
             "'akk_lv': (setattr(c, 'AKK_DIAG', 3), setattr(c, 'AKK_NUM_WARPS', 1), setattr(c, 'AKK_BK', 16), "
             "c.compile_report(which=('akk',)))[-1], "
-            "'akk_lv_2k': (setattr(c, 'AKK_LV_SPLITK', 1), c.compile_report(which=('akk',)))[-1]}))")
+            "'akk_lv_2k': (setattr(c, 'AKK_LV_SPLITK', 1), c.compile_report(which=('akk',)))[-1], "
+            "'wu_kb': (setattr(c, 'WU_KB', 1), c.compile_report(which=('prep', 'wu')))[-1]}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=400)
     if r.returncode != 0 and ("ptxas" in r.stderr or "cuobjdump" in r.stderr):
@@ -393,6 +395,7 @@ VARIANTS = {
     "akk-lv": dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16),
     "akk-lv-2k": dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, AKK_LV_SPLITK=1),
     "cumsum-dot": dict(CUMSUM_DOT=1, PREP_BK=16),
+    "wu-kb": dict(WU_KB=1),
     "intra-fused-cs": dict(INTRA_FUSED=1, CUMSUM_DOT=1),
 }
 
