@@ -403,6 +403,10 @@ QUICK_VARIANTS = [
                             WU_KB=1)),
     ("lv2k+cs+kb", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, AKK_LV_SPLITK=1, FAST_SOFTPLUS=1,
                               CUMSUM_DOT=1, PREP_BK=16, WU_KB=1)),
+    # out-vfast: V tile fastest in the output grid (2nd V tile's qg 16 KB + Aqk 8 KB from L2, not HBM)
+    ("out-vfast", True, dict(OUT_VFAST=1)),
+    ("all5", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16,
+                        WU_KB=1, OUT_VFAST=1)),
     ("lv+cs+prefetch", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1,
                                   PREP_BK=16, HPASS_PREFETCH=1)),
 ]

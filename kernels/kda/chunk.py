@@ -97,6 +97,7 @@ HPASS_PREFETCH = 0       # 1: load u / gl of the next chunk one iteration ahead 
 OUT_BV = 64
 OUT_NUM_WARPS = 4
 OUT_NUM_STAGES = 2
+OUT_VFAST = 0            # 1 (A/B): V tile fastest in the output grid (the 2nd V tile's qg / Aqk reads hit L2)
 # intra launches (prep -> akk -> wu). Defaults = the winners of `bench/kda_prefill.py --sweep` on the H200
 # (Triton 3.6, T=16k, H=32, K=V=128, bf16; 2026-12-02): prep BK=32 / 4 warps 0.564 ms (BK=64 / 8 warps 0.933);
 # akk BK=32 / 4 warps / unrolled 1.587 ms (BK=64 1.636, 8 warps 2.254, the 8x8-split "HALF" diagonal 4.63);
@@ -1162,12 +1163,20 @@ def _kda_hpass_kernel(
 def _kda_out_kernel(
     qg_in, a_in, h_in, vn_in, o, chunk_offsets, cu_seqlens, n_seq, stride_o,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MM: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MM: tl.constexpr, VFAST: tl.constexpr = 0,
 ):
-    """Split path, launch 3: fully parallel over (chunk, head, V tile): o = qg h_c + tril(Aqk) vn."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
+    """Split path, launch 3: fully parallel over (chunk, head, V tile): o = qg h_c + tril(Aqk) vn.
+    VFAST=1: grid (V tile (fastest) x chunk, head), so the V tiles of a chunk-head run together and the second
+    one's qg / Aqk reads hit L2 (grid (chunk, head, V tile) runs all V tile 0 programs first)."""
+    if VFAST:
+        NV: tl.constexpr = (V + BV - 1) // BV
+        i_v = tl.program_id(0) % NV
+        i_c = tl.program_id(0) // NV
+        i_h = tl.program_id(1)
+    else:
+        i_c = tl.program_id(0)
+        i_h = tl.program_id(1)
+        i_v = tl.program_id(2)
     if i_c >= tl.load(chunk_offsets + n_seq):
         return
     pidx = tl.arange(0, PB)
@@ -1227,7 +1236,8 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "out": (_kda_out_kernel,
                 dict(qg_in=sd, a_in=sd, h_in=sd, vn_in=sd, o=lp, chunk_offsets="*i32", cu_seqlens="*i32",
                      n_seq="i32", stride_o="i32"),
-                dict(PB=16, H=H, K=K, V=V, BT=BT, BV=min(V, out_bv or OUT_BV), PREC=prec, MM=mm),
+                dict(PB=16, H=H, K=K, V=V, BT=BT, BV=min(V, out_bv or OUT_BV), PREC=prec, MM=mm,
+                     VFAST=int(OUT_VFAST)),
                 dict(num_warps=OUT_NUM_WARPS, num_stages=OUT_NUM_STAGES)),
     }
     intra_common = dict(chunk_offsets="*i32", cu_seqlens="*i32", n_seq="i32", g_in="*fp32", rs_in="*fp32")
@@ -1461,9 +1471,10 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         )
 
     def out():
-        return _kda_out_kernel[(NT, H, triton.cdiv(V, obv))](
+        grid = (triton.cdiv(V, obv) * NT, H) if OUT_VFAST else (NT, H, triton.cdiv(V, obv))
+        return _kda_out_kernel[grid](
             qg, a, hs, vn, o, chunk_offsets, cu_dev, P, o.stride(0),
-            PB=PB, H=H, K=K, V=V, BT=BT, BV=obv, PREC=prec, MM=mm,
+            PB=PB, H=H, K=K, V=V, BT=BT, BV=obv, PREC=prec, MM=mm, VFAST=int(OUT_VFAST),
             num_warps=OUT_NUM_WARPS, num_stages=OUT_NUM_STAGES,
         )
     launches["hpass"] = hpass

@@ -258,6 +258,7 @@ def test_tiling_fp32(kda_path, monkeypatch, diag, fused):
     monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", diag % 2)
     monkeypatch.setattr(chunk_mod, "AKK_LV_SPLITK", int(diag == 3))   # (the variants test runs DIAG=3 unsplit)
     monkeypatch.setattr(chunk_mod, "WU_KB", int(diag == 3))           # (w's operand parked by prep, 2 K tiles)
+    monkeypatch.setattr(chunk_mod, "OUT_VFAST", int(diag == 3))       # (2 V tiles of 32 in the output grid)
     for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV", "INTRA_BK", "INTRA_BV"):
         monkeypatch.setattr(chunk_mod, name, 16)
     monkeypatch.setattr(chunk_mod, "STATE_BV", 16)
@@ -396,6 +397,7 @@ VARIANTS = {
     "akk-lv-2k": dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, AKK_LV_SPLITK=1),
     "cumsum-dot": dict(CUMSUM_DOT=1, PREP_BK=16),
     "wu-kb": dict(WU_KB=1),
+    "out-vfast": dict(OUT_VFAST=1),
     "intra-fused-cs": dict(INTRA_FUSED=1, CUMSUM_DOT=1),
 }
 
