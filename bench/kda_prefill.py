@@ -382,8 +382,9 @@ QUICK_VARIANTS = [
     ("prep-fused-prod-w8", True, dict(PREP_FUSED=1, AKK_DIAG=1, AKK_UNROLL=1, AKK_NUM_WARPS=8)),
     # session 5 (offline sm_90 SASS, Triton 3.6; per chunk-head warp-instructions, the proxy that matched):
     # akk-lv: _kda_akk_lv_kernel, 1 warp per 16-row sub-chunk, diagonal blocks by level-anchored tensor-core dots,
-    # off-diagonal per earlier 16-column block only; 244 regs / 12.8 KB smem, no spills; ~26k vs the default akk's
-    # ~86-112k (the default's [16, x] tiles are replicated in all 4 warps: same per-thread count at 1, 2, 4 warps)
+    # off-diagonal per earlier 16-column block only; 245 regs / 12.8 KB smem, no spills; ~23k vs the default akk's
+    # ~112k (this kernel's [16, x] tiles are replicated in every warp at 2 or 4 warps: the same per-thread SASS
+    # count at 1, 2 and 4 warps; the default akk at 4 warps is partly replicated too)
     ("akk-lv", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16)),
     ("akk-lv-w2", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=2, AKK_BK=16)),                  # 255 regs, no spills
     # the same in two K passes (off-diagonal blocks, then levels): 164 regs (12 warps/SM instead of 8), ~13% more
