@@ -147,9 +147,9 @@ INTRA_NUM_WARPS = 8
 INTRA_NUM_STAGES = 1
 INTRA_MAXNREG = 128      # ptxas register cap (2 CTAs of 8 warps per SM); None: uncapped (Triton 3.6: 138 at BK=16)
 # CUMSUM_DOT = 1 (A/B): the chunk-local gate cumsum (prep, INTRA_FUSED pass 1) as two tf32 tensor-core dots with the
-# lower-triangular ones matrix on a hi / lo split of g (fp32-accurate; see _cumsum0) instead of tl.cumsum, whose
-# scan over rows spread across lanes and warps was ~40% of prep's instructions (offline sm_90, Triton 3.6, FAST_SOFTPLUS:
-# prep K-loop body 1446 -> 761 SASS instructions per 16 elements/thread).
+# lower-triangular ones matrix on a hi / lo split of g (fp32-accurate; see _cumsum0) instead of tl.cumsum, whose scan
+# over rows spread across lanes and warps was ~40% of prep's instructions (offline sm_90, Triton 3.6, FAST_SOFTPLUS:
+# prep K-loop body 1446 -> 761 SASS instructions per 16 elements / thread; with PREP_BK=16: 123 regs, 4 CTAs / SM).
 CUMSUM_DOT = 0
 
 
