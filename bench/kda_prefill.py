@@ -417,8 +417,8 @@ def quick(warmup=5, rep=20, only=None):
     """One short H200 run: at T=16k every QUICK_VARIANTS entry (or those named in ``only``, in list order; total
     and per-stage ms, ratio to fla-core, rel-rms of o and the final state vs the default and vs fla), then varlen
     16 x 1k for the same variants (none named: the default and intra-fused-fast+prefetch) and fla. A FAILED line
-    (e.g. a compile error on this Triton) leaves the other lines intact. Compiles dominate: on 2026-12-02 fla + 3 variants took ~320 s (each akk
-    variant recompiles), so name the variants wanted (--variants a,b,...)."""
+    (e.g. a compile error on this Triton) leaves the other lines intact. Compiles dominate: on 2026-12-02 fla + 3
+    variants took ~320 s (each akk variant recompiles), so name the variants wanted (--variants a,b,...)."""
     import triton.testing
 
     import kernels.kda.chunk as ck
