@@ -408,6 +408,13 @@ QUICK_VARIANTS = [
     ("out-vfast", True, dict(OUT_VFAST=1)),
     ("all5", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16,
                         WU_KB=1, OUT_VFAST=1)),
+    # hpass-s3: 3 pipeline stages in the state pass. Offline sm_90 (3.6): at 2 stages the loop head waits for every
+    # cp.async group (DEPBAR.LE SB0, 0x0: the next chunk's w / kg are fetched with no overlap, one L2 round trip
+    # on every serial step); at 3 it waits with 3 groups in flight (one chunk ahead). 80 regs, 106 KB smem (2/SM)
+    ("hpass-s3", True, dict(HPASS_NUM_STAGES=3)),
+    ("hpass-s3-prefetch", True, dict(HPASS_NUM_STAGES=3, HPASS_PREFETCH=1)),
+    ("all6", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16,
+                        WU_KB=1, OUT_VFAST=1, HPASS_NUM_STAGES=3)),
     ("lv+cs+prefetch", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1,
                                   PREP_BK=16, HPASS_PREFETCH=1)),
 ]

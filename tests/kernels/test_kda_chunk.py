@@ -460,6 +460,10 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "fast-softplus": dict(FAST_SOFTPLUS=1),
     "intra-fused-fast": dict(INTRA_FUSED=1, FAST_SOFTPLUS=1),
     "intra-fused-fast-nocap": dict(INTRA_FUSED=1, FAST_SOFTPLUS=1, INTRA_MAXNREG=None),
+    # pipeline depth only (no effect in the interpreter)
+    "hpass-s3": dict(HPASS_NUM_STAGES=3),
+    "all6": dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16, WU_KB=1,
+                 OUT_VFAST=1, HPASS_NUM_STAGES=3),
 })
 
 
