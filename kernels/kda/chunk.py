@@ -622,13 +622,21 @@ def _kda_akk_lv_kernel(
     d_kk, d_qk = _akk_level_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
     d_kk, d_qk = _akk_level_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
     tl.store(pa + rr[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(a_out.dtype.element_ty))
-    # (I + L_ii)^-1 by forward substitution: X[r] = e_r - sum_{c<r} L[r, c] X[c]
-    lt = tl.trans(tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0))   # lt[c, r] = L[r, c]
+    # (I + L_ii)^-1, L_ii = diag(beta) StrictTril(Dkk): the two BC/2 x BC/2 diagonal halves by forward substitution
+    # side by side (rows r and r + BC/2 in one step: BC/2 - 1 steps instead of BC - 1), then the lower-left half by
+    # the block merge X = D - D L_21 D (D = the two half inverses; (D L_21)^2 = 0)
+    HB: tl.constexpr = BC // 2
+    lmat = tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0)
+    hr = (r16 >= HB)[:, None] == (r16 >= HB)[None, :]                                 # same half
+    lt = tl.trans(tl.where(hr, lmat, 0.0))                                             # lt[c, r] = L[r, c]
     di = tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)
-    for r in range(1, BC):
-        a_r = tl.sum(tl.where((r16 == r)[None, :], lt, 0.0), 1)                        # [BC] over c (axis 0)
-        nr = tl.sum(a_r[:, None] * di, 0)                                              # [BC] over columns
-        di = tl.where((r16 == r)[:, None], di - nr[None, :], di)
+    for r in range(1, HB):
+        sel = (r16 == r) | (r16 == r + HB)
+        a_r = tl.sum(tl.where(sel[None, :], lt, 0.0), 1)      # [BC] over c: L[r, c] (c < HB), L[r + HB, c] (c >= HB)
+        nr = tl.sum(a_r[:, None] * di, 0)                     # [BC]: row r's update left, row r + HB's right
+        di = tl.where(sel[:, None] & hr, di - nr[None, :], di)
+    l21 = tl.where((r16 >= HB)[:, None] & (r16 < HB)[None, :], lmat, 0.0)
+    di = di - tl.dot(di, tl.dot(l21, di, input_precision=PREC), input_precision=PREC)
     tl.store(px + rr[:, None] * BT + (i_b * BC + r16)[None, :], di)
 
 
