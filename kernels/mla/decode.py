@@ -78,7 +78,8 @@ DECODE_CFG = {
 #   wgmma waits as keys_m page does (no missing barrier found). Bisection variants: 'keys_m pf n64 nd' (no_direct:
 #   num_splits=1 runs the split kernel + merge, so the unspilled compile), 'keys_m s1' (register -> smem -> wgmma
 #   without prefetch: 1 stage, 206 regs, 108 KB). Carrying the tile as int32 pairs (one register per two values)
-#   spilled more on 3.6 (784 B), not kept.
+#   spilled more on 3.6 (784 B), not kept. 'keys_m pf n64 nd p16': bf16 partials (B=1 S=128k: 132 units' fp32 partials
+#   are ~6% of the cache bytes).
 # keys_m n32 w4: 'w4 n32' tiles (32 keys, 4 warps, 2 programs per SM) in the keys-as-M form: S^T (M = 32 keys) stays
 #   mma.sync, P V becomes wgmma (M = 512 latent rows, c^T from the cp.async tile in smem): about half of w4 n32's
 #   mma.sync work moves to wgmma. Triton 3.6 sm_90: 243 regs, no spill, single tile buffer (as w4 n32).
@@ -111,6 +112,8 @@ DECODE_VARIANTS = {
     "pf2 n32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1, page_tile=True, prefetch=2),
     "keys_m pf n64": dict(block_h=32, block_n=64, num_warps=8, num_stages=1, keys_m=True, page_tile=True, prefetch=1),
     "keys_m s1": dict(block_h=32, block_n=64, num_warps=8, num_stages=1, keys_m=True, page_tile=True),
+    "keys_m pf n64 nd p16": dict(block_h=32, block_n=64, num_warps=8, num_stages=1, keys_m=True, page_tile=True,
+                                 prefetch=1, no_direct=True, part16=True),
     "keys_m n32 w4": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, keys_m=True, page_tile=True,
                           programs_per_sm=2),
     "keys_m pf n64 nd": dict(block_h=32, block_n=64, num_warps=8, num_stages=1, keys_m=True, page_tile=True,

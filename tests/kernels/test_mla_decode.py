@@ -32,7 +32,7 @@ def _needs_triton():
 # BS % BLOCK_N == 0), 64-token pages hold several 16-token tiles (page_tile offsets inside a page).
 @pytest.mark.parametrize("variant", ["base", "base page", "keys_m", "keys_m page", "keys_m p16", "keys_m tma", "w4 n32",
                                      "h64 n16", "h64 n32", "h64 n32 p16", "pf n32", "pf2 n32", "keys_m pf n64",
-                                     "keys_m pf n64 nd", "keys_m s1", "keys_m n32 w4",
+                                     "keys_m pf n64 nd", "keys_m pf n64 nd p16", "keys_m s1", "keys_m n32 w4",
                                      "w4 n32 p16", "w4 n32 ls", "ls n64 r128", "ls n64 r128 p16"])
 @pytest.mark.parametrize("bs,block_n", [(16, None), (64, None), (16, 32)])
 @pytest.mark.parametrize("num_splits", [1, 5])
