@@ -249,6 +249,7 @@ def check_small(variants=None, decode_only=False):
     assert e < 1e-2 and torch.isfinite(out.float()).all()
 
 
+GRAPH_MAX_B = 8  # the sweep also times a CUDA-graph replay up to this batch (launch gaps matter at small B)
 SWEEP_SHAPES = ((1, 1024), (1, 8192), (1, 131072), (64, 8192), (128, 8192))
 # FlashInfer fa3 on the H200 (12-02, same harness): µs, CUDA graph at B=1, eager otherwise; the sweep's ratios use
 # these with --no-flashinfer
@@ -257,13 +258,13 @@ FI_H200_US = {(1, 8192): 23.8, (1, 131072): 80.6, (64, 8192): 160.0, (128, 8192)
 
 def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=False):
     """Each decode variant (decode.DECODE_VARIANTS) at each shape next to FlashInfer fa3: eager µs / TB/s (cache bytes
-    only, L2 flushed, median), CUDA-graph µs at B=1 (launch gaps matter there), output vs FlashInfer (without it: vs a
-    dense bf16 torch decode of the same pages). Each variant runs its own default schedule (num_splits=None: the
-    split heuristic with the variant's programs_per_sm). split_sweep: then split counts at B=1 S=128k. Rows print as
-    they finish."""
+    only, L2 flushed, median), CUDA-graph µs at B <= GRAPH_MAX_B (launch gaps matter there), output vs FlashInfer
+    (without it: vs a dense bf16 torch decode of the same pages). Each variant runs its own default schedule
+    (num_splits=None: the split heuristic with the variant's programs_per_sm). split_sweep: then split counts at B=1
+    S=128k. Rows print as they finish."""
     variants = variants or dec.DECODE_VARIANTS
     res = {}  # (variant, B, S) -> seconds
-    print("\n== decode variant sweep (eager, L2 flushed; µs / TB/s; graph µs at B=1) ==", flush=True)
+    print("\n== decode variant sweep (eager, L2 flushed; µs / TB/s; graph µs at B <= 8) ==", flush=True)
     for B, S in shapes:
         bt, sl = pool.tables(B, S)
         q = torch.randn(B, H, L, device="cuda").to(DT)
@@ -280,7 +281,7 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=
                 t = bench(lambda: fi.run(q, qp, pool.cache))
                 res[("flashinfer", B, S)] = t
                 line = f"B={B:<4} S={S:<7} {'flashinfer fa3':<16} {t * 1e6:9.1f} us {nbytes / t / 1e12:5.2f} TB/s"
-                if B == 1:
+                if B <= GRAPH_MAX_B:
                     try:
                         tg = bench_graph(lambda: fi.run(q, qp, pool.cache))
                         res[("flashinfer graph", B, S)] = tg
@@ -310,7 +311,7 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=
             line = f"B={B:<4} S={S:<7} {name:<16} {t * 1e6:9.1f} us {nbytes / t / 1e12:5.2f} TB/s  err {err:.1e}"
             if ("flashinfer", B, S) in res:
                 line += f"  vs FI {res[('flashinfer', B, S)] / t:5.2f}x"
-            if B == 1:
+            if B <= GRAPH_MAX_B:
                 tg = bench_graph(run_v)
                 res[(name + " graph", B, S)] = tg
                 line += f"  graph {tg * 1e6:7.1f} us {nbytes / tg / 1e12:5.2f} TB/s"
@@ -319,7 +320,8 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=
             print(line + f"  splits {ns}", flush=True)
 
     rec = fi is None
-    print("\nmarkdown (µs eager / TB/s; [graph µs] at B=1; (x) = FlashInfer time / variant time, graph vs graph at B=1"
+    print("\nmarkdown (µs eager / TB/s; [graph µs] at B <= 8; (x) = FlashInfer time / variant time, graph vs graph"
+          " at B <= 8"
           + ("; FlashInfer = its H200 run of 12-02 (FI_H200_US), not this run):" if rec else "):"))
     names = list(variants)
     print("| B | S | FlashInfer | " + " | ".join(names) + " |")
@@ -330,7 +332,7 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=
         fi_g = res.get(("flashinfer graph", B, S))
         if rec and (B, S) in FI_H200_US:
             fi_t = fi_g = None
-            if B == 1:
+            if B <= GRAPH_MAX_B:
                 fi_g = FI_H200_US[(B, S)] * 1e-6
             else:
                 fi_t = FI_H200_US[(B, S)] * 1e-6
@@ -448,12 +450,16 @@ def ptxas_report(arch=90, only=None):
                 dec._mla_decode_stage1,
                 dict(q_ptr=dts, qpe_ptr=dts, cache_ptr=dts, bt_ptr="*i32", seqlen_ptr="*i32", out_ptr=dts,
                      opart_ptr="*bf16" if c.get("part16") else "*fp32", lse_ptr="*fp32",
+                     **(dict(cnt_ptr="*i32") if c.get("fused_merge") else {}),
                      **(dict(c_desc=f"tensordesc<bf16[{c['block_n']}, {L}]>",
                              k_desc=f"tensordesc<bf16[{c['block_n']}, {R}]>") if c.get("tma") else {})),
                 dict(L=L, R=R, BLOCK_L=L, BLOCK_R=R, BS=BS, BLOCK_N=c["block_n"], BLOCK_H=c["block_h"], BLOCK_B=128,
                      MIN_TILES=4, DIRECT=False, IEEE=ieee, UPCAST=False, KEYS_M=c.get("keys_m", False),
                      PAGE_TILE=c.get("page_tile", False), WARP_SPEC=c.get("warp_spec", False),
                      PREFETCH=int(c.get("prefetch", 0)), LSPLIT=c.get("lsplit", False),
+                     **(dict(FUSED=True, MERGE_S=16, MERGE_L=16 if c.get("part16") else 8,
+                             MERGE_STAGES=4 if c.get("part16") else 5) if c.get("fused_merge")
+                        else dict(FUSED=False, cnt_ptr=None, MERGE_S=8, MERGE_L=32, MERGE_STAGES=2)),
                      **(dict(TMA=True) if c.get("tma") else dict(TMA=False, c_desc=None, k_desc=None))),
                 c["num_warps"], c["num_stages"],
                 f"decode {dtn} " + (repr(c.get("label")) if "label" in c else str(c)), c.get("maxnreg"),

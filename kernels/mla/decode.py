@@ -13,6 +13,9 @@ base 2 (scale * log2(e) folded in), fp32 accumulation.
   one-tile units. At most G + N units: grid (G + N, head_blocks); programs without a unit exit at once. Units
   write a normalised fp32 (or bf16: part16) partial and its LSE; stage 2 (grid (N, H / BLOCK_H2, L / BLOCK_L2),
   merge_config) merges a sequence's non-empty units.
+* fused_merge (opt-in: variants 'w4 n32 fm*', or KIMI_MLA_FUSED_MERGE=1 on the default config): no stage 2; the last
+  unit of a sequence to arrive (per-(sequence, head block) acq_rel counter, reset by that program) merges the
+  partials in unit order (_merge_units) and writes the output; program u writes zeros for an empty sequence u.
 * default_num_splits: 1 (no stage 2) once batch x head_blocks fills the program slots (programs_per_sm x SMs: B >= 231
   with the default two per SM on 132 SMs), else ~one wave.
 
@@ -25,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tensors import num_sms, unit_last_stride
+from kernels._tensors import arrival_counters, num_sms, unit_last_stride
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 64  # smallest work unit (keys): one 64-key tile (256 before 12-02; config min_split_tokens=256)
@@ -91,7 +94,16 @@ DECODE_CFG = {
 #   ls n32 w8 r128 74 KB, 128 / 128 + 32 B; w4 n32 ls 252 / 249 regs; ls n64 r128 p16 (3.6) 128, no spill.
 # part16 on w4 n32 (w4 n32 p16): B=1 S=128k runs 256 units, whose fp32 partials (~17 MB written + read) are ~22% of
 #   the cache bytes.
-# min_split_tokens: smallest work unit (256 = the schedule before 12-02: B=1 S=1k ran as 4 units of 4 tiles).
+# min_split_tokens: smallest work unit (256 = the schedule before 12-02: B=1 S=1k ran as 4 units of 4 tiles; 32 =
+#   'w4 n32 mt32': one 32-key tile per unit, B=1 S=1k as 32 units: half the serial stage-1 chain, twice the partials).
+# fused_merge (fm *, or KIMI_MLA_FUSED_MERGE=1 on the default config): one launch for split decode. Each unit writes
+#   its partial + LSE, then arrives on an acq_rel counter per (sequence, head block) (kernels._tensors
+#   .arrival_counters, the gemv split-K pattern); the last of the sequence's non-empty units merges them in unit order
+#   (_merge_units: the same bits whichever unit arrives last), writes the output and puts the counter back to 0 for
+#   the next launch / graph replay. Program u < N also writes zeros for sequence u if it is empty (no unit arrives).
+#   Cost: that one program reads every partial of the sequence, ne x BLOCK_H x L x 4 B (B=1 S=1k default schedule:
+#   16 x 64 KB = 1 MB) at one SM's L2 rate instead of stage 2's ~256 programs; fused_max_splits (u8 / u4) caps the
+#   default split count so ne <= ~8 / 4 (longer units: a longer stage-1 chain, fewer partials; p16 halves them).
 DECODE_VARIANTS = {
     "base": dict(block_h=32, block_n=64, num_warps=8, num_stages=2),
     "base mt256": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, min_split_tokens=256),
@@ -128,6 +140,16 @@ DECODE_VARIANTS = {
                             maxnreg=128, programs_per_sm=2, part16=True),
     "ls n32 w8 r128": dict(block_h=32, block_n=32, num_warps=8, num_stages=2, page_tile=True, lsplit=True,
                            maxnreg=128, programs_per_sm=2),
+    "w4 n32 mt32": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2,
+                        min_split_tokens=32),
+    "w4 n32 fm": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2,
+                      fused_merge=True),
+    "w4 n32 fm u8": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2,
+                         fused_merge=True, fused_max_splits=8),
+    "w4 n32 fm u4": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2,
+                         fused_merge=True, fused_max_splits=4),
+    "w4 n32 fm u8 p16": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2,
+                             fused_merge=True, fused_max_splits=8, part16=True),
 }
 GPU_BLOCK_H = 32  # heads per program cap (the default split heuristic assumes it)
 # Every tl.dot operand dim (M, N, K) is padded to >= MIN_DOT: Triton's GPU lowering asserts K >= 16 (M, N >= 16 keeps
@@ -382,6 +404,11 @@ def _mla_decode_stage1(
     TMA: tl.constexpr = False,
     PREFETCH: tl.constexpr = 0,  # tiles t+1..t+PREFETCH loaded into registers before tile t's dots (DECODE_VARIANTS)
     LSPLIT: tl.constexpr = False,  # latent columns in two halves (_unit_lsplit; heads as M, no PREFETCH / TMA)
+    cnt_ptr=None,  # FUSED: int32 arrival counters [N x head_blocks], zero on entry, left zero
+    FUSED: tl.constexpr = False,  # split path only: the last unit of a sequence to arrive merges (no stage 2)
+    MERGE_S: tl.constexpr = 16,  # FUSED merge tile: MERGE_S units x BLOCK_H heads x MERGE_L columns per step
+    MERGE_L: tl.constexpr = 8,
+    MERGE_STAGES: tl.constexpr = 2,  # software-pipeline depth of the merge's column loop
 ):
     u = tl.program_id(0)  # DIRECT: the sequence; else the work unit
     hb = tl.program_id(1)
@@ -400,6 +427,10 @@ def _mla_decode_stage1(
         t_begin = (u - tl.sum(tl.where(sel, first, 0), 0)) * sl
         t_end = tl.minimum(t_begin + sl, tl.sum(tl.where(sel, tiles, 0), 0))
         active = (n < N) & (t_begin < t_end)  # empty units are skipped by the merge (never written)
+        if FUSED:  # scalars only past the main loop (the [BLOCK_B] plan vectors would hold registers through it)
+            ne = (tl.sum(tl.where(sel, tiles, 0), 0) + sl - 1) // tl.maximum(sl, 1)  # non-empty units of n
+            u0 = tl.sum(tl.where(sel, first, 0), 0)
+            zero_u = tl.sum(tl.where(bm & (offs_b == u) & (tiles == 0), 1, 0), 0) > 0  # sequence u is empty
     if LSPLIT:
         if active:
             _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_ptr + n.to(tl.int64) * s_btn, out_ptr, opart_ptr, lse_ptr, n, u,
@@ -512,6 +543,81 @@ def _mla_decode_stage1(
                      o.to(opart_ptr.dtype.element_ty), mask=omask)
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + u.to(tl.int64) * s_lu + heads, lse, mask=hmask)
+    if FUSED:  # split path only (the host asserts not DIRECT); ne, u0, zero_u from the plan above
+        heads_f = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask_f = heads_f < H
+        if active:
+            cnt = cnt_ptr + n * tl.num_programs(1) + hb
+            tl.debug_barrier()  # every thread's partial / LSE stores precede the (release) arrival
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == ne - 1:
+                _merge_units(opart_ptr, lse_ptr, out_ptr, n, u0, ne, heads_f, hmask_f, s_wu, s_wh, s_lu, s_on, s_oh,
+                             L, BLOCK_L, BLOCK_H, MERGE_S, MERGE_L, MERGE_STAGES)
+                tl.store(cnt, 0)  # ready for the next launch (stream order)
+        # sequence u empty (padded lane, seq_len 0): no unit arrives for it, so program u writes its zeros
+        if zero_u:
+            offs_z = tl.arange(0, BLOCK_L)
+            tl.store(out_ptr + u.to(tl.int64) * s_on + heads_f[:, None] * s_oh + offs_z[None, :],
+                     tl.zeros([BLOCK_H, BLOCK_L], out_ptr.dtype.element_ty),
+                     mask=hmask_f[:, None] & (offs_z < L)[None, :])
+
+
+@triton.jit
+def _merge_units(opart_ptr, lse_ptr, out_ptr, n, u0, ne, heads, hmask, s_wu, s_wh, s_lu, s_on, s_oh,
+                 L: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_S: tl.constexpr,
+                 MERGE_L: tl.constexpr, MERGE_STAGES: tl.constexpr):
+    """LSE merge of units u0 .. u0 + ne - 1 (all non-empty) for BLOCK_H heads into out[n] (FUSED stage 1): the
+    stage-2 math, units in a fixed order, [MERGE_S, BLOCK_H, MERGE_L] partial tiles. Loads bypass L1 (.cg): the
+    partials were written by other SMs (ordered by the acq_rel arrival)."""
+    offs_s = tl.arange(0, MERGE_S)
+    mx = tl.full([MERGE_S, BLOCK_H], float("-inf"), tl.float32)
+    den = tl.zeros([MERGE_S, BLOCK_H], tl.float32)
+    for k0 in range(0, ne, MERGE_S):
+        k = k0 + offs_s
+        m2 = (k < ne)[:, None] & hmask[None, :]
+        mx = tl.maximum(mx, tl.load(lse_ptr + (u0 + k).to(tl.int64)[:, None] * s_lu + heads[None, :], mask=m2,
+                                    other=float("-inf"), cache_modifier=".cg"))
+    m = tl.max(mx, 0)  # [BLOCK_H]
+    m = tl.where(m > float("-inf"), m, 0.0)
+    for k0 in range(0, ne, MERGE_S):
+        k = k0 + offs_s
+        m2 = (k < ne)[:, None] & hmask[None, :]
+        lse = tl.load(lse_ptr + (u0 + k).to(tl.int64)[:, None] * s_lu + heads[None, :], mask=m2,
+                      other=float("-inf"), cache_modifier=".cg")
+        den += tl.where(m2, tl.exp2(lse - m[None, :]), 0.0)
+    d = tl.sum(den, 0)
+    dd = tl.where(d > 0, d, 1.0)
+    if ne <= MERGE_S:  # one unit chunk (the usual case): the column loop is innermost, so Triton can pipeline it
+        m2 = (offs_s < ne)[:, None] & hmask[None, :]
+        uu = (u0 + offs_s).to(tl.int64)
+        lse = tl.load(lse_ptr + uu[:, None] * s_lu + heads[None, :], mask=m2, other=float("-inf"),
+                      cache_modifier=".cg")
+        w = tl.where(m2, tl.exp2(lse - m[None, :]), 0.0)  # [MERGE_S, BLOCK_H]
+        for l0 in tl.range(0, BLOCK_L, MERGE_L, num_stages=MERGE_STAGES):
+            offs_l = l0 + tl.arange(0, MERGE_L)
+            lmask = offs_l < L
+            o = tl.load(opart_ptr + uu[:, None, None] * s_wu + heads[None, :, None] * s_wh + offs_l[None, None, :],
+                        mask=m2[:, :, None] & lmask[None, None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+            res = tl.where(d[:, None] > 0, tl.sum(w[:, :, None] * o, 0) / dd[:, None], 0.0)
+            tl.store(out_ptr + n.to(tl.int64) * s_on + heads[:, None] * s_oh + offs_l[None, :],
+                     res.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & lmask[None, :])
+    else:
+        for l0 in range(0, BLOCK_L, MERGE_L):
+            offs_l = l0 + tl.arange(0, MERGE_L)
+            lmask = offs_l < L
+            acc = tl.zeros([BLOCK_H, MERGE_L], tl.float32)
+            for k0 in range(0, ne, MERGE_S):
+                k = k0 + offs_s
+                m2 = (k < ne)[:, None] & hmask[None, :]
+                uu = (u0 + k).to(tl.int64)
+                lse = tl.load(lse_ptr + uu[:, None] * s_lu + heads[None, :], mask=m2, other=float("-inf"),
+                              cache_modifier=".cg")
+                w = tl.where(m2, tl.exp2(lse - m[None, :]), 0.0)  # [MERGE_S, BLOCK_H]
+                o = tl.load(opart_ptr + uu[:, None, None] * s_wu + heads[None, :, None] * s_wh + offs_l[None, None, :],
+                            mask=m2[:, :, None] & lmask[None, None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+                acc += tl.sum(w[:, :, None] * o, 0)
+            res = tl.where(d[:, None] > 0, acc / dd[:, None], 0.0)
+            tl.store(out_ptr + n.to(tl.int64) * s_on + heads[:, None] * s_oh + offs_l[None, :],
+                     res.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & lmask[None, :])
 
 
 @triton.jit
@@ -627,6 +733,12 @@ def decode_config(H: int, L: int, R: int, dtype, on_gpu: bool, block_n=None, con
     cfg = _gpu_cfg(DECODE_CFG, dtype)
     if config:
         cfg.update(config)
+    elif dtype != torch.float32:  # engine A/B switches, 16-bit caches (read per call; a graph keeps its capture's)
+        name = os.environ.get("KIMI_MLA_DECODE_VARIANT", "")  # any DECODE_VARIANTS name, e.g. "w4 n32 fm u4"
+        if name:
+            cfg.update(DECODE_VARIANTS[name])
+        if os.environ.get("KIMI_MLA_FUSED_MERGE", "0") == "1":  # one-launch split decode on these tiles
+            cfg["fused_merge"] = True
     # pad_heads: BLOCK_H = block_h even above H (masked rows), e.g. 64 so Hopper runs wgmma (M = 64 per warpgroup)
     b = dict(
         BLOCK_H=_dot_dim(cfg["block_h"]) if cfg.get("pad_heads") else _block_h(H, cfg["block_h"]),
@@ -700,6 +812,8 @@ def mla_decode_triton(
     if num_splits is None:
         num_splits = default_num_splits(N, block_table.shape[1], BS, H, num_sms(q_lat.device),
                                         cfg.get("programs_per_sm", 1))
+        if cfg.get("fused_merge") and cfg.get("fused_max_splits"):  # bound the partials one program merges
+            num_splits = min(num_splits, int(cfg["fused_max_splits"]))
     num_splits = max(1, int(num_splits))
     min_tiles = max(1, (min_split_tokens or cfg.get("min_split_tokens") or MIN_SPLIT_TOKENS) // BLOCK_N)
     BLOCK_B = max(128, triton.next_power_of_2(N))  # one compile for every batch up to 128 (a 128-lane plan is cheap)
@@ -722,7 +836,9 @@ def mla_decode_triton(
     kw = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) if on_gpu else {}
     if on_gpu and cfg.get("maxnreg"):  # ptxas register cap (.maxnreg): e.g. 128 x 256 threads -> 2 programs per SM
         kw["maxnreg"] = cfg["maxnreg"]
+    fused = bool(cfg.get("fused_merge", False)) and not direct
     variant = dict(
+        FUSED=fused,
         KEYS_M=bool(cfg.get("keys_m", False)),
         PAGE_TILE=bool(cfg.get("page_tile", False)) and BS % BLOCK_N == 0,
         WARP_SPEC=bool(cfg.get("warp_spec", False)) and on_gpu,
@@ -737,6 +853,15 @@ def mla_decode_triton(
         rows = cache.view(NB * BS, D)
         variant.update(TMA=True, c_desc=TensorDescriptor.from_tensor(rows, [BLOCK_N, L]),
                        k_desc=TensorDescriptor.from_tensor(rows, [BLOCK_N, R]))
+    if fused:  # one counter per (sequence, head block); every launch leaves them at 0
+        variant["cnt_ptr"] = arrival_counters(q_lat.device, N * triton.cdiv(H, BLOCK_H))
+        # merge tile [16 units, BLOCK_H, 8 fp32 / 16 bf16 columns] = 16 KB, cp.async-pipelined 5 / 4 deep, so up
+        # to 16 units take the pipelined one-chunk path (offline sm_90, Triton 3.6 / 3.9: w4 n32 fm 239 / 251 regs,
+        # 74 KB, no spill; p16 254 / 255 + 16 B stack on 3.9; [8, 32, 32] fp32 spills 440 B on 3.6)
+        p16 = opart.dtype == torch.bfloat16
+        variant.update(MERGE_S=int(cfg.get("merge_s", 16)),
+                       MERGE_L=min(BLOCK_L, int(cfg.get("merge_l", 16 if p16 else 8))),
+                       MERGE_STAGES=int(cfg.get("merge_stages", 4 if p16 else 5)) if on_gpu else 1)
     _mla_decode_stage1[(n_units, triton.cdiv(H, BLOCK_H))](
         q_lat,
         q_pe,
@@ -776,7 +901,7 @@ def mla_decode_triton(
         **variant,
         **kw,
     )
-    if not direct:
+    if not direct and not fused:
         mc = merge_config(N, H, BLOCK_L, num_splits, num_sms(q_lat.device))
         if cfg.get("merge"):  # tests / sweeps: explicit stage-2 tiles
             mc.update(cfg["merge"])

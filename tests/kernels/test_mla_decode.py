@@ -33,7 +33,8 @@ def _needs_triton():
 @pytest.mark.parametrize("variant", ["base", "base page", "keys_m", "keys_m page", "keys_m p16", "keys_m tma", "w4 n32",
                                      "h64 n16", "h64 n32", "h64 n32 p16", "pf n32", "pf2 n32", "keys_m pf n64",
                                      "keys_m pf n64 nd", "keys_m pf n64 nd p16", "keys_m s1", "keys_m n32 w4",
-                                     "w4 n32 p16", "w4 n32 ls", "ls n64 r128", "ls n64 r128 p16"])
+                                     "w4 n32 p16", "w4 n32 ls", "ls n64 r128", "ls n64 r128 p16", "w4 n32 fm",
+                                     "w4 n32 mt32"])
 @pytest.mark.parametrize("bs,block_n", [(16, None), (64, None), (16, 32)])
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
@@ -132,6 +133,136 @@ def test_merge_config(n, h, ns):
     assert programs >= 2 * 132 or (bh == 1 and bl == 64)  # enough programs, or as split as the tiles allow
 
 
+FUSED_VARIANTS = ["w4 n32 fm", "w4 n32 fm u4", "w4 n32 fm u8 p16"]
+FUSED_LENS = [[1], [63], [64], [65], [1000], [65, 0, 1000], [1, 63, 64, 65, 1000, 0, 17, 300]]
+
+
+def _check_loose(out, ref):
+    """bf16 p / output rounding alone gives rms ~5e-3 on one short sequence at these tiny shapes (the two-launch path
+    measures the same), above check_close's 5e-3."""
+    err = (out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()
+    assert torch.isfinite(out.float()).all() and err < 1e-2, err
+
+
+def _counters_zero(device):
+    from kernels._tensors import arrival_counters
+
+    return bool((arrival_counters(device, 1) == 0).all())
+
+
+@pytest.mark.parametrize("variant", FUSED_VARIANTS)
+@pytest.mark.parametrize("lens", FUSED_LENS, ids=lambda x: "_".join(map(str, x)))
+@pytest.mark.parametrize("num_splits", [None, 5])
+def test_decode_fused_merge(variant, lens, num_splits):
+    """One-launch split decode (the last unit of a sequence to arrive merges): matches the reference from a NaN-filled
+    out (every row written, empty sequences zero), leaves the cache and the arrival counters as it found them, and a
+    second launch gives the same bits (counters were reset)."""
+    from kernels.mla import decode as dec
+
+    cache, bt, sl = make_paged(lens, torch.bfloat16, bs=16, l=L, r=R)
+    N = len(lens)
+    q = torch.randn(N, H, L, device=DEV).bfloat16()
+    qp = torch.randn(N, H, R, device=DEV).bfloat16()
+    before = cache.clone()
+    outs = []
+    for _ in range(2):
+        out = torch.full((N, H, L), float("nan"), dtype=torch.bfloat16, device=DEV)
+        mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=num_splits, out=out, min_split_tokens=16,
+                          config=dec.DECODE_VARIANTS[variant])
+        outs.append(out)
+        assert _counters_zero(out.device)
+    # the merge itself is checked against the two-launch path (stage 2) on the same schedule
+    _check_loose(outs[0], mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, SCALE))
+    if num_splits is not None:
+        two = mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=num_splits, min_split_tokens=16,
+                                config=dict(dec.DECODE_VARIANTS[variant], fused_merge=False))
+        torch.testing.assert_close(outs[0].float(), two.float(), rtol=8e-3, atol=1e-3)
+    for i, s_ in enumerate(lens):
+        if s_ == 0:
+            assert (outs[0][i] == 0).all()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert torch.equal(cache.view(torch.int16), before.view(torch.int16))
+
+
+@pytest.mark.parametrize("merge_s", [4, 16])
+def test_decode_fused_merge_many_units(merge_s):
+    """More units than one merge chunk (merge_s 4: the unit-chunk loop; 16 at 40 splits: both paths across the batch),
+    matching the two-launch path; the counters come back to 0."""
+    from kernels.mla import decode as dec
+
+    lens = [1000, 0, 300, 17]
+    cache, bt, sl = make_paged(lens, torch.bfloat16, bs=16, l=L, r=R)
+    q = torch.randn(len(lens), H, L, device=DEV).bfloat16()
+    qp = torch.randn(len(lens), H, R, device=DEV).bfloat16()
+    cfg = dict(dec.DECODE_VARIANTS["w4 n32 fm"], merge_s=merge_s)
+    out = torch.full((len(lens), H, L), float("nan"), dtype=torch.bfloat16, device=DEV)
+    mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=40, out=out, min_split_tokens=16, config=cfg)
+    assert _counters_zero(out.device)
+    two = mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=40, min_split_tokens=16,
+                            config=dict(cfg, fused_merge=False))
+    torch.testing.assert_close(out.float(), two.float(), rtol=8e-3, atol=1e-3)
+    _check_loose(out, mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, SCALE))
+    assert (out[1] == 0).all()
+
+
+def test_decode_fused_merge_env(monkeypatch):
+    """KIMI_MLA_FUSED_MERGE=1 (or KIMI_MLA_DECODE_VARIANT naming an 'fm' variant) puts the default config on the
+    one-launch path: no stage-2 launch, same result."""
+    from kernels.mla import decode as dec
+
+    lens = [65, 0, 300]
+    cache, bt, sl = make_paged(lens, torch.bfloat16, bs=16, l=L, r=R)
+    q = torch.randn(len(lens), H, L, device=DEV).bfloat16()
+    qp = torch.randn(len(lens), H, R, device=DEV).bfloat16()
+    ref = mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, SCALE)
+
+    class NoStage2:
+        def __getitem__(self, grid):
+            raise AssertionError("stage 2 launched on the fused path")
+
+    monkeypatch.setenv("KIMI_MLA_FUSED_MERGE", "1")
+    monkeypatch.setattr(dec, "_mla_decode_stage2", NoStage2())
+    out = torch.full((len(lens), H, L), float("nan"), dtype=torch.bfloat16, device=DEV)
+    mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=4, out=out, min_split_tokens=16)
+    _check_loose(out, ref)
+    assert (out[1] == 0).all() and _counters_zero(out.device)
+    monkeypatch.setenv("KIMI_MLA_FUSED_MERGE", "0")
+    with pytest.raises(AssertionError, match="stage 2"):
+        mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=4, out=out, min_split_tokens=16)
+    monkeypatch.setenv("KIMI_MLA_DECODE_VARIANT", "w4 n32 fm u4")  # a fused variant by name: no stage 2 either
+    out.fill_(float("nan"))
+    mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=4, out=out, min_split_tokens=16)
+    _check_loose(out, ref)
+
+
+def test_decode_fused_max_splits():
+    """fused_max_splits caps the default split count (bounds the partials the merging program reads)."""
+    from kernels.mla import decode as dec
+
+    lens = [1000]
+    cache, bt, sl = make_paged(lens, torch.bfloat16, bs=16, l=L, r=R, max_blocks=64)
+    q = torch.randn(1, H, L, device=DEV).bfloat16()
+    qp = torch.randn(1, H, R, device=DEV).bfloat16()
+    seen = []
+    real = dec.arrival_counters
+
+    def spy(device, n):
+        seen.append(n)
+        return real(device, n)
+
+    dec.arrival_counters = spy
+    try:
+        o = mla_decode_triton(q, qp, cache, bt, sl, SCALE, min_split_tokens=16,
+                              config=dec.DECODE_VARIANTS["w4 n32 fm u4"])
+    finally:
+        dec.arrival_counters = real
+    assert seen == [1]  # fused path taken (default splits > 1), one counter for one sequence x one head block
+    _check_loose(o, mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, SCALE))
+    four = mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=4, min_split_tokens=16,
+                             config=dec.DECODE_VARIANTS["w4 n32 fm u4"])
+    assert default_num_splits(1, 64, 16, H) > 4 and torch.equal(o.view(torch.int16), four.view(torch.int16))
+
+
 # ---------------------------------------------------------------- GPU, Kimi shapes
 
 @pytest.mark.gpu
@@ -168,3 +299,38 @@ def test_gpu_decode_default_schedule_kimi(variant, lens):
     out = torch.full((N, 32, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     mla_decode_triton(q, qp, cache, bt, sl, 192 ** -0.5, out=out, config=DECODE_VARIANTS[variant])
     check_close(out, mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, 192 ** -0.5), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", FUSED_VARIANTS + ["w4 n32 mt32"])
+@pytest.mark.parametrize("lens", [[1024], [8192], [1, 63, 0], [65, 1000, 0, 4097, 64, 1, 8192, 300]],
+                         ids=["b1_1k", "b1_8k", "b3", "b8"])
+def test_gpu_decode_fused_graph(variant, lens):
+    """Fused merge at Kimi shapes inside a CUDA graph: two replays give the reference and the same bits (the arrival
+    counters come back to 0), padded lanes zero."""
+    from kernels._tensors import arrival_counters
+
+    cache, bt, sl = make_paged(lens, torch.bfloat16, bs=64, l=512, r=64, device="cuda")
+    N = len(lens)
+    q = torch.randn(N, 32, 512, device="cuda").bfloat16()
+    qp = torch.randn(N, 32, 64, device="cuda").bfloat16()
+    out = torch.full((N, 32, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = DECODE_VARIANTS[variant]
+    mla_decode_triton(q, qp, cache, bt, sl, 192 ** -0.5, out=out, config=cfg)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mla_decode_triton(q, qp, cache, bt, sl, 192 ** -0.5, out=out, config=cfg)
+    res = []
+    for _ in range(2):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        res.append(out.clone())
+    check_close(res[0], mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, 192 ** -0.5), torch.bfloat16)
+    assert torch.equal(res[0].view(torch.int16), res[1].view(torch.int16))
+    for i, s_ in enumerate(lens):
+        if s_ == 0:
+            assert (res[0][i] == 0).all()
+    assert (arrival_counters(q.device, 1) == 0).all()
