@@ -352,6 +352,10 @@ def sweep_intra(T=16384, warmup=5, rep=25):
 # --quick: (name, split path?, {module constant: value}) timed against the default and fla-core in one run
 QUICK_VARIANTS = [
     ("default", True, {}),
+    # the defaults before 12-03 (the variants below up to "out-vfast" were written against these; since 12-03 the
+    # default is lv2k + cumsum-dot + out-vfast + hpass-s3-prefetch)
+    ("first-default", True, dict(AKK_DIAG=0, AKK_NUM_WARPS=4, AKK_BK=32, AKK_LV_SPLITK=0, PREP_BK=32, CUMSUM_DOT=0,
+                                 FAST_SOFTPLUS=0, OUT_VFAST=0, HPASS_NUM_STAGES=2, HPASS_PREFETCH=0)),
     # INTRA_FUSED: prep + akk + wu in one program per chunk-head, level-anchored tensor-core dots for all of
     # Dqk / Dkk (6 exp2 tiles per K tile); offline sm_90 Triton 3.6: 128 regs (cap) / 8 warps, no spills
     ("intra-fused", True, dict(INTRA_FUSED=1)),

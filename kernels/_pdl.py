@@ -14,7 +14,9 @@ exited). Contract of every kernel here that takes GDC=True:
   * no stores before the wait (the previous kernel may still read the buffers).
 Without PDL both instructions are no-ops, so GDC kernels give the same bits either way.
 
-KIMI_PDL=1 (read once at import) turns the chain on; always off under TRITON_INTERPRET (no griddepcontrol there).
+KIMI_PDL (read once at import): "1" on, "0" off, unset / "auto" on when CUDA device 0 is sm_90 or newer (Hopper,
+Blackwell, GB10: griddepcontrol and launch_pdl need it; H200 12-03 e2e b1 2.51 -> 2.44 ms/step); always off under
+TRITON_INTERPRET (no griddepcontrol there).
 """
 from __future__ import annotations
 
@@ -24,7 +26,20 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-ENABLED = os.environ.get("KIMI_PDL", "0") == "1" and not INTERPRET
+
+
+def _default_on() -> bool:
+    """KIMI_PDL unset / auto: a CUDA device of compute capability >= 9.0 (cudaGetDeviceProperties; no context)."""
+    try:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] >= 9
+    except Exception:  # noqa: BLE001  (no driver, no device: off)
+        return False
+
+
+_ENV = os.environ.get("KIMI_PDL", "auto")
+ENABLED = (_ENV == "1" or (_ENV in ("", "auto") and _default_on())) and not INTERPRET
 
 
 def pdl_on(pdl: bool | None = None) -> bool:

@@ -27,6 +27,29 @@ def num_sms(device, cpu: int = 132) -> int:
     return _SM_COUNT[i]
 
 
+_SMEM: dict = {}
+# opt-in shared memory per block: H100 / H200 (sm_90) 227 KB; GB10 (sm_121) and other consumer Blackwell ~99 KB
+H200_SMEM = 232448
+
+
+def max_shared_mem(device, cpu: int = H200_SMEM) -> int:
+    """Bytes of shared memory one block may opt into on `device` (cached per index), for launch-config pickers whose
+    fastest config needs more than a GB10 (sm_121, 101376 B) has; `cpu` for a non-CUDA device (interpreter runs:
+    the H200's, so the pickers choose what they would there)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return cpu
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMEM:
+        smem = getattr(torch.cuda.get_device_properties(i), "shared_memory_per_block_optin", 0)
+        if not smem:                                     # older torch: ask Triton's driver
+            import triton
+
+            smem = triton.runtime.driver.active.utils.get_device_properties(i)["max_shared_mem"]
+        _SMEM[i] = int(smem)
+    return _SMEM[i]
+
+
 _COUNTERS: dict = {}  # device -> list of i32 counter buffers (all kept alive: captured graphs hold them)
 
 

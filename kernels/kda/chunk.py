@@ -92,24 +92,26 @@ STATE_NUM_STAGES = 2
 SPLIT = True             # False: the old fused state+output kernel (kept for A/B)
 HPASS_BV = None          # None: largest of 64/32/16 giving >= 2 programs per SM ((V/BV) * P * H >= 2 * SMs)
 HPASS_NUM_WARPS = None   # None: 4 for BV <= 32, 8 for BV = 64
-HPASS_NUM_STAGES = 2
-HPASS_PREFETCH = 0       # 1: load u / gl of the next chunk one iteration ahead (off the serial chain)
+HPASS_NUM_STAGES = 3       # H200 12-03: hpass 0.508 -> 0.376 ms at T=16k (with HPASS_PREFETCH), one chunk in flight
+HPASS_PREFETCH = 1       # 1: load u / gl of the next chunk one iteration ahead (off the serial chain)
 OUT_BV = 64
 OUT_NUM_WARPS = 4
 OUT_NUM_STAGES = 2
-OUT_VFAST = 0            # 1 (A/B): V tile fastest in the output grid (the 2nd V tile's qg / Aqk reads hit L2)
-# intra launches (prep -> akk -> wu). Defaults = the winners of `bench/kda_prefill.py --sweep` on the H200
+OUT_VFAST = 1            # 1 (default since H200 12-03: out 0.246 -> 0.191 ms at T=16k): V tile fastest in the output grid (the 2nd V tile's qg / Aqk reads hit L2)
+# intra launches (prep -> akk -> wu). Defaults since 12-03 = the best variant per stage of `bench/kda_prefill.py
+# --quick` on the H200 (akk-lv-2k, cumsum-dot, out-vfast, hpass-s3-prefetch; BENCHMARKS.md seventh round). Before:
+# the winners of `bench/kda_prefill.py --sweep` on the H200
 # (Triton 3.6, T=16k, H=32, K=V=128, bf16; 2026-12-02): prep BK=32 / 4 warps 0.564 ms (BK=64 / 8 warps 0.933);
 # akk BK=32 / 4 warps / unrolled 1.587 ms (BK=64 1.636, 8 warps 2.254, the 8x8-split "HALF" diagonal 4.63);
 # wu BK=BV=32 / 4 warps 0.437 ms (64/64/4 0.529). Offline sm_90 / triton 3.9: prep 128 regs, akk 168 regs /
 # 66 KB smem, wu 168 regs / 64 KB smem, no spills.
-PREP_BK = 32
+PREP_BK = 16             # with CUMSUM_DOT (H200 12-03: prep 0.559 -> 0.522 ms at T=16k)
 PREP_NUM_WARPS = 4
-AKK_BK = 32
-AKK_NUM_WARPS = 4
+AKK_BK = 16              # AKK_DIAG=3 with AKK_LV_SPLITK: 1 warp, BK 16 (H200 12-03: akk 1.583 -> 0.691 ms)
+AKK_NUM_WARPS = 1
 AKK_UNROLL = 1           # unroll the diagonal-block loop (1) or not (0)
 AKK_MAXNREG = None       # ptxas register cap for akk (None: uncapped)
-AKK_LV_SPLITK = 0        # AKK_DIAG=3: 1 = two passes over K (off-diagonal blocks, then the levels; fewer registers)
+AKK_LV_SPLITK = 1        # AKK_DIAG=3: 1 = two passes over K (off-diagonal blocks, then the levels; fewer registers)
 # akk variants (A/B; see _kda_akk_kernel): AKK_DIAG 0 = exact exp2 per pair and channel (16 steps of 16 x K exp2),
 # 1 = running products of per-token factors (16 steps of K exp2), 2 = 1 inside the two 8x8 halves (8 steps) + one
 # anchored 8x8 dot per K tile. (The old exact 8x8-split "HALF" diagonal, 4.63 ms, was removed.) Offline sm_90,
@@ -117,7 +119,7 @@ AKK_LV_SPLITK = 0        # AKK_DIAG=3: 1 = two passes over K (off-diagonal block
 # 8 warps), 212 (DIAG=2, 8 warps); hpass with HPASS_PREFETCH=1: 82 regs at BV=16, 136 at BV=32.
 # H200 --quick 2026-12-02 (Triton 3.6, T=16k): akk DIAG=1 rolled 1.845 ms, unrolled 1.600 ms vs DIAG=0 1.587 ms
 # (issue-bound, not MUFU-bound: fewer exp2 alone does not pay); DIAG=2 / PREP_FUSED not reached (step timed out).
-AKK_DIAG = 0
+AKK_DIAG = 3             # level inverse (akk-lv-2k); 0 = the first default (exact exp2 per pair and channel)
 # PREP_FUSED = 1 (A/B): no prep launch and no fp32 G scratch. akk recomputes the gate cumsum per K tile from z and
 # applies the L2 norms to its finished sums (writes rs = (rq, rk, beta), 16 B per token-head); wu recomputes G
 # from z and writes prep's qg / kg / gl with w / u. AKK_DIAG 0 / 1 only (the diagonal block is done per K tile).
@@ -136,7 +138,7 @@ WU_KB = 0
 # FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep and the fused intra kernel (fla's
 # choice) instead of libdevice's accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop
 # body 2134 -> see --quick). No effect under the interpreter.
-FAST_SOFTPLUS = 0
+FAST_SOFTPLUS = 1
 # INTRA_FUSED = 1 (A/B): one launch ``_kda_intra_kernel`` per (chunk, head) instead of prep -> akk -> wu; Dqk / Dkk
 # (diagonal blocks included) by level-anchored tensor-core dots (6 exp2 tiles per K tile instead of 16 x 16 x K exp2
 # per diagonal block), no G / rs / X scratch in HBM. Takes precedence over PREP_FUSED / AKK_*.
@@ -150,7 +152,7 @@ INTRA_MAXNREG = 128      # ptxas register cap (2 CTAs of 8 warps per SM); None: 
 # lower-triangular ones matrix on a hi / lo split of g (fp32-accurate; see _cumsum0) instead of tl.cumsum, whose scan
 # over rows spread across lanes and warps was ~40% of prep's instructions (offline sm_90, Triton 3.6, FAST_SOFTPLUS:
 # prep K-loop body 1446 -> 761 SASS instructions per 16 elements / thread; with PREP_BK=16: 123 regs, 4 CTAs / SM).
-CUMSUM_DOT = 0
+CUMSUM_DOT = 1
 
 
 @triton.jit

@@ -323,7 +323,8 @@ _BV_WIDE = 64                 # ... and once there are >= _WIDE_PER_SM programs 
 _WIDE_PER_SM = 16             # H200 sweep 12-02 (graph us/step, copy BW 4.25 TB/s): N=1 BV32 late 5.97 (BV8 7.49),
                               # N=8 BV32 late 14.15 (BV64 14.53), N=64 BV64 early 82.5 = 76.6% (BV32 late 88.9),
                               # N=256 BV64 early 346 (BV32 late 371)
-_WIDE_MAXNREG = 0             # register cap of the wide config (0: none; 128: BV64/w4 fits 4 programs per SM, not 3)
+_WIDE_MAXNREG = 128           # register cap of the wide config (0: none; 128: BV64/w4 fits 4 programs per SM, not 3;
+                              # H200 12-03 sweep, N=64: 78.89 us = 80.1% of copy BW vs 81.41 uncapped)
 _STORE_AFTER = False          # TAIL_LAST configs write the state after the arrival (DecodeConfig.store_after)
 
 

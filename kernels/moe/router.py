@@ -42,7 +42,7 @@ FUSED_DECODE = os.environ.get("KIMI_ROUTER_FUSED", "1") != "0"
 # _router_fused_gemv_kernel (2 experts x one 4096-wide K tile per 4-warp program); "v2" _router_decode_kernel
 # (DECODE_BE experts per DECODE_WARPS-warp program, pow2 K chunks + tail, bias loaded up front, warp-local 32-bit
 # top-k without the L2 re-gather; arrival counter); "v3" the same with the flag-in-data handshake (POLL)
-ROUTER_DECODE = os.environ.get("KIMI_ROUTER_DECODE", "v1")
+ROUTER_DECODE = os.environ.get("KIMI_ROUTER_DECODE", "v3")   # v3 default since H200 12-03 (e2e b1)
 DECODE_BE = int(os.environ.get("KIMI_ROUTER_BE", "1"))
 DECODE_WARPS = int(os.environ.get("KIMI_ROUTER_WARPS", "1"))
 # ptxas register cap for v2/v3 (0: none). Left alone, ptxas gave the 1-warp program 80 registers and issued most of

@@ -188,11 +188,11 @@ def tiny_fp32(tmp_path_factory):
     return write_tiny_checkpoint(str(tmp_path_factory.mktemp("gemv_tiny")), tokenizer=None, seed=1, dtype="float32")
 
 
-def test_model_default_is_nn_linear(tiny_fp32, monkeypatch):
+def test_model_gemv_off_is_nn_linear(tiny_fp32, monkeypatch):
     from backend.model import kimi_linear
     from backend.model.loader import load_model
 
-    monkeypatch.delenv("KIMI_GEMV", raising=False)
+    monkeypatch.setenv("KIMI_GEMV", "0")
     model = load_model(tiny_fp32, "cpu", torch.float32)
     lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert lins and all(type(m) is torch.nn.Linear for m in lins)
@@ -206,7 +206,7 @@ def test_model_opt_in_matches_default(tiny_fp32, monkeypatch):
     from backend.model import kimi_linear
     from backend.model.loader import load_model
 
-    monkeypatch.delenv("KIMI_GEMV", raising=False)
+    monkeypatch.setenv("KIMI_GEMV", "0")
     ref = _decode_logits(load_model(tiny_fp32, DEV, torch.float32))
     monkeypatch.setenv("KIMI_GEMV", "1")
     model = load_model(tiny_fp32, DEV, torch.float32)
@@ -241,9 +241,13 @@ def test_model_auto_mode(tiny_fp32, monkeypatch):
     from backend.model import kimi_linear
     from backend.model.loader import load_model
 
-    monkeypatch.setenv("KIMI_GEMV", "auto")
-    model = load_model(tiny_fp32, "cpu", torch.float32)
-    assert isinstance(model.lm_head, kimi_linear._GemvLinear) and model.lm_head.measured_only
+    for env in ("auto", None):                           # unset: auto is the default
+        if env:
+            monkeypatch.setenv("KIMI_GEMV", env)
+        else:
+            monkeypatch.delenv("KIMI_GEMV", raising=False)
+        model = load_model(tiny_fp32, "cpu", torch.float32)
+        assert isinstance(model.lm_head, kimi_linear._GemvLinear) and model.lm_head.measured_only
 
 
 def test_bench_smoke():

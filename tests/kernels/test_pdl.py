@@ -26,7 +26,11 @@ def _env_without_interpreter(**extra):
     return env
 
 
-@pytest.mark.parametrize("env,expect", [(dict(KIMI_PDL="1"), True), (dict(KIMI_PDL="0"), False), ({}, False),
+_AUTO = torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] >= 9   # unset / auto: on for sm_90+
+
+
+@pytest.mark.parametrize("env,expect", [(dict(KIMI_PDL="1"), True), (dict(KIMI_PDL="0"), False), ({}, _AUTO),
+                                        (dict(KIMI_PDL="auto"), _AUTO),
                                         (dict(KIMI_PDL="1", TRITON_INTERPRET="1"), False)])
 def test_switch_read_at_import(env, expect):
     code = "import kernels._pdl as p; print(p.ENABLED, p.pdl_on(), p.pdl_on(True))"
