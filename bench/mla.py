@@ -501,8 +501,8 @@ def main():
     ap.add_argument("--check-only", action="store_true", help="only the device check of the decode default and "
                     "--variants (tiny GPU repro: wrong variants print WRONG)")
     ap.add_argument("--split-sweep", action="store_true", help="with --sweep-decode: split counts at B=1 S=128k too")
-    ap.add_argument("--variants", help="with --sweep-decode: comma-separated DECODE_VARIANTS names (default: all but 'keys_m tma', which hit an "
-                    "illegal address on the H200 on 12-02)")
+    ap.add_argument("--variants", help="with --sweep-decode: comma-separated DECODE_VARIANTS names (default: all but "
+                    "decode.GPU_BROKEN, wrong or an illegal address on the H200)")
     args = ap.parse_args()
     if args.ptxas:
         ptxas_report(only=args.only)
@@ -512,7 +512,7 @@ def main():
     print(f"device: {dev.name}, {dev.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
     # '+' stands for a space in variant names ("h64+n32"): bench/h200.sh passes ARGS_mla word-split, unquoted
     names = ([n.strip().replace("+", " ") for n in args.variants.split(",")] if args.variants
-             else [n for n in dec.DECODE_VARIANTS if n != "keys_m tma"])
+             else [n for n in dec.DECODE_VARIANTS if n not in dec.GPU_BROKEN])
     unknown = [n for n in names if n not in dec.DECODE_VARIANTS]
     assert not unknown, f"unknown variants {unknown}; known: {list(dec.DECODE_VARIANTS)}"
     wrong = check_small(variants=names if args.sweep_decode or args.check_only else None,

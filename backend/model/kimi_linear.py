@@ -38,8 +38,9 @@ class UncombinedMoE(NamedTuple):
 
 def _fuse_combine_norm_enabled() -> bool:
     """KIMI_FUSE_COMBINE_NORM (on unless "0"; default since H200 12-03; read when the model is built): an unsharded
-    MoE layer on the Triton path skips fused_moe's combine launch; the next layer's input norm (or the final norm) runs combine + residual add +
-    RMSNorm in one kernel (kernels.norm.combine_add_rmsnorm; the same bits as the two launches)."""
+    MoE layer on the Triton path skips fused_moe's combine launch; the next layer's input norm (or the final norm)
+    runs combine + residual add + RMSNorm in one kernel (kernels.norm.combine_add_rmsnorm; the same bits as the two
+    launches)."""
     return os.environ.get("KIMI_FUSE_COMBINE_NORM", "1") != "0"
 
 

@@ -97,7 +97,8 @@ HPASS_PREFETCH = 1       # 1: load u / gl of the next chunk one iteration ahead 
 OUT_BV = 64
 OUT_NUM_WARPS = 4
 OUT_NUM_STAGES = 2
-OUT_VFAST = 1            # 1 (default since H200 12-03: out 0.246 -> 0.191 ms at T=16k): V tile fastest in the output grid (the 2nd V tile's qg / Aqk reads hit L2)
+OUT_VFAST = 1            # V tile fastest in the output grid (the 2nd V tile's qg / Aqk reads hit L2); default since
+                         # H200 12-03: out 0.246 -> 0.191 ms at T=16k
 # intra launches (prep -> akk -> wu). Defaults since 12-03 = the best variant per stage of `bench/kda_prefill.py
 # --quick` on the H200 (akk-lv-2k, cumsum-dot, out-vfast, hpass-s3-prefetch; BENCHMARKS.md seventh round). Before:
 # the winners of `bench/kda_prefill.py --sweep` on the H200
@@ -148,11 +149,16 @@ INTRA_BV = 32
 INTRA_NUM_WARPS = 8
 INTRA_NUM_STAGES = 1
 INTRA_MAXNREG = 128      # ptxas register cap (2 CTAs of 8 warps per SM); None: uncapped (Triton 3.6: 138 at BK=16)
-# CUMSUM_DOT = 1 (A/B): the chunk-local gate cumsum (prep, INTRA_FUSED pass 1) as two tf32 tensor-core dots with the
-# lower-triangular ones matrix on a hi / lo split of g (fp32-accurate; see _cumsum0) instead of tl.cumsum, whose scan
-# over rows spread across lanes and warps was ~40% of prep's instructions (offline sm_90, Triton 3.6, FAST_SOFTPLUS:
-# prep K-loop body 1446 -> 761 SASS instructions per 16 elements / thread; with PREP_BK=16: 123 regs, 4 CTAs / SM).
+# CUMSUM_DOT = 1: the chunk-local gate cumsum of prep (INTRA_FUSED pass 1: INTRA_CUMSUM_DOT) as two tf32 tensor-core
+# dots with the lower-triangular ones matrix on a hi / lo split of g (fp32-accurate; see _cumsum0) instead of
+# tl.cumsum, whose scan over rows spread across lanes and warps was ~40% of prep's instructions (offline sm_90,
+# Triton 3.6, FAST_SOFTPLUS: prep K-loop body 1446 -> 761 SASS instructions per 16 elements / thread; with
+# PREP_BK=16: 123 regs, 4 CTAs / SM).
 CUMSUM_DOT = 1
+# the same cumsum in INTRA_FUSED's pass 1 (A/B, its own switch): INTRA_FUSED with it hit an illegal memory access on
+# the H200 (12-03, Triton 3.6, GPU test intra-fused-fast at Kimi shapes; correct under the interpreter), so the fused
+# intra kernel keeps tl.cumsum unless asked
+INTRA_CUMSUM_DOT = 0
 
 
 @triton.jit
@@ -1292,7 +1298,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                        a_out=sd, g_scr="*fp32", stride_q="i32", stride_k="i32", stride_v="i32", stride_z="i32",
                        stride_b="i32", scale="fp32"),
                   dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
-                       LOG_BT=BT.bit_length() - 1, FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT)),
+                       LOG_BT=BT.bit_length() - 1, FAST=int(FAST_SOFTPLUS), CS=int(INTRA_CUMSUM_DOT)),
                   dict(num_warps=INTRA_NUM_WARPS, num_stages=INTRA_NUM_STAGES, **_maxnreg(INTRA_MAXNREG))),
     })
     specs = {n: specs[n] for n in which}
@@ -1427,7 +1433,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, v, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, w, u, a, g2,
                 q.stride(0), k.stride(0), v.stride(0), z.stride(0), b.stride(0), float(scale),
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
-                LOG_BT=BT.bit_length() - 1, FAST=_fast_softplus(), CS=int(CUMSUM_DOT),
+                LOG_BT=BT.bit_length() - 1, FAST=_fast_softplus(), CS=int(INTRA_CUMSUM_DOT),
                 num_warps=INTRA_NUM_WARPS,
                 num_stages=INTRA_NUM_STAGES,
                 **_maxnreg(INTRA_MAXNREG),

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tensors import arrival_counters, num_sms, unit_last_stride
+from kernels._tensors import H200_SMEM, arrival_counters, max_shared_mem, num_sms, unit_last_stride
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 64  # smallest work unit (keys): one 64-key tile (256 before 12-02; config min_split_tokens=256)
@@ -43,10 +43,20 @@ MAX_SPLITS = 256
 # S=8k 476 vs 631 us, B=1 S=128k graph 85.6 vs 99.3 us. fp32 (tests only; IEEE dots run on FMA units, spill):
 # BLOCK_N 32, 1 stage = 147 KB.
 # bench/mla.py sweeps these on the GPU.
+# Since 12-03 the 16-bit default is 'ls n64 r128' (below: 64-key tiles, latent split in column halves, 8 warps capped
+# at 128 regs, 2 programs x ~112 KB smem per SM); H200 12-03 (Triton 3.6, L2 flushed, same run): B=64 S=8k 228.8 vs
+# 252.3 us, B=128 S=8k 432.0 vs 477.5, B=1 S=128k graph 78.3 vs 84.1, B=1 S=8k graph 20.9 vs 21.1. A device whose
+# blocks may not take that much shared memory (GB10 / sm_12x: 99 KB) keeps 'w4 n32' ("16bit-small-smem").
 DECODE_CFG = {
-    "16bit": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2),
+    "16bit": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, page_tile=True, lsplit=True, maxnreg=128,
+                  programs_per_sm=2),
+    "16bit-small-smem": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2),
     "fp32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1),
 }
+DECODE_LARGE_SMEM = 160 * 1024   # bytes a block must be able to opt into for DECODE_CFG["16bit"] (H100/H200: 227 KB)
+# Variants that gave wrong results or an illegal address on the H200 (12-03, Triton 3.6; correct under the
+# interpreter): kept for the bisection notes above, refused on CUDA (mla_decode_triton) and left out of GPU tests
+GPU_BROKEN = ("keys_m tma", "keys_m pf n64", "keys_m s1", "keys_m pf n64 nd", "keys_m pf n64 nd p16")
 # Variants timed by `bench/mla.py --sweep-decode` (keys beyond DECODE_CFG's are optional, default False):
 # keys_m: keys as the MMA M dimension (S^T = c q^T, acc^T += c^T P^T). On sm_90 all three dots become wgmma with the
 #   latent tile straight from smem, and Triton double-buffers that tile (2 x 72 KB cp.async stages; 184 KB, 237 regs).
@@ -728,17 +738,25 @@ def _check_dots(kernel: str, dots) -> None:
         assert min(m, n, k) >= MIN_DOT, f"{kernel}: tl.dot of M={m} N={n} K={k} (each must be >= {MIN_DOT})"
 
 
-def decode_config(H: int, L: int, R: int, dtype, on_gpu: bool, block_n=None, config=None) -> tuple[dict, dict]:
-    """-> (launch cfg, stage-1 constexpr blocks) for mla_decode_triton; every tl.dot dim >= MIN_DOT (asserted)."""
+def decode_config(H: int, L: int, R: int, dtype, on_gpu: bool, block_n=None, config=None,
+                  smem: int = H200_SMEM) -> tuple[dict, dict]:
+    """-> (launch cfg, stage-1 constexpr blocks) for mla_decode_triton; every tl.dot dim >= MIN_DOT (asserted).
+    smem: shared memory a block may opt into (kernels._tensors.max_shared_mem) picks the 16-bit default."""
     cfg = _gpu_cfg(DECODE_CFG, dtype)
-    if config:
+    if dtype != torch.float32 and smem < DECODE_LARGE_SMEM:
+        cfg = dict(DECODE_CFG["16bit-small-smem"])
+    if config:  # the tile shape of the default, every optional flag from `config` alone (none inherited)
+        cfg = {k: cfg[k] for k in ("block_h", "block_n", "num_warps", "num_stages")}
         cfg.update(config)
     elif dtype != torch.float32:  # engine A/B switches, 16-bit caches (read per call; a graph keeps its capture's)
         name = os.environ.get("KIMI_MLA_DECODE_VARIANT", "")  # any DECODE_VARIANTS name, e.g. "w4 n32 fm u4"
+        if os.environ.get("KIMI_MLA_FUSED_MERGE", "0") == "1":  # one-launch split decode ('w4 n32 fm')
+            name = name or "w4 n32 fm"
         if name:
-            cfg.update(DECODE_VARIANTS[name])
-        if os.environ.get("KIMI_MLA_FUSED_MERGE", "0") == "1":  # one-launch split decode on these tiles
-            cfg["fused_merge"] = True
+            assert not (on_gpu and name in GPU_BROKEN), f"KIMI_MLA_DECODE_VARIANT={name!r}: wrong on GPUs (GPU_BROKEN)"
+            cfg = dict(DECODE_VARIANTS[name])
+            if os.environ.get("KIMI_MLA_FUSED_MERGE", "0") == "1":
+                cfg["fused_merge"] = True
     # pad_heads: BLOCK_H = block_h even above H (masked rows), e.g. 64 so Hopper runs wgmma (M = 64 per warpgroup)
     b = dict(
         BLOCK_H=_dot_dim(cfg["block_h"]) if cfg.get("pad_heads") else _block_h(H, cfg["block_h"]),
@@ -807,7 +825,9 @@ def mla_decode_triton(
     if N == 0:
         return out
     on_gpu = q_lat.is_cuda
-    cfg, blocks = decode_config(H, L, R, cache.dtype, on_gpu, block_n, config)
+    if on_gpu and config is not None:
+        assert all(config is not DECODE_VARIANTS[n] for n in GPU_BROKEN), "a GPU_BROKEN decode variant"
+    cfg, blocks = decode_config(H, L, R, cache.dtype, on_gpu, block_n, config, max_shared_mem(q_lat.device))
     BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R = blocks["BLOCK_H"], blocks["BLOCK_N"], blocks["BLOCK_L"], blocks["BLOCK_R"]
     if num_splits is None:
         num_splits = default_num_splits(N, block_table.shape[1], BS, H, num_sms(q_lat.device),
