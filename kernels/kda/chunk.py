@@ -75,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tensors import num_sms
+from kernels._tensors import max_shared_mem, num_sms
 
 BT = 64          # chunk size
 BC = 16          # sub-chunk (diagonal block) size
@@ -1476,6 +1476,9 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 break
     hbv = min(V, hbv)
     obv = min(V, OUT_BV)
+    # 3 stages need up to 128 KB of smem per block (BV 64; 102 / 108 KB at BV 16 / 32): a GB10 (sm_121, 99 KB per
+    # block) takes 2 (70 / 76 / 96 KB)
+    h_stages = HPASS_NUM_STAGES if max_shared_mem(dev) >= 160 * 1024 else min(HPASS_NUM_STAGES, 2)
 
     def hpass():
         return _kda_hpass_kernel[(triton.cdiv(V, hbv), P, H)](
@@ -1483,7 +1486,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             cu_dev, chunk_offsets, slots, hi, P, T,
             o.stride(0), rec_state.stride(0),
             H=H, K=K, V=V, BT=BT, BV=hbv, PREC=prec, MM=mm, PREFETCH=int(HPASS_PREFETCH),
-            num_warps=HPASS_NUM_WARPS or (8 if hbv >= 64 else 4), num_stages=HPASS_NUM_STAGES,
+            num_warps=HPASS_NUM_WARPS or (8 if hbv >= 64 else 4), num_stages=h_stages,
         )
 
     def out():

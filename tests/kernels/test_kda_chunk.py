@@ -493,3 +493,32 @@ def test_gpu_variants_bf16(kda_path, variant, monkeypatch):
     inp = make_inputs(cu[-1], H=32, K=128, V=128, dtype=torch.bfloat16, strong_gate=True)
     res = run_pair(inp, cu, slots, [True, False, True, True, False], S=8)
     check(*res, slots, BF16_TOL)
+
+
+def test_hpass_stages_fit_small_smem(kda_path, monkeypatch):
+    """A device whose blocks may take < 160 KB of shared memory (GB10: 99 KB) runs the state pass with 2 stages; the
+    H200 (and the interpreter, which reports the H200's) with HPASS_NUM_STAGES."""
+    if kda_path != "split":
+        pytest.skip("the state pass (hpass) is the split path's")
+    import kernels.kda.chunk as chunk_mod
+
+    seen = []
+
+    class Rec:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append(kw["num_stages"])
+
+    lens = [70]
+    inp = make_inputs(70)
+    cu_t = torch.tensor([0, 70], dtype=torch.int32, device=DEV)
+    pool = torch.zeros(2, 2, 16, 32, device=DEV)
+    monkeypatch.setattr(chunk_mod, "_kda_hpass_kernel", Rec())
+    monkeypatch.setattr(chunk_mod, "HPASS_NUM_STAGES", 3)
+    for smem, want in ((232448, 3), (101376, 2)):
+        monkeypatch.setattr(chunk_mod, "max_shared_mem", lambda dev, s=smem: s)
+        _, launches = chunk_mod.chunk_kda_plan(inp["q"], inp["k"], inp["v"], inp["z"], inp["A_log"], inp["dt_bias"],
+                                               inp["b"], 16 ** -0.5, pool, cu_t,
+                                               torch.tensor([1], dtype=torch.int32, device=DEV), None,
+                                               cu_seqlens_cpu=[0] + lens, buffers={})
+        launches["hpass"]()
+        assert seen[-1] == want, (smem, seen)

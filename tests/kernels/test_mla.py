@@ -321,6 +321,16 @@ def test_configs_dot_dims_at_least_16(dtype, on_gpu):
                     assert all(min(d) >= MIN_DOT for d in _dot_dims_extend(b)), (h, l, r, kw, b)
 
 
+def test_decode_config_small_smem():
+    """bf16 default by shared memory per block: the H200's 227 KB takes DECODE_CFG["16bit"] ('ls n64 r128', 2 x ~112
+    KB per SM), a GB10's 99 KB the 74 KB 'w4 n32' tiles; a named config never inherits the default's flags."""
+    big, _ = decode_config(32, 512, 64, torch.bfloat16, True, smem=232448)
+    small, b = decode_config(32, 512, 64, torch.bfloat16, True, smem=101376)
+    assert big == DECODE_CFG["16bit"] and small == DECODE_CFG["16bit-small-smem"] and b["BLOCK_N"] == 32
+    named, _ = decode_config(32, 512, 64, torch.bfloat16, True, config={"block_n": 32, "num_warps": 4})
+    assert not named.get("lsplit") and not named.get("maxnreg") and named["block_n"] == 32
+
+
 def test_configs_kimi_unchanged():
     for dtype, key in ((torch.bfloat16, "16bit"), (torch.float32, "fp32")):
         _, b = decode_config(32, 512, 64, dtype, True)
