@@ -35,7 +35,7 @@ import triton.language as tl
 
 from kernels._dispatch import use_triton
 from kernels._pdl import gdc_enter, pdl_launch, pdl_on, prefetch_l2
-from kernels._tensors import arrival_counters, num_sms
+from kernels._tensors import arrival_counters, max_shared_mem, num_sms
 
 GEMV_MAX_M = 16
 # PDL launch: W bytes the whole grid prefetches into L2 before griddepcontrol.wait (KIMI_PDL_L2_MB; a fraction of
@@ -283,9 +283,11 @@ def _pick_split(tiles: int, steps: int, sms: int) -> int:
     return best[1]
 
 
-def gemv_config(M: int, N: int, K: int, B: int, device, cfg: Optional[GemvConfig] = None) -> tuple[GemvConfig, int]:
+def gemv_config(M: int, N: int, K: int, B: int, device, cfg: Optional[GemvConfig] = None,
+                es: int = 2) -> tuple[GemvConfig, int]:
     """-> (config with dot, BK and split resolved, k_split). Without cfg: SHAPE_CONFIGS' entry, else the FMA / dot
-    default by M; split None: _pick_split."""
+    default by M; split None: _pick_split. es: element bytes; a dot config's stages are capped to the device's shared
+    memory per block (_dot_stages)."""
     if cfg is None:
         cfg = SHAPE_CONFIGS.get((B, N, K, M), SHAPE_CONFIGS.get((B, N, K)))
     dot = cfg.dot if cfg is not None and cfg.dot is not None else M > FMA_MAX_M
@@ -298,7 +300,16 @@ def gemv_config(M: int, N: int, K: int, B: int, device, cfg: Optional[GemvConfig
     split = base.split if base.split is not None else _pick_split(tiles, steps, num_sms(device))
     split = max(1, min(split, steps))
     k_split = triton.cdiv(steps, split) * bk                          # a multiple of BK
-    return replace(base, BK=bk, dot=dot, split=triton.cdiv(K, k_split)), k_split
+    stages = _dot_stages(base, bk, es, max_shared_mem(device)) if dot else base.num_stages
+    return replace(base, BK=bk, dot=dot, split=triton.cdiv(K, k_split), num_stages=stages), k_split
+
+
+def _dot_stages(c: GemvConfig, bk: int, es: int, smem: int) -> int:
+    """num_stages of a dot config within `smem` bytes per block: each stage holds a W tile [BN, BK] and the x tile
+    [16, BK] (BN 64 / BK 128 bf16: 20 KB; the H200 sweep's 6 stages = 120 KB fit its 227 KB, not a GB10's 99 KB),
+    8 KB kept for the epilogue / barriers."""
+    per_stage = (c.BN + 16) * bk * es
+    return max(1, min(c.num_stages, (smem - 8192) // per_stage))
 
 
 # --------------------------------------------------------------------------------------------------- wrappers
@@ -336,7 +347,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
         return y if batched else y[0]
     if K == 0:
         return y.zero_() if batched else y[0].zero_()
-    c, k_split = gemv_config(M, N, K, B, x.device, cfg)
+    c, k_split = gemv_config(M, N, K, B, x.device, cfg, x.element_size())
     S = c.split
     bm = max(16, triton.next_power_of_2(M)) if c.dot else triton.next_power_of_2(M)
     split_mode = 0 if S == 1 else (2 if c.fused else 1)

@@ -277,3 +277,14 @@ def test_gemv_tma_gpu(M, N, K, what):
     for cfg in [GemvConfig(BN=64, BK=128, dot=True, tma=True), GemvConfig(BN=128, BK=128, dot=True, tma=True,
                                                                           num_stages=3, split=1)]:
         assert_close(what + " tma", gemv_triton(x, w, cfg), gemv_ref(x, w), bf16_tol())
+
+
+def test_dot_stages_fit_shared_memory(monkeypatch):
+    """SHAPE_CONFIGS' 6-stage dot configs (120 KB at BN 64 / BK 128 bf16) keep their stages with the H200's 227 KB per
+    block and drop to what fits a GB10's 99 KB (4 stages = 80 KB); fp32 halves that again."""
+    monkeypatch.setattr(kernels.gemv, "max_shared_mem", lambda dev: 232448)
+    assert gemv_config(1, 2304, 4096, 1, "cpu")[0].num_stages == 6
+    monkeypatch.setattr(kernels.gemv, "max_shared_mem", lambda dev: 101376)
+    c = gemv_config(1, 2304, 4096, 1, "cpu")[0]
+    assert c.num_stages == 4 and c.num_stages * (c.BN + 16) * c.BK * 2 <= 101376 - 8192
+    assert gemv_config(1, 2304, 4096, 1, "cpu", es=4)[0].num_stages == 2
