@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tensors import unit_last_stride
+from kernels._tensors import H200_SMEM, max_shared_mem, unit_last_stride
 
 from .decode import LOG2E, _check_dots, _dot, _dot_dim, _gpu_cfg, _upcast
 
@@ -24,16 +24,25 @@ from .decode import LOG2E, _check_dots, _dot, _dot_dim, _gpu_cfg, _upcast
 #   Splitting the 512-wide acc into two 256 halves keeps the same 128 regs/thread (each warpgroup already owns half).
 # * rows 32 / BLOCK_N 32 / 8 warps / 3 stages (previous default): mma.sync, 74 KB, 172 regs, no spill.
 # bench/mla.py times rows 64 and rows 32. Large prefill chunks (>= 256 new tokens) use the expanded form (prefill.py).
+# * "16bit-small-smem" (a block may opt into < EXTEND_LARGE_SMEM, e.g. GB10 sm_121: 99 KB): the rows-64 default needs
+#   112 KB there (sm_120a, Triton 3.9: mma.sync, no wgmma on sm_12x; 255 regs + 56 B stack) and would fail to launch;
+#   rows 32 / BLOCK_N 32 / 8 warps / 3 stages: 74 KB, 178 regs, no spill (tests/kernels/test_gb10_offline.py).
 EXTEND_CFG = {
     "16bit": dict(rows=64, block_n=32, num_warps=8, num_stages=2),
+    "16bit-small-smem": dict(rows=32, block_n=32, num_warps=8, num_stages=3),
     "fp32": dict(rows=32, block_n=32, num_warps=8, num_stages=1),
 }
+EXTEND_LARGE_SMEM = 160 * 1024   # bytes per block EXTEND_CFG["16bit"] needs room for (sm_90: 144 KB)
 
 
-def extend_config(H: int, L: int, R: int, dtype, on_gpu: bool, block_n=None, rows=None, config=None) -> tuple[dict, dict]:
+def extend_config(H: int, L: int, R: int, dtype, on_gpu: bool, block_n=None, rows=None, config=None,
+                  smem: int = H200_SMEM) -> tuple[dict, dict]:
     """-> (launch cfg, constexpr blocks) for mla_extend_triton. rows = BLOCK_T * BLOCK_H is the M of every tl.dot;
-    all dot dims are >= MIN_DOT (padded, masked; asserted)."""
+    all dot dims are >= MIN_DOT (padded, masked; asserted). smem: shared memory a block may opt into
+    (kernels._tensors.max_shared_mem) picks the 16-bit default."""
     cfg = _gpu_cfg(EXTEND_CFG, dtype)
+    if dtype != torch.float32 and smem < EXTEND_LARGE_SMEM:
+        cfg = dict(EXTEND_CFG["16bit-small-smem"])
     if config:
         cfg.update(config)
     rows = _dot_dim(rows or (cfg["rows"] if on_gpu else 64))
@@ -186,7 +195,7 @@ def mla_extend_triton(
     if T == 0 or P == 0:
         return out
     on_gpu = q_lat.is_cuda
-    cfg, blocks = extend_config(H, L, R, cache.dtype, on_gpu, block_n, rows, config)
+    cfg, blocks = extend_config(H, L, R, cache.dtype, on_gpu, block_n, rows, config, max_shared_mem(q_lat.device))
     BLOCK_T, BLOCK_H = blocks["BLOCK_T"], blocks["BLOCK_H"]
     mq = T if max_query_len is None else max(1, int(max_query_len))
     grid = (triton.cdiv(mq, BLOCK_T), P, triton.cdiv(H, BLOCK_H))

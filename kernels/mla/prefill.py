@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tensors import unit_last_stride
+from kernels._tensors import H200_SMEM, max_shared_mem, unit_last_stride
 
 from .decode import LOG2E, _check_dots, _dot, _dot_dim, _gpu_cfg, _upcast
 
@@ -30,15 +30,25 @@ from .decode import LOG2E, _check_dots, _dot, _dot_dim, _gpu_cfg, _upcast
 # either way: 254 regs x 256 threads); 2 stages: 128 KB, 254 regs, no spill; BLOCK_N 128 / 2 stages: 208 KB + 256 B
 # stack; 64 / 64 / 4 warps / 3 stages: 144 KB + 8 B stack. bench/mla.py times the alternatives (EXPANDED_ALT).
 # fp32 (tests only; IEEE dots run on FMA units): small tiles, one stage.
+# "16bit-small-smem" (a block may opt into < PREFILL_LARGE_SMEM, e.g. GB10 sm_121: 99 KB): the default needs 128 KB
+# on sm_120a (Triton 3.9: mma.sync, no wgmma on sm_12x; 255 regs + 80 B stack) and would fail to launch; BLOCK_N 32
+# keeps the 3 stages: 88 KB, 184 regs, no spill (2 stages at BLOCK_N 64: 88 KB but 112 B stack;
+# tests/kernels/test_gb10_offline.py).
 PREFILL_CFG = {
     "16bit": dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    "16bit-small-smem": dict(block_m=128, block_n=32, num_warps=8, num_stages=3),
     "fp32": dict(block_m=32, block_n=32, num_warps=4, num_stages=1),
 }
+PREFILL_LARGE_SMEM = 176 * 1024   # bytes per block PREFILL_CFG["16bit"] needs room for (sm_90: 168 KB)
 
 
-def prefill_config(DN: int, R: int, DV: int, dtype, on_gpu: bool, block_m=None, block_n=None, config=None):
-    """-> (launch cfg, constexpr blocks) for mla_prefill_expanded_triton; every tl.dot dim >= MIN_DOT (asserted)."""
+def prefill_config(DN: int, R: int, DV: int, dtype, on_gpu: bool, block_m=None, block_n=None, config=None,
+                   smem: int = H200_SMEM):
+    """-> (launch cfg, constexpr blocks) for mla_prefill_expanded_triton; every tl.dot dim >= MIN_DOT (asserted).
+    smem: shared memory a block may opt into (kernels._tensors.max_shared_mem) picks the 16-bit default."""
     cfg = _gpu_cfg(PREFILL_CFG, dtype)
+    if dtype != torch.float32 and smem < PREFILL_LARGE_SMEM:
+        cfg = dict(PREFILL_CFG["16bit-small-smem"])
     if config:
         cfg.update(config)
     b = dict(
@@ -251,7 +261,7 @@ def mla_prefill_expanded_triton(
     if T == 0 or P == 0:
         return out
     on_gpu = q.is_cuda
-    cfg, blocks = prefill_config(DN, R, DV, k_nope.dtype, on_gpu, block_m, block_n, config)
+    cfg, blocks = prefill_config(DN, R, DV, k_nope.dtype, on_gpu, block_m, block_n, config, max_shared_mem(q.device))
     mq = T if max_query_len is None else max(1, int(max_query_len))
     grid = (H, triton.cdiv(mq, blocks["BLOCK_M"]), P)
     kw = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) if on_gpu else {}

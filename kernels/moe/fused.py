@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels._pdl import gdc_launch_dependents, gdc_wait
-from kernels._tensors import num_sms
+from kernels._tensors import H200_SMEM, max_shared_mem, num_sms
 from kernels.moe.router import INTERPRET, cast_to, dot_acc, dot_mode
 
 # Largest M = T*k aligned by the single-program Triton align kernel; above it the torch path is used.
@@ -423,12 +423,13 @@ def balanced_tiles(N: int, BN: int, blocks: int, sms: int) -> int:
 
 
 def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms: int = 132,
-               N1: int = 1024, N2: int = 2304) -> MoEConfig:
+               N1: int = 1024, N2: int = 2304, smem: int = H200_SMEM) -> MoEConfig:
     """Tiles for H200 by the number of assignments M = T*k. Decode: BLOCK_M 16 (tl.dot minimum), narrow N tiles so
     that the few selected experts' weights are streamed by many SMs; prefill: 128x128-class tensor-core tiles.
     With top_k (decode, M <= BALANCE_MAX_M): N tile counts balanced over `sms` SMs for the expected number of row
     blocks (balanced_tiles; N1 = I and N2 = D are GEMM1's and GEMM2's N), and the KIMI_MOE_DIRECT / KIMI_MOE_PDL
-    switches (DECODE_DIRECT: direct rows when M == top_k, i.e. one token; DECODE_PDL / _PREFETCH / _EVICT)."""
+    switches (DECODE_DIRECT: direct rows when M == top_k, i.e. one token; DECODE_PDL / _PREFETCH / _EVICT).
+    Pipeline stages are capped to `smem`, the shared memory a block may opt into (fit_stages)."""
     per_expert = M / max(E, 1)
     if M <= 64:  # T <= 8 at k=8
         cfg = MoEConfig(16, 32, 64, 128, 4, 4)
@@ -453,7 +454,26 @@ def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms
     if dtype == torch.float32:  # fp32 operands: halve the pipeline depth to fit shared memory
         cfg = replace(cfg, BN2=min(cfg.BN2, 64), BK=min(cfg.BK, 64), num_stages=2, BK2=min(cfg.BK2, 64),
                       stages2=min(cfg.stages2, 2))
-    return cfg
+    return fit_stages(cfg, smem, dtype.itemsize)
+
+
+SMEM_RESERVE = 8192  # bytes kept beside the pipelined tiles (epilogue conversions, barriers)
+
+
+def _stages_within(stages: int, per_stage: int, smem: int) -> int:
+    # Triton's software pipeliner (cp.async, sm_80+ incl. sm_12x) keeps stages - 1 tiles in shared memory
+    return max(1, min(stages, 1 + (smem - SMEM_RESERVE) // per_stage))
+
+
+def fit_stages(cfg: MoEConfig, smem: int, es: int = 2) -> MoEConfig:
+    """cfg with each GEMM's num_stages capped so that its pipelined tiles fit `smem` bytes per block. A GEMM1 stage
+    holds the x tile and the gate + up W tiles, (BM + 2 BN1) BK elements; a GEMM2 stage (BM + BN2) BK2. E.g. T = 64
+    (BM 16, BN1 64, BK 128, 4 stages): 3 x 36 KB = 108 KB on sm_120a, over a GB10's 99 KB -> 3 stages (72 KB);
+    the H200's 227 KB keeps every config as it is."""
+    s1 = _stages_within(cfg.num_stages, (cfg.BM + 2 * cfg.BN1) * cfg.BK * es, smem)
+    s2 = _stages_within(cfg.stages2 or cfg.num_stages, (cfg.BM + cfg.BN2) * (cfg.BK2 or cfg.BK) * es, smem)
+    # stages2 0 means "as GEMM1": made explicit where only GEMM1's count changed
+    return replace(cfg, num_stages=s1, stages2=s2 if (cfg.stages2 or s2 != s1) else 0)
 
 
 def _fit(b: int, n: int) -> int:
@@ -606,7 +626,7 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, config: MoECo
         w13 = w13.to(x.dtype)
     if w2.dtype != x.dtype:
         w2 = w2.to(x.dtype)
-    cfg = config or get_config(M, E, x.dtype, top_k, num_sms(x.device), inter_dim, D)
+    cfg = config or get_config(M, E, x.dtype, top_k, num_sms(x.device), inter_dim, D, max_shared_mem(x.device))
     rows = moe_rows(topk_ids, E, cfg.BM, cfg.direct, cfg.ids_rows)
     inter = moe_gemm1(x, w13, rows, cfg)
     y = moe_gemm2(inter, w2, rows, cfg)
@@ -624,6 +644,7 @@ def fused_moe_uncombined_triton(x, w13, w2, topk_weights, topk_ids, config: MoEC
     if T == 0:
         return torch.empty(0, D, dtype=x.dtype, device=x.device)
     x, w13, w2 = x.contiguous(), w13.contiguous().to(x.dtype), w2.contiguous().to(x.dtype)
-    cfg = config or get_config(T * top_k, E, x.dtype, top_k, num_sms(x.device), N2 // 2, D)
+    cfg = config or get_config(T * top_k, E, x.dtype, top_k, num_sms(x.device), N2 // 2, D,
+                               max_shared_mem(x.device))
     rows = moe_rows(topk_ids, E, cfg.BM, cfg.direct, cfg.ids_rows)
     return moe_gemm2(moe_gemm1(x, w13, rows, cfg), w2, rows, cfg)
