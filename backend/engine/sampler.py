@@ -8,6 +8,7 @@ nothing stateful lives on the device. Logprobs are the log_softmax of the proces
 sampled from; the penalised logits for greedy rows), -inf clamped to -9999 (OpenAI's convention).
 """
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -294,6 +295,10 @@ def apply_filters(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return torch.empty_like(x).scatter_(-1, order, xs)
 
 
+# KIMI_SAMPLER_FAST=0: sampled rows always take the torch path (apply_filters + softmax + race_argmax)
+_FAST_FILTERS = os.environ.get("KIMI_SAMPLER_FAST", "1") != "0"
+
+
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """logits [M, V] fp32 (modified in place) -> SamplerOutput on the device."""
     logits = apply_penalties(logits, md)
@@ -301,12 +306,19 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     ids = logits.argmax(dim=-1) if md.any_greedy else None  # full-vocab passes only where a row needs them
     processed = logits
     if not md.all_greedy:
-        x = apply_filters(logits / md.temperature[:, None], md)
-        probs = torch.softmax(x, dim=-1)
-        raced = race_argmax(probs, md.seeds, md.steps)
+        if not want_lp and _FAST_FILTERS and use_triton(logits):
+            # one Triton launch: filters as thresholds + the race on the kept tokens, no sort (kernels/sampling.py);
+            # the same tokens as the torch path below. Logprobs need the filtered logits x: torch path.
+            from kernels.sampling import filtered_race
+            raced = filtered_race(logits, md.temperature, md.seeds, md.steps, md.greedy, md.min_p, md.top_k,
+                                  md.top_p)
+        else:
+            x = apply_filters(logits / md.temperature[:, None], md)
+            probs = torch.softmax(x, dim=-1)
+            raced = race_argmax(probs, md.seeds, md.steps)
+            if want_lp:
+                processed = torch.where(md.greedy[:, None], logits, x)
         ids = torch.where(md.greedy, ids, raced) if ids is not None else raced
-        if want_lp:
-            processed = torch.where(md.greedy[:, None], logits, x)
     if not want_lp:
         return SamplerOutput(ids, None, None, None)
     lp = torch.log_softmax(processed, dim=-1).clamp_(min=LOGPROB_FLOOR)

@@ -1,0 +1,296 @@
+"""Filtered exponential race without sorting the vocabulary: the fast path of backend/engine/sampler.py `sample()`.
+
+filtered_race(logits, ...) == race_argmax(softmax(apply_filters(logits / T)), seeds, steps) token for token, in ONE
+launch, one program per row (greedy rows skip all work; sample() takes their argmax). Per row, x = logits / T (IEEE
+division, as torch):
+  1. m = max(x) (the max of the raw row, divided once: rounding is monotone).
+  2. min-p cut = m + log(min_p) (fp32, as the reference). One pass compacts the candidates {x >= cut, x > -inf}
+     (x, token id, in token order) into a per-row workspace G of GCAP entries and sums their mass exp(x - m). When
+     more than GCAP survive (min_p = 0, flat rows) the later passes re-read the row instead of G ("full mode").
+  3. top-k and top-p are thresholds on x: with x_1 > x_2 > ... the kept tokens, top-k keeps x >= x_k and top-p
+     (keep v iff the mass of strictly better tokens < top_p * S) keeps x >= tau, tau the LARGEST value b with
+     f(b) = mass(x >= b) >= top_p * S (count(x >= b) >= k for top-k). Both are found by one search: a bracket
+     [lo, hi) of order-preserving int32 keys with f(lo) >= target > f(hi), split NT ways per pass (NT counts, and NT
+     masses for top-p, per element), until at most RCAP candidates lie in it; those are gathered, sorted in
+     registers (tl.sort) and the threshold read off (a cumulative sum for top-p). top-k runs first (its set is
+     the one top-p's S is taken over), then top-p over the survivors.
+  4. The race over the kept candidates {x >= tau}: argmax of exp(x - m) / E with E from sampler.py's hash of
+     (seed, step, token) and the same series / log formula, IEEE division; the smallest token id wins exact ties
+     (as torch.argmax). Normalising by the sum does not change the argmax, so it is skipped.
+
+Exactness. The kept set equals the reference's except (a) exact ties AT a threshold: tokens with the same value as the
+k-th best are all kept (the reference keeps exactly k, in sort order), the same for top-p (equal values are kept or
+dropped together) and for -0.0 vs +0.0 at a top-k / top-p threshold; (b) top-p boundaries within float rounding:
+the reference compares a fp32 cumsum of normalised probabilities with top_p, this kernel fp32 sums of exp(x - m)
+with top_p * S, so a token whose better-mass is within ~1e-6 (relative) of top_p may be decided differently;
+top_p = 1 is "off" here (the reference can drop tail tokens whose cumsum rounds to >= 1, mass < ~1e-6).
+min-p compares exactly as the reference (same m, same fp32 add) up to the log: libdevice's logf where available
+(= CUDA's), tl.log otherwise. The winner can differ only where the two largest race keys are within float
+rounding (~1e-6 relative; exp is tl.exp here, the reference's expf and normalisation round differently): the same
+caveat as the fused race kernel against its reference. Rows whose logits are all -inf return token 0 (the CPU
+reference's argmax of a NaN row).
+
+Cost per row: 2 passes over the row (max; compaction), then passes over G only (typically 0-2 search passes of
+<= GCAP entries, a gather, the race on the kept entries). No host sync; workspace reused across calls.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from backend.engine.sampler import SERIES_MAX, SERIES_TERMS, _mix32_tl
+
+from triton.language.extra import libdevice
+
+GCAP = 16384      # candidates kept in the workspace per row (64 rows: 8 MB)
+RCAP = 1024       # bracket size resolved in registers (sorted)
+NT = 16           # thresholds per search pass: the key bracket shrinks 16x per pass
+BLOCK = 2048      # tile of the row passes
+SB = 256          # tile of the search passes ([SB, NT] compares)
+RB = 1024         # tile of the race
+
+_WS = {}
+
+
+def _workspace(M: int, device: torch.device):
+    """(G values [M, GCAP] f32, G token ids [M, GCAP] i32, R [M, RCAP] f32), grown on demand, reused across calls."""
+    ws = _WS.get(device)
+    if ws is None or ws[0].shape[0] < M:
+        rows = max(M, 8)
+        ws = (torch.empty(rows, GCAP, dtype=torch.float32, device=device),
+              torch.empty(rows, GCAP, dtype=torch.int32, device=device),
+              torch.empty(rows, RCAP, dtype=torch.float32, device=device))
+        _WS[device] = ws
+    return ws
+
+
+@triton.jit
+def _log(x, LIBDEVICE: tl.constexpr):
+    # CUDA's logf (what torch.log computes) for the min-p cut; tl.log is an approximation on the GPU. The
+    # interpreter has no libdevice (there tl.log is numpy's float32 log)
+    if LIBDEVICE:
+        y = libdevice.log(x)
+    else:
+        y = tl.log(x)
+    return y
+
+
+@triton.jit
+def _okey(x):
+    # fp32 -> int32 with the same order (NaN aside; -0.0 sorts just below +0.0): flip the magnitude of negatives
+    b = x.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _okey_inv(k):
+    b = k ^ ((k >> 31) & 0x7FFFFFFF)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _src_tile(xrow, g_row, gi_row, start, n, t, cut, compact, TILE: tl.constexpr):
+    """Candidates start..start+TILE of a row: from G (compact) or re-read from the logits -> (x, token id, valid)."""
+    offs = start + tl.arange(0, TILE)
+    inb = offs < n
+    if compact:
+        x = tl.load(g_row + offs, mask=inb, other=float("-inf"))
+        idx = tl.load(gi_row + offs, mask=inb, other=0)
+        ok = inb
+    else:
+        x = tl.math.div_rn(tl.load(xrow + offs, mask=inb, other=float("-inf")), t)
+        idx = offs
+        ok = inb & (x >= cut) & (x > float("-inf"))
+    return x, idx, ok
+
+
+@triton.jit
+def _mass_above(xrow, g_row, gi_row, n, t, cut, m, compact, base, TILE: tl.constexpr):
+    """(count, mass exp(x - m)) of the candidates with key >= base."""
+    cnt = tl.zeros([TILE], tl.int32)
+    ms = tl.zeros([TILE], tl.float32)
+    for s in range(0, n, TILE):
+        x, idx, ok = _src_tile(xrow, g_row, gi_row, s, n, t, cut, compact, TILE)
+        ge = ok & (_okey(x) >= base)
+        cnt += ge.to(tl.int32)
+        ms += tl.where(ge, tl.exp(x - m), 0.0)
+    return tl.sum(cnt, axis=0), tl.sum(ms, axis=0)
+
+
+@triton.jit
+def _select(xrow, g_row, gi_row, r_row, n, t, cut, m, compact, lo, hi, c_lo, c_hi, a_hi, target,
+            MASS: tl.constexpr, SB: tl.constexpr, NT: tl.constexpr, RCAP: tl.constexpr):
+    """The largest candidate value b with f(b) >= target, f = count(key >= b) (or mass with MASS), as an int32 key.
+    Invariant: f(lo) >= target > f(hi); c_lo / c_hi: counts at lo / hi, a_hi: mass at hi."""
+    j_ar = tl.arange(0, NT)
+    while (hi.to(tl.int64) - lo > 1) & (c_lo - c_hi > RCAP):   # int64: keys of -x and x are ~2^31 apart
+        # NT thresholds th[0] = lo < ... < hi, evenly spaced in key space (int64: hi - lo can exceed 2^31)
+        th = (lo.to(tl.int64) + ((hi.to(tl.int64) - lo) * j_ar) // NT).to(tl.int32)
+        cnt = tl.zeros([NT], tl.int32)
+        ms = tl.zeros([NT], tl.float32)
+        for s in range(0, n, SB):
+            x, idx, ok = _src_tile(xrow, g_row, gi_row, s, n, t, cut, compact, SB)
+            ge = ok[:, None] & (_okey(x)[:, None] >= th[None, :])   # [SB, NT]
+            cnt += tl.sum(ge.to(tl.int32), axis=0)
+            if MASS:
+                ms += tl.sum(tl.where(ge, tl.exp(x - m)[:, None], 0.0), axis=0)
+        if MASS:
+            good = ms >= target
+        else:
+            good = cnt >= target
+        j = tl.max(tl.where(good | (j_ar == 0), j_ar, 0), axis=0)   # th[0] = lo holds by the invariant
+        sel = j_ar == j
+        nxt = j_ar == j + 1
+        last = j == NT - 1
+        new_lo = tl.sum(tl.where(sel, th, 0), axis=0)
+        hi = tl.where(last, hi, tl.sum(tl.where(nxt, th, 0), axis=0))
+        c_lo = tl.sum(tl.where(sel, cnt, 0), axis=0)
+        c_hi = tl.where(last, c_hi, tl.sum(tl.where(nxt, cnt, 0), axis=0))
+        a_hi = tl.where(last, a_hi, tl.sum(tl.where(nxt, ms, 0.0), axis=0))
+        lo = new_lo
+    nb = c_lo - c_hi
+    tau = lo
+    if nb <= RCAP:
+        # gather the bracket [lo, hi) (nb values) and read the threshold off the sorted values
+        r_ar = tl.arange(0, RCAP)
+        pos0 = tl.full([], 0, tl.int32)
+        for s in range(0, n, SB):
+            x, idx, ok = _src_tile(xrow, g_row, gi_row, s, n, t, cut, compact, SB)
+            kx = _okey(x)
+            inb = ok & (kx >= lo) & (kx < hi)
+            pos = pos0 + tl.cumsum(inb.to(tl.int32), axis=0) - 1
+            tl.store(r_row + pos, x, mask=inb & (pos < RCAP))
+            pos0 += tl.sum(inb.to(tl.int32), axis=0)
+        tl.debug_barrier()   # the stores above were made by other threads of this program
+        r = tl.load(r_row + r_ar, mask=r_ar < nb, other=float("-inf"))
+        srt = tl.sort(r, descending=True)                                     # [RCAP], bracket values first
+        if MASS:
+            acc = a_hi + tl.cumsum(tl.where(r_ar < nb, tl.exp(srt - m), 0.0), axis=0)   # mass(x >= srt[i])
+            at = tl.min(tl.where((acc >= target) & (r_ar < nb), r_ar, nb - 1), axis=0)
+        else:
+            at = target - c_hi - 1                                            # the k-th best overall
+        tau = _okey(tl.sum(tl.where(r_ar == at, srt, 0.0), axis=0))
+    return tau
+
+
+@triton.jit
+def _filtered_race_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, topk_ptr, topp_ptr, seeds_ptr, steps_ptr,
+                          g_ptr, gi_ptr, r_ptr, out_ptr, stride_g, stride_r, GCAP,
+                          HAS_GREEDY: tl.constexpr, HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr,
+                          HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr,
+                          NT: tl.constexpr, RCAP: tl.constexpr, SERIES_TERMS: tl.constexpr,
+                          SERIES_MAX: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Program = one row of logits [M, V] -> out[row] (the race winner; 0 for greedy rows, which sample() replaces)."""
+    row = tl.program_id(0)
+    rowl = row.to(tl.int64)
+    xrow = x_ptr + rowl * stride_x
+    g_row = g_ptr + rowl * stride_g
+    gi_row = gi_ptr + rowl * stride_g
+    r_row = r_ptr + rowl * stride_r
+    nv = V
+    if HAS_GREEDY:
+        nv = tl.where(tl.load(greedy_ptr + row) != 0, 0, V)   # greedy rows: empty, every loop runs 0 times
+    t = tl.load(t_ptr + row)
+    ar = tl.arange(0, BLOCK)
+
+    # 1. the row max (of the raw logits; t > 0 and IEEE division are monotone)
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    for s in range(0, nv, BLOCK):
+        mx = tl.maximum(mx, tl.load(xrow + s + ar, mask=s + ar < nv, other=float("-inf")))
+    m = tl.math.div_rn(tl.max(mx, axis=0), t)
+    cut = float("-inf")
+    if HAS_MINP:
+        cut = m + _log(tl.load(minp_ptr + row), LIBDEVICE)   # min_p = 0: -inf, nothing cut
+
+    # 2. compact the candidates {x >= cut, x > -inf} (token order) into G; their count, mass and smallest value
+    zero_i = tl.full([], 0, tl.int32)
+    zero_f = tl.full([], 0.0, tl.float32)
+    n1 = zero_i
+    s0 = tl.zeros([BLOCK], tl.float32)
+    xmin = tl.full([BLOCK], float("inf"), tl.float32)
+    for s in range(0, nv, BLOCK):
+        offs = s + ar
+        x = tl.math.div_rn(tl.load(xrow + offs, mask=offs < nv, other=float("-inf")), t)
+        ok = (x >= cut) & (x > float("-inf"))
+        pos = n1 + tl.cumsum(ok.to(tl.int32), axis=0) - 1
+        st = ok & (pos < GCAP)
+        tl.store(g_row + pos, x, mask=st)
+        tl.store(gi_row + pos, offs, mask=st)
+        n1 += tl.sum(ok.to(tl.int32), axis=0)
+        s0 += tl.where(ok, tl.exp(x - m), 0.0)
+        xmin = tl.where(ok, tl.minimum(xmin, x), xmin)
+    tl.debug_barrier()   # G is read back by other threads of this program
+    compact = n1 <= GCAP
+    n = tl.where(compact, n1, nv)
+    lo0 = _okey(tl.min(xmin, axis=0))   # f(lo0) = everything
+    hi0 = _okey(m) + 1                  # f(hi0) = 0
+    base = lo0                          # kept: key >= base
+    n_base = n1
+    s_base = tl.sum(s0, axis=0)
+
+    # 3. top-k, then top-p over the survivors (both no-ops when nothing would be dropped)
+    if HAS_TOPK:
+        k = tl.minimum(tl.load(topk_ptr + row), V).to(tl.int32)
+        if k < n1:
+            base = _select(xrow, g_row, gi_row, r_row, n, t, cut, m, compact, lo0, hi0, n1, zero_i, zero_f, k,
+                           False, SB, NT, RCAP)
+            n_base, s_base = _mass_above(xrow, g_row, gi_row, n, t, cut, m, compact, base, BLOCK)
+    if HAS_TOPP:
+        p = tl.load(topp_ptr + row)
+        if (p < 1.0) & (n_base > 1):
+            base = _select(xrow, g_row, gi_row, r_row, n, t, cut, m, compact, base, hi0, n_base, zero_i, zero_f,
+                           p * s_base, True, SB, NT, RCAP)
+
+    # 4. the race over {key >= base}: argmax exp(x - m) / E, E as sampler._race_kernel (first max wins)
+    seed = tl.load(seeds_ptr + row)
+    step = tl.load(steps_ptr + row)
+    hk = _mix32_tl((step & 0xFFFFFFFF).to(tl.uint32))
+    hk = _mix32_tl(hk ^ (seed & 0xFFFFFFFF).to(tl.uint32))
+    hk = _mix32_tl(hk ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    rar = tl.arange(0, RB)
+    best = tl.full([], -1.0, tl.float32)
+    best_id = tl.full([], 0, tl.int32)
+    for s in range(0, n, RB):
+        x, idx, ok = _src_tile(xrow, g_row, gi_row, s, n, t, cut, compact, RB)
+        kept = ok & (_okey(x) >= base)
+        if tl.max(kept.to(tl.int32), axis=0) > 0:   # tiles without a kept token skip the hash
+            bits = _mix32_tl(_mix32_tl(hk ^ idx.to(tl.uint32)) ^ tl.full((1,), 0x2545F491, tl.uint32))
+            w = (bits.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
+            sr = tl.full(w.shape, 1.0 / SERIES_TERMS, tl.float32)
+            for jj in tl.static_range(SERIES_TERMS - 1, 0, -1):
+                sr = sr * w + 1.0 / jj
+            e = tl.where(w < SERIES_MAX, w * sr, -tl.log(tl.maximum(1.0 - w, 2.3283064365386963e-10)))
+            q = tl.where(kept, tl.math.div_rn(tl.exp(x - m), e), -1.0)
+            qm = tl.max(q, axis=0)
+            qi = tl.sum(tl.where(rar == tl.argmax(q, axis=0), idx, 0), axis=0)
+            upd = qm > best
+            best_id = tl.where(upd, qi, best_id)
+            best = tl.where(upd, qm, best)
+    tl.store(out_ptr + row, best_id.to(tl.int64))
+
+
+def filtered_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                  greedy=None, min_p=None, top_k=None, top_p=None, gcap: int = GCAP, rcap: int = RCAP,
+                  nt: int = NT) -> torch.Tensor:
+    """race_argmax(softmax(apply_filters(logits / temperature)), seeds, steps) in one launch (see the module doc).
+
+    logits [M, V] fp32 (unit stride), temperature [M] f32 (> 0), seeds / steps [M] i64, greedy [M] bool or None
+    (True rows are skipped: their output is 0), min_p [M] f32 / top_k [M] i64 (V or more = off) / top_p [M] f32 or
+    None (the SamplingMetadata fields) -> [M] i64 token ids. gcap / rcap / nt (tests): smaller G, R, fan-out."""
+    assert gcap <= GCAP and rcap <= RCAP
+    M, V = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    g, gi, r = _workspace(M, logits.device)
+    out = torch.empty(M, dtype=torch.int64, device=logits.device)
+    dummy = temperature
+    _filtered_race_kernel[(M,)](
+        logits, logits.stride(0), V, temperature, greedy if greedy is not None else dummy,
+        min_p if min_p is not None else dummy, top_k if top_k is not None else seeds,
+        top_p if top_p is not None else dummy, seeds, steps, g, gi, r, out, g.stride(0), r.stride(0), gcap,
+        HAS_GREEDY=greedy is not None, HAS_MINP=min_p is not None, HAS_TOPK=top_k is not None,
+        HAS_TOPP=top_p is not None, BLOCK=BLOCK, SB=SB, RB=RB, NT=nt, RCAP=rcap, SERIES_TERMS=SERIES_TERMS,
+        SERIES_MAX=SERIES_MAX, LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8)
+    return out
