@@ -11,7 +11,8 @@ s = 1 (flat: ~6 % of the vocabulary survives min_p) and s = 4 (peaked). Columns 
                        i.e. launch-bound when the GPU side is short (torch path: ~40 launches, ours: ~3)
   agree                chosen tokens equal to the torch path's, over 8 seed batches (must be 100 %: only float
                        near-ties may differ, ~1e-6 per row)
---smoke: CPU, Triton interpreter, V = 1000, M = 2, s = 4: runs every code path (CI check of this file), timings meaningless.
+--smoke: CPU, Triton interpreter, V = 1000, M = 2, s = 4: runs every code path (CI check of this file), timings
+meaningless.
 """
 from __future__ import annotations
 

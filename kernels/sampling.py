@@ -4,9 +4,12 @@ filtered_race(logits, ...) == race_argmax(softmax(apply_filters(logits / T)), se
 launch, one program per row (greedy rows skip all work; sample() takes their argmax). Per row, x = logits / T (IEEE
 division, as torch):
   1. m = max(x) (the max of the raw row, divided once: rounding is monotone).
-  2. min-p cut = m + log(min_p) (fp32, as the reference). One pass compacts the candidates {x >= cut, x > -inf}
-     (x, token id, in token order) into a per-row workspace G of GCAP entries and sums their mass exp(x - m). When
-     more than GCAP survive (min_p = 0, flat rows) the later passes re-read the row instead of G ("full mode").
+  2. min-p cut = m + log(min_p) (fp32, as the reference), and a lower bound pre >= cut on the final threshold:
+     top-p: m + log((1 - top_p) / V) - 1 (the tokens below hold too little mass to be kept), top-k (k <= KS): the
+     k-th largest of KS group maxima from pass 1. One pass compacts {x >= pre, x > -inf} (x, token id, in token
+     order) into a per-row workspace G of GCAP entries, and sums exp(x - m) over G and over {x >= cut}. When G
+     overflows, or top-k's set is not inside G, the later passes re-read the row instead of G ("full mode": flat
+     rows, top-k > KS without min-p / top-p).
   3. top-k and top-p are thresholds on x: with x_1 > x_2 > ... the kept tokens, top-k keeps x >= x_k and top-p
      (keep v iff the mass of strictly better tokens < top_p * S) keeps x >= tau, tau the LARGEST value b with
      f(b) = mass(x >= b) >= top_p * S (count(x >= b) >= k for top-k). Both are found by one search: a bracket
@@ -31,7 +34,8 @@ caveat as the fused race kernel against its reference. Rows whose logits are all
 reference's argmax of a NaN row).
 
 Cost per row: 2 passes over the row (max; compaction), then passes over G only (typically 0-2 search passes of
-<= GCAP entries, a gather, the race on the kept entries). No host sync; workspace reused across calls.
+<= GCAP entries, a gather, the race on the kept entries); full mode: each of those passes re-reads the row.
+One program per row (M = 1 uses one SM). No host sync; workspace reused across calls.
 """
 
 import os
@@ -50,6 +54,7 @@ NT = 16           # thresholds per search pass: the key bracket shrinks 16x per 
 BLOCK = 2048      # tile of the row passes
 SB = 256          # tile of the search passes ([SB, NT] compares)
 RB = 1024         # tile of the race
+KS = 256          # top-k <= KS: a lower bound on the k-th value from KS group maxima of the row (pass 1)
 
 _WS = {}
 
@@ -125,9 +130,17 @@ def _select(xrow, g_row, gi_row, r_row, n, t, cut, m, compact, lo, hi, c_lo, c_h
     """The largest candidate value b with f(b) >= target, f = count(key >= b) (or mass with MASS), as an int32 key.
     Invariant: f(lo) >= target > f(hi); c_lo / c_hi: counts at lo / hi, a_hi: mass at hi."""
     j_ar = tl.arange(0, NT)
+    it = tl.full([], 0, tl.int32)
     while (hi.to(tl.int64) - lo > 1) & (c_lo - c_hi > RCAP):   # int64: keys of -x and x are ~2^31 apart
-        # NT thresholds th[0] = lo < ... < hi, evenly spaced in key space (int64: hi - lo can exceed 2^31)
-        th = (lo.to(tl.int64) + ((hi.to(tl.int64) - lo) * j_ar) // NT).to(tl.int32)
+        # NT thresholds lo = th[0] <= ... < hi, nondecreasing: even passes evenly spaced in value (few passes on
+        # smooth rows; keys are log-like, most of key space is tiny values), odd passes in key space (>= 16x
+        # fewer keys per pass: bounded, ~8 odd passes at most, also where values collapse to a few ulps)
+        th_key = (lo.to(tl.int64) + ((hi.to(tl.int64) - lo) * j_ar) // NT).to(tl.int32)
+        lo_v = _okey_inv(lo)
+        th_val = _okey(lo_v + (_okey_inv(hi) - lo_v) * (j_ar.to(tl.float32) / NT))
+        th_val = tl.minimum(tl.maximum(th_val, lo), hi - 1)
+        th = tl.where((it % 2 == 1) | (j_ar == 0), th_key, th_val)
+        it += 1
         cnt = tl.zeros([NT], tl.int32)
         ms = tl.zeros([NT], tl.float32)
         for s in range(0, n, SB):
@@ -181,7 +194,7 @@ def _filtered_race_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, topk_
                           HAS_GREEDY: tl.constexpr, HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr,
                           HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr,
                           NT: tl.constexpr, RCAP: tl.constexpr, SERIES_TERMS: tl.constexpr,
-                          SERIES_MAX: tl.constexpr, LIBDEVICE: tl.constexpr):
+                          SERIES_MAX: tl.constexpr, LIBDEVICE: tl.constexpr, KS: tl.constexpr):
     """Program = one row of logits [M, V] -> out[row] (the race winner; 0 for greedy rows, which sample() replaces)."""
     row = tl.program_id(0)
     rowl = row.to(tl.int64)
@@ -200,47 +213,79 @@ def _filtered_race_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, topk_
     for s in range(0, nv, BLOCK):
         mx = tl.maximum(mx, tl.load(xrow + s + ar, mask=s + ar < nv, other=float("-inf")))
     m = tl.math.div_rn(tl.max(mx, axis=0), t)
-    cut = float("-inf")
+    cut = tl.full([], float("-inf"), tl.float32)
     if HAS_MINP:
         cut = m + _log(tl.load(minp_ptr + row), LIBDEVICE)   # min_p = 0: -inf, nothing cut
+    # lower bounds on the final threshold, so that G holds few candidates even without min-p (pre >= cut):
+    #   top-p: the tokens below b = m + log((1 - top_p) / V) - 1 hold mass < (1 - top_p) S / e (S >= 1, the kept
+    #   set's sum of exp(x - m)), so their better-mass is > top_p S: never kept (the factor e: rounding slack);
+    #   top-k (k <= KS): the k-th largest of KS disjoint group maxima of the row is <= the k-th largest value.
+    pre = cut
+    kk = V
+    if HAS_TOPK:
+        kk = tl.minimum(tl.load(topk_ptr + row), V).to(tl.int32)
+        if kk <= KS:
+            gmax = tl.max(tl.reshape(mx, [KS, BLOCK // KS]), axis=1)                  # [KS] distinct elements
+            srt = tl.sort(gmax, descending=True)
+            vk = tl.sum(tl.where(tl.arange(0, KS) == kk - 1, srt, 0.0), axis=0)
+            pre = tl.maximum(pre, tl.math.div_rn(vk, t))
+    p = tl.full([], 1.0, tl.float32)
+    if HAS_TOPP:
+        p = tl.load(topp_ptr + row)
+        if p < 1.0:
+            pre = tl.maximum(pre, m + tl.log((1.0 - p) / V) - 1.0)
 
-    # 2. compact the candidates {x >= cut, x > -inf} (token order) into G; their count, mass and smallest value
+    # 2. compact the candidates {x >= pre, x > -inf} (token order) into G: their count, mass, smallest value; the
+    # same for the min-p survivors {x >= cut} (the set top-k / top-p act on)
     zero_i = tl.full([], 0, tl.int32)
     zero_f = tl.full([], 0.0, tl.float32)
-    n1 = zero_i
-    s0 = tl.zeros([BLOCK], tl.float32)
-    xmin = tl.full([BLOCK], float("inf"), tl.float32)
+    n_g = zero_i
+    n_all = zero_i
+    s_g = tl.zeros([BLOCK], tl.float32)
+    s_all = tl.zeros([BLOCK], tl.float32)
+    xmin_g = tl.full([BLOCK], float("inf"), tl.float32)
+    xmin_all = tl.full([BLOCK], float("inf"), tl.float32)
     for s in range(0, nv, BLOCK):
         offs = s + ar
-        x = tl.math.div_rn(tl.load(xrow + offs, mask=offs < nv, other=float("-inf")), t)
-        ok = (x >= cut) & (x > float("-inf"))
-        pos = n1 + tl.cumsum(ok.to(tl.int32), axis=0) - 1
-        st = ok & (pos < GCAP)
-        tl.store(g_row + pos, x, mask=st)
-        tl.store(gi_row + pos, offs, mask=st)
-        n1 += tl.sum(ok.to(tl.int32), axis=0)
-        s0 += tl.where(ok, tl.exp(x - m), 0.0)
-        xmin = tl.where(ok, tl.minimum(xmin, x), xmin)
+        raw = tl.load(xrow + offs, mask=offs < nv, other=float("-inf"))
+        if tl.math.div_rn(tl.max(raw, axis=0), t) >= cut:   # = max(x) of the tile: skip tiles without a survivor
+            x = tl.math.div_rn(raw, t)
+            ok = (x >= cut) & (x > float("-inf"))
+            okg = ok & (x >= pre)
+            pos = n_g + tl.cumsum(okg.to(tl.int32), axis=0) - 1
+            st = okg & (pos < GCAP)
+            tl.store(g_row + pos, x, mask=st)
+            tl.store(gi_row + pos, offs, mask=st)
+            n_g += tl.sum(okg.to(tl.int32), axis=0)
+            n_all += tl.sum(ok.to(tl.int32), axis=0)
+            e = tl.exp(x - m)
+            s_g += tl.where(okg, e, 0.0)
+            s_all += tl.where(ok, e, 0.0)
+            xmin_g = tl.where(okg, tl.minimum(xmin_g, x), xmin_g)
+            xmin_all = tl.where(ok, tl.minimum(xmin_all, x), xmin_all)
     tl.debug_barrier()   # G is read back by other threads of this program
-    compact = n1 <= GCAP
-    n = tl.where(compact, n1, nv)
-    lo0 = _okey(tl.min(xmin, axis=0))   # f(lo0) = everything
-    hi0 = _okey(m) + 1                  # f(hi0) = 0
-    base = lo0                          # kept: key >= base
-    n_base = n1
-    s_base = tl.sum(s0, axis=0)
+    # G serves if it fits and holds the top-k set (k <= n_g, or top-k a no-op); else re-read the row ("full mode")
+    topk_on = kk < n_all
+    compact = (n_g <= GCAP) & ((kk <= n_g) | (kk >= n_all))
+    n = tl.where(compact, n_g, nv)
+    lo0 = _okey(tl.where(compact, tl.min(xmin_g, axis=0), tl.min(xmin_all, axis=0)))   # count(>= lo0) = all
+    hi0 = _okey(m) + 1                                                                   # count(>= hi0) = 0
+    base = lo0                                  # kept: key >= base
+    c_base = tl.where(compact, n_g, n_all)      # candidates (of G or the row) with key >= base
+    s_base = tl.sum(s_all, axis=0)              # S of the set top-p acts on (min-p, then top-k survivors)
 
     # 3. top-k, then top-p over the survivors (both no-ops when nothing would be dropped)
     if HAS_TOPK:
-        k = tl.minimum(tl.load(topk_ptr + row), V).to(tl.int32)
-        if k < n1:
-            base = _select(xrow, g_row, gi_row, r_row, n, t, cut, m, compact, lo0, hi0, n1, zero_i, zero_f, k,
-                           False, SB, NT, RCAP)
-            n_base, s_base = _mass_above(xrow, g_row, gi_row, n, t, cut, m, compact, base, BLOCK)
+        if topk_on:
+            if kk < c_base:
+                base = _select(xrow, g_row, gi_row, r_row, n, t, cut, m, compact, lo0, hi0, c_base, zero_i,
+                               zero_f, kk, False, SB, NT, RCAP)
+                c_base, s_base = _mass_above(xrow, g_row, gi_row, n, t, cut, m, compact, base, BLOCK)
+            else:   # compact with k = n_g: the top-k set is G
+                s_base = tl.sum(s_g, axis=0)
     if HAS_TOPP:
-        p = tl.load(topp_ptr + row)
-        if (p < 1.0) & (n_base > 1):
-            base = _select(xrow, g_row, gi_row, r_row, n, t, cut, m, compact, base, hi0, n_base, zero_i, zero_f,
+        if (p < 1.0) & (c_base > 1):
+            base = _select(xrow, g_row, gi_row, r_row, n, t, cut, m, compact, base, hi0, c_base, zero_i, zero_f,
                            p * s_base, True, SB, NT, RCAP)
 
     # 4. the race over {key >= base}: argmax exp(x - m) / E, E as sampler._race_kernel (first max wins)
@@ -292,5 +337,5 @@ def filtered_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
         top_p if top_p is not None else dummy, seeds, steps, g, gi, r, out, g.stride(0), r.stride(0), gcap,
         HAS_GREEDY=greedy is not None, HAS_MINP=min_p is not None, HAS_TOPK=top_k is not None,
         HAS_TOPP=top_p is not None, BLOCK=BLOCK, SB=SB, RB=RB, NT=nt, RCAP=rcap, SERIES_TERMS=SERIES_TERMS,
-        SERIES_MAX=SERIES_MAX, LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8)
+        SERIES_MAX=SERIES_MAX, LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1", KS=KS, num_warps=8)
     return out

@@ -33,6 +33,7 @@ def row_params(M, V, gen, which=("min_p", "top_k", "top_p")):
     if "top_k" in which:
         tk = torch.randint(1, 200, (M,), generator=gen)
         tk[1::3] = V
+        tk[4::6] = 600   # > KS: no top-k lower bound from the group maxima
         out["top_k"] = tk
     if "top_p" in which:
         tp = 0.3 + 0.7 * torch.rand(M, generator=gen)
