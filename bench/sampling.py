@@ -1,7 +1,7 @@
 """H200 benchmark: per-request sampling filters + race (kernels/sampling.py filtered_race) vs the sampler's torch path
 (apply_filters: full sort of [M, V] + softmax / cumsum / scatter, then softmax + the Triton race_argmax).
 
-    python bench/sampling.py [--m 1,8,64] [--smoke]
+    python bench/sampling.py [--m 1,8,64] [--sweep] [--smoke]
 
 V = 163840 (Kimi), temperature 0.6, top_p 0.95, min_p 0.01 (the e2e profile's settings), + top_k 50, + min_p off
 (top_p alone: more candidates than the workspace holds, the kernel's slow "full mode"). Logits N(0, s^2) with
@@ -11,6 +11,7 @@ s = 1 (flat: ~6 % of the vocabulary survives min_p) and s = 4 (peaked). Columns 
                        i.e. launch-bound when the GPU side is short (torch path: ~40 launches, ours: ~3)
   agree                chosen tokens equal to the torch path's, over 8 seed batches (must be 100 %: only float
                        near-ties may differ, ~1e-6 per row)
+--sweep: also ours per row-pass config (BLOCK, num_warps) of SWEEP, graph us (what to put in kernels/sampling.py).
 --smoke: CPU, Triton interpreter, V = 1000, M = 2, s = 4: runs every code path (CI check of this file), timings
 meaningless.
 """
@@ -44,13 +45,16 @@ CASES = {"T0.6 p0.95 minp0.01": dict(temperature=0.6, top_p=0.95, min_p=0.01),
          "T0.6 p0.95 (no min_p)": dict(temperature=0.6, top_p=0.95)}
 
 
+SWEEP = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]
+
+
 def torch_path(logits, md):
     x = S.apply_filters(logits / md.temperature[:, None], md)
     return S.race_argmax(torch.softmax(x, dim=-1), md.seeds, md.steps)
 
 
-def fast_path(logits, md):
-    return filtered_race(logits, md.temperature, md.seeds, md.steps, md.greedy, md.min_p, md.top_k, md.top_p)
+def fast_path(logits, md, **cfg):
+    return filtered_race(logits, md.temperature, md.seeds, md.steps, md.greedy, md.min_p, md.top_k, md.top_p, **cfg)
 
 
 def eager_sample_us(logits, md, fast: bool, smoke: bool) -> float:
@@ -71,7 +75,7 @@ def eager_sample_us(logits, md, fast: bool, smoke: bool) -> float:
         S._FAST_FILTERS = saved
 
 
-def bench(ms, V, smoke, dev):
+def bench(ms, V, smoke, dev, sweep=False):
     print(f"V={V}; us per call (graph = GPU time; eager = sample() wall time per call, 50 calls)")
     print(f"{'case':22s} {'s':>3s} {'M':>3s} | {'torch us':>9s} {'ours us':>8s} {'x':>6s} | {'eager torch':>11s} "
           f"{'eager ours':>10s} | agree")
@@ -94,18 +98,26 @@ def bench(ms, V, smoke, dev):
                     total += M
                 print(f"{name:22s} {scale:3.0f} {M:3d} | {t_ref:9.1f} {t_ours:8.1f} {t_ref / t_ours:6.1f} | "
                       f"{e_ref:11.1f} {e_ours:10.1f} | {same}/{total}{'' if same == total else '  MISMATCH'}")
+                if sweep:
+                    cells = []
+                    for blk, w in SWEEP:
+                        f = (lambda b=blk, nw=w: fast_path(logits, md, block=b, num_warps=nw))
+                        ok = torch.equal(f(), fast_path(logits, md))
+                        cells.append(f"{blk}/w{w} {time_us([f], smoke, replays=10):.1f}{'' if ok else ' DIFF'}")
+                    print("    sweep (block/warps us): " + ", ".join(cells))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,8,64")
+    ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     if a.smoke:
-        bench([2], 1000, True, "cpu")
+        bench([2], 1000, True, "cpu", a.sweep)
         return
     print(torch.cuda.get_device_name(), "| triton", __import__("triton").__version__)
-    bench([int(m) for m in a.m.split(",")], 163840, False, "cuda")
+    bench([int(m) for m in a.m.split(",")], 163840, False, "cuda", a.sweep)
 
 
 if __name__ == "__main__":

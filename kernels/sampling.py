@@ -318,13 +318,14 @@ def _filtered_race_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, topk_
 
 def filtered_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
                   greedy=None, min_p=None, top_k=None, top_p=None, gcap: int = GCAP, rcap: int = RCAP,
-                  nt: int = NT) -> torch.Tensor:
+                  nt: int = NT, block: int = BLOCK, num_warps: int = 8) -> torch.Tensor:
     """race_argmax(softmax(apply_filters(logits / temperature)), seeds, steps) in one launch (see the module doc).
 
     logits [M, V] fp32 (unit stride), temperature [M] f32 (> 0), seeds / steps [M] i64, greedy [M] bool or None
     (True rows are skipped: their output is 0), min_p [M] f32 / top_k [M] i64 (V or more = off) / top_p [M] f32 or
-    None (the SamplingMetadata fields) -> [M] i64 token ids. gcap / rcap / nt (tests): smaller G, R, fan-out."""
-    assert gcap <= GCAP and rcap <= RCAP
+    None (the SamplingMetadata fields) -> [M] i64 token ids. gcap / rcap / nt (tests): smaller G, R, fan-out;
+    block / num_warps: the row-pass tile and warps (bench/sampling.py --sweep)."""
+    assert gcap <= GCAP and rcap <= RCAP and block % KS == 0
     M, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -336,6 +337,6 @@ def filtered_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
         min_p if min_p is not None else dummy, top_k if top_k is not None else seeds,
         top_p if top_p is not None else dummy, seeds, steps, g, gi, r, out, g.stride(0), r.stride(0), gcap,
         HAS_GREEDY=greedy is not None, HAS_MINP=min_p is not None, HAS_TOPK=top_k is not None,
-        HAS_TOPP=top_p is not None, BLOCK=BLOCK, SB=SB, RB=RB, NT=nt, RCAP=rcap, SERIES_TERMS=SERIES_TERMS,
-        SERIES_MAX=SERIES_MAX, LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1", KS=KS, num_warps=8)
+        HAS_TOPP=top_p is not None, BLOCK=block, SB=SB, RB=RB, NT=nt, RCAP=rcap, SERIES_TERMS=SERIES_TERMS,
+        SERIES_MAX=SERIES_MAX, LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1", KS=KS, num_warps=num_warps)
     return out
