@@ -11,7 +11,7 @@ s = 1 (flat: ~6 % of the vocabulary survives min_p) and s = 4 (peaked). Columns 
                        i.e. launch-bound when the GPU side is short (torch path: ~40 launches, ours: ~3)
   agree                chosen tokens equal to the torch path's, over 8 seed batches (must be 100 %: only float
                        near-ties may differ, ~1e-6 per row)
---sweep: also ours per row-pass config (BLOCK, num_warps) of SWEEP, graph us (what to put in kernels/sampling.py).
+--sweep: the first case also per row-pass config (BLOCK, num_warps) of SWEEP, graph us (for kernels/sampling.py).
 --smoke: CPU, Triton interpreter, V = 1000, M = 2, s = 4: runs every code path (CI check of this file), timings
 meaningless.
 """
@@ -98,7 +98,7 @@ def bench(ms, V, smoke, dev, sweep=False):
                     total += M
                 print(f"{name:22s} {scale:3.0f} {M:3d} | {t_ref:9.1f} {t_ours:8.1f} {t_ref / t_ours:6.1f} | "
                       f"{e_ref:11.1f} {e_ours:10.1f} | {same}/{total}{'' if same == total else '  MISMATCH'}")
-                if sweep:
+                if sweep and name == next(iter(CASES)):   # the e2e case only (each config compiles anew)
                     cells = []
                     for blk, w in SWEEP:
                         f = (lambda b=blk, nw=w: fast_path(logits, md, block=b, num_warps=nw))
