@@ -161,6 +161,7 @@ class SamplingMetadata:
     wants_logprobs: list  # [M] bool (host)
     top_counts: list  # [M] int (host): top_logprobs asked per row
     any_greedy: bool = True  # (host) some row is greedy: the plain argmax is needed
+    fast_filters: bool = False  # (host) every sampled row has min_p > 0 or top_k <= kernels.sampling.KS (_fast_ok)
 
     @staticmethod
     def build(reqs: list, vocab_size: int, device: torch.device, pending: int = 0) -> "SamplingMetadata":
@@ -210,7 +211,8 @@ class SamplingMetadata:
             out_index=idx(out_rows, out_cols) if out_rows else None,
             bias=(*idx(b_rows, b_cols), _to_device(b_vals, torch.float32, device)) if b_rows else None,
             num_top_logprobs=max((p.top_logprobs for p in ps if p.wants_logprobs), default=-1),
-            wants_logprobs=wants, top_counts=[p.top_logprobs for p in ps], any_greedy=any(greedy))
+            wants_logprobs=wants, top_counts=[p.top_logprobs for p in ps], any_greedy=any(greedy),
+            fast_filters=all(g or _fast_ok(p) for g, p in zip(greedy, ps)))
 
 
 @dataclass(slots=True)
@@ -297,6 +299,15 @@ def apply_filters(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 # KIMI_SAMPLER_FAST=0: sampled rows always take the torch path (apply_filters + softmax + race_argmax)
 _FAST_FILTERS = os.environ.get("KIMI_SAMPLER_FAST", "1") != "0"
+_FAST_TOP_K = 256  # kernels.sampling.KS: top-k up to this bounds the kernel's candidate set
+
+
+def _fast_ok(p) -> bool:
+    """Rows the one-launch kernel is measured faster on (H200 12-03, bench/sampling.py, V 163840): with min_p > 0 or
+    0 < top_k <= 256 its candidate set stays small (M=64: 156-184 us vs 1456-1523 torch at logit scale 4, 369 vs 1503
+    at scale 1); top-p alone on flat logits re-reads the row per search pass (3.2 ms vs 0.2-1.6 ms torch): torch path,
+    as for rows with no filter at all (no sort there)."""
+    return p.min_p > 0.0 or 0 < p.top_k <= _FAST_TOP_K
 
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
@@ -306,7 +317,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     ids = logits.argmax(dim=-1) if md.any_greedy else None  # full-vocab passes only where a row needs them
     processed = logits
     if not md.all_greedy:
-        if not want_lp and _FAST_FILTERS and use_triton(logits):
+        if not want_lp and _FAST_FILTERS and md.fast_filters and use_triton(logits):
             # one Triton launch: filters as thresholds + the race on the kept tokens, no sort (kernels/sampling.py);
             # the same tokens as the torch path below. Logprobs need the filtered logits x: torch path.
             from kernels.sampling import filtered_race

@@ -96,13 +96,15 @@ def test_edge_rows(caps):
 
 @requires_triton
 def test_sample_dispatch_with_greedy_rows(monkeypatch):
-    """sample() with the fast path (as on CUDA) == sample() with the torch path, greedy rows mixed in; rows that ask
-    for logprobs keep the torch path (exact logprob semantics)."""
+    """sample() with the fast path (as on CUDA) == sample() with the torch path, greedy rows mixed in. The fast path
+    is taken only when every sampled row has min_p > 0 or top_k <= 256 (a top-p-only or unfiltered row sends the
+    batch to the torch path: slower in the kernel on flat logits)."""
     V = 1500
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(6, V, generator=gen) * 2
     kw = [dict(temperature=0.0), dict(temperature=0.6, top_p=0.95, min_p=0.01), dict(temperature=0.0, top_k=5),
-          dict(temperature=1.0, top_k=50), dict(temperature=0.8, top_p=0.7), dict(temperature=1.3)]
+          dict(temperature=1.0, top_k=50), dict(temperature=0.8, top_p=0.7, top_k=200),
+          dict(temperature=1.3, min_p=0.05)]
     reqs = []
     for s, k in enumerate(kw):
         r = Request([1, 2], SamplingParams(**k), seed=1000 + s)
@@ -120,6 +122,13 @@ def test_sample_dispatch_with_greedy_rows(monkeypatch):
     got = S.sample(logits.clone(), md).token_ids
     assert called and torch.equal(got, want), (got.tolist(), want.tolist())
     assert got[0] == logits[0].argmax() and got[2] == logits[2].argmax()
+    for slow in (dict(temperature=0.8, top_p=0.7), dict(temperature=1.3), dict(temperature=1.0, top_k=300)):
+        r = Request([1, 2], SamplingParams(**slow), seed=7)
+        md = S.SamplingMetadata.build(reqs[:5] + [r], V, torch.device("cpu"))
+        assert not md.fast_filters
+        called.clear()
+        S.sample(logits.clone(), md)
+        assert not called, slow
 
 
 @pytest.mark.gpu
