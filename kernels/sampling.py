@@ -43,9 +43,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from backend.engine.sampler import SERIES_MAX, SERIES_TERMS, _mix32_tl
-
 from triton.language.extra import libdevice
 
 GCAP = 16384      # candidates kept in the workspace per row (64 rows: 8 MB)
@@ -57,6 +54,58 @@ RB = 1024         # tile of the race
 KS = 256          # top-k <= KS: a lower bound on the k-th value from KS group maxima of the row (pass 1)
 
 _WS = {}
+
+
+# The exponential race of backend/engine/sampler.py (its torch reference: exponential_noise / _exp1_from_bits):
+# E ~ Exp(1) for token v of a row from the counter hash of (seed, step, v); series near 0, log only where E >= log 2
+SERIES_MAX = 0.5
+SERIES_TERMS = 22
+
+
+@triton.jit
+def _race_row_key(seed, step):
+    """The row's hash key from its seed (i64) and output step (i64), as sampler.exponential_noise."""
+    hk = _mix32_tl((step & 0xFFFFFFFF).to(tl.uint32))
+    hk = _mix32_tl(hk ^ (seed & 0xFFFFFFFF).to(tl.uint32))
+    return _mix32_tl(hk ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+
+
+@triton.jit
+def _race_exp1(hk, idx, SERIES_TERMS: tl.constexpr, SERIES_MAX: tl.constexpr):
+    """E for token ids idx of the row with key hk (sampler._exp1_from_bits: the same formula, fp32)."""
+    bits = _mix32_tl(_mix32_tl(hk ^ idx.to(tl.uint32)) ^ tl.full((1,), 0x2545F491, tl.uint32))
+    w = (bits.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
+    s = tl.full(w.shape, 1.0 / SERIES_TERMS, tl.float32)
+    for j in tl.static_range(SERIES_TERMS - 1, 0, -1):
+        s = s * w + 1.0 / j
+    return tl.where(w < SERIES_MAX, w * s, -tl.log(tl.maximum(1.0 - w, 2.3283064365386963e-10)))
+
+
+@triton.jit
+def _mix32_tl(x):
+    # the steps of _mix32 on uint32: products wrap, i.e. the "& 0xFFFFFFFF" of the torch version
+    x = x ^ (x >> 16)
+    x = x * tl.full((1,), 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full((1,), 0x1B873593, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _race_kernel(p_ptr, stride_p, seeds_ptr, steps_ptr, vals_ptr, idx_ptr, V, NB, BLOCK: tl.constexpr,
+                 SERIES_TERMS: tl.constexpr, SERIES_MAX: tl.constexpr):
+    """Program (row, block): the best p / E of BLOCK tokens, with E recomputed from (seed, step, token)."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    m_v = offs < V
+    p = tl.load(p_ptr + row * stride_p + offs, mask=m_v, other=0.0)
+    hk = _race_row_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
+    q = tl.where(m_v, tl.math.div_rn(p, _race_exp1(hk, offs, SERIES_TERMS, SERIES_MAX)), -1.0)
+    best = tl.argmax(q, axis=0)
+    tl.store(vals_ptr + row * NB + blk, tl.max(q, axis=0))
+    tl.store(idx_ptr + row * NB + blk, (blk * BLOCK + best).to(tl.int64))
+
 
 
 def _workspace(M: int, device: torch.device):
@@ -289,11 +338,7 @@ def _filtered_race_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, topk_
                            p * s_base, True, SB, NT, RCAP)
 
     # 4. the race over {key >= base}: argmax exp(x - m) / E, E as sampler._race_kernel (first max wins)
-    seed = tl.load(seeds_ptr + row)
-    step = tl.load(steps_ptr + row)
-    hk = _mix32_tl((step & 0xFFFFFFFF).to(tl.uint32))
-    hk = _mix32_tl(hk ^ (seed & 0xFFFFFFFF).to(tl.uint32))
-    hk = _mix32_tl(hk ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    hk = _race_row_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
     rar = tl.arange(0, RB)
     best = tl.full([], -1.0, tl.float32)
     best_id = tl.full([], 0, tl.int32)
@@ -301,12 +346,7 @@ def _filtered_race_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, topk_
         x, idx, ok = _src_tile(xrow, g_row, gi_row, s, n, t, cut, compact, RB)
         kept = ok & (_okey(x) >= base)
         if tl.max(kept.to(tl.int32), axis=0) > 0:   # tiles without a kept token skip the hash
-            bits = _mix32_tl(_mix32_tl(hk ^ idx.to(tl.uint32)) ^ tl.full((1,), 0x2545F491, tl.uint32))
-            w = (bits.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
-            sr = tl.full(w.shape, 1.0 / SERIES_TERMS, tl.float32)
-            for jj in tl.static_range(SERIES_TERMS - 1, 0, -1):
-                sr = sr * w + 1.0 / jj
-            e = tl.where(w < SERIES_MAX, w * sr, -tl.log(tl.maximum(1.0 - w, 2.3283064365386963e-10)))
+            e = _race_exp1(hk, idx, SERIES_TERMS, SERIES_MAX)
             q = tl.where(kept, tl.math.div_rn(tl.exp(x - m), e), -1.0)
             qm = tl.max(q, axis=0)
             qi = tl.sum(tl.where(rar == tl.argmax(q, axis=0), idx, 0), axis=0)

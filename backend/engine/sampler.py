@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels.sampling import SERIES_MAX, SERIES_TERMS, _race_kernel
 
 _M32 = 0xFFFFFFFF
 LOGPROB_FLOOR = -9999.0
@@ -39,10 +40,9 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 # (Horner, SERIES_TERMS terms, within ~1 ulp; no log, no cancellation); else E = -log(1 - w) (1 - w exact by Sterbenz,
 # E >= log 2, so even an approximate log is within ~2e-7 relative). w = (bits + 0.5) * 2^-32 keeps full relative
 # resolution near 0 (smallest E ~ 1.2e-10); it rounds to 1 only for bits >= 2^32 - 128 (E = 32 log 2, a certain
-# loser). Keys are p / E with IEEE division (div_rn in the kernel). The Triton kernel (_race_kernel) computes the
-# same formula, so CUDA and the reference agree up to float rounding (FMA contraction, log ulps).
-SERIES_MAX = 0.5
-SERIES_TERMS = 22
+# loser). Keys are p / E with IEEE division (div_rn in the kernel). The Triton kernels (kernels/sampling.py:
+# _race_kernel, filtered_race; SERIES_MAX / SERIES_TERMS live there) compute the same formula, so CUDA and the
+# reference agree up to float rounding (FMA contraction, log ulps).
 
 
 def _exp1_from_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -91,43 +91,6 @@ def race_argmax(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -
     _race_kernel[(M, nb)](probs, probs.stride(0), seeds, steps, vals, idx, V, nb, BLOCK=block,
                           SERIES_TERMS=SERIES_TERMS, SERIES_MAX=SERIES_MAX)
     return idx.gather(1, vals.argmax(dim=1, keepdim=True))[:, 0]
-
-
-@triton.jit
-def _mix32_tl(x):
-    # the steps of _mix32 on uint32: products wrap, i.e. the "& 0xFFFFFFFF" of the torch version
-    x = x ^ (x >> 16)
-    x = x * tl.full((1,), 0x7FEB352D, tl.uint32)
-    x = x ^ (x >> 15)
-    x = x * tl.full((1,), 0x1B873593, tl.uint32)
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _race_kernel(p_ptr, stride_p, seeds_ptr, steps_ptr, vals_ptr, idx_ptr, V, NB, BLOCK: tl.constexpr,
-                 SERIES_TERMS: tl.constexpr, SERIES_MAX: tl.constexpr):
-    """Program (row, block): the best p / E of BLOCK tokens, with E recomputed from (seed, step, token)."""
-    row = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    m_v = offs < V
-    p = tl.load(p_ptr + row * stride_p + offs, mask=m_v, other=0.0)
-    seed = tl.load(seeds_ptr + row)
-    step = tl.load(steps_ptr + row)
-    k = _mix32_tl((step & 0xFFFFFFFF).to(tl.uint32))
-    k = _mix32_tl(k ^ (seed & 0xFFFFFFFF).to(tl.uint32))
-    k = _mix32_tl(k ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
-    bits = _mix32_tl(_mix32_tl(k ^ offs.to(tl.uint32)) ^ tl.full((1,), 0x2545F491, tl.uint32))
-    # _exp1_from_bits (see there): series near 0 (no log), log only where E >= log 2; IEEE division
-    w = (bits.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
-    s = tl.full(w.shape, 1.0 / SERIES_TERMS, tl.float32)
-    for j in tl.static_range(SERIES_TERMS - 1, 0, -1):
-        s = s * w + 1.0 / j
-    e = tl.where(w < SERIES_MAX, w * s, -tl.log(tl.maximum(1.0 - w, 2.3283064365386963e-10)))
-    q = tl.where(m_v, tl.math.div_rn(p, e), -1.0)
-    best = tl.argmax(q, axis=0)
-    tl.store(vals_ptr + row * NB + blk, tl.max(q, axis=0))
-    tl.store(idx_ptr + row * NB + blk, (blk * BLOCK + best).to(tl.int64))
 
 
 _NP = {torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
