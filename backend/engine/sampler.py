@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
-from kernels.sampling import SERIES_MAX, SERIES_TERMS, _race_kernel
+from kernels.sampling import KS, SERIES_MAX, SERIES_TERMS, _race_kernel
 
 _M32 = 0xFFFFFFFF
 LOGPROB_FLOOR = -9999.0
@@ -262,7 +262,6 @@ def apply_filters(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 # KIMI_SAMPLER_FAST=0: sampled rows always take the torch path (apply_filters + softmax + race_argmax)
 _FAST_FILTERS = os.environ.get("KIMI_SAMPLER_FAST", "1") != "0"
-_FAST_TOP_K = 256  # kernels.sampling.KS: top-k up to this bounds the kernel's candidate set
 
 
 def _fast_ok(p) -> bool:
@@ -270,7 +269,7 @@ def _fast_ok(p) -> bool:
     0 < top_k <= 256 its candidate set stays small (M=64: 156-184 us vs 1456-1523 torch at logit scale 4, 369 vs 1503
     at scale 1); top-p alone on flat logits re-reads the row per search pass (3.2 ms vs 0.2-1.6 ms torch): torch path,
     as for rows with no filter at all (no sort there)."""
-    return p.min_p > 0.0 or 0 < p.top_k <= _FAST_TOP_K
+    return p.min_p > 0.0 or 0 < p.top_k <= KS  # KS: top-k up to this bounds the kernel's candidate set
 
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:

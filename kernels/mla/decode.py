@@ -742,21 +742,21 @@ def decode_config(H: int, L: int, R: int, dtype, on_gpu: bool, block_n=None, con
                   smem: int = H200_SMEM) -> tuple[dict, dict]:
     """-> (launch cfg, stage-1 constexpr blocks) for mla_decode_triton; every tl.dot dim >= MIN_DOT (asserted).
     smem: shared memory a block may opt into (kernels._tensors.max_shared_mem) picks the 16-bit default."""
-    cfg = _gpu_cfg(DECODE_CFG, dtype)
-    if dtype != torch.float32 and smem < DECODE_LARGE_SMEM:
-        cfg = dict(DECODE_CFG["16bit-small-smem"])
+    cfg = _gpu_cfg(DECODE_CFG, dtype, smem, DECODE_LARGE_SMEM)
+    name = ""  # the DECODE_VARIANTS entry in use, if any (GPU_BROKEN ones are refused on CUDA)
     if config:  # the tile shape of the default, every optional flag from `config` alone (none inherited)
         cfg = {k: cfg[k] for k in ("block_h", "block_n", "num_warps", "num_stages")}
         cfg.update(config)
+        name = next((n for n, v in DECODE_VARIANTS.items() if v == config), "")
     elif dtype != torch.float32:  # engine A/B switches, 16-bit caches (read per call; a graph keeps its capture's)
         name = os.environ.get("KIMI_MLA_DECODE_VARIANT", "")  # any DECODE_VARIANTS name, e.g. "w4 n32 fm u4"
         if os.environ.get("KIMI_MLA_FUSED_MERGE", "0") == "1":  # one-launch split decode ('w4 n32 fm')
             name = name or "w4 n32 fm"
         if name:
-            assert not (on_gpu and name in GPU_BROKEN), f"KIMI_MLA_DECODE_VARIANT={name!r}: wrong on GPUs (GPU_BROKEN)"
             cfg = dict(DECODE_VARIANTS[name])
             if os.environ.get("KIMI_MLA_FUSED_MERGE", "0") == "1":
                 cfg["fused_merge"] = True
+    assert not (on_gpu and name in GPU_BROKEN), f"MLA decode variant {name!r} is wrong on GPUs (GPU_BROKEN)"
     # pad_heads: BLOCK_H = block_h even above H (masked rows), e.g. 64 so Hopper runs wgmma (M = 64 per warpgroup)
     b = dict(
         BLOCK_H=_dot_dim(cfg["block_h"]) if cfg.get("pad_heads") else _block_h(H, cfg["block_h"]),
@@ -770,8 +770,12 @@ def decode_config(H: int, L: int, R: int, dtype, on_gpu: bool, block_n=None, con
     return cfg, b
 
 
-def _gpu_cfg(table, dtype):
-    return dict(table["fp32" if dtype == torch.float32 else "16bit"])
+def _gpu_cfg(table, dtype, smem: int = H200_SMEM, large_smem: int = 0):
+    """A copy of table's entry for dtype: "fp32", else "16bit", or "16bit-small-smem" when a block may opt into less
+    than `large_smem` bytes of shared memory (`smem`, kernels._tensors.max_shared_mem; GB10: 99 KB)."""
+    if dtype == torch.float32:
+        return dict(table["fp32"])
+    return dict(table["16bit-small-smem" if smem < large_smem else "16bit"])
 
 
 def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: int = 32, num_sms: int = 132,
@@ -825,8 +829,6 @@ def mla_decode_triton(
     if N == 0:
         return out
     on_gpu = q_lat.is_cuda
-    if on_gpu and config is not None:
-        assert all(config is not DECODE_VARIANTS[n] for n in GPU_BROKEN), "a GPU_BROKEN decode variant"
     cfg, blocks = decode_config(H, L, R, cache.dtype, on_gpu, block_n, config, max_shared_mem(q_lat.device))
     BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R = blocks["BLOCK_H"], blocks["BLOCK_N"], blocks["BLOCK_L"], blocks["BLOCK_R"]
     if num_splits is None:

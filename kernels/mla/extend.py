@@ -40,9 +40,7 @@ def extend_config(H: int, L: int, R: int, dtype, on_gpu: bool, block_n=None, row
     """-> (launch cfg, constexpr blocks) for mla_extend_triton. rows = BLOCK_T * BLOCK_H is the M of every tl.dot;
     all dot dims are >= MIN_DOT (padded, masked; asserted). smem: shared memory a block may opt into
     (kernels._tensors.max_shared_mem) picks the 16-bit default."""
-    cfg = _gpu_cfg(EXTEND_CFG, dtype)
-    if dtype != torch.float32 and smem < EXTEND_LARGE_SMEM:
-        cfg = dict(EXTEND_CFG["16bit-small-smem"])
+    cfg = _gpu_cfg(EXTEND_CFG, dtype, smem, EXTEND_LARGE_SMEM)
     if config:
         cfg.update(config)
     rows = _dot_dim(rows or (cfg["rows"] if on_gpu else 64))

@@ -46,9 +46,7 @@ def prefill_config(DN: int, R: int, DV: int, dtype, on_gpu: bool, block_m=None, 
                    smem: int = H200_SMEM):
     """-> (launch cfg, constexpr blocks) for mla_prefill_expanded_triton; every tl.dot dim >= MIN_DOT (asserted).
     smem: shared memory a block may opt into (kernels._tensors.max_shared_mem) picks the 16-bit default."""
-    cfg = _gpu_cfg(PREFILL_CFG, dtype)
-    if dtype != torch.float32 and smem < PREFILL_LARGE_SMEM:
-        cfg = dict(PREFILL_CFG["16bit-small-smem"])
+    cfg = _gpu_cfg(PREFILL_CFG, dtype, smem, PREFILL_LARGE_SMEM)
     if config:
         cfg.update(config)
     b = dict(
