@@ -1,0 +1,147 @@
+"""Marginal cost of each kernel class in the decode CUDA graph (H200): where a fusion could still save time.
+
+    python bench/ablate.py                       # batch 1, context 1024, every ablation below
+    python bench/ablate.py --batch 8 --only post_norm,router
+
+Builds the full Kimi-Linear-48B-A3B shape with random bf16 weights (bench/e2e.py), then for each ablation replaces
+one group of calls in backend.model.kimi_linear by a stand-in that launches nothing (it returns a zero buffer of
+the right shape, or its input), recaptures the decode graph, runs `--batch` fresh requests of `--context` prompt
+tokens and times steady decode steps (engine.step, graph replay) and the forward graph alone (back-to-back
+replays). The difference to the unablated step is what those launches cost inside the graph, PDL overlap
+included: an upper bound on what fusing them away can save. The ablated models compute garbage: timing only.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import e2e  # noqa: E402
+from backend.config import ModelConfig  # noqa: E402
+from backend.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from backend.engine.request import SamplingParams  # noqa: E402
+from backend.engine.runner import ModelRunner  # noqa: E402
+from backend.model import kimi_linear as km  # noqa: E402
+from backend.model.random_weights import random_model  # noqa: E402
+
+_ZEROS = {}
+
+
+def zeros(key: str, shape, dtype, device) -> torch.Tensor:
+    """A zero buffer per (key, shape, dtype), made on first use (the eager warmup before each capture), then reused:
+    no kernel runs for it inside the graph."""
+    k = (key, tuple(shape), dtype)
+    if k not in _ZEROS:
+        _ZEROS[k] = torch.zeros(shape, dtype=dtype, device=device)
+    return _ZEROS[k]
+
+
+class _TorchNoEinsum:
+    """kimi_linear's `torch` with einsum replaced (the MLA absorb / un-absorb GEMMs)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def einsum(eq, a, b):
+        out = {"thn,hnl->thl": (a.shape[0], a.shape[1], b.shape[2]),
+               "thl,hvl->thv": (a.shape[0], a.shape[1], b.shape[1])}[eq]
+        return zeros("einsum" + eq, out, a.dtype, a.device)
+
+
+def _router(x, w, bias, top_k, scaling, renorm, biased, shared_id=None):
+    """Fixed experts 0..top_k-1 (+ the shared one) for every token, zero weights."""
+    T, k = x.shape[0], top_k + (shared_id is not None)
+    key = ("router_ids", (T, k), torch.int32)
+    if key not in _ZEROS:  # made in the eager warmup, so the graph holds no kernel for it
+        ids = torch.arange(k, dtype=torch.int32, device=x.device).repeat(T, 1)
+        if shared_id is not None:
+            ids[:, -1] = shared_id
+        _ZEROS[key] = ids
+    return zeros("router_w", (T, k), torch.float32, x.device), _ZEROS[key]
+
+
+# name -> {kimi_linear attribute: stand-in}
+ABLATIONS = {
+    "post_norm": {"add_rmsnorm": lambda x, res, w, eps: (x, res)},
+    "combine_norm": {"combine_add_rmsnorm": lambda y, tw, res, w, eps: (res, res)},
+    "router": {"moe_router": _router},
+    "fgb": {"skinny_bmm_nt": lambda a, b: zeros("fgb", (a.shape[0], a.shape[1], b.shape[1]), a.dtype, a.device)},
+    "kda": {"kda_decode": lambda qkv, *a: zeros("kda", (qkv.shape[0], qkv.shape[1] // 3), qkv.dtype, qkv.device)},
+    "mla_attn": {"mla_decode": lambda q, *a: zeros("mla", q.shape, q.dtype, q.device)},
+    "mla_einsum": {"torch": _TorchNoEinsum()},
+    "mla_norm_store": {"rmsnorm_head": lambda y, w, eps: y, "store_latent": lambda *a: None},
+    "moe": {"fused_moe_uncombined_triton": lambda x, w13, w2, tw, ids:
+            zeros("moe", (ids.numel(), x.shape[1]), x.dtype, x.device)},
+}
+ABLATIONS["norms+router+fgb"] = {**ABLATIONS["post_norm"], **ABLATIONS["combine_norm"], **ABLATIONS["router"],
+                                 **ABLATIONS["fgb"]}
+ABLATIONS["mla_small"] = {**ABLATIONS["mla_einsum"], **ABLATIONS["mla_norm_store"]}
+
+
+class Patched:
+    def __init__(self, patches: dict):
+        self.patches, self.saved = patches, {}
+
+    def __enter__(self):
+        for name, fn in self.patches.items():
+            self.saved[name] = getattr(km, name)
+            setattr(km, name, fn)
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(km, name, fn)
+
+
+def measure(engine: LLMEngine, runner: ModelRunner, args, params) -> tuple:
+    """Recapture the graphs, start fresh requests, -> (ms per engine step, ms per graph replay)."""
+    if not args.smoke:
+        torch.cuda.synchronize()
+        runner._capture_graphs(args.batch)
+    streams = e2e.start_decode(engine, args.batch, args.context, params)
+    step = e2e.time_steps(engine, args.steps)
+    fwd = 0.0 if args.smoke else e2e.graph_forward_us(runner, args.batch)
+    e2e.stop_decode(engine, streams)
+    return step * 1e3, fwd / 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--only", default="", help="comma-separated ablation names (default: all)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager: runs every stand-in (testing)")
+    args = ap.parse_args()
+    names = [n for n in args.only.split(",") if n] or list(ABLATIONS)
+    if args.smoke:
+        dev, dtype, cfg = torch.device("cpu"), torch.float32, ModelConfig.from_dict(e2e.smoke_config_dict())
+    else:
+        dev, dtype, cfg = torch.device("cuda"), torch.bfloat16, ModelConfig.from_dict(e2e.config_dict(27))
+    model = random_model(cfg, dev, dtype)
+    ecfg = EngineConfig(max_model_len=args.context + 64 * args.steps, max_num_seqs=args.batch,
+                        max_num_batched_tokens=8192, block_size=64, gpu_memory_utilization=0.9, device=dev.type,
+                        dtype=str(dtype).removeprefix("torch."), max_prefill_tokens_with_decode=0,
+                        max_graph_batch_size=args.batch, enforce_eager=args.smoke)
+    runner = ModelRunner("", ecfg, model=model)
+    engine = LLMEngine(runner, ecfg, start=False)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10 * args.steps)
+    print(f"{torch.cuda.get_device_name(dev) if not args.smoke else 'cpu'}, torch {torch.__version__}; decode batch {args.batch}, "
+          f"context {args.context}, {args.steps} steps per figure; stand-ins launch nothing (garbage math)")
+    base_step, base_fwd = measure(engine, runner, args, params)
+    print(f"{'ablation':20s} {'step ms':>8s} {'saved us':>9s} {'graph ms':>9s} {'saved us':>9s}")
+    print(f"{'(none)':20s} {base_step:8.3f} {'':9s} {base_fwd:9.3f}")
+    for name in names:
+        with Patched(ABLATIONS[name]):
+            step, fwd = measure(engine, runner, args, params)
+        print(f"{name:20s} {step:8.3f} {1e3 * (base_step - step):9.1f} {fwd:9.3f} {1e3 * (base_fwd - fwd):9.1f}")
+    step, fwd = measure(engine, runner, args, params)
+    print(f"{'(none, again)':20s} {step:8.3f} {'':9s} {fwd:9.3f}")
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
