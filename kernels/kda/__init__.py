@@ -4,7 +4,12 @@ kda_prefill(qkv [T, 2HK+HV], conv_w [C, W] f32, z [T, HK], b [T, H], A_log [H] f
             r [T, HV], o_norm_w [V], eps, conv_state [S, W-1, C], rec_state [S, H, K, V] f32,
             cu_seqlens [P+1] i32, state_slots [P] i32, has_initial_state [P] bool) -> [T, HV] (qkv.dtype)
 kda_decode(qkv [N, C], conv_w, z [N, HK], b [N, H], A_log, dt_bias, r [N, HV], o_norm_w, eps,
-           conv_state, rec_state, state_slots [N] i32) -> [N, HV]
+           conv_state, rec_state, state_slots [N] i32, fg_a=None, fg_b=None) -> [N, HV]
+    low-rank gates instead of z and r (z = r = None): fg_a [2, N, R] (f_a | g_a rows; a strided view of the
+    projection output is fine, or a pair of [N, R]) and fg_b [2, HK, R] (f_b | g_b weights, or a pair
+    f_b [HK, R], g_b [HV, R]); z, r = (fg_a @ fg_b^T in fp32, rounded to fg_a.dtype), i.e. what
+    kernels.gemv.skinny_bmm_nt(fg_a, fg_b) returns. The Triton path computes them inside the decode kernel (no
+    separate launch) where recurrent.decode_config says so (small N), else with skinny_bmm_nt first.
 
 Both update conv_state and rec_state in place at the given slots. H = b.shape[1], K = z.shape[1] // H,
 V = r.shape[1] // H (K = V = 128 for Kimi; K != V is supported for tests). scale = K ** -0.5.
@@ -28,12 +33,19 @@ from kernels.kda.ref import (
 )
 from kernels.kda.chunk import chunk_kda_fwd
 from kernels.kda.recurrent import kda_decode_triton
+from kernels.gemv import gemv_ref
 from kernels.norm import gated_rmsnorm_ref, gated_rmsnorm_triton
 
 __all__ = [
     "kda_prefill", "kda_decode", "kda_prefill_ref", "kda_decode_ref", "kda_prefill_triton", "kda_decode_triton",
     "kda_gate_ref", "l2norm_ref", "kda_recurrent_ref", "kda_chunk_ref", "kda_varlen_ref", "kda_core_ref",
 ]
+
+
+def _fg_ref(fg_a, fg_b):
+    """(z, r) from the low-rank inputs with gemv_ref semantics: fp32 matmul, rounded to fg_a's dtype."""
+    fa, ga, fb, gb = fg_a[0], fg_a[1], fg_b[0], fg_b[1]
+    return gemv_ref(fa, fb), gemv_ref(ga, gb)
 
 
 def _dims(z: torch.Tensor, b: torch.Tensor, r: torch.Tensor):
@@ -89,8 +101,13 @@ def kda_prefill_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv
 
 
 # --------------------------------------------------------------------------------------------------- decode
-def kda_decode_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state, state_slots):
-    """Reference decode step. Lanes with slot <= 0 (padding) read/write no state and output zeros, like the kernel."""
+def kda_decode_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state, state_slots,
+                   fg_a=None, fg_b=None):
+    """Reference decode step. Lanes with slot <= 0 (padding) read/write no state and output zeros, like the kernel.
+    fg_a / fg_b (with z = r = None): the low-rank gate inputs (module doc), turned into z, r by _fg_ref."""
+    if fg_a is not None:
+        assert z is None and r is None, "pass z and r, or fg_a and fg_b"
+        z, r = _fg_ref(fg_a, fg_b)
     H, K, V = _dims(z, b, r)
     N = qkv.shape[0]
     slots = state_slots.long()
@@ -112,12 +129,14 @@ def kda_decode_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_sta
     return gated_rmsnorm_ref(o, r.reshape(N, H, V), o_norm_w, eps).to(qkv.dtype).reshape(N, H * V)
 
 
-def kda_decode(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state, state_slots):
+def kda_decode(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state, state_slots,
+               fg_a=None, fg_b=None):
     """Fused Triton decode (kernels/kda/recurrent.py: 1 launch, graph-capturable) or the torch reference.
+    z, r or (z = r = None) the low-rank fg_a, fg_b (module doc).
 
     Triton path: lanes with slot 0 (padding) touch no state and output zeros."""
     if not use_triton(qkv):
         return kda_decode_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
-                              state_slots)
+                              state_slots, fg_a=fg_a, fg_b=fg_b)
     return kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
-                             state_slots)
+                             state_slots, fg_a=fg_a, fg_b=fg_b)

@@ -97,14 +97,15 @@ def test_decode_config(n_sm, monkeypatch):
     H, K, V = 32, 128, 128
     last = 0
     for N in (1, 2, 3, 4, 8, 16, 32, 33, 64, 256, 1024):
-        BV, nw, tail, early, pps, maxnreg, sa = decode_config(N, H, K, V, n_sm)
+        BV, nw, tail, early, pps, maxnreg, sa, fg, fg_early = decode_config(N, H, K, V, n_sm)
         wide = N * H * (V // 64) >= R._WIDE_PER_SM * n_sm
         assert (BV, nw, early, maxnreg) == ((64, 4, True, 128) if wide else (32, 4, False, 0))
         assert tail == TAIL_LAST and pps == 0 and sa
+        assert fg == (N <= R._FG_MAX_N) and fg_early == (fg and N * H * (V // BV) <= R._FG_EARLY_PPS * n_sm)
         assert BV >= last
         last = BV
     assert decode_config(32, H, K, V, 132)[0] == 32 and decode_config(33, H, K, V, 132)[0] == 64
-    assert decode_config(1, H, K, V, 132, BV=128) == (128, 16, TAIL_SINGLE, False, 0, 0, False)   # explicit tile
+    assert decode_config(1, H, K, V, 132, BV=128)[:7] == (128, 16, TAIL_SINGLE, False, 0, 0, False)   # explicit
     assert decode_config(1, 2, 16, 16, 132)[0] == 16         # tiny V: tile capped by V
     assert decode_config(4096, 2, 16, 8, 132)[0] == 8             # V = 8: tile capped by V
 
@@ -115,7 +116,7 @@ def test_decode_config_loop(monkeypatch):
     from kernels.kda import recurrent as R
     monkeypatch.setattr(R, "_LOOP_DEFAULT", True)
     monkeypatch.setattr(R, "_LOOP", (16, 4, 5, 96))
-    assert decode_config(64, 32, 128, 128, 132) == (16, 4, TAIL_LOOP, True, 5, 96, False)
+    assert decode_config(64, 32, 128, 128, 132)[:7] == (16, 4, TAIL_LOOP, True, 5, 96, False)
     assert decode_config(8, 32, 128, 128, 132)[2] == TAIL_LAST
     assert decode_config(64, 32, 128, 128, 132, BV=64)[2] == TAIL_LAST          # an explicit tile: per-tile kernel
     for units in (1, 7, 32, 256, 2048, 2049, 8192):
@@ -255,6 +256,132 @@ def test_decode_continues_ref_prefill(T, k):
     assert_close("o prefix", torch.cat(ys)[:T], y_full[:T], 2e-5)
     assert_close("rec", B["rec_state"][2], A["rec_state"][2], 1e-5)
     assert torch.equal(B["conv_state"][2], A["conv_state"][2])
+
+
+# ------------------------------------------------------------------------------------- low-rank gates (fg_a, fg_b)
+def _fg_inputs(N, H, K, V, R, dtype, seed=5, stacked=True):
+    """Low-rank gate inputs as the model passes them: fg_a [2, N, R] a strided view of a projection output
+    [N, C + 2R + H] (row stride C + 2R + H, batch stride R), fg_b [2, HK, R]; with K != V (stacked=False) pairs
+    (f_a, g_a), (f_b [HK, R], g_b [HV, R])."""
+    gen = torch.Generator().manual_seed(seed)
+    C = 2 * H * K + H * V
+    y = torch.randn(N, C + 2 * R + H, generator=gen)
+    f_b = torch.randn(H * K, R, generator=gen) * (2.0 / R ** 0.5)         # z ~ N(0, 4) like make_kda_tokens
+    g_b = torch.randn(H * V, R, generator=gen) / R ** 0.5
+    y, f_b, g_b = y.to(dtype).to(DEV), f_b.to(dtype).to(DEV), g_b.to(dtype).to(DEV)
+    fg_a = y[:, C:C + 2 * R].view(-1, 2, R).transpose(0, 1)
+    if stacked:
+        return fg_a, torch.stack([f_b, g_b])
+    return (fg_a[0], fg_a[1]), (f_b, g_b)
+
+
+def _decode_fg(fn, L, tok, slots, fg_a, fg_b, **kw):
+    return fn(tok["qkv"], L["conv_w"], None, tok["b"], L["A_log"], L["dt_bias"], None, L["o_norm_w"], EPS,
+              L["conv_state"], L["rec_state"], slots, fg_a=fg_a, fg_b=fg_b, **kw)
+
+
+def test_fg_ref_is_bmm_then_ref():
+    # the reference with low-rank inputs == the bf16 batched matmul's z, r fed to the z / r reference
+    H, K, V, S, R = 2, 16, 16, 5, 24
+    L = make_kda_layer(H, K, V, S, device=DEV, conv_dtype=torch.bfloat16)
+    tok = make_kda_tokens(3, H, K, V, dtype=torch.bfloat16, device=DEV)
+    fg_a, fg_b = _fg_inputs(3, H, K, V, R, torch.bfloat16)
+    slots = _i32([2, 0, 4])
+    A, B = _clone(L), _clone(L)
+    y = _decode_fg(kda_decode_ref, A, tok, slots, fg_a, fg_b)
+    z, r = torch.matmul(fg_a.float(), fg_b.float().transpose(1, 2)).to(torch.bfloat16).unbind(0)
+    y2 = _decode(kda_decode_ref, B, dict(tok, z=z, r=r), slots)
+    assert torch.equal(y, y2) and torch.equal(A["rec_state"], B["rec_state"])
+
+
+# (BV, tail, early, fg_early, fg_rc): V = 32 -> BV 32 one program per head; BV < V: last-tile tail (r tiles passed
+# through y), store-after, the two-launch tail, the loop kernel; fg_rc 8 < R: several weight chunks
+_FG_CFGS = [
+    (None, None, None, None, None), (32, TAIL_SINGLE, False, True, None), (32, TAIL_SINGLE, True, False, 8),
+    (8, TAIL_LAST, False, True, None), (8, TAIL_LAST, True, False, 8), (16, TAIL_LAST, False, False, None),
+    (16, "sa", True, True, None), (8, TAIL_POST, False, False, 16), (16, TAIL_POST, True, True, None),
+    (16, TAIL_LOOP, True, False, 8), (8, TAIL_LOOP, True, False, None),
+]
+
+
+@pytest.mark.parametrize("cfg", _FG_CFGS, ids=[str(c) for c in _FG_CFGS])
+@pytest.mark.parametrize("N", [1, 3])
+def test_decode_fg_vs_ref(cfg, N):
+    # z / r from f_a f_b^T, g_a g_b^T inside the kernel (fg=True forced) == the reference with the same low-rank
+    # inputs; R = 24 (masked columns, not a power of two); N = 3 has a padded lane (slot 0, NaN state) in the
+    # middle; slots outside the batch stay bit-identical; the NaN-prefilled output comes back fully written
+    BV, tail, early, fg_early, rc = cfg
+    H, K, V, S, R = 2, 32, 32, 6, 24
+    L = make_kda_layer(H, K, V, S, device=DEV)
+    L["rec_state"][0] = float("nan")
+    L["conv_state"][0] = float("nan")
+    L["rec_state"][5] = 1e30
+    tok = make_kda_tokens(N, H, K, V, device=DEV, seed=7)
+    fg_a, fg_b = _fg_inputs(N, H, K, V, R, torch.float32)
+    slots = _i32([3, 0, 1][:N] if N == 3 else [2])
+    A, B = _clone(L), _clone(L)
+    kw = dict(BV=BV, early=early, fg=True, fg_early=fg_early, fg_rc=rc,
+              counters=torch.zeros(N * H, dtype=torch.int32, device=DEV))
+    if tail == "sa":
+        kw.update(tail=TAIL_LAST, store_after=True)
+    elif tail == TAIL_LOOP:
+        kw.update(tail=TAIL_LOOP, num_warps=2, grid=2)
+    else:
+        kw.update(tail=tail)
+    for step in range(2):
+        y_ref = _decode_fg(kda_decode_ref, A, tok, slots, fg_a, fg_b)
+        y = _decode_fg(kda_decode_triton, B, tok, slots, fg_a, fg_b,
+                       out=torch.full((N, H * V), float("nan"), device=DEV), **kw)
+        assert_close(f"o step {step}", y, y_ref, 2e-5)
+        tok = make_kda_tokens(N, H, K, V, device=DEV, seed=8 + step)
+    assert torch.equal(kw["counters"], torch.zeros_like(kw["counters"]))
+    if N == 3:
+        assert torch.equal(y[1], torch.zeros_like(y[1]))
+    live = slots[slots > 0].long()
+    assert_close("state", B["rec_state"][live], A["rec_state"][live], 1e-5)
+    assert torch.equal(B["conv_state"][live], A["conv_state"][live])
+    for s in sorted(set(range(S)) - set(live.tolist())):
+        assert_bits_equal(f"rec slot {s}", B["rec_state"][s], L["rec_state"][s])
+        assert_bits_equal(f"conv slot {s}", B["conv_state"][s], L["conv_state"][s])
+
+
+@pytest.mark.parametrize("fg,fg_early", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("KV", [(16, 16), (16, 32)])
+def test_decode_fg_bf16(fg, fg_early, KV):
+    # bf16 activations and weights: the kernel rounds z, r to bf16 like the batched matmul (the interpreter
+    # truncates fp32 -> bf16, hence bf16_tol); K != V takes the pair form; fg=False runs skinny_bmm_nt first
+    K, V = KV
+    H, S, N, R = 2, 6, 3, 16
+    L = make_kda_layer(H, K, V, S, device=DEV, conv_dtype=torch.bfloat16)
+    tok = make_kda_tokens(N, H, K, V, dtype=torch.bfloat16, device=DEV, seed=3)
+    fg_a, fg_b = _fg_inputs(N, H, K, V, R, torch.bfloat16, stacked=K == V)
+    slots = _i32([5, 0, 2])
+    A, B = _clone(L), _clone(L)
+    y_ref = _decode_fg(kda_decode_ref, A, tok, slots, fg_a, fg_b)
+    y = _decode_fg(kda_decode_triton, B, tok, slots, fg_a, fg_b, BV=8, fg=fg, fg_early=fg_early)
+    assert y.dtype == torch.bfloat16
+    assert_close("o", y, y_ref, bf16_tol())
+    assert_close("state", B["rec_state"], A["rec_state"], bf16_tol())
+    assert torch.equal(B["conv_state"], A["conv_state"])
+
+
+def test_decode_fg_default_config():
+    # kda_decode_triton's own pick with low-rank inputs at N = 1 (fused, weights in registers) and N > _FG_MAX_N
+    # (skinny_bmm_nt first): both equal the reference
+    from kernels.kda import recurrent as Rm
+    H, K, V, R = 2, 16, 16, 16
+    for N in (1, Rm._FG_MAX_N + 1):
+        cfg = decode_config(N, H, K, V, 132)
+        assert cfg.fg == (N == 1) and cfg.fg_early == (N == 1)
+        S = N + 2
+        L = make_kda_layer(H, K, V, S, device=DEV)
+        tok = make_kda_tokens(N, H, K, V, device=DEV)
+        fg_a, fg_b = _fg_inputs(N, H, K, V, R, torch.float32)
+        slots = (torch.randperm(S - 1, device=DEV)[:N] + 1).to(torch.int32)
+        A, B = _clone(L), _clone(L)
+        assert_close("o", _decode_fg(kda_decode_triton, B, tok, slots, fg_a, fg_b),
+                     _decode_fg(kda_decode_ref, A, tok, slots, fg_a, fg_b), 2e-5)
+        assert_close("state", B["rec_state"], A["rec_state"], 1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------------- GPU
