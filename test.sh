@@ -45,5 +45,12 @@ fi
 
 if [ "$#" -eq 0 ]; then
     set -- tests
+    # the whole suite on a CPU box: one pytest worker per core (pytest-xdist, up to 4), each test file kept in one
+    # worker (module fixtures build tiny checkpoints once); KIMI_TEST_JOBS=0 runs in this process
+    jobs="${KIMI_TEST_JOBS:-$(nproc 2>/dev/null || echo 1)}"
+    [ "${jobs}" -gt 4 ] && jobs=4
+    if [ "${jobs}" -ge 2 ] && [ "${TRITON_INTERPRET:-}" = "1" ] && "${PY}" -c 'import xdist' 2>/dev/null; then
+        set -- -n "${jobs}" --dist loadfile tests
+    fi
 fi
 exec "${PY}" -m pytest "$@"
