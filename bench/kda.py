@@ -7,6 +7,11 @@ random slots (slot 0 null). Rows:
   * ours      kernels.kda.kda_decode_triton with its default launch config (recurrent.decode_config: BV, warps,
               tail, early state load, by N and the SM count): the whole mixer step (conv update + gate + L2 norm +
               beta + delta rule + gated RMSNorm); timed eager (do_bench) and inside a CUDA graph (do_bench_cudagraph);
+  * chain     the model's unfused decode before 12-03: skinny_bmm_nt(fg_a, fg_b) (the f_b | g_b up-projection, its own
+              launch) then ours on its z, r;
+  * fg ...    kda_decode_triton(fg_a=, fg_b=): the up-projection inside the decode kernel (one launch); "fg dflt" is
+              decode_config's pick (fused for N <= _FG_MAX_N, else the chain), "fg early" forces the fused kernel
+              with the weights in registers before gdc_wait, "fg rc" with RC-column chunks after it;
   * fla       fla-core `fused_recurrent_kda_fwd` (gate, l2norm, beta sigmoid in kernel, in-place pool through
               ssm_state_indices) when `fla` is importable: the recurrence only (no conv, no output norm).
 Bandwidth: state bytes = N*H*K*V*4 read + the same written; compared with a device-to-device copy of a 1 GiB buffer
@@ -36,6 +41,7 @@ from kernels.kda import kda_decode_ref  # noqa: E402
 from kernels.kda.recurrent import (  # noqa: E402
     TAIL_LAST, TAIL_LOOP, TAIL_POST, TAIL_SINGLE, DecodeConfig, decode_config, kda_decode_triton, num_sms, warps_for,
 )
+from kernels.gemv import skinny_bmm_nt  # noqa: E402
 from kernels.testing import assert_close, make_kda_layer, make_kda_tokens  # noqa: E402
 
 H, K, V, W = 32, 128, 128, 4
@@ -62,7 +68,32 @@ def _setup(N):
     L = make_kda_layer(H, K, V, S, device="cuda", conv_dtype=torch.bfloat16)
     tok = make_kda_tokens(N, H, K, V, dtype=torch.bfloat16, device="cuda")
     slots = (torch.randperm(N, device="cuda") + 1).to(torch.int32)
+    # low-rank gate inputs as the model has them: fg_a [2, N, K] a strided view of the in_proj output, fg_b [2, HK, K]
+    C = 2 * H * K + H * V
+    y = torch.randn(N, C + 2 * K + H, device="cuda").to(torch.bfloat16)
+    tok["fg_a"] = y[:, C:C + 2 * K].view(-1, 2, K).transpose(0, 1)
+    tok["fg_b"] = torch.stack([torch.randn(H * K, K, device="cuda") * (2.0 / K ** 0.5),
+                               torch.randn(H * V, K, device="cuda") / K ** 0.5]).to(torch.bfloat16)
     return L, tok, slots
+
+
+def _chain(L, tok, slots, **kw):
+    """The unfused decode: the f_b | g_b up-projection (skinny_bmm_nt, bf16 out), then the decode kernel."""
+    def fn():
+        z, r = skinny_bmm_nt(tok["fg_a"], tok["fg_b"]).unbind(0)
+        return kda_decode_triton(tok["qkv"], L["conv_w"], z, tok["b"], L["A_log"], L["dt_bias"], r, L["o_norm_w"],
+                                 EPS, L["conv_state"], L["rec_state"], slots, **kw)
+    return fn
+
+
+def _fused(L, tok, slots, **kw):
+    return lambda: kda_decode_triton(tok["qkv"], L["conv_w"], None, tok["b"], L["A_log"], L["dt_bias"], None,
+                                     L["o_norm_w"], EPS, L["conv_state"], L["rec_state"], slots, fg_a=tok["fg_a"],
+                                     fg_b=tok["fg_b"], **kw)
+
+
+_FG_IMPLS = {"chain bmm+dec": (_chain, {}), "fg dflt": (_fused, {}),
+             "fg early": (_fused, dict(fg=True, fg_early=True)), "fg rc": (_fused, dict(fg=True, fg_early=False))}
 
 
 def _ours(L, tok, slots, **kw):
@@ -109,25 +140,35 @@ def check(N=8):
                            A["o_norm_w"], EPS, A["conv_state"], A["rec_state"], slots)
     assert_close("decode o", y, y_ref, 5e-3)
     assert_close("decode state", L["rec_state"], A["rec_state"], 5e-3)
-    print(f"# check vs reference at N={N}: ok")
+    P = {k: v.clone() for k, v in L.items()}
+    y_chain = _chain(L, tok, slots)()
+    for name, (mk, kw) in _FG_IMPLS.items():
+        C = {k: v.clone() for k, v in P.items()}
+        assert_close(f"{name} o", mk(C, tok, slots, **kw)(), y_chain, 5e-3)
+        assert_close(f"{name} state", C["rec_state"], L["rec_state"], 5e-3)
+    print(f"# check vs reference (and the low-rank paths vs the chain) at N={N}: ok")
 
 
 def bench_decode(batches, use_fla=True):
     bw_copy = copy_bandwidth()
     print(f"# device copy bandwidth: {bw_copy / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")
-    hdr = (f"{'N':>5} {'impl':<12} {'us/layer':>9} {'graph us':>9} {'tok/s/layer':>12} {'state GB/s':>11} "
+    hdr = (f"{'N':>5} {'impl':<14} {'us/layer':>9} {'graph us':>9} {'tok/s/layer':>12} {'state GB/s':>11} "
            f"{'% copy':>7} {'20 layers us':>13}")
     print(hdr)
     rows = []
     for N in batches:
         L, tok, slots = _setup(N)
         state_bytes = 2 * N * H * K * V * 4
-        impls = [("ours", _ours(L, tok, slots))]
+        impls = [("ours", _ours(L, tok, slots))] + [(name, mk(L, tok, slots, **kw))
+                                                     for name, (mk, kw) in _FG_IMPLS.items()]
         if use_fla:
             f = _fla_fn(L, tok, slots)
             if f is not None:
                 impls.append(("fla-core", f))
         for name, fn in impls:
+            n_sm = num_sms("cuda")
+            if name == "fg early" and N * H * (V // decode_config(N, H, K, V, n_sm).BV) > 8 * n_sm:
+                continue                                  # 250 registers for the weights: only small grids
             ms = t_ms(fn)
             ms_g = t_ms(fn, graph=True)
             best = min(ms, ms_g)
@@ -136,15 +177,19 @@ def bench_decode(batches, use_fla=True):
                      us=ms * 1e3, us_g=ms_g * 1e3, tps=N / (best * 1e-3), bw=bw,
                      pct=100 * bw / bw_copy, l20=N_KDA_LAYERS * best * 1e3)
             rows.append(r)
-            print(f"{N:>5} {name:<12} {r['us']:>9.2f} {r['us_g']:>9.2f} {r['tps']:>12.3g} {bw / 1e9:>11.0f} "
+            print(f"{N:>5} {name:<14} {r['us']:>9.2f} {r['us_g']:>9.2f} {r['tps']:>12.3g} {bw / 1e9:>11.0f} "
                   f"{r['pct']:>6.1f}% {r['l20']:>13.1f}")
         del L, tok, slots
         torch.cuda.empty_cache()
     print("\n| KDA decode (H=32, K=V=128) | N | eager us/layer | graph us/layer | state GB/s | % of copy BW |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        what = (f"ours (conv+gate+delta+norm, {r['cfg']})" if r["impl"] == "ours"
-                else "fla-core 0.6 fused_recurrent (core only)")
+        what = {"ours": f"ours (conv+gate+delta+norm, {r['cfg']}; z, r given)",
+                "chain bmm+dec": "skinny_bmm_nt f_b|g_b + ours (the unfused chain)",
+                "fg dflt": "ours with fg_a / fg_b, default pick (fused for N <= _FG_MAX_N)",
+                "fg early": "ours, f_b|g_b fused, weights in registers before the wait",
+                "fg rc": "ours, f_b|g_b fused, RC-column chunks after the wait"}.get(
+                    r["impl"], "fla-core 0.6 fused_recurrent (core only)")
         print(f"| {what} | {r['N']} | {r['us']:.2f} | {r['us_g']:.2f} | {r['bw'] / 1e9:.0f} | {r['pct']:.1f}% |")
     print(f"\ncopy bandwidth measured in this run: {bw_copy / 1e12:.2f} TB/s")
     return rows
@@ -188,7 +233,7 @@ def sweep_decode(batches, use_fla=True):
     for N in batches:
         L, tok, slots = _setup(N)
         state_bytes = 2 * N * H * K * V * 4
-        dflt = tuple(decode_config(N, H, K, V, n_sm))
+        dflt = tuple(decode_config(N, H, K, V, n_sm)._replace(fg=False, fg_early=False))   # z, r given here
         cfgs = list(dict.fromkeys([dflt] + SWEEP))
         P0 = {k: v.clone() for k, v in L.items()}                    # pristine pools (timing advances L)
         R = {k: v.clone() for k, v in L.items()}
@@ -196,7 +241,7 @@ def sweep_decode(batches, use_fla=True):
                                R["o_norm_w"], EPS, R["conv_state"], R["rec_state"], slots)
         rows = []
         for cfg in cfgs:
-            bv, nw, tail, early, pps, mr, sa = cfg
+            bv, nw, tail, early, pps, mr, sa = cfg[:7]
             kw = dict(BV=bv, num_warps=nw, tail=tail, early=early, pps=pps or None, maxnreg=mr or None,
                       store_after=sa)
             try:
@@ -231,9 +276,61 @@ def sweep_decode(batches, use_fla=True):
         del L, tok, slots, P0, R
         torch.cuda.empty_cache()
     print("\n# best config per N (* = default): " + "; ".join(
-        f"N={N}: {_label(c)} {us:.2f} us{' *' if c == tuple(decode_config(N, H, K, V, n_sm)) else ''}"
+        f"N={N}: {_label(c)} {us:.2f} us{' *' if c[:7] == tuple(decode_config(N, H, K, V, n_sm))[:7] else ''}"
         for N, (us, c, _) in best.items()))
     return best
+
+
+def compile_report(batches=(1, 8, 64), arch=90, n_sm=132, gdc=True):
+    """Offline sm_<arch> compile (Triton's bundled ptxas and cuobjdump; no GPU, not under TRITON_INTERPRET) of the
+    per-tile decode kernel at the default config of each N, without and with the low-rank gates in the kernel
+    (fg: weights in registers before gdc_wait when fg_early, else RC-column chunks) -> rows (N, label, regs, spill
+    stack bytes, shared bytes)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.kda import recurrent as rec
+
+    fn = rec._kda_decode_kernel
+    names = fn.arg_names
+    types = {n: "*bf16" for n in names if n.endswith("_ptr")}
+    types.update(convw_ptr="*fp32", alog_ptr="*fp32", dtb_ptr="*fp32", state_ptr="*fp32", o_ptr="*fp32",
+                 cnt_ptr="*i32", slot_ptr="*i32", scale="fp32", eps="fp32")
+    types.update({n: "i32" for n in names if n.startswith("stride")})
+    cuobjdump = f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump"
+    rows = []
+    for N in batches:
+        cfg = decode_config(N, H, K, V, n_sm)
+        for fg, fg_early in ((False, False), (True, True), (True, False)):
+            c = dict(H=H, K=K, V=V, W=W, BK=K, BV=cfg.BV, NV=V // cfg.BV, BVF=V, TAIL=cfg.tail, EARLY=cfg.early,
+                     STORE_AFTER=cfg.store_after, GDC=gdc, FG=fg, R=K, BR=K, RC=rec._FG_RC, FG_EARLY=fg_early)
+            sig = {n: types.get(n, "constexpr") for n in names}
+            attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
+                     if types.get(n, "").startswith("*") or n.startswith("stride")}
+            src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in c.items()},
+                            attrs=attrs)
+            opt = dict(num_warps=cfg.num_warps)
+            if cfg.maxnreg:
+                opt["maxnreg"] = cfg.maxnreg
+            kern = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opt)
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kern.asm["cubin"])
+                f.flush()
+                res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+            m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+            what = "unfused (z, r in)" if not fg else ("fused fg_early" if fg_early else f"fused RC{rec._FG_RC}")
+            dflt = (fg == cfg.fg) and (not fg or fg_early == cfg.fg_early)
+            rows.append((N, f"{_label(cfg)} {what}{' *' if dflt else ''}", int(m.group(1)), int(m.group(2)),
+                         int(kern.metadata.shared)))
+    print(f"# offline sm_{arch} (Triton {triton.__version__}), GDC={gdc}: regs / spill stack bytes / smem; "
+          f"* = what decode_config runs with low-rank inputs at this N")
+    for N, lab, reg, st, sh in rows:
+        print(f"N={N:<4} {lab:<48} regs {reg:>3}  stack {st:>3} B  smem {sh:>6} B")
+    return rows
 
 
 def bench_prefill():
@@ -256,8 +353,12 @@ def main():
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill hook (same as --no-prefill)")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--regs", action="store_true", help="offline sm_90 registers of the decode kernel (no GPU), exit")
     a = ap.parse_args()
     batches = [int(x) for x in a.batch.split(",")]
+    if a.regs:
+        compile_report()
+        return
     torch.manual_seed(0)
     if not a.no_check:
         check()

@@ -429,3 +429,54 @@ def test_decode_cuda_graph_gpu(kw):
         assert torch.equal(y_static, y_eager[step])
     assert torch.equal(B["rec_state"], A["rec_state"]) and torch.equal(B["conv_state"], A["conv_state"])
     assert_bits_equal("null slot", B["rec_state"][0], L["rec_state"][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 8, 64, 256])
+@pytest.mark.parametrize("kw", [{}, dict(fg=True, fg_early=True), dict(fg=True, fg_early=False),
+                                dict(fg=True, fg_early=False, fg_rc=16), dict(fg=True, BV=128),
+                                dict(fg=True, BV=8, tail=TAIL_POST), dict(fg=True, BV=16, tail=TAIL_LOOP),
+                                dict(fg=True, BV=32, store_after=True)],
+                         ids=["default", "early", "rc32", "rc16", "single", "post", "loop", "sa"])
+def test_decode_fg_kimi_gpu(N, kw):
+    # Kimi shapes: the low-rank gates inside the kernel vs the unfused path (skinny_bmm_nt's bf16 z, r, then the
+    # kernel) over 3 chained steps, on output and state
+    H, K, V = 32, 128, 128
+    S = N + 2
+    L = make_kda_layer(H, K, V, S, device="cuda", conv_dtype=torch.bfloat16)
+    slots = (torch.randperm(S - 1, device="cuda")[:N] + 1).to(torch.int32)
+    A, B = _clone(L), _clone(L)
+    from kernels.gemv import skinny_bmm_nt
+    for step in range(3):
+        tok = make_kda_tokens(N, H, K, V, dtype=torch.bfloat16, device="cuda", seed=step)
+        fg_a, fg_b = _fg_inputs(N, H, K, V, K, torch.bfloat16, seed=40 + step)
+        z, r = skinny_bmm_nt(fg_a, fg_b).unbind(0)
+        y_ref = _decode(kda_decode_triton, A, dict(tok, z=z, r=r), slots)
+        y = _decode_fg(kda_decode_triton, B, tok, slots, fg_a, fg_b, **kw)
+        assert_close(f"o step {step}", y, y_ref, 5e-3)
+    assert_close("state", B["rec_state"], A["rec_state"], 5e-3)
+    assert torch.equal(B["conv_state"], A["conv_state"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [{}, dict(fg=True, fg_early=False)])
+def test_decode_fg_cuda_graph_gpu(kw):
+    # the fused path (default at N = 8: RC chunks; forced) replays bit-identically to eager, padded lanes included
+    H, K, V, N, S = 32, 128, 128, 8, 12
+    L = make_kda_layer(H, K, V, S, device="cuda", conv_dtype=torch.bfloat16)
+    tok = make_kda_tokens(N, H, K, V, dtype=torch.bfloat16, device="cuda")
+    fg_a, fg_b = _fg_inputs(N, H, K, V, K, torch.bfloat16)
+    slots = _i32([3, 1, 0, 0, 7, 2, 0, 11])
+    A, B = _clone(L), _clone(L)
+    y_eager = [_decode_fg(kda_decode_triton, A, tok, slots, fg_a, fg_b, **kw) for _ in range(3)]
+    _decode_fg(kda_decode_triton, _clone(L), tok, slots, fg_a, fg_b, **kw)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y_static = _decode_fg(kda_decode_triton, B, tok, slots, fg_a, fg_b, **kw)
+    for step in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_static, y_eager[step])
+        assert torch.equal(y_static[2], torch.zeros_like(y_static[2]))
+    assert torch.equal(B["rec_state"], A["rec_state"]) and torch.equal(B["conv_state"], A["conv_state"])
