@@ -110,16 +110,26 @@ class KimiDeltaAttention(nn.Module):
         c, k = self.qkv_dim, self.head_dim
         qkv, b = y[:, :c], y[:, c + 2 * k:]         # [T, 3HK] pre-conv q | k | v, [T, H] beta logits (row views)
         fg_a = y[:, c:c + 2 * k].view(-1, 2, k).transpose(0, 1)                  # [2, T, K] f_a | g_a outputs
-        fg = skinny_bmm_nt(fg_a, self.fg_b_proj) if self.gemv else torch.bmm(fg_a, self.fg_b_proj.transpose(1, 2))
-        z, r = fg.unbind(0)                                                      # [T, HK] forget, output gates
         conv, rec = cache.conv_state[self.cache_index], cache.rec_state[self.cache_index]
-        w, nd, outs = self.o_norm.weight, batch.num_decodes, []
+        w, nd, T, outs = self.o_norm.weight, batch.num_decodes, x.shape[0], []
         if nd:
-            outs.append(kda_decode(qkv[:nd], self.conv_weight, z[:nd], b[:nd], self.A_log, self.dt_bias, r[:nd], w,
-                                   self.eps, conv, rec, batch.state_slots[:nd]))
-        if nd < x.shape[0]:
-            outs.append(kda_prefill(qkv[nd:], self.conv_weight, z[nd:], b[nd:], self.A_log, self.dt_bias, r[nd:], w,
-                                    self.eps, conv, rec, batch.prefill_cu_seqlens, batch.state_slots[nd:],
+            if self.gemv:
+                # the rank-K f_b | g_b up-projection of the decode tokens runs inside kda_decode (in the decode kernel
+                # for small batches, else a skinny_bmm_nt there): no launch of its own. fg_a, fg_b positional (bench/
+                # ablate.py's stand-in takes *args)
+                z = r = None
+                fa, fb = fg_a[:, :nd], self.fg_b_proj
+            else:                                                                # KIMI_GEMV=0: cuBLAS, then decode
+                z, r = torch.bmm(fg_a[:, :nd], self.fg_b_proj.transpose(1, 2)).unbind(0)      # [nd, HK] each
+                fa = fb = None
+            outs.append(kda_decode(qkv[:nd], self.conv_weight, z, b[:nd], self.A_log, self.dt_bias, r, w, self.eps,
+                                   conv, rec, batch.state_slots[:nd], fa, fb))
+        if nd < T:
+            fa = fg_a[:, nd:]                                                    # [2, T - nd, K] prefill rows only
+            zr = skinny_bmm_nt(fa, self.fg_b_proj) if self.gemv else torch.bmm(fa, self.fg_b_proj.transpose(1, 2))
+            z, r = zr.unbind(0)                                                  # [T - nd, HK] forget, output gates
+            outs.append(kda_prefill(qkv[nd:], self.conv_weight, z, b[nd:], self.A_log, self.dt_bias, r, w, self.eps,
+                                    conv, rec, batch.prefill_cu_seqlens, batch.state_slots[nd:],
                                     batch.has_initial_state[nd:]))
         return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 
