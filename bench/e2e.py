@@ -76,21 +76,25 @@ def smoke_config_dict() -> dict:
 
 
 class RouterTap:
-    """Wraps the model's moe_router: when `on`, counts the distinct experts each call picked (eager steps only: a
-    replayed CUDA graph runs no Python; `on` stays off during capture, so the graphs are unchanged)."""
+    """Wraps the model's routers (moe_router, and moe_router_add_norm where the model has it): when `on`, counts the
+    distinct experts each call picked (eager steps only: a replayed CUDA graph runs no Python; `on` stays off during
+    capture, so the graphs are unchanged)."""
 
     def __init__(self):
         self.on = False
         self.counts = []
-        real = kimi_linear.moe_router
+        for name in ("moe_router", "moe_router_add_norm"):
+            if hasattr(kimi_linear, name):
+                setattr(kimi_linear, name, self._tap(getattr(kimi_linear, name)))
 
-        def tap(x, *a, **kw):
-            weights, ids = real(x, *a, **kw)
+    def _tap(self, real):
+        def tap(*a, **kw):
+            out = real(*a, **kw)
             if self.on:
-                self.counts.append(int(torch.unique(ids).numel()))
-            return weights, ids
+                self.counts.append(int(torch.unique(out[-1]).numel()))   # ids come last
+            return out
 
-        kimi_linear.moe_router = tap
+        return tap
 
 
 class Roofline:
