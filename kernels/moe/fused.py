@@ -21,6 +21,9 @@ Pipeline (no host sync anywhere; every size comes from tensor shapes, so it is C
 4. **Combine** (``_moe_combine_kernel``): ``out[t] = sum_j w[t, j] * y[t*k + j]`` in fp32 (j ascending), cast to
    x.dtype; with split-K, ``y[i]`` is the partials' sum in split order rounded to x.dtype. No atomics:
    bit-deterministic.
+   Decode (``fused_moe_add_norm``, T <= TAIL_NORM_MAX_T): no combine launch; each GEMM2 program arrives on an acq_rel
+   counter after its stores, and the grid's last one computes combine + residual add + the next layer's RMSNorm for
+   all T tokens (``_tail_add_norm``, the ops of kernels.norm.combine_add_rmsnorm, same bits) and resets the counter.
 
 Decode N tiles (``get_config`` with top_k): the few selected experts' weights are cut into ``nt`` even ("ragged")
 N tiles per row block, ``nt`` picked so that blocks * nt programs spread evenly over the SMs (``balanced_tiles``);
@@ -39,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kernels._pdl import gdc_launch_dependents, gdc_wait
-from kernels._tensors import H200_SMEM, max_shared_mem, num_sms
+from kernels._tensors import H200_SMEM, arrival_counters, max_shared_mem, num_sms, unit_last_stride
 from kernels.moe.router import INTERPRET, cast_to, dot_acc, dot_mode
 
 # Largest M = T*k aligned by the single-program Triton align kernel; above it the torch path is used.
@@ -61,6 +64,11 @@ _PDL = set(_PDL_ENV.split(",")) - {"0", ""}
 DECODE_PDL, DECODE_PREFETCH, DECODE_EVICT = bool(_PDL), "prefetch" in _PDL, "evict" in _PDL
 DECODE_PDL_T1 = _PDL_ENV != "0"          # PDL at one token unless switched off
 DECODE_PDL1 = "gemm1" in _PDL
+# fused_moe_add_norm: the combine + residual add + next RMSNorm in the tail of GEMM2 (the last program to arrive) for
+# T <= TAIL_NORM_MAX_T tokens (KIMI_MOE_TAIL_NORM_MAX_T, default 4: one program does all T rows); KIMI_MOE_TAIL_NORM=0:
+# GEMM2 + kernels.norm.combine_add_rmsnorm (one more launch) at every T (A/B switch)
+TAIL_NORM = os.environ.get("KIMI_MOE_TAIL_NORM", "1") != "0"
+TAIL_NORM_MAX_T = int(os.environ.get("KIMI_MOE_TAIL_NORM_MAX_T", "4"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -288,6 +296,9 @@ def _moe_gemm2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, RAGGED: tl.constexpr,
     GDC: tl.constexpr = False, PREFETCH: tl.constexpr = 0, W_EVICT: tl.constexpr = "",
+    cnt_ptr=None, tw_ptr=None, r_ptr=None, nw_ptr=None, xo_ptr=None, ho_ptr=None,
+    T=0, stride_r=0, stride_xo=0, stride_ho=0, eps=0.0,
+    TAIL: tl.constexpr = False, TOP_K: tl.constexpr = 1, SPLIT: tl.constexpr = 1, BD: tl.constexpr = 16,
 ):
     """out[s, idx, n] = inter[idx, Ks] . w2[e, n, Ks] for the rows idx of one block and the K range
     Ks = [s * k_steps * BK, (s + 1) * k_steps * BK) of split s = program_id(1) (one split: the whole K, out = y in
@@ -295,11 +306,34 @@ def _moe_gemm2_kernel(
     Grid: (blocks * NT, S); IDS_BLOCK, NT and RAGGED as in _moe_gemm1_kernel.
     GDC (launched with PDL after GEMM1): the rows, expert and weight addresses (and with PREFETCH > 0 an L2 prefetch
     of the first PREFETCH K elements of each of this tile's weight rows: no dependence on GEMM1) before waiting for
-    GEMM1's inter; then signal the (PDL-launched) combine. W_EVICT as in _moe_gemm1_kernel."""
+    GEMM1's inter; then signal the (PDL-launched) combine. W_EVICT as in _moe_gemm1_kernel.
+    TAIL (fused_moe_add_norm, T tokens): every program, blocks past the padded total included, then arrives on the
+    counter cnt_ptr; the last of the grid's programs combines, adds the residual and normalises all T tokens
+    (_tail_add_norm; SPLIT = S partials)."""
     pid_m, n_lo, n_hi, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT,
                                                    BM, BN, RAGGED, IDS_BLOCK, BLOCK_E)
-    if pid_m * BM >= npost:
-        return
+    if TAIL:
+        if pid_m * BM < npost:
+            _gemm2_tile(a_ptr, w_ptr, out_ptr, M, K, stride_am, stride_we, stride_wn, stride_os, stride_om, k_steps,
+                        n_lo, n_hi, idx, e, BM, BN, BK, EVEN_K, MODE, INTERP, GDC, PREFETCH, W_EVICT)
+        elif GDC:  # every CTA waits (kernels._pdl), and the last to arrive may be this one: it reads activations
+            gdc_wait()
+            gdc_launch_dependents()
+        _tail_add_norm(cnt_ptr, out_ptr, tw_ptr, r_ptr, nw_ptr, xo_ptr, ho_ptr, T, N, stride_os, stride_r,
+                       stride_xo, stride_ho, eps, TOP_K, SPLIT, BD, INTERP)
+    else:
+        if pid_m * BM >= npost:
+            return
+        _gemm2_tile(a_ptr, w_ptr, out_ptr, M, K, stride_am, stride_we, stride_wn, stride_os, stride_om, k_steps,
+                    n_lo, n_hi, idx, e, BM, BN, BK, EVEN_K, MODE, INTERP, GDC, PREFETCH, W_EVICT)
+
+
+@triton.jit
+def _gemm2_tile(a_ptr, w_ptr, out_ptr, M, K, stride_am, stride_we, stride_wn, stride_os, stride_om, k_steps,
+                n_lo, n_hi, idx, e, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                MODE: tl.constexpr, INTERP: tl.constexpr, GDC: tl.constexpr, PREFETCH: tl.constexpr,
+                W_EVICT: tl.constexpr):
+    # one live block's tile of _moe_gemm2_kernel (its docstring): PDL wait, K loop, store
     pid_s = tl.program_id(1)
     k_lo = pid_s * k_steps * BK                 # a multiple of BK: the K loads stay aligned
     k_hi = tl.minimum(k_lo + k_steps * BK, K)
@@ -334,6 +368,36 @@ def _moe_gemm2_kernel(
     tl.store(o_ptrs, cast_to(acc, out_ptr.dtype.element_ty, INTERP), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _tail_add_norm(cnt_ptr, y_ptr, tw_ptr, r_ptr, nw_ptr, xo_ptr, ho_ptr, T, D, stride_ys, stride_r, stride_xo,
+                   stride_ho, eps, TOP_K: tl.constexpr, SPLIT: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr):
+    """Arrival of one GEMM2 program (fused_moe_add_norm); the grid's last arrives -> for t < T: h[t] = r[t] +
+    combine(y)[t] and x[t] = rmsnorm(h[t]) * nw, stored to ho / xo. y [M, D] (or fp32 partials [SPLIT, M, D]) as
+    GEMM2 stores it, tw [T, TOP_K] fp32, r / xo / ho [T, D] row-strided, nw [D]. The ops are
+    kernels.norm._combine_add_rmsnorm_kernel's (EARLY_W) one for one, so the bits match combine_add_rmsnorm (keep
+    them in step). The counter is left at 0 (CUDA-graph replays, kernels._tensors.arrival_counters)."""
+    tl.debug_barrier()   # every thread's y stores precede the (release) arrival
+    n_arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if n_arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        offs = tl.arange(0, BD)
+        mask = offs < D
+        w = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        for t in range(T):
+            r = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+            # other programs' y rows: from L2 (.cg), after the acquire
+            acc = combine_row(y_ptr, tw_ptr, t, offs, mask, D, stride_ys, TOP_K, SPLIT, ho_ptr.dtype.element_ty,
+                              INTERP, ".cg")
+            x = cast_to(acc, ho_ptr.dtype.element_ty, INTERP).to(tl.float32)   # the combine's rounding
+            h = (r + x).to(ho_ptr.dtype.element_ty)
+            tl.store(ho_ptr + t * stride_ho + offs, h, mask=mask)
+            hf = h.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / D + eps)        # kernels.norm._rms_weighted
+            xn = (hf * rstd).to(xo_ptr.dtype.element_ty).to(tl.float32)
+            o = w * xn
+            tl.store(xo_ptr + t * stride_xo + offs, o.to(xo_ptr.dtype.element_ty), mask=mask)
+        tl.store(cnt_ptr, 0)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 4. combine
 # ----------------------------------------------------------------------------------------------------------------
@@ -354,18 +418,19 @@ def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, D, stride_ys, TOP_K: tl.constexpr
 
 @triton.jit
 def combine_row(y_ptr, w_ptr, t, offs, mask, D, stride_ys, TOP_K: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr,
-                INTERP: tl.constexpr):
+                INTERP: tl.constexpr, CACHE: tl.constexpr = ""):
     """fp32 sum_j w[t, j] * y[t*k + j] over the columns offs (SPLIT > 1: each y row is the sum of its fp32 K
-    partials in split order, rounded to DT first). Shared by _moe_combine_kernel and kernels.norm's fused
-    combine + add + RMSNorm, so both round alike."""
+    partials in split order, rounded to DT first). Shared by _moe_combine_kernel, kernels.norm's fused
+    combine + add + RMSNorm and GEMM2's tail (_tail_add_norm), so all round alike. CACHE: the y loads' cache
+    modifier (".cg": rows other programs of the same grid wrote)."""
     acc = tl.zeros(offs.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         wj = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
         y_ptrs = y_ptr + (t * TOP_K + j) * D + offs
-        yj = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+        yj = tl.load(y_ptrs, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
         if SPLIT > 1:
             for s in tl.static_range(1, SPLIT):
-                yj += tl.load(y_ptrs + s * stride_ys, mask=mask, other=0.0)
+                yj += tl.load(y_ptrs + s * stride_ys, mask=mask, other=0.0, cache_modifier=CACHE)
             yj = cast_to(yj, DT, INTERP).to(tl.float32)
         acc += wj * yj
     return acc
@@ -565,8 +630,11 @@ def moe_gemm1(x: torch.Tensor, w13: torch.Tensor, rows: MoERows, cfg: MoEConfig,
     return inter
 
 
-def moe_gemm2(inter: torch.Tensor, w2: torch.Tensor, rows: MoERows, cfg: MoEConfig) -> torch.Tensor:
-    """-> y [M, D] (inter.dtype), or with cfg.split2 > 1 fp32 K partials [S, M, D] (S <= split2: no empty split)."""
+def moe_gemm2(inter: torch.Tensor, w2: torch.Tensor, rows: MoERows, cfg: MoEConfig, tail: tuple | None = None):
+    """-> y [M, D] (inter.dtype), or with cfg.split2 > 1 fp32 K partials [S, M, D] (S <= split2: no empty split).
+    tail = (topk_weights [T, k] fp32, residual [T, D] unit last stride, norm_w [D], eps, x_next, h) (outputs [T, D]
+    contiguous, residual.dtype): the grid's last program also writes h = residual + combine(y) and
+    x_next = rmsnorm(h) * norm_w (fused_moe_add_norm) -> (x_next, h)."""
     M, inter_dim = inter.shape
     D = w2.shape[1]
     assert cfg.prefetch2 % 16 == 0, cfg  # whole 16-byte units per row (K = inter_dim itself is checked by _bulk_ok)
@@ -584,10 +652,22 @@ def moe_gemm2(inter: torch.Tensor, w2: torch.Tensor, rows: MoERows, cfg: MoEConf
         M, D, inter_dim, inter.stride(0), w2.stride(0), w2.stride(1), M * D, D, rows.ids, rows.E, NT, k_steps,
         BM=rows.BM, BN=BN, BK=BK, EVEN_K=inter_dim % BK == 0, MODE=dot_mode(inter.dtype), INTERP=INTERPRET,
         IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, PREFETCH=cfg.prefetch2 if _bulk_ok(w2, inter_dim) else 0),
-        W_EVICT="evict_first" if cfg.evict else "",
+        W_EVICT="evict_first" if cfg.evict else "", **(_tail_args(tail, y, S) if tail is not None else {}),
         num_warps=cfg.warps2 or cfg.num_warps, num_stages=cfg.stages2 or cfg.num_stages,
     )
-    return y
+    return y if tail is None else (tail[4], tail[5])
+
+
+def _tail_args(tail: tuple, y: torch.Tensor, S: int) -> dict:
+    """_moe_gemm2_kernel's TAIL arguments for moe_gemm2's tail tuple."""
+    tw, residual, norm_w, eps, x_next, h = tail
+    T, top_k = tw.shape
+    D = residual.shape[1]
+    assert residual.stride(-1) == 1 and x_next.is_contiguous() and h.is_contiguous() and norm_w.numel() == D
+    assert y.dtype == (torch.float32 if S > 1 else residual.dtype) and x_next.dtype == h.dtype == residual.dtype
+    return dict(cnt_ptr=arrival_counters(y.device, 1), tw_ptr=tw, r_ptr=residual, nw_ptr=norm_w, xo_ptr=x_next,
+                ho_ptr=h, T=T, stride_r=residual.stride(0), stride_xo=x_next.stride(0), stride_ho=h.stride(0),
+                eps=eps, TAIL=True, TOP_K=top_k, SPLIT=S, BD=triton.next_power_of_2(D))
 
 
 def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> torch.Tensor:
@@ -648,3 +728,47 @@ def fused_moe_uncombined_triton(x, w13, w2, topk_weights, topk_ids, config: MoEC
                                max_shared_mem(x.device))
     rows = moe_rows(topk_ids, E, cfg.BM, cfg.direct, cfg.ids_rows)
     return moe_gemm2(moe_gemm1(x, w13, rows, cfg), w2, rows, cfg)
+
+
+def tail_norm_ok(T: int, D: int, x_dtype: torch.dtype, residual_dtype: torch.dtype, cfg: MoEConfig) -> bool:
+    """fused_moe_add_norm runs the combine + add + norm in GEMM2's tail: KIMI_MOE_TAIL_NORM on, 1 <= T <=
+    TAIL_NORM_MAX_T (one program does all T rows), y in the residual's dtype, and GEMM2's warps those of
+    kernels.norm's row kernel for D (the same layout, hence the same sum-of-squares tree on the GPU)."""
+    from kernels.norm import row_config  # kernels.norm imports this module: here, at call time
+
+    return (TAIL_NORM and 1 <= T <= TAIL_NORM_MAX_T and x_dtype == residual_dtype
+            and (cfg.warps2 or cfg.num_warps) == row_config(triton.next_power_of_2(D))[0])
+
+
+def fused_moe_add_norm(x, w13, w2, topk_weights, topk_ids, residual, norm_w, eps, config: MoEConfig | None = None,
+                       out: tuple | None = None):
+    """The MoE layer and the next norm: -> (x_next [T, D], h [T, D]) in residual.dtype with h = residual + moe(x)
+    and x_next = rmsnorm(h) * norm_w: the bits of fused_moe_uncombined_triton followed by
+    kernels.norm.combine_add_rmsnorm. Small T (tail_norm_ok): no combine launch, the last GEMM2 program to arrive
+    computes it (_tail_add_norm); otherwise those two calls. CPU tensors (no forced Triton): fused_moe_ref +
+    add_rmsnorm. w13 / w2 / ids as fused_moe; residual [T, D] (row stride allowed), norm_w [D]. out: optional
+    (x_next, h) contiguous [T, D] buffers of the tail path, fully overwritten (tests)."""
+    from kernels._dispatch import use_triton
+    from kernels.norm import add_rmsnorm, combine_add_rmsnorm
+
+    if not use_triton(x):
+        from kernels.moe.ref import fused_moe_ref
+
+        return add_rmsnorm(fused_moe_ref(x, w13, w2, topk_weights, topk_ids), residual, norm_w, eps)
+    T, D = x.shape
+    E, N2, Dw = w13.shape
+    assert Dw == D and w2.shape == (E, D, N2 // 2) and residual.shape == (T, D), (w13.shape, w2.shape, residual.shape)
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == T
+    top_k = topk_ids.shape[1]
+    cfg = config or get_config(T * top_k, E, x.dtype, top_k, num_sms(x.device), N2 // 2, D, max_shared_mem(x.device))
+    if not tail_norm_ok(T, D, x.dtype, residual.dtype, cfg):
+        y = fused_moe_uncombined_triton(x, w13, w2, topk_weights, topk_ids, config=cfg)
+        return combine_add_rmsnorm(y, topk_weights, residual, norm_w, eps)
+    x, w13, w2 = x.contiguous(), w13.contiguous().to(x.dtype), w2.contiguous().to(x.dtype)
+    residual = unit_last_stride(residual)
+    if out is None:
+        out = tuple(torch.empty(T, D, dtype=residual.dtype, device=x.device) for _ in range(2))
+    x_next, h = out
+    rows = moe_rows(topk_ids, E, cfg.BM, cfg.direct, cfg.ids_rows)
+    tail = (topk_weights.contiguous(), residual, norm_w, eps, x_next, h)
+    return moe_gemm2(moe_gemm1(x, w13, rows, cfg), w2, rows, cfg, tail=tail)
