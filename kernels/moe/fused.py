@@ -385,8 +385,8 @@ def _tail_add_norm(cnt_ptr, y_ptr, tw_ptr, r_ptr, nw_ptr, xo_ptr, ho_ptr, T, D, 
         for t in range(T):
             r = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
             # other programs' y rows: from L2 (.cg), after the acquire
-            acc = combine_row(y_ptr, tw_ptr, t, offs, mask, D, stride_ys, TOP_K, SPLIT, ho_ptr.dtype.element_ty,
-                              INTERP, ".cg")
+            acc = combine_row_cache(y_ptr, tw_ptr, t, offs, mask, D, stride_ys, TOP_K, SPLIT, ho_ptr.dtype.element_ty,
+                                    INTERP, ".cg")
             x = cast_to(acc, ho_ptr.dtype.element_ty, INTERP).to(tl.float32)   # the combine's rounding
             h = (r + x).to(ho_ptr.dtype.element_ty)
             tl.store(ho_ptr + t * stride_ho + offs, h, mask=mask)
@@ -418,11 +418,18 @@ def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, D, stride_ys, TOP_K: tl.constexpr
 
 @triton.jit
 def combine_row(y_ptr, w_ptr, t, offs, mask, D, stride_ys, TOP_K: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr,
-                INTERP: tl.constexpr, CACHE: tl.constexpr = ""):
+                INTERP: tl.constexpr):
     """fp32 sum_j w[t, j] * y[t*k + j] over the columns offs (SPLIT > 1: each y row is the sum of its fp32 K
-    partials in split order, rounded to DT first). Shared by _moe_combine_kernel, kernels.norm's fused
-    combine + add + RMSNorm and GEMM2's tail (_tail_add_norm), so all round alike. CACHE: the y loads' cache
-    modifier (".cg": rows other programs of the same grid wrote)."""
+    partials in split order, rounded to DT first). Shared by _moe_combine_kernel and kernels.norm's fused
+    combine + add + RMSNorm (and, through combine_row_cache, GEMM2's tail _tail_add_norm), so all round alike."""
+    return combine_row_cache(y_ptr, w_ptr, t, offs, mask, D, stride_ys, TOP_K, SPLIT, DT, INTERP, "")
+
+
+@triton.jit
+def combine_row_cache(y_ptr, w_ptr, t, offs, mask, D, stride_ys, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
+                      DT: tl.constexpr, INTERP: tl.constexpr, CACHE: tl.constexpr):
+    """combine_row with CACHE the y loads' cache modifier ("": default; ".cg": rows that other programs of the same
+    grid wrote, read from L2). (No default argument: Triton 3.6 passes a callee's str default unwrapped.)"""
     acc = tl.zeros(offs.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         wj = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
