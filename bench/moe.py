@@ -353,11 +353,13 @@ def tail_norm(args):
 
         same = all(all(torch.equal(a, b) for a, b in zip(fused_moe_add_norm(*a), unfused(*a))) for a in ins)
         cfg = get_config(T * (K + 1), E + 1, torch.bfloat16, K + 1, sms, I, D)
+        us_g = _try_us([lambda a=a: fused_moe_uncombined_triton(*a[:5]) for a in ins], "gemms")
         us_u = _try_us([lambda a=a: unfused(*a) for a in ins], "unfused")
         us_f = _try_us([lambda a=a: fused_moe_add_norm(*a) for a in ins], "fused")
         tail = "tail" if tail_norm_ok(T, D, torch.bfloat16, torch.bfloat16, cfg) else "fallback (no tail)"
         print(f"tail-norm T={T}: gemm1 + gemm2 + combine_add_rmsnorm {us_u:7.2f} us/layer | fused_moe_add_norm "
-              f"{us_f:7.2f} us/layer [{tail}] | delta {us_u - us_f:+.2f} us | bits equal: {same} | {cfg.short()}")
+              f"{us_f:7.2f} us/layer [{tail}] | delta {us_u - us_f:+.2f} us | gemms alone (no norm) {us_g:7.2f} us | "
+              f"bits equal: {same} | {cfg.short()}")
 
 
 def main():
