@@ -384,6 +384,68 @@ def test_decode_fg_default_config():
         assert_close("state", B["rec_state"], A["rec_state"], 1e-5)
 
 
+_FG_OFFLINE = r"""
+import json, re, subprocess, tempfile, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.kda import recurrent as rec
+fn = rec._kda_decode_kernel
+names = fn.arg_names
+types = {n: "*bf16" for n in names if n.endswith("_ptr")}
+types.update(convw_ptr="*fp32", alog_ptr="*fp32", dtb_ptr="*fp32", state_ptr="*fp32", o_ptr="*fp32", cnt_ptr="*i32",
+             slot_ptr="*i32", scale="fp32", eps="fp32", **{n: "i32" for n in names if n.startswith("stride")})
+out = {}
+for N in (1, 8):
+    cfg = rec.decode_config(N, 32, 128, 128, 132)
+    c = dict(H=32, K=128, V=128, W=4, BK=128, BV=cfg.BV, NV=128 // cfg.BV, BVF=128, TAIL=cfg.tail, EARLY=cfg.early,
+             STORE_AFTER=cfg.store_after, GDC=True, FG=cfg.fg, R=128, BR=128, RC=rec._FG_RC, FG_EARLY=cfg.fg_early)
+    attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
+             if types.get(n, "").startswith("*") or n.startswith("stride")}
+    src = ASTSource(fn=fn, signature={n: types.get(n, "constexpr") for n in names},
+                    constexprs={(names.index(k),): v for k, v in c.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump", "-res-usage", f.name],
+                             capture_output=True, text=True).stdout
+    reg, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", res).groups())
+    ptx = k.asm["ptx"]
+    pre = ptx[:ptx.index("griddepcontrol.wait")]
+    out[N] = dict(fg=cfg.fg, early=cfg.fg_early, BV=cfg.BV, nw=cfg.num_warps, reg=reg, stack=stack,
+                  pre=re.findall(r"(?:ld|st|atom)\.global[.\w]*", pre))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_fg_offline_sm90():
+    """Offline sm_90 compile (Triton's ptxas, no GPU) of the fused default configs at Kimi shapes under PDL: N = 1
+    loads the head's f_b rows and the tile's g_b rows (16-byte vectors) before griddepcontrol.wait and nothing
+    else there; N = 8 (RC chunks) no load before it; neither spills."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KIMI_PDL")}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", _FG_OFFLINE], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode != 0 and "ptxas" in r.stderr:
+        pytest.skip("no bundled ptxas: " + r.stderr[-300:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    one, eight = res["1"], res["8"]
+    assert one["fg"] and one["early"] and eight["fg"] and not eight["early"]
+    # [128, 128] + [BV, 128] bf16 over 32 * nw threads in 16-byte vectors
+    n_vec = (128 * 128 + one["BV"] * 128) * 2 // 16 // (32 * one["nw"])
+    assert one["pre"] == ["ld.global.v4.b32"] * n_vec, one["pre"]
+    assert eight["pre"] == [], eight["pre"]
+    for N, c in res.items():
+        assert c["stack"] == 0 and c["reg"] <= 255, (N, c)
+
+
 # ----------------------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [1, 8, 64, 256])
