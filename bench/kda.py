@@ -93,7 +93,12 @@ def _fused(L, tok, slots, **kw):
 
 
 _FG_IMPLS = {"chain bmm+dec": (_chain, {}), "fg dflt": (_fused, {}),
-             "fg early": (_fused, dict(fg=True, fg_early=True)), "fg rc": (_fused, dict(fg=True, fg_early=False))}
+             "fg early": (_fused, dict(fg=True, fg_early=True)), "fg rc": (_fused, dict(fg=True, fg_early=False)),
+             # wider tiles: fewer programs re-reading the head's f_b (offline sm_90, Triton 3.6: BV 64 late RC32 167
+             # regs; BV 128 = one program per head at 16 warps, weights in registers 128 regs, no spill, where RC
+             # chunks spill 664 B)
+             "fg rc BV64": (_fused, dict(fg=True, fg_early=False, BV=64)),
+             "fg early BV128": (_fused, dict(fg=True, fg_early=True, BV=128))}
 
 
 def _ours(L, tok, slots, **kw):
@@ -167,8 +172,9 @@ def bench_decode(batches, use_fla=True):
                 impls.append(("fla-core", f))
         for name, fn in impls:
             n_sm = num_sms("cuda")
-            if name == "fg early" and N * H * (V // decode_config(N, H, K, V, n_sm).BV) > 8 * n_sm:
-                continue                                  # 250 registers for the weights: only small grids
+            kw = _FG_IMPLS.get(name, (None, {}))[1]
+            if kw.get("fg_early") and N * H * (V // (kw.get("BV") or decode_config(N, H, K, V, n_sm).BV)) > 8 * n_sm:
+                continue                                  # weights in registers (BV 32: 250): only small grids
             ms = t_ms(fn)
             ms_g = t_ms(fn, graph=True)
             best = min(ms, ms_g)
@@ -188,7 +194,9 @@ def bench_decode(batches, use_fla=True):
                 "chain bmm+dec": "skinny_bmm_nt f_b|g_b + ours (the unfused chain)",
                 "fg dflt": "ours with fg_a / fg_b, default pick (fused for N <= _FG_MAX_N)",
                 "fg early": "ours, f_b|g_b fused, weights in registers before the wait",
-                "fg rc": "ours, f_b|g_b fused, RC-column chunks after the wait"}.get(
+                "fg rc": "ours, f_b|g_b fused, RC-column chunks after the wait",
+                "fg rc BV64": "ours, f_b|g_b fused, RC chunks, BV 64",
+                "fg early BV128": "ours, f_b|g_b fused, weights in registers, BV 128 (one program per head)"}.get(
                     r["impl"], "fla-core 0.6 fused_recurrent (core only)")
         print(f"| {what} | {r['N']} | {r['us']:.2f} | {r['us_g']:.2f} | {r['bw'] / 1e9:.0f} | {r['pct']:.1f}% |")
     print(f"\ncopy bandwidth measured in this run: {bw_copy / 1e12:.2f} TB/s")
