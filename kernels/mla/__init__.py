@@ -2,7 +2,11 @@
 
 store_latent(latent [T, L+R], cache [NB, BS, L+R], slot_mapping [T] i64)            (in place; -1 = skip)
 mla_decode(q_lat [N, H, L], q_pe [N, H, R], cache, block_table [N, MB] i32, seq_lens [N] i32, scale,
-           num_splits=None, out=None) -> [N, H, L]
+           num_splits=None, out=None, w_uv=None) -> [N, H, L], or [N, H, V] = einsum("nhl,hvl->nhv", ., w_uv) with
+           w_uv [H, V, L] (the merge fused with the W_UV product: kernels/mla/absorb.py)
+mla_decode_prep(y [T, q_dim + L + R], q_dim, kv_norm_w [L], eps, w_uk [H, nope, L], cache, slot_mapping [T] i64)
+           -> q_lat [T, H, L] = einsum("thn,hnl->thl", q_nope, w_uk), q_nope = y[:, :q_dim].view(T, H, -1)[..., :nope];
+           and, in the same launch, store_latent(rmsnorm_head(y[:, q_dim:], kv_norm_w, eps), cache, slot_mapping)
 mla_extend(q_lat [T, H, L], q_pe [T, H, R], cache, block_table [P, MB] i32, cu_seqlens [P+1] i32,
            seq_lens [P] i32, scale, max_query_len=None, out=None) -> [T, H, L]
 
@@ -20,12 +24,16 @@ import torch.nn.functional as F
 
 from kernels._dispatch import use_triton
 
+from .absorb import mla_decode_prep_ref, mla_decode_uv_ref
 from .ref import (gather_latent_batch_ref, mla_decode_ref, mla_extend_ref, mla_prefill_expanded_ref,
                   store_latent_ref)
 
 __all__ = [
     "store_latent",
     "mla_decode",
+    "mla_decode_prep",
+    "mla_decode_prep_ref",
+    "mla_decode_uv_ref",
     "mla_extend",
     "gather_latent",
     "mla_prefill_expanded",
@@ -54,14 +62,35 @@ def store_latent(latent, cache, slot_mapping):
     return store_latent_ref(latent, cache, slot_mapping)
 
 
-def mla_decode(q_lat, q_pe, cache, block_table, seq_lens, scale, num_splits=None, out=None):
+def mla_decode(q_lat, q_pe, cache, block_table, seq_lens, scale, num_splits=None, out=None, w_uv=None):
     """``num_splits`` (host int): split-KV count; default from N and block_table.shape (graph-capturable).
-    ``out`` (optional [N, H, L]): written in full and returned."""
+    ``out`` (optional [N, H, L], [N, H, V] with w_uv): written in full and returned. ``w_uv`` (optional [H, V, L],
+    e.g. kv_b_proj.weight.view(H, nope + V, L)[:, nope:]): return the W_UV product of the attention latent (rounded
+    to q_lat.dtype first, like the einsum after a plain mla_decode); PDL launches per KIMI_PDL."""
     if use_triton(q_lat):
         from .decode import mla_decode_triton
 
-        return mla_decode_triton(q_lat, q_pe, cache, block_table, seq_lens, scale, num_splits=num_splits, out=out)
-    res = mla_decode_ref(q_lat, q_pe, cache, block_table, seq_lens, scale)
+        return mla_decode_triton(q_lat, q_pe, cache, block_table, seq_lens, scale, num_splits=num_splits, out=out,
+                                 w_uv=w_uv)
+    if w_uv is not None:
+        res = mla_decode_uv_ref(q_lat, q_pe, cache, block_table, seq_lens, scale, w_uv)
+    else:
+        res = mla_decode_ref(q_lat, q_pe, cache, block_table, seq_lens, scale)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+def mla_decode_prep(y, q_dim, kv_norm_w, eps, w_uk, latent_cache, slot_mapping, out=None):
+    """Decode-step head of the absorbed MLA layer in one launch (kernels/mla/absorb.py; PDL per KIMI_PDL): writes the
+    cache rows of the T tokens (slot -1: nothing) and returns q_lat [T, H, L] (y.dtype). Meant for decode batches
+    (T up to a few hundred: every program loops over all tokens); ``out`` (optional [T, H, L])."""
+    if use_triton(y):
+        from .absorb import mla_decode_prep_triton
+
+        return mla_decode_prep_triton(y, q_dim, kv_norm_w, eps, w_uk, latent_cache, slot_mapping, out=out)
+    res = mla_decode_prep_ref(y, q_dim, kv_norm_w, eps, w_uk, latent_cache, slot_mapping)
     if out is None:
         return res
     out.copy_(res)

@@ -16,6 +16,10 @@ base 2 (scale * log2(e) folded in), fp32 accumulation.
 * fused_merge (opt-in: variants 'w4 n32 fm*', or KIMI_MLA_FUSED_MERGE=1 on the default config): no stage 2; the last
   unit of a sequence to arrive (per-(sequence, head block) acq_rel counter, reset by that program) merges the
   partials in unit order (_merge_units) and writes the output; program u writes zeros for an empty sequence u.
+* w_uv (kernels/mla/absorb.py, the batch-1 decode chain): the output is the W_UV product [N, H, V]; stage 2 is
+  replaced by absorb's _uv_kernel (the merge of each head's units over all L columns, then w_uv[h] @ latent), which
+  reads stage 1's latent rows instead on the direct path and with fused_merge. Stage 1 and that kernel are PDL
+  launches there (stage 1 reads nothing before griddepcontrol.wait).
 * default_num_splits: 1 (no stage 2) once batch x head_blocks fills the program slots (programs_per_sm x SMs: B >= 231
   with the default two per SM on 132 SMs), else ~one wave.
 
@@ -28,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._pdl import gdc_enter, pdl_launch, pdl_on
 from kernels._tensors import H200_SMEM, arrival_counters, max_shared_mem, num_sms, unit_last_stride
 
 LOG2E = 1.4426950408889634
@@ -419,7 +424,9 @@ def _mla_decode_stage1(
     MERGE_S: tl.constexpr = 16,  # FUSED merge tile: MERGE_S units x BLOCK_H heads x MERGE_L columns per step
     MERGE_L: tl.constexpr = 8,
     MERGE_STAGES: tl.constexpr = 2,  # software-pipeline depth of the merge's column loop
+    GDC: tl.constexpr = False,  # PDL launch (w_uv path): nothing is read before the wait
 ):
+    gdc_enter(GDC)
     u = tl.program_id(0)  # DIRECT: the sequence; else the work unit
     hb = tl.program_id(1)
     if DIRECT:
@@ -810,9 +817,17 @@ def mla_decode_triton(
     block_n=None,
     min_split_tokens=None,
     config=None,
+    w_uv=None,
+    pdl=None,
+    uv_cfg=None,
 ):
-    """See kernels/mla/__init__.py. ``out`` (optional [N, H, L], last dim contiguous) is written in full.
-    ``config`` (dict like DECODE_CFG's entries) overrides the GPU tiles (bench sweeps)."""
+    """See kernels/mla/__init__.py. ``out`` (optional [N, H, L], or [N, H, V] with w_uv; last dim contiguous) is
+    written in full. ``config`` (dict like DECODE_CFG's entries) overrides the GPU tiles (bench sweeps).
+    ``w_uv`` ([H, V, L], last dim contiguous): the output is the W_UV product of the attention latent, [N, H, V]
+    (kernels/mla/absorb.py: the split merge -- or, for num_splits 1 / fused-merge configs, a read of the latent row
+    stage 1 wrote -- fused with the product; stage 2 is not launched). ``pdl`` (w_uv path only; None: KIMI_PDL):
+    stage 1 and the W_UV kernel are PDL launches; the plain path keeps ordinary launches. ``uv_cfg``: absorb.uv_config
+    overrides (bench)."""
     N, H, L = q_lat.shape
     R = q_pe.shape[2]
     NB, BS, D = cache.shape
@@ -823,11 +838,16 @@ def mla_decode_triton(
     q_pe = unit_last_stride(q_pe)
     block_table = unit_last_stride(block_table, torch.int32)
     seq_lens = unit_last_stride(seq_lens, torch.int32)
+    if w_uv is not None:  # the caller's out is the [N, H, V] product; stage 1 writes the latent rows to lat_out
+        assert w_uv.dim() == 3 and w_uv.shape[0] == H and w_uv.shape[2] == L and w_uv.stride(2) == 1, w_uv.shape
+        uv_out = out if out is not None else torch.empty(N, H, w_uv.shape[1], dtype=q_lat.dtype, device=q_lat.device)
+        assert uv_out.shape == (N, H, w_uv.shape[1]) and uv_out.stride(2) == 1
+        out = None
     if out is None:
         out = torch.empty(N, H, L, dtype=q_lat.dtype, device=q_lat.device)
     assert out.shape == (N, H, L) and out.stride(2) == 1
     if N == 0:
-        return out
+        return out if w_uv is None else uv_out
     on_gpu = q_lat.is_cuda
     cfg, blocks = decode_config(H, L, R, cache.dtype, on_gpu, block_n, config, max_shared_mem(q_lat.device))
     BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R = blocks["BLOCK_H"], blocks["BLOCK_N"], blocks["BLOCK_L"], blocks["BLOCK_R"]
@@ -859,6 +879,7 @@ def mla_decode_triton(
     if on_gpu and cfg.get("maxnreg"):  # ptxas register cap (.maxnreg): e.g. 128 x 256 threads -> 2 programs per SM
         kw["maxnreg"] = cfg["maxnreg"]
     fused = bool(cfg.get("fused_merge", False)) and not direct
+    gdc = pdl_launch(pdl_on(pdl) if w_uv is not None else bool(pdl))
     variant = dict(
         FUSED=fused,
         KEYS_M=bool(cfg.get("keys_m", False)),
@@ -922,7 +943,13 @@ def mla_decode_triton(
         UPCAST=_upcast(cache.dtype),
         **variant,
         **kw,
+        **gdc,
     )
+    if w_uv is not None:  # merge (split path) or latent row read, fused with the W_UV product
+        from .absorb import launch_uv
+
+        return launch_uv(seq_lens, opart, lse, out, w_uv, uv_out, N, H, G, L, BLOCK_L, BLOCK_N, BLOCK_B, min_tiles,
+                         not direct and not fused, num_splits, pdl=bool(gdc), cfg=uv_cfg)
     if not direct and not fused:
         mc = merge_config(N, H, BLOCK_L, num_splits, num_sms(q_lat.device))
         if cfg.get("merge"):  # tests / sweeps: explicit stage-2 tiles
