@@ -374,6 +374,86 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=
         print(line, flush=True)
 
 
+def b1_chain(pool, sms, uv_sweep=True):
+    """Issue 6: the decode chain of one MLA layer, unfused (rmsnorm_head, store_latent, einsum, mla_decode, einsum)
+    vs fused (mla_decode_prep, mla_decode with w_uv), CUDA graphs with an L2 flush before each call (flush time
+    subtracted), PDL per KIMI_PDL (auto: on on sm_90). Also each half alone, the chain between in_proj / o_proj
+    gemvs (their PDL overlap with the fused kernels' weight loads), and the uv block picks (uv_config) at B=1."""
+    from kernels._pdl import ENABLED as PDL_ON
+    from kernels.gemv import gemv_triton
+    from kernels.mla.absorb import mla_decode_prep_triton
+    from kernels.mla.cache import store_latent_triton
+    from kernels.norm import rmsnorm_head_triton
+
+    nope, V, hidden, eps = 128, 128, 2304, 1e-6
+    q_dim = H * (nope + R)
+    w_norm = (1 + 0.1 * torch.randn(L, device="cuda")).to(DT)
+    kv_b = (torch.randn(H, nope + V, L, device="cuda") / L ** 0.5).to(DT)
+    w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
+    w_in = (torch.randn(q_dim + D, hidden, device="cuda") / hidden ** 0.5).to(DT)
+    w_o = (torch.randn(hidden, H * V, device="cuda") / (H * V) ** 0.5).to(DT)
+    print(f"\n== b1 chain: one MLA layer's decode path, graph us (L2 flushed), KIMI_PDL {'on' if PDL_ON else 'off'} ==")
+    print(f"{'B':>3} {'S':>6} {'splits':>6} {'chain':>8} {'fused':>8} {'saved':>7} | {'prep':>6} {'nrm+st+ein':>10} | "
+          f"{'dec+uv':>7} {'dec+ein':>8} | {'gemv+chain':>10} {'gemv+fused':>10} {'rel err':>8}")
+    rows = []
+    for B in (1, 8):
+        for S in (1024, 8192):
+            bt, sl = pool.tables(B, S)
+            slots = (bt[:, (S - 1) // BS].long() * BS + (S - 1) % BS).contiguous()  # the new token: row S - 1
+            x = torch.randn(B, hidden, device="cuda").to(DT)
+            ns = default_num_splits(B, bt.shape[1], BS, H, sms)
+
+            def heads(y):  # q_nope, q_pe: views of the in_proj output, as in KimiMLA.forward
+                q = y[:, :q_dim].view(B, H, nope + R)
+                return q[..., :nope], q[..., nope:]
+
+            def u_prep(y):  # rmsnorm_head + store_latent + einsum -> q_lat
+                store_latent_triton(rmsnorm_head_triton(y[:, q_dim:], w_norm, eps), pool.cache, slots)
+                return torch.einsum("thn,hnl->thl", heads(y)[0], w_uk)
+
+            def f_prep(y):
+                return mla_decode_prep_triton(y, q_dim, w_norm, eps, w_uk, pool.cache, slots)
+
+            def chain(y):
+                out_lat = mla_decode_triton(u_prep(y), heads(y)[1], pool.cache, bt, sl, SCALE)
+                return torch.einsum("thl,hvl->thv", out_lat, w_uv)
+
+            def fused(y):
+                return mla_decode_triton(f_prep(y), heads(y)[1], pool.cache, bt, sl, SCALE, w_uv=w_uv)
+
+            def layer(path):  # in_proj gemv -> decode path -> o_proj gemv (PDL chains through all of it)
+                return lambda: gemv_triton(path(gemv_triton(x, w_in)).flatten(1), w_o)
+
+            y = gemv_triton(x, w_in)
+            q_lat, q_pe = f_prep(y), heads(y)[1]
+            err = rel_err(fused(y), chain(y))
+            t = {k: bench_graph(f) for k, f in (
+                ("chain", lambda: chain(y)), ("fused", lambda: fused(y)), ("prep", lambda: f_prep(y)),
+                ("u_prep", lambda: u_prep(y)),
+                ("dec", lambda: mla_decode_triton(q_lat, q_pe, pool.cache, bt, sl, SCALE, w_uv=w_uv)),
+                ("u_dec", lambda: torch.einsum("thl,hvl->thv", mla_decode_triton(q_lat, q_pe, pool.cache, bt, sl,
+                                                                                 SCALE), w_uv)),
+                ("l_chain", layer(chain)), ("l_fused", layer(fused)))}
+            us = {k: v * 1e6 for k, v in t.items()}
+            rows.append((B, S, ns, us, err))
+            print(f"{B:>3} {S:>6} {ns:>6} {us['chain']:8.1f} {us['fused']:8.1f} {us['chain'] - us['fused']:7.1f} | "
+                  f"{us['prep']:6.1f} {us['u_prep']:10.1f} | {us['dec']:7.1f} {us['u_dec']:8.1f} | "
+                  f"{us['l_chain']:10.1f} {us['l_fused']:10.1f} {err:8.1e}", flush=True)
+            if uv_sweep:
+                line = f"    uv picks B={B} S={S}:"
+                for bv in (16, 32, 64, 128):
+                    tt = bench_graph(lambda: mla_decode_triton(q_lat, q_pe, pool.cache, bt, sl, SCALE, w_uv=w_uv,
+                                                               uv_cfg=dict(block_v=bv)))
+                    line += f" block_v {bv}: {tt * 1e6:.1f} us"
+                print(line, flush=True)
+    print("\n| B | S | splits | chain us | fused us | prep us | norm+store+einsum us | decode+uv us | decode+einsum us "
+          "| gemv+chain+gemv us | gemv+fused+gemv us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for B, S, ns, us, _ in rows:
+        print(f"| {B} | {S} | {ns} | {us['chain']:.1f} | {us['fused']:.1f} | {us['prep']:.1f} | {us['u_prep']:.1f} | "
+              f"{us['dec']:.1f} | {us['u_dec']:.1f} | {us['l_chain']:.1f} | {us['l_fused']:.1f} |")
+
+
 def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90, maxnreg=None):
     """Compile one kernel for sm_<arch> without a GPU (Triton's bundled ptxas); print smem / regs / spills."""
     import subprocess
@@ -384,7 +464,7 @@ def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90, maxnreg=N
 
     target = GPUTarget("cuda", arch, 32)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    floats = {"qk_scale"}
+    floats = {"qk_scale", "eps"}
     sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
     div = [n for n in fn.arg_names if n not in consts and n not in floats and n not in ("N", "H", "G")
            and not sig[n].startswith("tensordesc")]
@@ -483,12 +563,37 @@ def ptxas_report(arch=90, only=None):
                      BLOCK_H=bh, IEEE=ieee, UPCAST=False),
                 c["num_warps"], c["num_stages"], f"extend {dtn} {c}",
             )
+        if not ieee:  # the fused decode chain (kernels/mla/absorb.py), PDL builds (GDC: griddepcontrol + prefetch)
+            from kernels.mla import absorb
+
+            build(absorb._prep_kernel, dict(q_ptr=dts, lat_ptr=dts, nw_ptr=dts, wuk_ptr=dts, cache_ptr=dts,
+                                            slot_ptr="*i64", qlat_ptr=dts),
+                  dict(NOPE=128, BLOCK_NOPE=128, BLOCK_L=absorb.PREP_BLOCK_L, BLOCK_T=absorb.PREP_BLOCK_T, BC=1024,
+                       BS=BS, EARLY_W=True, IEEE=False, UPCAST=False, GDC=True),
+                  4, 2, "absorb prep (GDC)")
+            for merge, ns_ in ((True, 16), (True, 128), (False, 1)):
+                c = absorb.uv_config(1, H, 128, ns_, merge, 132)
+                build(absorb._uv_kernel, dict(seqlen_ptr="*i32", opart_ptr="*fp32", lse_ptr="*fp32", lat_ptr=dts,
+                                              wuv_ptr=dts, out_ptr=dts),
+                      dict(L=L, BLOCK_L=L, BLOCK_V=c["BLOCK_V"], VC=c["VC"], BLOCK_S=c["BLOCK_S"], BLOCK_N=64,
+                           BLOCK_B=128, MIN_TILES=1, MERGE=merge, GDC=True),
+                      8, 2, f"absorb uv (GDC) merge={merge} splits={ns_} {c}")
+            c = dec.DECODE_CFG["16bit"]
+            build(dec._mla_decode_stage1,
+                  dict(q_ptr=dts, qpe_ptr=dts, cache_ptr=dts, bt_ptr="*i32", seqlen_ptr="*i32", out_ptr=dts,
+                       opart_ptr="*fp32", lse_ptr="*fp32"),
+                  dict(L=L, R=R, BLOCK_L=L, BLOCK_R=R, BS=BS, BLOCK_N=c["block_n"], BLOCK_H=c["block_h"], BLOCK_B=128,
+                       MIN_TILES=1, DIRECT=False, IEEE=False, UPCAST=False, KEYS_M=False, PAGE_TILE=True,
+                       WARP_SPEC=False, PREFETCH=0, LSPLIT=True, FUSED=False, cnt_ptr=None, MERGE_S=8, MERGE_L=32,
+                       MERGE_STAGES=2, TMA=False, c_desc=None, k_desc=None, GDC=True),
+                  c["num_warps"], c["num_stages"], "absorb: decode stage 1 default (GDC)", c.get("maxnreg"))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ptxas", action="store_true", help="offline sm_90 compile report (no GPU)")
-    ap.add_argument("--only", choices=["decode", "extend", "prefill"], help="with --ptxas: one kernel family")
+    ap.add_argument("--only", choices=["decode", "extend", "prefill", "absorb"],
+                    help="with --ptxas: one kernel family")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-dense", action="store_true")
@@ -501,6 +606,8 @@ def main():
     ap.add_argument("--check-only", action="store_true", help="only the device check of the decode default and "
                     "--variants (tiny GPU repro: wrong variants print WRONG)")
     ap.add_argument("--split-sweep", action="store_true", help="with --sweep-decode: split counts at B=1 S=128k too")
+    ap.add_argument("--b1-chain", action="store_true", help="only the unfused vs fused decode chain of one MLA layer "
+                    "(mla_decode_prep + mla_decode(w_uv=)) at B 1/8, S 1k/8k, CUDA graphs")
     ap.add_argument("--variants", help="with --sweep-decode: comma-separated DECODE_VARIANTS names (default: all but "
                     "decode.GPU_BROKEN, wrong or an illegal address on the H200)")
     args = ap.parse_args()
@@ -510,6 +617,9 @@ def main():
     torch.manual_seed(0)
     dev = torch.cuda.get_device_properties(0)
     print(f"device: {dev.name}, {dev.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
+    if args.b1_chain:
+        b1_chain(Pool(8 * 8192 + 1024), dev.multi_processor_count)
+        return
     # '+' stands for a space in variant names ("h64+n32"): bench/h200.sh passes ARGS_mla word-split, unquoted
     names = ([n.strip().replace("+", " ") for n in args.variants.split(",")] if args.variants
              else [n for n in dec.DECODE_VARIANTS if n not in dec.GPU_BROKEN])
