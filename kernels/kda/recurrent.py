@@ -26,6 +26,13 @@ PDL (KIMI_PDL=1, kernels._pdl; `pdl` overrides): the kernels take GDC and are la
 dependent launch; before griddepcontrol.wait they only compute offsets and (the per-tile kernel) prefetch the head's
 conv weights, dt_bias and norm weight into L2; the slot, the state and every activation are read after it.
 
+Low-rank gates (FG; kda_decode_triton(fg_a=, fg_b=), the model's decode path): the kernels take f_a, g_a [N, R] and
+f_b [HK, R], g_b [HV, R] instead of z, r and form z = f_a f_b^T (every tile program: all K channels of its head) and
+r = g_a g_b^T (its V tile; TAIL_LAST / TAIL_POST hand r to the tail through y) with fp32 sums rounded to the
+activation dtype, i.e. the bf16 values a separate skinny_bmm_nt would have written (summed over R in another order).
+Small grids hold the weights in registers, loaded before gdc_wait (FG_EARLY); otherwise RC-column chunks after it,
+L2-prefetched before it. Past _FG_MAX_N sequences the wrapper runs skinny_bmm_nt first instead.
+
 Lanes whose slot is <= 0 (the null slot, CUDA-graph padding) read and write no state and output zeros, so padded
 lanes cost almost no bandwidth and never touch a real slot. No host syncs, no data-dependent shapes: the whole
 step is CUDA-graph capturable.
