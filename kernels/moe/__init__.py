@@ -8,7 +8,7 @@ from kernels._dispatch import use_triton
 from kernels.moe.ref import fused_moe_ref, moe_router_ref
 from kernels.moe.fused import fused_moe_add_norm  # noqa: F401,E402 (MoE + combine + add + next norm)
 
-__all__ = ["moe_router", "fused_moe", "moe_router_ref", "fused_moe_ref"]
+__all__ = ["moe_router", "moe_router_add_norm", "fused_moe", "moe_router_ref", "fused_moe_ref"]
 
 
 def moe_router(
@@ -31,6 +31,34 @@ def moe_router(
         return moe_router_triton(x, gate_w, bias, top_k, routed_scaling_factor, renormalize, biased_weights,
                                  append_expert)
     return moe_router_ref(x, gate_w, bias, top_k, routed_scaling_factor, renormalize, biased_weights, append_expert)
+
+
+def moe_router_add_norm(
+    attn: torch.Tensor,
+    residual: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    gate_w: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    routed_scaling_factor: float = 1.0,
+    renormalize: bool = True,
+    biased_weights: bool = False,
+    append_expert: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (x, h, topk_weights, topk_ids) with (x, h) = kernels.norm.add_rmsnorm(attn, residual, norm_w, eps) and
+    the router of x (moe_router's arguments). The Triton path runs decode batches (T <= 16, router v2 / v3) in one
+    launch (kernels.moe.router.moe_router_add_norm_triton; KIMI_ROUTER_NORM=0: two); elsewhere the two ops."""
+    if use_triton(attn):
+        from kernels.moe.router import moe_router_add_norm_triton
+
+        return moe_router_add_norm_triton(attn, residual, norm_w, eps, gate_w, bias, top_k, routed_scaling_factor,
+                                          renormalize, biased_weights, append_expert)
+    from kernels.norm import add_rmsnorm_ref   # kernels.norm imports kernels.moe (no module-level import here)
+
+    x, h = add_rmsnorm_ref(attn, residual, norm_w, eps)
+    w, ids = moe_router_ref(x, gate_w, bias, top_k, routed_scaling_factor, renormalize, biased_weights, append_expert)
+    return x, h, w, ids
 
 
 def fused_moe(

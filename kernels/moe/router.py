@@ -28,7 +28,7 @@ import triton.language as tl
 
 from kernels._pdl import gdc_enter, gdc_wait, pdl_launch, pdl_on
 
-from kernels._tensors import arrival_counters
+from kernels._tensors import arrival_counters, unit_last_stride
 
 # The Triton interpreter multiplies the raw uint16 storage of bf16 operands in tl.dot; under TRITON_INTERPRET=1
 # the kernels upcast dot operands to fp32 (exact for bf16/fp16 products, so results are unchanged).
@@ -55,6 +55,15 @@ DECODE_MAXNREG = int(os.environ.get("KIMI_ROUTER_MAXNREG", "168"))
 TOPK_ROW_MAX_T = int(os.environ.get("KIMI_ROUTER_TOPK_ROW_MAX_T", "256"))
 # v2 / v3 decode: every program signals griddepcontrol.launch_dependents first (not under the interpreter)
 DECODE_GDC = os.environ.get("KIMI_ROUTER_GDC", "1") != "0" and not INTERPRET
+# moe_router_add_norm: the post-attention residual add + RMSNorm computed inside the one-launch decode router (v2 /
+# v3, T <= GEMV_MAX_T) instead of a kernels.norm.add_rmsnorm launch before it; KIMI_ROUTER_NORM=0 keeps the two
+# launches (A/B switch, read per call like ROUTER_DECODE)
+ROUTER_NORM = os.environ.get("KIMI_ROUTER_NORM", "1") != "0"
+# its decode config (experts per program, warps; bench/router.py --sweep): 2 warps, as with 1 warp the program keeps
+# gate, norm weight, attn, residual and h chunks of 64 elements per thread live and spills (Triton 3.9 sm_90, maxnreg
+# 168, D 2304: BE 1 w1 440-660 B of stack, BE 1 w2 168 regs no stack, BE 1 w4 96, BE 2 w4 128)
+NORM_BE = int(os.environ.get("KIMI_ROUTER_NORM_BE", "1"))
+NORM_WARPS = int(os.environ.get("KIMI_ROUTER_NORM_WARPS", "2"))
 # KIMI_PDL=1 (kernels._pdl): the decode routers (v1, v2 / v3) are launched with PDL and wait for the previous kernel
 # (the post-attention norm) after loading their gate rows
 
@@ -278,6 +287,35 @@ def _load_x_chunk(x_ptr, k0, D, BK: tl.constexpr, MASK_K: tl.constexpr):
 
 
 @triton.jit
+def _add_chunk(a_row, r_row, k0, D, BK: tl.constexpr, MASK_K: tl.constexpr):
+    # h = residual + attn over columns [k0, k0 + BK), rounded to the activation dtype, and its fp32 sum of squares:
+    # kernels.norm._add_rmsnorm_kernel's add, op for op (0 where masked)
+    a = _load_x_chunk(a_row, k0, D, BK, MASK_K).to(tl.float32)
+    r = _load_x_chunk(r_row, k0, D, BK, MASK_K).to(tl.float32)
+    h = (r + a).to(a_row.dtype.element_ty)
+    hf = h.to(tl.float32)
+    return h, tl.sum(hf * hf, axis=0)
+
+
+@triton.jit
+def _norm_chunk(h, nw, rstd, x_row, h_row, k0, D, BK: tl.constexpr, MASK_K: tl.constexpr, writer):
+    # nw: the norm weight chunk as loaded (kept narrow in registers until here) -> x = nw * (h * rstd rounded to the
+    # dtype), rounded to the dtype (kernels.norm._rms_weighted + the store's
+    # cast); writer (the token's program 0) stores x and h for the rest of the layer
+    xn = (h.to(tl.float32) * rstd).to(x_row.dtype.element_ty).to(tl.float32)
+    x = (nw.to(tl.float32) * xn).to(x_row.dtype.element_ty)
+    if writer:
+        offs_k = k0 + tl.arange(0, BK)
+        if MASK_K:
+            tl.store(x_row + offs_k, x, mask=offs_k < D)
+            tl.store(h_row + offs_k, h, mask=offs_k < D)
+        else:
+            tl.store(x_row + offs_k, x)
+            tl.store(h_row + offs_k, h)
+    return x
+
+
+@triton.jit
 def _dot_rows(a, b):
     # [BE] fp32 sums of b [BE, BK] * a [BK] (bf16/fp16 products exact in fp32)
     return tl.sum(b.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
@@ -344,10 +382,12 @@ def _select_topk_row(logits, b, w_out_ptr, id_out_ptr, t, E, scale, extra_id,
 @triton.jit
 def _router_decode_kernel(
     x_ptr, w_ptr, logits_ptr, cnt_ptr, bias_ptr, w_out_ptr, id_out_ptr, E, D, stride_xt, stride_we, stride_lt,
-    scale, extra_id, BE: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BK_TAIL: tl.constexpr,
+    scale, extra_id, a_ptr, r_ptr, nw_ptr, h_ptr, stride_at, stride_rt, stride_ht, eps,
+    BE: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BK_TAIL: tl.constexpr,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr, OUT_K: tl.constexpr,
     POLL: tl.constexpr, MAX_SPINS: tl.constexpr, GDC: tl.constexpr = False, WAIT: tl.constexpr = False,
+    NORM: tl.constexpr = False,
 ):
     # ROUTER_DECODE v2 / v3 (T <= GEMV_MAX_T): program (t, e-block of BE experts), meant for 1 warp. D = NK * BK +
     # tail (BK a power of two, tail < BK masked to BK_TAIL): no masked lanes beyond the tail (D 2304 = 2048 + 256,
@@ -362,6 +402,10 @@ def _router_decode_kernel(
     #     in linear order; the interpreter runs them in order), so it cannot starve them; MAX_SPINS bounds the wait
     # WAIT (PDL launch, KIMI_PDL=1): the bias and the gate rows of the first chunks (and the tail) are loaded
     # before griddepcontrol.wait, x after it (same products and sums)
+    # NORM (moe_router_add_norm): x is not an input but rmsnorm(h), h = residual + attn (a_ptr, r_ptr [T, D], norm
+    # weight nw_ptr [D]); every program recomputes h and the token's rstd with the same code (bit-identical x in all
+    # of them: _norm_row), the token's program 0 stores x to x_ptr and h to h_ptr. The norm weight chunks are
+    # loaded with the gate rows (before the wait under WAIT), attn / residual after it
     if GDC:
         # a PDL-launched dependent (the MoE GEMM1, KIMI_MOE_PDL=...,gemm1) may start its CTAs now: it reads nothing
         # of ours before its griddepcontrol.wait, which waits for this whole grid; a no-op without PDL
@@ -377,9 +421,41 @@ def _router_decode_kernel(
     else:
         b = tl.zeros((BLOCK_E,), dtype=tl.float32)
     x_row = x_ptr + t.to(tl.int64) * stride_xt
+    a_row = a_ptr + t.to(tl.int64) * stride_at
+    r_row = r_ptr + t.to(tl.int64) * stride_rt
+    h_row = h_ptr + t.to(tl.int64) * stride_ht
+    writer = tl.program_id(1) == 0
     # every load of the row before the first product: consumed chunk by chunk, ptxas issued the next chunk's loads
     # only after the previous chunk's data had arrived (two to three serial HBM round trips, SASS checked)
-    if WAIT:
+    if NORM:
+        b0 = _load_w_chunk(w_ptr, offs_e, e_ok, 0, D, stride_we, BK, False)
+        n0 = _load_x_chunk(nw_ptr, 0, D, BK, False)
+        if NK > 1:
+            b1 = _load_w_chunk(w_ptr, offs_e, e_ok, BK, D, stride_we, BK, False)
+            n1 = _load_x_chunk(nw_ptr, BK, D, BK, False)
+        if BK_TAIL > 0:
+            bt = _load_w_chunk(w_ptr, offs_e, e_ok, NK * BK, D, stride_we, BK_TAIL, True)
+            nt = _load_x_chunk(nw_ptr, NK * BK, D, BK_TAIL, True)
+        if WAIT:
+            gdc_wait()
+        # pass 1: h chunk by chunk and the fp32 sum of squares in chunk order (chunks 2.. recomputed in pass 2)
+        h0, ss = _add_chunk(a_row, r_row, 0, D, BK, False)
+        if NK > 1:
+            h1, s1 = _add_chunk(a_row, r_row, BK, D, BK, False)
+            ss += s1
+        for i in tl.static_range(2, NK):
+            _, s2 = _add_chunk(a_row, r_row, i * BK, D, BK, False)
+            ss += s2
+        if BK_TAIL > 0:
+            ht, st = _add_chunk(a_row, r_row, NK * BK, D, BK_TAIL, True)
+            ss += st
+        rstd = 1.0 / tl.sqrt(ss / D + eps)                 # kernels.norm._rms_weighted's, op for op
+        a0 = _norm_chunk(h0, n0, rstd, x_row, h_row, 0, D, BK, False, writer)
+        if NK > 1:
+            a1 = _norm_chunk(h1, n1, rstd, x_row, h_row, BK, D, BK, False, writer)
+        if BK_TAIL > 0:
+            at = _norm_chunk(ht, nt, rstd, x_row, h_row, NK * BK, D, BK_TAIL, True, writer)
+    elif WAIT:
         b0 = _load_w_chunk(w_ptr, offs_e, e_ok, 0, D, stride_we, BK, False)
         if NK > 1:
             b1 = _load_w_chunk(w_ptr, offs_e, e_ok, BK, D, stride_we, BK, False)
@@ -401,7 +477,13 @@ def _router_decode_kernel(
     if NK > 1:
         acc += _dot_rows(a1, b1)
     for i in tl.static_range(2, NK):   # D >= 3 BK (only when BE * BK is capped by decode_k_split): chunk by chunk
-        a2, b2 = _load_row_chunk(x_row, w_ptr, offs_e, e_ok, i * BK, D, stride_we, BK, False)
+        if NORM:   # pass 2: h again (L1 / L2), the same rstd
+            h2, _ = _add_chunk(a_row, r_row, i * BK, D, BK, False)
+            n2 = _load_x_chunk(nw_ptr, i * BK, D, BK, False)
+            a2 = _norm_chunk(h2, n2, rstd, x_row, h_row, i * BK, D, BK, False, writer)
+            b2 = _load_w_chunk(w_ptr, offs_e, e_ok, i * BK, D, stride_we, BK, False)
+        else:
+            a2, b2 = _load_row_chunk(x_row, w_ptr, offs_e, e_ok, i * BK, D, stride_we, BK, False)
         acc += _dot_rows(a2, b2)
     if BK_TAIL > 0:
         acc += _dot_rows(at, bt)
@@ -653,9 +735,11 @@ def _router_decode_v1(x, gate_w, bias, top_k, scale, renormalize, biased_weights
 
 
 def _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert,
-                      BE=None, num_warps=None, poll=None, maxnreg=None, pdl=None):
+                      BE=None, num_warps=None, poll=None, maxnreg=None, pdl=None, norm=None):
     """One launch of _router_decode_kernel (T <= GEMV_MAX_T); BE / num_warps default to DECODE_BE / DECODE_WARPS,
-    poll (the v3 handshake) to ROUTER_DECODE == "v3"; pdl: PDL launch, WAIT (None: KIMI_PDL)."""
+    poll (the v3 handshake) to ROUTER_DECODE == "v3"; pdl: PDL launch, WAIT (None: KIMI_PDL). norm = (attn,
+    residual, norm_w, h, eps): x [T, D] (contiguous, written) = rmsnorm(h), h [T, D] (contiguous, written) =
+    residual + attn, computed by the router programs themselves (NORM)."""
     T, D = x.shape
     E = gate_w.shape[0]
     assert 1 <= top_k <= E
@@ -664,7 +748,13 @@ def _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights
     poll = ROUTER_DECODE == "v3" if poll is None else poll
     maxnreg = DECODE_MAXNREG if maxnreg is None else maxnreg
     extra = {"maxnreg": maxnreg} if maxnreg and not INTERPRET else {}
-    x = x.contiguous()
+    if norm is None:
+        x = x.contiguous()
+        attn = residual = norm_w = h = x
+        eps = 0.0
+    else:
+        attn, residual, norm_w, h, eps = norm
+        assert x.is_contiguous() and h.is_contiguous() and attn.stride(1) == 1 and residual.stride(1) == 1
     gate_w = gate_w.contiguous()
     if gate_w.dtype != x.dtype:
         gate_w = gate_w.to(x.dtype)
@@ -681,12 +771,46 @@ def _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights
     _router_decode_kernel[(T, triton.cdiv(E, BE))](
         x, gate_w, logits, sync, bias.contiguous() if has_bias else w, w, ids,
         E, D, x.stride(0), gate_w.stride(0), E, float(scale), int(append_expert) if has_extra else 0,
+        attn, residual, norm_w, h, attn.stride(0), residual.stride(0), h.stride(0), float(eps),
         BE=BE, BK=BK, NK=NK, BK_TAIL=BK_TAIL, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
         BLOCK_E=BLOCK_E, HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights),
         RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k, POLL=bool(poll), MAX_SPINS=1 << 20,
-        GDC=DECODE_GDC, num_warps=num_warps, **extra, **(dict(WAIT=True, launch_pdl=True) if pdl_on(pdl) else {}),
+        GDC=DECODE_GDC, NORM=norm is not None, num_warps=num_warps, **extra,
+        **(dict(WAIT=True, launch_pdl=True) if pdl_on(pdl) else {}),
     )
     return w, ids
+
+
+def norm_fused(T: int) -> bool:
+    """Does moe_router_add_norm_triton run T tokens in one launch? (the module switches, read per call)"""
+    return ROUTER_NORM and FUSED_DECODE and ROUTER_DECODE in ("v2", "v3") and 0 < T <= GEMV_MAX_T
+
+
+def moe_router_add_norm_triton(attn, residual, norm_w, eps, gate_w, bias, top_k, routed_scaling_factor=1.0,
+                               renormalize=True, biased_weights=False, append_expert=None, pdl=None):
+    """attn, residual [T, D] (row strides allowed), norm_w [D] -> (x, h, topk_weights, topk_ids): (x, h) =
+    kernels.norm.add_rmsnorm(attn, residual, norm_w, eps) (contiguous [T, D] in attn.dtype), then (topk_weights,
+    topk_ids) = moe_router(x, gate_w, ...). norm_fused(T) (decode under v2 / v3): one _router_decode_kernel launch
+    that computes h and x itself (NORM); its sum of squares runs in D chunks (decode_k_split) in another order than
+    _add_rmsnorm_kernel's 4-warp tree, so x may differ from add_rmsnorm's in the last bit of a few elements (the
+    routing always uses the x it returns); else add_rmsnorm_triton, then moe_router_triton (two launches)."""
+    assert attn.dim() == 2 and residual.shape == attn.shape and residual.dtype == attn.dtype, \
+        (attn.shape, residual.shape)
+    T, D = attn.shape
+    if not norm_fused(T):
+        from kernels.norm import add_rmsnorm_triton   # kernels.norm imports this module
+
+        x, h = add_rmsnorm_triton(attn, residual, norm_w, eps, pdl=pdl)
+        w, ids = moe_router_triton(x, gate_w, bias, top_k, routed_scaling_factor, renormalize, biased_weights,
+                                   append_expert, pdl=pdl)
+        return x, h, w, ids
+    attn, residual = unit_last_stride(attn), unit_last_stride(residual)
+    x = torch.empty(T, D, dtype=attn.dtype, device=attn.device)
+    h = torch.empty_like(x)
+    w, ids = _router_decode_v2(x, gate_w, bias, top_k, routed_scaling_factor, renormalize, biased_weights,
+                               append_expert, BE=NORM_BE, num_warps=NORM_WARPS, pdl=pdl,
+                               norm=(attn, residual, norm_w.contiguous(), h, eps))
+    return x, h, w, ids
 
 
 _SLOTS: dict = {}  # device -> list of int64 slot buffers (all kept alive: captured graphs hold them)
