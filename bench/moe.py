@@ -336,7 +336,9 @@ def tail_norm(args):
     """--tail-norm: per T (--tail-t), DEC_REPS routings in one CUDA graph (T = 1: no expert shared between
     consecutive routings, L2-cold weights), us per MoE layer of GEMM1 + GEMM2 + kernels.norm.combine_add_rmsnorm
     (today's chain, the norm launched with PDL when KIMI_PDL is on) vs fused_moe_add_norm (the combine + add + norm
-    in GEMM2's tail: one launch fewer); bits of both compared on every routing."""
+    in GEMM2's tail: one launch fewer; also with the tail's L2 prefetch switched the other way, TAIL_PREFETCH) and the
+    GEMMs alone; bits of the two paths compared on every routing."""
+    import kernels.moe.fused as fused_mod
     from kernels.moe.fused import fused_moe_add_norm, fused_moe_uncombined_triton, tail_norm_ok
     from kernels.norm import combine_add_rmsnorm
 
@@ -356,9 +358,13 @@ def tail_norm(args):
         us_g = _try_us([lambda a=a: fused_moe_uncombined_triton(*a[:5]) for a in ins], "gemms")
         us_u = _try_us([lambda a=a: unfused(*a) for a in ins], "unfused")
         us_f = _try_us([lambda a=a: fused_moe_add_norm(*a) for a in ins], "fused")
+        pf, fused_mod.TAIL_PREFETCH = fused_mod.TAIL_PREFETCH, not fused_mod.TAIL_PREFETCH   # A/B of the prefetch
+        us_f2 = _try_us([lambda a=a: fused_moe_add_norm(*a) for a in ins], "fused, other prefetch setting")
+        fused_mod.TAIL_PREFETCH = pf
         tail = "tail" if tail_norm_ok(T, D, torch.bfloat16, torch.bfloat16, cfg) else "fallback (no tail)"
         print(f"tail-norm T={T}: gemm1 + gemm2 + combine_add_rmsnorm {us_u:7.2f} us/layer | fused_moe_add_norm "
-              f"{us_f:7.2f} us/layer [{tail}] | delta {us_u - us_f:+.2f} us | gemms alone (no norm) {us_g:7.2f} us | "
+              f"{us_f:7.2f} us/layer [{tail}, L2 prefetch {'on' if pf else 'off'}; {'off' if pf else 'on'}: "
+              f"{us_f2:.2f}] | delta {us_u - us_f:+.2f} us | gemms alone (no norm) {us_g:7.2f} us | "
               f"bits equal: {same} | {cfg.short()}")
 
 

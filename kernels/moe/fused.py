@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_launch_dependents, gdc_wait
+from kernels._pdl import gdc_launch_dependents, gdc_wait, prefetch_l2
 from kernels._tensors import H200_SMEM, arrival_counters, max_shared_mem, num_sms, unit_last_stride
 from kernels.moe.router import INTERPRET, cast_to, dot_acc, dot_mode
 
@@ -69,6 +69,9 @@ DECODE_PDL1 = "gemm1" in _PDL
 # GEMM2 + kernels.norm.combine_add_rmsnorm (one more launch) at every T (A/B switch)
 TAIL_NORM = os.environ.get("KIMI_MOE_TAIL_NORM", "1") != "0"
 TAIL_NORM_MAX_T = int(os.environ.get("KIMI_MOE_TAIL_NORM_MAX_T", "4"))
+# ... and every GEMM2 program prefetches the norm weight and the residual rows into L2 before arriving (read per call;
+# KIMI_MOE_TAIL_PF=0 / bench/moe.py --tail-norm turn it off for an A/B)
+TAIL_PREFETCH = os.environ.get("KIMI_MOE_TAIL_PF", "1") != "0"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -299,6 +302,7 @@ def _moe_gemm2_kernel(
     cnt_ptr=None, tw_ptr=None, r_ptr=None, nw_ptr=None, xo_ptr=None, ho_ptr=None,
     T=0, stride_r=0, stride_xo=0, stride_ho=0, eps=0.0,
     TAIL: tl.constexpr = False, TOP_K: tl.constexpr = 1, SPLIT: tl.constexpr = 1, BD: tl.constexpr = 16,
+    TAIL_PF: tl.constexpr = 0,
 ):
     """out[s, idx, n] = inter[idx, Ks] . w2[e, n, Ks] for the rows idx of one block and the K range
     Ks = [s * k_steps * BK, (s + 1) * k_steps * BK) of split s = program_id(1) (one split: the whole K, out = y in
@@ -320,7 +324,7 @@ def _moe_gemm2_kernel(
             gdc_wait()
             gdc_launch_dependents()
         _tail_add_norm(cnt_ptr, out_ptr, tw_ptr, r_ptr, nw_ptr, xo_ptr, ho_ptr, T, N, stride_os, stride_r,
-                       stride_xo, stride_ho, eps, TOP_K, SPLIT, BD, INTERP)
+                       stride_xo, stride_ho, eps, TOP_K, SPLIT, BD, INTERP, TAIL_PF)
     else:
         if pid_m * BM >= npost:
             return
@@ -370,12 +374,22 @@ def _gemm2_tile(a_ptr, w_ptr, out_ptr, M, K, stride_am, stride_we, stride_wn, st
 
 @triton.jit
 def _tail_add_norm(cnt_ptr, y_ptr, tw_ptr, r_ptr, nw_ptr, xo_ptr, ho_ptr, T, D, stride_ys, stride_r, stride_xo,
-                   stride_ho, eps, TOP_K: tl.constexpr, SPLIT: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr):
+                   stride_ho, eps, TOP_K: tl.constexpr, SPLIT: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
+                   PF: tl.constexpr):
     """Arrival of one GEMM2 program (fused_moe_add_norm); the grid's last arrives -> for t < T: h[t] = r[t] +
     combine(y)[t] and x[t] = rmsnorm(h[t]) * nw, stored to ho / xo. y [M, D] (or fp32 partials [SPLIT, M, D]) as
     GEMM2 stores it, tw [T, TOP_K] fp32, r / xo / ho [T, D] row-strided, nw [D]. The ops are
     kernels.norm._combine_add_rmsnorm_kernel's (EARLY_W) one for one, so the bits match combine_add_rmsnorm (keep
-    them in step). The counter is left at 0 (CUDA-graph replays, kernels._tensors.arrival_counters)."""
+    them in step). The counter is left at 0 (CUDA-graph replays, kernels._tensors.arrival_counters).
+    PF > 0 (TAIL_PREFETCH, not under the interpreter): before arriving, every program prefetches into L2 the norm
+    weight and the T residual rows, PF pointers 64 elements apart (128-byte lines of bf16): the GEMMs stream ~130 MB
+    of expert weights (T = 1) through L2 after they were last read, so that the tail's loads hit L2 (a hint, after the
+    PDL wait)."""
+    if PF > 0:
+        lines = tl.arange(0, PF) * 64
+        prefetch_l2(nw_ptr + lines, lines < D)
+        for t in range(T):
+            prefetch_l2(r_ptr + t * stride_r + lines, lines < D)
     tl.debug_barrier()   # every thread's y stores precede the (release) arrival
     n_arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     if n_arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
@@ -674,7 +688,8 @@ def _tail_args(tail: tuple, y: torch.Tensor, S: int) -> dict:
     assert y.dtype == (torch.float32 if S > 1 else residual.dtype) and x_next.dtype == h.dtype == residual.dtype
     return dict(cnt_ptr=arrival_counters(y.device, 1), tw_ptr=tw, r_ptr=residual, nw_ptr=norm_w, xo_ptr=x_next,
                 ho_ptr=h, T=T, stride_r=residual.stride(0), stride_xo=x_next.stride(0), stride_ho=h.stride(0),
-                eps=eps, TAIL=True, TOP_K=top_k, SPLIT=S, BD=triton.next_power_of_2(D))
+                eps=eps, TAIL=True, TOP_K=top_k, SPLIT=S, BD=triton.next_power_of_2(D),
+                TAIL_PF=max(1, triton.next_power_of_2(D) // 64) if TAIL_PREFETCH and not INTERPRET else 0)
 
 
 def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> torch.Tensor:

@@ -170,13 +170,13 @@ def test_bench_tail_norm_smoke():
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("tail-norm T=")]
     assert len(lines) == 2 and all("bits equal: True" in ln for ln in lines), r.stdout[-2000:]
-    assert "[tail]" in lines[0] and "fallback" in lines[1]
+    assert "[tail," in lines[0] and "[fallback" in lines[1]
 
 
 # ------------------------------------------------------------------------------------------------ offline (sm_90)
 def _layouts() -> dict:
     """Compile kernels.norm's combine + add + norm kernel and GEMM2 with the tail (T = 1 default: direct rows, PDL,
-    4 warps) for sm_90 offline with the divisibility a Kimi-shape launch gets (D 2304, BD 4096) -> the layout of
+    4 warps, L2 prefetches of the norm weight and residual) for sm_90 offline with the divisibility a Kimi-shape launch gets (D 2304, BD 4096) -> the layout of
     each tt.reduce operand over BD (the fp32 sum of squares; the same layout gives the same reduction tree)."""
     import re
 
@@ -214,7 +214,7 @@ def _layouts() -> dict:
                                                              GDC=True), 1)
     tail = reduce_layouts(_moe_gemm2_kernel, dict(BM=16, BN=64, BK=128, EVEN_K=True, MODE=0, INTERP=False,
                                                   IDS_BLOCK=-1, BLOCK_E=0, RAGGED=True, GDC=True, PREFETCH=0,
-                                                  W_EVICT="", TAIL=True, TOP_K=9, SPLIT=1, BD=4096), 4)
+                                                  W_EVICT="", TAIL=True, TOP_K=9, SPLIT=1, BD=4096, TAIL_PF=64), 4)
     return dict(norm=norm, tail=tail)
 
 
