@@ -1,7 +1,7 @@
 """H200 benchmark: the MoE router (kernels/moe/router.py) at Kimi shapes (E 256, top-8, D 2304, bf16 gate, fp32 bias,
 shared expert appended), T = 1 / 8 / 64 tokens, against the torch reference; then the norms (kernels/norm.py).
 
-    python bench/router.py [--t 1,8,64] [--sweep] [--no-norm] [--smoke]
+    python bench/router.py [--t 1,8,64] [--sweep] [--no-norm] [--sections router,router_norm,norm] [--smoke]
 
 Router rows: us per call inside a CUDA graph and gate-weight GB/s (E * D * 2 bytes / time). Each graph cycles through
 COPIES gate weights (> the 50 MB L2) so every call reads its gate from HBM, as in a decode step. Rows:
@@ -18,6 +18,9 @@ Every Triton row is checked against the reference first (ids equal, weights clos
 Norm rows (D 2304, bf16): add_rmsnorm, rmsnorm, combine (kernels.moe.fused.moe_combine, k = 9) + add_rmsnorm vs the
 fused combine_add_rmsnorm (KIMI_FUSE_COMBINE_NORM=1), per NORM_CONFIGS launch config (warps, early weight load),
 at T = 1, 64, 8192; each graph cycles through enough inputs to leave L2.
+Router + norm rows (--sections router_norm, T <= 16): moe_router_add_norm_triton (the post-attention add + RMSNorm
+computed by the decode router itself, one launch) vs add_rmsnorm_triton + moe_router_triton, PDL on; --sweep times
+the fused kernel at NORM_SWEEP (BE, warps) configs (default KIMI_ROUTER_NORM_BE 1 / _WARPS 2).
 --smoke: CPU, Triton interpreter, tiny shapes: runs every code path (CI check of this file), timings meaningless.
 """
 from __future__ import annotations
@@ -107,6 +110,50 @@ def bench_router(ts, sweep, smoke, dev):
                   f"{'ok' if ok else 'MISMATCH vs reference'}")
 
 
+NORM_SWEEP = [(1, 2), (1, 1), (1, 4), (2, 2), (2, 4), (4, 4)]
+
+
+def bench_router_norm(ts, sweep, smoke, dev):
+    """moe_router_add_norm (the post-attention add + RMSNorm inside the decode router: one launch) against
+    add_rmsnorm + moe_router (two), both with PDL (decode chain order: each launch waits for the previous one), in a
+    CUDA graph; gate weights cycled through HBM, attn / residual L2-resident (just written, as in a decode step)."""
+    e, d, copies = (E, 40, 2) if smoke else (E, D, COPIES)
+    print(f"== router + add_rmsnorm: E {e}, top-{K}, D {d}, bf16, PDL on; router BE{R.DECODE_BE} w{R.DECODE_WARPS}, "
+          f"fused BE{R.NORM_BE} w{R.NORM_WARPS} (--sweep: the fused kernel at BE x warps {NORM_SWEEP})")
+    gs = [torch.randn(e, d, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    b = torch.randn(e, device=dev) * 0.05
+    nw = torch.rand(d, device=dev, dtype=torch.bfloat16) + 0.5
+    for T in ts:
+        if T > R.GEMV_MAX_T:
+            continue
+        attn = torch.randn(T, d, device=dev, dtype=torch.bfloat16)
+        res = torch.randn(T, d, device=dev, dtype=torch.bfloat16) * 4
+
+        def two(g):
+            x, h = N.add_rmsnorm_triton(attn, res, nw, 1e-6, pdl=True)
+            return (x, h) + R.moe_router_triton(x, g, b, K, SCALE, True, False, E, pdl=True)
+
+        def fused(g):
+            return R.moe_router_add_norm_triton(attn, res, nw, 1e-6, g, b, K, SCALE, True, False, E, pdl=True)
+
+        ref = two(gs[0])
+        us2 = time_us([(lambda g: lambda: two(g))(g) for g in gs], smoke)
+        print(f"  T {T:3d}  add_rmsnorm + router (2 launches)   {us2:8.2f} us")
+        saved = R.NORM_BE, R.NORM_WARPS
+        try:
+            for be, w in (NORM_SWEEP if sweep else [(R.NORM_BE, R.NORM_WARPS)]):
+                R.NORM_BE, R.NORM_WARPS = be, w
+                x, h, tw, ids = fused(gs[0])
+                ulp = (x.view(torch.int16).int() - ref[0].view(torch.int16).int()).abs().max().item()
+                ok = torch.equal(h, ref[1]) and ulp <= 1 and torch.equal(ids, ref[3]) and \
+                    torch.allclose(tw, ref[2], rtol=0, atol=1e-6)
+                us = time_us([(lambda g: lambda: fused(g))(g) for g in gs], smoke)
+                print(f"  T {T:3d}  fused BE{be} w{w} (1 launch)            {us:8.2f} us  {us - us2:+7.2f} us  "
+                      f"x max {ulp} ulp  {'ok' if ok else 'MISMATCH vs two launches'}")
+        finally:
+            R.NORM_BE, R.NORM_WARPS = saved
+
+
 def bench_norm(smoke, dev):
     d = 40 if smoke else D
     print(f"== norms: D {d}, bf16; configs (warps, early weight load): {N.NORM_CONFIGS}")
@@ -141,12 +188,20 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-norm", action="store_true")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--sections", default="router,router_norm,norm",
+                    help="comma list of router (decode router variants), router_norm (fused add + norm + router "
+                         "vs the two launches, T <= 16), norm (the norm kernels)")
     a = ap.parse_args()
+    sections = a.sections.split(",")
     dev = "cpu" if a.smoke else "cuda"
     if not a.smoke:
         print(torch.cuda.get_device_name(), "| triton", __import__("triton").__version__)
-    bench_router([int(t) for t in a.t.split(",")], a.sweep, a.smoke, dev)
-    if not a.no_norm:
+    ts = [int(t) for t in a.t.split(",")]
+    if "router" in sections:
+        bench_router(ts, a.sweep, a.smoke, dev)
+    if "router_norm" in sections:
+        bench_router_norm(ts, a.sweep, a.smoke, dev)
+    if "norm" in sections and not a.no_norm:
         bench_norm(a.smoke, dev)
 
 
