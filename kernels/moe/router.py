@@ -60,8 +60,9 @@ DECODE_GDC = os.environ.get("KIMI_ROUTER_GDC", "1") != "0" and not INTERPRET
 # launches (A/B switch, read per call like ROUTER_DECODE)
 ROUTER_NORM = os.environ.get("KIMI_ROUTER_NORM", "1") != "0"
 # its decode config (experts per program, warps; bench/router.py --sweep): 2 warps, as with 1 warp the program keeps
-# gate, norm weight, attn, residual and h chunks of 64 elements per thread live and spills (Triton 3.9 sm_90, maxnreg
-# 168, D 2304: BE 1 w1 440-660 B of stack, BE 1 w2 168 regs no stack, BE 1 w4 96, BE 2 w4 128)
+# gate, norm weight, attn, residual and h chunks of 64 elements per thread live and spills (offline sm_90, maxnreg
+# 168, D 2304, pointers / strides 16-divisible as at run time; Triton 3.9 / 3.6: BE 1 w1 168 regs + 192 B stack both,
+# BE 1 w2 132 / 123 regs, BE 2 w2 157 / 141, no stack; the plain router BE 1 w1: 142 on 3.9)
 NORM_BE = int(os.environ.get("KIMI_ROUTER_NORM_BE", "1"))
 NORM_WARPS = int(os.environ.get("KIMI_ROUTER_NORM_WARPS", "2"))
 # KIMI_PDL=1 (kernels._pdl): the decode routers (v1, v2 / v3) are launched with PDL and wait for the previous kernel
