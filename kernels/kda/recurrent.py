@@ -24,7 +24,28 @@ count; see there. `bench/kda.py --sweep` times the alternatives.
 
 PDL (KIMI_PDL=1, kernels._pdl; `pdl` overrides): the kernels take GDC and are launched with programmatic
 dependent launch; before griddepcontrol.wait they only compute offsets and (the per-tile kernel) prefetch the head's
-conv weights, dt_bias and norm weight into L2; the slot, the state and every activation are read after it.
+conv weights, dt_bias and norm weight into L2; every activation (qkv, b, z / r or f_a / g_a: in_proj outputs) is
+read after it.
+
+Early state (per-tile kernel, EARLY_STATE; _EARLY_STATE / KIMI_KDA_EARLY_STATE, kda_decode_triton(early_state=)):
+the exception to kernels._pdl's contract for this layer's state. Under PDL the decode's CTAs start while the
+layer's in_proj (12-17 us at b1) still runs, so its slot -> state -> compute latency chain can start there:
+    1 (default): before the wait, the slot load and L2 prefetches of the program's state tile and conv-state rows;
+      the tile and rows are loaded after the wait (L2 hits instead of HBM misses, no slot round trip after it).
+    2: also the state tile load into registers before the wait (Triton 3.6 sm_90: N=1 254 regs, N=8 125, no spills).
+    0: slot and state after the wait.
+Why the slot may be read before the wait: state_slots is written only by host -> device copies issued before the
+step's forward (runner._fill_and_replay's stage copy before graph replay; ForwardBatch of an eager step; TP:
+_fill_graph's copies before replay), never by a kernel of the step. The prefetches are hints (L2 is the coherence
+point): correct whoever writes the lines meanwhile. Mode 2 also needs: the conv / recurrent state pools of this
+layer are written only by this layer's KDA kernels (kda_decode of an earlier step; kda_prefill of an earlier step,
+or of this step for other slots, launched after the decode: KimiDeltaAttention.forward), never by the kernel
+launched just before the decode (in the model always the layer's in_proj). In a PDL chain, when kernel N starts,
+kernel N-1 has passed its griddepcontrol.wait (launch_dependents follows it), so every kernel before N-1 has
+completed and flushed; non-PDL launches start after their predecessor completed. So the state read before the wait
+is the one the previous step wrote. Two decode launches on the same pools back to back (tests, benchmarks timing
+one kernel in a loop) break that premise: mode 2 would read the state before the earlier launch writes it; modes
+0 / 1 stay correct there.
 
 Low-rank gates (FG; kda_decode_triton(fg_a=, fg_b=), the model's decode path): the kernels take f_a, g_a [N, R] and
 f_b [HK, R], g_b [HV, R] instead of z, r and form z = f_a f_b^T (every tile program: all K channels of its head) and
@@ -46,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_enter, pdl_launch, prefetch_l2
+from kernels._pdl import gdc_enter, pdl_launch, pdl_on, prefetch_l2
 from kernels._tensors import arrival_counters, num_sms
 from kernels.gemv import skinny_bmm_nt
 
@@ -109,6 +130,14 @@ def _prefetch_rows(w_ptr, rows, m_rows, R: tl.constexpr, BR: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_span(ptr, n, BX: tl.constexpr, slot):
+    # L2 prefetch of elements [0, min(n, BX)) from ptr: one hint per 32 elements (2-4 per 128-byte line), none when
+    # slot <= 0
+    o = tl.arange(0, (BX + 31) // 32).to(tl.int64) * 32
+    prefetch_l2(ptr + o, (o < BX) & (o < n) & (slot > 0))
+
+
+@triton.jit
 def _conv_shift(cs, x_row, c, m, stride_cs_w, W: tl.constexpr):
     # conv state rows (oldest first) of channels c: row j <- row j+1, row W-2 <- x (same layout for every access,
     # so each channel is loaded and stored by the same thread)
@@ -129,7 +158,7 @@ def _kda_decode_kernel(
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BVF: tl.constexpr, TAIL: tl.constexpr,
     EARLY: tl.constexpr, STORE_AFTER: tl.constexpr = False, GDC: tl.constexpr = False,
     FG: tl.constexpr = False, R: tl.constexpr = 1, BR: tl.constexpr = 1, RC: tl.constexpr = 1,
-    FG_EARLY: tl.constexpr = False,
+    FG_EARLY: tl.constexpr = False, EARLY_STATE: tl.constexpr = 0,
 ):
     # qkv [N, 2HK+HV]; conv_w [C, W] f32; conv_state [S, W-1, C]; z [N, HK]; b [N, H]; A_log [H]; dt_bias [HK]
     # state [S, H, K, V] f32 (k-row stride V, v contiguous); o [N, H, V] f32 scratch (TAIL_LAST / TAIL_POST);
@@ -140,6 +169,9 @@ def _kda_decode_kernel(
     # tail reads it back; y has a's dtype, so the round trip is exact). FG_EARLY: the head's f_b rows and the
     # tile's g_b rows are loaded into registers first (before gdc_wait: weights), else read in RC-column chunks
     # after the wait (L2-prefetched before it)
+    # EARLY_STATE (module doc "Early state"): 1: the slot load, the L2 prefetch of the state tile and of the conv
+    # state rows go before gdc_wait; 2: also the state tile load into registers (before the wait under GDC). 0: all
+    # after it. The same values either way: only the position of the loads changes
     i_v = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_n = tl.program_id(2).to(tl.int64)
@@ -159,28 +191,48 @@ def _kda_decode_kernel(
         if FG and not FG_EARLY:
             _prefetch_rows(fb_ptr, i_h * K + o_k, o_k < K, R, BR)
             _prefetch_rows(gb_ptr, i_h * V + o_v, o_v < V, R, BR)
-        gdc_enter(GDC)
+        if EARLY_STATE == 0:
+            gdc_enter(GDC)
+    # EARLY_STATE > 0: before the wait. state_slots is written by a host -> device copy before the step, never by
+    # the kernel just before this one (the layer's in_proj)
     slot = tl.load(slot_ptr + i_n).to(tl.int64)
+    s_head = state_ptr + (slot * stride_s_s + i_h * stride_s_h)
+    cs = convs_ptr + slot * stride_cs_s
+    if GDC and EARLY_STATE > 0:
+        # L2 prefetch of the state tile (one hint per 32 fp32: a 128-byte line) and of the W-1 conv state rows of
+        # the q, k channels and the v tile (one hint per 32 elements) while the previous kernel runs; hints, so
+        # correct whoever writes these lines meanwhile (L2 is the coherence point). Only the slot and these
+        # addresses are computed here: the tile's pointers and masks after the wait (fewer live registers)
+        o_l = tl.arange(0, (BV + 31) // 32).to(tl.int64) * 32
+        m_l = (o_l < BV) & (i_v * BV + o_l < V) & (slot > 0)
+        prefetch_l2(s_head + (o_k[:, None] * V + i_v * BV + o_l[None, :]), ((o_k < K) & (slot > 0))[:, None] & m_l[None, :])
+        for j in tl.static_range(W - 1):
+            _prefetch_span(cs + j * stride_cs_w + i_h * K, K, BK, slot)
+            _prefetch_span(cs + j * stride_cs_w + H * K + i_h * K, K, BK, slot)
+            _prefetch_span(cs + j * stride_cs_w + 2 * H * K + i_h * V + i_v * BV, V - i_v * BV, BV, slot)
 
     # slot <= 0: padded lane, no state I/O. The slot test is a splat, constant along v: the masked state tile
     # moves in 16-byte vectors (ld/st.global.v4 in the PTX)
     m_k = (o_k < K) & ((tl.zeros([BK], dtype=tl.int64) + slot) > 0)
     m_v = (o_v < V) & ((tl.zeros([BV], dtype=tl.int64) + slot) > 0)
-
-    s_ptrs = state_ptr + (slot * stride_s_s + i_h * stride_s_h) + (o_k[:, None] * V + o_v[None, :])
+    s_ptrs = s_head + (o_k[:, None] * V + o_v[None, :])
     m_s = m_k[:, None] & m_v[None, :]
-    if EARLY:
-        # state tile load first: its HBM latency overlaps the conv / norm / gate prologue below, at the price of
-        # the tile's registers being live through it (ptxas 3.6, sm_90a, K = 128: BV 8 / 1 warp 87 regs vs 72
-        # late, BV 32 / 4 warps 88 vs 80: fewer resident programs)
+    # state tile load first (EARLY_STATE 2: before the wait, in registers across it; EARLY: right after it): its
+    # latency overlaps the conv / norm / gate prologue below, at the price of the tile's registers being live
+    # through it (ptxas 3.6, sm_90a, K = 128: BV 8 / 1 warp 87 regs vs 72 late, BV 32 / 4 warps 88 vs 80: fewer
+    # resident programs)
+    if EARLY_STATE == 2:
         S = tl.load(s_ptrs, mask=m_s, other=0.0, eviction_policy="evict_first")
-
-    # ---- short conv + SiLU (fp32), reading the pre-step conv state
+    if GDC and EARLY_STATE > 0:
+        gdc_enter(GDC)
+    if EARLY and EARLY_STATE != 2:
+        S = tl.load(s_ptrs, mask=m_s, other=0.0, eviction_policy="evict_first")
     c_q = i_h * K + o_k
     c_k = H * K + i_h * K + o_k
     c_v = 2 * H * K + i_h * V + o_v
     x_row = qkv_ptr + i_n * stride_qkv
-    cs = convs_ptr + slot * stride_cs_s
+
+    # ---- short conv + SiLU (fp32), reading the pre-step conv state
     aq = tl.load(x_row + c_q, mask=m_k, other=0.0).to(tl.float32) * \
         tl.load(convw_ptr + c_q * W + (W - 1), mask=m_k, other=0.0)
     ak = tl.load(x_row + c_k, mask=m_k, other=0.0).to(tl.float32) * \
@@ -205,7 +257,7 @@ def _kda_decode_kernel(
     # ---- gate (natural log, <= 0) and beta
     if FG:
         # low-rank gates: the state load goes first (in flight during the matvecs)
-        if not EARLY:
+        if not EARLY and EARLY_STATE != 2:
             S = tl.load(s_ptrs, mask=m_s, other=0.0, eviction_policy="evict_first")
         if FG_EARLY:
             zf = _lowrank_dot(fa_ptr + i_n * stride_fa, wf, slot, R, BR)                      # [BK]
@@ -223,7 +275,7 @@ def _kda_decode_kernel(
     beta = tl.sigmoid(bb)
 
     # ---- delta rule on the [BK, BV] state tile
-    if not EARLY and not FG:
+    if not EARLY and EARLY_STATE != 2 and not FG:
         S = tl.load(s_ptrs, mask=m_s, other=0.0, eviction_policy="evict_first")
     S = S * tl.exp(g)[:, None]                                        # decay K rows
     u = beta * (v - tl.sum(S * k[:, None], axis=0))                   # [BV]
@@ -430,6 +482,10 @@ _STORE_AFTER = False          # TAIL_LAST configs write the state after the arri
 # Registers for the weights (FG_EARLY: the whole [K, R] f_b tile + the [BV, R] g_b tile, loaded before gdc_wait)
 # while the grid has <= _FG_EARLY_PPS programs per SM, else RC-column chunks after the wait.
 _FG_MAX_N = int(os.environ.get("KIMI_KDA_FG_MAX_N", "8"))
+# Early state (module doc), per-tile kernel under PDL: 0 off, 1 slot load + L2 prefetch of the state tile and conv
+# state rows before gdc_wait (default), 2 also the state tile into registers before it (needs the caller's
+# guarantee in the module doc; A/B on the H200). KIMI_KDA_EARLY_STATE overrides; kda_decode_triton(early_state=).
+_EARLY_STATE = int(os.environ.get("KIMI_KDA_EARLY_STATE", "1"))
 _FG_EARLY_PPS = 2
 _FG_RC = 32
 
@@ -512,7 +568,7 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
                       pps: Optional[int] = None, grid: Optional[int] = None, maxnreg: Optional[int] = None,
                       store_after: Optional[bool] = None, pdl: Optional[bool] = None,
                       fg_a=None, fg_b=None, fg: Optional[bool] = None, fg_early: Optional[bool] = None,
-                      fg_rc: Optional[int] = None):
+                      fg_rc: Optional[int] = None, early_state: Optional[int] = None):
     """Fused KDA decode step (see module doc). Shapes as kernels.kda.kda_decode. Returns [N, H*V] (qkv.dtype),
     written into `out` when given (every element is written, padded lanes get zeros). BV / num_warps / tail / early
     override `decode_config` (tail TAIL_LAST or TAIL_POST when BV < V; TAIL_LOOP: the persistent loop kernel at any
@@ -525,7 +581,12 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
     z = f_a f_b^T and r = g_a g_b^T are computed in fp32 and rounded to fg_a's dtype (= the bf16 output of
     kernels.gemv.skinny_bmm_nt; the sum over R runs in a different order) inside the decode kernel when the config
     says so (`fg`, default decode_config: N <= _FG_MAX_N), else by skinny_bmm_nt before it. fg / fg_early / fg_rc
-    override the config (fg_rc: R columns per chunk of the non-early path)."""
+    override the config (fg_rc: R columns per chunk of the non-early path).
+
+    early_state (per-tile kernel; None: _EARLY_STATE under PDL, 0 without): what goes before griddepcontrol.wait
+    (module doc, "Early state"). 2 requires that the kernel launched just before this one does not write
+    conv_state / rec_state (in the model: the layer's in_proj); two decode launches on the same pools back to back
+    break that. Without PDL it only moves the loads (same results)."""
     N = qkv.shape[0]
     H = b.shape[-1]
     low_rank = fg_a is not None
@@ -626,6 +687,8 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         assert counters.dtype == torch.int32 and counters.numel() >= N * H
     if fgk:
         fgk["FG_EARLY"] = cfg.fg_early
+    es = (_EARLY_STATE if pdl_on(pdl) else 0) if early_state is None else int(early_state)
+    assert es in (0, 1, 2), es
     _kda_decode_kernel[(NV, H, N)](
         qkv, conv_w, conv_state, z, b, A_log, dt_bias, state_slots, rec_state,
         o_scratch if cfg.tail != TAIL_SINGLE else out, counters if cfg.tail == TAIL_LAST else state_slots,
@@ -635,7 +698,7 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         rec_state.stride(0), rec_state.stride(1),
         K ** -0.5, eps,
         H=H, K=K, V=V, W=W, BK=BK, BV=cfg.BV, NV=NV, BVF=triton.next_power_of_2(V), TAIL=cfg.tail,
-        EARLY=cfg.early, STORE_AFTER=cfg.store_after, num_warps=cfg.num_warps, **fgk, **opt,
+        EARLY=cfg.early, STORE_AFTER=cfg.store_after, EARLY_STATE=es, num_warps=cfg.num_warps, **fgk, **opt,
     )
     if cfg.tail == TAIL_POST:
         # FG: the tile programs left r in `out`; the post kernel reads it there (and overwrites it with y)
