@@ -2,6 +2,7 @@
 
     python bench/ablate.py                       # batch 1, context 1024, every ablation below
     python bench/ablate.py --batch 8 --only post_norm,router
+    python bench/ablate.py --ab                  # instead: the decode fusions' switches, each one off, then all off
 
 Builds the full Kimi-Linear-48B-A3B shape with random bf16 weights (bench/e2e.py), then for each ablation replaces
 one group of calls in backend.model.kimi_linear by a stand-in that launches nothing (it returns a zero buffer of
@@ -77,9 +78,44 @@ ABLATIONS = {
     "moe": {"fused_moe_uncombined_triton": lambda x, w13, w2, tw, ids:
             zeros("moe", (ids.numel(), x.shape[1]), x.dtype, x.device)},
 }
+ABLATIONS["router_norm"] = {"moe_router_add_norm": lambda attn, res, w, eps, gw, b, top_k, *a: (
+    attn, res, *_router(attn, gw, b, top_k, *a))}
+ABLATIONS["moe_add_norm"] = {"fused_moe_add_norm": lambda x, w13, w2, tw, ids, res, w, eps: (x, res)}
+ABLATIONS["mla_prep"] = {"mla_decode_prep": lambda y, q_dim, w, eps, w_uk, *a: zeros(
+    "mla_prep", (y.shape[0], w_uk.shape[0], w_uk.shape[2]), y.dtype, y.device)}
 ABLATIONS["norms+router+fgb"] = {**ABLATIONS["post_norm"], **ABLATIONS["combine_norm"], **ABLATIONS["router"],
                                  **ABLATIONS["fgb"]}
 ABLATIONS["mla_small"] = {**ABLATIONS["mla_einsum"], **ABLATIONS["mla_norm_store"]}
+
+
+def _switches():
+    """--ab: name -> [(object, attribute, value)] turning one decode fusion off (module switches read per call)."""
+    import kernels.kda.recurrent as rec
+    import kernels.moe.fused as fused
+    import kernels.moe.router as router
+
+    off = {
+        "KDA f_b|g_b in decode off": [(rec, "_FG_MAX_N", 0)],
+        "router + post-norm off": [(router, "ROUTER_NORM", False)],
+        "GEMM2 tail norm off": [(fused, "TAIL_NORM", False)],
+        "MLA fused chain off": [(km, "MLA_FUSED_MAX_T", 0)],
+    }
+    off["all four off"] = [p for v in off.values() for p in v]
+    return off
+
+
+class Switched:
+    def __init__(self, patches: list):
+        self.patches, self.saved = patches, []
+
+    def __enter__(self):
+        for obj, name, value in self.patches:
+            self.saved.append((obj, name, getattr(obj, name)))
+            setattr(obj, name, value)
+
+    def __exit__(self, *exc):
+        for obj, name, value in reversed(self.saved):
+            setattr(obj, name, value)
 
 
 class Patched:
@@ -114,6 +150,7 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--only", default="", help="comma-separated ablation names (default: all)")
+    ap.add_argument("--ab", action="store_true", help="time the decode fusions' switches (each off, all off) instead")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager: runs every stand-in (testing)")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or list(ABLATIONS)
@@ -132,14 +169,16 @@ def main():
     print(f"{torch.cuda.get_device_name(dev) if not args.smoke else 'cpu'}, torch {torch.__version__}; decode batch {args.batch}, "
           f"context {args.context}, {args.steps} steps per figure; stand-ins launch nothing (garbage math)")
     base_step, base_fwd = measure(engine, runner, args, params)
-    print(f"{'ablation':20s} {'step ms':>8s} {'saved us':>9s} {'graph ms':>9s} {'saved us':>9s}")
-    print(f"{'(none)':20s} {base_step:8.3f} {'':9s} {base_fwd:9.3f}")
-    for name in names:
-        with Patched(ABLATIONS[name]):
+    print(f"{'ablation':26s} {'step ms':>8s} {'saved us':>9s} {'graph ms':>9s} {'saved us':>9s}")
+    print(f"{'(none)':26s} {base_step:8.3f} {'':9s} {base_fwd:9.3f}")
+    cases = [(name, Switched(p)) for name, p in _switches().items()] if args.ab else \
+        [(name, Patched(ABLATIONS[name])) for name in names]
+    for name, ctx in cases:
+        with ctx:
             step, fwd = measure(engine, runner, args, params)
-        print(f"{name:20s} {step:8.3f} {1e3 * (base_step - step):9.1f} {fwd:9.3f} {1e3 * (base_fwd - fwd):9.1f}")
+        print(f"{name:26s} {step:8.3f} {1e3 * (base_step - step):9.1f} {fwd:9.3f} {1e3 * (base_fwd - fwd):9.1f}")
     step, fwd = measure(engine, runner, args, params)
-    print(f"{'(none, again)':20s} {step:8.3f} {'':9s} {fwd:9.3f}")
+    print(f"{'(none, again)':26s} {step:8.3f} {'':9s} {fwd:9.3f}")
     engine.shutdown()
 
 

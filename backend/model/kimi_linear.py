@@ -18,8 +18,8 @@ from backend.model.parallel import TP, all_gather_last, all_reduce, folds_shared
 from kernels._dispatch import use_triton
 from kernels.gemv import skinny_bmm_nt, skinny_linear
 from kernels.kda import kda_decode, kda_prefill
-from kernels.mla import mla_decode, mla_extend, mla_prefill, store_latent
-from kernels.moe import fused_moe, moe_router
+from kernels.mla import mla_decode, mla_decode_prep, mla_extend, mla_prefill, store_latent
+from kernels.moe import fused_moe, fused_moe_add_norm, moe_router, moe_router_add_norm
 from kernels.moe.fused import fused_moe_uncombined_triton
 from kernels.norm import add_rmsnorm, combine_add_rmsnorm, rmsnorm, rmsnorm_head
 
@@ -27,6 +27,10 @@ from kernels.norm import add_rmsnorm, combine_add_rmsnorm, rmsnorm, rmsnorm_head
 # Prefill segments with at least this many new tokens attend in expanded form (kernels.mla.mla_prefill: gather +
 # kv_b_proj + flash attention, ~3.4x fewer FLOPs than absorbed for large chunks), per device type; CPU: absorbed refs.
 MLA_EXPANDED_MIN_TOKENS = {"cuda": 256}
+# Decode-only steps of at most this many tokens run the fused absorbed chain on the Triton path (kernels/mla/absorb.py:
+# mla_decode_prep = kv_a norm + cache store + W_UK product in one launch, the W_UV product fused into the split merge;
+# 3 launches instead of 6). KIMI_MLA_FUSED=0 (read when the model is built): the separate launches.
+MLA_FUSED_MAX_T = 64 if os.environ.get("KIMI_MLA_FUSED", "1") != "0" else 0
 
 
 class UncombinedMoE(NamedTuple):
@@ -34,6 +38,23 @@ class UncombinedMoE(NamedTuple):
     or fp32 K partials [S, T*k, D]) and weights [T, k] fp32. The next RMSNorm combines it with the residual add."""
     y: torch.Tensor
     weights: torch.Tensor
+
+
+class PendingMoE(NamedTuple):
+    """A MoE layer not launched yet (KIMI_FUSE_MOE_NORMS, unsharded Triton path): the attention output and the residual
+    before the post-attention norm. The next norm (the following layer's input norm or the final norm) runs the whole
+    layer in launch order: post-attention add + RMSNorm fused with the router (kernels.moe.moe_router_add_norm),
+    then the experts with combine + residual add + its own RMSNorm in GEMM2's tail (kernels.moe.fused_moe_add_norm).
+    Each kernel falls back to the separate launches where it has no fused form (CPU, larger batches)."""
+    moe: "KimiMoE"
+    attn: torch.Tensor
+    residual: torch.Tensor
+    norm: "RMSNorm"
+
+
+def _fuse_moe_norms_enabled() -> bool:
+    """KIMI_FUSE_MOE_NORMS (on unless "0"; read when the model is built): MoE layers run as PendingMoE (above)."""
+    return os.environ.get("KIMI_FUSE_MOE_NORMS", "1") != "0"
 
 
 def _fuse_combine_norm_enabled() -> bool:
@@ -50,9 +71,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor | UncombinedMoE, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor | UncombinedMoE | PendingMoE, residual: torch.Tensor | None = None):
         """-> rmsnorm(x); with residual: (rmsnorm(residual + x), residual + x) in one kernel (x may be an
-        UncombinedMoE: combined in the same kernel)."""
+        UncombinedMoE: combined in the same kernel; or a PendingMoE, whose residual it holds: the MoE layer runs
+        first, this norm fused into its tail)."""
+        if isinstance(x, PendingMoE):
+            return x.moe.forward_norms(x.attn, x.residual, x.norm, self)
         if isinstance(x, UncombinedMoE):
             return combine_add_rmsnorm(x.y, x.weights, residual, self.weight, self.eps)
         if residual is None:
@@ -156,6 +180,8 @@ class KimiMLA(nn.Module):
         y = self.in_proj(x)
         q = y[:, :self.q_dim].view(-1, self.num_heads, self.nope + self.rope)
         q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]          # [T, H, nope], [T, H, R] (no rotary)
+        if batch.num_decodes == y.shape[0] <= MLA_FUSED_MAX_T and not self.expanded and use_triton(y):
+            return self.o_proj(self._decode_fused(y, q_pe, cache.latent[self.cache_index], batch).flatten(1))
         # cache rows [T, L+R]: kv_a_layernorm(latent) | k_pe, from the row view y[:, q_dim:] in one launch
         latent = rmsnorm_head(y[:, self.q_dim:], self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
         latent_cache = cache.latent[self.cache_index]
@@ -163,6 +189,16 @@ class KimiMLA(nn.Module):
         attend = self._attend_expanded if self.expanded else self._attend_absorbed
         out = attend(q_nope, q_pe, latent_cache, batch)  # [T, H, V]; the MLA kernels take q_pe's row/head strides
         return self.o_proj(out.flatten(1))
+
+    def _decode_fused(self, y, q_pe, latent_cache, batch: ForwardBatch) -> torch.Tensor:
+        """Decode-only step: cache store + q_lat in one launch, attention with the W_UV product in its merge ->
+        [T, H, V]."""
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = mla_decode_prep(y, self.q_dim, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, w_uk,
+                                latent_cache, batch.slot_mapping)                                  # [T, H, L]
+        n = y.shape[0]
+        return mla_decode(q_lat, q_pe, latent_cache, batch.block_table[:n], batch.seq_lens[:n], self.scale,
+                          w_uv=w_uv)
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
@@ -272,6 +308,15 @@ class KimiMoE(nn.Module):
             weights, ids = torch.where(mine, weights, 0.0), torch.where(mine, local, 0)
         return fused_moe(x, self.w13, self.w2, weights, ids) + self.shared_experts(x)
 
+    def forward_norms(self, attn: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, next_norm: RMSNorm):
+        """PendingMoE: (attention output, residual) -> (next_norm(h2), h2) with h = residual + attn,
+        x = norm(h), h2 = h + moe(x) (folded shared expert)."""
+        assert self.fold_shared
+        x, h, weights, ids = moe_router_add_norm(attn, residual, norm.weight, norm.eps, self.gate.weight,
+                                                 self.gate.e_score_correction_bias, self.top_k, self.scaling,
+                                                 self.renormalize, self.biased_weights, self.num_local_experts)
+        return fused_moe_add_norm(x, self.w13, self.w2, weights, ids, h, next_norm.weight, next_norm.eps)
+
     def forward_uncombined(self, x: torch.Tensor) -> UncombinedMoE:
         """forward without the combine (folded shared expert, Triton path only); see UncombinedMoE."""
         assert self.fold_shared
@@ -298,17 +343,21 @@ class DecoderLayer(nn.Module):
         # unsharded only: with W > 1 an all-reduce sits between the MoE output and the next residual add
         self.defer_combine = (_fuse_combine_norm_enabled() and self.is_moe and tp.world == 1
                               and self.block_sparse_moe.fold_shared)
+        self.pending_moe = self.defer_combine and _fuse_moe_norms_enabled()
 
     def forward(self, out: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KimiCache):
         """(previous layer's FFN output, residual stream before it; None for the first layer with the embedding as
         out) -> (this layer's FFN output, residual stream before it). Each residual add runs fused with the norm
         after it: h = residual + out, then norm(h) (the same two roundings as h + out followed by the norm).
-        With defer_combine (Triton path) the FFN output is an UncombinedMoE, combined by the next norm."""
-        if residual is None:
+        With defer_combine (Triton path) the FFN output is an UncombinedMoE, combined by the next norm; with
+        pending_moe the whole MoE layer is returned as a PendingMoE (residual None), run by the next norm."""
+        if residual is None and not isinstance(out, PendingMoE):
             x, h = self.input_layernorm(out), out
         else:
             x, h = self.input_layernorm(out, residual)
         attn = all_reduce(self.self_attn(x, batch, cache), self.tp)
+        if self.pending_moe and use_triton(attn):
+            return PendingMoE(self.block_sparse_moe, attn, h, self.post_attention_layernorm), None
         x, h = self.post_attention_layernorm(attn, h)
         if self.defer_combine and use_triton(x):
             return self.block_sparse_moe.forward_uncombined(x), h
