@@ -11,10 +11,27 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_step(tmp_path_factory):
+    """-> (model, cache after a prefill of two sequences, logits of the next decode step with every fusion on, the
+    caches that step wrote): built once, each test switches one fusion off on a copy of the prefilled cache."""
+    import kernels._dispatch as d
+    from backend.model.batch import ForwardBatch
+    from backend.model.loader import load_model
     from tools.tiny_checkpoint import write_tiny_checkpoint
 
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_dec_fuse")), tokenizer=None, seed=5)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(d, "_FORCE", "triton")
+    tmp = str(tmp_path_factory.mktemp("tiny_dec_fuse"))
+    model = load_model(write_tiny_checkpoint(tmp, tokenizer=None, seed=5), DEV, torch.bfloat16)
+    assert any(getattr(layer, "pending_moe", False) for layer in model.model.layers)
+    cache = model.allocate_cache(3, 8, 4)
+    prefill = ForwardBatch.build([(list(range(30, 35)), 0, 1, [1, 2]), (list(range(40, 43)), 0, 2, [3])], 0, 4,
+                                 model.device)
+    model(prefill, cache)
+    on_cache = copy.deepcopy(cache)
+    on = _decode_step(model, on_cache)
+    yield model, cache, on, on_cache
+    mp.undo()
 
 
 def _switch(monkeypatch, model, name):
@@ -25,7 +42,7 @@ def _switch(monkeypatch, model, name):
 
     if name in ("pending", "all"):
         for layer in model.model.layers:
-            layer.pending_moe = False
+            monkeypatch.setattr(layer, "pending_moe", False)
     if name in ("router_norm", "all"):
         monkeypatch.setattr(router, "ROUTER_NORM", False)
     if name in ("tail_norm", "all"):
@@ -46,20 +63,9 @@ def _decode_step(model, cache):
 
 
 @pytest.mark.parametrize("off", ["pending", "router_norm", "tail_norm", "fg", "mla", "all"])
-def test_decode_fusions_match_unfused(tiny, monkeypatch, off):
-    import kernels._dispatch as d
-    from backend.model.batch import ForwardBatch
-    from backend.model.loader import load_model
-
-    monkeypatch.setattr(d, "_FORCE", "triton")
-    model = load_model(tiny, DEV, torch.bfloat16)
-    assert any(getattr(layer, "pending_moe", False) for layer in model.model.layers)
-    cache = model.allocate_cache(3, 8, 4)
-    prefill = ForwardBatch.build([(list(range(30, 35)), 0, 1, [1, 2]), (list(range(40, 43)), 0, 2, [3])], 0, 4,
-                                 model.device)
-    model(prefill, cache)
+def test_decode_fusions_match_unfused(tiny_step, monkeypatch, off):
+    model, cache, on, on_cache = tiny_step
     cache_off = copy.deepcopy(cache)
-    on = _decode_step(model, cache)
     _switch(monkeypatch, model, off)
     ref = _decode_step(model, cache_off)
     assert torch.isfinite(ref).all()
@@ -68,6 +74,6 @@ def test_decode_fusions_match_unfused(tiny, monkeypatch, off):
     # these logits by ~0.18 of a max ~11): within 2% of the logit scale, and the greedy token is the same
     assert (on - ref).abs().max() <= 0.02 * ref.abs().max()
     assert torch.equal(on.argmax(-1), ref.argmax(-1))
-    for a, b in zip(cache.latent + cache.rec_state + cache.conv_state,
+    for a, b in zip(on_cache.latent + on_cache.rec_state + on_cache.conv_state,
                     cache_off.latent + cache_off.rec_state + cache_off.conv_state):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
