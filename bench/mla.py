@@ -380,6 +380,7 @@ def b1_chain(pool, sms, uv_sweep=True):
     subtracted), PDL per KIMI_PDL (auto: on on sm_90). Also each half alone, the chain between in_proj / o_proj
     gemvs (their PDL overlap with the fused kernels' weight loads), and the uv block picks (uv_config) at B=1."""
     from kernels._pdl import ENABLED as PDL_ON
+    from kernels._tensors import max_shared_mem
     from kernels.gemv import gemv_triton
     from kernels.mla.absorb import mla_decode_prep_triton
     from kernels.mla.cache import store_latent_triton
@@ -401,7 +402,9 @@ def b1_chain(pool, sms, uv_sweep=True):
             bt, sl = pool.tables(B, S)
             slots = (bt[:, (S - 1) // BS].long() * BS + (S - 1) % BS).contiguous()  # the new token: row S - 1
             x = torch.randn(B, hidden, device="cuda").to(DT)
-            ns = default_num_splits(B, bt.shape[1], BS, H, sms)
+            pps = dec._gpu_cfg(dec.DECODE_CFG, DT, max_shared_mem("cuda"),
+                               dec.DECODE_LARGE_SMEM).get("programs_per_sm", 1)
+            ns = default_num_splits(B, bt.shape[1], BS, H, sms, pps)  # what mla_decode_triton picks
 
             def heads(y):  # q_nope, q_pe: views of the in_proj output, as in KimiMLA.forward
                 q = y[:, :q_dim].view(B, H, nope + R)
@@ -441,10 +444,11 @@ def b1_chain(pool, sms, uv_sweep=True):
                   f"{us['l_chain']:10.1f} {us['l_fused']:10.1f} {err:8.1e}", flush=True)
             if uv_sweep:
                 line = f"    uv picks B={B} S={S}:"
-                for bv in (16, 32, 64, 128):
+                for name, uc in [(f"block_v {bv}", dict(block_v=bv)) for bv in (16, 32, 64, 128)] + [
+                        ("stage2 + uv rows", dict(stage2=True))]:
                     tt = bench_graph(lambda: mla_decode_triton(q_lat, q_pe, pool.cache, bt, sl, SCALE, w_uv=w_uv,
-                                                               uv_cfg=dict(block_v=bv)))
-                    line += f" block_v {bv}: {tt * 1e6:.1f} us"
+                                                               uv_cfg=uc))
+                    line += f" {name}: {tt * 1e6:.1f} us"
                 print(line, flush=True)
     print("\n| B | S | splits | chain us | fused us | prep us | norm+store+einsum us | decode+uv us | decode+einsum us "
           "| gemv+chain+gemv us | gemv+fused+gemv us |")

@@ -202,7 +202,8 @@ def _uv_kernel(
     odt = out_ptr.dtype.element_ty
     for n in range(g, N, tl.num_programs(2)):
         if MERGE:
-            o = _merge_head(opart_ptr, lse_ptr, n, h, offs_b, tiles, nsp, slen, first, s_wu, s_wh, s_lu, offs_l, lmask, BLOCK_S, BLOCK_L)
+            o = _merge_head(opart_ptr, lse_ptr, n, h, offs_b, tiles, nsp, slen, first, s_wu, s_wh, s_lu, offs_l, lmask,
+                            BLOCK_S, BLOCK_L)
         else:  # the latent row stage 1 wrote (num_splits 1 / fused merge)
             o = tl.load(lat_ptr + n * s_ln + h * s_lh + offs_l, mask=lmask, other=0.0)
         o = o.to(odt).to(tl.float32)  # the chain's out_lat rounding
@@ -222,7 +223,7 @@ def uv_config(N: int, H: int, V: int, num_splits: int, merge: bool, sms: int, cf
     Each (h, vb) program re-reads the head's partials (~num_splits x L x 4 B per sequence), so long merges take wide
     V blocks (fewer re-reads) and short ones narrow blocks (the weights over more SMs); NG then fills ~2 programs per
     SM, each program looping over its sequences with its weight chunk kept. cfg (bench / tests): block_v, groups,
-    block_s override."""
+    block_s override; stage2=True (read by decode.mla_decode_triton) keeps stage 2 for the merge."""
     cfg = cfg or {}
     vp = triton.next_power_of_2(V)
     bv = cfg.get("block_v") or (min(vp, UV_VC) if not merge or num_splits <= 32 else min(vp, 4 * UV_VC))
@@ -235,7 +236,8 @@ def uv_config(N: int, H: int, V: int, num_splits: int, merge: bool, sms: int, cf
 
 def launch_uv(seq_lens, opart, lse, lat, w_uv, out, N, H, G, L, BLOCK_L, BLOCK_N, BLOCK_B, MIN_TILES, merge,
               num_splits, pdl=None, cfg=None):
-    """out [N, H, V] = w_uv[h] @ merged latent (merge: from opart/lse of the split schedule; else from lat [N, H, L])."""
+    """out [N, H, V] = w_uv[h] @ merged latent (merge: from opart / lse of the split schedule; else from the latent
+    rows lat [N, H, L])."""
     V = w_uv.shape[1]
     assert w_uv.shape == (H, V, L) and w_uv.stride(2) == 1 and out.shape == (N, H, V) and out.stride(2) == 1
     c = uv_config(N, H, V, num_splits, merge, num_sms(out.device), cfg)

@@ -945,12 +945,10 @@ def mla_decode_triton(
         **kw,
         **gdc,
     )
-    if w_uv is not None:  # merge (split path) or latent row read, fused with the W_UV product
-        from .absorb import launch_uv
-
-        return launch_uv(seq_lens, opart, lse, out, w_uv, uv_out, N, H, G, L, BLOCK_L, BLOCK_N, BLOCK_B, min_tiles,
-                         not direct and not fused, num_splits, pdl=bool(gdc), cfg=uv_cfg)
-    if not direct and not fused:
+    # w_uv: the merge (split path) or the latent-row read fused with the W_UV product; uv_cfg "stage2" keeps stage 2
+    # (the merge over N x H x L-slice programs) and runs the product on its rows (bench alternative for long merges)
+    uv_merge = w_uv is not None and not direct and not fused and not (uv_cfg or {}).get("stage2")
+    if not direct and not fused and not uv_merge:
         mc = merge_config(N, H, BLOCK_L, num_splits, num_sms(q_lat.device))
         if cfg.get("merge"):  # tests / sweeps: explicit stage-2 tiles
             mc.update(cfg["merge"])
@@ -973,4 +971,9 @@ def mla_decode_triton(
             **mc,
             num_warps=4,
         )
+    if w_uv is not None:
+        from .absorb import launch_uv
+
+        return launch_uv(seq_lens, opart, lse, out, w_uv, uv_out, N, H, G, L, BLOCK_L, BLOCK_N, BLOCK_B, min_tiles,
+                         uv_merge, num_splits, pdl=bool(gdc), cfg=uv_cfg)
     return out

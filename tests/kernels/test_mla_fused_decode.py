@@ -127,10 +127,11 @@ def chain_decode(q_lat, q_pe, cache, bt, sl, scale, w_uv, **kw):
 
 
 # lengths 1, 63, 65 and a padded lane (0); splits off (direct: the latent-row read), a few, many one-tile units; the
-# fused-merge config (latent-row read after a split stage 1); V in two blocks; sequence groups + 2-unit merge steps
+# fused-merge config (latent-row read after a split stage 1); V in two blocks; sequence groups + 2-unit merge steps;
+# stage 2 kept (uv_cfg stage2) with the product on its rows
 @pytest.mark.parametrize("num_splits,variant,uv", [
     (1, None, None), (3, None, None), (16, None, None), (3, "w4 n32 fm", None), (16, None, dict(block_v=16)),
-    (3, None, dict(block_v=32, groups=2, block_s=2)), (1, None, dict(block_v=16, groups=3))])
+    (3, None, dict(block_v=32, groups=2, block_s=2)), (1, None, dict(block_v=16, groups=3)), (3, None, dict(stage2=1))])
 def test_decode_uv_matches_chain(num_splits, variant, uv):
     torch.manual_seed(num_splits)
     H, L, R, V, scale = 3, 64, 16, 32, 0.2
