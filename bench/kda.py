@@ -12,6 +12,8 @@ random slots (slot 0 null). Rows:
   * fg ...    kda_decode_triton(fg_a=, fg_b=): the up-projection inside the decode kernel (one launch); "fg dflt" is
               decode_config's pick (fused for N <= _FG_MAX_N, else the chain), "fg early" forces the fused kernel
               with the weights in registers before gdc_wait, "fg rc" with RC-column chunks after it;
+  * es0/1/2   bench_early_state (N <= 8; --early-state: only these): 20 x (in_proj gemv -> fused decode) in one
+              graph with PDL, per recurrent._EARLY_STATE mode; the decode's us/layer = (chain - gemvs alone) / 20;
   * fla       fla-core `fused_recurrent_kda_fwd` (gate, l2norm, beta sigmoid in kernel, in-place pool through
               ssm_state_indices) when `fla` is importable: the recurrence only (no conv, no output norm).
 Bandwidth: state bytes = N*H*K*V*4 read + the same written; compared with a device-to-device copy of a 1 GiB buffer
@@ -289,6 +291,71 @@ def sweep_decode(batches, use_fla=True):
     return best
 
 
+def bench_early_state(batches=(1, 8), layers=N_KDA_LAYERS, D=2304):
+    """The decode in the b1 / b8 graph's launch order: per layer the in_proj gemv (its own [C + 2K + H, D] weight,
+    writes qkv | f_a g_a | b) then kda_decode (fused low-rank gates, default config) on its own pools, `layers`
+    layers in one CUDA graph, every launch PDL (KIMI_PDL unless 0). Rows: the gemvs alone, then the chain per
+    early_state (recurrent.py "Early state": 0 slot / state after the wait, 1 slot + L2 prefetches before it, 2 also
+    the state tile in registers before it); "decode us/layer" = (chain - gemvs alone) / layers, the decode's cost in
+    the chain (what bench/ablate.py measures in the model). Check: every mode ends with bit-identical pools."""
+    from bench._timing import time_us
+    from kernels._pdl import pdl_on
+    from kernels.gemv import gemv_triton
+
+    C = 2 * H * K + H * V
+    print(f"\n# early state: {layers} x (in_proj gemv {C + 2 * K + H}x{D} -> kda_decode fused) in one CUDA graph, "
+          f"PDL {'on' if pdl_on() else 'OFF'}")
+    print(f"{'N':>5} {'rows':<22} {'graph us':>9} {'us/layer':>9} {'decode us/layer':>16}  check")
+    rows = []
+    for N in batches:
+        gen = torch.Generator(device="cuda").manual_seed(N)
+
+        def rnd(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+        Ws = [rnd(C + 2 * K + H, D, scale=D ** -0.5) for _ in range(layers)]
+        fgbs = [torch.stack([rnd(H * K, K, scale=2.0 / K ** 0.5), rnd(H * V, K, scale=K ** -0.5)])
+                for _ in range(layers)]
+        pristine = [make_kda_layer(H, K, V, N + 1, device="cuda", conv_dtype=torch.bfloat16) for _ in range(layers)]
+        slots = (torch.randperm(N, device="cuda", generator=gen) + 1).to(torch.int32)
+        x = rnd(N, D)
+
+        def chain(pools, es):
+            def fn():
+                for W, fg_b, st in zip(Ws, fgbs, pools):
+                    y = gemv_triton(x, W)
+                    if st is None:
+                        continue
+                    fg_a = y[:, C:C + 2 * K].view(-1, 2, K).transpose(0, 1)
+                    kda_decode_triton(y[:, :C], st["conv_w"], None, y[:, C + 2 * K:], st["A_log"], st["dt_bias"],
+                                      None, st["o_norm_w"], EPS, st["conv_state"], st["rec_state"], slots,
+                                      fg_a=fg_a, fg_b=fg_b, early_state=es)
+            return fn
+
+        t_gemv = time_us([chain([None] * layers, 0)], False)
+        print(f"{N:>5} {'gemvs alone':<22} {t_gemv:>9.1f} {t_gemv / layers:>9.2f} {'':>16}")
+        finals = {}
+        for es in (0, 1, 2):
+            pools = [{k: v.clone() for k, v in P.items()} for P in pristine]
+            t = time_us([chain(pools, es)], False)       # the same number of steps in every mode
+            torch.cuda.synchronize()
+            finals[es] = pools
+            ok = "ok" if es == 0 or all(torch.equal(a["rec_state"], b["rec_state"]) and
+                                        torch.equal(a["conv_state"], b["conv_state"])
+                                        for a, b in zip(pools, finals[0])) else "MISMATCH vs early_state 0"
+            dec = (t - t_gemv) / layers
+            rows.append(dict(N=N, es=es, us=t, dec=dec, ok=ok))
+            print(f"{N:>5} {f'gemv+decode es{es}':<22} {t:>9.1f} {t / layers:>9.2f} {dec:>16.2f}  {ok}")
+        del Ws, fgbs, pristine, finals
+        torch.cuda.empty_cache()
+    print(f"\n| KDA decode in the in_proj -> decode chain ({layers} layers, graph, PDL) | N | early_state "
+          f"| decode us/layer |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| fused gates, default config | {r['N']} | {r['es']} | {r['dec']:.2f} |")
+    return rows
+
+
 def compile_report(batches=(1, 8, 64), arch=90, n_sm=132, gdc=True):
     """Offline sm_<arch> compile (Triton's bundled ptxas and cuobjdump; no GPU, not under TRITON_INTERPRET) of the
     per-tile decode kernel at the default config of each N, without and with the low-rank gates in the kernel
@@ -315,7 +382,8 @@ def compile_report(batches=(1, 8, 64), arch=90, n_sm=132, gdc=True):
         cfg = decode_config(N, H, K, V, n_sm)
         for fg, fg_early in ((False, False), (True, True), (True, False)):
             c = dict(H=H, K=K, V=V, W=W, BK=K, BV=cfg.BV, NV=V // cfg.BV, BVF=V, TAIL=cfg.tail, EARLY=cfg.early,
-                     STORE_AFTER=cfg.store_after, GDC=gdc, FG=fg, R=K, BR=K, RC=rec._FG_RC, FG_EARLY=fg_early)
+                     STORE_AFTER=cfg.store_after, GDC=gdc, FG=fg, R=K, BR=K, RC=rec._FG_RC, FG_EARLY=fg_early,
+                     EARLY_STATE=rec._EARLY_STATE if gdc else 0)
             sig = {n: types.get(n, "constexpr") for n in names}
             attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
                      if types.get(n, "").startswith("*") or n.startswith("stride")}
@@ -362,15 +430,21 @@ def main():
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill hook (same as --no-prefill)")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--regs", action="store_true", help="offline sm_90 registers of the decode kernel (no GPU), exit")
+    ap.add_argument("--early-state", action="store_true",
+                    help="only the early-state rows (in_proj gemv -> decode chain per KIMI_KDA_EARLY_STATE mode), exit")
     a = ap.parse_args()
     batches = [int(x) for x in a.batch.split(",")]
     if a.regs:
         compile_report()
         return
     torch.manual_seed(0)
+    if a.early_state:
+        bench_early_state([b for b in batches if b <= 8] or [1, 8])
+        return
     if not a.no_check:
         check()
     bench_decode(batches, use_fla=not a.no_fla)
+    bench_early_state([b for b in batches if b <= 8])
     if a.sweep:
         sweep_decode(batches, use_fla=not a.no_fla)
     if not (a.no_prefill or a.decode_only):

@@ -205,7 +205,8 @@ def _kda_decode_kernel(
         # addresses are computed here: the tile's pointers and masks after the wait (fewer live registers)
         o_l = tl.arange(0, (BV + 31) // 32).to(tl.int64) * 32
         m_l = (o_l < BV) & (i_v * BV + o_l < V) & (slot > 0)
-        prefetch_l2(s_head + (o_k[:, None] * V + i_v * BV + o_l[None, :]), ((o_k < K) & (slot > 0))[:, None] & m_l[None, :])
+        prefetch_l2(s_head + (o_k[:, None] * V + i_v * BV + o_l[None, :]),
+                    ((o_k < K) & (slot > 0))[:, None] & m_l[None, :])
         for j in tl.static_range(W - 1):
             _prefetch_span(cs + j * stride_cs_w + i_h * K, K, BK, slot)
             _prefetch_span(cs + j * stride_cs_w + H * K + i_h * K, K, BK, slot)

@@ -398,7 +398,8 @@ out = {}
 for N in (1, 8):
     cfg = rec.decode_config(N, 32, 128, 128, 132)
     c = dict(H=32, K=128, V=128, W=4, BK=128, BV=cfg.BV, NV=128 // cfg.BV, BVF=128, TAIL=cfg.tail, EARLY=cfg.early,
-             STORE_AFTER=cfg.store_after, GDC=True, FG=cfg.fg, R=128, BR=128, RC=rec._FG_RC, FG_EARLY=cfg.fg_early)
+             STORE_AFTER=cfg.store_after, GDC=True, FG=cfg.fg, R=128, BR=128, RC=rec._FG_RC, FG_EARLY=cfg.fg_early,
+             EARLY_STATE=0)    # the slot / state positions: test_early_state_offline_sm90
     attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
              if types.get(n, "").startswith("*") or n.startswith("stride")}
     src = ASTSource(fn=fn, signature={n: types.get(n, "constexpr") for n in names},
@@ -444,6 +445,164 @@ def test_fg_offline_sm90():
     assert eight["pre"] == [], eight["pre"]
     for N, c in res.items():
         assert c["stack"] == 0 and c["reg"] <= 255, (N, c)
+
+
+# -------------------------------------------------------------------------- early state (EARLY_STATE, recurrent.py)
+# (BV, tail, early, fg, fg_early): the fused defaults at N = 1 (weights in registers) and N = 8 (RC chunks), z / r
+# given (late and early state load), one program per head, the two-launch tail, state stored after the arrival
+_ES_CFGS = [(8, TAIL_LAST, False, True, True), (16, TAIL_LAST, False, True, False),
+            (8, TAIL_LAST, False, False, False), (16, TAIL_LAST, True, False, False),
+            (32, TAIL_SINGLE, False, True, True), (8, TAIL_POST, False, True, False), (16, "sa", True, True, True)]
+
+
+@pytest.mark.parametrize("cfg", _ES_CFGS, ids=[str(c) for c in _ES_CFGS])
+def test_decode_early_state_same_bits(cfg):
+    # early_state 1 / 2 only move the slot / state loads (before griddepcontrol.wait under PDL; the interpreter has no
+    # GDC, so here the code paths run without it): outputs, pools and counters bit-identical to early_state 0 over 2
+    # chained steps, a padded lane (slot 0, NaN pools) included; early_state 0 matches the reference
+    BV, tail, early, fg, fg_early = cfg
+    H, K, V, S, R, N = 2, 32, 32, 6, 24, 3
+    L = make_kda_layer(H, K, V, S, device=DEV)
+    L["rec_state"][0] = float("nan")
+    L["conv_state"][0] = float("nan")
+    fg_a, fg_b = _fg_inputs(N, H, K, V, R, torch.float32)
+    slots = _i32([3, 0, 1])
+    kw = dict(BV=BV, early=early, tail=TAIL_LAST if tail == "sa" else tail, store_after=tail == "sa")
+    if fg:
+        kw.update(fg=True, fg_early=fg_early)
+    A = _clone(L)
+    res = {}
+    for es in (0, 1, 2):
+        B = _clone(L)
+        cnt = torch.zeros(N * H, dtype=torch.int32, device=DEV)
+        ys = []
+        for step in range(2):
+            tok = make_kda_tokens(N, H, K, V, device=DEV, seed=50 + step)
+            out = torch.full((N, H * V), float("nan"), device=DEV)
+            if fg:
+                ys.append(_decode_fg(kda_decode_triton, B, tok, slots, fg_a, fg_b, out=out, counters=cnt,
+                                     early_state=es, **kw))
+                if es == 0:
+                    assert_close(f"o step {step}", ys[-1], _decode_fg(kda_decode_ref, A, tok, slots, fg_a, fg_b), 2e-5)
+            else:
+                ys.append(_decode(kda_decode_triton, B, tok, slots, out=out, counters=cnt, early_state=es, **kw))
+                if es == 0:
+                    assert_close(f"o step {step}", ys[-1], _decode(kda_decode_ref, A, tok, slots), 2e-5)
+        assert torch.equal(cnt, torch.zeros_like(cnt))
+        res[es] = (ys, B)
+    for es in (1, 2):
+        for step in range(2):
+            assert_bits_equal(f"o es {es} step {step}", res[es][0][step], res[0][0][step])
+        assert_bits_equal(f"rec es {es}", res[es][1]["rec_state"], res[0][1]["rec_state"])
+        assert_bits_equal(f"conv es {es}", res[es][1]["conv_state"], res[0][1]["conv_state"])
+    assert_bits_equal("null slot", res[2][1]["rec_state"][0], L["rec_state"][0])
+
+
+def test_early_state_switch(monkeypatch):
+    # early_state=None: recurrent._EARLY_STATE (KIMI_KDA_EARLY_STATE) under PDL, 0 without; an explicit value wins.
+    # Kernels replaced by recorders (no launch): the EARLY_STATE constexpr each call passes
+    import kernels._pdl as pdl_mod
+    from kernels.kda import recurrent as Rm
+    seen = []
+    monkeypatch.setattr(Rm, "_kda_decode_kernel", type("Rec", (), {
+        "__getitem__": lambda self, grid: lambda *a, **kw: seen.append((kw["EARLY_STATE"], kw.get("GDC", False)))})())
+    monkeypatch.setattr(pdl_mod, "INTERPRET", False)
+    H, K, V = 2, 16, 16
+    L = make_kda_layer(H, K, V, 4)
+    tok = make_kda_tokens(2, H, K, V)
+    slots = torch.tensor([1, 2], dtype=torch.int32)
+    for mode in (0, 1, 2):
+        monkeypatch.setattr(Rm, "_EARLY_STATE", mode)
+        for pdl, es in ((True, None), (False, None), (True, 0), (False, 2)):
+            seen.clear()
+            _decode(kda_decode_triton, _clone(L), tok, slots, BV=8, pdl=pdl, early_state=es)
+            assert seen == [((mode if pdl else 0) if es is None else es, pdl)], (mode, pdl, es, seen)
+
+
+_ES_OFFLINE = r"""
+import collections, json, re, subprocess, tempfile, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels._pdl import ptx_events
+from kernels.kda import recurrent as rec
+fn = rec._kda_decode_kernel
+names = fn.arg_names
+f32 = dict(convw_ptr="*fp32", alog_ptr="*fp32", dtb_ptr="*fp32", state_ptr="*fp32", o_ptr="*fp32", cnt_ptr="*i32",
+           slot_ptr="*i32")
+types = {n: "*bf16" for n in names if n.endswith("_ptr")}
+types.update(f32, scale="fp32", eps="fp32", **{n: "i32" for n in names if n.startswith("stride")})
+attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
+         if types.get(n, "").startswith("*") or n.startswith("stride")}
+out = {}
+for N in (1, 8):
+    cfg = rec.decode_config(N, 32, 128, 128, 132)
+    for es in (0, 1, 2):
+        c = dict(H=32, K=128, V=128, W=4, BK=128, BV=cfg.BV, NV=128 // cfg.BV, BVF=128, TAIL=cfg.tail,
+                 EARLY=cfg.early, STORE_AFTER=cfg.store_after, GDC=True, FG=cfg.fg, R=128, BR=128, RC=rec._FG_RC,
+                 FG_EARLY=cfg.fg_early, EARLY_STATE=es)
+        src = ASTSource(fn=fn, signature={n: types.get(n, "constexpr") for n in names},
+                        constexprs={(names.index(k),): v for k, v in c.items()}, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            res = subprocess.run([f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump", "-res-usage", f.name],
+                                 capture_output=True, text=True).stdout
+        reg, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", res).groups())
+        ev = re.findall(r"griddepcontrol\.\w+|(?:ld|st|atom|prefetch)\.global[.\w:]*", k.asm["ptx"])
+        out[f"{N}/{es}"] = dict(BV=cfg.BV, nw=cfg.num_warps, reg=reg, stack=stack, ev=ev,
+                                coarse=ptx_events(fn, c, f32, cfg.num_warps))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_early_state_offline_sm90():
+    """Offline sm_90 compile (Triton's ptxas, no GPU) of the defaults at Kimi shapes under PDL, N = 1 (f_b / g_b in
+    registers) and 8 (RC chunks), early_state 0 / 1 / 2: the same loads in every mode (only their position moves);
+    before griddepcontrol.wait 1 adds exactly the slot load (one b32) and L2 prefetches, 2 also the state tile (its
+    evict_first 16-byte loads, none left after the wait); never an activation (bf16 b16 loads: qkv, b, f_a / g_a, and
+    the conv state, prefetched only), store or atomic before it; launch_dependents right after it; no spills."""
+    import collections
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KIMI_PDL")}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", _ES_OFFLINE], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode != 0 and "ptxas" in r.stderr:
+        pytest.skip("no bundled ptxas: " + r.stderr[-300:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    W, LD = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
+    for N in (1, 8):
+        parts = {}
+        for es in (0, 1, 2):
+            c = res[f"{N}/{es}"]
+            ev = c["ev"]
+            assert ev.count(W) == 1 and ev[ev.index(W) + 1] == LD, (N, es)
+            pre, post = ev[:ev.index(W)], ev[ev.index(W) + 1:]
+            loads = lambda xs: collections.Counter(e for e in xs if e.startswith("ld."))   # noqa: E731
+            parts[es] = (loads(pre), loads(post), pre.count("prefetch.global.L2"))
+            assert not any(e.startswith(("st.", "atom.")) for e in pre), (N, es, pre)
+            assert not any(e.startswith("ld.") and e.endswith(".b16") for e in pre), (N, es, pre)   # activations
+            assert c["stack"] == 0 and c["reg"] <= 255, (N, es, c["reg"], c["stack"])
+            # the coarse event list of kernels._pdl.ptx_events (no alignment hints: scalar loads) agrees
+            co = c["coarse"]
+            assert co.count(W) == 1 and co[co.index(W) + 1] == LD and "st.global" not in co[:co.index(W)]
+            assert ("ld.global" in co[:co.index(W)]) == (es > 0 or N == 1), (N, es)
+        (pre0, post0, pf0), (pre1, post1, pf1), (pre2, post2, pf2) = parts[0], parts[1], parts[2]
+        assert pre0 + post0 == pre1 + post1 == pre2 + post2, N                    # the same loads in every mode
+        assert pre1 - pre0 == collections.Counter({"ld.global.b32": 1}) and not pre0 - pre1, N    # + the slot
+        assert pf1 > pf0 and pf2 == pf1, (N, pf0, pf1, pf2)                       # + state / conv-state hints
+        tile = {k: v for k, v in (pre2 - pre1).items()}
+        n_vec = 128 * res[f"{N}/2"]["BV"] * 4 // 16 // (32 * res[f"{N}/2"]["nw"])   # [K, BV] fp32, 16-byte vectors
+        assert tile == {"ld.global.L1::evict_first.L2::cache_hint.v4.b32": n_vec} and not pre1 - pre2, (N, tile)
+        assert not any("evict_first" in e for e in post2), N                       # not loaded again after the wait
+        assert any("evict_first" in e for e in post1), N                            # 1: loaded after the wait
 
 
 # ----------------------------------------------------------------------------------------------------------- GPU
@@ -542,3 +701,69 @@ def test_decode_fg_cuda_graph_gpu(kw):
         assert torch.equal(y_static, y_eager[step])
         assert torch.equal(y_static[2], torch.zeros_like(y_static[2]))
     assert torch.equal(B["rec_state"], A["rec_state"]) and torch.equal(B["conv_state"], A["conv_state"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 8])
+def test_decode_early_state_pdl_graph_gpu(N):
+    # Kimi shapes in the model's launch order, captured in a CUDA graph with every launch PDL: the in_proj gemv
+    # (writes qkv | f_a g_a | b) -> kda_decode (fused gates, default config) -> gemv -> kda_decode: two steps of the
+    # same layer with one kernel between, the least separation the early-state premise allows (module doc); replayed
+    # 3 times with the pools carried. Per early_state 0 / 1 / 2: vs the unfused chain (skinny_bmm_nt's z, r, then the
+    # kernel, eager without PDL) on the graph's own in_proj outputs; the three modes bit-identical
+    from kernels.gemv import gemv_triton, skinny_bmm_nt
+    H, K, V, D = 32, 128, 128, 2304
+    C = 2 * H * K + H * V
+    S = N + 2
+    gen = torch.Generator(device="cuda").manual_seed(N)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    W_in = rnd(C + 2 * K + H, D, scale=D ** -0.5)
+    fg_b = torch.stack([rnd(H * K, K, scale=2.0 / K ** 0.5), rnd(H * V, K, scale=K ** -0.5)])
+    L = make_kda_layer(H, K, V, S, device="cuda", conv_dtype=torch.bfloat16)
+    slots = (torch.randperm(S - 1, device="cuda", generator=gen)[:N] + 1).to(torch.int32)
+    xs = [rnd(N, D), rnd(N, D)]                                  # static graph inputs, refilled before each replay
+
+    def layer(st, x, es):
+        y = gemv_triton(x, W_in, pdl=True)                        # [N, C + 2K + H]
+        fg_a = y[:, C:C + 2 * K].view(-1, 2, K).transpose(0, 1)
+        o = kda_decode_triton(y[:, :C], st["conv_w"], None, y[:, C + 2 * K:], st["A_log"], st["dt_bias"], None,
+                              st["o_norm_w"], EPS, st["conv_state"], st["rec_state"], slots, fg_a=fg_a, fg_b=fg_b,
+                              pdl=True, early_state=es)
+        return y, o
+
+    def unfused(st, y):
+        z, r = skinny_bmm_nt(y[:, C:C + 2 * K].view(-1, 2, K).transpose(0, 1), fg_b).unbind(0)
+        return kda_decode_triton(y[:, :C], st["conv_w"], z, y[:, C + 2 * K:], st["A_log"], st["dt_bias"], r,
+                                 st["o_norm_w"], EPS, st["conv_state"], st["rec_state"], slots, pdl=False,
+                                 early_state=0)
+
+    graphs, outs, pools = {}, {}, {}
+    for es in (0, 1, 2):
+        layer(_clone(L), xs[0], es)                               # compile outside the capture
+        torch.cuda.synchronize()
+        pools[es] = _clone(L)
+        graphs[es] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[es]):
+            outs[es] = [layer(pools[es], x, es) for x in xs]
+    A = _clone(L)
+    for step in range(3):
+        for x in xs:
+            x.copy_(rnd(N, D))
+        for es in (0, 1, 2):
+            graphs[es].replay()
+        torch.cuda.synchronize()
+        for i in range(2):
+            y, o = outs[0][i]
+            assert_close(f"o step {step}.{i}", o, unfused(A, y), 5e-3)
+            for es in (1, 2):
+                assert torch.equal(outs[es][i][0], y), (step, i, es)
+                assert torch.equal(outs[es][i][1], o), (step, i, es)
+    assert_close("state", pools[0]["rec_state"], A["rec_state"], 5e-3)
+    assert torch.equal(pools[0]["conv_state"], A["conv_state"])
+    for es in (1, 2):
+        assert torch.equal(pools[es]["rec_state"], pools[0]["rec_state"]), es
+        assert torch.equal(pools[es]["conv_state"], pools[0]["conv_state"]), es
+    assert not torch.equal(A["rec_state"], L["rec_state"])
