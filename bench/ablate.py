@@ -96,11 +96,13 @@ def _switches():
 
     off = {
         "KDA f_b|g_b in decode off": [(rec, "_FG_MAX_N", 0)],
+        "KDA early state off": [(rec, "_EARLY_STATE", 0)],
         "router + post-norm off": [(router, "ROUTER_NORM", False)],
         "GEMM2 tail norm off": [(fused, "TAIL_NORM", False)],
         "MLA fused chain off": [(km, "MLA_FUSED_MAX_T", 0)],
     }
-    off["all four off"] = [p for v in off.values() for p in v]
+    off["all off"] = [p for v in off.values() for p in v]
+    off["(on) KDA early state 2"] = [(rec, "_EARLY_STATE", 2)]   # state tile in registers before the wait
     return off
 
 
