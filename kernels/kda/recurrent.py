@@ -482,11 +482,14 @@ _STORE_AFTER = False          # TAIL_LAST configs write the state after the arri
 # separate skinny_bmm_nt above (KIMI_KDA_FG_MAX_N overrides; unmeasured guess until bench/kda.py's fused column).
 # Registers for the weights (FG_EARLY: the whole [K, R] f_b tile + the [BV, R] g_b tile, loaded before gdc_wait)
 # while the grid has <= _FG_EARLY_PPS programs per SM, else RC-column chunks after the wait.
-_FG_MAX_N = int(os.environ.get("KIMI_KDA_FG_MAX_N", "8"))
+# H200 12-03 (bench/ablate.py --ab, e2e b1): the fused gates were 6 us per step slower than the chain at N = 1, so
+# the default is off (0); KIMI_KDA_FG_MAX_N=8 turns them on up to 8 sequences
+_FG_MAX_N = int(os.environ.get("KIMI_KDA_FG_MAX_N", "0"))
 # Early state (module doc), per-tile kernel under PDL: 0 off, 1 slot load + L2 prefetch of the state tile and conv
 # state rows before gdc_wait (default), 2 also the state tile into registers before it (needs the caller's
 # guarantee in the module doc; A/B on the H200). KIMI_KDA_EARLY_STATE overrides; kda_decode_triton(early_state=).
-_EARLY_STATE = int(os.environ.get("KIMI_KDA_EARLY_STATE", "1"))
+# default 0 since H200 12-03 (bench/ablate.py --ab, e2e b1: mode 1 and 2 both ~3 us per step slower than 0)
+_EARLY_STATE = int(os.environ.get("KIMI_KDA_EARLY_STATE", "0"))
 _FG_EARLY_PPS = 2
 _FG_RC = 32
 

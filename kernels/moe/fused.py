@@ -67,7 +67,9 @@ DECODE_PDL1 = "gemm1" in _PDL
 # fused_moe_add_norm: the combine + residual add + next RMSNorm in the tail of GEMM2 (the last program to arrive) for
 # T <= TAIL_NORM_MAX_T tokens (KIMI_MOE_TAIL_NORM_MAX_T, default 4: one program does all T rows); KIMI_MOE_TAIL_NORM=0:
 # GEMM2 + kernels.norm.combine_add_rmsnorm (one more launch) at every T (A/B switch)
-TAIL_NORM = os.environ.get("KIMI_MOE_TAIL_NORM", "1") != "0"
+# opt-in (KIMI_MOE_TAIL_NORM=1) since H200 12-03: bench/ablate.py --ab at e2e b1 measured the tail 50 us per step
+# slower than the separate combine_add_rmsnorm launch (one program doing the whole row after the last arrival)
+TAIL_NORM = os.environ.get("KIMI_MOE_TAIL_NORM", "0") == "1"
 TAIL_NORM_MAX_T = int(os.environ.get("KIMI_MOE_TAIL_NORM_MAX_T", "4"))
 # ... and every GEMM2 program prefetches the norm weight and the residual rows into L2 before arriving (read per call;
 # KIMI_MOE_TAIL_PF=0 / bench/moe.py --tail-norm turn it off for an A/B)

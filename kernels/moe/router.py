@@ -59,6 +59,9 @@ DECODE_GDC = os.environ.get("KIMI_ROUTER_GDC", "1") != "0" and not INTERPRET
 # v3, T <= GEMV_MAX_T) instead of a kernels.norm.add_rmsnorm launch before it; KIMI_ROUTER_NORM=0 keeps the two
 # launches (A/B switch, read per call like ROUTER_DECODE)
 ROUTER_NORM = os.environ.get("KIMI_ROUTER_NORM", "1") != "0"
+# ... for T <= ROUTER_NORM_MAX_T tokens (KIMI_ROUTER_NORM_MAX_T): H200 12-03 e2e b1 measured it neutral (-2 us per
+# step) and e2e b8 / b64 got slower with all decode fusions on, so the cap keeps it to the batches it was timed at
+ROUTER_NORM_MAX_T = int(os.environ.get("KIMI_ROUTER_NORM_MAX_T", "4"))
 # its decode config (experts per program, warps; bench/router.py --sweep): 2 warps, as with 1 warp the program keeps
 # gate, norm weight, attn, residual and h chunks of 64 elements per thread live and spills (offline sm_90, maxnreg
 # 168, D 2304, pointers / strides 16-divisible as at run time; Triton 3.9 / 3.6: BE 1 w1 168 regs + 192 B stack both,
@@ -784,7 +787,7 @@ def _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights
 
 def norm_fused(T: int) -> bool:
     """Does moe_router_add_norm_triton run T tokens in one launch? (the module switches, read per call)"""
-    return ROUTER_NORM and FUSED_DECODE and ROUTER_DECODE in ("v2", "v3") and 0 < T <= GEMV_MAX_T
+    return ROUTER_NORM and FUSED_DECODE and ROUTER_DECODE in ("v2", "v3") and 0 < T <= min(GEMV_MAX_T, ROUTER_NORM_MAX_T)
 
 
 def moe_router_add_norm_triton(attn, residual, norm_w, eps, gate_w, bias, top_k, routed_scaling_factor=1.0,

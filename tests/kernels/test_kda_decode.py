@@ -365,10 +365,11 @@ def test_decode_fg_bf16(fg, fg_early, KV):
     assert torch.equal(B["conv_state"], A["conv_state"])
 
 
-def test_decode_fg_default_config():
+def test_decode_fg_default_config(monkeypatch):
     # kda_decode_triton's own pick with low-rank inputs at N = 1 (fused, weights in registers) and N > _FG_MAX_N
     # (skinny_bmm_nt first): both equal the reference
     from kernels.kda import recurrent as Rm
+    monkeypatch.setattr(Rm, "_FG_MAX_N", 8)   # the fused gates are opt-in (KIMI_KDA_FG_MAX_N)
     H, K, V, R = 2, 16, 16, 16
     for N in (1, Rm._FG_MAX_N + 1):
         cfg = decode_config(N, H, K, V, 132)
@@ -430,6 +431,7 @@ def test_fg_offline_sm90():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KIMI_PDL")}
+    env["KIMI_KDA_FG_MAX_N"] = "8"   # the fused gates (opt-in) at N = 1 and 8
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", _FG_OFFLINE], cwd=root, env=env, capture_output=True, text=True,
                        timeout=600)
@@ -570,6 +572,7 @@ def test_early_state_offline_sm90():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KIMI_PDL")}
+    env["KIMI_KDA_FG_MAX_N"] = "8"   # the fused gates (opt-in) at N = 1 and 8
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", _ES_OFFLINE], cwd=root, env=env, capture_output=True, text=True,
                        timeout=600)

@@ -24,8 +24,10 @@ EPS = 1e-6
 def _triton_path(monkeypatch):
     """CPU tensors take the Triton path (the interpreter) in these tests, as KIMI_KERNELS=triton would."""
     import kernels._dispatch as d
+    import kernels.moe.fused as f
 
     monkeypatch.setattr(d, "_FORCE", "triton")
+    monkeypatch.setattr(f, "TAIL_NORM", True)   # opt-in (KIMI_MOE_TAIL_NORM=1): these tests are about the tail
 
 
 def make_layer(T, D, I, E, k, dtype, device=DEV, strided=False):
@@ -165,8 +167,9 @@ def test_fallbacks(monkeypatch):
 def test_bench_tail_norm_smoke():
     """bench/moe.py --tail-norm code path at tiny shapes (--smoke); its bit comparison must hold."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, KIMI_MOE_TAIL_NORM="1")   # opt-in
     r = subprocess.run([sys.executable, "bench/moe.py", "--smoke", "--tail-norm", "--tail-t", "1,5"], cwd=root,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("tail-norm T=")]
     assert len(lines) == 2 and all("bits equal: True" in ln for ln in lines), r.stdout[-2000:]

@@ -32,6 +32,14 @@ EPS, SCALE = 1e-6, 2.446
 KERNELS = [("v3", 1, 1), ("v2", 1, 1), ("v3", 4, 2), ("v3", 64, 1)]
 
 
+@pytest.fixture(autouse=True)
+def _all_decode_batches(monkeypatch):
+    """The fused launch up to T = 16 (GEMV_MAX_T) in these tests; the default cap is ROUTER_NORM_MAX_T."""
+    from kernels.moe import router
+
+    monkeypatch.setattr(router, "ROUTER_NORM_MAX_T", router.GEMV_MAX_T)
+
+
 def _inputs(T, E, D, dtype=torch.bfloat16, dev=DEV):
     attn = torch.randn(T, D, device=dev).to(dtype)
     res = (torch.randn(T, D, device=dev) * 4).to(dtype)
@@ -199,7 +207,8 @@ def test_router_norm_dispatch(monkeypatch):
     E, k, D = 8, 2, 32
     for T, switch, fused in [(1, {}, True), (16, {}, True), (17, {}, False), (2, dict(ROUTER_NORM=False), False),
                              (2, dict(FUSED_DECODE=False), False), (2, dict(ROUTER_DECODE="v1"), False),
-                             (2, dict(ROUTER_DECODE="v2"), True)]:
+                             (2, dict(ROUTER_DECODE="v2"), True),
+                             (4, dict(ROUTER_NORM_MAX_T=4), True), (5, dict(ROUTER_NORM_MAX_T=4), False)]:
         with monkeypatch.context() as m:
             for key, val in switch.items():
                 m.setattr(r, key, val)
