@@ -1,7 +1,7 @@
 """The decode fusions of the Triton path, end to end through the tiny checkpoint (interpreter on CPU, kernels on
 CUDA): a prefill fills the KDA slots and MLA pages, then one decode-only step of two sequences runs with every fusion
 on (PendingMoE: router + post-attention norm, GEMM2 tail norm; KDA low-rank gates in the decode kernel; the fused
-MLA chain) and with each switched off. Logits and the caches the step wrote must agree."""
+MLA chain; the opt-in ones switched on here) and with each switched off. Logits and the caches the step wrote must agree."""
 import copy
 
 import pytest
@@ -19,8 +19,18 @@ def tiny_step(tmp_path_factory):
     from backend.model.loader import load_model
     from tools.tiny_checkpoint import write_tiny_checkpoint
 
+    import backend.model.kimi_linear as km
+    import kernels.kda.recurrent as rec
+    import kernels.moe.fused as fused
+    import kernels.moe.router as router
+
     mp = pytest.MonkeyPatch()
     mp.setattr(d, "_FORCE", "triton")
+    # every fusion on, the opt-in ones (slower on the H200 at b1, kept as switches) included
+    mp.setattr(fused, "TAIL_NORM", True)
+    mp.setattr(rec, "_FG_MAX_N", 8)
+    mp.setattr(router, "ROUTER_NORM_MAX_T", 16)
+    mp.setattr(km, "MLA_FUSED_MAX_T", 64)
     tmp = str(tmp_path_factory.mktemp("tiny_dec_fuse"))
     model = load_model(write_tiny_checkpoint(tmp, tokenizer=None, seed=5), DEV, torch.bfloat16)
     assert any(getattr(layer, "pending_moe", False) for layer in model.model.layers)
