@@ -426,11 +426,10 @@ QUICK_VARIANTS = [
     # one launch fewer; akk does ~3.5x prep's softplus work (SASS estimate: ~52k + ~25k warp-instructions per
     # chunk-head for akk + wu vs ~18k + ~32k + ~11k for prep + akk + wu). Offline sm_90, Triton 3.6: akk 212 regs
     # (9 warps / SM; lv2k 168 = 12), wu 180 (2 CTAs / SM; default wu 144 = 3), no spills; -cap: 196 / 167, no
-    # spills (10 warps / 3 CTAs); -1p: the diagonal-block levels in the first K pass (no second pass recomputing
-    # the sub-chunk's gates: SASS ~20% fewer akk instructions, 238 regs = 8 warps / SM)
+    # spills (10 warps / 3 CTAs); -lv2: the 4 levels in 2 K passes
     ("gate-fused", True, dict(GATE_FUSED=1)),
     ("gate-fused-cap", True, dict(GATE_FUSED=1, AKK_MAXNREG=200, GATE_WU_MAXNREG=168)),
-    ("gate-fused-1p", True, dict(GATE_FUSED=1, GATE_LV_PASSES=0)),
+    ("gate-fused-lv2", True, dict(GATE_FUSED=1, GATE_LV_PASSES=2)),
     ("lv+cs+prefetch", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1,
                                   PREP_BK=16, HPASS_PREFETCH=1)),
 ]

@@ -171,13 +171,11 @@ CUMSUM_DOT = 1
 # AKK_MAXNREG=200 / GATE_WU_MAXNREG=168 (Triton 3.6 only; 3.9 spills 16 / 56 B): 196 / 167, no spills. smem 5 / 48 KB.
 # SASS estimate (Triton 3.6, per chunk-head, warp-instructions): akk ~52k + wu ~25k vs prep ~18k + akk ~32k + wu ~11k:
 # ~25% more issue work for ~30% fewer bytes, and fewer CTAs per SM (akk 9 vs 12 warps, wu 2 vs 3 CTAs).
-# GATE_LV_PASSES=0: akk ~41k (the levels share pass 1's loads, gates and cumsum), 8 warps / SM.
 GATE_FUSED = int(os.environ.get("KIMI_KDA_GATE_FUSED", "0"))
 GATE_WU_BK = 16          # GATE_FUSED wu K tile (the M-live K loop: 180 regs at 16, 254 at 32; Triton 3.6 sm_90)
+GATE_WU_RECOMPUTE = 0    # GATE_FUSED wu: 1 = qg / kg / gl in a K loop before M is built, G computed twice (196 regs)
 GATE_WU_MAXNREG = None   # GATE_FUSED wu register cap (168: 3 CTAs of 4 warps per SM)
-GATE_LV_PASSES = 1       # GATE_FUSED akk: 1 = the diagonal-block levels in a second K pass (212 regs, Triton 3.6);
-                         # 0 = in the first (238 regs: 8 warps / SM instead of 9; SASS ~20% fewer instructions;
-                         # Triton 3.9: 255 regs + 24 B stack, so not the GATE_FUSED base)
+GATE_LV_PASSES = 1       # GATE_FUSED akk: K passes for the diagonal-block levels (1: all four; 2: two per pass)
 # the same cumsum in INTRA_FUSED's pass 1 (A/B, its own switch): INTRA_FUSED with it hit an illegal memory access on
 # the H200 (12-03, Triton 3.6, GPU test intra-fused-fast at Kimi shapes; correct under the interpreter), so the fused
 # intra kernel keeps tl.cumsum unless asked
@@ -966,18 +964,19 @@ def _akk_gate_level(cs, qr, kr, lk, lq, hb: tl.constexpr, BC: tl.constexpr, PREC
 
 @triton.jit
 def _akk_gate_levels(pq, pk, pz, dt_bias, i_h, rr, nv, d_kk, d_qk, stride_q, stride_k, stride_z, neg_a,
-                     K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
-    """GATE_FUSED akk with LV_PASSES=1: a second K pass for the levels hb = 8, 4, 2, 1 of the diagonal block (raw
-    q / k, the sub-chunk's gates and cumsum recomputed from z); their pairs are added to d_kk / d_qk after it."""
+                     HA: tl.constexpr, NL: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                     PREC: tl.constexpr, FAST: tl.constexpr):
+    """GATE_FUSED akk: one K pass over the NL (2 or 4) levels HA, HA / 2, ... of the diagonal block (raw q / k, the
+    sub-chunk's gates recomputed from z); their pairs are added to d_kk / d_qk after the pass."""
     rmask = rr < nv
-    l8k = tl.zeros([BC, BC], dtype=tl.float32)
-    l8q = tl.zeros([BC, BC], dtype=tl.float32)
-    l4k = tl.zeros([BC, BC], dtype=tl.float32)
-    l4q = tl.zeros([BC, BC], dtype=tl.float32)
-    l2k = tl.zeros([BC, BC], dtype=tl.float32)
-    l2q = tl.zeros([BC, BC], dtype=tl.float32)
-    l1k = tl.zeros([BC, BC], dtype=tl.float32)
-    l1q = tl.zeros([BC, BC], dtype=tl.float32)
+    la_k = tl.zeros([BC, BC], dtype=tl.float32)
+    la_q = tl.zeros([BC, BC], dtype=tl.float32)
+    lb_k = tl.zeros([BC, BC], dtype=tl.float32)
+    lb_q = tl.zeros([BC, BC], dtype=tl.float32)
+    lc_k = tl.zeros([BC, BC], dtype=tl.float32)
+    lc_q = tl.zeros([BC, BC], dtype=tl.float32)
+    ld_k = tl.zeros([BC, BC], dtype=tl.float32)
+    ld_q = tl.zeros([BC, BC], dtype=tl.float32)
     for kb in range(0, K, BK):
         c = kb + tl.arange(0, BK)
         cm = c < K
@@ -986,14 +985,16 @@ def _akk_gate_levels(pq, pk, pz, dt_bias, i_h, rr, nv, d_kk, d_qk, stride_q, str
         qr = tl.load(pq + rr[:, None] * stride_q + c[None, :], mask=m2, other=0.0).to(tl.float32)
         kr = tl.load(pk + rr[:, None] * stride_k + c[None, :], mask=m2, other=0.0).to(tl.float32)
         cs = _cumsum0(_gate_rows(pz, dtb, rr, nv, c, cm, stride_z, neg_a, FAST), BC, 1)
-        l8k, l8q = _akk_gate_level(cs, qr, kr, l8k, l8q, BC // 2, BC, PREC)
-        l4k, l4q = _akk_gate_level(cs, qr, kr, l4k, l4q, BC // 4, BC, PREC)
-        l2k, l2q = _akk_gate_level(cs, qr, kr, l2k, l2q, BC // 8, BC, PREC)
-        l1k, l1q = _akk_gate_level(cs, qr, kr, l1k, l1q, BC // 16, BC, PREC)
-    d_kk, d_qk = _akk_level_sel(l8k, l8q, d_kk, d_qk, BC // 2, BC)
-    d_kk, d_qk = _akk_level_sel(l4k, l4q, d_kk, d_qk, BC // 4, BC)
-    d_kk, d_qk = _akk_level_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
-    d_kk, d_qk = _akk_level_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
+        la_k, la_q = _akk_gate_level(cs, qr, kr, la_k, la_q, HA, BC, PREC)
+        lb_k, lb_q = _akk_gate_level(cs, qr, kr, lb_k, lb_q, HA // 2, BC, PREC)
+        if NL == 4:
+            lc_k, lc_q = _akk_gate_level(cs, qr, kr, lc_k, lc_q, HA // 4, BC, PREC)
+            ld_k, ld_q = _akk_gate_level(cs, qr, kr, ld_k, ld_q, HA // 8, BC, PREC)
+    d_kk, d_qk = _akk_level_sel(la_k, la_q, d_kk, d_qk, HA, BC)
+    d_kk, d_qk = _akk_level_sel(lb_k, lb_q, d_kk, d_qk, HA // 2, BC)
+    if NL == 4:
+        d_kk, d_qk = _akk_level_sel(lc_k, lc_q, d_kk, d_qk, HA // 4, BC)
+        d_kk, d_qk = _akk_level_sel(ld_k, ld_q, d_kk, d_qk, HA // 8, BC)
     return d_kk, d_qk
 
 
@@ -1010,8 +1011,7 @@ def _kda_akk_gate_kernel(
         the earlier blocks' k, and the off-diagonal blocks on raw q / k with the anchor m = i BC - 1:
         row factor exp2(G_r - G_m) = exp2(inclusive cumsum of g over R) (one Tri [BC, BC] dot pair), column factor
         exp2(G_m - G_s) (_akk_gate_off); the norms scale the finished sums (bilinear: exact);
-      pass 2 over K (LV_PASSES=1; 0: inside pass 1, on the same cumsum tile): the diagonal-block levels with
-        exp2(-|cs_r - cs_a|) of the sub-chunk's cumsum and the level anchor a (_akk_gate_level).
+      pass 2 over K: the diagonal-block levels with exp2 of gate sums between a row and its anchor (_akk_gate_level).
     No G [rows, K] anywhere: every exponent is a sum of gates (<= 0), never a difference of cumsums."""
     tl.static_assert((BT == 64) & (BC == 16))           # 3 off-diagonal column blocks, 4 levels
     i_b = tl.program_id(0) % (BT // BC)
@@ -1048,14 +1048,6 @@ def _kda_akk_gate_kernel(
     s1 = tl.zeros([BC], dtype=tl.float32)
     s2 = tl.zeros([BC], dtype=tl.float32)
     dq0 = tl.zeros([BC], dtype=tl.float32)              # diagonal s = r of Aqk (raw)
-    l8k = tl.zeros([BC, BC], dtype=tl.float32)          # LV_PASSES=0: the levels hb = 8, 4, 2, 1 in this pass
-    l8q = tl.zeros([BC, BC], dtype=tl.float32)
-    l4k = tl.zeros([BC, BC], dtype=tl.float32)
-    l4q = tl.zeros([BC, BC], dtype=tl.float32)
-    l2k = tl.zeros([BC, BC], dtype=tl.float32)
-    l2q = tl.zeros([BC, BC], dtype=tl.float32)
-    l1k = tl.zeros([BC, BC], dtype=tl.float32)
-    l1q = tl.zeros([BC, BC], dtype=tl.float32)
     for kb in range(0, K, BK):
         c = kb + tl.arange(0, BK)
         cm = c < K
@@ -1067,13 +1059,7 @@ def _kda_akk_gate_kernel(
         sk += tl.sum(kr * kr, 1)
         dq0 += tl.sum(qr * kr, 1)
         gr = _gate_rows(pz, dtb, rr, nv, c, cm, stride_z, neg_a, FAST)
-        cs = _segsum(tri, gr)                                           # G_r - G_m, m = i BC - 1
-        if LV_PASSES == 0:
-            l8k, l8q = _akk_gate_level(cs, qr, kr, l8k, l8q, BC // 2, BC, PREC)
-            l4k, l4q = _akk_gate_level(cs, qr, kr, l4k, l4q, BC // 4, BC, PREC)
-            l2k, l2q = _akk_gate_level(cs, qr, kr, l2k, l2q, BC // 8, BC, PREC)
-            l1k, l1q = _akk_gate_level(cs, qr, kr, l1k, l1q, BC // 16, BC, PREC)
-        ef = tl.exp2(tl.minimum(cs, 0.0))
+        ef = tl.exp2(tl.minimum(_segsum(tri, gr), 0.0))                 # exp2(G_r - G_m), m = i BC - 1
         qe = qr * ef
         ke = kr * ef
         suf = tl.zeros([BC, BK], dtype=tl.float32)
@@ -1102,15 +1088,15 @@ def _kda_akk_gate_kernel(
     _akk_store_off(pa, px, rr, i_b, 3, o2k, o2q, beta, BT, BC)     # (block 3 is never < i: zeros)
     d_kk = tl.zeros([BC, BC], dtype=tl.float32)
     d_qk = tl.where(r16[:, None] == r16[None, :], dq0[:, None], 0.0)
-    # the diagonal block: the levels' pairs (raw sums; LV_PASSES=1: summed in a second K pass)
-    if LV_PASSES == 0:
-        d_kk, d_qk = _akk_level_sel(l8k, l8q, d_kk, d_qk, BC // 2, BC)
-        d_kk, d_qk = _akk_level_sel(l4k, l4q, d_kk, d_qk, BC // 4, BC)
-        d_kk, d_qk = _akk_level_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
-        d_kk, d_qk = _akk_level_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
+    # the levels hb = 8, 4, 2, 1 (raw sums) in LV_PASSES K passes
+    if LV_PASSES == 1:
+        d_kk, d_qk = _akk_gate_levels(pq, pk, pz, dt_bias, i_h, rr, nv, d_kk, d_qk, stride_q, stride_k, stride_z,
+                                      neg_a, BC // 2, 4, K, BC, BK, PREC, FAST)
     else:
         d_kk, d_qk = _akk_gate_levels(pq, pk, pz, dt_bias, i_h, rr, nv, d_kk, d_qk, stride_q, stride_k, stride_z,
-                                      neg_a, K, BC, BK, PREC, FAST)
+                                      neg_a, BC // 2, 2, K, BC, BK, PREC, FAST)
+        d_kk, d_qk = _akk_gate_levels(pq, pk, pz, dt_bias, i_h, rr, nv, d_kk, d_qk, stride_q, stride_k, stride_z,
+                                      neg_a, BC // 8, 2, K, BC, BK, PREC, FAST)
     rkc = rk[None, :]
     d_kk = d_kk * rk[:, None] * rkc
     d_qk = d_qk * rq[:, None] * rkc
@@ -1139,11 +1125,12 @@ def _kda_wu_gate_kernel(
     stride_q, stride_k, stride_v, stride_z,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr = 0, CS: tl.constexpr = 0,
+    RECOMPUTE: tl.constexpr = 0,
 ):
     """GATE_FUSED=1 wu, grid (chunk, head): M from X (as ``_kda_wu_kernel``), then one K loop with M live: the chunk
     cumsum G (log2 units) from z (prep's: _load_gate_cumsum, CS / FAST as prep), prep's contract outputs qg, kg, gl
-    and w = M (beta kn exp2(G)); then u = M (beta v). rs (rq, rk, beta) comes from the gate akk. (A first K loop
-    for qg / kg / gl before M is built, G computed twice, took more registers: 196 vs 180, Triton 3.6.)"""
+    and w = M (beta kn exp2(G)); then u = M (beta v). rs (rq, rk, beta) comes from the gate akk.
+    RECOMPUTE=1: qg / kg / gl in a first K loop before M is built (fewer live registers), G computed again for w."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -1157,6 +1144,15 @@ def _kda_wu_gate_kernel(
     rk = tl.load(rs_in + (cblk + rows) * 4 + 1)
     beta = tl.load(rs_in + (cblk + rows) * 4 + 2)
     neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
+    if RECOMPUTE:       # prep's K loop first, without M live; G recomputed in the w loop
+        for kb in range(0, K, BK):
+            c = kb + tl.arange(0, BK)
+            cm = c < K
+            m2 = rmask[:, None] & cm[None, :]
+            bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K, FAST, CS)
+            _wu_gate_prep_out(qg_out, kg_out, gl_out, G, bq, bk, rq, rk, cblk, i_c, i_h, c, cm, H, K, BT)
     rb = rows // BC
     x = tl.load(x_in + (cblk + rows)[:, None] * BT + rows[None, :])
     di = tl.where(rb[:, None] == rb[None, :], x, 0.0)
@@ -1171,8 +1167,9 @@ def _kda_wu_gate_kernel(
         m2 = rmask[:, None] & cm[None, :]
         bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
         G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K, FAST, CS)  # [BT, BK], <= 0
-        bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        _wu_gate_prep_out(qg_out, kg_out, gl_out, G, bq, bk, rq, rk, cblk, i_c, i_h, c, cm, H, K, BT)
+        if not RECOMPUTE:
+            bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            _wu_gate_prep_out(qg_out, kg_out, gl_out, G, bq, bk, rq, rk, cblk, i_c, i_h, c, cm, H, K, BT)
         wv = tl.dot(m, bk * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
         tl.store(w_out + (cblk + rows)[:, None] * K + c[None, :], wv.to(w_out.dtype.element_ty), mask=cm[None, :])
     for vb in range(0, V, BV):
@@ -1611,7 +1608,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                          gl_out="*fp32", w_out=sd, u_out=sd, stride_q="i32", stride_k="i32", stride_v="i32",
                          stride_z="i32"),
                     dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, GATE_WU_BK), BV=min(V, WU_BV), PREC=prec,
-                         FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT)),
+                         FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT), RECOMPUTE=int(GATE_WU_RECOMPUTE)),
                     dict(num_warps=WU_NUM_WARPS, **_maxnreg(GATE_WU_MAXNREG))),
         "intra": (_kda_intra_kernel,
                   dict(q=lp, k=lp, v=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
@@ -1763,7 +1760,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, v, z, A_log, dt_bias, rs, xs, chunk_offsets, cu_dev, P, qg, kg, gl, w, u,
                 q.stride(0), k.stride(0), v.stride(0), z.stride(0),
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, GATE_WU_BK), BV=min(V, WU_BV), PREC=prec,
-                FAST=_fast_softplus(), CS=int(CUMSUM_DOT), num_warps=WU_NUM_WARPS,
+                FAST=_fast_softplus(), CS=int(CUMSUM_DOT), RECOMPUTE=int(GATE_WU_RECOMPUTE), num_warps=WU_NUM_WARPS,
                 **_maxnreg(GATE_WU_MAXNREG),
             )
 

@@ -248,7 +248,7 @@ def test_tiling_fp32(kda_path, monkeypatch, diag, fused):
     for each akk diagonal variant (DIAG=2 does its anchored 8x8 dot per K tile), PREP_FUSED (fused=1: norms summed
     over the K tiles and applied afterwards, the diagonal block per K tile), INTRA_FUSED (fused=2: every level's
     sums accumulated over the K tiles, w parked per K tile, u per V tile) and GATE_FUSED (fused=3: gate sums carried
-    across the column blocks per K tile, norms over the K tiles, levels in the same K pass)."""
+    across the column blocks per K tile, norms over the K tiles, levels in two K passes)."""
     if fused and kda_path != "split":
         pytest.skip("PREP_FUSED / INTRA_FUSED change only the intra launches, shared by both paths")
     import kernels.kda.chunk as chunk_mod
@@ -257,7 +257,7 @@ def test_tiling_fp32(kda_path, monkeypatch, diag, fused):
     monkeypatch.setattr(chunk_mod, "PREP_FUSED", int(fused == 1))
     monkeypatch.setattr(chunk_mod, "INTRA_FUSED", int(fused == 2))
     monkeypatch.setattr(chunk_mod, "GATE_FUSED", int(fused == 3))
-    monkeypatch.setattr(chunk_mod, "GATE_LV_PASSES", 0)              # (the variants test runs the 2-pass default)
+    monkeypatch.setattr(chunk_mod, "GATE_LV_PASSES", 2)              # (the variants test runs one level pass)
     monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", diag % 2)
     monkeypatch.setattr(chunk_mod, "AKK_LV_SPLITK", int(diag == 3))   # (the variants test runs DIAG=3 unsplit)
     monkeypatch.setattr(chunk_mod, "WU_KB", int(diag == 3))           # (w's operand parked by prep, 2 K tiles)
@@ -484,8 +484,6 @@ GPU_VARIANTS = dict({k: v for k, v in VARIANTS.items() if k != "intra-fused-cs"}
     # GATE_FUSED with register caps (Triton 3.6 sm_90: akk 196 regs = 10 warps / SM, wu 167 = 3 CTAs / SM, no spills;
     # Triton 3.9 would spill, so the caps stay out of the default)
     "gate-fused-cap": dict(GATE_FUSED=1, AKK_MAXNREG=200, GATE_WU_MAXNREG=168),
-    # the levels in the akk's first K pass (Triton 3.6 sm_90: 238 regs, no spills; 3.9: 255 + 24 B stack)
-    "gate-fused-1p": dict(GATE_FUSED=1, GATE_LV_PASSES=0),
     "all6": dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16, WU_KB=1,
                  OUT_VFAST=1, HPASS_NUM_STAGES=3),
 })
