@@ -419,17 +419,6 @@ QUICK_VARIANTS = [
     ("hpass-s3-prefetch", True, dict(HPASS_NUM_STAGES=3, HPASS_PREFETCH=1)),
     ("all6", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16,
                         WU_KB=1, OUT_VFAST=1, HPASS_NUM_STAGES=3)),
-    # session 7, gate-fused: no prep launch. The lv akk (2 K passes, 1 warp) computes the gates of its sub-chunk and
-    # the earlier ones from z (exponents as sums of gates), the L2 norms (applied to the finished sums) and beta, and
-    # writes rs; wu computes the chunk cumsum itself and writes qg / kg / gl next to w (M live). DRAM per token-head
-    # over the intra stages 5.05 -> 3.5 KB (no G scratch: 512 B written + 2 x 512 B read; akk and wu read z, wu q),
-    # one launch fewer; akk does ~3.5x prep's softplus work (SASS estimate: ~52k + ~25k warp-instructions per
-    # chunk-head for akk + wu vs ~18k + ~32k + ~11k for prep + akk + wu). Offline sm_90, Triton 3.6: akk 212 regs
-    # (9 warps / SM; lv2k 168 = 12), wu 180 (2 CTAs / SM; default wu 144 = 3), no spills; -cap: 196 / 167, no
-    # spills (10 warps / 3 CTAs); -lv2: the 4 levels in 2 K passes
-    ("gate-fused", True, dict(GATE_FUSED=1)),
-    ("gate-fused-cap", True, dict(GATE_FUSED=1, AKK_MAXNREG=200, GATE_WU_MAXNREG=168)),
-    ("gate-fused-lv2", True, dict(GATE_FUSED=1, GATE_LV_PASSES=2)),
     ("lv+cs+prefetch", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1,
                                   PREP_BK=16, HPASS_PREFETCH=1)),
 ]

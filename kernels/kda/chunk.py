@@ -35,9 +35,7 @@ Launches:
    program; only G (fp32, re-read by the 6 levels) goes through a scratch. PREP_FUSED=1 (A/B) drops 1a and the G
    scratch:
    ``_kda_akk_fused_kernel`` recomputes G from z per K tile and applies the norms afterwards (also writes rs),
-   ``_kda_wu_fused_kernel`` recomputes G and writes qg, kg, gl with w, u. GATE_FUSED=1 (A/B, env
-   KIMI_KDA_GATE_FUSED=1) does the same for the lv akk (AKK_DIAG=3): ``_kda_akk_gate_kernel`` forms every exponent
-   as a sum of gates from z (0/1 [16, 16] tensor-core dots) and writes rs, ``_kda_wu_gate_kernel`` writes qg, kg, gl.
+   ``_kda_wu_fused_kernel`` recomputes G and writes qg, kg, gl with w, u.
    (The older one-kernel intra "v1" was removed: 1.67x slower on
    the H200, 5.83 vs 3.50 ms end to end at T=16k.)
 2. Split path (``SPLIT = True``, the default), two launches:
@@ -157,25 +155,6 @@ INTRA_MAXNREG = 128      # ptxas register cap (2 CTAs of 8 warps per SM); None: 
 # Triton 3.6, FAST_SOFTPLUS: prep K-loop body 1446 -> 761 SASS instructions per 16 elements / thread; with
 # PREP_BK=16: 123 regs, 4 CTAs / SM).
 CUMSUM_DOT = 1
-# GATE_FUSED = 1 (A/B; env KIMI_KDA_GATE_FUSED=1): no prep launch and no G / rs scratch from prep, for the lv akk
-# (AKK_DIAG=3 with AKK_LV_SPLITK=1 structure, 1 warp; takes precedence over PREP_FUSED / AKK_DIAG, not INTRA_FUSED).
-# ``_kda_akk_gate_kernel`` computes the gates of its sub-chunk and the earlier ones from z per K tile (every exponent
-# a sum of gates via 0/1 [16, 16] tensor-core dots, <= 0), the L2 norms (applied to the finished bilinear sums) and
-# beta, and writes rs; ``_kda_wu_gate_kernel`` computes the chunk cumsum itself (as prep) and writes qg, kg, gl with
-# w in one K loop (M live). DRAM per token-head over the intra launches (K = V = 128, bf16), first-touch reads and
-# writes: prep 1818 B (q, k, z, b in; qg, kg, G fp32, rs, gl out) + akk 1424 B (q, k, G, rs in; Aqk, X out) + wu
-# 1808 B (X, k, G, rs, v in; w, u out) = 5.05 KB -> akk 1170 B (q, k, z, b in; Aqk, X, rs out) + wu 2328 B (X, rs,
-# q, k, z, v in; qg, kg, gl, w, u out) = 3.5 KB: ~1.55 KB less (0.81 GB at T=16k, H=32) and one launch fewer; the
-# price is compute: akk evaluates the softplus of (i + 2) 16-row blocks per sub-chunk i (prep: 1 per block).
-# Offline sm_90, Triton 3.6 (3.9): akk 212 (230) regs at 1 warp, wu 180 (189) at 4 warps, no spills; with
-# AKK_MAXNREG=200 / GATE_WU_MAXNREG=168 (Triton 3.6 only; 3.9 spills 16 / 56 B): 196 / 167, no spills. smem 5 / 48 KB.
-# SASS estimate (Triton 3.6, per chunk-head, warp-instructions): akk ~52k + wu ~25k vs prep ~18k + akk ~32k + wu ~11k:
-# ~25% more issue work for ~30% fewer bytes, and fewer CTAs per SM (akk 9 vs 12 warps, wu 2 vs 3 CTAs).
-GATE_FUSED = int(os.environ.get("KIMI_KDA_GATE_FUSED", "0"))
-GATE_WU_BK = 16          # GATE_FUSED wu K tile (the M-live K loop: 180 regs at 16, 254 at 32; Triton 3.6 sm_90)
-GATE_WU_RECOMPUTE = 0    # GATE_FUSED wu: 1 = qg / kg / gl in a K loop before M is built, G computed twice (196 regs)
-GATE_WU_MAXNREG = None   # GATE_FUSED wu register cap (168: 3 CTAs of 4 warps per SM)
-GATE_LV_PASSES = 1       # GATE_FUSED akk: K passes for the diagonal-block levels (1: all four; 2: two per pass)
 # the same cumsum in INTRA_FUSED's pass 1 (A/B, its own switch): INTRA_FUSED with it hit an illegal memory access on
 # the H200 (12-03, Triton 3.6, GPU test intra-fused-fast at Kimi shapes; correct under the interpreter), so the fused
 # intra kernel keeps tl.cumsum unless asked
@@ -651,16 +630,9 @@ def _kda_akk_lv_kernel(
     d_kk, d_qk = _akk_level_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
     d_kk, d_qk = _akk_level_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
     tl.store(pa + rr[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(a_out.dtype.element_ty))
-    tl.store(px + rr[:, None] * BT + (i_b * BC + r16)[None, :], _akk_lv_inverse(d_kk, beta, BC, PREC))
-
-
-@triton.jit
-def _akk_lv_inverse(d_kk, beta, BC: tl.constexpr, PREC: tl.constexpr):
-    """DIAG=3 / GATE_FUSED: (I + L_ii)^-1 [BC, BC] fp32, L_ii = diag(beta) StrictTril(Dkk) (d_kk: the diagonal block
-    of Dkk): the two BC/2 x BC/2 diagonal halves by forward substitution side by side (rows r and r + BC/2 in one
-    step: BC/2 - 1 steps instead of BC - 1), then the lower-left half by the block merge X = D - D L_21 D (D = the
-    two half inverses; (D L_21)^2 = 0)."""
-    r16 = tl.arange(0, BC)
+    # (I + L_ii)^-1, L_ii = diag(beta) StrictTril(Dkk): the two BC/2 x BC/2 diagonal halves by forward substitution
+    # side by side (rows r and r + BC/2 in one step: BC/2 - 1 steps instead of BC - 1), then the lower-left half by
+    # the block merge X = D - D L_21 D (D = the two half inverses; (D L_21)^2 = 0)
     HB: tl.constexpr = BC // 2
     lmat = tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0)
     hr = (r16 >= HB)[:, None] == (r16 >= HB)[None, :]                                 # same half
@@ -672,7 +644,8 @@ def _akk_lv_inverse(d_kk, beta, BC: tl.constexpr, PREC: tl.constexpr):
         nr = tl.sum(a_r[:, None] * di, 0)                     # [BC]: row r's update left, row r + HB's right
         di = tl.where(sel[:, None] & hr, di - nr[None, :], di)
     l21 = tl.where((r16 >= HB)[:, None] & (r16 < HB)[None, :], lmat, 0.0)
-    return di - tl.dot(di, tl.dot(l21, di, input_precision=PREC), input_precision=PREC)
+    di = di - tl.dot(di, tl.dot(l21, di, input_precision=PREC), input_precision=PREC)
+    tl.store(px + rr[:, None] * BT + (i_b * BC + r16)[None, :], di)
 
 
 @triton.jit
@@ -894,282 +867,6 @@ def _kda_wu_fused_kernel(
         m2 = rmask[:, None] & cm[None, :]
         bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
         G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K)
-        wv = tl.dot(m, bk * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
-        tl.store(w_out + (cblk + rows)[:, None] * K + c[None, :], wv.to(w_out.dtype.element_ty), mask=cm[None, :])
-    for vb in range(0, V, BV):
-        c = vb + tl.arange(0, BV)
-        cm = c < V
-        m2 = rmask[:, None] & cm[None, :]
-        bv = tl.load(v + tok[:, None] * stride_v + i_h * V + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        uv = tl.dot(m, bv * beta[:, None], input_precision=PREC)
-        tl.store(u_out + (cblk + rows)[:, None] * V + c[None, :], uv.to(u_out.dtype.element_ty), mask=cm[None, :])
-
-
-# ------------------------------------------------ GATE_FUSED = 1: no prep launch, the lv akk computes gate and norms
-@triton.jit
-def _segsum(mat, g):
-    """mat @ g for a 0/1 matrix mat [M, N] and g [N, BK] fp32 on the tensor cores, fp32-accurate (hi / lo split as in
-    _cumsum0: every product exact, lo's tf32 rounding <= 2^-21 |g|). Sums of g <= 0 stay <= 0 in any order."""
-    hi = (g.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-    return tl.dot(mat, g - hi, tl.dot(mat, hi, input_precision="tf32"), input_precision="tf32")
-
-
-@triton.jit
-def _gate_rows(pz, dtb, rows, nv, c, cm, stride_z, neg_a, FAST: tl.constexpr):
-    """g = -exp(A_log) softplus(z + dt_bias) in log2 units (neg_a = -exp(A_log) / ln 2) for chunk rows `rows` on the
-    K tile c: [len(rows), BK] fp32, <= 0; rows >= nv -> 0. pz: the chunk-head's row-0 base of z (64-bit scalar)."""
-    m2 = (rows < nv)[:, None] & cm[None, :]
-    zz = tl.load(pz + rows[:, None] * stride_z + c[None, :], mask=m2, other=0.0).to(tl.float32) + dtb[None, :]
-    return tl.where(m2, neg_a * _softplus(zz, FAST), 0.0)
-
-
-@triton.jit
-def _akk_gate_off(pk, pz, dtb, nv, j, c, cm, upp, ones, suf, qe, ke, ok, oq, ss, stride_k, stride_z, neg_a,
-                  BC: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
-    """GATE_FUSED akk, off-diagonal column block j (< i, taken in descending order) on one K tile, raw k: with the
-    anchor m = i BC - 1 (the last row before R) the column factor is exp2(G_m - G_s) = exp2(suf + the gates of
-    block j after row s) (suf [BC, BK], every row equal: the gate sums of blocks j+1 .. i-1), a sum of gates <= 0,
-    as tensor-core dots with the 0/1 matrices upp ([s, t] = t > s) and ones on g's hi / lo split, accumulated onto
-    suf (no cross-lane reduction). Returns the updated (ok, oq, ss = k_s^2 summed elementwise, suf + block j's
-    gate sums)."""
-    cols = j * BC + tl.arange(0, BC)
-    mc = (cols < nv)[:, None] & cm[None, :]
-    kc = tl.load(pk + cols[:, None] * stride_k + c[None, :], mask=mc, other=0.0).to(tl.float32)
-    gc = _gate_rows(pz, dtb, cols, nv, c, cm, stride_z, neg_a, FAST)
-    hi = (gc.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-    lo = gc - hi
-    x = tl.dot(upp, lo, tl.dot(upp, hi, suf, input_precision="tf32"), input_precision="tf32")
-    kct = tl.trans(kc * tl.exp2(tl.minimum(x, 0.0)))                                             # [BK, BC]
-    ok = tl.dot(ke, kct, ok, input_precision=PREC)
-    oq = tl.dot(qe, kct, oq, input_precision=PREC)
-    suf = tl.dot(ones, lo, tl.dot(ones, hi, suf, input_precision="tf32"), input_precision="tf32")
-    return ok, oq, ss + tl.sum(kc * kc, 1), suf
-
-
-@triton.jit
-def _akk_gate_level(cs, qr, kr, lk, lq, hb: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """GATE_FUSED akk, level hb of the diagonal block on one K tile (as _akk_level, raw q / k): the factor
-    exp2(-|G_r - G_a|) (a = the level anchor of row r) from the sub-chunk's own cumsum cs [BC, BK] (log2 units, from
-    its first row) and its row a (a gather inside the warp), so no G leaves the program; every exponent <= 0."""
-    r16 = tl.arange(0, BC)
-    a = (r16 & ~(2 * hb - 1)) | hb
-    ca = tl.gather(cs, tl.broadcast_to(a[:, None], cs.shape), 0)
-    e = tl.exp2(-tl.abs(cs - ca))
-    ke = kr * e
-    ct = tl.trans(ke)
-    lk = tl.dot(ke, ct, lk, input_precision=PREC)
-    lq = tl.dot(qr * e, ct, lq, input_precision=PREC)
-    return lk, lq
-
-
-@triton.jit
-def _akk_gate_levels(pq, pk, pz, dt_bias, i_h, rr, nv, d_kk, d_qk, stride_q, stride_k, stride_z, neg_a,
-                     HA: tl.constexpr, NL: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                     PREC: tl.constexpr, FAST: tl.constexpr):
-    """GATE_FUSED akk: one K pass over the NL (2 or 4) levels HA, HA / 2, ... of the diagonal block (raw q / k, the
-    sub-chunk's gates recomputed from z); their pairs are added to d_kk / d_qk after the pass."""
-    rmask = rr < nv
-    la_k = tl.zeros([BC, BC], dtype=tl.float32)
-    la_q = tl.zeros([BC, BC], dtype=tl.float32)
-    lb_k = tl.zeros([BC, BC], dtype=tl.float32)
-    lb_q = tl.zeros([BC, BC], dtype=tl.float32)
-    lc_k = tl.zeros([BC, BC], dtype=tl.float32)
-    lc_q = tl.zeros([BC, BC], dtype=tl.float32)
-    ld_k = tl.zeros([BC, BC], dtype=tl.float32)
-    ld_q = tl.zeros([BC, BC], dtype=tl.float32)
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        dtb = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
-        m2 = rmask[:, None] & cm[None, :]
-        qr = tl.load(pq + rr[:, None] * stride_q + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        kr = tl.load(pk + rr[:, None] * stride_k + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        cs = _cumsum0(_gate_rows(pz, dtb, rr, nv, c, cm, stride_z, neg_a, FAST), BC, 1)
-        la_k, la_q = _akk_gate_level(cs, qr, kr, la_k, la_q, HA, BC, PREC)
-        lb_k, lb_q = _akk_gate_level(cs, qr, kr, lb_k, lb_q, HA // 2, BC, PREC)
-        if NL == 4:
-            lc_k, lc_q = _akk_gate_level(cs, qr, kr, lc_k, lc_q, HA // 4, BC, PREC)
-            ld_k, ld_q = _akk_gate_level(cs, qr, kr, ld_k, ld_q, HA // 8, BC, PREC)
-    d_kk, d_qk = _akk_level_sel(la_k, la_q, d_kk, d_qk, HA, BC)
-    d_kk, d_qk = _akk_level_sel(lb_k, lb_q, d_kk, d_qk, HA // 2, BC)
-    if NL == 4:
-        d_kk, d_qk = _akk_level_sel(lc_k, lc_q, d_kk, d_qk, HA // 4, BC)
-        d_kk, d_qk = _akk_level_sel(ld_k, ld_q, d_kk, d_qk, HA // 8, BC)
-    return d_kk, d_qk
-
-
-@triton.jit
-def _kda_akk_gate_kernel(
-    q, k, z, A_log, dt_bias, b, chunk_offsets, cu_seqlens, n_seq, a_out, x_out, rs_out,
-    stride_q, stride_k, stride_z, stride_b, scale,
-    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, FAST: tl.constexpr = 0, LV_PASSES: tl.constexpr = 1,
-):
-    """GATE_FUSED=1 akk (replaces prep + the AKK_DIAG=3 / AKK_LV_SPLITK=1 akk; same grid, 1 warp): Aqk and X of rows
-    R = [i BC, (i+1) BC) as ``_kda_akk_lv_kernel``, plus rs = (rq, rk, beta) of R, reading only q, k, z, b:
-      pass 1 over K: the gates g of the sub-chunks <= i from z (softplus, log2 units), L2-norm sums of q_R, k_R and of
-        the earlier blocks' k, and the off-diagonal blocks on raw q / k with the anchor m = i BC - 1:
-        row factor exp2(G_r - G_m) = exp2(inclusive cumsum of g over R) (one Tri [BC, BC] dot pair), column factor
-        exp2(G_m - G_s) (_akk_gate_off); the norms scale the finished sums (bilinear: exact);
-      pass 2 over K: the diagonal-block levels with exp2 of gate sums between a row and its anchor (_akk_gate_level).
-    No G [rows, K] anywhere: every exponent is a sum of gates (<= 0), never a difference of cumsums."""
-    tl.static_assert((BT == 64) & (BC == 16))           # 3 off-diagonal column blocks, 4 levels
-    i_b = tl.program_id(0) % (BT // BC)
-    i_c = tl.program_id(0) // (BT // BC)
-    i_h = tl.program_id(1)
-    if i_c >= tl.load(chunk_offsets + n_seq):
-        return
-    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
-    nv = eos - t0                                        # valid rows of this chunk (may exceed BT)
-    cblk = (i_c.to(tl.int64) * H + i_h) * BT
-    r16 = tl.arange(0, BC)
-    rr = i_b * BC + r16                                  # rows of R within the chunk
-    rmask = rr < nv
-    # scalar 64-bit row-0 bases of this chunk-head + 32-bit in-tile offsets
-    pq = q + t0 * stride_q + i_h * K
-    pk = k + t0 * stride_k + i_h * K
-    pz = z + t0 * stride_z + i_h * K
-    pa = a_out + cblk * BT
-    px = x_out + cblk * BT
-    prs = rs_out + cblk * 4
-    neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
-    tri = tl.where(r16[:, None] >= r16[None, :], 1.0, 0.0)          # inclusive cumsum over the rows
-    upp = tl.where(r16[None, :] > r16[:, None], 1.0, 0.0)           # [s, t] = 1 for t > s: gates after row s
-    ones = tl.full([BC, BC], 1.0, tl.float32)                       # block sums, in every row
-    o0k = tl.zeros([BC, BC], dtype=tl.float32)          # off-diagonal column blocks 0..2 (raw sums)
-    o0q = tl.zeros([BC, BC], dtype=tl.float32)
-    o1k = tl.zeros([BC, BC], dtype=tl.float32)
-    o1q = tl.zeros([BC, BC], dtype=tl.float32)
-    o2k = tl.zeros([BC, BC], dtype=tl.float32)
-    o2q = tl.zeros([BC, BC], dtype=tl.float32)
-    sq = tl.zeros([BC], dtype=tl.float32)               # sums of squares: q_R, k_R, k of column blocks 0..2
-    sk = tl.zeros([BC], dtype=tl.float32)
-    s0 = tl.zeros([BC], dtype=tl.float32)
-    s1 = tl.zeros([BC], dtype=tl.float32)
-    s2 = tl.zeros([BC], dtype=tl.float32)
-    dq0 = tl.zeros([BC], dtype=tl.float32)              # diagonal s = r of Aqk (raw)
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        dtb = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
-        m2 = rmask[:, None] & cm[None, :]
-        qr = tl.load(pq + rr[:, None] * stride_q + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        kr = tl.load(pk + rr[:, None] * stride_k + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        sq += tl.sum(qr * qr, 1)
-        sk += tl.sum(kr * kr, 1)
-        dq0 += tl.sum(qr * kr, 1)
-        gr = _gate_rows(pz, dtb, rr, nv, c, cm, stride_z, neg_a, FAST)
-        ef = tl.exp2(tl.minimum(_segsum(tri, gr), 0.0))                 # exp2(G_r - G_m), m = i BC - 1
-        qe = qr * ef
-        ke = kr * ef
-        suf = tl.zeros([BC, BK], dtype=tl.float32)
-        if i_b > 2:
-            o2k, o2q, s2, suf = _akk_gate_off(pk, pz, dtb, nv, 2, c, cm, upp, ones, suf, qe, ke, o2k, o2q, s2, stride_k,
-                                              stride_z, neg_a, BC, PREC, FAST)
-        if i_b > 1:
-            o1k, o1q, s1, suf = _akk_gate_off(pk, pz, dtb, nv, 1, c, cm, upp, ones, suf, qe, ke, o1k, o1q, s1, stride_k,
-                                              stride_z, neg_a, BC, PREC, FAST)
-        if i_b > 0:
-            o0k, o0q, s0, suf = _akk_gate_off(pk, pz, dtb, nv, 0, c, cm, upp, ones, suf, qe, ke, o0k, o0q, s0, stride_k,
-                                              stride_z, neg_a, BC, PREC, FAST)
-    rq = scale / tl.sqrt(sq + 1e-6)
-    rk = 1.0 / tl.sqrt(sk + 1e-6)
-    bb = tl.load(b + (t0 + rr) * stride_b + i_h, mask=rmask, other=0.0).to(tl.float32)
-    beta = tl.where(rmask, tl.sigmoid(bb), 0.0)
-    tl.store(prs + rr * 4, rq)
-    tl.store(prs + rr * 4 + 1, rk)
-    tl.store(prs + rr * 4 + 2, beta)
-    rc0 = (1.0 / tl.sqrt(s0 + 1e-6))[None, :]
-    rc1 = (1.0 / tl.sqrt(s1 + 1e-6))[None, :]
-    rc2 = (1.0 / tl.sqrt(s2 + 1e-6))[None, :]
-    _akk_store_off(pa, px, rr, i_b, 0, o0k * rk[:, None] * rc0, o0q * rq[:, None] * rc0, beta, BT, BC)
-    _akk_store_off(pa, px, rr, i_b, 1, o1k * rk[:, None] * rc1, o1q * rq[:, None] * rc1, beta, BT, BC)
-    _akk_store_off(pa, px, rr, i_b, 2, o2k * rk[:, None] * rc2, o2q * rq[:, None] * rc2, beta, BT, BC)
-    _akk_store_off(pa, px, rr, i_b, 3, o2k, o2q, beta, BT, BC)     # (block 3 is never < i: zeros)
-    d_kk = tl.zeros([BC, BC], dtype=tl.float32)
-    d_qk = tl.where(r16[:, None] == r16[None, :], dq0[:, None], 0.0)
-    # the levels hb = 8, 4, 2, 1 (raw sums) in LV_PASSES K passes
-    if LV_PASSES == 1:
-        d_kk, d_qk = _akk_gate_levels(pq, pk, pz, dt_bias, i_h, rr, nv, d_kk, d_qk, stride_q, stride_k, stride_z,
-                                      neg_a, BC // 2, 4, K, BC, BK, PREC, FAST)
-    else:
-        d_kk, d_qk = _akk_gate_levels(pq, pk, pz, dt_bias, i_h, rr, nv, d_kk, d_qk, stride_q, stride_k, stride_z,
-                                      neg_a, BC // 2, 2, K, BC, BK, PREC, FAST)
-        d_kk, d_qk = _akk_gate_levels(pq, pk, pz, dt_bias, i_h, rr, nv, d_kk, d_qk, stride_q, stride_k, stride_z,
-                                      neg_a, BC // 8, 2, K, BC, BK, PREC, FAST)
-    rkc = rk[None, :]
-    d_kk = d_kk * rk[:, None] * rkc
-    d_qk = d_qk * rq[:, None] * rkc
-    tl.store(pa + rr[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(a_out.dtype.element_ty))
-    tl.store(px + rr[:, None] * BT + (i_b * BC + r16)[None, :], _akk_lv_inverse(d_kk, beta, BC, PREC))
-
-
-@triton.jit
-def _wu_gate_prep_out(qg_out, kg_out, gl_out, G, bq, bk, rq, rk, cblk, i_c, i_h, c, cm, H: tl.constexpr,
-                      K: tl.constexpr, BT: tl.constexpr):
-    """GATE_FUSED wu: prep's contract outputs of one K tile: gl = G of the last row, qg = qn exp2(G),
-    kg = kn exp2(gl - G) (G [BT, BK] <= 0, log2 units; raw q / k rows scaled by rq / rk)."""
-    rows = tl.arange(0, BT)
-    gl = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), 0)
-    tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
-    o_k = (cblk + rows)[:, None] * K + c[None, :]
-    tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :])
-    tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - G, 0.0)))
-             .to(kg_out.dtype.element_ty), mask=cm[None, :])
-
-
-@triton.jit
-def _kda_wu_gate_kernel(
-    q, k, v, z, A_log, dt_bias, rs_in, x_in, chunk_offsets, cu_seqlens, n_seq,
-    qg_out, kg_out, gl_out, w_out, u_out,
-    stride_q, stride_k, stride_v, stride_z,
-    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr = 0, CS: tl.constexpr = 0,
-    RECOMPUTE: tl.constexpr = 0,
-):
-    """GATE_FUSED=1 wu, grid (chunk, head): M from X (as ``_kda_wu_kernel``), then one K loop with M live: the chunk
-    cumsum G (log2 units) from z (prep's: _load_gate_cumsum, CS / FAST as prep), prep's contract outputs qg, kg, gl
-    and w = M (beta kn exp2(G)); then u = M (beta v). rs (rq, rk, beta) comes from the gate akk.
-    RECOMPUTE=1: qg / kg / gl in a first K loop before M is built (fewer live registers), G computed again for w."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    if i_c >= tl.load(chunk_offsets + n_seq):
-        return
-    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < (eos - t0)
-    tok = t0 + rows
-    cblk = (i_c.to(tl.int64) * H + i_h) * BT
-    rq = tl.load(rs_in + (cblk + rows) * 4)
-    rk = tl.load(rs_in + (cblk + rows) * 4 + 1)
-    beta = tl.load(rs_in + (cblk + rows) * 4 + 2)
-    neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
-    if RECOMPUTE:       # prep's K loop first, without M live; G recomputed in the w loop
-        for kb in range(0, K, BK):
-            c = kb + tl.arange(0, BK)
-            cm = c < K
-            m2 = rmask[:, None] & cm[None, :]
-            bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K, FAST, CS)
-            _wu_gate_prep_out(qg_out, kg_out, gl_out, G, bq, bk, rq, rk, cblk, i_c, i_h, c, cm, H, K, BT)
-    rb = rows // BC
-    x = tl.load(x_in + (cblk + rows)[:, None] * BT + rows[None, :])
-    di = tl.where(rb[:, None] == rb[None, :], x, 0.0)
-    lo = tl.where(rb[:, None] > rb[None, :], x, 0.0)
-    nmat = tl.dot(di, lo, input_precision=PREC)
-    m = di
-    for _ in tl.static_range(BT // BC - 1):
-        m = di - tl.dot(nmat, m, input_precision=PREC)
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        m2 = rmask[:, None] & cm[None, :]
-        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K, FAST, CS)  # [BT, BK], <= 0
-        if not RECOMPUTE:
-            bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            _wu_gate_prep_out(qg_out, kg_out, gl_out, G, bq, bk, rq, rk, cblk, i_c, i_h, c, cm, H, K, BT)
         wv = tl.dot(m, bk * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
         tl.store(w_out + (cblk + rows)[:, None] * K + c[None, :], wv.to(w_out.dtype.element_ty), mask=cm[None, :])
     for vb in range(0, V, BV):
@@ -1595,21 +1292,6 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                           stride_z="i32"),
                      dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec),
                      dict(num_warps=WU_NUM_WARPS)),
-        "akk_gate": (_kda_akk_gate_kernel,
-                     dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
-                          cu_seqlens="*i32", n_seq="i32", a_out=sd, x_out="*fp32", rs_out="*fp32", stride_q="i32",
-                          stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
-                     dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, FAST=int(FAST_SOFTPLUS),
-                          LV_PASSES=int(GATE_LV_PASSES)),
-                     dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
-        "wu_gate": (_kda_wu_gate_kernel,
-                    dict(q=lp, k=lp, v=lp, z=lp, A_log="*fp32", dt_bias="*fp32", rs_in="*fp32", x_in="*fp32",
-                         chunk_offsets="*i32", cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd,
-                         gl_out="*fp32", w_out=sd, u_out=sd, stride_q="i32", stride_k="i32", stride_v="i32",
-                         stride_z="i32"),
-                    dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, GATE_WU_BK), BV=min(V, WU_BV), PREC=prec,
-                         FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT), RECOMPUTE=int(GATE_WU_RECOMPUTE)),
-                    dict(num_warps=WU_NUM_WARPS, **_maxnreg(GATE_WU_MAXNREG))),
         "intra": (_kda_intra_kernel,
                   dict(q=lp, k=lp, v=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
                        cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", w_out=sd, u_out=sd,
@@ -1699,8 +1381,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     if NT > 0:
         # intra scratch: G [rows, K] fp32 (log2 units), rs [rows, 4] fp32 (rq, rk, beta), x [rows, BT] fp32
         # (block inverses + beta-scaled off-diagonal Dkk)
-        g2 = None if ((PREP_FUSED or GATE_FUSED) and not INTRA_FUSED) else \
-            torch.empty(n_rows, K, dtype=torch.float32, device=dev)
+        g2 = None if (PREP_FUSED and not INTRA_FUSED) else torch.empty(n_rows, K, dtype=torch.float32, device=dev)
         rs = None if INTRA_FUSED else torch.empty(n_rows, 4, dtype=torch.float32, device=dev)
         xs = None if INTRA_FUSED else torch.empty(n_rows, BT, dtype=torch.float32, device=dev)
 
@@ -1747,23 +1428,6 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
                 num_warps=WU_NUM_WARPS,
             )
-        def akk_gate():
-            return _kda_akk_gate_kernel[(BT // BC * NT, H)](
-                q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, a, xs, rs,
-                q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
-                PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, FAST=_fast_softplus(),
-                LV_PASSES=int(GATE_LV_PASSES), num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
-            )
-
-        def wu_gate():
-            return _kda_wu_gate_kernel[(NT, H)](
-                q, k, v, z, A_log, dt_bias, rs, xs, chunk_offsets, cu_dev, P, qg, kg, gl, w, u,
-                q.stride(0), k.stride(0), v.stride(0), z.stride(0),
-                PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, GATE_WU_BK), BV=min(V, WU_BV), PREC=prec,
-                FAST=_fast_softplus(), CS=int(CUMSUM_DOT), RECOMPUTE=int(GATE_WU_RECOMPUTE), num_warps=WU_NUM_WARPS,
-                **_maxnreg(GATE_WU_MAXNREG),
-            )
-
         def intra():
             return _kda_intra_kernel[(NT, H)](
                 q, k, v, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, w, u, a, g2,
@@ -1776,9 +1440,6 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             )
         if INTRA_FUSED:
             launches["intra"] = intra
-        elif GATE_FUSED:
-            launches["akk"] = akk_gate
-            launches["wu"] = wu_gate
         elif PREP_FUSED:
             assert int(AKK_DIAG) in (0, 1), "PREP_FUSED supports AKK_DIAG 0 and 1"
             launches["akk"] = akk_fused

@@ -242,13 +242,12 @@ def test_gpu_fp32_and_split():
     assert rel_rms(pool_b[2], pool_a[2]) <= 1e-4
 
 
-@pytest.mark.parametrize("diag,fused", [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (0, 2), (3, 3)])
+@pytest.mark.parametrize("diag,fused", [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (0, 2)])
 def test_tiling_fp32(kda_path, monkeypatch, diag, fused):
     """Several K tiles in the intra kernels and several V tiles in every kernel (as at K = V = 128 on the GPU),
     for each akk diagonal variant (DIAG=2 does its anchored 8x8 dot per K tile), PREP_FUSED (fused=1: norms summed
-    over the K tiles and applied afterwards, the diagonal block per K tile), INTRA_FUSED (fused=2: every level's
-    sums accumulated over the K tiles, w parked per K tile, u per V tile) and GATE_FUSED (fused=3: gate sums carried
-    across the column blocks per K tile, norms over the K tiles, levels in two K passes)."""
+    over the K tiles and applied afterwards, the diagonal block per K tile) and INTRA_FUSED (fused=2: every level's
+    sums accumulated over the K tiles, w parked per K tile, u per V tile)."""
     if fused and kda_path != "split":
         pytest.skip("PREP_FUSED / INTRA_FUSED change only the intra launches, shared by both paths")
     import kernels.kda.chunk as chunk_mod
@@ -256,13 +255,11 @@ def test_tiling_fp32(kda_path, monkeypatch, diag, fused):
     monkeypatch.setattr(chunk_mod, "AKK_DIAG", diag)
     monkeypatch.setattr(chunk_mod, "PREP_FUSED", int(fused == 1))
     monkeypatch.setattr(chunk_mod, "INTRA_FUSED", int(fused == 2))
-    monkeypatch.setattr(chunk_mod, "GATE_FUSED", int(fused == 3))
-    monkeypatch.setattr(chunk_mod, "GATE_LV_PASSES", 2)              # (the variants test runs one level pass)
     monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", diag % 2)
     monkeypatch.setattr(chunk_mod, "AKK_LV_SPLITK", int(diag == 3))   # (the variants test runs DIAG=3 unsplit)
     monkeypatch.setattr(chunk_mod, "WU_KB", int(diag == 3))           # (w's operand parked by prep, 2 K tiles)
     monkeypatch.setattr(chunk_mod, "OUT_VFAST", int(diag == 3))       # (2 V tiles of 32 in the output grid)
-    for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV", "INTRA_BK", "INTRA_BV", "GATE_WU_BK"):
+    for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV", "INTRA_BK", "INTRA_BV"):
         monkeypatch.setattr(chunk_mod, name, 16)
     monkeypatch.setattr(chunk_mod, "STATE_BV", 16)
     monkeypatch.setattr(chunk_mod, "HPASS_BV", 16)
@@ -297,8 +294,7 @@ def test_sm90_offline_compile_no_spills(kda_path):
             "'akk_lv': (setattr(c, 'AKK_DIAG', 3), setattr(c, 'AKK_NUM_WARPS', 1), setattr(c, 'AKK_BK', 16), "
             "setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1], "
             "'akk_lv_2k': (setattr(c, 'AKK_LV_SPLITK', 1), c.compile_report(which=('akk',)))[-1], "
-            "'wu_kb': (setattr(c, 'WU_KB', 1), c.compile_report(which=('prep', 'wu')))[-1], "
-            "'gate_fused': c.compile_report(which=('akk_gate', 'wu_gate'))}))")
+            "'wu_kb': (setattr(c, 'WU_KB', 1), c.compile_report(which=('prep', 'wu')))[-1]}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=400)
     if r.returncode != 0 and ("ptxas" in r.stderr or "cuobjdump" in r.stderr):
@@ -410,8 +406,6 @@ VARIANTS = {
     "wu-kb": dict(WU_KB=1),
     "out-v-slowest": dict(OUT_VFAST=0),
     "intra-fused-cs": dict(INTRA_FUSED=1, INTRA_CUMSUM_DOT=1),
-    # session 7: no prep launch; the lv akk computes gates / norms / beta from z, q, k, b, wu writes qg / kg / gl
-    "gate-fused": dict(GATE_FUSED=1),
 }
 
 
@@ -428,8 +422,6 @@ def test_variants_match_default_fp32(kda_path, variant, strong_gate, monkeypatch
         # CI budget (~20 s per case in the interpreter): PREP_FUSED once, strong gates; its DIAG=1 step (one line
         # apart from DIAG=0) and the K tiling are covered by test_tiling_fp32 vs the fp64 recurrence
         pytest.skip("PREP_FUSED: the strong-gate DIAG=0 case only (CPU time)")
-    if variant == "gate-fused" and not strong_gate:
-        pytest.skip("GATE_FUSED: strong gates only (CPU time; its K tiling in test_tiling_fp32)")
     if variant in LEGACY_AKK and not strong_gate:
         pytest.skip("the pre-12-03 akk A/B paths: strong gates only (CPU time; first-default runs both)")
     import kernels.kda.chunk as chunk_mod
@@ -481,9 +473,6 @@ GPU_VARIANTS = dict({k: v for k, v in VARIANTS.items() if k != "intra-fused-cs"}
     "intra-fused-fast-nocap": dict(INTRA_FUSED=1, FAST_SOFTPLUS=1, INTRA_MAXNREG=None),
     # pipeline depth only (no effect in the interpreter)
     "hpass-s2": dict(HPASS_NUM_STAGES=2),
-    # GATE_FUSED with register caps (Triton 3.6 sm_90: akk 196 regs = 10 warps / SM, wu 167 = 3 CTAs / SM, no spills;
-    # Triton 3.9 would spill, so the caps stay out of the default)
-    "gate-fused-cap": dict(GATE_FUSED=1, AKK_MAXNREG=200, GATE_WU_MAXNREG=168),
     "all6": dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16, WU_KB=1,
                  OUT_VFAST=1, HPASS_NUM_STAGES=3),
 })
