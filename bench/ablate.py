@@ -88,6 +88,16 @@ ABLATIONS["norms+router+fgb"] = {**ABLATIONS["post_norm"], **ABLATIONS["combine_
 ABLATIONS["mla_small"] = {**ABLATIONS["mla_einsum"], **ABLATIONS["mla_norm_store"]}
 
 
+def _all_on() -> list:
+    """--all-on: every decode fusion on for every decode batch (the opt-in ones and the caps lifted)."""
+    import kernels.kda.recurrent as rec
+    import kernels.moe.fused as fused
+    import kernels.moe.router as router
+
+    return [(fused, "TAIL_NORM", True), (rec, "_FG_MAX_N", 8), (rec, "_EARLY_STATE", 1),
+            (router, "ROUTER_NORM_MAX_T", router.GEMV_MAX_T), (km, "MLA_FUSED_MAX_T", 64)]
+
+
 def _switches():
     """--ab: name -> [(object, attribute, value)] turning one decode fusion off (module switches read per call)."""
     import kernels.kda.recurrent as rec
@@ -153,6 +163,8 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--only", default="", help="comma-separated ablation names (default: all)")
     ap.add_argument("--ab", action="store_true", help="time the decode fusions' switches (each off, all off) instead")
+    ap.add_argument("--all-on", action="store_true", help="first switch every decode fusion on at every batch size "
+                    "(opt-in ones included, caps lifted): the baseline of --ab")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager: runs every stand-in (testing)")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or list(ABLATIONS)
@@ -170,6 +182,8 @@ def main():
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10 * args.steps)
     print(f"{torch.cuda.get_device_name(dev) if not args.smoke else 'cpu'}, torch {torch.__version__}; decode batch {args.batch}, "
           f"context {args.context}, {args.steps} steps per figure; stand-ins launch nothing (garbage math)")
+    if args.all_on:
+        Switched(_all_on()).__enter__()
     base_step, base_fwd = measure(engine, runner, args, params)
     print(f"{'ablation':26s} {'step ms':>8s} {'saved us':>9s} {'graph ms':>9s} {'saved us':>9s}")
     print(f"{'(none)':26s} {base_step:8.3f} {'':9s} {base_fwd:9.3f}")
