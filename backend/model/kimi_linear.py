@@ -46,7 +46,8 @@ class PendingMoE(NamedTuple):
     before the post-attention norm. The next norm (the following layer's input norm or the final norm) runs the whole
     layer in launch order: post-attention add + RMSNorm fused with the router (kernels.moe.moe_router_add_norm),
     then the experts with combine + residual add + its own RMSNorm in GEMM2's tail (kernels.moe.fused_moe_add_norm).
-    Each kernel falls back to the separate launches where it has no fused form (CPU, larger batches)."""
+    Each falls back to the separate launches where it has no fused form (CPU, larger batches) or is switched off
+    (the GEMM2 tail norm is opt-in, KIMI_MOE_TAIL_NORM=1: slower on the H200; docs/design.md)."""
     moe: "KimiMoE"
     attn: torch.Tensor
     residual: torch.Tensor
