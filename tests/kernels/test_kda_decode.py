@@ -385,24 +385,33 @@ def test_decode_fg_default_config(monkeypatch):
         assert_close("state", B["rec_state"], A["rec_state"], 1e-5)
 
 
-_FG_OFFLINE = r"""
+# shared head of the offline sm_90 scripts below (run in a subprocess without TRITON_INTERPRET):
+# compile(N, early_state) -> (cfg, kernel, registers, stack bytes) for decode_config's pick at Kimi shapes
+_OFFLINE_HEAD = r"""
 import json, re, subprocess, tempfile, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from kernels._pdl import ptx_events
 from kernels.kda import recurrent as rec
 fn = rec._kda_decode_kernel
 names = fn.arg_names
+f32 = dict(convw_ptr="*fp32", alog_ptr="*fp32", dtb_ptr="*fp32", state_ptr="*fp32", o_ptr="*fp32", cnt_ptr="*i32",
+           slot_ptr="*i32")
 types = {n: "*bf16" for n in names if n.endswith("_ptr")}
-types.update(convw_ptr="*fp32", alog_ptr="*fp32", dtb_ptr="*fp32", state_ptr="*fp32", o_ptr="*fp32", cnt_ptr="*i32",
-             slot_ptr="*i32", scale="fp32", eps="fp32", **{n: "i32" for n in names if n.startswith("stride")})
-out = {}
-for N in (1, 8):
+types.update(f32, scale="fp32", eps="fp32", **{n: "i32" for n in names if n.startswith("stride")})
+attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
+         if types.get(n, "").startswith("*") or n.startswith("stride")}
+
+
+def consts(cfg, es):
+    return dict(H=32, K=128, V=128, W=4, BK=128, BV=cfg.BV, NV=128 // cfg.BV, BVF=128, TAIL=cfg.tail,
+                EARLY=cfg.early, STORE_AFTER=cfg.store_after, GDC=True, FG=cfg.fg, R=128, BR=128, RC=rec._FG_RC,
+                FG_EARLY=cfg.fg_early, EARLY_STATE=es)
+
+
+def compile(N, es):
     cfg = rec.decode_config(N, 32, 128, 128, 132)
-    c = dict(H=32, K=128, V=128, W=4, BK=128, BV=cfg.BV, NV=128 // cfg.BV, BVF=128, TAIL=cfg.tail, EARLY=cfg.early,
-             STORE_AFTER=cfg.store_after, GDC=True, FG=cfg.fg, R=128, BR=128, RC=rec._FG_RC, FG_EARLY=cfg.fg_early,
-             EARLY_STATE=0)    # the slot / state positions: test_early_state_offline_sm90
-    attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
-             if types.get(n, "").startswith("*") or n.startswith("stride")}
+    c = consts(cfg, es)
     src = ASTSource(fn=fn, signature={n: types.get(n, "constexpr") for n in names},
                     constexprs={(names.index(k),): v for k, v in c.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
@@ -412,6 +421,13 @@ for N in (1, 8):
         res = subprocess.run([f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump", "-res-usage", f.name],
                              capture_output=True, text=True).stdout
     reg, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", res).groups())
+    return cfg, c, k, reg, stack
+"""
+
+_FG_OFFLINE = _OFFLINE_HEAD + r"""
+out = {}
+for N in (1, 8):
+    cfg, _, k, reg, stack = compile(N, 0)    # the slot / state positions: test_early_state_offline_sm90
     ptx = k.asm["ptx"]
     pre = ptx[:ptx.index("griddepcontrol.wait")]
     out[N] = dict(fg=cfg.fg, early=cfg.fg_early, BV=cfg.BV, nw=cfg.num_warps, reg=reg, stack=stack,
@@ -521,36 +537,11 @@ def test_early_state_switch(monkeypatch):
             assert seen == [((mode if pdl else 0) if es is None else es, pdl)], (mode, pdl, es, seen)
 
 
-_ES_OFFLINE = r"""
-import collections, json, re, subprocess, tempfile, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kernels._pdl import ptx_events
-from kernels.kda import recurrent as rec
-fn = rec._kda_decode_kernel
-names = fn.arg_names
-f32 = dict(convw_ptr="*fp32", alog_ptr="*fp32", dtb_ptr="*fp32", state_ptr="*fp32", o_ptr="*fp32", cnt_ptr="*i32",
-           slot_ptr="*i32")
-types = {n: "*bf16" for n in names if n.endswith("_ptr")}
-types.update(f32, scale="fp32", eps="fp32", **{n: "i32" for n in names if n.startswith("stride")})
-attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
-         if types.get(n, "").startswith("*") or n.startswith("stride")}
+_ES_OFFLINE = _OFFLINE_HEAD + r"""
 out = {}
 for N in (1, 8):
-    cfg = rec.decode_config(N, 32, 128, 128, 132)
     for es in (0, 1, 2):
-        c = dict(H=32, K=128, V=128, W=4, BK=128, BV=cfg.BV, NV=128 // cfg.BV, BVF=128, TAIL=cfg.tail,
-                 EARLY=cfg.early, STORE_AFTER=cfg.store_after, GDC=True, FG=cfg.fg, R=128, BR=128, RC=rec._FG_RC,
-                 FG_EARLY=cfg.fg_early, EARLY_STATE=es)
-        src = ASTSource(fn=fn, signature={n: types.get(n, "constexpr") for n in names},
-                        constexprs={(names.index(k),): v for k, v in c.items()}, attrs=attrs)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            res = subprocess.run([f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump", "-res-usage", f.name],
-                                 capture_output=True, text=True).stdout
-        reg, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", res).groups())
+        cfg, c, k, reg, stack = compile(N, es)
         ev = re.findall(r"griddepcontrol\.\w+|(?:ld|st|atom|prefetch)\.global[.\w:]*", k.asm["ptx"])
         out[f"{N}/{es}"] = dict(BV=cfg.BV, nw=cfg.num_warps, reg=reg, stack=stack, ev=ev,
                                 coarse=ptx_events(fn, c, f32, cfg.num_warps))
