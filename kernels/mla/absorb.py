@@ -34,7 +34,7 @@ from kernels._pdl import gdc_enter, pdl_launch, pdl_on, prefetch_l2
 from kernels._tensors import num_sms, unit_last_stride
 from kernels.norm import _load_w, _rms_weighted, rmsnorm_head_ref, row_config
 
-from .decode import MIN_DOT, _dot, _unit_plan, _upcast
+from .decode import MIN_DOT, _dot, _seq_units, _unit_plan, _upcast
 from .ref import mla_decode_ref, store_latent_ref
 
 PREP_BLOCK_L = 64   # q_lat columns per prep program: Kimi H=32, L=512 -> 256 programs, 16 KB of w_uk each
@@ -145,11 +145,7 @@ def _merge_head(opart_ptr, lse_ptr, n, h, offs_b, tiles, nsp, slen, first, s_wu,
                 BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr):
     """Stage 2 for one (sequence n, head h) over all columns, from the _unit_plan vectors: -> [BLOCK_L] fp32 (zeros
     without a unit)."""
-    sel = offs_b == n
-    u0 = tl.sum(tl.where(sel, first, 0), 0)
-    cnt = tl.sum(tl.where(sel, nsp, 0), 0)
-    sl = tl.sum(tl.where(sel, slen, 0), 0)
-    nt = tl.sum(tl.where(sel, tiles, 0), 0)
+    u0, cnt, sl, nt = _seq_units(offs_b, n, tiles, nsp, slen, first)
     offs_s = tl.arange(0, BLOCK_S)
     mx = tl.full([BLOCK_S], float("-inf"), tl.float32)
     for k0 in range(0, cnt, BLOCK_S):

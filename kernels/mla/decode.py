@@ -208,6 +208,14 @@ def _unit_plan(seqlen_ptr, N, G, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, M
 
 
 @triton.jit
+def _seq_units(offs_b, n, tiles, nsp, slen, first):
+    """_unit_plan's scalars of sequence n -> (first unit, unit count, split length in tiles, key tiles)."""
+    sel = offs_b == n
+    return (tl.sum(tl.where(sel, first, 0), 0), tl.sum(tl.where(sel, nsp, 0), 0),
+            tl.sum(tl.where(sel, slen, 0), 0), tl.sum(tl.where(sel, tiles, 0), 0))
+
+
+@triton.jit
 def _tile_page(bt_row, t, seq_len, offs_n, BS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr):
     """Block-table entries of key tile t: one scalar (PAGE_TILE: BS % BLOCK_N == 0, the tile lies in one page) or
     [BLOCK_N] per-row entries (rows past seq_len take the tile's first row's page, see _load_rows)."""
@@ -666,11 +674,7 @@ def _mla_decode_stage2(
     hb = tl.program_id(1)
     lb = tl.program_id(2)
     offs_b, bm, lens, tiles, nsp, slen, first, last = _unit_plan(seqlen_ptr, N, G, BLOCK_B, BLOCK_N, MIN_TILES)
-    sel = offs_b == n
-    u0 = tl.sum(tl.where(sel, first, 0), 0)
-    cnt = tl.sum(tl.where(sel, nsp, 0), 0)
-    sl = tl.sum(tl.where(sel, slen, 0), 0)
-    nt = tl.sum(tl.where(sel, tiles, 0), 0)
+    u0, cnt, sl, nt = _seq_units(offs_b, n, tiles, nsp, slen, first)
 
     offs_s = tl.arange(0, BLOCK_S)
     heads = hb * BLOCK_H2 + tl.arange(0, BLOCK_H2)
