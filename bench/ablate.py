@@ -3,6 +3,8 @@
     python bench/ablate.py                       # batch 1, context 1024, every ablation below
     python bench/ablate.py --batch 8 --only post_norm,router
     python bench/ablate.py --ab                  # instead: the decode fusions' switches, each one off, then all off
+    python bench/ablate.py --only none --set kernels.gemv.PDL_L2_MB=32 --set "kernels.gemv.PDL_L2_MB=8;kernels.gemv.PDL_MAX_LINES=16"
+                                                 # instead: module constants set per case (each --set is one case)
 
 Builds the full Kimi-Linear-48B-A3B shape with random bf16 weights (bench/e2e.py), then for each ablation replaces
 one group of calls in backend.model.kimi_linear by a stand-in that launches nothing (it returns a zero buffer of
@@ -12,6 +14,8 @@ replays). The difference to the unablated step is what those launches cost insid
 included: an upper bound on what fusing them away can save. The ablated models compute garbage: timing only.
 """
 import argparse
+import ast
+import importlib
 import os
 import sys
 
@@ -27,6 +31,7 @@ from backend.engine.request import SamplingParams  # noqa: E402
 from backend.engine.runner import ModelRunner  # noqa: E402
 from backend.model import kimi_linear as km  # noqa: E402
 from backend.model.random_weights import random_model  # noqa: E402
+from kernels.gemv import skinny_linear as _skinny_linear  # noqa: E402
 
 _ZEROS = {}
 
@@ -65,6 +70,44 @@ def _router(x, w, bias, top_k, scaling, renorm, biased, shared_id=None):
     return zeros("router_w", (T, k), torch.float32, x.device), _ZEROS[key]
 
 
+# the decode step's projections by weight shape [N, K] (full-size config, one GPU): the gemv / cuBLAS groups
+LINEAR_GROUPS = {
+    "lin_kda_in": lambda n, k: (n, k) == (12576, 2304),                  # KDA q|k|v|f_a|g_a|b (x20)
+    "lin_o": lambda n, k: (n, k) == (2304, 4096),                        # KDA + MLA o_proj (x27)
+    "lin_mla_in": lambda n, k: (n, k) == (6720, 2304),                   # MLA q|kv_a (x7)
+    "lin_lm_head": lambda n, k: n >= 100000,                             # lm_head
+    "lin_dense_mlp": lambda n, k: (n, k) in ((18432, 2304), (2304, 9216)),  # layer 0's dense MLP
+}
+
+
+def _skip_linear(pred):
+    """skinny_linear stand-in: the projections whose weight matches pred launch nothing (zeros), the rest run."""
+    def linear(x, w, measured_only=False):
+        if pred(w.shape[0], w.shape[1]):
+            return zeros(("lin", w.shape), (x.shape[0], w.shape[0]), x.dtype, x.device)
+        return _skinny_linear(x, w, measured_only)
+    return linear
+
+
+def linear_bytes(model, pred) -> int:
+    """Weight bytes of the model's nn.Linear modules whose weight matches pred (read once per decode step)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and pred(m.weight.shape[0], m.weight.shape[1]))
+
+
+def parse_set(spec: str) -> list:
+    """--set "pkg.mod.ATTR=value;pkg.mod.ATTR2=value" -> [(module, ATTR, value)] (values: Python literals)."""
+    out = []
+    for item in filter(None, (t.strip() for t in spec.split(";"))):
+        lhs, _, rhs = item.partition("=")
+        mod, _, attr = lhs.strip().rpartition(".")
+        module = importlib.import_module(mod)
+        if not hasattr(module, attr):
+            raise SystemExit(f"--set: {mod} has no attribute {attr}")
+        out.append((module, attr, ast.literal_eval(rhs.strip())))
+    return out
+
+
 # name -> {kimi_linear attribute: stand-in}
 ABLATIONS = {
     "post_norm": {"add_rmsnorm": lambda x, res, w, eps: (x, res)},
@@ -86,6 +129,8 @@ ABLATIONS["mla_prep"] = {"mla_decode_prep": lambda y, q_dim, w, eps, w_uk, *a: z
 ABLATIONS["norms+router+fgb"] = {**ABLATIONS["post_norm"], **ABLATIONS["combine_norm"], **ABLATIONS["router"],
                                  **ABLATIONS["fgb"]}
 ABLATIONS["mla_small"] = {**ABLATIONS["mla_einsum"], **ABLATIONS["mla_norm_store"]}
+for _name, _pred in LINEAR_GROUPS.items():
+    ABLATIONS[_name] = {"skinny_linear": _skip_linear(_pred)}
 
 
 def _all_on() -> list:
@@ -165,9 +210,15 @@ def main():
     ap.add_argument("--ab", action="store_true", help="time the decode fusions' switches (each off, all off) instead")
     ap.add_argument("--all-on", action="store_true", help="first switch every decode fusion on at every batch size "
                     "(opt-in ones included, caps lifted): the baseline of --ab")
+    ap.add_argument("--set", action="append", default=[], metavar="MOD.ATTR=VALUE[;...]",
+                    help="a case that sets module constants (read per call) instead of an ablation; repeatable")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager: runs every stand-in (testing)")
     args = ap.parse_args()
-    names = [n for n in args.only.split(",") if n] or list(ABLATIONS)
+    names = [n for n in args.only.split(",") if n and n != "none"] if args.only else list(ABLATIONS)
+    unknown = [n for n in names if n not in ABLATIONS]
+    if unknown:
+        raise SystemExit(f"--only: unknown ablation(s) {unknown}; known: {sorted(ABLATIONS)}")
+    sets = [(spec, Switched(parse_set(spec))) for spec in args.set]
     if args.smoke:
         dev, dtype, cfg = torch.device("cpu"), torch.float32, ModelConfig.from_dict(e2e.smoke_config_dict())
     else:
@@ -189,10 +240,15 @@ def main():
     print(f"{'(none)':26s} {base_step:8.3f} {'':9s} {base_fwd:9.3f}")
     cases = [(name, Switched(p)) for name, p in _switches().items()] if args.ab else \
         [(name, Patched(ABLATIONS[name])) for name in names]
-    for name, ctx in cases:
+    for name, ctx in cases + sets:
         with ctx:
             step, fwd = measure(engine, runner, args, params)
-        print(f"{name:26s} {step:8.3f} {1e3 * (base_step - step):9.1f} {fwd:9.3f} {1e3 * (base_fwd - fwd):9.1f}")
+        line = f"{name:26s} {step:8.3f} {1e3 * (base_step - step):9.1f} {fwd:9.3f} {1e3 * (base_fwd - fwd):9.1f}"
+        if name in LINEAR_GROUPS and not args.ab:   # the group's weight bytes over the time it costs in the graph
+            nbytes = linear_bytes(model, LINEAR_GROUPS[name])
+            saved = base_fwd - fwd
+            line += f"   {nbytes / 1e6:8.1f} MB" + (f" {nbytes / (saved * 1e-3) / 1e12:5.2f} TB/s" if saved > 0 else "")
+        print(line)
     step, fwd = measure(engine, runner, args, params)
     print(f"{'(none, again)':26s} {step:8.3f} {'':9s} {fwd:9.3f}")
     engine.shutdown()
