@@ -201,6 +201,22 @@ def measure(engine: LLMEngine, runner: ModelRunner, args, params) -> tuple:
     return step * 1e3, fwd / 1e3
 
 
+def export_timeline(runner: ModelRunner, batch: int, path: str, reps: int = 3):
+    """torch.profiler over `reps` back-to-back replays of the batch's decode graph -> chrome trace at `path` (each
+    kernel's start, duration, grid and block: the in-graph timeline, PDL overlap visible; analysed off the GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = runner.graphs[min(b for b in runner.graphs if b >= batch)]
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    print(f"timeline: {reps} graph replays -> {path}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
@@ -212,6 +228,8 @@ def main():
                     "(opt-in ones included, caps lifted): the baseline of --ab")
     ap.add_argument("--set", action="append", default=[], metavar="MOD.ATTR=VALUE[;...]",
                     help="a case that sets module constants (read per call) instead of an ablation; repeatable")
+    ap.add_argument("--timeline", default="", metavar="PATH", help="also export a chrome trace of the unablated "
+                    "decode graph's replays (GPU)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager: runs every stand-in (testing)")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n and n != "none"] if args.only else list(ABLATIONS)
@@ -236,6 +254,10 @@ def main():
     if args.all_on:
         Switched(_all_on()).__enter__()
     base_step, base_fwd = measure(engine, runner, args, params)
+    if args.timeline and not args.smoke:
+        streams = e2e.start_decode(engine, args.batch, args.context, params)   # inputs as in a real step
+        export_timeline(runner, args.batch, args.timeline)
+        e2e.stop_decode(engine, streams)
     print(f"{'ablation':26s} {'step ms':>8s} {'saved us':>9s} {'graph ms':>9s} {'saved us':>9s}")
     print(f"{'(none)':26s} {base_step:8.3f} {'':9s} {base_fwd:9.3f}")
     cases = [(name, Switched(p)) for name, p in _switches().items()] if args.ab else \
