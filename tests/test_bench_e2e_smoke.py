@@ -2,6 +2,7 @@
 full batch, prefill timing, the speed-of-light table) still run after engine or model changes. 64 sequences of 1024
 prompt tokens exceed the scheduler's prefill cap while earlier ones decode, the case that once broke the decode
 timing ('a request finished during the measurement')."""
+import json
 import os
 import subprocess
 import sys
@@ -32,3 +33,23 @@ def test_ablate_smoke():
         p = subprocess.run([sys.executable, ablate, "--smoke", *bad], cwd=ROOT, capture_output=True, text=True,
                            timeout=600)
         assert p.returncode != 0 and ("no attribute" in p.stderr or "unknown ablation" in p.stderr), p.stderr[-2000:]
+
+
+def test_timeline_sweep(tmp_path):
+    """bench/timeline.py on a synthetic trace: 2 replays of [a 0-10, b 8-14 (overlaps a by 2), c 16-20]; the second
+    replay is read: idle 2 us (14-16), a gets 8 + 2/2, b 1 + 4, c 4."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import timeline
+
+    ev = []
+    for r in (0, 100):
+        for name, ts, dur, grid in (("a", 0, 10, [4, 1, 1]), ("b", 8, 6, [2, 1, 1]), ("c", 16, 4, [1, 1, 1])):
+            ev.append({"ph": "X", "cat": "kernel", "name": name, "ts": r + ts, "dur": dur, "args": {"grid": grid}})
+    ev.append({"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 1})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    ks = timeline.one_replay(timeline.load_kernels(str(path)), 2)
+    assert [k[0] for k in ks] == [100, 108, 116] and ks[0][2] == "a [4, 1, 1]"
+    idle, att, exc = timeline.sweep(ks)
+    assert idle == 2.0
+    assert (att[0], att[1], att[2]) == (9.0, 5.0, 4.0) and (exc[0], exc[1], exc[2]) == (8.0, 4.0, 4.0)
