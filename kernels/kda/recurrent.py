@@ -490,6 +490,10 @@ _FG_MAX_N = int(os.environ.get("KIMI_KDA_FG_MAX_N", "0"))
 # guarantee in the module doc; A/B on the H200). KIMI_KDA_EARLY_STATE overrides; kda_decode_triton(early_state=).
 # default 0 since H200 12-03 (bench/ablate.py --ab, e2e b1: mode 1 and 2 both ~3 us per step slower than 0)
 _EARLY_STATE = int(os.environ.get("KIMI_KDA_EARLY_STATE", "0"))
+# ... and, with the early state on, the f_b | g_b skinny_bmm_nt before the decode (unfused gates) launches its
+# dependents at once (gemv_triton(early_launch=True)), so the decode's pre-wait loads overlap the in_proj instead of
+# starting after it (KIMI_KDA_BMM_EARLY=0: off, for an A/B)
+_BMM_EARLY_LAUNCH = os.environ.get("KIMI_KDA_BMM_EARLY", "1") != "0"
 _FG_EARLY_PPS = 2
 _FG_RC = 32
 
@@ -643,12 +647,16 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         cfg = cfg._replace(fg=bool(fg))
     if fg_early is not None:
         cfg = cfg._replace(fg_early=bool(fg_early))
+    es = (_EARLY_STATE if pdl_on(pdl) else 0) if early_state is None else int(early_state)
+    assert es in (0, 1, 2), es
     if low_rank and not cfg.fg:
-        # unfused: the batched f_b | g_b matmul (bf16 out), then the plain kernel
+        # unfused: the batched f_b | g_b matmul (bf16 out), then the plain kernel. With the early state under PDL
+        # the matmul lets this kernel start at once (early_launch), so its pre-wait loads overlap the in_proj
+        el = bool(es) and _BMM_EARLY_LAUNCH and pdl_on(pdl)
         if isinstance(fg_a, torch.Tensor) and isinstance(fg_b, torch.Tensor):
-            z, r = skinny_bmm_nt(fg_a, fg_b).unbind(0)
+            z, r = skinny_bmm_nt(fg_a, fg_b, early_launch=el).unbind(0)
         else:
-            z, r = skinny_bmm_nt(fa[None], fb[None])[0], skinny_bmm_nt(ga[None], gb[None])[0]
+            z, r = skinny_bmm_nt(fa[None], fb[None])[0], skinny_bmm_nt(ga[None], gb[None], early_launch=el)[0]
         low_rank = False
     if low_rank:
         # the tile programs of TAIL_LAST / TAIL_POST pass r to the tail through `out`: bf16 in, bf16 out, exact
@@ -691,8 +699,6 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         assert counters.dtype == torch.int32 and counters.numel() >= N * H
     if fgk:
         fgk["FG_EARLY"] = cfg.fg_early
-    es = (_EARLY_STATE if pdl_on(pdl) else 0) if early_state is None else int(early_state)
-    assert es in (0, 1, 2), es
     _kda_decode_kernel[(NV, H, N)](
         qkv, conv_w, conv_state, z, b, A_log, dt_bias, state_slots, rec_state,
         o_scratch if cfg.tail != TAIL_SINGLE else out, counters if cfg.tail == TAIL_LAST else state_slots,
