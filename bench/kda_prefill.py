@@ -401,24 +401,13 @@ QUICK_VARIANTS = [
     ("lv+cs", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16)),
     ("lv2k+cs", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, AKK_LV_SPLITK=1, FAST_SOFTPLUS=1, CUMSUM_DOT=1,
                            PREP_BK=16)),
-    # wu-kb: prep parks beta kn exp2(G) (bf16) in w, wu multiplies by M in place: wu reads 16 KB instead of 48 KB
-    # per chunk-head (no k, no fp32 G), 128 regs (4 CTAs/SM; default wu 144); prep +16 KB written
-    ("wu-kb", True, dict(WU_KB=1)),
-    ("lv+cs+kb", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16,
-                            WU_KB=1)),
-    ("lv2k+cs+kb", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, AKK_LV_SPLITK=1, FAST_SOFTPLUS=1,
-                              CUMSUM_DOT=1, PREP_BK=16, WU_KB=1)),
     # out-vfast: V tile fastest in the output grid (2nd V tile's qg 16 KB + Aqk 8 KB from L2, not HBM)
     ("out-vfast", True, dict(OUT_VFAST=1)),
-    ("all5", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16,
-                        WU_KB=1, OUT_VFAST=1)),
     # hpass-s3: 3 pipeline stages in the state pass. Offline sm_90 (3.6): at 2 stages the loop head waits for every
     # cp.async group (DEPBAR.LE SB0, 0x0: the next chunk's w / kg are fetched with no overlap, one L2 round trip
     # on every serial step); at 3 it waits with 3 groups in flight (one chunk ahead). 80 regs, 106 KB smem (2/SM)
     ("hpass-s3", True, dict(HPASS_NUM_STAGES=3)),
     ("hpass-s3-prefetch", True, dict(HPASS_NUM_STAGES=3, HPASS_PREFETCH=1)),
-    ("all6", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16,
-                        WU_KB=1, OUT_VFAST=1, HPASS_NUM_STAGES=3)),
     ("lv+cs+prefetch", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1,
                                   PREP_BK=16, HPASS_PREFETCH=1)),
 ]

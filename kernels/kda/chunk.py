@@ -132,10 +132,6 @@ PREP_FUSED = 0
 WU_BK = 32
 WU_BV = 32
 WU_NUM_WARPS = 4
-# WU_KB = 1 (A/B): prep parks beta kn exp2(G) (w's right operand, storage dtype: bf16 for bf16 inputs, as fla's bf16
-# w MMA) in w; wu multiplies it by M in place: wu reads 16 KB bf16 instead of k (16 KB) + fp32 G (32 KB) per
-# chunk-head and drops its exp2; prep writes 16 KB more.
-WU_KB = 0
 # FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep and the fused intra kernel (fla's
 # choice) instead of libdevice's accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop
 # body 2134 -> see --quick). No effect under the interpreter.
@@ -230,16 +226,14 @@ def _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB: tl.constexpr, BT: tl.
 @triton.jit
 def _kda_prep_kernel(
     q, k, z, A_log, dt_bias, b, chunk_offsets, cu_seqlens, n_seq,
-    qg_out, kg_out, gl_out, g_out, rs_out, w_out,
+    qg_out, kg_out, gl_out, g_out, rs_out,
     stride_q, stride_k, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr = 0,
-    CS: tl.constexpr = 0, KB: tl.constexpr = 0,
+    CS: tl.constexpr = 0,
 ):
     """Intra launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
     contract outputs qg, kg, gl and the scratch G [rows, K] fp32 and rs [rows, 4] fp32 = (rq, rk, beta, -)
-    (rq = scale / |q|, rk = 1 / |k|; padded rows: G = G of the last valid row, beta = 0).
-    KB=1 (WU_KB): also parks w's right operand beta kn exp2(G) in w_out (storage dtype), which wu then multiplies
-    by M in place, so wu reads neither k nor the fp32 G."""
+    (rq = scale / |q|, rk = 1 / |k|; padded rows: G = G of the last valid row, beta = 0)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -280,9 +274,6 @@ def _kda_prep_kernel(
         tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :])
         tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - G, 0.0)))
                  .to(kg_out.dtype.element_ty), mask=cm[None, :])
-        if KB:
-            tl.store(w_out + o_k, (bk * (rk * beta)[:, None] * tl.exp2(G)).to(w_out.dtype.element_ty),
-                     mask=cm[None, :])
 
 
 @triton.jit
@@ -653,12 +644,11 @@ def _kda_wu_kernel(
     k, v, g_in, rs_in, x_in, chunk_offsets, cu_seqlens, n_seq, w_out, u_out,
     stride_k, stride_v,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, KB: tl.constexpr = 0,
+    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
     """Intra launch 3, grid (chunk, head): M = (I + L)^-1 = sum_j (-N)^j Di with N = Di L_off (strictly block-lower,
     N^(BT/BC) = 0), from x_in (Di on the diagonal blocks, L_off below); then w = M (beta kn exp2(G)), u = M (beta v)
-    as [BT, BT] x [BT, BK|BV] dots. KB=1: beta kn exp2(G) is read from w_out (parked there by prep) and w written
-    over it, tile by tile."""
+    as [BT, BT] x [BT, BK|BV] dots."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -682,14 +672,9 @@ def _kda_wu_kernel(
         c = kb + tl.arange(0, BK)
         cm = c < K
         m2 = rmask[:, None] & cm[None, :]
-        if KB:
-            xw = tl.load(w_out + (cblk + rows)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
-            wv = tl.dot(m, xw.to(tl.float32), input_precision=PREC)
-            tl.debug_barrier()                           # every thread has read its part of the tile
-        else:
-            bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            G = tl.load(g_in + (cblk + rows)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
-            wv = tl.dot(m, bk * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
+        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        G = tl.load(g_in + (cblk + rows)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
+        wv = tl.dot(m, bk * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
         tl.store(w_out + (cblk + rows)[:, None] * K + c[None, :], wv.to(w_out.dtype.element_ty), mask=cm[None, :])
     for vb in range(0, V, BV):
         c = vb + tl.arange(0, BV)
@@ -1261,10 +1246,8 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "prep": (_kda_prep_kernel,
                  dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", g_out="*fp32",
-                      rs_out="*fp32", w_out=sd, stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32",
-                      scale="fp32"),
-                 dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT),
-                      KB=int(WU_KB)),
+                      rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
+                 dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT)),
                  dict(num_warps=PREP_NUM_WARPS)),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
@@ -1276,8 +1259,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                      DIAG=int(AKK_DIAG)), dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
-               dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                    KB=int(WU_KB)),
+               dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec),
                dict(num_warps=WU_NUM_WARPS)),
         "akk_fused": (_kda_akk_fused_kernel,
                       dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
@@ -1387,9 +1369,9 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
 
         def prep():
             return _kda_prep_kernel[(NT, H)](
-                q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs, w,
+                q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
                 q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
-                PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), CS=int(CUMSUM_DOT), KB=int(WU_KB),
+                PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), CS=int(CUMSUM_DOT),
                 num_warps=PREP_NUM_WARPS,
             )
 
@@ -1409,7 +1391,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         def wu():
             return _kda_wu_kernel[(NT, H)](
                 k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
-                PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec, KB=int(WU_KB),
+                PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
                 num_warps=WU_NUM_WARPS,
             )
 

@@ -257,7 +257,6 @@ def test_tiling_fp32(kda_path, monkeypatch, diag, fused):
     monkeypatch.setattr(chunk_mod, "INTRA_FUSED", int(fused == 2))
     monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", diag % 2)
     monkeypatch.setattr(chunk_mod, "AKK_LV_SPLITK", int(diag == 3))   # (the variants test runs DIAG=3 unsplit)
-    monkeypatch.setattr(chunk_mod, "WU_KB", int(diag == 3))           # (w's operand parked by prep, 2 K tiles)
     monkeypatch.setattr(chunk_mod, "OUT_VFAST", int(diag == 3))       # (2 V tiles of 32 in the output grid)
     for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV", "INTRA_BK", "INTRA_BV"):
         monkeypatch.setattr(chunk_mod, name, 16)
@@ -293,8 +292,7 @@ def test_sm90_offline_compile_no_spills(kda_path):
             "c.compile_report(which=('prep',)))[-1], "
             "'akk_lv': (setattr(c, 'AKK_DIAG', 3), setattr(c, 'AKK_NUM_WARPS', 1), setattr(c, 'AKK_BK', 16), "
             "setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1], "
-            "'akk_lv_2k': (setattr(c, 'AKK_LV_SPLITK', 1), c.compile_report(which=('akk',)))[-1], "
-            "'wu_kb': (setattr(c, 'WU_KB', 1), c.compile_report(which=('prep', 'wu')))[-1]}))")
+            "'akk_lv_2k': (setattr(c, 'AKK_LV_SPLITK', 1), c.compile_report(which=('akk',)))[-1]}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=400)
     if r.returncode != 0 and ("ptxas" in r.stderr or "cuobjdump" in r.stderr):
@@ -403,7 +401,6 @@ VARIANTS = {
     # session 5: level-anchored tensor-core diagonal blocks in a 1-warp akk (one K pass; the default takes two)
     "akk-lv": dict(AKK_LV_SPLITK=0),
     "cumsum-scan": dict(CUMSUM_DOT=0, PREP_BK=32),
-    "wu-kb": dict(WU_KB=1),
     "out-v-slowest": dict(OUT_VFAST=0),
     "intra-fused-cs": dict(INTRA_FUSED=1, INTRA_CUMSUM_DOT=1),
 }
@@ -473,8 +470,6 @@ GPU_VARIANTS = dict({k: v for k, v in VARIANTS.items() if k != "intra-fused-cs"}
     "intra-fused-fast-nocap": dict(INTRA_FUSED=1, FAST_SOFTPLUS=1, INTRA_MAXNREG=None),
     # pipeline depth only (no effect in the interpreter)
     "hpass-s2": dict(HPASS_NUM_STAGES=2),
-    "all6": dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16, WU_KB=1,
-                 OUT_VFAST=1, HPASS_NUM_STAGES=3),
 })
 
 
