@@ -7,7 +7,7 @@ the chunked delta rule, initial-state read and final-state write.
 Run: python bench/kda_prefill.py   (prints one line per case and, when fla is importable, the ratio)
      python bench/kda_prefill.py --sweep   (split path vs fla-core at T = 4k, 16k, 64k with per-stage times,
                                             then a launch-config sweep of the intra kernels at 16k; about a minute)
-     python bench/kda_prefill.py --quick [--variants default,intra-fused,...]   (T=16k: the default vs every
+     python bench/kda_prefill.py --quick [--variants default,prep-fused,...]   (T=16k: the default vs every
                                             (named) QUICK_VARIANTS entry (module constants) vs fla-core, per-stage
                                             ms and a check against the default; then varlen 16 x 1k. ~80 s per
                                             variant that recompiles akk on the H200)
@@ -39,8 +39,8 @@ operand the fused path already rounds the state to, so both paths give the same 
 math.) Measured 2026-12-02 on the H200 at 16k: prep 0.56, akk 1.59, wu 0.44, hpass 0.51, out 0.24 ms (3.35 ms end
 to end vs fla-core 2.08). SASS instruction count (offline, Triton 3.6) is the proxy that matched: akk ~112k warp-
 instructions per chunk-head (4 programs x 4 warps) -> 1.59 ms = ~55% of the H200's issue rate; prep ~34k, wu ~11k.
-INTRA_FUSED=1 (one program per chunk-head, 8 warps) estimates ~96k with FAST_SOFTPLUS=1 (levels ~38k, pass 1 ~23k,
-substitution ~12k, w/u ~13k): ~1.2-1.6 ms for the whole intra if the issue efficiency holds.
+The one-program intra with level-anchored dots (INTRA_FUSED, estimated ~96k) measured 3.772 vs 3.340 ms end to
+end on 2026-12-03 and was removed (BENCHMARKS.md seventh round).
 """
 from __future__ import annotations
 
@@ -278,7 +278,7 @@ def sweep_prefill(lens_list=((16384,), (1024,) * 16), warmup=5, rep=25):
             setattr(ck, n, val)
 
 
-INTRA_STAGES = ("prep", "akk", "wu", "intra")
+INTRA_STAGES = ("prep", "akk", "wu")
 
 
 def intra_compare(Ts=(4096, 16384, 65536), warmup=10, rep=50):
@@ -356,16 +356,9 @@ QUICK_VARIANTS = [
     # default is lv2k + cumsum-dot + out-vfast + hpass-s3-prefetch)
     ("first-default", True, dict(AKK_DIAG=0, AKK_NUM_WARPS=4, AKK_BK=32, AKK_LV_SPLITK=0, PREP_BK=32, CUMSUM_DOT=0,
                                  FAST_SOFTPLUS=0, OUT_VFAST=0, HPASS_NUM_STAGES=2, HPASS_PREFETCH=0)),
-    # INTRA_FUSED: prep + akk + wu in one program per chunk-head, level-anchored tensor-core dots for all of
-    # Dqk / Dkk (6 exp2 tiles per K tile); offline sm_90 Triton 3.6: 128 regs (cap) / 8 warps, no spills
-    ("intra-fused", True, dict(INTRA_FUSED=1)),
     # FAST_SOFTPLUS: lg2.approx softplus (offline sm_90: prep K-loop body 2134 -> 1446 instructions, intra pass 1
     # 454 -> 364)
     ("fast-softplus", True, dict(FAST_SOFTPLUS=1)),
-    ("intra-fused-fast", True, dict(INTRA_FUSED=1, FAST_SOFTPLUS=1)),
-    ("intra-fused-fast+prefetch", True, dict(INTRA_FUSED=1, FAST_SOFTPLUS=1, HPASS_PREFETCH=1)),
-    ("intra-fused-fast-nocap", True, dict(INTRA_FUSED=1, FAST_SOFTPLUS=1, INTRA_MAXNREG=None)),  # 138 regs, 1 CTA/SM
-    ("intra-fused-fast-bk32", True, dict(INTRA_FUSED=1, FAST_SOFTPLUS=1, INTRA_BK=32, INTRA_MAXNREG=None)),  # 204
     # registers: offline sm_90 with Triton 3.6 (the H200's), no spills; the default akk has 168 (3 CTAs/SM)
     ("akk-prod", True, dict(AKK_DIAG=1, AKK_UNROLL=0)),                       # 166 regs
     ("akk-prod-unrolled", True, dict(AKK_DIAG=1, AKK_UNROLL=1)),              # 168 regs
@@ -416,7 +409,7 @@ QUICK_VARIANTS = [
 def quick(warmup=5, rep=20, only=None):
     """One short H200 run: at T=16k every QUICK_VARIANTS entry (or those named in ``only``, in list order; total
     and per-stage ms, ratio to fla-core, rel-rms of o and the final state vs the default and vs fla), then varlen
-    16 x 1k for the same variants (none named: the default and intra-fused-fast+prefetch) and fla. A FAILED line
+    16 x 1k for the same variants (none named: the default only) and fla. A FAILED line
     (e.g. a compile error on this Triton) leaves the other lines intact. Compiles dominate: on 2026-12-02 fla + 3
     variants took ~320 s (each akk variant recompiles), so name the variants wanted (--variants a,b,...)."""
     import triton.testing
@@ -428,7 +421,7 @@ def quick(warmup=5, rep=20, only=None):
     print(f"--quick: H={H} K={K} V={V} bf16, do_bench median (ms)", flush=True)
     try:
         for case, lens, which in (("T=16k", [16384], only), ("varlen 16x1k", [1024] * 16,
-                                                                  only or ("default", "intra-fused-fast+prefetch"))):
+                                                                  only or ("default",))):
             x = _inputs(lens)
             try:
                 fms, fo, fst = _time_fla(x, warmup, rep)
@@ -472,7 +465,7 @@ def quick(warmup=5, rep=20, only=None):
 if __name__ == "__main__":
     if "--quick" in sys.argv:            # T=16k: default vs each QUICK_VARIANTS entry vs fla; varlen 16x1k
         only = None
-        if "--variants" in sys.argv:     # e.g. --variants default,intra-fused (the first one is the reference)
+        if "--variants" in sys.argv:     # e.g. --variants default,prep-fused (the first one is the reference)
             only = tuple(sys.argv[sys.argv.index("--variants") + 1].split(","))
             unknown = set(only) - {n for n, _, _ in QUICK_VARIANTS}
             assert not unknown, f"unknown variants {sorted(unknown)}"

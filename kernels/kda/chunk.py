@@ -27,17 +27,11 @@ Launches:
        u   = M @ (beta * v)                      [BT, V]
        Aqk = tril(Dqk)                           [BT, BT]    (scale folded in)
        gl  = G_last                              [K]  fp32, log2 units
-   with M = (I + diag(beta) StrictTril(Dkk))^-1. INTRA_FUSED=1 (A/B) does 1a-1c in one launch
-   ``_kda_intra_kernel``, grid (chunk, head): every pair s < r of Dqk / Dkk (diagonal blocks included) by
-   level-anchored tensor-core dots (pair (r, s) -> the highest differing bit b of r, s; anchor = the first row of
-   r's half of the aligned 2b-block, s < n <= r, both factors <= 1; one exp2 tile per level and K tile), the
-   16 x 16 diagonal blocks of the inverse by forward substitution on a [4, 16, 16] view, M, w, u in the same
-   program; only G (fp32, re-read by the 6 levels) goes through a scratch. PREP_FUSED=1 (A/B) drops 1a and the G
-   scratch:
+   with M = (I + diag(beta) StrictTril(Dkk))^-1. PREP_FUSED=1 (A/B) drops 1a and the G scratch:
    ``_kda_akk_fused_kernel`` recomputes G from z per K tile and applies the norms afterwards (also writes rs),
    ``_kda_wu_fused_kernel`` recomputes G and writes qg, kg, gl with w, u.
-   (The older one-kernel intra "v1" was removed: 1.67x slower on
-   the H200, 5.83 vs 3.50 ms end to end at T=16k.)
+   (Removed after H200 runs: the one-kernel intra "v1", 1.67x slower, 5.83 vs 3.50 ms end to end at T=16k; the
+   one-launch level-anchored intra ``INTRA_FUSED``, 3.772 vs 3.340 ms at T=16k, BENCHMARKS.md seventh round.)
 2. Split path (``SPLIT = True``, the default), two launches:
    2a. ``_kda_hpass_kernel`` -- one program per (V tile, sequence, head), BV = 16 at B=1 (auto: the largest of
        64/32/16 giving >= 2 programs per SM): the sequential pass with the fp32 state in registers and only
@@ -132,29 +126,14 @@ PREP_FUSED = 0
 WU_BK = 32
 WU_BV = 32
 WU_NUM_WARPS = 4
-# FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep and the fused intra kernel (fla's
-# choice) instead of libdevice's accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop
+# FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep (fla's choice) instead of libdevice's accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop
 # body 2134 -> see --quick). No effect under the interpreter.
 FAST_SOFTPLUS = 1
-# INTRA_FUSED = 1 (A/B): one launch ``_kda_intra_kernel`` per (chunk, head) instead of prep -> akk -> wu; Dqk / Dkk
-# (diagonal blocks included) by level-anchored tensor-core dots (6 exp2 tiles per K tile instead of 16 x 16 x K exp2
-# per diagonal block), no G / rs / X scratch in HBM. Takes precedence over PREP_FUSED / AKK_*.
-INTRA_FUSED = 0
-INTRA_BK = 16
-INTRA_BV = 32
-INTRA_NUM_WARPS = 8
-INTRA_NUM_STAGES = 1
-INTRA_MAXNREG = 128      # ptxas register cap (2 CTAs of 8 warps per SM); None: uncapped (Triton 3.6: 138 at BK=16)
-# CUMSUM_DOT = 1: the chunk-local gate cumsum of prep (INTRA_FUSED pass 1: INTRA_CUMSUM_DOT) as two tf32 tensor-core
-# dots with the lower-triangular ones matrix on a hi / lo split of g (fp32-accurate; see _cumsum0) instead of
+# CUMSUM_DOT = 1: the chunk-local gate cumsum of prep as two tf32 tensor-core dots with the lower-triangular ones matrix on a hi / lo split of g (fp32-accurate; see _cumsum0) instead of
 # tl.cumsum, whose scan over rows spread across lanes and warps was ~40% of prep's instructions (offline sm_90,
 # Triton 3.6, FAST_SOFTPLUS: prep K-loop body 1446 -> 761 SASS instructions per 16 elements / thread; with
 # PREP_BK=16: 123 regs, 4 CTAs / SM).
 CUMSUM_DOT = 1
-# the same cumsum in INTRA_FUSED's pass 1 (A/B, its own switch): INTRA_FUSED with it hit an illegal memory access on
-# the H200 (12-03, Triton 3.6, GPU test intra-fused-fast at Kimi shapes; correct under the interpreter), so the fused
-# intra kernel keeps tl.cumsum unless asked
-INTRA_CUMSUM_DOT = 0
 
 
 @triton.jit
@@ -863,153 +842,6 @@ def _kda_wu_fused_kernel(
         tl.store(u_out + (cblk + rows)[:, None] * V + c[None, :], uv.to(u_out.dtype.element_ty), mask=cm[None, :])
 
 
-# ------------------------------------------------- INTRA_FUSED = 1: prep + akk + wu in one program per chunk-head
-@triton.jit
-def _kda_intra_kernel(
-    q, k, v, z, A_log, dt_bias, b, chunk_offsets, cu_seqlens, n_seq,
-    qg_out, kg_out, gl_out, w_out, u_out, a_out, g_scr,
-    stride_q, stride_k, stride_v, stride_z, stride_b, scale,
-    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOG_BT: tl.constexpr, FAST: tl.constexpr = 0,
-    CS: tl.constexpr = 0,
-):
-    """INTRA_FUSED=1, grid (chunk, head): the whole intra stage (prep, akk and wu) of one chunk in one program, with
-    no fp32 scratch in HBM (G, rs, X stay on chip).
-    Dqk / Dkk [BT, BT] by level anchors on the tensor cores only, for every pair s < r including the diagonal
-    blocks: pair (r, s) belongs to level b = the highest bit in which r and s differ (b = 32, 16, ..., 1), i.e. s
-    and r sit in the lower / upper half of one aligned 2b-row block whose anchor is its row n = first row of the
-    upper half (s < n <= r). Per level and K tile one exp2 tile e = exp2(-|G - G_n(row)|) serves both sides:
-        rows  r >= n:  x_r exp2(G_r - G_n)     columns  s < n:  k_s exp2(G_n - G_s)      (both factors <= 1)
-    and one [BT, BK] x [BK, BT] dot per operand (q, k), masked to the level's blocks (cross-block products are
-    finite garbage, dropped). 6 exp2 tiles per K tile replace the default's 16 x 16 x K exp2 per sub-chunk
-    diagonal block. The diagonal s = r of Aqk is sum_d q_d k_d (exp2(0) = 1).
-    Then L = diag(beta) StrictTril(Dkk); the 4 diagonal 16 x 16 blocks of (I + L)^-1 by forward substitution (fp32,
-    on a [4, 16, 16] view), M = sum_j (-N)^j Di with N = Di L_off (dots), w = M (beta kn exp2(G)) and u = M (beta v).
-    beta kn exp2(G) is parked in w_out between the first K pass and the w dot (re-read from L2 by the same
-    program: one rounding to the storage dtype, as fla's bf16 w/u MMA operands)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    if i_c >= tl.load(chunk_offsets + n_seq):
-        return
-    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < (eos - t0)
-    cblk = (i_c.to(tl.int64) * H + i_h) * BT
-    # scalar 64-bit bases + 32-bit in-tile offsets (small address tensors)
-    p_q = q + t0 * stride_q + i_h * K
-    p_k = k + t0 * stride_k + i_h * K
-    p_z = z + t0 * stride_z + i_h * K
-    p_g = g_scr + cblk * K                               # G scratch, own chunk rows [BT, K] fp32
-    p_w = w_out + cblk * K
-    o_q = rows[:, None] * stride_q
-    o_k = rows[:, None] * stride_k
-    o_s = rows[:, None] * K                              # row offsets in the [rows, K] outputs / scratch
-    # L2 norms and beta
-    sq = tl.zeros([BT], dtype=tl.float32)
-    sk = tl.zeros([BT], dtype=tl.float32)
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        m2 = rmask[:, None] & (c < K)[None, :]
-        bq = tl.load(p_q + o_q + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        bk = tl.load(p_k + o_k + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        sq += tl.sum(bq * bq, 1)
-        sk += tl.sum(bk * bk, 1)
-    rq = scale / tl.sqrt(sq + 1e-6)
-    rk = 1.0 / tl.sqrt(sk + 1e-6)
-    bb = tl.load(b + t0 * stride_b + i_h + rows * stride_b, mask=rmask, other=0.0).to(tl.float32)
-    beta = tl.where(rmask, tl.sigmoid(bb), 0.0)
-    neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
-    # pass 1 over K: G (log2 units) -> g scratch (re-read by the levels, L1 / L2), qg, kg, gl, beta kn exp2(G)
-    dqk = tl.zeros([BT], dtype=tl.float32)
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        m2 = rmask[:, None] & cm[None, :]
-        qn = tl.load(p_q + o_q + c[None, :], mask=m2, other=0.0).to(tl.float32) * rq[:, None]
-        kn = tl.load(p_k + o_k + c[None, :], mask=m2, other=0.0).to(tl.float32) * rk[:, None]
-        zz = tl.load(p_z + rows[:, None] * stride_z + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        zz = zz + tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)[None, :]
-        G = _cumsum0(tl.where(m2, neg_a * _softplus(zz, FAST), 0.0), BT, CS)           # [BT, BK], <= 0
-        gl = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), 0)                    # G of the last row
-        tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
-        o_t = o_s + c[None, :]
-        tl.store(p_g + o_t, G, mask=cm[None, :])
-        eg = tl.exp2(G)
-        tl.store(qg_out + cblk * K + o_t, (qn * eg).to(qg_out.dtype.element_ty), mask=cm[None, :])
-        tl.store(kg_out + cblk * K + o_t, (kn * tl.exp2(tl.minimum(gl[None, :] - G, 0.0)))
-                 .to(kg_out.dtype.element_ty), mask=cm[None, :])
-        tl.store(p_w + o_t, (kn * beta[:, None] * eg).to(w_out.dtype.element_ty), mask=cm[None, :])
-        dqk += tl.sum(qn * kn, 1)
-    tl.debug_barrier()                                   # g / w_out scratch written by other threads of the CTA
-    # levels (outer) x K tiles (inner): the raw-q/k sums of a level accumulate in the dot, masked once per level
-    acc_kk = tl.zeros([BT, BT], dtype=tl.float32)
-    acc_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    for lv in range(LOG_BT):                             # level blocks of 2b = BT, BT / 2, ..., 2 rows (a
-        hb = (BT // 2) >> lv                             # runtime loop: one level's registers live, not six)
-        up = (rows & hb) != 0                            # rows at / after their block's anchor
-        o_a = ((rows & ~(2 * hb - 1)) | hb)[:, None] * K                              # the anchor's scratch row
-        l_kk = tl.zeros([BT, BT], dtype=tl.float32)
-        l_qk = tl.zeros([BT, BT], dtype=tl.float32)
-        for kb in range(0, K, BK):
-            c = kb + tl.arange(0, BK)
-            cm = c < K
-            m2 = rmask[:, None] & cm[None, :]
-            bq = tl.load(p_q + o_q + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            bk = tl.load(p_k + o_k + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            G = tl.load(p_g + o_s + c[None, :], mask=cm[None, :], other=0.0)
-            Ga = tl.load(p_g + o_a + c[None, :], mask=cm[None, :], other=0.0)
-            d = G - Ga
-            e = tl.exp2(-tl.abs(d))                       # rows >= anchor: G_r - G_n; rows < anchor: G_n - G_s
-            ke = bk * e
-            ct = tl.trans(tl.where(up[:, None], 0.0, ke))                              # [BK, BT]
-            l_kk = tl.dot(tl.where(up[:, None], ke, 0.0), ct, l_kk, input_precision=PREC)
-            l_qk = tl.dot(tl.where(up[:, None], bq * e, 0.0), ct, l_qk, input_precision=PREC)
-        same = (rows[:, None] ^ rows[None, :]) < 2 * hb  # one block of the level (others: finite garbage)
-        acc_kk += tl.where(same, l_kk, 0.0)
-        acc_qk += tl.where(same, l_qk, 0.0)
-    acc_kk = acc_kk * rk[:, None] * rk[None, :]          # the L2 norms (the sums are bilinear in x_r, k_s)
-    acc_qk = acc_qk * rq[:, None] * rk[None, :]
-    # Aqk (scale folded into rq): levels give s < r (exact zeros above the diagonal), + the diagonal
-    aqk = acc_qk + tl.where(rows[:, None] == rows[None, :], dqk[:, None], 0.0)
-    tl.store(a_out + cblk * BT + rows[:, None] * BT + rows[None, :], aqk.to(a_out.dtype.element_ty))
-    # (I + L)^-1, L = diag(beta) StrictTril(Dkk): diagonal BC-blocks on a [NB, BC, BC] view by forward substitution
-    NB: tl.constexpr = BT // BC
-    lmat = acc_kk * beta[:, None]
-    i0 = tl.arange(0, NB)[:, None, None, None]
-    i2 = tl.arange(0, NB)[None, None, :, None]
-    l3 = tl.sum(tl.where(i0 == i2, tl.reshape(lmat, (NB, BC, NB, BC)), 0.0), 2)   # l3[j, r, c] = L[jBC+r, jBC+c]
-    ir = tl.arange(0, BC)[None, :, None]
-    ic = tl.arange(0, BC)[None, None, :]
-    di3 = tl.where(ir == ic, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-    for r in range(1, BC):
-        a_r = tl.sum(tl.where(ir == r, l3, 0.0), 1)                                    # [NB, BC]: L[r, c]
-        nr = tl.sum(a_r[:, :, None] * di3, 1)                                          # sum_c L[r, c] X[c, :]
-        di3 = tl.where(ir == r, di3 - nr[:, None, :], di3)
-    di = tl.reshape(tl.where(i0 == i2, tl.expand_dims(di3, 2), 0.0), (BT, BT))          # block-diagonal Di
-    rb = rows // BC
-    lo = tl.where(rb[:, None] > rb[None, :], lmat, 0.0)
-    nmat = tl.dot(di, lo, input_precision=PREC)
-    m = di
-    for _ in tl.static_range(NB - 1):
-        m = di - tl.dot(nmat, m, input_precision=PREC)
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        xw = tl.load(p_w + o_s + c[None, :], mask=cm[None, :], other=0.0).to(tl.float32)
-        wv = tl.dot(m, xw, input_precision=PREC)
-        tl.debug_barrier()                               # every thread has read its xw before any overwrite
-        tl.store(p_w + o_s + c[None, :], wv.to(w_out.dtype.element_ty), mask=cm[None, :])
-    p_v = v + t0 * stride_v + i_h * V
-    for vb in range(0, V, BV):
-        c = vb + tl.arange(0, BV)
-        cm = c < V
-        m2 = rmask[:, None] & cm[None, :]
-        bv = tl.load(p_v + rows[:, None] * stride_v + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        uv = tl.dot(m, bv * beta[:, None], input_precision=PREC)
-        tl.store(u_out + cblk * V + rows[:, None] * V + c[None, :], uv.to(u_out.dtype.element_ty),
-                 mask=cm[None, :])
-
-
 @triton.jit
 def _kda_state_kernel(
     qg_in, kg_in, w_in, u_in, a_in, gl_in, o, rec_state,
@@ -1274,14 +1106,6 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                           stride_z="i32"),
                      dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec),
                      dict(num_warps=WU_NUM_WARPS)),
-        "intra": (_kda_intra_kernel,
-                  dict(q=lp, k=lp, v=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
-                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", w_out=sd, u_out=sd,
-                       a_out=sd, g_scr="*fp32", stride_q="i32", stride_k="i32", stride_v="i32", stride_z="i32",
-                       stride_b="i32", scale="fp32"),
-                  dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
-                       LOG_BT=BT.bit_length() - 1, FAST=int(FAST_SOFTPLUS), CS=int(INTRA_CUMSUM_DOT)),
-                  dict(num_warps=INTRA_NUM_WARPS, num_stages=INTRA_NUM_STAGES, **_maxnreg(INTRA_MAXNREG))),
     })
     specs = {n: specs[n] for n in which}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -1363,9 +1187,9 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     if NT > 0:
         # intra scratch: G [rows, K] fp32 (log2 units), rs [rows, 4] fp32 (rq, rk, beta), x [rows, BT] fp32
         # (block inverses + beta-scaled off-diagonal Dkk)
-        g2 = None if (PREP_FUSED and not INTRA_FUSED) else torch.empty(n_rows, K, dtype=torch.float32, device=dev)
-        rs = None if INTRA_FUSED else torch.empty(n_rows, 4, dtype=torch.float32, device=dev)
-        xs = None if INTRA_FUSED else torch.empty(n_rows, BT, dtype=torch.float32, device=dev)
+        g2 = None if PREP_FUSED else torch.empty(n_rows, K, dtype=torch.float32, device=dev)
+        rs = torch.empty(n_rows, 4, dtype=torch.float32, device=dev)
+        xs = torch.empty(n_rows, BT, dtype=torch.float32, device=dev)
 
         def prep():
             return _kda_prep_kernel[(NT, H)](
@@ -1410,19 +1234,8 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
                 num_warps=WU_NUM_WARPS,
             )
-        def intra():
-            return _kda_intra_kernel[(NT, H)](
-                q, k, v, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, w, u, a, g2,
-                q.stride(0), k.stride(0), v.stride(0), z.stride(0), b.stride(0), float(scale),
-                PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
-                LOG_BT=BT.bit_length() - 1, FAST=_fast_softplus(), CS=int(INTRA_CUMSUM_DOT),
-                num_warps=INTRA_NUM_WARPS,
-                num_stages=INTRA_NUM_STAGES,
-                **_maxnreg(INTRA_MAXNREG),
-            )
-        if INTRA_FUSED:
-            launches["intra"] = intra
-        elif PREP_FUSED:
+
+        if PREP_FUSED:
             assert int(AKK_DIAG) in (0, 1), "PREP_FUSED supports AKK_DIAG 0 and 1"
             launches["akk"] = akk_fused
             launches["wu"] = wu_fused

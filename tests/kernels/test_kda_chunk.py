@@ -242,23 +242,21 @@ def test_gpu_fp32_and_split():
     assert rel_rms(pool_b[2], pool_a[2]) <= 1e-4
 
 
-@pytest.mark.parametrize("diag,fused", [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (0, 2)])
+@pytest.mark.parametrize("diag,fused", [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1)])
 def test_tiling_fp32(kda_path, monkeypatch, diag, fused):
     """Several K tiles in the intra kernels and several V tiles in every kernel (as at K = V = 128 on the GPU),
-    for each akk diagonal variant (DIAG=2 does its anchored 8x8 dot per K tile), PREP_FUSED (fused=1: norms summed
-    over the K tiles and applied afterwards, the diagonal block per K tile) and INTRA_FUSED (fused=2: every level's
-    sums accumulated over the K tiles, w parked per K tile, u per V tile)."""
+    for each akk diagonal variant (DIAG=2 does its anchored 8x8 dot per K tile) and PREP_FUSED (fused=1: norms
+    summed over the K tiles and applied afterwards, the diagonal block per K tile)."""
     if fused and kda_path != "split":
-        pytest.skip("PREP_FUSED / INTRA_FUSED change only the intra launches, shared by both paths")
+        pytest.skip("PREP_FUSED changes only the intra launches, shared by both paths")
     import kernels.kda.chunk as chunk_mod
 
     monkeypatch.setattr(chunk_mod, "AKK_DIAG", diag)
-    monkeypatch.setattr(chunk_mod, "PREP_FUSED", int(fused == 1))
-    monkeypatch.setattr(chunk_mod, "INTRA_FUSED", int(fused == 2))
+    monkeypatch.setattr(chunk_mod, "PREP_FUSED", fused)
     monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", diag % 2)
     monkeypatch.setattr(chunk_mod, "AKK_LV_SPLITK", int(diag == 3))   # (the variants test runs DIAG=3 unsplit)
     monkeypatch.setattr(chunk_mod, "OUT_VFAST", int(diag == 3))       # (2 V tiles of 32 in the output grid)
-    for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV", "INTRA_BK", "INTRA_BV"):
+    for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV"):
         monkeypatch.setattr(chunk_mod, name, 16)
     monkeypatch.setattr(chunk_mod, "STATE_BV", 16)
     monkeypatch.setattr(chunk_mod, "HPASS_BV", 16)
@@ -286,8 +284,7 @@ def test_sm90_offline_compile_no_spills(kda_path):
             "'bv16': c.compile_report(hpass_bv=16, which=('hpass',)), "
             "'prep_fused': (setattr(c, 'AKK_DIAG', 0), setattr(c, 'AKK_NUM_WARPS', 4), setattr(c, 'AKK_BK', 32), "
             "c.compile_report(which=('akk_fused', 'wu_fused')))[-1], "
-            "'intra_fused': c.compile_report(which=('intra',)), "
-            "'fast_softplus': (setattr(c, 'FAST_SOFTPLUS', 1), c.compile_report(which=('prep', 'intra')))[1], "
+            "'fast_softplus': (setattr(c, 'FAST_SOFTPLUS', 1), c.compile_report(which=('prep',)))[1], "
             "'cumsum_dot': (setattr(c, 'CUMSUM_DOT', 1), setattr(c, 'PREP_BK', 16), "
             "c.compile_report(which=('prep',)))[-1], "
             "'akk_lv': (setattr(c, 'AKK_DIAG', 3), setattr(c, 'AKK_NUM_WARPS', 1), setattr(c, 'AKK_BK', 16), "
@@ -301,9 +298,7 @@ def test_sm90_offline_compile_no_spills(kda_path):
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     for cfg, kernels in rep.items():
         for name, (regs, stack, smem) in kernels.items():
-            # intra under its 128-register cap (2 CTAs of 8 warps / SM): Triton 3.6 (the H200's) fits, 3.9 spills
-            # ~100 B; any other kernel must not spill
-            assert stack <= (128 if name == "intra" else 0), (cfg, name, regs, stack)
+            assert stack == 0, (cfg, name, regs, stack)
             assert smem <= 227 * 1024, (cfg, name, smem)
 
 
@@ -355,31 +350,6 @@ def test_intra_awkward_lengths_fp32(kda_path, lens, strong_gate):
     check(*res, slots, FP32_TOL)
 
 
-@pytest.mark.parametrize("lens,strong_gate", [([1], True), ([63], True), ([64], False), ([65], True),
-                                              ([1, 70, 0, 64, 1, 63], True), ([130, 1], False)])
-def test_intra_fused_lengths_fp32(kda_path, lens, strong_gate, monkeypatch):
-    """INTRA_FUSED=1 (one intra program per chunk-head, level-anchored dots): awkward lengths, varlen with
-    length-0/1 sequences, gates down to -20 per step (every exponent <= 0), poisoned unused slots, vs the fp64
-    recurrence."""
-    if kda_path != "split":
-        pytest.skip("the intra launches are shared by both paths")
-    import kernels.kda.chunk as chunk_mod
-
-    monkeypatch.setattr(chunk_mod, "INTRA_FUSED", 1)
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    inp = make_inputs(cu[-1], strong_gate=strong_gate)
-    if strong_gate:
-        d = inp["z"].double() + inp["dt_bias"].double()
-        gate = -torch.exp(inp["A_log"].double()).repeat_interleave(16) * torch.nn.functional.softplus(d)
-        assert gate.min() < -20.0
-    P = len(lens)
-    slots = list(range(1, P + 1))
-    res = run_pair(inp, cu, slots, [bool(i % 2) for i in range(P)], S=P + 3)
-    check(*res, slots, FP32_TOL)
-
-
 # A/B variants of kernels/kda/chunk.py (module constants); each must match the default to fp32 rounding.
 # FIRST: the defaults before 12-03 (akk DIAG 0 at 4 warps / BK 32, tl.cumsum prep at BK 32, 2-stage hpass without
 # prefetch, V-tile-slowest output grid); the older variants were written against it and keep it as their base
@@ -397,12 +367,10 @@ VARIANTS = {
     "hpass-no-prefetch": dict(HPASS_PREFETCH=0),
     "prep-fused": dict(FIRST, PREP_FUSED=1),
     "prep-fused-prod": dict(FIRST, PREP_FUSED=1, AKK_DIAG=1, AKK_UNROLL=0),
-    "intra-fused": dict(INTRA_FUSED=1, CUMSUM_DOT=0),
     # session 5: level-anchored tensor-core diagonal blocks in a 1-warp akk (one K pass; the default takes two)
     "akk-lv": dict(AKK_LV_SPLITK=0),
     "cumsum-scan": dict(CUMSUM_DOT=0, PREP_BK=32),
     "out-v-slowest": dict(OUT_VFAST=0),
-    "intra-fused-cs": dict(INTRA_FUSED=1, INTRA_CUMSUM_DOT=1),
 }
 
 
@@ -462,12 +430,8 @@ def test_variants_match_default_fp32(kda_path, variant, strong_gate, monkeypatch
 
 
 # variants whose difference exists only on the GPU (FAST_SOFTPLUS: inline PTX lg2.approx, the interpreter keeps logf)
-# intra-fused-cs: illegal memory access on the H200 (12-03), which poisons the context for every later test; it stays
-# out of the GPU run (the interpreter test above covers its math)
-GPU_VARIANTS = dict({k: v for k, v in VARIANTS.items() if k != "intra-fused-cs"}, **{
+GPU_VARIANTS = dict(VARIANTS, **{
     "exact-softplus": dict(FAST_SOFTPLUS=0),
-    "intra-fused-fast": dict(INTRA_FUSED=1, FAST_SOFTPLUS=1),
-    "intra-fused-fast-nocap": dict(INTRA_FUSED=1, FAST_SOFTPLUS=1, INTRA_MAXNREG=None),
     # pipeline depth only (no effect in the interpreter)
     "hpass-s2": dict(HPASS_NUM_STAGES=2),
 })
