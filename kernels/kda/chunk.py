@@ -32,21 +32,19 @@ Launches:
    ``_kda_wu_fused_kernel`` recomputes G and writes qg, kg, gl with w, u.
    (Removed after H200 runs: the one-kernel intra "v1", 1.67x slower, 5.83 vs 3.50 ms end to end at T=16k; the
    one-launch level-anchored intra ``INTRA_FUSED``, 3.772 vs 3.340 ms at T=16k, BENCHMARKS.md seventh round.)
-2. Split path (``SPLIT = True``, the default), two launches:
+2. State and output, two launches:
    2a. ``_kda_hpass_kernel`` -- one program per (V tile, sequence, head), BV = 16 at B=1 (auto: the largest of
        64/32/16 giving >= 2 programs per SM): the sequential pass with the fp32 state in registers and only
        two dots per chunk (HPASS_PREFETCH=1 loads the next chunk's u / gl one iteration ahead):
-           store h_c = h (bf16 for bf16 inputs: the MMA operand rounding the fused path already applies; fp32 for
-           fp32 inputs) into hs [NT, H, K, V];  vn = u - w @ h_c, stored (same dtype);  h = exp2(gl) * h + kg^T @ vn
+           store h_c = h (bf16 for bf16 inputs: the state's rounding as an MMA operand; fp32 for fp32 inputs)
+           into hs [NT, H, K, V];  vn = u - w @ h_c, stored (same dtype);  h = exp2(gl) * h + kg^T @ vn
        then the final state to the slot and zeros for tokens outside [cu[0], cu[-1]).
+       The initial state is read from rec_state[state_slots[p]] when has_initial_state[p] (zeros otherwise) and
+       the final state is written back there (fla layout [S, H, K, V], fp32). No other slot is touched.
    2b. ``_kda_out_kernel`` -- one program per (chunk, head, V tile), fully parallel (no sequential dependency):
            o = qg @ h_c + Aqk @ vn
-   Old path (``SPLIT = False``, kept for A/B; tests run both):
-   ``_kda_state_kernel`` -- one program per (V tile, sequence, head): the sequential pass over the sequence's
-   chunks with the fp32 state in registers, fused with the output:
-       vn = u - w @ h ;  o = qg @ h + Aqk @ vn ;  h = exp2(gl) * h + kg^T @ vn
-   The initial state is read from rec_state[state_slots[p]] when has_initial_state[p] (zeros otherwise) and the
-   final state is written back there (fla layout [S, H, K, V], fp32). No other slot is touched.
+   (Removed: the older fused state+output kernel ``_kda_state_kernel``, one sequential program per (V tile,
+   sequence, head) doing all four dots per chunk; the split above replaced it as the default on the H200.)
 
 Varlen metadata (chunk offsets) is built on the device: no host sync, and the intra grid is the static upper
 bound cdiv(T, 64) + P (surplus programs exit), so the call is CUDA-graph friendly for fixed (T, P).
@@ -55,10 +53,10 @@ Precision: all accumulation in fp32. For bf16 inputs the intermediates (qg, kg, 
 and the state is cast to bf16 as an MMA operand (as fla does); the intra-chunk matrices use tf32. For fp32 inputs
 everything is stored in fp32 and the dots use IEEE fp32 (slow, for tests/oracles).
 
-Tuning: the module constants below (PREP_*, AKK_*, WU_*, STATE_*, HPASS_*, OUT_*);
+Tuning: the module constants below (PREP_*, AKK_*, WU_*, HPASS_*, OUT_*);
 ``python bench/kda_prefill.py --sweep`` times the intra stages vs fla-core per stage and sweeps their constants
-(``--sweep-state``: the older state/output sweep); ``compile_report()`` compiles the kernels offline for sm_90 and
-reports registers / spills / smem. Time budget per stage: see the docstring of bench/kda_prefill.py.
+(``--sweep-state``: the hpass / output launch-config sweep); ``compile_report()`` compiles the kernels offline for
+sm_90 and reports registers / spills / smem. Time budget per stage: see the docstring of bench/kda_prefill.py.
 """
 from __future__ import annotations
 
@@ -76,14 +74,10 @@ BC = 16          # sub-chunk (diagonal block) size
 RCP_LN2 = 1.4426950408889634
 
 # launch configuration (tunable)
-# (checked offline with triton 3.9 for sm_90, K = V = 128, bf16: no register spills; old state 202 regs / 147 KB
-#  smem at BV=64 with 8 warps, 162 regs / 131 KB at BV=32 with 4 warps; hpass 80 regs / 72 KB at BV=16 (4 warps),
-#  136 / 80 KB at BV=32 (4), 204 / 104 KB at BV=64 (8); out 72 regs / 48 KB at BV=64 (4 warps), 95 / 72 KB at BV=128)
-STATE_BV = None          # None: 64, or 32 when (V/64) * P * H programs would not fill the GPU twice
-STATE_NUM_WARPS = None   # None: 8 for BV=64, 4 for BV=32
-STATE_NUM_STAGES = 2
-# split path (SPLIT = True): intra -> state pass only (stores h_c, vn) -> fully parallel output
-SPLIT = True             # False: the old fused state+output kernel (kept for A/B)
+# (checked offline with triton 3.9 for sm_90, K = V = 128, bf16: no register spills; hpass 80 regs / 72 KB at BV=16
+#  (4 warps), 136 / 80 KB at BV=32 (4), 204 / 104 KB at BV=64 (8); out 72 regs / 48 KB at BV=64 (4 warps), 95 / 72 KB
+#  at BV=128)
+# intra -> state pass only (stores h_c, vn) -> fully parallel output
 HPASS_BV = None          # None: largest of 64/32/16 giving >= 2 programs per SM ((V/BV) * P * H >= 2 * SMs)
 HPASS_NUM_WARPS = None   # None: 4 for BV <= 32, 8 for BV = 64
 HPASS_NUM_STAGES = 3       # H200 12-03: hpass 0.508 -> 0.376 ms at T=16k (with HPASS_PREFETCH), one chunk in flight
@@ -126,13 +120,14 @@ PREP_FUSED = 0
 WU_BK = 32
 WU_BV = 32
 WU_NUM_WARPS = 4
-# FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep (fla's choice) instead of libdevice's accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop
-# body 2134 -> see --quick). No effect under the interpreter.
+# FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep (fla's choice) instead of libdevice's
+# accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop body 2134 -> see --quick). No
+# effect under the interpreter.
 FAST_SOFTPLUS = 1
-# CUMSUM_DOT = 1: the chunk-local gate cumsum of prep as two tf32 tensor-core dots with the lower-triangular ones matrix on a hi / lo split of g (fp32-accurate; see _cumsum0) instead of
-# tl.cumsum, whose scan over rows spread across lanes and warps was ~40% of prep's instructions (offline sm_90,
-# Triton 3.6, FAST_SOFTPLUS: prep K-loop body 1446 -> 761 SASS instructions per 16 elements / thread; with
-# PREP_BK=16: 123 regs, 4 CTAs / SM).
+# CUMSUM_DOT = 1: the chunk-local gate cumsum of prep as two tf32 tensor-core dots with the lower-triangular ones
+# matrix on a hi / lo split of g (fp32-accurate; see _cumsum0) instead of tl.cumsum, whose scan over rows spread
+# across lanes and warps was ~40% of prep's instructions (offline sm_90, Triton 3.6, FAST_SOFTPLUS: prep K-loop body
+# 1446 -> 761 SASS instructions per 16 elements / thread; with PREP_BK=16: 123 regs, 4 CTAs / SM).
 CUMSUM_DOT = 1
 
 
@@ -843,72 +838,6 @@ def _kda_wu_fused_kernel(
 
 
 @triton.jit
-def _kda_state_kernel(
-    qg_in, kg_in, w_in, u_in, a_in, gl_in, o, rec_state,
-    cu_seqlens, chunk_offsets, state_slots, has_initial_state, n_seq, n_tok,
-    stride_o, stride_s,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MM: tl.constexpr,
-):
-    i_v = tl.program_id(0)
-    i_n = tl.program_id(1)
-    i_h = tl.program_id(2)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    slot = tl.load(state_slots + i_n).to(tl.int64)
-    h0i = tl.load(has_initial_state + i_n).to(tl.int32)
-    nt = ((eos - bos + BT - 1) // BT).to(tl.int32)
-
-    kk = tl.arange(0, K)
-    vv = i_v * BV + tl.arange(0, BV)
-    rows = tl.arange(0, BT)
-    # scalar 64-bit bases + 32-bit in-tile offsets (keeps the address tensors small)
-    o_kv = kk[:, None] * V + vv[None, :]
-    o_bk = rows[:, None] * K + kk[None, :]
-    o_kbt = kk[:, None] + rows[None, :] * K
-    o_bv = rows[:, None] * V + vv[None, :]
-    o_bb = rows[:, None] * BT + rows[None, :]
-    p_h = rec_state + slot * stride_s + i_h * K * V
-    h = tl.load(p_h + o_kv).to(tl.float32)
-    h = tl.where(h0i != 0, h, 0.0)
-    dt = w_in.dtype.element_ty
-
-    for it in range(nt):
-        cg = c0 + it
-        r0 = (cg * H + i_h) * BT
-        b_w = tl.load(w_in + r0 * K + o_bk)
-        b_qg = tl.load(qg_in + r0 * K + o_bk)
-        b_kgt = tl.load(kg_in + r0 * K + o_kbt)                       # [K, BT]
-        b_u = tl.load(u_in + r0 * V + o_bv).to(tl.float32)
-        b_a = tl.load(a_in + r0 * BT + o_bb)
-        b_gl = tl.load(gl_in + (cg * H + i_h) * K + kk)
-        hb = h.to(dt)
-        vn = b_u - _mm(b_w, hb, PREC, MM)
-        vnb = vn.to(dt)
-        b_o = _mm(b_qg, hb, PREC, MM) + _mm(b_a, vnb, PREC, MM)
-        t_rel = it * BT + rows
-        tl.store(o + (bos + it * BT) * stride_o + i_h * V + (rows[:, None] * stride_o + vv[None, :]),
-                 b_o.to(o.dtype.element_ty), mask=(t_rel < eos - bos)[:, None])
-        h = h * tl.exp2(b_gl)[:, None] + _mm(b_kgt, vnb, PREC, MM)
-
-    tl.store(p_h + o_kv, h.to(rec_state.dtype.element_ty))
-
-    # tokens outside [cu[0], cu[-1]) get zeros (first / last sequence's programs)
-    zero = tl.zeros([BT, BV], dtype=o.dtype.element_ty)
-    if i_n == 0:
-        for t0z in range(0, bos.to(tl.int32), BT):
-            tz = t0z + rows
-            tl.store(o + tz.to(tl.int64)[:, None] * stride_o + i_h * V + vv[None, :], zero,
-                     mask=(tz < bos)[:, None])
-    if i_n == n_seq - 1:
-        for t0z in range(eos.to(tl.int32), n_tok, BT):
-            tz = t0z + rows
-            tl.store(o + tz.to(tl.int64)[:, None] * stride_o + i_h * V + vv[None, :], zero,
-                     mask=(tz < n_tok)[:, None])
-
-
-@triton.jit
 def _zero_outside(o, bos, eos, i_n, n_seq, n_tok, stride_o, i_h, vv, BT: tl.constexpr, BV: tl.constexpr,
                   V: tl.constexpr):
     """Tokens outside [cu[0], cu[-1]) get zeros (done by the first / last sequence's programs)."""
@@ -1033,15 +962,14 @@ def _kda_out_kernel(
              b_o.to(o.dtype.element_ty), mask=(rows < eos - t0)[:, None])
 
 
-def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16: bool = True, state_bv: int = 64,
-                   state_warps: int = 8, hpass_bv: Optional[int] = None, out_bv: Optional[int] = None,
-                   which: Sequence[str] = ("state", "hpass", "out", "prep", "akk", "wu")
-                   ) -> dict:
+def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16: bool = True,
+                   hpass_bv: Optional[int] = None, out_bv: Optional[int] = None,
+                   which: Sequence[str] = ("hpass", "out", "prep", "akk", "wu")) -> dict:
     """Compile the kernels offline for sm_<arch> (no GPU needed; Triton's bundled ptxas) at Kimi shapes and
     return {name: (registers, spill stack bytes, shared bytes)}. Run without TRITON_INTERPRET.
-    state = old fused state+output
-    kernel at (state_bv, state_warps); hpass / out = split-path kernels at (hpass_bv or 16, HPASS_NUM_WARPS) /
-    (out_bv or OUT_BV, OUT_NUM_WARPS); prep / akk / wu = the intra kernels at the module constants."""
+    hpass / out = the state pass and output kernels at (hpass_bv or 16, HPASS_NUM_WARPS) / (out_bv or OUT_BV,
+    OUT_NUM_WARPS); prep / akk / wu = the intra kernels at the module constants; akk_fused / wu_fused = the
+    PREP_FUSED intra kernels."""
     import re
     import subprocess
 
@@ -1052,12 +980,6 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
     prec = "tf32" if bf16 else "ieee"
     mm = 1 if bf16 else 0
     specs = {
-        "state": (_kda_state_kernel,
-                  dict(qg_in=sd, kg_in=sd, w_in=sd, u_in=sd, a_in=sd, gl_in="*fp32", o=lp, rec_state="*fp32",
-                       cu_seqlens="*i32", chunk_offsets="*i32", state_slots="*i32", has_initial_state="*i8",
-                       n_seq="i32", n_tok="i32", stride_o="i32", stride_s="i32"),
-                  dict(H=H, K=K, V=V, BT=BT, BV=state_bv, PREC=prec, MM=mm),
-                  dict(num_warps=state_warps, num_stages=STATE_NUM_STAGES)),
         "hpass": (_kda_hpass_kernel,
                   dict(kg_in=sd, w_in=sd, u_in=sd, gl_in="*fp32", h_out=sd, vn_out=sd, o=lp, rec_state="*fp32",
                        cu_seqlens="*i32", chunk_offsets="*i32", state_slots="*i32", has_initial_state="*i8",
@@ -1145,19 +1067,11 @@ def _is_pow2(x: int) -> bool:
     return x >= 16 and (x & (x - 1)) == 0
 
 
-def _split_enabled() -> bool:
-    return SPLIT if _FORCE_SPLIT is None else _FORCE_SPLIT
-
-
-_FORCE_SPLIT = None   # tests / bench override of SPLIT without touching the module default
-
-
 def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o, P, T, H, K, V, cu_seqlens_cpu,
           buffers=None):
     """Allocate the scratch and return the launches in order as {stage name: zero-argument callable} (the bench
     times the stages one by one). ``buffers`` (a dict) receives the intra outputs qg, kg, w, u, a, gl (tests)."""
     dev = q.device
-    split = _split_enabled()
     # varlen metadata on device (no host sync): chunk_offsets[n] = chunks before sequence n; the chunk-parallel
     # grids use the upper bound cdiv(T, BT) + P (exact when cu_seqlens_cpu is given); surplus programs exit at once
     chunk_offsets = torch.zeros(P + 1, dtype=torch.int32, device=dev)
@@ -1244,22 +1158,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             launches["akk"] = akk
             launches["wu"] = wu
 
-    if not split:
-        bv = STATE_BV or (64 if _interpreting() or triton.cdiv(V, 64) * P * H >= 2 * nsm else 32)
-        bv = min(V, bv)
-
-        def state():
-            return _kda_state_kernel[(triton.cdiv(V, bv), P, H)](
-                qg, kg, w, u, a, gl, o, rec_state,
-                cu_dev, chunk_offsets, slots, hi, P, T,
-                o.stride(0), rec_state.stride(0),
-                H=H, K=K, V=V, BT=BT, BV=bv, PREC=prec, MM=mm,
-                num_warps=STATE_NUM_WARPS or (8 if bv >= 64 else 4), num_stages=STATE_NUM_STAGES,
-            )
-        launches["state+out"] = state
-        return launches
-
-    # split path: per-chunk start states h_c [NT, H, K, V] and vn [NT*H*BT, V], both in the MMA operand dtype
+    # per-chunk start states h_c [NT, H, K, V] and vn [NT*H*BT, V], both in the MMA operand dtype
     hs = torch.empty(max(NT, 1) * H * K, V, dtype=sdt, device=dev)
     vn = torch.empty(n_rows, V, dtype=sdt, device=dev)
     hbv = HPASS_BV

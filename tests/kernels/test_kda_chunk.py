@@ -2,9 +2,8 @@
 
 CPU: TRITON_INTERPRET=1 at small shapes (H=2, K=16, V=32: K != V so a transposed state cannot pass).
 GPU (@gpu): Kimi shapes H=32, K=V=128, bf16.
-Every test runs on two paths, both with the intra launches prep -> akk -> wu: "fused" (old fused state+output
-kernel) and "split" (state pass storing h_c / vn -> parallel output kernel; the default), selected through
-kernels.kda.chunk._FORCE_SPLIT.
+The path under test: the intra launches prep -> akk -> wu, then the state pass storing h_c / vn -> the parallel
+output kernel; module-constant A/B variants are compared with it (test_variants_match_default_fp32).
 Run: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_kda_chunk.py -q
 """
 import math
@@ -21,14 +20,6 @@ from kernels.kda.ref import kda_core_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
-
-@pytest.fixture(autouse=True, params=["fused", "split"])
-def kda_path(request, monkeypatch):
-    """fused: intra + old fused state/output kernel; split: intra + state pass + parallel output (the default)."""
-    import kernels.kda.chunk as chunk_mod
-
-    monkeypatch.setattr(chunk_mod, "_FORCE_SPLIT", request.param != "fused")
-    return request.param
 FP32_TOL = 2e-5     # fp32 inputs, IEEE dots, vs fp64 recurrence (observed ~1e-6; strong gates lose a few ulps of G)
 BF16_TOL = 5e-3     # fla's get_err_ratio threshold (GPU)
 # The Triton interpreter rounds fp32 -> bf16 toward zero (a biased 1-ulp error instead of RNE's half ulp), and the
@@ -243,12 +234,10 @@ def test_gpu_fp32_and_split():
 
 
 @pytest.mark.parametrize("diag,fused", [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1)])
-def test_tiling_fp32(kda_path, monkeypatch, diag, fused):
+def test_tiling_fp32(monkeypatch, diag, fused):
     """Several K tiles in the intra kernels and several V tiles in every kernel (as at K = V = 128 on the GPU),
     for each akk diagonal variant (DIAG=2 does its anchored 8x8 dot per K tile) and PREP_FUSED (fused=1: norms
     summed over the K tiles and applied afterwards, the diagonal block per K tile)."""
-    if fused and kda_path != "split":
-        pytest.skip("PREP_FUSED changes only the intra launches, shared by both paths")
     import kernels.kda.chunk as chunk_mod
 
     monkeypatch.setattr(chunk_mod, "AKK_DIAG", diag)
@@ -258,7 +247,6 @@ def test_tiling_fp32(kda_path, monkeypatch, diag, fused):
     monkeypatch.setattr(chunk_mod, "OUT_VFAST", int(diag == 3))       # (2 V tiles of 32 in the output grid)
     for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV"):
         monkeypatch.setattr(chunk_mod, name, 16)
-    monkeypatch.setattr(chunk_mod, "STATE_BV", 16)
     monkeypatch.setattr(chunk_mod, "HPASS_BV", 16)
     monkeypatch.setattr(chunk_mod, "OUT_BV", 32)
     T = 100
@@ -268,19 +256,17 @@ def test_tiling_fp32(kda_path, monkeypatch, diag, fused):
 
 
 @pytest.mark.slow
-def test_sm90_offline_compile_no_spills(kda_path):
-    """Every kernel compiles for sm_90 at Kimi shapes (bf16) without register spills and within H200 shared memory
-    (both paths at once: runs once). Offline (Triton's bundled ptxas), in a subprocess without TRITON_INTERPRET."""
-    if kda_path != "split":
-        pytest.skip("compiles every kernel of all paths in the 'split' run")
+def test_sm90_offline_compile_no_spills():
+    """Every kernel compiles for sm_90 at Kimi shapes (bf16) without register spills and within H200 shared memory.
+    Offline (Triton's bundled ptxas), in a subprocess without TRITON_INTERPRET."""
     import json
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import json, kernels.kda.chunk as c; "
-            "print(json.dumps({'bv64': c.compile_report(state_bv=64, state_warps=8, hpass_bv=64, out_bv=128), "
-            "'bv32': c.compile_report(state_bv=32, state_warps=4, hpass_bv=32, which=('state', 'hpass')), "
+            "print(json.dumps({'bv64': c.compile_report(hpass_bv=64, out_bv=128), "
+            "'bv32': c.compile_report(hpass_bv=32, which=('hpass',)), "
             "'bv16': c.compile_report(hpass_bv=16, which=('hpass',)), "
             "'prep_fused': (setattr(c, 'AKK_DIAG', 0), setattr(c, 'AKK_NUM_WARPS', 4), setattr(c, 'AKK_BK', 32), "
             "c.compile_report(which=('akk_fused', 'wu_fused')))[-1], "
@@ -302,38 +288,11 @@ def test_sm90_offline_compile_no_spills(kda_path):
             assert smem <= 227 * 1024, (cfg, name, smem)
 
 
-def test_split_matches_fused_fp32(kda_path, monkeypatch):
-    """The split path (state pass + parallel output) equals the fused path to fp32 rounding, varlen with empty
-    sequences and several V tiles in both state kernels."""
-    if kda_path != "split":
-        pytest.skip("compares both paths in the 'split' run")
-    import kernels.kda.chunk as chunk_mod
-
-    monkeypatch.setattr(chunk_mod, "HPASS_BV", 16)
-    monkeypatch.setattr(chunk_mod, "STATE_BV", 16)
-    lens = [65, 0, 3, 128, 1]
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    T = cu[-1]
-    inp = make_inputs(T, strong_gate=True)
-    slots, has_init = [1, 2, 3, 4, 5], [True, True, False, True, False]
-    res = {}
-    for split in (False, True):
-        monkeypatch.setattr(chunk_mod, "_FORCE_SPLIT", split)
-        res[split] = run_pair(inp, cu, slots, has_init, S=6)
-    assert rel_rms(res[True][0], res[False][0]) <= 1e-5
-    assert rel_rms(res[True][2], res[False][2]) <= 1e-5
-    check(*res[True], slots, FP32_TOL)
-
-
 @pytest.mark.parametrize("lens", [[1], [63], [64], [65], [1000], [1, 70, 0, 64, 1, 63]])
 @pytest.mark.parametrize("strong_gate", [False, True])
-def test_intra_awkward_lengths_fp32(kda_path, lens, strong_gate):
+def test_intra_awkward_lengths_fp32(lens, strong_gate):
     """Awkward lengths and varlen with length-0/1 sequences, gates down to -20 per step (every exponent formed is
     <= 0: nothing overflows), poisoned unused slots, vs the fp64 recurrence."""
-    if kda_path != "split":
-        pytest.skip("the intra launches are shared by both paths")
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
@@ -376,13 +335,11 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("strong_gate", [False, True])
-def test_variants_match_default_fp32(kda_path, variant, strong_gate, monkeypatch):
+def test_variants_match_default_fp32(variant, strong_gate, monkeypatch):
     """Each variant gives the default's intermediates (qg, kg, w, u, Aqk, gl), output and final states to fp32
     rounding (running products vs exact per-pair exp2: a few ulps), with gates down to -20 per step (every exponent
     formed is <= 0), partial chunks (masked partner rows) and varlen with length-0/1 sequences and poisoned unused
     slots; then the variant end to end vs the fp64 recurrence."""
-    if kda_path != "split":
-        pytest.skip("compares the variants on the default path")
     if VARIANTS[variant].get("PREP_FUSED") and (not strong_gate or VARIANTS[variant].get("AKK_DIAG")):
         # CI budget (~20 s per case in the interpreter): PREP_FUSED once, strong gates; its DIAG=1 step (one line
         # apart from DIAG=0) and the K tiling are covered by test_tiling_fp32 vs the fp64 recurrence
@@ -439,11 +396,9 @@ GPU_VARIANTS = dict(VARIANTS, **{
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(GPU_VARIANTS))
-def test_gpu_variants_bf16(kda_path, variant, monkeypatch):
+def test_gpu_variants_bf16(variant, monkeypatch):
     """Each variant at Kimi shapes (bf16, strong gates, varlen with a partial last chunk and an empty sequence) vs
     the fp64 recurrence: compiles and is correct on the device's Triton."""
-    if kda_path != "split":
-        pytest.skip("variants of the default path")
     import kernels.kda.chunk as chunk_mod
 
     for const, val in GPU_VARIANTS[variant].items():
@@ -458,11 +413,9 @@ def test_gpu_variants_bf16(kda_path, variant, monkeypatch):
     check(*res, slots, BF16_TOL)
 
 
-def test_hpass_stages_fit_small_smem(kda_path, monkeypatch):
+def test_hpass_stages_fit_small_smem(monkeypatch):
     """A device whose blocks may take < 160 KB of shared memory (GB10: 99 KB) runs the state pass with 2 stages; the
     H200 (and the interpreter, which reports the H200's) with HPASS_NUM_STAGES."""
-    if kda_path != "split":
-        pytest.skip("the state pass (hpass) is the split path's")
     import kernels.kda.chunk as chunk_mod
 
     seen = []
