@@ -294,13 +294,13 @@ def sweep_intra(T=16384, warmup=5, rep=25):
     """Launch-config sweep of the intra kernels at one T (each stage timed alone)."""
     import kernels.kda.chunk as ck
 
-    names = ("PREP_BK", "PREP_NUM_WARPS", "AKK_BK", "AKK_NUM_WARPS", "AKK_UNROLL", "AKK_HALF", "WU_BK", "WU_BV",
+    names = ("PREP_BK", "PREP_NUM_WARPS", "AKK_BK", "AKK_NUM_WARPS", "AKK_LV_SPLITK", "WU_BK", "WU_BV",
              "WU_NUM_WARPS")
     saved = {n: getattr(ck, n) for n in names}
     grid = [
         *[("prep", dict(PREP_BK=bk, PREP_NUM_WARPS=w)) for bk, w in ((32, 4), (64, 8))],
-        *[("akk", dict(AKK_BK=bk, AKK_NUM_WARPS=w, AKK_UNROLL=un, AKK_HALF=hf))
-          for bk, w, un, hf in ((64, 4, 1, 0), (64, 4, 0, 0), (32, 4, 1, 0), (32, 8, 1, 0), (32, 8, 0, 1))],
+        *[("akk", dict(AKK_BK=bk, AKK_NUM_WARPS=w, AKK_LV_SPLITK=sk))
+          for bk, w, sk in ((16, 1, 1), (16, 1, 0), (32, 1, 1), (16, 2, 1))],
         *[("wu", dict(WU_BK=bk, WU_BV=bk, WU_NUM_WARPS=w)) for bk, w in ((64, 4), (64, 8), (32, 4))],
     ]
     x = _inputs([T])
@@ -329,48 +329,35 @@ def sweep_intra(T=16384, warmup=5, rep=25):
 # --quick: (name, {module constant: value}) timed against the default and fla-core in one run
 QUICK_VARIANTS = [
     ("default", {}),
-    # the defaults before 12-03 (the variants below up to "out-vfast" were written against these; since 12-03 the
-    # default is lv2k + cumsum-dot + out-vfast + hpass-s3-prefetch)
-    ("first-default", dict(AKK_DIAG=0, AKK_NUM_WARPS=4, AKK_BK=32, AKK_LV_SPLITK=0, PREP_BK=32, CUMSUM_DOT=0,
-                                 FAST_SOFTPLUS=0, OUT_VFAST=0, HPASS_NUM_STAGES=2, HPASS_PREFETCH=0)),
-    # FAST_SOFTPLUS: lg2.approx softplus (offline sm_90: prep K-loop body 2134 -> 1446 instructions, intra pass 1
-    # 454 -> 364)
+    # since 12-03 the default is lv2k + cumsum-dot + out-vfast + hpass-s3-prefetch (so fast-softplus, hpass-prefetch,
+    # cumsum-dot, out-vfast, hpass-s3 and hpass-s3-prefetch below now run the default); the per-pair akk variants
+    # (AKK_DIAG 0 / 1 / 2), wu-kb, intra-fused and the old fused state+output path were removed after that round
+    # FAST_SOFTPLUS: lg2.approx softplus (offline sm_90: prep K-loop body 2134 -> 1446 instructions)
     ("fast-softplus", dict(FAST_SOFTPLUS=1)),
-    # registers: offline sm_90 with Triton 3.6 (the H200's), no spills; the default akk has 168 (3 CTAs/SM)
-    ("akk-prod", dict(AKK_DIAG=1, AKK_UNROLL=0)),                       # 166 regs
-    ("akk-prod-unrolled", dict(AKK_DIAG=1, AKK_UNROLL=1)),              # 168 regs
-    ("akk-prod-w8", dict(AKK_DIAG=1, AKK_UNROLL=0, AKK_NUM_WARPS=8)),   # 128 regs (2 x 8 warps)
-    ("akk-prod-half-w8", dict(AKK_DIAG=2, AKK_UNROLL=0, AKK_NUM_WARPS=8)),  # 212 regs, 8 steps + 1 dot
     ("hpass-prefetch", dict(HPASS_PREFETCH=1)),
     # BV=16 (auto at B=1): 256 programs, but each re-reads the head's w / kg (32 KB per chunk) from L2: ~8 MB per
     # serial step, ~4 TB/s at the measured ~2 us/step; BV=32 / 64 halve / quarter that with 128 / 64 programs
     ("hpass-prefetch-bv32", dict(HPASS_PREFETCH=1, HPASS_BV=32)),
     ("hpass-prefetch-bv64", dict(HPASS_PREFETCH=1, HPASS_BV=64)),
-    ("prod+prefetch", dict(AKK_DIAG=1, AKK_UNROLL=0, HPASS_PREFETCH=1)),
     # PREP_FUSED: no prep launch / fp32 G scratch (stages akk + wu replace prep + akk + wu). Offline sm_90, Triton
     # 3.6: akk-fused 186 regs unrolled at 4 warps (2 CTAs/SM, no spills), 168 + 16 B stack rolled, 128 at 8 warps
     # (DIAG=0, no spills), 117 (DIAG=1 unrolled, 8 warps); wu-fused 168 (default wu 144), 3 CTAs/SM
     ("prep-fused", dict(PREP_FUSED=1)),
-    ("prep-fused-w8", dict(PREP_FUSED=1, AKK_NUM_WARPS=8)),
-    ("prep-fused-prod", dict(PREP_FUSED=1, AKK_DIAG=1, AKK_UNROLL=0)),
-    ("prep-fused-prod-w8", dict(PREP_FUSED=1, AKK_DIAG=1, AKK_UNROLL=1, AKK_NUM_WARPS=8)),
+    ("prep-fused-w8", dict(PREP_FUSED=1, PREP_FUSED_NUM_WARPS=8)),
+    ("prep-fused-prod", dict(PREP_FUSED=1, PREP_FUSED_DIAG=1, PREP_FUSED_UNROLL=0)),
+    ("prep-fused-prod-w8", dict(PREP_FUSED=1, PREP_FUSED_DIAG=1, PREP_FUSED_UNROLL=1, PREP_FUSED_NUM_WARPS=8)),
     # session 5 (offline sm_90 SASS, Triton 3.6; per chunk-head warp-instructions, the proxy that matched):
     # akk-lv: _kda_akk_lv_kernel, 1 warp per 16-row sub-chunk, diagonal blocks by level-anchored tensor-core dots,
-    # off-diagonal per earlier 16-column block only; 245 regs / 12.8 KB smem, no spills; ~23k vs the default akk's
-    # ~112k (this kernel's [16, x] tiles are replicated in every warp at 2 or 4 warps: the same per-thread SASS
-    # count at 1, 2 and 4 warps; the default akk at 4 warps is partly replicated too)
-    ("akk-lv", dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16)),
-    ("akk-lv-w2", dict(AKK_DIAG=3, AKK_NUM_WARPS=2, AKK_BK=16)),                  # 255 regs, no spills
-    # the same in two K passes (off-diagonal blocks, then levels): 164 regs (12 warps/SM instead of 8), ~13% more
-    # instructions
-    ("akk-lv-2k", dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, AKK_LV_SPLITK=1)),
+    # off-diagonal per earlier 16-column block only, in one K pass; 245 regs / 12.8 KB smem, no spills; ~23k vs the
+    # removed per-pair akk's ~112k (this kernel's [16, x] tiles are replicated in every warp at 2 or 4 warps: the
+    # same per-thread SASS count at 1, 2 and 4 warps). The default (akk-lv-2k) does it in two K passes
+    # (off-diagonal blocks, then levels): 164 regs (12 warps/SM instead of 8), ~13% more instructions
+    ("akk-lv", dict(AKK_LV_SPLITK=0)),
+    ("akk-lv-w2", dict(AKK_LV_SPLITK=0, AKK_NUM_WARPS=2)),                  # 255 regs, no spills
     # cumsum-dot: prep's gate cumsum as 2 tf32 dots with the triangular ones matrix (hi/lo split, fp32-accurate)
     # instead of tl.cumsum's scan (~40% of prep's instructions); prep BK=16: 123 regs (4 CTAs/SM), ~18k vs ~27k
     # (FAST_SOFTPLUS alone) / ~36k (default)
     ("cumsum-dot", dict(FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16)),
-    ("lv+cs", dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16)),
-    ("lv2k+cs", dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, AKK_LV_SPLITK=1, FAST_SOFTPLUS=1, CUMSUM_DOT=1,
-                           PREP_BK=16)),
     # out-vfast: V tile fastest in the output grid (2nd V tile's qg 16 KB + Aqk 8 KB from L2, not HBM)
     ("out-vfast", dict(OUT_VFAST=1)),
     # hpass-s3: 3 pipeline stages in the state pass. Offline sm_90 (3.6): at 2 stages the loop head waits for every
@@ -378,8 +365,6 @@ QUICK_VARIANTS = [
     # on every serial step); at 3 it waits with 3 groups in flight (one chunk ahead). 80 regs, 106 KB smem (2/SM)
     ("hpass-s3", dict(HPASS_NUM_STAGES=3)),
     ("hpass-s3-prefetch", dict(HPASS_NUM_STAGES=3, HPASS_PREFETCH=1)),
-    ("lv+cs+prefetch", dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1,
-                                  PREP_BK=16, HPASS_PREFETCH=1)),
 ]
 
 

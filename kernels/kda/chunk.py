@@ -9,15 +9,15 @@ Launches:
        g = -exp(A_log) softplus(z + dt_bias) and its chunk-local cumsum G2 = G / ln 2 (log2 units, so every
        exponential is exp2); writes qg, kg, gl and the scratch G2 [rows, K] fp32, rs [rows, 4] fp32 =
        (scale/|q|, 1/|k|, beta).
-   1b. ``_kda_akk_kernel``, grid (chunk x 16-row sub-chunk i, head): Aqk and Dkk for rows [16i, 16i+16):
-       columns of earlier sub-chunks by one tensor-core dot per K tile, anchor = first row n of the sub-chunk
-       ((x_r exp2(G_r - G_n)) . (k_s exp2(G_n - G_s)), both factors <= 1); the 16x16 diagonal block exactly per
-       pair (exp2(G_r - G_s), s <= r) on CUDA cores (AKK_DIAG=0: 16 x K exp2 per partner column, ~1G exp2 at
-       T=16k; AKK_DIAG=1: the same values as running products of per-token factors exp2(G_{t+1} - G_t) <= 1, K
-       exp2 per partner column; AKK_DIAG=2: running products inside 8x8 halves + one anchored 8x8 dot); then the
-       diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted by forward substitution (fp32). Writes Aqk
-       (the contract) and the scratch X [rows, 64] fp32 (block inverses Di on the diagonal blocks, beta-scaled Dkk
-       below them).
+   1b. ``_kda_akk_lv_kernel``, grid (chunk x 16-row sub-chunk i, head), one warp: Aqk and Dkk for rows
+       [16i, 16i+16), every pair on the tensor cores: each earlier 16-column block by one dot per K tile, anchor =
+       first row n of the sub-chunk ((x_r exp2(G_r - G_n)) . (k_s exp2(G_n - G_s)), both factors <= 1); the 16x16
+       diagonal block by level anchors (pair (r, s) -> the highest bit b in which r and s differ; anchor = the
+       first row of r's half of the aligned 2b-block, s < n <= r; one exp2 tile per level and K tile;
+       AKK_LV_SPLITK=1: the off-diagonal blocks and the levels in two passes over K); then the diagonal block of
+       (I + diag(beta) StrictTril(Dkk)) is inverted (fp32: forward substitution on the two 8x8 halves, then a block
+       merge). Writes Aqk (the contract) and the scratch X [rows, 64] fp32 (block inverses Di on the diagonal
+       blocks, beta-scaled Dkk below them).
    1c. ``_kda_wu_kernel``, grid (chunk, head): M = (I - N + N^2 - N^3) Di with N = Di L_off (N is strictly
        block-lower, N^4 = 0), then w and u as [64, 64] x [64, BK|BV] dots.
    Per chunk the intra launches produce
@@ -31,7 +31,9 @@ Launches:
    ``_kda_akk_fused_kernel`` recomputes G from z per K tile and applies the norms afterwards (also writes rs),
    ``_kda_wu_fused_kernel`` recomputes G and writes qg, kg, gl with w, u.
    (Removed after H200 runs: the one-kernel intra "v1", 1.67x slower, 5.83 vs 3.50 ms end to end at T=16k; the
-   one-launch level-anchored intra ``INTRA_FUSED``, 3.772 vs 3.340 ms at T=16k, BENCHMARKS.md seventh round.)
+   one-launch level-anchored intra ``INTRA_FUSED``, 3.772 vs 3.340 ms at T=16k, BENCHMARKS.md seventh round; the
+   first akk ``_kda_akk_kernel`` with the diagonal block per pair on CUDA cores, AKK_DIAG 0 / 1 / 2, 1.59-1.85 ms
+   for akk vs 0.69 ms for the level-anchored one at T=16k.)
 2. State and output, two launches:
    2a. ``_kda_hpass_kernel`` -- one program per (V tile, sequence, head), BV = 16 at B=1 (auto: the largest of
        64/32/16 giving >= 2 programs per SM): the sequential pass with the fp32 state in registers and only
@@ -81,7 +83,8 @@ RCP_LN2 = 1.4426950408889634
 HPASS_BV = None          # None: largest of 64/32/16 giving >= 2 programs per SM ((V/BV) * P * H >= 2 * SMs)
 HPASS_NUM_WARPS = None   # None: 4 for BV <= 32, 8 for BV = 64
 HPASS_NUM_STAGES = 3       # H200 12-03: hpass 0.508 -> 0.376 ms at T=16k (with HPASS_PREFETCH), one chunk in flight
-HPASS_PREFETCH = 1       # 1: load u / gl of the next chunk one iteration ahead (off the serial chain)
+HPASS_PREFETCH = 1       # 1: load u / gl of the next chunk one iteration ahead (off the serial chain; offline
+                         # sm_90, Triton 3.6: 82 regs at BV=16, 136 at BV=32, no spills)
 OUT_BV = 64
 OUT_NUM_WARPS = 4
 OUT_NUM_STAGES = 2
@@ -91,32 +94,34 @@ OUT_VFAST = 1            # V tile fastest in the output grid (the 2nd V tile's q
 # --quick` on the H200 (akk-lv-2k, cumsum-dot, out-vfast, hpass-s3-prefetch; BENCHMARKS.md seventh round). Before:
 # the winners of `bench/kda_prefill.py --sweep` on the H200
 # (Triton 3.6, T=16k, H=32, K=V=128, bf16; 2026-12-02): prep BK=32 / 4 warps 0.564 ms (BK=64 / 8 warps 0.933);
-# akk BK=32 / 4 warps / unrolled 1.587 ms (BK=64 1.636, 8 warps 2.254, the 8x8-split "HALF" diagonal 4.63);
-# wu BK=BV=32 / 4 warps 0.437 ms (64/64/4 0.529). Offline sm_90 / triton 3.9: prep 128 regs, akk 168 regs /
-# 66 KB smem, wu 168 regs / 64 KB smem, no spills.
+# wu BK=BV=32 / 4 warps 0.437 ms (64/64/4 0.529). Offline sm_90 / triton 3.9: prep 128 regs, wu 168 regs / 64 KB
+# smem, no spills.
 PREP_BK = 16             # with CUMSUM_DOT (H200 12-03: prep 0.559 -> 0.522 ms at T=16k)
 PREP_NUM_WARPS = 4
-AKK_BK = 16              # AKK_DIAG=3 with AKK_LV_SPLITK: 1 warp, BK 16 (H200 12-03: akk 1.583 -> 0.691 ms)
+# akk = _kda_akk_lv_kernel (level-anchored tensor-core dots for the diagonal blocks; its [16, x] tiles are
+# replicated in every warp at 2 or 4 warps, so 1 warp). H200 12-03: akk 1.583 -> 0.691 ms at T=16k vs the removed
+# per-pair akk (AKK_DIAG 0: exact exp2 per pair and channel, 1.587 ms at 4 warps / BK 32; 1: running products of
+# per-token factors, 1.600 / 1.845 ms unrolled / rolled, issue-bound, not MUFU-bound; 2: products in 8x8 halves +
+# one anchored 8x8 dot, never timed to the end; before them the exact 8x8-split "HALF" diagonal, 4.63 ms).
+AKK_BK = 16              # 1 warp, BK 16 with AKK_LV_SPLITK
 AKK_NUM_WARPS = 1
-AKK_UNROLL = 1           # unroll the diagonal-block loop (1) or not (0)
 AKK_MAXNREG = None       # ptxas register cap for akk (None: uncapped)
-AKK_LV_SPLITK = 1        # AKK_DIAG=3: 1 = two passes over K (off-diagonal blocks, then the levels; fewer registers)
-# akk variants (A/B; see _kda_akk_kernel): AKK_DIAG 0 = exact exp2 per pair and channel (16 steps of 16 x K exp2),
-# 1 = running products of per-token factors (16 steps of K exp2), 2 = 1 inside the two 8x8 halves (8 steps) + one
-# anchored 8x8 dot per K tile. (The old exact 8x8-split "HALF" diagonal, 4.63 ms, was removed.) Offline sm_90,
-# Triton 3.6, no spills: akk 168 regs (DIAG=0, unrolled), 166 / 168 (DIAG=1 rolled / unrolled), 128 (DIAG=1,
-# 8 warps), 212 (DIAG=2, 8 warps); hpass with HPASS_PREFETCH=1: 82 regs at BV=16, 136 at BV=32.
-# H200 --quick 2026-12-02 (Triton 3.6, T=16k): akk DIAG=1 rolled 1.845 ms, unrolled 1.600 ms vs DIAG=0 1.587 ms
-# (issue-bound, not MUFU-bound: fewer exp2 alone does not pay); DIAG=2 / PREP_FUSED not reached (step timed out).
-AKK_DIAG = 3             # level inverse (akk-lv-2k); 0 = the first default (exact exp2 per pair and channel)
-# PREP_FUSED = 1 (A/B): no prep launch and no fp32 G scratch. akk recomputes the gate cumsum per K tile from z and
-# applies the L2 norms to its finished sums (writes rs = (rq, rk, beta), 16 B per token-head); wu recomputes G
-# from z and writes prep's qg / kg / gl with w / u. AKK_DIAG 0 / 1 only (the diagonal block is done per K tile).
+AKK_LV_SPLITK = 1        # 1 = two passes over K (off-diagonal blocks, then the levels; fewer registers)
+# PREP_FUSED = 1 (A/B): no prep launch and no fp32 G scratch. akk (``_kda_akk_fused_kernel``) recomputes the gate
+# cumsum per K tile from z and applies the L2 norms to its finished sums (writes rs = (rq, rk, beta), 16 B per
+# token-head); wu recomputes G from z and writes prep's qg / kg / gl with w / u. The diagonal block is done per K
+# tile on CUDA cores: PREP_FUSED_DIAG 0 = exact exp2(G_r - G_s) per pair and channel, 1 = the same values as running
+# products of per-token factors exp2(G_{t+1} - G_t) <= 1 (partner columns descending); launched with its own
+# PREP_FUSED_* constants (wu-fused with WU_*).
 # Saves ~1.5 KB of DRAM traffic per token-head (G: 512 B written + 2 x 512 B read; prep's q/k/z/b reads; + z and
 # q re-reads). Offline sm_90, Triton 3.6 (3.9), K = V = 128 bf16: akk-fused 186 (184) regs unrolled / 4 warps, no
 # spills; 168 + 16 B stack (138) rolled; 128 (DIAG=0) / 117 (DIAG=1 unrolled) at 8 warps, no spills; wu-fused
 # 168 (167) regs, no spills (default wu 144 (150)). Not yet timed on a GPU (bench/kda_prefill.py --quick).
 PREP_FUSED = 0
+PREP_FUSED_DIAG = 0      # fused akk's diagonal block: 0 exact exp2 per pair, 1 running products
+PREP_FUSED_BK = 32
+PREP_FUSED_NUM_WARPS = 4
+PREP_FUSED_UNROLL = 1    # unroll the fused akk's diagonal-block loop (1) or not (0)
 WU_BK = 32
 WU_BV = 32
 WU_NUM_WARPS = 4
@@ -251,190 +256,9 @@ def _kda_prep_kernel(
 
 
 @triton.jit
-def _akk_row(k, g_in, rs_in, t0, nv, cblk, i_h, tj, stride_k, K: tl.constexpr):
-    """Chunk row tj: (kn [K] fp32, zero beyond the sequence; G [K] fp32, log2 units)."""
-    cf = tl.arange(0, K)
-    mj = (tl.zeros([K], dtype=tl.int64) + tj) < nv
-    kj = tl.load(k + (t0 + tj) * stride_k + i_h * K + cf, mask=mj, other=0.0).to(tl.float32)
-    kj = kj * tl.load(rs_in + (cblk + tj) * 4 + 1)
-    Gj = tl.load(g_in + (cblk + tj) * K + cf)
-    return kj, Gj
-
-
-@triton.jit
-def _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, tj, j, qr, kr, Gr, d_kk, d_qk, stride_k,
-                  K: tl.constexpr, BC: tl.constexpr):
-    """DIAG=0, column j (chunk row tj) of the exact diagonal block: exp2(G_r - G_j) for r >= j (exponent <= 0),
-    0 above; the partner row is re-read from global (L1 hit). d_kk and d_qk [BC, BC] are accumulated.
-    (Loads inline and the kernel's statement order as measured: a reordering cost ptxas 8 registers, 168 -> 176,
-    i.e. one 4-warp CTA per SM fewer.)"""
-    cf = tl.arange(0, K)
-    r16 = tl.arange(0, BC)
-    mj = (tl.zeros([K], dtype=tl.int64) + tj) < nv
-    kj = tl.load(k + (t0 + tj) * stride_k + i_h * K + cf, mask=mj, other=0.0).to(tl.float32)
-    kj = kj * tl.load(rs_in + (cblk + tj) * 4 + 1)
-    Gj = tl.load(g_in + (cblk + tj) * K + cf)
-    p = tl.where((r16 >= j)[:, None], tl.exp2(tl.minimum(Gr - Gj[None, :], 0.0)), 0.0) * kj[None, :]
-    dk = tl.sum(kr * p, 1)                                                            # [BC]
-    dq = tl.sum(qr * p, 1)
-    d_kk += tl.where((r16 == j)[None, :], dk[:, None], 0.0)
-    d_qk += tl.where((r16 == j)[None, :], dq[:, None], 0.0)
-    return d_kk, d_qk
-
-
-@triton.jit
-def _akk_prod_step(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, j, qr, kr, pd, Ga1, Gb1, d_kk, d_qk, stride_k,
-                   K: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr):
-    """DIAG=1/2, step j (descending) of the running-product diagonal, BE-row groups (BE = BC: one group; BC/2:
-    two, whose partners are rows j and BE + j of R). Row r's partner p = (r // BE) BE + j and
-        pd[r] = exp2(G_r - G_p) = pd_prev[r] * exp2(G_{p+1} - G_p)   (r > p; every factor <= 1),  1 at r = p,
-    0 for r < p (never set yet): one exp2 per channel per group and step instead of one per row.
-    Ga1 / Gb1: G of row p + 1 of each group (the previous step's partner rows). Returns the new partner rows' G."""
-    r16 = tl.arange(0, BC)
-    ka, Ga = _akk_row(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, stride_k, K)
-    fa = tl.exp2(tl.minimum(Ga1 - Ga, 0.0))
-    if BE < BC:
-        kb, Gb = _akk_row(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + BE + j, stride_k, K)
-        fb = tl.exp2(tl.minimum(Gb1 - Gb, 0.0))
-        top = (r16 < BE)[:, None]
-        f = tl.where(top, fa[None, :], fb[None, :])
-        kp = tl.where(top, ka[None, :], kb[None, :])
-    else:
-        Gb = Ga
-        f = fa[None, :]
-        kp = ka[None, :]
-    pd = tl.where(((r16 % BE) == j)[:, None], 1.0, pd * f)
-    p = pd * kp
-    dk = tl.sum(kr * p, 1)                                                            # [BC]
-    dq = tl.sum(qr * p, 1)
-    sel = r16[None, :] == ((r16 // BE) * BE + j)[:, None]                              # column p of row r
-    d_kk += tl.where(sel, dk[:, None], 0.0)
-    d_qk += tl.where(sel, dq[:, None], 0.0)
-    return pd, Ga, Gb, d_kk, d_qk
-
-
-@triton.jit
-def _kda_akk_kernel(
-    q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out,
-    stride_q, stride_k,
-    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, UNROLL: tl.constexpr = 1, DIAG: tl.constexpr = 0,
-):
-    """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head): rows R = [i BC, (i+1) BC) of
-         Aqk[r, s] = sum_d qn[r,d] kn[s,d] exp2(G[r,d] - G[s,d])  (s <= r)    -> a_out (the contract, zeros above)
-         Dkk[r, s] = same with kn[r]                              (s < r)
-       columns s < i BC by one tensor-core dot per K tile with the anchor n = i BC (first row of R):
-         (x_r exp2(G_r - G_n)) . (kn_s exp2(G_n - G_s)), both factors <= 1;
-       the BC x BC diagonal block exactly per pair on CUDA cores:
-         DIAG=0: exp2(G_r - G_s) per pair and channel (BC steps of BC x K exp2);
-         DIAG=1: the same values as running products of per-token factors exp2(G_{t+1} - G_t) <= 1 (BC steps of
-                 K exp2 each);
-         DIAG=2: as 1 inside the two BC/2 x BC/2 diagonal halves (BC/2 steps), the lower-left BC/2 x BC/2 block by
-                 one anchored dot (anchor m = row BC/2 of R; both factors <= 1);
-       then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted by forward substitution (fp32).
-       x_out [rows, BT] fp32: columns < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di
-       (columns above are not written)."""
-    # sub-chunk fastest: the BT/BC programs of a chunk run together and share its k / G reads in L2
-    i_b = tl.program_id(0) % (BT // BC)
-    i_c = tl.program_id(0) // (BT // BC)
-    i_h = tl.program_id(1)
-    if i_c >= tl.load(chunk_offsets + n_seq):
-        return
-    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
-    nv = eos - t0                                        # valid rows of this chunk (may exceed BT)
-    cblk = (i_c.to(tl.int64) * H + i_h) * BT
-    r16 = tl.arange(0, BC)
-    rr = i_b * BC + r16                                  # rows of R within the chunk
-    rmask = rr < nv
-    cols = tl.arange(0, BT)
-    rq = tl.load(rs_in + (cblk + rr) * 4)
-    rk = tl.load(rs_in + (cblk + rr) * 4 + 1)
-    beta = tl.load(rs_in + (cblk + rr) * 4 + 2)
-    csel = (cols < i_b * BC) & (cols < nv)               # off-diagonal columns (earlier sub-chunks)
-    rk_c = tl.load(rs_in + (cblk + cols) * 4 + 1)
-    acc_kk = tl.zeros([BC, BT], dtype=tl.float32)
-    acc_qk = tl.zeros([BC, BT], dtype=tl.float32)
-    d_kk = tl.zeros([BC, BC], dtype=tl.float32)         # diagonal block of Dkk
-    d_qk = tl.zeros([BC, BC], dtype=tl.float32)         # ... of Aqk
-    BE: tl.constexpr = BC // 2
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        m2 = rmask[:, None] & cm[None, :]
-        qr = tl.load(q + (t0 + rr)[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        kr = tl.load(k + (t0 + rr)[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        qr = qr * rq[:, None]
-        kr = kr * rk[:, None]
-        Gr = tl.load(g_in + (cblk + rr)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
-        # anchor G_n (n = first row of R); no-op (all columns masked) for i_b = 0
-        Gn = tl.load(g_in + (cblk + i_b * BC) * K + c, mask=cm, other=0.0)
-        mc = csel[:, None] & cm[None, :]
-        kc = tl.load(k + (t0 + cols)[:, None] * stride_k + i_h * K + c[None, :], mask=mc, other=0.0).to(tl.float32)
-        Gc = tl.load(g_in + (cblk + cols)[:, None] * K + c[None, :], mask=mc, other=0.0)
-        kct = tl.trans(kc * rk_c[:, None] * tl.exp2(tl.minimum(Gn[None, :] - Gc, 0.0)))   # [BK, BT]
-        ef = tl.exp2(tl.minimum(Gr - Gn[None, :], 0.0))
-        acc_kk = tl.dot(kr * ef, kct, acc_kk, input_precision=PREC)
-        acc_qk = tl.dot(qr * ef, kct, acc_qk, input_precision=PREC)
-        if DIAG == 2:
-            # lower-left BE x BE block of the diagonal block on the tensor cores, anchor m = row BE of R:
-            # (x_r exp2(G_r - G_m)) . (k_s exp2(G_m - G_s)) with s < m <= r (both factors <= 1)
-            Gm = tl.load(g_in + (cblk + i_b * BC + BE) * K + c, mask=cm, other=0.0)
-            rf = tl.where((r16 >= BE)[:, None], tl.exp2(tl.minimum(Gr - Gm[None, :], 0.0)), 0.0)
-            cft = tl.trans(tl.where((r16 < BE)[:, None], kr * tl.exp2(tl.minimum(Gm[None, :] - Gr, 0.0)), 0.0))
-            d_kk = tl.dot(kr * rf, cft, d_kk, input_precision=PREC)
-            d_qk = tl.dot(qr * rf, cft, d_qk, input_precision=PREC)
-    # the rows of R with all K channels at once ([BC, K] tiles)
-    cf = tl.arange(0, K)
-    m2 = rmask[:, None] & (cf < K)[None, :]
-    qr = tl.load(q + (t0 + rr)[:, None] * stride_q + i_h * K + cf[None, :], mask=m2, other=0.0).to(tl.float32)
-    kr = tl.load(k + (t0 + rr)[:, None] * stride_k + i_h * K + cf[None, :], mask=m2, other=0.0).to(tl.float32)
-    qr = qr * rq[:, None]
-    kr = kr * rk[:, None]
-    if DIAG == 0:
-        Gr = tl.load(g_in + (cblk + rr)[:, None] * K + cf[None, :])
-        # column j at a time, exp2(G_r - G_j) for r >= j (exponent <= 0), 0 above; partner row j re-read (L1 hit)
-        if UNROLL:                                   # the partner-row loads of all j can be issued early
-            for j in tl.static_range(BC):
-                d_kk, d_qk = _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, j, qr, kr, Gr, d_kk,
-                                           d_qk, stride_k, K, BC)
-        else:
-            for j in range(BC):
-                d_kk, d_qk = _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, j, qr, kr, Gr, d_kk,
-                                           d_qk, stride_k, K, BC)
-    else:
-        # running products, partner columns descending (DIAG=1: BC steps, one group; DIAG=2: BE steps, two)
-        NG: tl.constexpr = BC // DIAG
-        pd = tl.zeros([BC, K], dtype=tl.float32)
-        Ga1 = tl.zeros([K], dtype=tl.float32)
-        Gb1 = tl.zeros([K], dtype=tl.float32)
-        if UNROLL:
-            for jj in tl.static_range(NG):
-                pd, Ga1, Gb1, d_kk, d_qk = _akk_prod_step(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, NG - 1 - jj, qr,
-                                                          kr, pd, Ga1, Gb1, d_kk, d_qk, stride_k, K, BC, NG)
-        else:
-            for jj in range(NG):
-                pd, Ga1, Gb1, d_kk, d_qk = _akk_prod_step(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, NG - 1 - jj, qr,
-                                                          kr, pd, Ga1, Gb1, d_kk, d_qk, stride_k, K, BC, NG)
-    # Aqk rows of R: off-diagonal columns (zeros right of the diagonal block) and the diagonal block
-    tl.store(a_out + (cblk + rr)[:, None] * BT + cols[None, :], acc_qk.to(a_out.dtype.element_ty),
-             mask=((cols < i_b * BC) | (cols >= i_b * BC + BC))[None, :])
-    tl.store(a_out + (cblk + rr)[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(a_out.dtype.element_ty))
-    tl.store(x_out + (cblk + rr)[:, None] * BT + cols[None, :], acc_kk * beta[:, None],
-             mask=(cols < i_b * BC)[None, :])
-    # (I + L_ii)^-1 by forward substitution: X[r] = e_r - sum_{c<r} L[r, c] X[c]
-    lt = tl.trans(tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0))   # lt[c, r] = L[r, c]
-    di = tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)
-    for r in range(1, BC):
-        a_r = tl.sum(tl.where((r16 == r)[None, :], lt, 0.0), 1)                        # [BC] over c (axis 0)
-        nr = tl.sum(a_r[:, None] * di, 0)                                              # [BC] over columns
-        di = tl.where((r16 == r)[:, None], di - nr[None, :], di)
-    tl.store(x_out + (cblk + rr)[:, None] * BT + (i_b * BC + r16)[None, :], di)
-
-
-@triton.jit
 def _akk_off_block(pk, pg, prs, nv, j, c, cm, Gn, qe, ke, ok, oq, stride_k, K: tl.constexpr, BC: tl.constexpr,
                    PREC: tl.constexpr):
-    """DIAG=3, off-diagonal column block j (chunk rows [j BC, (j+1) BC), all before the anchor n) on one K tile:
+    """akk, off-diagonal column block j (chunk rows [j BC, (j+1) BC), all before the anchor n) on one K tile:
     ok / oq += (x_r exp2(G_r - G_n)) . (kn_s exp2(G_n - G_s)) (the row sides qe / ke come in scaled).
     pk / pg / prs: the chunk's row-0 bases of k, G and rs (scalar 64-bit; in-tile offsets stay 32-bit)."""
     cols = j * BC + tl.arange(0, BC)
@@ -451,7 +275,7 @@ def _akk_off_block(pk, pg, prs, nv, j, c, cm, Gn, qe, ke, ok, oq, stride_k, K: t
 @triton.jit
 def _akk_level(pg, i_b, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
                PREC: tl.constexpr):
-    """DIAG=3, level hb of the diagonal block on one K tile: the rows r of R with bit hb set pair with the rows s of
+    """akk, level hb of the diagonal block on one K tile: the rows r of R with bit hb set pair with the rows s of
     the lower half of their aligned 2 hb-block through the anchor n = the first row of the upper half (s < n <= r):
         (x_r exp2(G_r - G_n)) . (kn_s exp2(G_n - G_s)),  both factors <= 1.
     One exp2 tile e = exp2(-|G - G_n(row)|) serves both sides; the operands are unmasked (every factor <= 1, so the
@@ -470,7 +294,7 @@ def _akk_level(pg, i_b, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.const
 
 @triton.jit
 def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
-    """DIAG=3: add level hb's pairs (r with bit hb set, s without, same aligned 2 hb-block) to the diagonal block."""
+    """akk: add level hb's pairs (r with bit hb set, s without, same aligned 2 hb-block) to the diagonal block."""
     r16 = tl.arange(0, BC)
     up = (r16 & hb) != 0
     sel = (((r16[:, None] ^ r16[None, :]) < 2 * hb) & up[:, None]) & (~up)[None, :]
@@ -479,7 +303,7 @@ def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def _akk_store_off(pa, px, rr, i_b, j: tl.constexpr, ok, oq, beta, BT: tl.constexpr, BC: tl.constexpr):
-    """DIAG=3: column block j != i of the rows R: Aqk (oq for j < i, zeros for j > i) and X = beta Dkk for j < i
+    """akk: column block j != i of the rows R: Aqk (oq for j < i, zeros for j > i) and X = beta Dkk for j < i
     (the diagonal block i of both is stored separately). pa / px: the chunk's row-0 bases of Aqk and X."""
     r16 = tl.arange(0, BC)
     jj = tl.zeros([BC, BC], dtype=tl.int32) + j
@@ -490,7 +314,7 @@ def _akk_store_off(pa, px, rr, i_b, j: tl.constexpr, ok, oq, beta, BT: tl.conste
 
 @triton.jit
 def _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K: tl.constexpr):
-    """DIAG=3: the rows R on one K tile: qn (scale folded in), kn, G (log2 units)."""
+    """akk: the rows R on one K tile: qn (scale folded in), kn, G (log2 units)."""
     m2 = rmask[:, None] & cm[None, :]
     qr = tl.load(pq + rr[:, None] * stride_q + c[None, :], mask=m2, other=0.0).to(tl.float32)
     kr = tl.load(pk + rr[:, None] * stride_k + c[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -505,13 +329,18 @@ def _kda_akk_lv_kernel(
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, SPLITK: tl.constexpr = 0,
 ):
-    """AKK_DIAG=3 akk (same grid and outputs as ``_kda_akk_kernel``; meant for num_warps=1): rows R = [i BC, (i+1) BC)
-    of Aqk / Dkk with every pair on the tensor cores and every exponent <= 0:
+    """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head), meant for num_warps=1: the rows
+    R = [i BC, (i+1) BC) of
+         Aqk[r, s] = sum_d qn[r,d] kn[s,d] exp2(G[r,d] - G[s,d])  (s <= r)    -> a_out (the contract, zeros above)
+         Dkk[r, s] = same with kn[r]                              (s < r)
+    with every pair on the tensor cores and every exponent <= 0:
       off-diagonal: one [BC, BK] x [BK, BC] dot pair per earlier column block j < i (a warp-uniform branch, so
-        sub-chunk 0 does none; the default computes all BT columns masked), anchor n = i BC;
+        sub-chunk 0 does none), anchor n = i BC: (x_r exp2(G_r - G_n)) . (kn_s exp2(G_n - G_s)), both factors <= 1;
       diagonal block: level anchors hb = BC/2, ..., 1 (_akk_level), 4 exp2 tiles per K tile for BC = 16 instead of
-        the default's BC x BC x K exp2 and 2 BC cross-lane K reductions per block; s = r of Aqk: sum qn kn.
-    Then the same block forward substitution as ``_kda_akk_kernel``.
+        BC x BC x K exp2 and 2 BC cross-lane K reductions per block; s = r of Aqk: sum qn kn.
+    SPLITK=1: the off-diagonal blocks and the levels in two passes over K (fewer live accumulators).
+    Then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted (fp32). x_out [rows, BT] fp32: columns
+    < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di (columns above are not written).
     (Offline sm_90, Triton 3.6: at 2 or 4 warps these [16, x] tiles are replicated in every warp (the dot-operand
     layouts), so 1 warp does the same work with a quarter of the issue slots.)"""
     tl.static_assert((BT == 64) & (BC == 16))           # 3 off-diagonal column blocks, 4 levels
@@ -688,13 +517,13 @@ def _kda_akk_fused_kernel(
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, UNROLL: tl.constexpr = 1, DIAG: tl.constexpr = 0,
 ):
-    """PREP_FUSED=1 akk, grid (chunk x row sub-chunk i (fastest), head): the outputs of ``_kda_akk_kernel`` (Aqk,
+    """PREP_FUSED=1 akk, grid (chunk x row sub-chunk i (fastest), head): the outputs of ``_kda_akk_lv_kernel`` (Aqk,
     X) plus rs [rows, 4] = (rq, rk, beta) for rows R, with no prep pass before it: the gate cumsum G (log2 units)
     is recomputed per K tile from z (rows < (i+1) BC of the chunk, L2 hits after the first sub-chunk) and the L2
     norms are accumulated over the K tiles and applied to the finished sums (Aqk[r, s] and Dkk[r, s] are bilinear
     in (x_r, k_s): scaling by rq_r / rk_r and rk_s afterwards is exact). So the diagonal block is done per K tile
-    too (DIAG 0 or 1 only; partner rows' G taken from the tile in registers, k re-read from L1). Every exponent
-    is <= 0 as in the default."""
+    too, on CUDA cores (DIAG 0: exact exp2 per pair and channel; 1: running products of per-token factors; partner
+    rows' G taken from the tile in registers, k re-read from L1). Every exponent is <= 0 as in the default."""
     i_b = tl.program_id(0) % (BT // BC)
     i_c = tl.program_id(0) // (BT // BC)
     i_h = tl.program_id(1)
@@ -759,7 +588,7 @@ def _kda_akk_fused_kernel(
     acc_qk = acc_qk * rq[:, None] * rk_c[None, :]
     d_kk = d_kk * rk[:, None] * rk[None, :]
     d_qk = d_qk * rq[:, None] * rk[None, :]
-    # from here as _kda_akk_kernel: Aqk rows of R, beta-scaled Dkk below the diagonal blocks, block inverse
+    # Aqk rows of R, beta-scaled Dkk below the diagonal blocks, the diagonal block's inverse by forward substitution
     tl.store(a_out + (cblk + rr)[:, None] * BT + cols[None, :], acc_qk.to(a_out.dtype.element_ty),
              mask=((cols < i_b * BC) | (cols >= i_b * BC + BC))[None, :])
     tl.store(a_out + (cblk + rr)[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(a_out.dtype.element_ty))
@@ -1006,11 +835,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK)),
-                dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))) if int(AKK_DIAG) == 3 else
-               (_kda_akk_kernel,
-                dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32", stride_k="i32"),
-                dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
-                     DIAG=int(AKK_DIAG)), dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
+                dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec),
@@ -1019,8 +844,9 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                       dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
                            cu_seqlens="*i32", n_seq="i32", a_out=sd, x_out="*fp32", rs_out="*fp32", stride_q="i32",
                            stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
-                      dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
-                           DIAG=int(AKK_DIAG)), dict(num_warps=AKK_NUM_WARPS)),
+                      dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, PREP_FUSED_BK), PREC=prec,
+                           UNROLL=int(PREP_FUSED_UNROLL), DIAG=int(PREP_FUSED_DIAG)),
+                      dict(num_warps=PREP_FUSED_NUM_WARPS)),
         "wu_fused": (_kda_wu_fused_kernel,
                      dict(q=lp, k=lp, v=lp, z=lp, A_log="*fp32", dt_bias="*fp32", rs_in="*fp32", x_in="*fp32",
                           chunk_offsets="*i32", cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd,
@@ -1114,16 +940,10 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             )
 
         def akk():
-            if int(AKK_DIAG) == 3:
-                return _kda_akk_lv_kernel[(BT // BC * NT, H)](
-                    q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
-                    PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                    num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
-                )
-            return _kda_akk_kernel[(BT // BC * NT, H)](
+            return _kda_akk_lv_kernel[(BT // BC * NT, H)](
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
-                PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
-                DIAG=int(AKK_DIAG), num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
+                PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
+                num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
             )
 
         def wu():
@@ -1137,8 +957,8 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_akk_fused_kernel[(BT // BC * NT, H)](
                 q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, a, xs, rs,
                 q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
-                PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
-                DIAG=int(AKK_DIAG), num_warps=AKK_NUM_WARPS,
+                PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, PREP_FUSED_BK), PREC=prec, UNROLL=int(PREP_FUSED_UNROLL),
+                DIAG=int(PREP_FUSED_DIAG), num_warps=PREP_FUSED_NUM_WARPS,
             )
 
         def wu_fused():
@@ -1150,7 +970,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             )
 
         if PREP_FUSED:
-            assert int(AKK_DIAG) in (0, 1), "PREP_FUSED supports AKK_DIAG 0 and 1"
+            assert int(PREP_FUSED_DIAG) in (0, 1), "PREP_FUSED_DIAG must be 0 or 1"
             launches["akk"] = akk_fused
             launches["wu"] = wu_fused
         else:

@@ -233,19 +233,21 @@ def test_gpu_fp32_and_split():
     assert rel_rms(pool_b[2], pool_a[2]) <= 1e-4
 
 
-@pytest.mark.parametrize("diag,fused", [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1)])
-def test_tiling_fp32(monkeypatch, diag, fused):
+@pytest.mark.parametrize("fused,diag", [(0, None), (1, 0), (1, 1)])
+def test_tiling_fp32(monkeypatch, fused, diag):
     """Several K tiles in the intra kernels and several V tiles in every kernel (as at K = V = 128 on the GPU),
-    for each akk diagonal variant (DIAG=2 does its anchored 8x8 dot per K tile) and PREP_FUSED (fused=1: norms
-    summed over the K tiles and applied afterwards, the diagonal block per K tile)."""
+    for the default intra launches (akk in two K passes) and PREP_FUSED with either diagonal mode (PREP_FUSED_DIAG;
+    norms summed over the K tiles and applied afterwards, the diagonal block per K tile); the state pass with and
+    without HPASS_PREFETCH, both output grid orders."""
     import kernels.kda.chunk as chunk_mod
 
-    monkeypatch.setattr(chunk_mod, "AKK_DIAG", diag)
     monkeypatch.setattr(chunk_mod, "PREP_FUSED", fused)
-    monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", diag % 2)
-    monkeypatch.setattr(chunk_mod, "AKK_LV_SPLITK", int(diag == 3))   # (the variants test runs DIAG=3 unsplit)
-    monkeypatch.setattr(chunk_mod, "OUT_VFAST", int(diag == 3))       # (2 V tiles of 32 in the output grid)
-    for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV"):
+    if fused:
+        monkeypatch.setattr(chunk_mod, "PREP_FUSED_DIAG", diag)
+    monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", int(not fused or diag == 1))
+    monkeypatch.setattr(chunk_mod, "AKK_LV_SPLITK", 1)                # (the variants test runs it unsplit)
+    monkeypatch.setattr(chunk_mod, "OUT_VFAST", int(not fused))       # (2 V tiles of 32 in the output grid)
+    for name in ("PREP_BK", "AKK_BK", "PREP_FUSED_BK", "WU_BK", "WU_BV"):
         monkeypatch.setattr(chunk_mod, name, 16)
     monkeypatch.setattr(chunk_mod, "HPASS_BV", 16)
     monkeypatch.setattr(chunk_mod, "OUT_BV", 32)
@@ -268,14 +270,11 @@ def test_sm90_offline_compile_no_spills():
             "print(json.dumps({'bv64': c.compile_report(hpass_bv=64, out_bv=128), "
             "'bv32': c.compile_report(hpass_bv=32, which=('hpass',)), "
             "'bv16': c.compile_report(hpass_bv=16, which=('hpass',)), "
-            "'prep_fused': (setattr(c, 'AKK_DIAG', 0), setattr(c, 'AKK_NUM_WARPS', 4), setattr(c, 'AKK_BK', 32), "
-            "c.compile_report(which=('akk_fused', 'wu_fused')))[-1], "
+            "'prep_fused': c.compile_report(which=('akk_fused', 'wu_fused')), "
             "'fast_softplus': (setattr(c, 'FAST_SOFTPLUS', 1), c.compile_report(which=('prep',)))[1], "
             "'cumsum_dot': (setattr(c, 'CUMSUM_DOT', 1), setattr(c, 'PREP_BK', 16), "
             "c.compile_report(which=('prep',)))[-1], "
-            "'akk_lv': (setattr(c, 'AKK_DIAG', 3), setattr(c, 'AKK_NUM_WARPS', 1), setattr(c, 'AKK_BK', 16), "
-            "setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1], "
-            "'akk_lv_2k': (setattr(c, 'AKK_LV_SPLITK', 1), c.compile_report(which=('akk',)))[-1]}))")
+            "'akk_lv_1k': (setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1]}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=400)
     if r.returncode != 0 and ("ptxas" in r.stderr or "cuobjdump" in r.stderr):
@@ -310,22 +309,10 @@ def test_intra_awkward_lengths_fp32(lens, strong_gate):
 
 
 # A/B variants of kernels/kda/chunk.py (module constants); each must match the default to fp32 rounding.
-# FIRST: the defaults before 12-03 (akk DIAG 0 at 4 warps / BK 32, tl.cumsum prep at BK 32, 2-stage hpass without
-# prefetch, V-tile-slowest output grid); the older variants were written against it and keep it as their base
-FIRST = dict(AKK_DIAG=0, AKK_NUM_WARPS=4, AKK_BK=32, AKK_LV_SPLITK=0, PREP_BK=32, CUMSUM_DOT=0, OUT_VFAST=0,
-             HPASS_NUM_STAGES=2, HPASS_PREFETCH=0)
-# akk paths that are neither the default nor first-default: checked with strong gates only (~17 s a case in CI)
-LEGACY_AKK = ("akk-rolled", "akk-prod", "akk-prod-unrolled", "akk-prod-half", "akk-prod-half-unrolled")
 VARIANTS = {
-    "first-default": FIRST,
-    "akk-rolled": dict(FIRST, AKK_UNROLL=0),
-    "akk-prod": dict(FIRST, AKK_DIAG=1, AKK_UNROLL=0),
-    "akk-prod-unrolled": dict(FIRST, AKK_DIAG=1, AKK_UNROLL=1),
-    "akk-prod-half": dict(FIRST, AKK_DIAG=2, AKK_UNROLL=0),
-    "akk-prod-half-unrolled": dict(FIRST, AKK_DIAG=2, AKK_UNROLL=1),
     "hpass-no-prefetch": dict(HPASS_PREFETCH=0),
-    "prep-fused": dict(FIRST, PREP_FUSED=1),
-    "prep-fused-prod": dict(FIRST, PREP_FUSED=1, AKK_DIAG=1, AKK_UNROLL=0),
+    "prep-fused": dict(PREP_FUSED=1),
+    "prep-fused-prod": dict(PREP_FUSED=1, PREP_FUSED_DIAG=1, PREP_FUSED_UNROLL=0),
     # session 5: level-anchored tensor-core diagonal blocks in a 1-warp akk (one K pass; the default takes two)
     "akk-lv": dict(AKK_LV_SPLITK=0),
     "cumsum-scan": dict(CUMSUM_DOT=0, PREP_BK=32),
@@ -337,15 +324,13 @@ VARIANTS = {
 @pytest.mark.parametrize("strong_gate", [False, True])
 def test_variants_match_default_fp32(variant, strong_gate, monkeypatch):
     """Each variant gives the default's intermediates (qg, kg, w, u, Aqk, gl), output and final states to fp32
-    rounding (running products vs exact per-pair exp2: a few ulps), with gates down to -20 per step (every exponent
-    formed is <= 0), partial chunks (masked partner rows) and varlen with length-0/1 sequences and poisoned unused
-    slots; then the variant end to end vs the fp64 recurrence."""
-    if VARIANTS[variant].get("PREP_FUSED") and (not strong_gate or VARIANTS[variant].get("AKK_DIAG")):
-        # CI budget (~20 s per case in the interpreter): PREP_FUSED once, strong gates; its DIAG=1 step (one line
-        # apart from DIAG=0) and the K tiling are covered by test_tiling_fp32 vs the fp64 recurrence
-        pytest.skip("PREP_FUSED: the strong-gate DIAG=0 case only (CPU time)")
-    if variant in LEGACY_AKK and not strong_gate:
-        pytest.skip("the pre-12-03 akk A/B paths: strong gates only (CPU time; first-default runs both)")
+    rounding (level-anchored dots vs per-pair exp2 or running products: a few ulps), with gates down to -20 per step
+    (every exponent formed is <= 0), partial chunks (masked partner rows) and varlen with length-0/1 sequences and
+    poisoned unused slots; then the variant end to end vs the fp64 recurrence."""
+    if VARIANTS[variant].get("PREP_FUSED") and (not strong_gate or VARIANTS[variant].get("PREP_FUSED_DIAG")):
+        # CI budget (~20 s per case in the interpreter): PREP_FUSED once, strong gates; its PREP_FUSED_DIAG=1 step
+        # (one line apart from DIAG=0) and the K tiling are covered by test_tiling_fp32 vs the fp64 recurrence
+        pytest.skip("PREP_FUSED: the strong-gate PREP_FUSED_DIAG=0 case only (CPU time)")
     import kernels.kda.chunk as chunk_mod
     from kernels.kda.chunk import chunk_kda_plan
 
