@@ -94,6 +94,21 @@ def _ours(x, stages=False):
     return fn, lambda: (out, pool[1:])
 
 
+def _time_ours(x, warmup, rep, stage_warmup, stage_rep):
+    """Ours on the case x: (median ms end to end, _stage_times of one planned call, (o, final states) of a fresh run
+    after the timing)."""
+    import triton.testing
+
+    fn, get, launches = _ours(x, stages=True)
+    fn()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    st = _stage_times(launches, stage_warmup, stage_rep)
+    fn()
+    torch.cuda.synchronize()
+    return ms, st, tuple(t.clone() for t in get())
+
+
 def _time_fla(x, warmup, rep):
     """fla-core chunk_kda on the case x: (median ms, output, final state) of a fresh run after the timing."""
     import triton.testing
@@ -172,8 +187,6 @@ def _fmt_stages(st):
 
 
 def bench_prefill(cases=CASES, warmup=25, rep=100):
-    import triton.testing
-
     rows = []
     print(f"KDA chunked prefill, H={H} K={K} V={V} bf16, do_bench median (ms), tokens/s", flush=True)
     for name, lens in cases:
@@ -183,14 +196,7 @@ def bench_prefill(cases=CASES, warmup=25, rep=100):
         outs = None
         line = f"{name:14s}"
         try:
-            fn, get, launches = _ours(x, stages=True)
-            fn()
-            torch.cuda.synchronize()
-            ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-            st = _stage_times(launches, 5, 30)
-            fn()
-            torch.cuda.synchronize()
-            outs = tuple(t.clone() for t in get())
+            ms, st, outs = _time_ours(x, warmup, rep, 5, 30)
             line += f" | ours {ms:7.3f} ms {T / ms * 1e3 / 1e6:6.2f} Mtok/s"
             row["ours_ms"] = ms
             row["ours_stages"] = st
@@ -260,21 +266,12 @@ INTRA_STAGES = ("prep", "akk", "wu")
 
 def intra_compare(Ts=(4096, 16384, 65536), warmup=10, rep=50):
     """Ours next to fla-core: per T one line of totals and the ratio, then the per-stage times."""
-    import triton.testing
-
     print(f"ours vs fla-core, H={H} K={K} V={V} bf16, do_bench median (ms)", flush=True)
     for T in Ts:
         x = _inputs([T])
         line = f"T={T:6d}"
         try:
-            fn, get, launches = _ours(x, stages=True)
-            fn()
-            torch.cuda.synchronize()
-            ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-            st = _stage_times(launches, 3, 20)
-            fn()
-            torch.cuda.synchronize()
-            o, s = (t.clone() for t in get())
+            ms, st, (o, s) = _time_ours(x, warmup, rep, 3, 20)
             line += f" | ours {ms:7.3f} ms (intra {sum(st.get(n, 0.0) for n in INTRA_STAGES):6.3f})"
         except Exception as e:
             print(line + f" | FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -374,8 +371,6 @@ def quick(warmup=5, rep=20, only=None):
     16 x 1k for the same variants (none named: the default only) and fla. A FAILED line
     (e.g. a compile error on this Triton) leaves the other lines intact. Compiles dominate: on 2026-12-02 fla + 3
     variants took ~320 s (each akk variant recompiles), so name the variants wanted (--variants a,b,...)."""
-    import triton.testing
-
     import kernels.kda.chunk as ck
 
     names = sorted({n for _, cfg in QUICK_VARIANTS for n in cfg})
@@ -399,14 +394,7 @@ def quick(warmup=5, rep=20, only=None):
                 for n, val in saved.items():
                     setattr(ck, n, cfg.get(n, val))
                 try:
-                    fn, get, launches = _ours(x, stages=True)
-                    fn()
-                    torch.cuda.synchronize()
-                    ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-                    st = _stage_times(launches, 2, 10)
-                    fn()
-                    torch.cuda.synchronize()
-                    o, s = (t.clone() for t in get())
+                    ms, st, (o, s) = _time_ours(x, warmup, rep, 2, 10)
                     if ref is None:
                         ref = (o, s)
                     line = f"{case} {name:20s} {ms:6.3f} ms" + (f" {fms / ms:4.2f}x fla" if fms else "")
@@ -425,7 +413,9 @@ def quick(warmup=5, rep=20, only=None):
 
 
 if __name__ == "__main__":
-    if "--quick" in sys.argv:            # T=16k: default vs each QUICK_VARIANTS entry vs fla; varlen 16x1k
+    if "--help" in sys.argv or "-h" in sys.argv:    # the modes are in the module docstring
+        print(__doc__)
+    elif "--quick" in sys.argv:            # T=16k: default vs each QUICK_VARIANTS entry vs fla; varlen 16x1k
         only = None
         if "--variants" in sys.argv:     # e.g. --variants default,prep-fused (the first one is the reference)
             only = tuple(sys.argv[sys.argv.index("--variants") + 1].split(","))
@@ -435,7 +425,7 @@ if __name__ == "__main__":
     elif "--sweep" in sys.argv:            # ours vs fla at 4k/16k/64k, then the intra launch-config sweep
         intra_compare()
         sweep_intra()
-    elif "--sweep-state" in sys.argv:    # the older state/output launch-config sweep
+    elif "--sweep-state" in sys.argv:    # the hpass / output launch-config sweep
         sweep_prefill()
     else:
         bench_prefill()
