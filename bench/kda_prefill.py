@@ -5,16 +5,15 @@ Cases: single sequence T = 4k, 16k, 64k, and varlen 16 x 1k. Timing: triton.test
 Both sides do the whole core op: L2 norm of q/k, gate activation from the raw z (A_log, dt_bias), beta sigmoid,
 the chunked delta rule, initial-state read and final-state write.
 Run: python bench/kda_prefill.py   (prints one line per case and, when fla is importable, the ratio)
-     python bench/kda_prefill.py --sweep   (split path vs fla-core at T = 4k, 16k, 64k with per-stage times,
+     python bench/kda_prefill.py --sweep   (ours vs fla-core at T = 4k, 16k, 64k with per-stage times,
                                             then a launch-config sweep of the intra kernels at 16k; about a minute)
-     python bench/kda_prefill.py --quick [--variants default,intra-fused,...]   (T=16k: the default vs every
+     python bench/kda_prefill.py --quick [--variants default,prep-fused,...]   (T=16k: the default vs every
                                             (named) QUICK_VARIANTS entry (module constants) vs fla-core, per-stage
                                             ms and a check against the default; then varlen 16 x 1k. ~80 s per
                                             variant that recompiles akk on the H200)
-     python bench/kda_prefill.py --sweep-state   (the older per-stage sweep of the state / output configs)
-Each case prints both paths of kernels/kda/chunk.py ("fused" = old: intra -> state+output in one sequential
-kernel; "split" = new: intra -> state pass only -> parallel output; module flag chunk.SPLIT picks the default),
-fla when importable, and the per-stage times of both paths.
+     python bench/kda_prefill.py --sweep-state   (the per-stage sweep of the state pass / output configs)
+Each case prints kernels/kda/chunk.py (intra -> state pass only -> parallel output), fla when importable, and our
+per-stage times.
 
 Time budget (B=1, T=16k, H=32, K=V=128, C=64: NT=256 chunks, NT*H=8192 chunk-heads; H200: ~4.5 TB/s,
 ~400 TFLOP/s tf32 / ~800 bf16 dense in practice, 132 SMs). Per chunk-head:
@@ -24,23 +23,22 @@ Time budget (B=1, T=16k, H=32, K=V=128, C=64: NT=256 chunks, NT*H=8192 chunk-hea
                    with masked 64x64 per row block)   from L2); out qg,kg,w,u 64 KB, Aqk     1 CTA/SM
                    + inverse 1.6 M + w,u 2.1 M        8 KB, gl 0.5 KB -> ~140 KB             (244 regs x 8 w)
                    ~10 MFLOP tf32                                                            -> 62 waves
-  state (split)    w.h 2.1 M + kg^T.vn 2.1 M          w,kg 32 KB (shared by the V tiles     V/BV*P*H = 256   YES: 256
+  state            w.h 2.1 M + kg^T.vn 2.1 M          w,kg 32 KB (shared by the V tiles     V/BV*P*H = 256   YES: 256
                    = 4.2 MFLOP, 2 dots/step           via L2), u 16 KB, out h_c 32 KB, vn   at BV=16         steps per
                                                       16 KB (bf16)                                           program
-  output (split)   qg.h 2.1 M + Aqk.vn 1 M            qg 16 + Aqk 8 + h_c 32 + vn 16 in,    NT*H*V/BV        no
+  output           qg.h 2.1 M + Aqk.vn 1 M            qg 16 + Aqk 8 + h_c 32 + vn 16 in,    NT*H*V/BV        no
                    = 3.1 MFLOP                        o 16 KB out -> 88 KB                  = 16384 @BV=64
-  state (fused,    4 dots/step: w.h, qg.h, Aqk.vn,    as split state + qg 16 KB + Aqk 8 KB   128 (BV=32)      YES, all of
-  old)             kg^T.vn = 7.3 MFLOP                per V tile, o out                                      it
 Totals at 16k: intra ~82 GFLOP / ~1.1 GB (~0.25 ms at bandwidth, if not latency bound: 62 waves -> must be
-<= ~16 us per program for a 1 ms intra); split state ~34 GFLOP, serial 256 steps (~1 us/step -> ~0.26 ms);
+<= ~16 us per program for a 1 ms intra); state ~34 GFLOP, serial 256 steps (~1 us/step -> ~0.26 ms);
 output ~25 GFLOP / ~0.7 GB (~0.16 ms). h_c scratch: T*H*K*V*2/C = T*H*512 B (268 MB at 16k, bf16 = the MMA
-operand the fused path already rounds the state to, so both paths give the same o).
+operand the state is rounded to for the dots anyway). (The removed fused state+output kernel did 4 dots per
+serial step, 7.3 MFLOP per chunk-head, in 128 programs at BV=32.)
 (The intra row above describes the removed one-kernel intra; the current prep -> akk -> wu launches do the same
 math.) Measured 2026-12-02 on the H200 at 16k: prep 0.56, akk 1.59, wu 0.44, hpass 0.51, out 0.24 ms (3.35 ms end
 to end vs fla-core 2.08). SASS instruction count (offline, Triton 3.6) is the proxy that matched: akk ~112k warp-
 instructions per chunk-head (4 programs x 4 warps) -> 1.59 ms = ~55% of the H200's issue rate; prep ~34k, wu ~11k.
-INTRA_FUSED=1 (one program per chunk-head, 8 warps) estimates ~96k with FAST_SOFTPLUS=1 (levels ~38k, pass 1 ~23k,
-substitution ~12k, w/u ~13k): ~1.2-1.6 ms for the whole intra if the issue efficiency holds.
+The one-program intra with level-anchored dots (INTRA_FUSED, estimated ~96k) measured 3.772 vs 3.340 ms end to
+end on 2026-12-03 and was removed (BENCHMARKS.md seventh round).
 """
 from __future__ import annotations
 
@@ -75,12 +73,9 @@ def _inputs(lens, device=None, dtype=torch.bfloat16):
     return dict(q=q, k=k, v=v, z=z, b=b, A_log=A_log, dt_bias=dt_bias, cu=cu)
 
 
-def _ours(x, split=None, stages=False):
-    """split: None = module default (chunk.SPLIT), True/False force a path. stages: also return {stage: launch} of
-    one planned call (for per-stage timing)."""
-    import kernels.kda.chunk as ck
+def _ours(x, stages=False):
+    """(run, get (o, final states)); stages: also return {stage: launch} of one planned call (per-stage timing)."""
     from kernels.kda.chunk import chunk_kda_fwd, chunk_kda_plan
-
 
     P = len(x["cu"]) - 1
     pool = torch.zeros(P + 1, H, K, V, device=DEVICE, dtype=torch.float32)
@@ -92,21 +87,26 @@ def _ours(x, split=None, stages=False):
     args = (x["q"], x["k"], x["v"], x["z"], x["A_log"], x["dt_bias"], x["b"], K ** -0.5, pool, cu_t, slots, hi)
 
     def fn():
-        prev = ck._FORCE_SPLIT
-        ck._FORCE_SPLIT = split
-        try:
-            return chunk_kda_fwd(*args, out=out, cu_seqlens_cpu=x["cu"])
-        finally:
-            ck._FORCE_SPLIT = prev
+        return chunk_kda_fwd(*args, out=out, cu_seqlens_cpu=x["cu"])
     if stages:
-        prev = ck._FORCE_SPLIT
-        ck._FORCE_SPLIT = split
-        try:
-            _, launches = chunk_kda_plan(*args, out=out, cu_seqlens_cpu=x["cu"])
-        finally:
-            ck._FORCE_SPLIT = prev
+        _, launches = chunk_kda_plan(*args, out=out, cu_seqlens_cpu=x["cu"])
         return fn, lambda: (out, pool[1:]), launches
     return fn, lambda: (out, pool[1:])
+
+
+def _time_ours(x, warmup, rep, stage_warmup, stage_rep):
+    """Ours on the case x: (median ms end to end, _stage_times of one planned call, (o, final states) of a fresh run
+    after the timing)."""
+    import triton.testing
+
+    fn, get, launches = _ours(x, stages=True)
+    fn()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    st = _stage_times(launches, stage_warmup, stage_rep)
+    fn()
+    torch.cuda.synchronize()
+    return ms, st, tuple(t.clone() for t in get())
 
 
 def _time_fla(x, warmup, rep):
@@ -187,49 +187,34 @@ def _fmt_stages(st):
 
 
 def bench_prefill(cases=CASES, warmup=25, rep=100):
-    import triton.testing
-
     rows = []
     print(f"KDA chunked prefill, H={H} K={K} V={V} bf16, do_bench median (ms), tokens/s", flush=True)
     for name, lens in cases:
         x = _inputs(lens)
         T = sum(lens)
         row = dict(case=name, T=T)
-        outs = {}
+        outs = None
         line = f"{name:14s}"
-        for tag, split in (("fused", False), ("split", True)):
-            try:
-                fn, get, launches = _ours(x, split=split, stages=True)
-                fn()
-                torch.cuda.synchronize()
-                ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-                st = _stage_times(launches, 5, 30)
-                fn()
-                torch.cuda.synchronize()
-                outs[tag] = tuple(t.clone() for t in get())
-                line += f" | {tag} {ms:7.3f} ms {T / ms * 1e3 / 1e6:6.2f} Mtok/s"
-                row[tag + "_ms"] = ms
-                row[tag + "_stages"] = st
-            except Exception as e:                   # keep the other path's numbers
-                line += f" | {tag} FAILED {type(e).__name__}: {str(e)[:200]}"
-        if "fused" in outs and "split" in outs:
-            eo, es = _rel(outs["split"][0], outs["fused"][0]), _rel(outs["split"][1], outs["fused"][1])
-            line += f" | split/fused {row['fused_ms'] / row['split_ms']:4.2f}x, rel-rms split vs fused o {eo:.1e}" \
-                    f" state {es:.1e}"
+        try:
+            ms, st, outs = _time_ours(x, warmup, rep, 5, 30)
+            line += f" | ours {ms:7.3f} ms {T / ms * 1e3 / 1e6:6.2f} Mtok/s"
+            row["ours_ms"] = ms
+            row["ours_stages"] = st
+        except Exception as e:                       # still time fla
+            line += f" | ours FAILED {type(e).__name__}: {str(e)[:200]}"
         try:
             fms, fo, fst = _time_fla(x, warmup, rep)
             line += f" | fla {fms:7.3f} ms {T / fms * 1e3 / 1e6:6.2f} Mtok/s"
             row["fla_ms"] = fms
-            for tag, (o, st) in outs.items():
-                eo, es = _rel(o, fo), _rel(st, fst)
-                line += f" | {tag}: {fms / row[tag + '_ms']:4.2f}x fla, rel-rms vs fla o {eo:.1e} state {es:.1e}"
-                row[tag + "_speedup"] = fms / row[tag + "_ms"]
+            if outs is not None:
+                eo, es = _rel(outs[0], fo), _rel(outs[1], fst)
+                line += f" | {fms / row['ours_ms']:4.2f}x fla, rel-rms vs fla o {eo:.1e} state {es:.1e}"
+                row["ours_speedup"] = fms / row["ours_ms"]
         except Exception as e:                       # fla missing or API mismatch: report ours only
             line += f" | fla unavailable: {type(e).__name__}: {str(e)[:120]}"
         print(line, flush=True)
-        for tag in ("fused", "split"):
-            if tag + "_stages" in row:
-                print(f"{'':14s}   {tag} stages: " + _fmt_stages(row[tag + "_stages"]), flush=True)
+        if "ours_stages" in row:
+            print(f"{'':14s}   stages: " + _fmt_stages(row["ours_stages"]), flush=True)
         rows.append(row)
         del x, outs
         torch.cuda.empty_cache()
@@ -241,29 +226,27 @@ def sweep_prefill(lens_list=((16384,), (1024,) * 16), warmup=5, rep=25):
     case (each stage timed alone, so the configs add instead of multiplying; ~1 minute)."""
     import kernels.kda.chunk as ck
 
-    names = ("STATE_BV", "STATE_NUM_WARPS", "STATE_NUM_STAGES",
-             "HPASS_BV", "HPASS_NUM_WARPS", "HPASS_NUM_STAGES", "OUT_BV", "OUT_NUM_WARPS", "OUT_NUM_STAGES")
+    names = ("HPASS_BV", "HPASS_NUM_WARPS", "HPASS_NUM_STAGES", "OUT_BV", "OUT_NUM_WARPS", "OUT_NUM_STAGES")
     saved = {n: getattr(ck, n) for n in names}
-    grid = [  # (stage, path, {constant: value})
-        *[("state+out", False, dict(STATE_BV=bv, STATE_NUM_WARPS=w)) for bv in (32, 64) for w in (4, 8)],
-        *[("hpass", True, dict(HPASS_BV=bv, HPASS_NUM_WARPS=w, HPASS_NUM_STAGES=st))
+    grid = [  # (stage, {constant: value})
+        *[("hpass", dict(HPASS_BV=bv, HPASS_NUM_WARPS=w, HPASS_NUM_STAGES=st))
           for bv, w, st in ((16, 4, 2), (16, 8, 2), (16, 4, 3), (32, 4, 2), (32, 8, 2), (32, 4, 3), (64, 4, 2),
                             (64, 8, 2))],
-        *[("out", True, dict(OUT_BV=bv, OUT_NUM_WARPS=w, OUT_NUM_STAGES=st))
+        *[("out", dict(OUT_BV=bv, OUT_NUM_WARPS=w, OUT_NUM_STAGES=st))
           for bv, w, st in ((64, 4, 2), (64, 8, 2), (64, 4, 1), (128, 4, 2), (128, 8, 2))],
     ]
     try:
         for lens in lens_list:
             x = _inputs(list(lens))
             T = sum(lens)
-            for stage, split, cfg in grid:
+            for stage, cfg in grid:
                 for n, val in saved.items():
                     setattr(ck, n, val)
                 for n, val in cfg.items():
                     setattr(ck, n, val)
                 desc = " ".join(f"{n}={val}" for n, val in cfg.items())
                 try:
-                    _, _, launches = _ours(x, split=split, stages=True)
+                    _, _, launches = _ours(x, stages=True)
                     for f in launches.values():  # valid scratch for the timed stage
                         f()
                     st = _stage_times({stage: launches[stage]}, warmup, rep)
@@ -278,26 +261,17 @@ def sweep_prefill(lens_list=((16384,), (1024,) * 16), warmup=5, rep=25):
             setattr(ck, n, val)
 
 
-INTRA_STAGES = ("prep", "akk", "wu", "intra")
+INTRA_STAGES = ("prep", "akk", "wu")
 
 
 def intra_compare(Ts=(4096, 16384, 65536), warmup=10, rep=50):
-    """The split path next to fla-core: per T one line of totals and the ratio, then the per-stage times."""
-    import triton.testing
-
-    print(f"split path vs fla-core, H={H} K={K} V={V} bf16, do_bench median (ms)", flush=True)
+    """Ours next to fla-core: per T one line of totals and the ratio, then the per-stage times."""
+    print(f"ours vs fla-core, H={H} K={K} V={V} bf16, do_bench median (ms)", flush=True)
     for T in Ts:
         x = _inputs([T])
         line = f"T={T:6d}"
         try:
-            fn, get, launches = _ours(x, split=True, stages=True)
-            fn()
-            torch.cuda.synchronize()
-            ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-            st = _stage_times(launches, 3, 20)
-            fn()
-            torch.cuda.synchronize()
-            o, s = (t.clone() for t in get())
+            ms, st, (o, s) = _time_ours(x, warmup, rep, 3, 20)
             line += f" | ours {ms:7.3f} ms (intra {sum(st.get(n, 0.0) for n in INTRA_STAGES):6.3f})"
         except Exception as e:
             print(line + f" | FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -317,13 +291,13 @@ def sweep_intra(T=16384, warmup=5, rep=25):
     """Launch-config sweep of the intra kernels at one T (each stage timed alone)."""
     import kernels.kda.chunk as ck
 
-    names = ("PREP_BK", "PREP_NUM_WARPS", "AKK_BK", "AKK_NUM_WARPS", "AKK_UNROLL", "AKK_HALF", "WU_BK", "WU_BV",
+    names = ("PREP_BK", "PREP_NUM_WARPS", "AKK_BK", "AKK_NUM_WARPS", "AKK_LV_SPLITK", "WU_BK", "WU_BV",
              "WU_NUM_WARPS")
     saved = {n: getattr(ck, n) for n in names}
     grid = [
         *[("prep", dict(PREP_BK=bk, PREP_NUM_WARPS=w)) for bk, w in ((32, 4), (64, 8))],
-        *[("akk", dict(AKK_BK=bk, AKK_NUM_WARPS=w, AKK_UNROLL=un, AKK_HALF=hf))
-          for bk, w, un, hf in ((64, 4, 1, 0), (64, 4, 0, 0), (32, 4, 1, 0), (32, 8, 1, 0), (32, 8, 0, 1))],
+        *[("akk", dict(AKK_BK=bk, AKK_NUM_WARPS=w, AKK_LV_SPLITK=sk))
+          for bk, w, sk in ((16, 1, 1), (16, 1, 0), (32, 1, 1), (16, 2, 1))],
         *[("wu", dict(WU_BK=bk, WU_BV=bk, WU_NUM_WARPS=w)) for bk, w in ((64, 4), (64, 8), (32, 4))],
     ]
     x = _inputs([T])
@@ -335,7 +309,7 @@ def sweep_intra(T=16384, warmup=5, rep=25):
                 setattr(ck, n, val)
             desc = " ".join(f"{n}={val}" for n, val in cfg.items())
             try:
-                _, _, launches = _ours(x, split=True, stages=True)
+                _, _, launches = _ours(x, stages=True)
                 for f in launches.values():
                     f()
                 st = _stage_times({stage: launches[stage]}, warmup, rep)
@@ -349,97 +323,62 @@ def sweep_intra(T=16384, warmup=5, rep=25):
         torch.cuda.empty_cache()
 
 
-# --quick: (name, split path?, {module constant: value}) timed against the default and fla-core in one run
+# --quick: (name, {module constant: value}) timed against the default and fla-core in one run
 QUICK_VARIANTS = [
-    ("default", True, {}),
-    # the defaults before 12-03 (the variants below up to "out-vfast" were written against these; since 12-03 the
-    # default is lv2k + cumsum-dot + out-vfast + hpass-s3-prefetch)
-    ("first-default", True, dict(AKK_DIAG=0, AKK_NUM_WARPS=4, AKK_BK=32, AKK_LV_SPLITK=0, PREP_BK=32, CUMSUM_DOT=0,
-                                 FAST_SOFTPLUS=0, OUT_VFAST=0, HPASS_NUM_STAGES=2, HPASS_PREFETCH=0)),
-    # INTRA_FUSED: prep + akk + wu in one program per chunk-head, level-anchored tensor-core dots for all of
-    # Dqk / Dkk (6 exp2 tiles per K tile); offline sm_90 Triton 3.6: 128 regs (cap) / 8 warps, no spills
-    ("intra-fused", True, dict(INTRA_FUSED=1)),
-    # FAST_SOFTPLUS: lg2.approx softplus (offline sm_90: prep K-loop body 2134 -> 1446 instructions, intra pass 1
-    # 454 -> 364)
-    ("fast-softplus", True, dict(FAST_SOFTPLUS=1)),
-    ("intra-fused-fast", True, dict(INTRA_FUSED=1, FAST_SOFTPLUS=1)),
-    ("intra-fused-fast+prefetch", True, dict(INTRA_FUSED=1, FAST_SOFTPLUS=1, HPASS_PREFETCH=1)),
-    ("intra-fused-fast-nocap", True, dict(INTRA_FUSED=1, FAST_SOFTPLUS=1, INTRA_MAXNREG=None)),  # 138 regs, 1 CTA/SM
-    ("intra-fused-fast-bk32", True, dict(INTRA_FUSED=1, FAST_SOFTPLUS=1, INTRA_BK=32, INTRA_MAXNREG=None)),  # 204
-    # registers: offline sm_90 with Triton 3.6 (the H200's), no spills; the default akk has 168 (3 CTAs/SM)
-    ("akk-prod", True, dict(AKK_DIAG=1, AKK_UNROLL=0)),                       # 166 regs
-    ("akk-prod-unrolled", True, dict(AKK_DIAG=1, AKK_UNROLL=1)),              # 168 regs
-    ("akk-prod-w8", True, dict(AKK_DIAG=1, AKK_UNROLL=0, AKK_NUM_WARPS=8)),   # 128 regs (2 x 8 warps)
-    ("akk-prod-half-w8", True, dict(AKK_DIAG=2, AKK_UNROLL=0, AKK_NUM_WARPS=8)),  # 212 regs, 8 steps + 1 dot
-    ("hpass-prefetch", True, dict(HPASS_PREFETCH=1)),
+    ("default", {}),
+    # since 12-03 the default is lv2k + cumsum-dot + out-vfast + hpass-s3-prefetch (so fast-softplus, hpass-prefetch,
+    # cumsum-dot, out-vfast, hpass-s3 and hpass-s3-prefetch below now run the default); the per-pair akk variants
+    # (AKK_DIAG 0 / 1 / 2), wu-kb, intra-fused and the old fused state+output path were removed after that round
+    # FAST_SOFTPLUS: lg2.approx softplus (offline sm_90: prep K-loop body 2134 -> 1446 instructions)
+    ("fast-softplus", dict(FAST_SOFTPLUS=1)),
+    ("hpass-prefetch", dict(HPASS_PREFETCH=1)),
     # BV=16 (auto at B=1): 256 programs, but each re-reads the head's w / kg (32 KB per chunk) from L2: ~8 MB per
     # serial step, ~4 TB/s at the measured ~2 us/step; BV=32 / 64 halve / quarter that with 128 / 64 programs
-    ("hpass-prefetch-bv32", True, dict(HPASS_PREFETCH=1, HPASS_BV=32)),
-    ("hpass-prefetch-bv64", True, dict(HPASS_PREFETCH=1, HPASS_BV=64)),
-    ("prod+prefetch", True, dict(AKK_DIAG=1, AKK_UNROLL=0, HPASS_PREFETCH=1)),
+    ("hpass-prefetch-bv32", dict(HPASS_PREFETCH=1, HPASS_BV=32)),
+    ("hpass-prefetch-bv64", dict(HPASS_PREFETCH=1, HPASS_BV=64)),
     # PREP_FUSED: no prep launch / fp32 G scratch (stages akk + wu replace prep + akk + wu). Offline sm_90, Triton
     # 3.6: akk-fused 186 regs unrolled at 4 warps (2 CTAs/SM, no spills), 168 + 16 B stack rolled, 128 at 8 warps
     # (DIAG=0, no spills), 117 (DIAG=1 unrolled, 8 warps); wu-fused 168 (default wu 144), 3 CTAs/SM
-    ("prep-fused", True, dict(PREP_FUSED=1)),
-    ("prep-fused-w8", True, dict(PREP_FUSED=1, AKK_NUM_WARPS=8)),
-    ("prep-fused-prod", True, dict(PREP_FUSED=1, AKK_DIAG=1, AKK_UNROLL=0)),
-    ("prep-fused-prod-w8", True, dict(PREP_FUSED=1, AKK_DIAG=1, AKK_UNROLL=1, AKK_NUM_WARPS=8)),
+    ("prep-fused", dict(PREP_FUSED=1)),
+    ("prep-fused-w8", dict(PREP_FUSED=1, PREP_FUSED_NUM_WARPS=8)),
+    ("prep-fused-prod", dict(PREP_FUSED=1, PREP_FUSED_DIAG=1, PREP_FUSED_UNROLL=0)),
+    ("prep-fused-prod-w8", dict(PREP_FUSED=1, PREP_FUSED_DIAG=1, PREP_FUSED_UNROLL=1, PREP_FUSED_NUM_WARPS=8)),
     # session 5 (offline sm_90 SASS, Triton 3.6; per chunk-head warp-instructions, the proxy that matched):
     # akk-lv: _kda_akk_lv_kernel, 1 warp per 16-row sub-chunk, diagonal blocks by level-anchored tensor-core dots,
-    # off-diagonal per earlier 16-column block only; 245 regs / 12.8 KB smem, no spills; ~23k vs the default akk's
-    # ~112k (this kernel's [16, x] tiles are replicated in every warp at 2 or 4 warps: the same per-thread SASS
-    # count at 1, 2 and 4 warps; the default akk at 4 warps is partly replicated too)
-    ("akk-lv", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16)),
-    ("akk-lv-w2", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=2, AKK_BK=16)),                  # 255 regs, no spills
-    # the same in two K passes (off-diagonal blocks, then levels): 164 regs (12 warps/SM instead of 8), ~13% more
-    # instructions
-    ("akk-lv-2k", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, AKK_LV_SPLITK=1)),
+    # off-diagonal per earlier 16-column block only, in one K pass; 245 regs / 12.8 KB smem, no spills; ~23k vs the
+    # removed per-pair akk's ~112k (this kernel's [16, x] tiles are replicated in every warp at 2 or 4 warps: the
+    # same per-thread SASS count at 1, 2 and 4 warps). The default (akk-lv-2k) does it in two K passes
+    # (off-diagonal blocks, then levels): 164 regs (12 warps/SM instead of 8), ~13% more instructions
+    ("akk-lv", dict(AKK_LV_SPLITK=0)),
+    ("akk-lv-w2", dict(AKK_LV_SPLITK=0, AKK_NUM_WARPS=2)),                  # 255 regs, no spills
     # cumsum-dot: prep's gate cumsum as 2 tf32 dots with the triangular ones matrix (hi/lo split, fp32-accurate)
     # instead of tl.cumsum's scan (~40% of prep's instructions); prep BK=16: 123 regs (4 CTAs/SM), ~18k vs ~27k
     # (FAST_SOFTPLUS alone) / ~36k (default)
-    ("cumsum-dot", True, dict(FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16)),
-    ("lv+cs", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16)),
-    ("lv2k+cs", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, AKK_LV_SPLITK=1, FAST_SOFTPLUS=1, CUMSUM_DOT=1,
-                           PREP_BK=16)),
-    # wu-kb: prep parks beta kn exp2(G) (bf16) in w, wu multiplies by M in place: wu reads 16 KB instead of 48 KB
-    # per chunk-head (no k, no fp32 G), 128 regs (4 CTAs/SM; default wu 144); prep +16 KB written
-    ("wu-kb", True, dict(WU_KB=1)),
-    ("lv+cs+kb", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16,
-                            WU_KB=1)),
-    ("lv2k+cs+kb", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, AKK_LV_SPLITK=1, FAST_SOFTPLUS=1,
-                              CUMSUM_DOT=1, PREP_BK=16, WU_KB=1)),
+    ("cumsum-dot", dict(FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16)),
     # out-vfast: V tile fastest in the output grid (2nd V tile's qg 16 KB + Aqk 8 KB from L2, not HBM)
-    ("out-vfast", True, dict(OUT_VFAST=1)),
-    ("all5", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16,
-                        WU_KB=1, OUT_VFAST=1)),
+    ("out-vfast", dict(OUT_VFAST=1)),
     # hpass-s3: 3 pipeline stages in the state pass. Offline sm_90 (3.6): at 2 stages the loop head waits for every
     # cp.async group (DEPBAR.LE SB0, 0x0: the next chunk's w / kg are fetched with no overlap, one L2 round trip
     # on every serial step); at 3 it waits with 3 groups in flight (one chunk ahead). 80 regs, 106 KB smem (2/SM)
-    ("hpass-s3", True, dict(HPASS_NUM_STAGES=3)),
-    ("hpass-s3-prefetch", True, dict(HPASS_NUM_STAGES=3, HPASS_PREFETCH=1)),
-    ("all6", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16,
-                        WU_KB=1, OUT_VFAST=1, HPASS_NUM_STAGES=3)),
-    ("lv+cs+prefetch", True, dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1,
-                                  PREP_BK=16, HPASS_PREFETCH=1)),
+    ("hpass-s3", dict(HPASS_NUM_STAGES=3)),
+    ("hpass-s3-prefetch", dict(HPASS_NUM_STAGES=3, HPASS_PREFETCH=1)),
 ]
 
 
 def quick(warmup=5, rep=20, only=None):
     """One short H200 run: at T=16k every QUICK_VARIANTS entry (or those named in ``only``, in list order; total
     and per-stage ms, ratio to fla-core, rel-rms of o and the final state vs the default and vs fla), then varlen
-    16 x 1k for the same variants (none named: the default and intra-fused-fast+prefetch) and fla. A FAILED line
+    16 x 1k for the same variants (none named: the default only) and fla. A FAILED line
     (e.g. a compile error on this Triton) leaves the other lines intact. Compiles dominate: on 2026-12-02 fla + 3
     variants took ~320 s (each akk variant recompiles), so name the variants wanted (--variants a,b,...)."""
-    import triton.testing
-
     import kernels.kda.chunk as ck
 
-    names = sorted({n for _, _, cfg in QUICK_VARIANTS for n in cfg})
+    names = sorted({n for _, cfg in QUICK_VARIANTS for n in cfg})
     saved = {n: getattr(ck, n) for n in names}
     print(f"--quick: H={H} K={K} V={V} bf16, do_bench median (ms)", flush=True)
     try:
         for case, lens, which in (("T=16k", [16384], only), ("varlen 16x1k", [1024] * 16,
-                                                                  only or ("default", "intra-fused-fast+prefetch"))):
+                                                                  only or ("default",))):
             x = _inputs(lens)
             try:
                 fms, fo, fst = _time_fla(x, warmup, rep)
@@ -449,20 +388,13 @@ def quick(warmup=5, rep=20, only=None):
             if fms:
                 print(f"{case}: fla-core {fms:.3f} ms", flush=True)
             ref = None
-            for name, split, cfg in QUICK_VARIANTS:
+            for name, cfg in QUICK_VARIANTS:
                 if which and name not in which:
                     continue
                 for n, val in saved.items():
                     setattr(ck, n, cfg.get(n, val))
                 try:
-                    fn, get, launches = _ours(x, split=split, stages=True)
-                    fn()
-                    torch.cuda.synchronize()
-                    ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-                    st = _stage_times(launches, 2, 10)
-                    fn()
-                    torch.cuda.synchronize()
-                    o, s = (t.clone() for t in get())
+                    ms, st, (o, s) = _time_ours(x, warmup, rep, 2, 10)
                     if ref is None:
                         ref = (o, s)
                     line = f"{case} {name:20s} {ms:6.3f} ms" + (f" {fms / ms:4.2f}x fla" if fms else "")
@@ -481,17 +413,19 @@ def quick(warmup=5, rep=20, only=None):
 
 
 if __name__ == "__main__":
-    if "--quick" in sys.argv:            # T=16k: default vs each QUICK_VARIANTS entry vs fla; varlen 16x1k
+    if "--help" in sys.argv or "-h" in sys.argv:    # the modes are in the module docstring
+        print(__doc__)
+    elif "--quick" in sys.argv:            # T=16k: default vs each QUICK_VARIANTS entry vs fla; varlen 16x1k
         only = None
-        if "--variants" in sys.argv:     # e.g. --variants default,intra-fused (the first one is the reference)
+        if "--variants" in sys.argv:     # e.g. --variants default,prep-fused (the first one is the reference)
             only = tuple(sys.argv[sys.argv.index("--variants") + 1].split(","))
-            unknown = set(only) - {n for n, _, _ in QUICK_VARIANTS}
+            unknown = set(only) - {n for n, _ in QUICK_VARIANTS}
             assert not unknown, f"unknown variants {sorted(unknown)}"
         quick(only=only)
     elif "--sweep" in sys.argv:            # ours vs fla at 4k/16k/64k, then the intra launch-config sweep
         intra_compare()
         sweep_intra()
-    elif "--sweep-state" in sys.argv:    # the older state/output launch-config sweep
+    elif "--sweep-state" in sys.argv:    # the hpass / output launch-config sweep
         sweep_prefill()
     else:
         bench_prefill()

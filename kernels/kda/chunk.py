@@ -9,15 +9,15 @@ Launches:
        g = -exp(A_log) softplus(z + dt_bias) and its chunk-local cumsum G2 = G / ln 2 (log2 units, so every
        exponential is exp2); writes qg, kg, gl and the scratch G2 [rows, K] fp32, rs [rows, 4] fp32 =
        (scale/|q|, 1/|k|, beta).
-   1b. ``_kda_akk_kernel``, grid (chunk x 16-row sub-chunk i, head): Aqk and Dkk for rows [16i, 16i+16):
-       columns of earlier sub-chunks by one tensor-core dot per K tile, anchor = first row n of the sub-chunk
-       ((x_r exp2(G_r - G_n)) . (k_s exp2(G_n - G_s)), both factors <= 1); the 16x16 diagonal block exactly per
-       pair (exp2(G_r - G_s), s <= r) on CUDA cores (AKK_DIAG=0: 16 x K exp2 per partner column, ~1G exp2 at
-       T=16k; AKK_DIAG=1: the same values as running products of per-token factors exp2(G_{t+1} - G_t) <= 1, K
-       exp2 per partner column; AKK_DIAG=2: running products inside 8x8 halves + one anchored 8x8 dot); then the
-       diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted by forward substitution (fp32). Writes Aqk
-       (the contract) and the scratch X [rows, 64] fp32 (block inverses Di on the diagonal blocks, beta-scaled Dkk
-       below them).
+   1b. ``_kda_akk_lv_kernel``, grid (chunk x 16-row sub-chunk i, head), one warp: Aqk and Dkk for rows
+       [16i, 16i+16), every pair on the tensor cores: each earlier 16-column block by one dot per K tile, anchor =
+       first row n of the sub-chunk ((x_r exp2(G_r - G_n)) . (k_s exp2(G_n - G_s)), both factors <= 1); the 16x16
+       diagonal block by level anchors (pair (r, s) -> the highest bit b in which r and s differ; anchor = the
+       first row of r's half of the aligned 2b-block, s < n <= r; one exp2 tile per level and K tile;
+       AKK_LV_SPLITK=1: the off-diagonal blocks and the levels in two passes over K); then the diagonal block of
+       (I + diag(beta) StrictTril(Dkk)) is inverted (fp32: forward substitution on the two 8x8 halves, then a block
+       merge). Writes Aqk (the contract) and the scratch X [rows, 64] fp32 (block inverses Di on the diagonal
+       blocks, beta-scaled Dkk below them).
    1c. ``_kda_wu_kernel``, grid (chunk, head): M = (I - N + N^2 - N^3) Di with N = Di L_off (N is strictly
        block-lower, N^4 = 0), then w and u as [64, 64] x [64, BK|BV] dots.
    Per chunk the intra launches produce
@@ -27,32 +27,26 @@ Launches:
        u   = M @ (beta * v)                      [BT, V]
        Aqk = tril(Dqk)                           [BT, BT]    (scale folded in)
        gl  = G_last                              [K]  fp32, log2 units
-   with M = (I + diag(beta) StrictTril(Dkk))^-1. INTRA_FUSED=1 (A/B) does 1a-1c in one launch
-   ``_kda_intra_kernel``, grid (chunk, head): every pair s < r of Dqk / Dkk (diagonal blocks included) by
-   level-anchored tensor-core dots (pair (r, s) -> the highest differing bit b of r, s; anchor = the first row of
-   r's half of the aligned 2b-block, s < n <= r, both factors <= 1; one exp2 tile per level and K tile), the
-   16 x 16 diagonal blocks of the inverse by forward substitution on a [4, 16, 16] view, M, w, u in the same
-   program; only G (fp32, re-read by the 6 levels) goes through a scratch. PREP_FUSED=1 (A/B) drops 1a and the G
-   scratch:
+   with M = (I + diag(beta) StrictTril(Dkk))^-1. PREP_FUSED=1 (A/B) drops 1a and the G scratch:
    ``_kda_akk_fused_kernel`` recomputes G from z per K tile and applies the norms afterwards (also writes rs),
    ``_kda_wu_fused_kernel`` recomputes G and writes qg, kg, gl with w, u.
-   (The older one-kernel intra "v1" was removed: 1.67x slower on
-   the H200, 5.83 vs 3.50 ms end to end at T=16k.)
-2. Split path (``SPLIT = True``, the default), two launches:
+   (Removed after H200 runs: the one-kernel intra "v1", 1.67x slower, 5.83 vs 3.50 ms end to end at T=16k; the
+   one-launch level-anchored intra ``INTRA_FUSED``, 3.772 vs 3.340 ms at T=16k, BENCHMARKS.md seventh round; the
+   first akk ``_kda_akk_kernel`` with the diagonal block per pair on CUDA cores, AKK_DIAG 0 / 1 / 2, 1.59-1.85 ms
+   for akk vs 0.69 ms for the level-anchored one at T=16k.)
+2. State and output, two launches:
    2a. ``_kda_hpass_kernel`` -- one program per (V tile, sequence, head), BV = 16 at B=1 (auto: the largest of
        64/32/16 giving >= 2 programs per SM): the sequential pass with the fp32 state in registers and only
        two dots per chunk (HPASS_PREFETCH=1 loads the next chunk's u / gl one iteration ahead):
-           store h_c = h (bf16 for bf16 inputs: the MMA operand rounding the fused path already applies; fp32 for
-           fp32 inputs) into hs [NT, H, K, V];  vn = u - w @ h_c, stored (same dtype);  h = exp2(gl) * h + kg^T @ vn
+           store h_c = h (bf16 for bf16 inputs: the state's rounding as an MMA operand; fp32 for fp32 inputs)
+           into hs [NT, H, K, V];  vn = u - w @ h_c, stored (same dtype);  h = exp2(gl) * h + kg^T @ vn
        then the final state to the slot and zeros for tokens outside [cu[0], cu[-1]).
+       The initial state is read from rec_state[state_slots[p]] when has_initial_state[p] (zeros otherwise) and
+       the final state is written back there (fla layout [S, H, K, V], fp32). No other slot is touched.
    2b. ``_kda_out_kernel`` -- one program per (chunk, head, V tile), fully parallel (no sequential dependency):
            o = qg @ h_c + Aqk @ vn
-   Old path (``SPLIT = False``, kept for A/B; tests run both):
-   ``_kda_state_kernel`` -- one program per (V tile, sequence, head): the sequential pass over the sequence's
-   chunks with the fp32 state in registers, fused with the output:
-       vn = u - w @ h ;  o = qg @ h + Aqk @ vn ;  h = exp2(gl) * h + kg^T @ vn
-   The initial state is read from rec_state[state_slots[p]] when has_initial_state[p] (zeros otherwise) and the
-   final state is written back there (fla layout [S, H, K, V], fp32). No other slot is touched.
+   (Removed: the older fused state+output kernel ``_kda_state_kernel``, one sequential program per (V tile,
+   sequence, head) doing all four dots per chunk; the split above replaced it as the default on the H200.)
 
 Varlen metadata (chunk offsets) is built on the device: no host sync, and the intra grid is the static upper
 bound cdiv(T, 64) + P (surplus programs exit), so the call is CUDA-graph friendly for fixed (T, P).
@@ -61,10 +55,10 @@ Precision: all accumulation in fp32. For bf16 inputs the intermediates (qg, kg, 
 and the state is cast to bf16 as an MMA operand (as fla does); the intra-chunk matrices use tf32. For fp32 inputs
 everything is stored in fp32 and the dots use IEEE fp32 (slow, for tests/oracles).
 
-Tuning: the module constants below (PREP_*, AKK_*, WU_*, STATE_*, HPASS_*, OUT_*);
+Tuning: the module constants below (PREP_*, AKK_*, WU_*, HPASS_*, OUT_*);
 ``python bench/kda_prefill.py --sweep`` times the intra stages vs fla-core per stage and sweeps their constants
-(``--sweep-state``: the older state/output sweep); ``compile_report()`` compiles the kernels offline for sm_90 and
-reports registers / spills / smem. Time budget per stage: see the docstring of bench/kda_prefill.py.
+(``--sweep-state``: the hpass / output launch-config sweep); ``compile_report()`` compiles the kernels offline for
+sm_90 and reports registers / spills / smem. Time budget per stage: see the docstring of bench/kda_prefill.py.
 """
 from __future__ import annotations
 
@@ -82,18 +76,15 @@ BC = 16          # sub-chunk (diagonal block) size
 RCP_LN2 = 1.4426950408889634
 
 # launch configuration (tunable)
-# (checked offline with triton 3.9 for sm_90, K = V = 128, bf16: no register spills; old state 202 regs / 147 KB
-#  smem at BV=64 with 8 warps, 162 regs / 131 KB at BV=32 with 4 warps; hpass 80 regs / 72 KB at BV=16 (4 warps),
-#  136 / 80 KB at BV=32 (4), 204 / 104 KB at BV=64 (8); out 72 regs / 48 KB at BV=64 (4 warps), 95 / 72 KB at BV=128)
-STATE_BV = None          # None: 64, or 32 when (V/64) * P * H programs would not fill the GPU twice
-STATE_NUM_WARPS = None   # None: 8 for BV=64, 4 for BV=32
-STATE_NUM_STAGES = 2
-# split path (SPLIT = True): intra -> state pass only (stores h_c, vn) -> fully parallel output
-SPLIT = True             # False: the old fused state+output kernel (kept for A/B)
+# (checked offline with triton 3.9 for sm_90, K = V = 128, bf16: no register spills; hpass 80 regs / 72 KB at BV=16
+#  (4 warps), 136 / 80 KB at BV=32 (4), 204 / 104 KB at BV=64 (8); out 72 regs / 48 KB at BV=64 (4 warps), 95 / 72 KB
+#  at BV=128)
+# intra -> state pass only (stores h_c, vn) -> fully parallel output
 HPASS_BV = None          # None: largest of 64/32/16 giving >= 2 programs per SM ((V/BV) * P * H >= 2 * SMs)
 HPASS_NUM_WARPS = None   # None: 4 for BV <= 32, 8 for BV = 64
 HPASS_NUM_STAGES = 3       # H200 12-03: hpass 0.508 -> 0.376 ms at T=16k (with HPASS_PREFETCH), one chunk in flight
-HPASS_PREFETCH = 1       # 1: load u / gl of the next chunk one iteration ahead (off the serial chain)
+HPASS_PREFETCH = 1       # 1: load u / gl of the next chunk one iteration ahead (off the serial chain; offline
+                         # sm_90, Triton 3.6: 82 regs at BV=16, 136 at BV=32, no spills)
 OUT_BV = 64
 OUT_NUM_WARPS = 4
 OUT_NUM_STAGES = 2
@@ -103,62 +94,46 @@ OUT_VFAST = 1            # V tile fastest in the output grid (the 2nd V tile's q
 # --quick` on the H200 (akk-lv-2k, cumsum-dot, out-vfast, hpass-s3-prefetch; BENCHMARKS.md seventh round). Before:
 # the winners of `bench/kda_prefill.py --sweep` on the H200
 # (Triton 3.6, T=16k, H=32, K=V=128, bf16; 2026-12-02): prep BK=32 / 4 warps 0.564 ms (BK=64 / 8 warps 0.933);
-# akk BK=32 / 4 warps / unrolled 1.587 ms (BK=64 1.636, 8 warps 2.254, the 8x8-split "HALF" diagonal 4.63);
-# wu BK=BV=32 / 4 warps 0.437 ms (64/64/4 0.529). Offline sm_90 / triton 3.9: prep 128 regs, akk 168 regs /
-# 66 KB smem, wu 168 regs / 64 KB smem, no spills.
+# wu BK=BV=32 / 4 warps 0.437 ms (64/64/4 0.529). Offline sm_90 / triton 3.9: prep 128 regs, wu 168 regs / 64 KB
+# smem, no spills.
 PREP_BK = 16             # with CUMSUM_DOT (H200 12-03: prep 0.559 -> 0.522 ms at T=16k)
 PREP_NUM_WARPS = 4
-AKK_BK = 16              # AKK_DIAG=3 with AKK_LV_SPLITK: 1 warp, BK 16 (H200 12-03: akk 1.583 -> 0.691 ms)
+# akk = _kda_akk_lv_kernel (level-anchored tensor-core dots for the diagonal blocks; its [16, x] tiles are
+# replicated in every warp at 2 or 4 warps, so 1 warp). H200 12-03: akk 1.583 -> 0.691 ms at T=16k vs the removed
+# per-pair akk (AKK_DIAG 0: exact exp2 per pair and channel, 1.587 ms at 4 warps / BK 32; 1: running products of
+# per-token factors, 1.600 / 1.845 ms unrolled / rolled, issue-bound, not MUFU-bound; 2: products in 8x8 halves +
+# one anchored 8x8 dot, never timed to the end; before them the exact 8x8-split "HALF" diagonal, 4.63 ms).
+AKK_BK = 16              # 1 warp, BK 16 with AKK_LV_SPLITK
 AKK_NUM_WARPS = 1
-AKK_UNROLL = 1           # unroll the diagonal-block loop (1) or not (0)
 AKK_MAXNREG = None       # ptxas register cap for akk (None: uncapped)
-AKK_LV_SPLITK = 1        # AKK_DIAG=3: 1 = two passes over K (off-diagonal blocks, then the levels; fewer registers)
-# akk variants (A/B; see _kda_akk_kernel): AKK_DIAG 0 = exact exp2 per pair and channel (16 steps of 16 x K exp2),
-# 1 = running products of per-token factors (16 steps of K exp2), 2 = 1 inside the two 8x8 halves (8 steps) + one
-# anchored 8x8 dot per K tile. (The old exact 8x8-split "HALF" diagonal, 4.63 ms, was removed.) Offline sm_90,
-# Triton 3.6, no spills: akk 168 regs (DIAG=0, unrolled), 166 / 168 (DIAG=1 rolled / unrolled), 128 (DIAG=1,
-# 8 warps), 212 (DIAG=2, 8 warps); hpass with HPASS_PREFETCH=1: 82 regs at BV=16, 136 at BV=32.
-# H200 --quick 2026-12-02 (Triton 3.6, T=16k): akk DIAG=1 rolled 1.845 ms, unrolled 1.600 ms vs DIAG=0 1.587 ms
-# (issue-bound, not MUFU-bound: fewer exp2 alone does not pay); DIAG=2 / PREP_FUSED not reached (step timed out).
-AKK_DIAG = 3             # level inverse (akk-lv-2k); 0 = the first default (exact exp2 per pair and channel)
-# PREP_FUSED = 1 (A/B): no prep launch and no fp32 G scratch. akk recomputes the gate cumsum per K tile from z and
-# applies the L2 norms to its finished sums (writes rs = (rq, rk, beta), 16 B per token-head); wu recomputes G
-# from z and writes prep's qg / kg / gl with w / u. AKK_DIAG 0 / 1 only (the diagonal block is done per K tile).
+AKK_LV_SPLITK = 1        # 1 = two passes over K (off-diagonal blocks, then the levels; fewer registers)
+# PREP_FUSED = 1 (A/B): no prep launch and no fp32 G scratch. akk (``_kda_akk_fused_kernel``) recomputes the gate
+# cumsum per K tile from z and applies the L2 norms to its finished sums (writes rs = (rq, rk, beta), 16 B per
+# token-head); wu recomputes G from z and writes prep's qg / kg / gl with w / u. The diagonal block is done per K
+# tile on CUDA cores: PREP_FUSED_DIAG 0 = exact exp2(G_r - G_s) per pair and channel, 1 = the same values as running
+# products of per-token factors exp2(G_{t+1} - G_t) <= 1 (partner columns descending); launched with its own
+# PREP_FUSED_* constants (wu-fused with WU_*).
 # Saves ~1.5 KB of DRAM traffic per token-head (G: 512 B written + 2 x 512 B read; prep's q/k/z/b reads; + z and
 # q re-reads). Offline sm_90, Triton 3.6 (3.9), K = V = 128 bf16: akk-fused 186 (184) regs unrolled / 4 warps, no
 # spills; 168 + 16 B stack (138) rolled; 128 (DIAG=0) / 117 (DIAG=1 unrolled) at 8 warps, no spills; wu-fused
 # 168 (167) regs, no spills (default wu 144 (150)). Not yet timed on a GPU (bench/kda_prefill.py --quick).
 PREP_FUSED = 0
+PREP_FUSED_DIAG = 0      # fused akk's diagonal block: 0 exact exp2 per pair, 1 running products
+PREP_FUSED_BK = 32
+PREP_FUSED_NUM_WARPS = 4
+PREP_FUSED_UNROLL = 1    # unroll the fused akk's diagonal-block loop (1) or not (0)
 WU_BK = 32
 WU_BV = 32
 WU_NUM_WARPS = 4
-# WU_KB = 1 (A/B): prep parks beta kn exp2(G) (w's right operand, storage dtype: bf16 for bf16 inputs, as fla's bf16
-# w MMA) in w; wu multiplies it by M in place: wu reads 16 KB bf16 instead of k (16 KB) + fp32 G (32 KB) per
-# chunk-head and drops its exp2; prep writes 16 KB more.
-WU_KB = 0
-# FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep and the fused intra kernel (fla's
-# choice) instead of libdevice's accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop
-# body 2134 -> see --quick). No effect under the interpreter.
+# FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep (fla's choice) instead of libdevice's
+# accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop body 2134 -> see --quick). No
+# effect under the interpreter.
 FAST_SOFTPLUS = 1
-# INTRA_FUSED = 1 (A/B): one launch ``_kda_intra_kernel`` per (chunk, head) instead of prep -> akk -> wu; Dqk / Dkk
-# (diagonal blocks included) by level-anchored tensor-core dots (6 exp2 tiles per K tile instead of 16 x 16 x K exp2
-# per diagonal block), no G / rs / X scratch in HBM. Takes precedence over PREP_FUSED / AKK_*.
-INTRA_FUSED = 0
-INTRA_BK = 16
-INTRA_BV = 32
-INTRA_NUM_WARPS = 8
-INTRA_NUM_STAGES = 1
-INTRA_MAXNREG = 128      # ptxas register cap (2 CTAs of 8 warps per SM); None: uncapped (Triton 3.6: 138 at BK=16)
-# CUMSUM_DOT = 1: the chunk-local gate cumsum of prep (INTRA_FUSED pass 1: INTRA_CUMSUM_DOT) as two tf32 tensor-core
-# dots with the lower-triangular ones matrix on a hi / lo split of g (fp32-accurate; see _cumsum0) instead of
-# tl.cumsum, whose scan over rows spread across lanes and warps was ~40% of prep's instructions (offline sm_90,
-# Triton 3.6, FAST_SOFTPLUS: prep K-loop body 1446 -> 761 SASS instructions per 16 elements / thread; with
-# PREP_BK=16: 123 regs, 4 CTAs / SM).
+# CUMSUM_DOT = 1: the chunk-local gate cumsum of prep as two tf32 tensor-core dots with the lower-triangular ones
+# matrix on a hi / lo split of g (fp32-accurate; see _cumsum0) instead of tl.cumsum, whose scan over rows spread
+# across lanes and warps was ~40% of prep's instructions (offline sm_90, Triton 3.6, FAST_SOFTPLUS: prep K-loop body
+# 1446 -> 761 SASS instructions per 16 elements / thread; with PREP_BK=16: 123 regs, 4 CTAs / SM).
 CUMSUM_DOT = 1
-# the same cumsum in INTRA_FUSED's pass 1 (A/B, its own switch): INTRA_FUSED with it hit an illegal memory access on
-# the H200 (12-03, Triton 3.6, GPU test intra-fused-fast at Kimi shapes; correct under the interpreter), so the fused
-# intra kernel keeps tl.cumsum unless asked
-INTRA_CUMSUM_DOT = 0
 
 
 @triton.jit
@@ -230,16 +205,14 @@ def _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB: tl.constexpr, BT: tl.
 @triton.jit
 def _kda_prep_kernel(
     q, k, z, A_log, dt_bias, b, chunk_offsets, cu_seqlens, n_seq,
-    qg_out, kg_out, gl_out, g_out, rs_out, w_out,
+    qg_out, kg_out, gl_out, g_out, rs_out,
     stride_q, stride_k, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr = 0,
-    CS: tl.constexpr = 0, KB: tl.constexpr = 0,
+    CS: tl.constexpr = 0,
 ):
     """Intra launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
     contract outputs qg, kg, gl and the scratch G [rows, K] fp32 and rs [rows, 4] fp32 = (rq, rk, beta, -)
-    (rq = scale / |q|, rk = 1 / |k|; padded rows: G = G of the last valid row, beta = 0).
-    KB=1 (WU_KB): also parks w's right operand beta kn exp2(G) in w_out (storage dtype), which wu then multiplies
-    by M in place, so wu reads neither k nor the fp32 G."""
+    (rq = scale / |q|, rk = 1 / |k|; padded rows: G = G of the last valid row, beta = 0)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -280,196 +253,12 @@ def _kda_prep_kernel(
         tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :])
         tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - G, 0.0)))
                  .to(kg_out.dtype.element_ty), mask=cm[None, :])
-        if KB:
-            tl.store(w_out + o_k, (bk * (rk * beta)[:, None] * tl.exp2(G)).to(w_out.dtype.element_ty),
-                     mask=cm[None, :])
-
-
-@triton.jit
-def _akk_row(k, g_in, rs_in, t0, nv, cblk, i_h, tj, stride_k, K: tl.constexpr):
-    """Chunk row tj: (kn [K] fp32, zero beyond the sequence; G [K] fp32, log2 units)."""
-    cf = tl.arange(0, K)
-    mj = (tl.zeros([K], dtype=tl.int64) + tj) < nv
-    kj = tl.load(k + (t0 + tj) * stride_k + i_h * K + cf, mask=mj, other=0.0).to(tl.float32)
-    kj = kj * tl.load(rs_in + (cblk + tj) * 4 + 1)
-    Gj = tl.load(g_in + (cblk + tj) * K + cf)
-    return kj, Gj
-
-
-@triton.jit
-def _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, tj, j, qr, kr, Gr, d_kk, d_qk, stride_k,
-                  K: tl.constexpr, BC: tl.constexpr):
-    """DIAG=0, column j (chunk row tj) of the exact diagonal block: exp2(G_r - G_j) for r >= j (exponent <= 0),
-    0 above; the partner row is re-read from global (L1 hit). d_kk and d_qk [BC, BC] are accumulated.
-    (Loads inline and the kernel's statement order as measured: a reordering cost ptxas 8 registers, 168 -> 176,
-    i.e. one 4-warp CTA per SM fewer.)"""
-    cf = tl.arange(0, K)
-    r16 = tl.arange(0, BC)
-    mj = (tl.zeros([K], dtype=tl.int64) + tj) < nv
-    kj = tl.load(k + (t0 + tj) * stride_k + i_h * K + cf, mask=mj, other=0.0).to(tl.float32)
-    kj = kj * tl.load(rs_in + (cblk + tj) * 4 + 1)
-    Gj = tl.load(g_in + (cblk + tj) * K + cf)
-    p = tl.where((r16 >= j)[:, None], tl.exp2(tl.minimum(Gr - Gj[None, :], 0.0)), 0.0) * kj[None, :]
-    dk = tl.sum(kr * p, 1)                                                            # [BC]
-    dq = tl.sum(qr * p, 1)
-    d_kk += tl.where((r16 == j)[None, :], dk[:, None], 0.0)
-    d_qk += tl.where((r16 == j)[None, :], dq[:, None], 0.0)
-    return d_kk, d_qk
-
-
-@triton.jit
-def _akk_prod_step(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, j, qr, kr, pd, Ga1, Gb1, d_kk, d_qk, stride_k,
-                   K: tl.constexpr, BC: tl.constexpr, BE: tl.constexpr):
-    """DIAG=1/2, step j (descending) of the running-product diagonal, BE-row groups (BE = BC: one group; BC/2:
-    two, whose partners are rows j and BE + j of R). Row r's partner p = (r // BE) BE + j and
-        pd[r] = exp2(G_r - G_p) = pd_prev[r] * exp2(G_{p+1} - G_p)   (r > p; every factor <= 1),  1 at r = p,
-    0 for r < p (never set yet): one exp2 per channel per group and step instead of one per row.
-    Ga1 / Gb1: G of row p + 1 of each group (the previous step's partner rows). Returns the new partner rows' G."""
-    r16 = tl.arange(0, BC)
-    ka, Ga = _akk_row(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, stride_k, K)
-    fa = tl.exp2(tl.minimum(Ga1 - Ga, 0.0))
-    if BE < BC:
-        kb, Gb = _akk_row(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + BE + j, stride_k, K)
-        fb = tl.exp2(tl.minimum(Gb1 - Gb, 0.0))
-        top = (r16 < BE)[:, None]
-        f = tl.where(top, fa[None, :], fb[None, :])
-        kp = tl.where(top, ka[None, :], kb[None, :])
-    else:
-        Gb = Ga
-        f = fa[None, :]
-        kp = ka[None, :]
-    pd = tl.where(((r16 % BE) == j)[:, None], 1.0, pd * f)
-    p = pd * kp
-    dk = tl.sum(kr * p, 1)                                                            # [BC]
-    dq = tl.sum(qr * p, 1)
-    sel = r16[None, :] == ((r16 // BE) * BE + j)[:, None]                              # column p of row r
-    d_kk += tl.where(sel, dk[:, None], 0.0)
-    d_qk += tl.where(sel, dq[:, None], 0.0)
-    return pd, Ga, Gb, d_kk, d_qk
-
-
-@triton.jit
-def _kda_akk_kernel(
-    q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out,
-    stride_q, stride_k,
-    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, UNROLL: tl.constexpr = 1, DIAG: tl.constexpr = 0,
-):
-    """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head): rows R = [i BC, (i+1) BC) of
-         Aqk[r, s] = sum_d qn[r,d] kn[s,d] exp2(G[r,d] - G[s,d])  (s <= r)    -> a_out (the contract, zeros above)
-         Dkk[r, s] = same with kn[r]                              (s < r)
-       columns s < i BC by one tensor-core dot per K tile with the anchor n = i BC (first row of R):
-         (x_r exp2(G_r - G_n)) . (kn_s exp2(G_n - G_s)), both factors <= 1;
-       the BC x BC diagonal block exactly per pair on CUDA cores:
-         DIAG=0: exp2(G_r - G_s) per pair and channel (BC steps of BC x K exp2);
-         DIAG=1: the same values as running products of per-token factors exp2(G_{t+1} - G_t) <= 1 (BC steps of
-                 K exp2 each);
-         DIAG=2: as 1 inside the two BC/2 x BC/2 diagonal halves (BC/2 steps), the lower-left BC/2 x BC/2 block by
-                 one anchored dot (anchor m = row BC/2 of R; both factors <= 1);
-       then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted by forward substitution (fp32).
-       x_out [rows, BT] fp32: columns < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di
-       (columns above are not written)."""
-    # sub-chunk fastest: the BT/BC programs of a chunk run together and share its k / G reads in L2
-    i_b = tl.program_id(0) % (BT // BC)
-    i_c = tl.program_id(0) // (BT // BC)
-    i_h = tl.program_id(1)
-    if i_c >= tl.load(chunk_offsets + n_seq):
-        return
-    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
-    nv = eos - t0                                        # valid rows of this chunk (may exceed BT)
-    cblk = (i_c.to(tl.int64) * H + i_h) * BT
-    r16 = tl.arange(0, BC)
-    rr = i_b * BC + r16                                  # rows of R within the chunk
-    rmask = rr < nv
-    cols = tl.arange(0, BT)
-    rq = tl.load(rs_in + (cblk + rr) * 4)
-    rk = tl.load(rs_in + (cblk + rr) * 4 + 1)
-    beta = tl.load(rs_in + (cblk + rr) * 4 + 2)
-    csel = (cols < i_b * BC) & (cols < nv)               # off-diagonal columns (earlier sub-chunks)
-    rk_c = tl.load(rs_in + (cblk + cols) * 4 + 1)
-    acc_kk = tl.zeros([BC, BT], dtype=tl.float32)
-    acc_qk = tl.zeros([BC, BT], dtype=tl.float32)
-    d_kk = tl.zeros([BC, BC], dtype=tl.float32)         # diagonal block of Dkk
-    d_qk = tl.zeros([BC, BC], dtype=tl.float32)         # ... of Aqk
-    BE: tl.constexpr = BC // 2
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        m2 = rmask[:, None] & cm[None, :]
-        qr = tl.load(q + (t0 + rr)[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        kr = tl.load(k + (t0 + rr)[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        qr = qr * rq[:, None]
-        kr = kr * rk[:, None]
-        Gr = tl.load(g_in + (cblk + rr)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
-        # anchor G_n (n = first row of R); no-op (all columns masked) for i_b = 0
-        Gn = tl.load(g_in + (cblk + i_b * BC) * K + c, mask=cm, other=0.0)
-        mc = csel[:, None] & cm[None, :]
-        kc = tl.load(k + (t0 + cols)[:, None] * stride_k + i_h * K + c[None, :], mask=mc, other=0.0).to(tl.float32)
-        Gc = tl.load(g_in + (cblk + cols)[:, None] * K + c[None, :], mask=mc, other=0.0)
-        kct = tl.trans(kc * rk_c[:, None] * tl.exp2(tl.minimum(Gn[None, :] - Gc, 0.0)))   # [BK, BT]
-        ef = tl.exp2(tl.minimum(Gr - Gn[None, :], 0.0))
-        acc_kk = tl.dot(kr * ef, kct, acc_kk, input_precision=PREC)
-        acc_qk = tl.dot(qr * ef, kct, acc_qk, input_precision=PREC)
-        if DIAG == 2:
-            # lower-left BE x BE block of the diagonal block on the tensor cores, anchor m = row BE of R:
-            # (x_r exp2(G_r - G_m)) . (k_s exp2(G_m - G_s)) with s < m <= r (both factors <= 1)
-            Gm = tl.load(g_in + (cblk + i_b * BC + BE) * K + c, mask=cm, other=0.0)
-            rf = tl.where((r16 >= BE)[:, None], tl.exp2(tl.minimum(Gr - Gm[None, :], 0.0)), 0.0)
-            cft = tl.trans(tl.where((r16 < BE)[:, None], kr * tl.exp2(tl.minimum(Gm[None, :] - Gr, 0.0)), 0.0))
-            d_kk = tl.dot(kr * rf, cft, d_kk, input_precision=PREC)
-            d_qk = tl.dot(qr * rf, cft, d_qk, input_precision=PREC)
-    # the rows of R with all K channels at once ([BC, K] tiles)
-    cf = tl.arange(0, K)
-    m2 = rmask[:, None] & (cf < K)[None, :]
-    qr = tl.load(q + (t0 + rr)[:, None] * stride_q + i_h * K + cf[None, :], mask=m2, other=0.0).to(tl.float32)
-    kr = tl.load(k + (t0 + rr)[:, None] * stride_k + i_h * K + cf[None, :], mask=m2, other=0.0).to(tl.float32)
-    qr = qr * rq[:, None]
-    kr = kr * rk[:, None]
-    if DIAG == 0:
-        Gr = tl.load(g_in + (cblk + rr)[:, None] * K + cf[None, :])
-        # column j at a time, exp2(G_r - G_j) for r >= j (exponent <= 0), 0 above; partner row j re-read (L1 hit)
-        if UNROLL:                                   # the partner-row loads of all j can be issued early
-            for j in tl.static_range(BC):
-                d_kk, d_qk = _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, j, qr, kr, Gr, d_kk,
-                                           d_qk, stride_k, K, BC)
-        else:
-            for j in range(BC):
-                d_kk, d_qk = _akk_diag_col(k, g_in, rs_in, t0, nv, cblk, i_h, i_b * BC + j, j, qr, kr, Gr, d_kk,
-                                           d_qk, stride_k, K, BC)
-    else:
-        # running products, partner columns descending (DIAG=1: BC steps, one group; DIAG=2: BE steps, two)
-        NG: tl.constexpr = BC // DIAG
-        pd = tl.zeros([BC, K], dtype=tl.float32)
-        Ga1 = tl.zeros([K], dtype=tl.float32)
-        Gb1 = tl.zeros([K], dtype=tl.float32)
-        if UNROLL:
-            for jj in tl.static_range(NG):
-                pd, Ga1, Gb1, d_kk, d_qk = _akk_prod_step(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, NG - 1 - jj, qr,
-                                                          kr, pd, Ga1, Gb1, d_kk, d_qk, stride_k, K, BC, NG)
-        else:
-            for jj in range(NG):
-                pd, Ga1, Gb1, d_kk, d_qk = _akk_prod_step(k, g_in, rs_in, t0, nv, cblk, i_h, i_b, NG - 1 - jj, qr,
-                                                          kr, pd, Ga1, Gb1, d_kk, d_qk, stride_k, K, BC, NG)
-    # Aqk rows of R: off-diagonal columns (zeros right of the diagonal block) and the diagonal block
-    tl.store(a_out + (cblk + rr)[:, None] * BT + cols[None, :], acc_qk.to(a_out.dtype.element_ty),
-             mask=((cols < i_b * BC) | (cols >= i_b * BC + BC))[None, :])
-    tl.store(a_out + (cblk + rr)[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(a_out.dtype.element_ty))
-    tl.store(x_out + (cblk + rr)[:, None] * BT + cols[None, :], acc_kk * beta[:, None],
-             mask=(cols < i_b * BC)[None, :])
-    # (I + L_ii)^-1 by forward substitution: X[r] = e_r - sum_{c<r} L[r, c] X[c]
-    lt = tl.trans(tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0))   # lt[c, r] = L[r, c]
-    di = tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)
-    for r in range(1, BC):
-        a_r = tl.sum(tl.where((r16 == r)[None, :], lt, 0.0), 1)                        # [BC] over c (axis 0)
-        nr = tl.sum(a_r[:, None] * di, 0)                                              # [BC] over columns
-        di = tl.where((r16 == r)[:, None], di - nr[None, :], di)
-    tl.store(x_out + (cblk + rr)[:, None] * BT + (i_b * BC + r16)[None, :], di)
 
 
 @triton.jit
 def _akk_off_block(pk, pg, prs, nv, j, c, cm, Gn, qe, ke, ok, oq, stride_k, K: tl.constexpr, BC: tl.constexpr,
                    PREC: tl.constexpr):
-    """DIAG=3, off-diagonal column block j (chunk rows [j BC, (j+1) BC), all before the anchor n) on one K tile:
+    """akk, off-diagonal column block j (chunk rows [j BC, (j+1) BC), all before the anchor n) on one K tile:
     ok / oq += (x_r exp2(G_r - G_n)) . (kn_s exp2(G_n - G_s)) (the row sides qe / ke come in scaled).
     pk / pg / prs: the chunk's row-0 bases of k, G and rs (scalar 64-bit; in-tile offsets stay 32-bit)."""
     cols = j * BC + tl.arange(0, BC)
@@ -486,7 +275,7 @@ def _akk_off_block(pk, pg, prs, nv, j, c, cm, Gn, qe, ke, ok, oq, stride_k, K: t
 @triton.jit
 def _akk_level(pg, i_b, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
                PREC: tl.constexpr):
-    """DIAG=3, level hb of the diagonal block on one K tile: the rows r of R with bit hb set pair with the rows s of
+    """akk, level hb of the diagonal block on one K tile: the rows r of R with bit hb set pair with the rows s of
     the lower half of their aligned 2 hb-block through the anchor n = the first row of the upper half (s < n <= r):
         (x_r exp2(G_r - G_n)) . (kn_s exp2(G_n - G_s)),  both factors <= 1.
     One exp2 tile e = exp2(-|G - G_n(row)|) serves both sides; the operands are unmasked (every factor <= 1, so the
@@ -505,7 +294,7 @@ def _akk_level(pg, i_b, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.const
 
 @triton.jit
 def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
-    """DIAG=3: add level hb's pairs (r with bit hb set, s without, same aligned 2 hb-block) to the diagonal block."""
+    """akk: add level hb's pairs (r with bit hb set, s without, same aligned 2 hb-block) to the diagonal block."""
     r16 = tl.arange(0, BC)
     up = (r16 & hb) != 0
     sel = (((r16[:, None] ^ r16[None, :]) < 2 * hb) & up[:, None]) & (~up)[None, :]
@@ -514,7 +303,7 @@ def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def _akk_store_off(pa, px, rr, i_b, j: tl.constexpr, ok, oq, beta, BT: tl.constexpr, BC: tl.constexpr):
-    """DIAG=3: column block j != i of the rows R: Aqk (oq for j < i, zeros for j > i) and X = beta Dkk for j < i
+    """akk: column block j != i of the rows R: Aqk (oq for j < i, zeros for j > i) and X = beta Dkk for j < i
     (the diagonal block i of both is stored separately). pa / px: the chunk's row-0 bases of Aqk and X."""
     r16 = tl.arange(0, BC)
     jj = tl.zeros([BC, BC], dtype=tl.int32) + j
@@ -525,7 +314,7 @@ def _akk_store_off(pa, px, rr, i_b, j: tl.constexpr, ok, oq, beta, BT: tl.conste
 
 @triton.jit
 def _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K: tl.constexpr):
-    """DIAG=3: the rows R on one K tile: qn (scale folded in), kn, G (log2 units)."""
+    """akk: the rows R on one K tile: qn (scale folded in), kn, G (log2 units)."""
     m2 = rmask[:, None] & cm[None, :]
     qr = tl.load(pq + rr[:, None] * stride_q + c[None, :], mask=m2, other=0.0).to(tl.float32)
     kr = tl.load(pk + rr[:, None] * stride_k + c[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -540,13 +329,18 @@ def _kda_akk_lv_kernel(
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, SPLITK: tl.constexpr = 0,
 ):
-    """AKK_DIAG=3 akk (same grid and outputs as ``_kda_akk_kernel``; meant for num_warps=1): rows R = [i BC, (i+1) BC)
-    of Aqk / Dkk with every pair on the tensor cores and every exponent <= 0:
+    """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head), meant for num_warps=1: the rows
+    R = [i BC, (i+1) BC) of
+         Aqk[r, s] = sum_d qn[r,d] kn[s,d] exp2(G[r,d] - G[s,d])  (s <= r)    -> a_out (the contract, zeros above)
+         Dkk[r, s] = same with kn[r]                              (s < r)
+    with every pair on the tensor cores and every exponent <= 0:
       off-diagonal: one [BC, BK] x [BK, BC] dot pair per earlier column block j < i (a warp-uniform branch, so
-        sub-chunk 0 does none; the default computes all BT columns masked), anchor n = i BC;
+        sub-chunk 0 does none), anchor n = i BC: (x_r exp2(G_r - G_n)) . (kn_s exp2(G_n - G_s)), both factors <= 1;
       diagonal block: level anchors hb = BC/2, ..., 1 (_akk_level), 4 exp2 tiles per K tile for BC = 16 instead of
-        the default's BC x BC x K exp2 and 2 BC cross-lane K reductions per block; s = r of Aqk: sum qn kn.
-    Then the same block forward substitution as ``_kda_akk_kernel``.
+        BC x BC x K exp2 and 2 BC cross-lane K reductions per block; s = r of Aqk: sum qn kn.
+    SPLITK=1: the off-diagonal blocks and the levels in two passes over K (fewer live accumulators).
+    Then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted (fp32). x_out [rows, BT] fp32: columns
+    < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di (columns above are not written).
     (Offline sm_90, Triton 3.6: at 2 or 4 warps these [16, x] tiles are replicated in every warp (the dot-operand
     layouts), so 1 warp does the same work with a quarter of the issue slots.)"""
     tl.static_assert((BT == 64) & (BC == 16))           # 3 off-diagonal column blocks, 4 levels
@@ -653,12 +447,11 @@ def _kda_wu_kernel(
     k, v, g_in, rs_in, x_in, chunk_offsets, cu_seqlens, n_seq, w_out, u_out,
     stride_k, stride_v,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, KB: tl.constexpr = 0,
+    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
     """Intra launch 3, grid (chunk, head): M = (I + L)^-1 = sum_j (-N)^j Di with N = Di L_off (strictly block-lower,
     N^(BT/BC) = 0), from x_in (Di on the diagonal blocks, L_off below); then w = M (beta kn exp2(G)), u = M (beta v)
-    as [BT, BT] x [BT, BK|BV] dots. KB=1: beta kn exp2(G) is read from w_out (parked there by prep) and w written
-    over it, tile by tile."""
+    as [BT, BT] x [BT, BK|BV] dots."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -682,14 +475,9 @@ def _kda_wu_kernel(
         c = kb + tl.arange(0, BK)
         cm = c < K
         m2 = rmask[:, None] & cm[None, :]
-        if KB:
-            xw = tl.load(w_out + (cblk + rows)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
-            wv = tl.dot(m, xw.to(tl.float32), input_precision=PREC)
-            tl.debug_barrier()                           # every thread has read its part of the tile
-        else:
-            bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            G = tl.load(g_in + (cblk + rows)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
-            wv = tl.dot(m, bk * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
+        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        G = tl.load(g_in + (cblk + rows)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
+        wv = tl.dot(m, bk * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
         tl.store(w_out + (cblk + rows)[:, None] * K + c[None, :], wv.to(w_out.dtype.element_ty), mask=cm[None, :])
     for vb in range(0, V, BV):
         c = vb + tl.arange(0, BV)
@@ -729,13 +517,13 @@ def _kda_akk_fused_kernel(
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, UNROLL: tl.constexpr = 1, DIAG: tl.constexpr = 0,
 ):
-    """PREP_FUSED=1 akk, grid (chunk x row sub-chunk i (fastest), head): the outputs of ``_kda_akk_kernel`` (Aqk,
+    """PREP_FUSED=1 akk, grid (chunk x row sub-chunk i (fastest), head): the outputs of ``_kda_akk_lv_kernel`` (Aqk,
     X) plus rs [rows, 4] = (rq, rk, beta) for rows R, with no prep pass before it: the gate cumsum G (log2 units)
     is recomputed per K tile from z (rows < (i+1) BC of the chunk, L2 hits after the first sub-chunk) and the L2
     norms are accumulated over the K tiles and applied to the finished sums (Aqk[r, s] and Dkk[r, s] are bilinear
     in (x_r, k_s): scaling by rq_r / rk_r and rk_s afterwards is exact). So the diagonal block is done per K tile
-    too (DIAG 0 or 1 only; partner rows' G taken from the tile in registers, k re-read from L1). Every exponent
-    is <= 0 as in the default."""
+    too, on CUDA cores (DIAG 0: exact exp2 per pair and channel; 1: running products of per-token factors; partner
+    rows' G taken from the tile in registers, k re-read from L1). Every exponent is <= 0 as in the default."""
     i_b = tl.program_id(0) % (BT // BC)
     i_c = tl.program_id(0) // (BT // BC)
     i_h = tl.program_id(1)
@@ -800,7 +588,7 @@ def _kda_akk_fused_kernel(
     acc_qk = acc_qk * rq[:, None] * rk_c[None, :]
     d_kk = d_kk * rk[:, None] * rk[None, :]
     d_qk = d_qk * rq[:, None] * rk[None, :]
-    # from here as _kda_akk_kernel: Aqk rows of R, beta-scaled Dkk below the diagonal blocks, block inverse
+    # Aqk rows of R, beta-scaled Dkk below the diagonal blocks, the diagonal block's inverse by forward substitution
     tl.store(a_out + (cblk + rr)[:, None] * BT + cols[None, :], acc_qk.to(a_out.dtype.element_ty),
              mask=((cols < i_b * BC) | (cols >= i_b * BC + BC))[None, :])
     tl.store(a_out + (cblk + rr)[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(a_out.dtype.element_ty))
@@ -876,219 +664,6 @@ def _kda_wu_fused_kernel(
         bv = tl.load(v + tok[:, None] * stride_v + i_h * V + c[None, :], mask=m2, other=0.0).to(tl.float32)
         uv = tl.dot(m, bv * beta[:, None], input_precision=PREC)
         tl.store(u_out + (cblk + rows)[:, None] * V + c[None, :], uv.to(u_out.dtype.element_ty), mask=cm[None, :])
-
-
-# ------------------------------------------------- INTRA_FUSED = 1: prep + akk + wu in one program per chunk-head
-@triton.jit
-def _kda_intra_kernel(
-    q, k, v, z, A_log, dt_bias, b, chunk_offsets, cu_seqlens, n_seq,
-    qg_out, kg_out, gl_out, w_out, u_out, a_out, g_scr,
-    stride_q, stride_k, stride_v, stride_z, stride_b, scale,
-    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOG_BT: tl.constexpr, FAST: tl.constexpr = 0,
-    CS: tl.constexpr = 0,
-):
-    """INTRA_FUSED=1, grid (chunk, head): the whole intra stage (prep, akk and wu) of one chunk in one program, with
-    no fp32 scratch in HBM (G, rs, X stay on chip).
-    Dqk / Dkk [BT, BT] by level anchors on the tensor cores only, for every pair s < r including the diagonal
-    blocks: pair (r, s) belongs to level b = the highest bit in which r and s differ (b = 32, 16, ..., 1), i.e. s
-    and r sit in the lower / upper half of one aligned 2b-row block whose anchor is its row n = first row of the
-    upper half (s < n <= r). Per level and K tile one exp2 tile e = exp2(-|G - G_n(row)|) serves both sides:
-        rows  r >= n:  x_r exp2(G_r - G_n)     columns  s < n:  k_s exp2(G_n - G_s)      (both factors <= 1)
-    and one [BT, BK] x [BK, BT] dot per operand (q, k), masked to the level's blocks (cross-block products are
-    finite garbage, dropped). 6 exp2 tiles per K tile replace the default's 16 x 16 x K exp2 per sub-chunk
-    diagonal block. The diagonal s = r of Aqk is sum_d q_d k_d (exp2(0) = 1).
-    Then L = diag(beta) StrictTril(Dkk); the 4 diagonal 16 x 16 blocks of (I + L)^-1 by forward substitution (fp32,
-    on a [4, 16, 16] view), M = sum_j (-N)^j Di with N = Di L_off (dots), w = M (beta kn exp2(G)) and u = M (beta v).
-    beta kn exp2(G) is parked in w_out between the first K pass and the w dot (re-read from L2 by the same
-    program: one rounding to the storage dtype, as fla's bf16 w/u MMA operands)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    if i_c >= tl.load(chunk_offsets + n_seq):
-        return
-    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < (eos - t0)
-    cblk = (i_c.to(tl.int64) * H + i_h) * BT
-    # scalar 64-bit bases + 32-bit in-tile offsets (small address tensors)
-    p_q = q + t0 * stride_q + i_h * K
-    p_k = k + t0 * stride_k + i_h * K
-    p_z = z + t0 * stride_z + i_h * K
-    p_g = g_scr + cblk * K                               # G scratch, own chunk rows [BT, K] fp32
-    p_w = w_out + cblk * K
-    o_q = rows[:, None] * stride_q
-    o_k = rows[:, None] * stride_k
-    o_s = rows[:, None] * K                              # row offsets in the [rows, K] outputs / scratch
-    # L2 norms and beta
-    sq = tl.zeros([BT], dtype=tl.float32)
-    sk = tl.zeros([BT], dtype=tl.float32)
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        m2 = rmask[:, None] & (c < K)[None, :]
-        bq = tl.load(p_q + o_q + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        bk = tl.load(p_k + o_k + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        sq += tl.sum(bq * bq, 1)
-        sk += tl.sum(bk * bk, 1)
-    rq = scale / tl.sqrt(sq + 1e-6)
-    rk = 1.0 / tl.sqrt(sk + 1e-6)
-    bb = tl.load(b + t0 * stride_b + i_h + rows * stride_b, mask=rmask, other=0.0).to(tl.float32)
-    beta = tl.where(rmask, tl.sigmoid(bb), 0.0)
-    neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
-    # pass 1 over K: G (log2 units) -> g scratch (re-read by the levels, L1 / L2), qg, kg, gl, beta kn exp2(G)
-    dqk = tl.zeros([BT], dtype=tl.float32)
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        m2 = rmask[:, None] & cm[None, :]
-        qn = tl.load(p_q + o_q + c[None, :], mask=m2, other=0.0).to(tl.float32) * rq[:, None]
-        kn = tl.load(p_k + o_k + c[None, :], mask=m2, other=0.0).to(tl.float32) * rk[:, None]
-        zz = tl.load(p_z + rows[:, None] * stride_z + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        zz = zz + tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)[None, :]
-        G = _cumsum0(tl.where(m2, neg_a * _softplus(zz, FAST), 0.0), BT, CS)           # [BT, BK], <= 0
-        gl = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), 0)                    # G of the last row
-        tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
-        o_t = o_s + c[None, :]
-        tl.store(p_g + o_t, G, mask=cm[None, :])
-        eg = tl.exp2(G)
-        tl.store(qg_out + cblk * K + o_t, (qn * eg).to(qg_out.dtype.element_ty), mask=cm[None, :])
-        tl.store(kg_out + cblk * K + o_t, (kn * tl.exp2(tl.minimum(gl[None, :] - G, 0.0)))
-                 .to(kg_out.dtype.element_ty), mask=cm[None, :])
-        tl.store(p_w + o_t, (kn * beta[:, None] * eg).to(w_out.dtype.element_ty), mask=cm[None, :])
-        dqk += tl.sum(qn * kn, 1)
-    tl.debug_barrier()                                   # g / w_out scratch written by other threads of the CTA
-    # levels (outer) x K tiles (inner): the raw-q/k sums of a level accumulate in the dot, masked once per level
-    acc_kk = tl.zeros([BT, BT], dtype=tl.float32)
-    acc_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    for lv in range(LOG_BT):                             # level blocks of 2b = BT, BT / 2, ..., 2 rows (a
-        hb = (BT // 2) >> lv                             # runtime loop: one level's registers live, not six)
-        up = (rows & hb) != 0                            # rows at / after their block's anchor
-        o_a = ((rows & ~(2 * hb - 1)) | hb)[:, None] * K                              # the anchor's scratch row
-        l_kk = tl.zeros([BT, BT], dtype=tl.float32)
-        l_qk = tl.zeros([BT, BT], dtype=tl.float32)
-        for kb in range(0, K, BK):
-            c = kb + tl.arange(0, BK)
-            cm = c < K
-            m2 = rmask[:, None] & cm[None, :]
-            bq = tl.load(p_q + o_q + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            bk = tl.load(p_k + o_k + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            G = tl.load(p_g + o_s + c[None, :], mask=cm[None, :], other=0.0)
-            Ga = tl.load(p_g + o_a + c[None, :], mask=cm[None, :], other=0.0)
-            d = G - Ga
-            e = tl.exp2(-tl.abs(d))                       # rows >= anchor: G_r - G_n; rows < anchor: G_n - G_s
-            ke = bk * e
-            ct = tl.trans(tl.where(up[:, None], 0.0, ke))                              # [BK, BT]
-            l_kk = tl.dot(tl.where(up[:, None], ke, 0.0), ct, l_kk, input_precision=PREC)
-            l_qk = tl.dot(tl.where(up[:, None], bq * e, 0.0), ct, l_qk, input_precision=PREC)
-        same = (rows[:, None] ^ rows[None, :]) < 2 * hb  # one block of the level (others: finite garbage)
-        acc_kk += tl.where(same, l_kk, 0.0)
-        acc_qk += tl.where(same, l_qk, 0.0)
-    acc_kk = acc_kk * rk[:, None] * rk[None, :]          # the L2 norms (the sums are bilinear in x_r, k_s)
-    acc_qk = acc_qk * rq[:, None] * rk[None, :]
-    # Aqk (scale folded into rq): levels give s < r (exact zeros above the diagonal), + the diagonal
-    aqk = acc_qk + tl.where(rows[:, None] == rows[None, :], dqk[:, None], 0.0)
-    tl.store(a_out + cblk * BT + rows[:, None] * BT + rows[None, :], aqk.to(a_out.dtype.element_ty))
-    # (I + L)^-1, L = diag(beta) StrictTril(Dkk): diagonal BC-blocks on a [NB, BC, BC] view by forward substitution
-    NB: tl.constexpr = BT // BC
-    lmat = acc_kk * beta[:, None]
-    i0 = tl.arange(0, NB)[:, None, None, None]
-    i2 = tl.arange(0, NB)[None, None, :, None]
-    l3 = tl.sum(tl.where(i0 == i2, tl.reshape(lmat, (NB, BC, NB, BC)), 0.0), 2)   # l3[j, r, c] = L[jBC+r, jBC+c]
-    ir = tl.arange(0, BC)[None, :, None]
-    ic = tl.arange(0, BC)[None, None, :]
-    di3 = tl.where(ir == ic, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-    for r in range(1, BC):
-        a_r = tl.sum(tl.where(ir == r, l3, 0.0), 1)                                    # [NB, BC]: L[r, c]
-        nr = tl.sum(a_r[:, :, None] * di3, 1)                                          # sum_c L[r, c] X[c, :]
-        di3 = tl.where(ir == r, di3 - nr[:, None, :], di3)
-    di = tl.reshape(tl.where(i0 == i2, tl.expand_dims(di3, 2), 0.0), (BT, BT))          # block-diagonal Di
-    rb = rows // BC
-    lo = tl.where(rb[:, None] > rb[None, :], lmat, 0.0)
-    nmat = tl.dot(di, lo, input_precision=PREC)
-    m = di
-    for _ in tl.static_range(NB - 1):
-        m = di - tl.dot(nmat, m, input_precision=PREC)
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        xw = tl.load(p_w + o_s + c[None, :], mask=cm[None, :], other=0.0).to(tl.float32)
-        wv = tl.dot(m, xw, input_precision=PREC)
-        tl.debug_barrier()                               # every thread has read its xw before any overwrite
-        tl.store(p_w + o_s + c[None, :], wv.to(w_out.dtype.element_ty), mask=cm[None, :])
-    p_v = v + t0 * stride_v + i_h * V
-    for vb in range(0, V, BV):
-        c = vb + tl.arange(0, BV)
-        cm = c < V
-        m2 = rmask[:, None] & cm[None, :]
-        bv = tl.load(p_v + rows[:, None] * stride_v + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        uv = tl.dot(m, bv * beta[:, None], input_precision=PREC)
-        tl.store(u_out + cblk * V + rows[:, None] * V + c[None, :], uv.to(u_out.dtype.element_ty),
-                 mask=cm[None, :])
-
-
-@triton.jit
-def _kda_state_kernel(
-    qg_in, kg_in, w_in, u_in, a_in, gl_in, o, rec_state,
-    cu_seqlens, chunk_offsets, state_slots, has_initial_state, n_seq, n_tok,
-    stride_o, stride_s,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MM: tl.constexpr,
-):
-    i_v = tl.program_id(0)
-    i_n = tl.program_id(1)
-    i_h = tl.program_id(2)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    slot = tl.load(state_slots + i_n).to(tl.int64)
-    h0i = tl.load(has_initial_state + i_n).to(tl.int32)
-    nt = ((eos - bos + BT - 1) // BT).to(tl.int32)
-
-    kk = tl.arange(0, K)
-    vv = i_v * BV + tl.arange(0, BV)
-    rows = tl.arange(0, BT)
-    # scalar 64-bit bases + 32-bit in-tile offsets (keeps the address tensors small)
-    o_kv = kk[:, None] * V + vv[None, :]
-    o_bk = rows[:, None] * K + kk[None, :]
-    o_kbt = kk[:, None] + rows[None, :] * K
-    o_bv = rows[:, None] * V + vv[None, :]
-    o_bb = rows[:, None] * BT + rows[None, :]
-    p_h = rec_state + slot * stride_s + i_h * K * V
-    h = tl.load(p_h + o_kv).to(tl.float32)
-    h = tl.where(h0i != 0, h, 0.0)
-    dt = w_in.dtype.element_ty
-
-    for it in range(nt):
-        cg = c0 + it
-        r0 = (cg * H + i_h) * BT
-        b_w = tl.load(w_in + r0 * K + o_bk)
-        b_qg = tl.load(qg_in + r0 * K + o_bk)
-        b_kgt = tl.load(kg_in + r0 * K + o_kbt)                       # [K, BT]
-        b_u = tl.load(u_in + r0 * V + o_bv).to(tl.float32)
-        b_a = tl.load(a_in + r0 * BT + o_bb)
-        b_gl = tl.load(gl_in + (cg * H + i_h) * K + kk)
-        hb = h.to(dt)
-        vn = b_u - _mm(b_w, hb, PREC, MM)
-        vnb = vn.to(dt)
-        b_o = _mm(b_qg, hb, PREC, MM) + _mm(b_a, vnb, PREC, MM)
-        t_rel = it * BT + rows
-        tl.store(o + (bos + it * BT) * stride_o + i_h * V + (rows[:, None] * stride_o + vv[None, :]),
-                 b_o.to(o.dtype.element_ty), mask=(t_rel < eos - bos)[:, None])
-        h = h * tl.exp2(b_gl)[:, None] + _mm(b_kgt, vnb, PREC, MM)
-
-    tl.store(p_h + o_kv, h.to(rec_state.dtype.element_ty))
-
-    # tokens outside [cu[0], cu[-1]) get zeros (first / last sequence's programs)
-    zero = tl.zeros([BT, BV], dtype=o.dtype.element_ty)
-    if i_n == 0:
-        for t0z in range(0, bos.to(tl.int32), BT):
-            tz = t0z + rows
-            tl.store(o + tz.to(tl.int64)[:, None] * stride_o + i_h * V + vv[None, :], zero,
-                     mask=(tz < bos)[:, None])
-    if i_n == n_seq - 1:
-        for t0z in range(eos.to(tl.int32), n_tok, BT):
-            tz = t0z + rows
-            tl.store(o + tz.to(tl.int64)[:, None] * stride_o + i_h * V + vv[None, :], zero,
-                     mask=(tz < n_tok)[:, None])
 
 
 @triton.jit
@@ -1216,15 +791,14 @@ def _kda_out_kernel(
              b_o.to(o.dtype.element_ty), mask=(rows < eos - t0)[:, None])
 
 
-def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16: bool = True, state_bv: int = 64,
-                   state_warps: int = 8, hpass_bv: Optional[int] = None, out_bv: Optional[int] = None,
-                   which: Sequence[str] = ("state", "hpass", "out", "prep", "akk", "wu")
-                   ) -> dict:
+def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16: bool = True,
+                   hpass_bv: Optional[int] = None, out_bv: Optional[int] = None,
+                   which: Sequence[str] = ("hpass", "out", "prep", "akk", "wu")) -> dict:
     """Compile the kernels offline for sm_<arch> (no GPU needed; Triton's bundled ptxas) at Kimi shapes and
     return {name: (registers, spill stack bytes, shared bytes)}. Run without TRITON_INTERPRET.
-    state = old fused state+output
-    kernel at (state_bv, state_warps); hpass / out = split-path kernels at (hpass_bv or 16, HPASS_NUM_WARPS) /
-    (out_bv or OUT_BV, OUT_NUM_WARPS); prep / akk / wu = the intra kernels at the module constants."""
+    hpass / out = the state pass and output kernels at (hpass_bv or 16, HPASS_NUM_WARPS) / (out_bv or OUT_BV,
+    OUT_NUM_WARPS); prep / akk / wu = the intra kernels at the module constants; akk_fused / wu_fused = the
+    PREP_FUSED intra kernels."""
     import re
     import subprocess
 
@@ -1235,12 +809,6 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
     prec = "tf32" if bf16 else "ieee"
     mm = 1 if bf16 else 0
     specs = {
-        "state": (_kda_state_kernel,
-                  dict(qg_in=sd, kg_in=sd, w_in=sd, u_in=sd, a_in=sd, gl_in="*fp32", o=lp, rec_state="*fp32",
-                       cu_seqlens="*i32", chunk_offsets="*i32", state_slots="*i32", has_initial_state="*i8",
-                       n_seq="i32", n_tok="i32", stride_o="i32", stride_s="i32"),
-                  dict(H=H, K=K, V=V, BT=BT, BV=state_bv, PREC=prec, MM=mm),
-                  dict(num_warps=state_warps, num_stages=STATE_NUM_STAGES)),
         "hpass": (_kda_hpass_kernel,
                   dict(kg_in=sd, w_in=sd, u_in=sd, gl_in="*fp32", h_out=sd, vn_out=sd, o=lp, rec_state="*fp32",
                        cu_seqlens="*i32", chunk_offsets="*i32", state_slots="*i32", has_initial_state="*i8",
@@ -1261,30 +829,24 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "prep": (_kda_prep_kernel,
                  dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", g_out="*fp32",
-                      rs_out="*fp32", w_out=sd, stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32",
-                      scale="fp32"),
-                 dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT),
-                      KB=int(WU_KB)),
+                      rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
+                 dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT)),
                  dict(num_warps=PREP_NUM_WARPS)),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK)),
-                dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))) if int(AKK_DIAG) == 3 else
-               (_kda_akk_kernel,
-                dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32", stride_k="i32"),
-                dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
-                     DIAG=int(AKK_DIAG)), dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
+                dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
-               dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                    KB=int(WU_KB)),
+               dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec),
                dict(num_warps=WU_NUM_WARPS)),
         "akk_fused": (_kda_akk_fused_kernel,
                       dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
                            cu_seqlens="*i32", n_seq="i32", a_out=sd, x_out="*fp32", rs_out="*fp32", stride_q="i32",
                            stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
-                      dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
-                           DIAG=int(AKK_DIAG)), dict(num_warps=AKK_NUM_WARPS)),
+                      dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, PREP_FUSED_BK), PREC=prec,
+                           UNROLL=int(PREP_FUSED_UNROLL), DIAG=int(PREP_FUSED_DIAG)),
+                      dict(num_warps=PREP_FUSED_NUM_WARPS)),
         "wu_fused": (_kda_wu_fused_kernel,
                      dict(q=lp, k=lp, v=lp, z=lp, A_log="*fp32", dt_bias="*fp32", rs_in="*fp32", x_in="*fp32",
                           chunk_offsets="*i32", cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd,
@@ -1292,14 +854,6 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                           stride_z="i32"),
                      dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec),
                      dict(num_warps=WU_NUM_WARPS)),
-        "intra": (_kda_intra_kernel,
-                  dict(q=lp, k=lp, v=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
-                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", w_out=sd, u_out=sd,
-                       a_out=sd, g_scr="*fp32", stride_q="i32", stride_k="i32", stride_v="i32", stride_z="i32",
-                       stride_b="i32", scale="fp32"),
-                  dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
-                       LOG_BT=BT.bit_length() - 1, FAST=int(FAST_SOFTPLUS), CS=int(INTRA_CUMSUM_DOT)),
-                  dict(num_warps=INTRA_NUM_WARPS, num_stages=INTRA_NUM_STAGES, **_maxnreg(INTRA_MAXNREG))),
     })
     specs = {n: specs[n] for n in which}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -1339,19 +893,11 @@ def _is_pow2(x: int) -> bool:
     return x >= 16 and (x & (x - 1)) == 0
 
 
-def _split_enabled() -> bool:
-    return SPLIT if _FORCE_SPLIT is None else _FORCE_SPLIT
-
-
-_FORCE_SPLIT = None   # tests / bench override of SPLIT without touching the module default
-
-
 def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o, P, T, H, K, V, cu_seqlens_cpu,
           buffers=None):
     """Allocate the scratch and return the launches in order as {stage name: zero-argument callable} (the bench
     times the stages one by one). ``buffers`` (a dict) receives the intra outputs qg, kg, w, u, a, gl (tests)."""
     dev = q.device
-    split = _split_enabled()
     # varlen metadata on device (no host sync): chunk_offsets[n] = chunks before sequence n; the chunk-parallel
     # grids use the upper bound cdiv(T, BT) + P (exact when cu_seqlens_cpu is given); surplus programs exit at once
     chunk_offsets = torch.zeros(P + 1, dtype=torch.int32, device=dev)
@@ -1381,35 +927,29 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     if NT > 0:
         # intra scratch: G [rows, K] fp32 (log2 units), rs [rows, 4] fp32 (rq, rk, beta), x [rows, BT] fp32
         # (block inverses + beta-scaled off-diagonal Dkk)
-        g2 = None if (PREP_FUSED and not INTRA_FUSED) else torch.empty(n_rows, K, dtype=torch.float32, device=dev)
-        rs = None if INTRA_FUSED else torch.empty(n_rows, 4, dtype=torch.float32, device=dev)
-        xs = None if INTRA_FUSED else torch.empty(n_rows, BT, dtype=torch.float32, device=dev)
+        g2 = None if PREP_FUSED else torch.empty(n_rows, K, dtype=torch.float32, device=dev)
+        rs = torch.empty(n_rows, 4, dtype=torch.float32, device=dev)
+        xs = torch.empty(n_rows, BT, dtype=torch.float32, device=dev)
 
         def prep():
             return _kda_prep_kernel[(NT, H)](
-                q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs, w,
+                q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
                 q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
-                PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), CS=int(CUMSUM_DOT), KB=int(WU_KB),
+                PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), CS=int(CUMSUM_DOT),
                 num_warps=PREP_NUM_WARPS,
             )
 
         def akk():
-            if int(AKK_DIAG) == 3:
-                return _kda_akk_lv_kernel[(BT // BC * NT, H)](
-                    q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
-                    PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                    num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
-                )
-            return _kda_akk_kernel[(BT // BC * NT, H)](
+            return _kda_akk_lv_kernel[(BT // BC * NT, H)](
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
-                PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
-                DIAG=int(AKK_DIAG), num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
+                PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
+                num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
             )
 
         def wu():
             return _kda_wu_kernel[(NT, H)](
                 k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
-                PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec, KB=int(WU_KB),
+                PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
                 num_warps=WU_NUM_WARPS,
             )
 
@@ -1417,8 +957,8 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_akk_fused_kernel[(BT // BC * NT, H)](
                 q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, a, xs, rs,
                 q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
-                PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, UNROLL=int(AKK_UNROLL),
-                DIAG=int(AKK_DIAG), num_warps=AKK_NUM_WARPS,
+                PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, PREP_FUSED_BK), PREC=prec, UNROLL=int(PREP_FUSED_UNROLL),
+                DIAG=int(PREP_FUSED_DIAG), num_warps=PREP_FUSED_NUM_WARPS,
             )
 
         def wu_fused():
@@ -1428,20 +968,9 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
                 num_warps=WU_NUM_WARPS,
             )
-        def intra():
-            return _kda_intra_kernel[(NT, H)](
-                q, k, v, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, w, u, a, g2,
-                q.stride(0), k.stride(0), v.stride(0), z.stride(0), b.stride(0), float(scale),
-                PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, INTRA_BK), BV=min(V, INTRA_BV), PREC=prec,
-                LOG_BT=BT.bit_length() - 1, FAST=_fast_softplus(), CS=int(INTRA_CUMSUM_DOT),
-                num_warps=INTRA_NUM_WARPS,
-                num_stages=INTRA_NUM_STAGES,
-                **_maxnreg(INTRA_MAXNREG),
-            )
-        if INTRA_FUSED:
-            launches["intra"] = intra
-        elif PREP_FUSED:
-            assert int(AKK_DIAG) in (0, 1), "PREP_FUSED supports AKK_DIAG 0 and 1"
+
+        if PREP_FUSED:
+            assert int(PREP_FUSED_DIAG) in (0, 1), "PREP_FUSED_DIAG must be 0 or 1"
             launches["akk"] = akk_fused
             launches["wu"] = wu_fused
         else:
@@ -1449,22 +978,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             launches["akk"] = akk
             launches["wu"] = wu
 
-    if not split:
-        bv = STATE_BV or (64 if _interpreting() or triton.cdiv(V, 64) * P * H >= 2 * nsm else 32)
-        bv = min(V, bv)
-
-        def state():
-            return _kda_state_kernel[(triton.cdiv(V, bv), P, H)](
-                qg, kg, w, u, a, gl, o, rec_state,
-                cu_dev, chunk_offsets, slots, hi, P, T,
-                o.stride(0), rec_state.stride(0),
-                H=H, K=K, V=V, BT=BT, BV=bv, PREC=prec, MM=mm,
-                num_warps=STATE_NUM_WARPS or (8 if bv >= 64 else 4), num_stages=STATE_NUM_STAGES,
-            )
-        launches["state+out"] = state
-        return launches
-
-    # split path: per-chunk start states h_c [NT, H, K, V] and vn [NT*H*BT, V], both in the MMA operand dtype
+    # per-chunk start states h_c [NT, H, K, V] and vn [NT*H*BT, V], both in the MMA operand dtype
     hs = torch.empty(max(NT, 1) * H * K, V, dtype=sdt, device=dev)
     vn = torch.empty(n_rows, V, dtype=sdt, device=dev)
     hbv = HPASS_BV

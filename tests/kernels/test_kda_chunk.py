@@ -2,9 +2,8 @@
 
 CPU: TRITON_INTERPRET=1 at small shapes (H=2, K=16, V=32: K != V so a transposed state cannot pass).
 GPU (@gpu): Kimi shapes H=32, K=V=128, bf16.
-Every test runs on two paths, both with the intra launches prep -> akk -> wu: "fused" (old fused state+output
-kernel) and "split" (state pass storing h_c / vn -> parallel output kernel; the default), selected through
-kernels.kda.chunk._FORCE_SPLIT.
+The path under test: the intra launches prep -> akk -> wu, then the state pass storing h_c / vn -> the parallel
+output kernel; module-constant A/B variants are compared with it (test_variants_match_default_fp32).
 Run: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_kda_chunk.py -q
 """
 import math
@@ -21,14 +20,6 @@ from kernels.kda.ref import kda_core_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
-
-@pytest.fixture(autouse=True, params=["fused", "split"])
-def kda_path(request, monkeypatch):
-    """fused: intra + old fused state/output kernel; split: intra + state pass + parallel output (the default)."""
-    import kernels.kda.chunk as chunk_mod
-
-    monkeypatch.setattr(chunk_mod, "_FORCE_SPLIT", request.param != "fused")
-    return request.param
 FP32_TOL = 2e-5     # fp32 inputs, IEEE dots, vs fp64 recurrence (observed ~1e-6; strong gates lose a few ulps of G)
 BF16_TOL = 5e-3     # fla's get_err_ratio threshold (GPU)
 # The Triton interpreter rounds fp32 -> bf16 toward zero (a biased 1-ulp error instead of RNE's half ulp), and the
@@ -242,26 +233,22 @@ def test_gpu_fp32_and_split():
     assert rel_rms(pool_b[2], pool_a[2]) <= 1e-4
 
 
-@pytest.mark.parametrize("diag,fused", [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (0, 2)])
-def test_tiling_fp32(kda_path, monkeypatch, diag, fused):
+@pytest.mark.parametrize("fused,diag", [(0, None), (1, 0), (1, 1)])
+def test_tiling_fp32(monkeypatch, fused, diag):
     """Several K tiles in the intra kernels and several V tiles in every kernel (as at K = V = 128 on the GPU),
-    for each akk diagonal variant (DIAG=2 does its anchored 8x8 dot per K tile), PREP_FUSED (fused=1: norms summed
-    over the K tiles and applied afterwards, the diagonal block per K tile) and INTRA_FUSED (fused=2: every level's
-    sums accumulated over the K tiles, w parked per K tile, u per V tile)."""
-    if fused and kda_path != "split":
-        pytest.skip("PREP_FUSED / INTRA_FUSED change only the intra launches, shared by both paths")
+    for the default intra launches (akk in two K passes) and PREP_FUSED with either diagonal mode (PREP_FUSED_DIAG;
+    norms summed over the K tiles and applied afterwards, the diagonal block per K tile); the state pass with and
+    without HPASS_PREFETCH, both output grid orders."""
     import kernels.kda.chunk as chunk_mod
 
-    monkeypatch.setattr(chunk_mod, "AKK_DIAG", diag)
-    monkeypatch.setattr(chunk_mod, "PREP_FUSED", int(fused == 1))
-    monkeypatch.setattr(chunk_mod, "INTRA_FUSED", int(fused == 2))
-    monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", diag % 2)
-    monkeypatch.setattr(chunk_mod, "AKK_LV_SPLITK", int(diag == 3))   # (the variants test runs DIAG=3 unsplit)
-    monkeypatch.setattr(chunk_mod, "WU_KB", int(diag == 3))           # (w's operand parked by prep, 2 K tiles)
-    monkeypatch.setattr(chunk_mod, "OUT_VFAST", int(diag == 3))       # (2 V tiles of 32 in the output grid)
-    for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV", "INTRA_BK", "INTRA_BV"):
+    monkeypatch.setattr(chunk_mod, "PREP_FUSED", fused)
+    if fused:
+        monkeypatch.setattr(chunk_mod, "PREP_FUSED_DIAG", diag)
+    monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", int(not fused or diag == 1))
+    monkeypatch.setattr(chunk_mod, "AKK_LV_SPLITK", 1)                # (the variants test runs it unsplit)
+    monkeypatch.setattr(chunk_mod, "OUT_VFAST", int(not fused))       # (2 V tiles of 32 in the output grid)
+    for name in ("PREP_BK", "AKK_BK", "PREP_FUSED_BK", "WU_BK", "WU_BV"):
         monkeypatch.setattr(chunk_mod, name, 16)
-    monkeypatch.setattr(chunk_mod, "STATE_BV", 16)
     monkeypatch.setattr(chunk_mod, "HPASS_BV", 16)
     monkeypatch.setattr(chunk_mod, "OUT_BV", 32)
     T = 100
@@ -271,30 +258,23 @@ def test_tiling_fp32(kda_path, monkeypatch, diag, fused):
 
 
 @pytest.mark.slow
-def test_sm90_offline_compile_no_spills(kda_path):
-    """Every kernel compiles for sm_90 at Kimi shapes (bf16) without register spills and within H200 shared memory
-    (both paths at once: runs once). Offline (Triton's bundled ptxas), in a subprocess without TRITON_INTERPRET."""
-    if kda_path != "split":
-        pytest.skip("compiles every kernel of all paths in the 'split' run")
+def test_sm90_offline_compile_no_spills():
+    """Every kernel compiles for sm_90 at Kimi shapes (bf16) without register spills and within H200 shared memory.
+    Offline (Triton's bundled ptxas), in a subprocess without TRITON_INTERPRET."""
     import json
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import json, kernels.kda.chunk as c; "
-            "print(json.dumps({'bv64': c.compile_report(state_bv=64, state_warps=8, hpass_bv=64, out_bv=128), "
-            "'bv32': c.compile_report(state_bv=32, state_warps=4, hpass_bv=32, which=('state', 'hpass')), "
+            "print(json.dumps({'bv64': c.compile_report(hpass_bv=64, out_bv=128), "
+            "'bv32': c.compile_report(hpass_bv=32, which=('hpass',)), "
             "'bv16': c.compile_report(hpass_bv=16, which=('hpass',)), "
-            "'prep_fused': (setattr(c, 'AKK_DIAG', 0), setattr(c, 'AKK_NUM_WARPS', 4), setattr(c, 'AKK_BK', 32), "
-            "c.compile_report(which=('akk_fused', 'wu_fused')))[-1], "
-            "'intra_fused': c.compile_report(which=('intra',)), "
-            "'fast_softplus': (setattr(c, 'FAST_SOFTPLUS', 1), c.compile_report(which=('prep', 'intra')))[1], "
+            "'prep_fused': c.compile_report(which=('akk_fused', 'wu_fused')), "
+            "'fast_softplus': (setattr(c, 'FAST_SOFTPLUS', 1), c.compile_report(which=('prep',)))[1], "
             "'cumsum_dot': (setattr(c, 'CUMSUM_DOT', 1), setattr(c, 'PREP_BK', 16), "
             "c.compile_report(which=('prep',)))[-1], "
-            "'akk_lv': (setattr(c, 'AKK_DIAG', 3), setattr(c, 'AKK_NUM_WARPS', 1), setattr(c, 'AKK_BK', 16), "
-            "setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1], "
-            "'akk_lv_2k': (setattr(c, 'AKK_LV_SPLITK', 1), c.compile_report(which=('akk',)))[-1], "
-            "'wu_kb': (setattr(c, 'WU_KB', 1), c.compile_report(which=('prep', 'wu')))[-1]}))")
+            "'akk_lv_1k': (setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1]}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=400)
     if r.returncode != 0 and ("ptxas" in r.stderr or "cuobjdump" in r.stderr):
@@ -303,44 +283,15 @@ def test_sm90_offline_compile_no_spills(kda_path):
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     for cfg, kernels in rep.items():
         for name, (regs, stack, smem) in kernels.items():
-            # intra under its 128-register cap (2 CTAs of 8 warps / SM): Triton 3.6 (the H200's) fits, 3.9 spills
-            # ~100 B; any other kernel must not spill
-            assert stack <= (128 if name == "intra" else 0), (cfg, name, regs, stack)
+            assert stack == 0, (cfg, name, regs, stack)
             assert smem <= 227 * 1024, (cfg, name, smem)
-
-
-def test_split_matches_fused_fp32(kda_path, monkeypatch):
-    """The split path (state pass + parallel output) equals the fused path to fp32 rounding, varlen with empty
-    sequences and several V tiles in both state kernels."""
-    if kda_path != "split":
-        pytest.skip("compares both paths in the 'split' run")
-    import kernels.kda.chunk as chunk_mod
-
-    monkeypatch.setattr(chunk_mod, "HPASS_BV", 16)
-    monkeypatch.setattr(chunk_mod, "STATE_BV", 16)
-    lens = [65, 0, 3, 128, 1]
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    T = cu[-1]
-    inp = make_inputs(T, strong_gate=True)
-    slots, has_init = [1, 2, 3, 4, 5], [True, True, False, True, False]
-    res = {}
-    for split in (False, True):
-        monkeypatch.setattr(chunk_mod, "_FORCE_SPLIT", split)
-        res[split] = run_pair(inp, cu, slots, has_init, S=6)
-    assert rel_rms(res[True][0], res[False][0]) <= 1e-5
-    assert rel_rms(res[True][2], res[False][2]) <= 1e-5
-    check(*res[True], slots, FP32_TOL)
 
 
 @pytest.mark.parametrize("lens", [[1], [63], [64], [65], [1000], [1, 70, 0, 64, 1, 63]])
 @pytest.mark.parametrize("strong_gate", [False, True])
-def test_intra_awkward_lengths_fp32(kda_path, lens, strong_gate):
+def test_intra_awkward_lengths_fp32(lens, strong_gate):
     """Awkward lengths and varlen with length-0/1 sequences, gates down to -20 per step (every exponent formed is
     <= 0: nothing overflows), poisoned unused slots, vs the fp64 recurrence."""
-    if kda_path != "split":
-        pytest.skip("the intra launches are shared by both paths")
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
@@ -357,73 +308,29 @@ def test_intra_awkward_lengths_fp32(kda_path, lens, strong_gate):
     check(*res, slots, FP32_TOL)
 
 
-@pytest.mark.parametrize("lens,strong_gate", [([1], True), ([63], True), ([64], False), ([65], True),
-                                              ([1, 70, 0, 64, 1, 63], True), ([130, 1], False)])
-def test_intra_fused_lengths_fp32(kda_path, lens, strong_gate, monkeypatch):
-    """INTRA_FUSED=1 (one intra program per chunk-head, level-anchored dots): awkward lengths, varlen with
-    length-0/1 sequences, gates down to -20 per step (every exponent <= 0), poisoned unused slots, vs the fp64
-    recurrence."""
-    if kda_path != "split":
-        pytest.skip("the intra launches are shared by both paths")
-    import kernels.kda.chunk as chunk_mod
-
-    monkeypatch.setattr(chunk_mod, "INTRA_FUSED", 1)
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    inp = make_inputs(cu[-1], strong_gate=strong_gate)
-    if strong_gate:
-        d = inp["z"].double() + inp["dt_bias"].double()
-        gate = -torch.exp(inp["A_log"].double()).repeat_interleave(16) * torch.nn.functional.softplus(d)
-        assert gate.min() < -20.0
-    P = len(lens)
-    slots = list(range(1, P + 1))
-    res = run_pair(inp, cu, slots, [bool(i % 2) for i in range(P)], S=P + 3)
-    check(*res, slots, FP32_TOL)
-
-
 # A/B variants of kernels/kda/chunk.py (module constants); each must match the default to fp32 rounding.
-# FIRST: the defaults before 12-03 (akk DIAG 0 at 4 warps / BK 32, tl.cumsum prep at BK 32, 2-stage hpass without
-# prefetch, V-tile-slowest output grid); the older variants were written against it and keep it as their base
-FIRST = dict(AKK_DIAG=0, AKK_NUM_WARPS=4, AKK_BK=32, AKK_LV_SPLITK=0, PREP_BK=32, CUMSUM_DOT=0, OUT_VFAST=0,
-             HPASS_NUM_STAGES=2, HPASS_PREFETCH=0)
-# akk paths that are neither the default nor first-default: checked with strong gates only (~17 s a case in CI)
-LEGACY_AKK = ("akk-rolled", "akk-prod", "akk-prod-unrolled", "akk-prod-half", "akk-prod-half-unrolled")
 VARIANTS = {
-    "first-default": FIRST,
-    "akk-rolled": dict(FIRST, AKK_UNROLL=0),
-    "akk-prod": dict(FIRST, AKK_DIAG=1, AKK_UNROLL=0),
-    "akk-prod-unrolled": dict(FIRST, AKK_DIAG=1, AKK_UNROLL=1),
-    "akk-prod-half": dict(FIRST, AKK_DIAG=2, AKK_UNROLL=0),
-    "akk-prod-half-unrolled": dict(FIRST, AKK_DIAG=2, AKK_UNROLL=1),
     "hpass-no-prefetch": dict(HPASS_PREFETCH=0),
-    "prep-fused": dict(FIRST, PREP_FUSED=1),
-    "prep-fused-prod": dict(FIRST, PREP_FUSED=1, AKK_DIAG=1, AKK_UNROLL=0),
-    "intra-fused": dict(INTRA_FUSED=1, CUMSUM_DOT=0),
+    "prep-fused": dict(PREP_FUSED=1),
+    "prep-fused-prod": dict(PREP_FUSED=1, PREP_FUSED_DIAG=1, PREP_FUSED_UNROLL=0),
     # session 5: level-anchored tensor-core diagonal blocks in a 1-warp akk (one K pass; the default takes two)
     "akk-lv": dict(AKK_LV_SPLITK=0),
     "cumsum-scan": dict(CUMSUM_DOT=0, PREP_BK=32),
-    "wu-kb": dict(WU_KB=1),
     "out-v-slowest": dict(OUT_VFAST=0),
-    "intra-fused-cs": dict(INTRA_FUSED=1, INTRA_CUMSUM_DOT=1),
 }
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("strong_gate", [False, True])
-def test_variants_match_default_fp32(kda_path, variant, strong_gate, monkeypatch):
+def test_variants_match_default_fp32(variant, strong_gate, monkeypatch):
     """Each variant gives the default's intermediates (qg, kg, w, u, Aqk, gl), output and final states to fp32
-    rounding (running products vs exact per-pair exp2: a few ulps), with gates down to -20 per step (every exponent
-    formed is <= 0), partial chunks (masked partner rows) and varlen with length-0/1 sequences and poisoned unused
-    slots; then the variant end to end vs the fp64 recurrence."""
-    if kda_path != "split":
-        pytest.skip("compares the variants on the default path")
-    if VARIANTS[variant].get("PREP_FUSED") and (not strong_gate or VARIANTS[variant].get("AKK_DIAG")):
-        # CI budget (~20 s per case in the interpreter): PREP_FUSED once, strong gates; its DIAG=1 step (one line
-        # apart from DIAG=0) and the K tiling are covered by test_tiling_fp32 vs the fp64 recurrence
-        pytest.skip("PREP_FUSED: the strong-gate DIAG=0 case only (CPU time)")
-    if variant in LEGACY_AKK and not strong_gate:
-        pytest.skip("the pre-12-03 akk A/B paths: strong gates only (CPU time; first-default runs both)")
+    rounding (level-anchored dots vs per-pair exp2 or running products: a few ulps), with gates down to -20 per step
+    (every exponent formed is <= 0), partial chunks (masked partner rows) and varlen with length-0/1 sequences and
+    poisoned unused slots; then the variant end to end vs the fp64 recurrence."""
+    if VARIANTS[variant].get("PREP_FUSED") and (not strong_gate or VARIANTS[variant].get("PREP_FUSED_DIAG")):
+        # CI budget (~20 s per case in the interpreter): PREP_FUSED once, strong gates; its PREP_FUSED_DIAG=1 step
+        # (one line apart from DIAG=0) and the K tiling are covered by test_tiling_fp32 vs the fp64 recurrence
+        pytest.skip("PREP_FUSED: the strong-gate PREP_FUSED_DIAG=0 case only (CPU time)")
     import kernels.kda.chunk as chunk_mod
     from kernels.kda.chunk import chunk_kda_plan
 
@@ -465,26 +372,18 @@ def test_variants_match_default_fp32(kda_path, variant, strong_gate, monkeypatch
 
 
 # variants whose difference exists only on the GPU (FAST_SOFTPLUS: inline PTX lg2.approx, the interpreter keeps logf)
-# intra-fused-cs: illegal memory access on the H200 (12-03), which poisons the context for every later test; it stays
-# out of the GPU run (the interpreter test above covers its math)
-GPU_VARIANTS = dict({k: v for k, v in VARIANTS.items() if k != "intra-fused-cs"}, **{
+GPU_VARIANTS = dict(VARIANTS, **{
     "exact-softplus": dict(FAST_SOFTPLUS=0),
-    "intra-fused-fast": dict(INTRA_FUSED=1, FAST_SOFTPLUS=1),
-    "intra-fused-fast-nocap": dict(INTRA_FUSED=1, FAST_SOFTPLUS=1, INTRA_MAXNREG=None),
     # pipeline depth only (no effect in the interpreter)
     "hpass-s2": dict(HPASS_NUM_STAGES=2),
-    "all6": dict(AKK_DIAG=3, AKK_NUM_WARPS=1, AKK_BK=16, FAST_SOFTPLUS=1, CUMSUM_DOT=1, PREP_BK=16, WU_KB=1,
-                 OUT_VFAST=1, HPASS_NUM_STAGES=3),
 })
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(GPU_VARIANTS))
-def test_gpu_variants_bf16(kda_path, variant, monkeypatch):
+def test_gpu_variants_bf16(variant, monkeypatch):
     """Each variant at Kimi shapes (bf16, strong gates, varlen with a partial last chunk and an empty sequence) vs
     the fp64 recurrence: compiles and is correct on the device's Triton."""
-    if kda_path != "split":
-        pytest.skip("variants of the default path")
     import kernels.kda.chunk as chunk_mod
 
     for const, val in GPU_VARIANTS[variant].items():
@@ -499,11 +398,9 @@ def test_gpu_variants_bf16(kda_path, variant, monkeypatch):
     check(*res, slots, BF16_TOL)
 
 
-def test_hpass_stages_fit_small_smem(kda_path, monkeypatch):
+def test_hpass_stages_fit_small_smem(monkeypatch):
     """A device whose blocks may take < 160 KB of shared memory (GB10: 99 KB) runs the state pass with 2 stages; the
     H200 (and the interpreter, which reports the H200's) with HPASS_NUM_STAGES."""
-    if kda_path != "split":
-        pytest.skip("the state pass (hpass) is the split path's")
     import kernels.kda.chunk as chunk_mod
 
     seen = []
