@@ -115,11 +115,16 @@ ABLATIONS = {
     "router": {"moe_router": _router},
     "fgb": {"skinny_bmm_nt": lambda a, b: zeros("fgb", (a.shape[0], a.shape[1], b.shape[1]), a.dtype, a.device)},
     "kda": {"kda_decode": lambda qkv, *a: zeros("kda", (qkv.shape[0], qkv.shape[1] // 3), qkv.dtype, qkv.device)},
-    "mla_attn": {"mla_decode": lambda q, *a: zeros("mla", q.shape, q.dtype, q.device)},
+    "mla_attn": {"mla_decode": lambda q, *a, w_uv=None: zeros(
+        "mla", q.shape if w_uv is None else (*q.shape[:2], w_uv.shape[1]), q.dtype, q.device)},
     "mla_einsum": {"torch": _TorchNoEinsum()},
     "mla_norm_store": {"rmsnorm_head": lambda y, w, eps: y, "store_latent": lambda *a: None},
     "moe": {"fused_moe_uncombined_triton": lambda x, w13, w2, tw, ids:
-            zeros("moe", (ids.numel(), x.shape[1]), x.dtype, x.device)},
+            zeros("moe", (ids.numel(), x.shape[1]), x.dtype, x.device),
+            # the PendingMoE path (kimi_linear.KimiMoE.forward_norms): GEMM1 + GEMM2 skipped, the combine + add +
+            # norm launch kept
+            "fused_moe_add_norm": lambda x, w13, w2, tw, ids, res, w, eps: km.combine_add_rmsnorm(
+                zeros("moe", (ids.numel(), x.shape[1]), x.dtype, x.device), tw, res, w, eps)},
 }
 ABLATIONS["router_norm"] = {"moe_router_add_norm": lambda attn, res, w, eps, gw, b, top_k, *a: (
     attn, res, *_router(attn, gw, b, top_k, *a))}
