@@ -11,7 +11,8 @@ K partials [S, T*k, D]); topk_weights [T, k] fp32; residual [T, D] (row stride a
 Why: in the batch-1 decode graph each MoE layer ended with GEMM2, a one-program combine + add + norm kernel, then the
 next layer's in_proj gemv (KDA [12576, 2304], MLA [6720, 2304]); the one-program kernel sat on the critical path
 between the two (~3 us a layer). Here every program of the gemv grid computes the few normalised rows itself from
-GEMM2's output (T x D, L2-resident) and only then streams its W slab.
+GEMM2's output (T x D, L2-resident) and only then streams its W slab (without PDL nothing of W is in flight during
+that prologue; with PDL the head of the slab was prefetched into L2 before the wait).
 
 Kernel (_gemv_norm_kernel, grid cdiv(N, BN), one program per BN output columns, the whole K = D range):
   1. prologue, per token row r < T (a constexpr, <= NORM_IN_MAX_T): the statements of kernels.norm's
@@ -25,7 +26,8 @@ x: the sum of squares is one tl.sum over the [BD] row, as in the one-program ker
 the Kimi shapes (4), so x is expected to be bitwise the two-launch x; a different reduction tree (a compiler layout
 change, another warp count) can move x by 1 ulp of the dtype, and out by the bf16 rounding of the GEMV's inputs.
 Fused only for 1 <= T <= NORM_IN_MAX_T, CUDA (or TRITON_INTERPRET with use_triton), a DOT config with one K split
-and no TMA (the Kimi in_proj shapes at T = 1 in SHAPE_CONFIGS); otherwise, and on CPU without forced Triton, the
+and no TMA (both Kimi in_proj shapes at T = 1, SHAPE_CONFIGS, and MLA's at T <= 4; at T = 2..4 gemv_config's balance
+rule splits the KDA in_proj's K, so those take the two launches unless a one-split config is added); otherwise, and on CPU without forced Triton, the
 two-launch path: kernels.norm.combine_add_rmsnorm then kernels.gemv.skinny_linear (bit for bit what the model ran).
 The prologue repeats the (cheap, L2-hit) norm in every program: ~T x D x k FMAs per program. Offline sm_90 (bf16,
 BN 64 / BK 128 / 4 warps): 82 registers at T = 1 without PDL, 112-122 with PDL (T <= 4), no spills, y in bf16 (what
