@@ -236,15 +236,16 @@ def _gemm2_y(T, D, E, I, k, seed=0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True], ids=["nopdl", "pdl"])
-@pytest.mark.parametrize("N", [12576, 6720])
-def test_kimi_gpu(N, pdl, poison):
-    # D 2304, 8 routed + 1 shared expert, T = 1: y as GEMM2 produces it; and fp32 K partials (S = 3)
+@pytest.mark.parametrize("N,T", [(12576, 1), (6720, 1), (6720, 4)])
+def test_kimi_gpu(N, T, pdl, poison):
+    # D 2304, 8 routed + 1 shared expert: y as GEMM2 produces it; and fp32 K partials (S = 3). T = 4: MLA's
+    # in_proj keeps one K split there (the KDA in_proj's does not: two launches)
     D = 2304
-    y, tw = _gemm2_y(1, D, 64, 1024, 9)[:2]
-    _, _, r, nw, w = _inputs(1, 9, D, N, torch.bfloat16, 1)
-    assert fused_config(1, N, D, "cuda", torch.bfloat16) is not None
+    y, tw = _gemm2_y(T, D, 64, 1024, 9)[:2]
+    _, _, r, nw, w = _inputs(T, 9, D, N, torch.bfloat16, 1)
+    assert fused_config(T, N, D, "cuda", torch.bfloat16) is not None
     _check(y, tw, r, nw, w, None, pdl)
-    yp = _inputs(1, 9, D, N, torch.bfloat16, 3, seed=5)[0]
+    yp = _inputs(T, 9, D, N, torch.bfloat16, 3, seed=5)[0]
     _check(yp, tw, r, nw, w, None, pdl)
 
 
