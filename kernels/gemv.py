@@ -152,6 +152,18 @@ def _fma_tile(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn
 
 
 @triton.jit
+def _prefetch_w_head(w_ptr, offs_n, n_mask, stride_wn, k_lo, k_hi,
+                     PF_N: tl.constexpr, PF_L: tl.constexpr, PF_STEP: tl.constexpr):
+    # PDL, before the wait: prefetch into L2 the first PF_N lines (PF_STEP elements each, _pdl_prefetch) of the BN
+    # rows offs_n of W from column k_lo (below k_hi); the K loop then finds that head of the slab in L2
+    if PF_N > 0:
+        lines = tl.arange(0, PF_L)
+        cols = k_lo + lines * PF_STEP                                                                 # [PF_L]
+        pf = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + cols[None, :]                          # [BN, PF_L]
+        prefetch_l2(pf, n_mask[:, None] & ((lines < PF_N) & (cols < k_hi))[None, :])
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr,
     M, N, K, k_split,
@@ -179,13 +191,8 @@ def _gemv_kernel(
     if GDC:
         if EARLY_DEPS:   # gemv_triton(early_launch=True): the next kernel may start before this one's wait
             gdc_launch_dependents()
-        # PDL: prefetch into L2 the first PF_N lines (PF_STEP elements each) of this program's BN rows from k_lo,
-        # then wait for the previous kernel (x is its output); the loop then finds that head of the slab in L2
-        if PF_N > 0:
-            lines = tl.arange(0, PF_L)
-            cols = k_lo + lines * PF_STEP                                                             # [PF_L]
-            pf = wb + offs_n[:, None].to(tl.int64) * stride_wn + cols[None, :]                        # [BN, PF_L]
-            prefetch_l2(pf, n_mask[:, None] & ((lines < PF_N) & (cols < k_hi))[None, :])
+        # PDL: prefetch the head of this program's W slab into L2, then wait for the previous kernel (x is its output)
+        _prefetch_w_head(wb, offs_n, n_mask, stride_wn, k_lo, k_hi, PF_N, PF_L, PF_STEP)
         if EARLY_DEPS:
             gdc_wait()
         else:
