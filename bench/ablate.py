@@ -139,7 +139,7 @@ def _all_on() -> list:
     import kernels.moe.fused as fused
     import kernels.moe.router as router
 
-    return [(fused, "TAIL_NORM", True), (rec, "_FG_MAX_N", 8), (rec, "_EARLY_STATE", 1),
+    return [(fused, "TAIL_NORM", True), (rec, "_EARLY_STATE", 1),
             (router, "ROUTER_NORM_MAX_T", router.GEMV_MAX_T), (km, "MLA_FUSED_MAX_T", 64)]
 
 
@@ -150,7 +150,6 @@ def _switches():
     import kernels.moe.router as router
 
     off = {
-        "KDA f_b|g_b in decode off": [(rec, "_FG_MAX_N", 0)],
         "KDA early state off": [(rec, "_EARLY_STATE", 0)],
         "router + post-norm off": [(router, "ROUTER_NORM", False)],
         "GEMM2 tail norm off": [(fused, "TAIL_NORM", False)],
