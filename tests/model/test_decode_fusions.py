@@ -1,7 +1,7 @@
 """The decode fusions of the Triton path, end to end through the tiny checkpoint (interpreter on CPU, kernels on
 CUDA): a prefill fills the KDA slots and MLA pages, then one decode-only step of two sequences runs with every fusion
-on (PendingMoE: router + post-attention norm, GEMM2 tail norm; the fused MLA chain; the opt-in ones switched on
-here) and with each switched off. Logits and the caches the step wrote must agree."""
+on (PendingMoE: router + post-attention norm; the fused MLA chain; their caps lifted here) and with each switched
+off. Logits and the caches the step wrote must agree."""
 import copy
 
 import pytest
@@ -20,13 +20,11 @@ def tiny_step(tmp_path_factory):
     from tools.tiny_checkpoint import write_tiny_checkpoint
 
     import backend.model.kimi_linear as km
-    import kernels.moe.fused as fused
     import kernels.moe.router as router
 
     mp = pytest.MonkeyPatch()
     mp.setattr(d, "_FORCE", "triton")
-    # every fusion on, the opt-in ones (slower on the H200 at b1, kept as switches) included
-    mp.setattr(fused, "TAIL_NORM", True)
+    # every fusion on (the caps lifted)
     mp.setattr(router, "ROUTER_NORM_MAX_T", 16)
     mp.setattr(km, "MLA_FUSED_MAX_T", 64)
     tmp = str(tmp_path_factory.mktemp("tiny_dec_fuse"))
@@ -44,7 +42,6 @@ def tiny_step(tmp_path_factory):
 
 def _switch(monkeypatch, model, name):
     import backend.model.kimi_linear as km
-    import kernels.moe.fused as fused
     import kernels.moe.router as router
 
     if name in ("pending", "all"):
@@ -52,8 +49,6 @@ def _switch(monkeypatch, model, name):
             monkeypatch.setattr(layer, "pending_moe", False)
     if name in ("router_norm", "all"):
         monkeypatch.setattr(router, "ROUTER_NORM", False)
-    if name in ("tail_norm", "all"):
-        monkeypatch.setattr(fused, "TAIL_NORM", False)
     if name in ("mla", "all"):
         monkeypatch.setattr(km, "MLA_FUSED_MAX_T", 0)
 
@@ -67,7 +62,7 @@ def _decode_step(model, cache):
     return model.compute_logits(model(batch, cache), batch.logits_index)
 
 
-@pytest.mark.parametrize("off", ["pending", "router_norm", "tail_norm", "mla", "all"])
+@pytest.mark.parametrize("off", ["pending", "router_norm", "mla", "all"])
 def test_decode_fusions_match_unfused(tiny_step, monkeypatch, off):
     model, cache, on, on_cache = tiny_step
     cache_off = copy.deepcopy(cache)
