@@ -128,7 +128,6 @@ ABLATIONS = {
 }
 ABLATIONS["router_norm"] = {"moe_router_add_norm": lambda attn, res, w, eps, gw, b, top_k, *a: (
     attn, res, *_router(attn, gw, b, top_k, *a))}
-ABLATIONS["moe_add_norm"] = {"fused_moe_add_norm": lambda x, w13, w2, tw, ids, res, w, eps: (x, res)}
 ABLATIONS["mla_prep"] = {"mla_decode_prep": lambda y, q_dim, w, eps, w_uk, *a: zeros(
     "mla_prep", (y.shape[0], w_uk.shape[0], w_uk.shape[2]), y.dtype, y.device)}
 ABLATIONS["norms+router+fgb"] = {**ABLATIONS["post_norm"], **ABLATIONS["combine_norm"], **ABLATIONS["router"],
@@ -141,24 +140,20 @@ for _name, _pred in LINEAR_GROUPS.items():
 def _all_on() -> list:
     """--all-on: every decode fusion on for every decode batch (the opt-in ones and the caps lifted)."""
     import kernels.kda.recurrent as rec
-    import kernels.moe.fused as fused
     import kernels.moe.router as router
 
-    return [(fused, "TAIL_NORM", True), (rec, "_FG_MAX_N", 8), (rec, "_EARLY_STATE", 1),
+    return [(rec, "_EARLY_STATE", 1),
             (router, "ROUTER_NORM_MAX_T", router.GEMV_MAX_T), (km, "MLA_FUSED_MAX_T", 64)]
 
 
 def _switches():
     """--ab: name -> [(object, attribute, value)] turning one decode fusion off (module switches read per call)."""
     import kernels.kda.recurrent as rec
-    import kernels.moe.fused as fused
     import kernels.moe.router as router
 
     off = {
-        "KDA f_b|g_b in decode off": [(rec, "_FG_MAX_N", 0)],
         "KDA early state off": [(rec, "_EARLY_STATE", 0)],
         "router + post-norm off": [(router, "ROUTER_NORM", False)],
-        "GEMM2 tail norm off": [(fused, "TAIL_NORM", False)],
         "MLA fused chain off": [(km, "MLA_FUSED_MAX_T", 0)],
     }
     off["all off"] = [p for v in off.values() for p in v]

@@ -7,12 +7,10 @@ random slots (slot 0 null). Rows:
   * ours      kernels.kda.kda_decode_triton with its default launch config (recurrent.decode_config: BV, warps,
               tail, early state load, by N and the SM count): the whole mixer step (conv update + gate + L2 norm +
               beta + delta rule + gated RMSNorm); timed eager (do_bench) and inside a CUDA graph (do_bench_cudagraph);
-  * chain     the model's unfused decode before 12-03: skinny_bmm_nt(fg_a, fg_b) (the f_b | g_b up-projection, its own
-              launch) then ours on its z, r;
-  * fg ...    kda_decode_triton(fg_a=, fg_b=): the up-projection inside the decode kernel (one launch); "fg dflt" is
-              decode_config's pick (fused for N <= _FG_MAX_N, else the chain), "fg early" forces the fused kernel
-              with the weights in registers before gdc_wait, "fg rc" with RC-column chunks after it;
-  * es0/1/2   bench_early_state (N <= 8; --early-state: only these): 20 x (in_proj gemv -> fused decode) in one
+  * bmm+dec   the model's decode, kda_decode_triton(fg_a=, fg_b=): skinny_bmm_nt (the f_b | g_b up-projection, its
+              own launch) then ours on its z, r (the up-projection inside the decode kernel, FG, was removed after
+              the H200 measured it 6 / 171 us per step slower at batch 1 / 8);
+  * es0/1/2   bench_early_state (N <= 8; --early-state: only these): 20 x (in_proj gemv -> decode) in one
               graph with PDL, per recurrent._EARLY_STATE mode; the decode's us/layer = (chain - gemvs alone) / 20;
   * fla       fla-core `fused_recurrent_kda_fwd` (gate, l2norm, beta sigmoid in kernel, in-place pool through
               ssm_state_indices) when `fla` is importable: the recurrence only (no conv, no output norm).
@@ -80,7 +78,7 @@ def _setup(N):
 
 
 def _chain(L, tok, slots, **kw):
-    """The unfused decode: the f_b | g_b up-projection (skinny_bmm_nt, bf16 out), then the decode kernel."""
+    """The f_b | g_b up-projection (skinny_bmm_nt, bf16 out) by hand, then the decode kernel (check only)."""
     def fn():
         z, r = skinny_bmm_nt(tok["fg_a"], tok["fg_b"]).unbind(0)
         return kda_decode_triton(tok["qkv"], L["conv_w"], z, tok["b"], L["A_log"], L["dt_bias"], r, L["o_norm_w"],
@@ -88,19 +86,11 @@ def _chain(L, tok, slots, **kw):
     return fn
 
 
-def _fused(L, tok, slots, **kw):
+def _lowrank(L, tok, slots, **kw):
+    """The model's decode: kda_decode_triton(fg_a=, fg_b=) (skinny_bmm_nt, then the decode kernel)."""
     return lambda: kda_decode_triton(tok["qkv"], L["conv_w"], None, tok["b"], L["A_log"], L["dt_bias"], None,
                                      L["o_norm_w"], EPS, L["conv_state"], L["rec_state"], slots, fg_a=tok["fg_a"],
                                      fg_b=tok["fg_b"], **kw)
-
-
-_FG_IMPLS = {"chain bmm+dec": (_chain, {}), "fg dflt": (_fused, {}),
-             "fg early": (_fused, dict(fg=True, fg_early=True)), "fg rc": (_fused, dict(fg=True, fg_early=False)),
-             # wider tiles: fewer programs re-reading the head's f_b (offline sm_90, Triton 3.6: BV 64 late RC32 167
-             # regs; BV 128 = one program per head at 16 warps, weights in registers 128 regs, no spill, where RC
-             # chunks spill 664 B)
-             "fg rc BV64": (_fused, dict(fg=True, fg_early=False, BV=64)),
-             "fg early BV128": (_fused, dict(fg=True, fg_early=True, BV=128))}
 
 
 def _ours(L, tok, slots, **kw):
@@ -149,11 +139,9 @@ def check(N=8):
     assert_close("decode state", L["rec_state"], A["rec_state"], 5e-3)
     P = {k: v.clone() for k, v in L.items()}
     y_chain = _chain(L, tok, slots)()
-    for name, (mk, kw) in _FG_IMPLS.items():
-        C = {k: v.clone() for k, v in P.items()}
-        assert_close(f"{name} o", mk(C, tok, slots, **kw)(), y_chain, 5e-3)
-        assert_close(f"{name} state", C["rec_state"], L["rec_state"], 5e-3)
-    print(f"# check vs reference (and the low-rank paths vs the chain) at N={N}: ok")
+    assert_close("bmm+dec o", _lowrank(P, tok, slots)(), y_chain, 5e-3)
+    assert_close("bmm+dec state", P["rec_state"], L["rec_state"], 5e-3)
+    print(f"# check vs reference (and the low-rank path vs skinny_bmm_nt + ours) at N={N}: ok")
 
 
 def bench_decode(batches, use_fla=True):
@@ -166,17 +154,12 @@ def bench_decode(batches, use_fla=True):
     for N in batches:
         L, tok, slots = _setup(N)
         state_bytes = 2 * N * H * K * V * 4
-        impls = [("ours", _ours(L, tok, slots))] + [(name, mk(L, tok, slots, **kw))
-                                                     for name, (mk, kw) in _FG_IMPLS.items()]
+        impls = [("ours", _ours(L, tok, slots)), ("bmm+dec", _lowrank(L, tok, slots))]
         if use_fla:
             f = _fla_fn(L, tok, slots)
             if f is not None:
                 impls.append(("fla-core", f))
         for name, fn in impls:
-            n_sm = num_sms("cuda")
-            kw = _FG_IMPLS.get(name, (None, {}))[1]
-            if kw.get("fg_early") and N * H * (V // (kw.get("BV") or decode_config(N, H, K, V, n_sm).BV)) > 8 * n_sm:
-                continue                                  # weights in registers (BV 32: 250): only small grids
             ms = t_ms(fn)
             ms_g = t_ms(fn, graph=True)
             best = min(ms, ms_g)
@@ -193,12 +176,7 @@ def bench_decode(batches, use_fla=True):
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         what = {"ours": f"ours (conv+gate+delta+norm, {r['cfg']}; z, r given)",
-                "chain bmm+dec": "skinny_bmm_nt f_b|g_b + ours (the unfused chain)",
-                "fg dflt": "ours with fg_a / fg_b, default pick (fused for N <= _FG_MAX_N)",
-                "fg early": "ours, f_b|g_b fused, weights in registers before the wait",
-                "fg rc": "ours, f_b|g_b fused, RC-column chunks after the wait",
-                "fg rc BV64": "ours, f_b|g_b fused, RC chunks, BV 64",
-                "fg early BV128": "ours, f_b|g_b fused, weights in registers, BV 128 (one program per head)"}.get(
+                "bmm+dec": "ours with fg_a / fg_b (skinny_bmm_nt f_b|g_b, then ours)"}.get(
                     r["impl"], "fla-core 0.6 fused_recurrent (core only)")
         print(f"| {what} | {r['N']} | {r['us']:.2f} | {r['us_g']:.2f} | {r['bw'] / 1e9:.0f} | {r['pct']:.1f}% |")
     print(f"\ncopy bandwidth measured in this run: {bw_copy / 1e12:.2f} TB/s")
@@ -243,7 +221,7 @@ def sweep_decode(batches, use_fla=True):
     for N in batches:
         L, tok, slots = _setup(N)
         state_bytes = 2 * N * H * K * V * 4
-        dflt = tuple(decode_config(N, H, K, V, n_sm)._replace(fg=False, fg_early=False))   # z, r given here
+        dflt = tuple(decode_config(N, H, K, V, n_sm))
         cfgs = list(dict.fromkeys([dflt] + SWEEP))
         P0 = {k: v.clone() for k, v in L.items()}                    # pristine pools (timing advances L)
         R = {k: v.clone() for k, v in L.items()}
@@ -293,7 +271,7 @@ def sweep_decode(batches, use_fla=True):
 
 def bench_early_state(batches=(1, 8), layers=N_KDA_LAYERS, D=2304):
     """The decode in the b1 / b8 graph's launch order: per layer the in_proj gemv (its own [C + 2K + H, D] weight,
-    writes qkv | f_a g_a | b) then kda_decode (fused low-rank gates, default config) on its own pools, `layers`
+    writes qkv | f_a g_a | b) then kda_decode (low-rank gates, default config) on its own pools, `layers`
     layers in one CUDA graph, every launch PDL (KIMI_PDL unless 0). Rows: the gemvs alone, then the chain per
     early_state (recurrent.py "Early state": 0 slot / state after the wait, 1 slot + L2 prefetches before it, 2 also
     the state tile in registers before it); "decode us/layer" = (chain - gemvs alone) / layers, the decode's cost in
@@ -303,7 +281,7 @@ def bench_early_state(batches=(1, 8), layers=N_KDA_LAYERS, D=2304):
     from kernels.gemv import gemv_triton
 
     C = 2 * H * K + H * V
-    print(f"\n# early state: {layers} x (in_proj gemv {C + 2 * K + H}x{D} -> kda_decode fused) in one CUDA graph, "
+    print(f"\n# early state: {layers} x (in_proj gemv {C + 2 * K + H}x{D} -> kda_decode) in one CUDA graph, "
           f"PDL {'on' if pdl_on() else 'OFF'}")
     print(f"{'N':>5} {'rows':<22} {'graph us':>9} {'us/layer':>9} {'decode us/layer':>16}  check")
     rows = []
@@ -352,15 +330,14 @@ def bench_early_state(batches=(1, 8), layers=N_KDA_LAYERS, D=2304):
           f"| decode us/layer |")
     print("| --- | --- | --- | --- |")
     for r in rows:
-        print(f"| fused gates, default config | {r['N']} | {r['es']} | {r['dec']:.2f} |")
+        print(f"| low-rank gates, default config | {r['N']} | {r['es']} | {r['dec']:.2f} |")
     return rows
 
 
 def compile_report(batches=(1, 8, 64), arch=90, n_sm=132, gdc=True):
     """Offline sm_<arch> compile (Triton's bundled ptxas and cuobjdump; no GPU, not under TRITON_INTERPRET) of the
-    per-tile decode kernel at the default config of each N, without and with the low-rank gates in the kernel
-    (fg: weights in registers before gdc_wait when fg_early, else RC-column chunks) -> rows (N, label, regs, spill
-    stack bytes, shared bytes)."""
+    per-tile decode kernel at the default config of each N -> rows (N, label, regs, spill stack bytes, shared
+    bytes)."""
     import re
     import subprocess
     import tempfile
@@ -380,30 +357,24 @@ def compile_report(batches=(1, 8, 64), arch=90, n_sm=132, gdc=True):
     rows = []
     for N in batches:
         cfg = decode_config(N, H, K, V, n_sm)
-        for fg, fg_early in ((False, False), (True, True), (True, False)):
-            c = dict(H=H, K=K, V=V, W=W, BK=K, BV=cfg.BV, NV=V // cfg.BV, BVF=V, TAIL=cfg.tail, EARLY=cfg.early,
-                     STORE_AFTER=cfg.store_after, GDC=gdc, FG=fg, R=K, BR=K, RC=rec._FG_RC, FG_EARLY=fg_early,
-                     EARLY_STATE=rec._EARLY_STATE if gdc else 0)
-            sig = {n: types.get(n, "constexpr") for n in names}
-            attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
-                     if types.get(n, "").startswith("*") or n.startswith("stride")}
-            src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in c.items()},
-                            attrs=attrs)
-            opt = dict(num_warps=cfg.num_warps)
-            if cfg.maxnreg:
-                opt["maxnreg"] = cfg.maxnreg
-            kern = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opt)
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(kern.asm["cubin"])
-                f.flush()
-                res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-            m = re.search(r"REG:(\d+) STACK:(\d+)", res)
-            what = "unfused (z, r in)" if not fg else ("fused fg_early" if fg_early else f"fused RC{rec._FG_RC}")
-            dflt = (fg == cfg.fg) and (not fg or fg_early == cfg.fg_early)
-            rows.append((N, f"{_label(cfg)} {what}{' *' if dflt else ''}", int(m.group(1)), int(m.group(2)),
-                         int(kern.metadata.shared)))
-    print(f"# offline sm_{arch} (Triton {triton.__version__}), GDC={gdc}: regs / spill stack bytes / smem; "
-          f"* = what decode_config runs with low-rank inputs at this N")
+        c = dict(H=H, K=K, V=V, W=W, BK=K, BV=cfg.BV, NV=V // cfg.BV, BVF=V, TAIL=cfg.tail, EARLY=cfg.early,
+                 STORE_AFTER=cfg.store_after, GDC=gdc, EARLY_STATE=rec._EARLY_STATE if gdc else 0)
+        sig = {n: types.get(n, "constexpr") for n in names}
+        attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
+                 if types.get(n, "").startswith("*") or n.startswith("stride")}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in c.items()},
+                        attrs=attrs)
+        opt = dict(num_warps=cfg.num_warps)
+        if cfg.maxnreg:
+            opt["maxnreg"] = cfg.maxnreg
+        kern = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opt)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kern.asm["cubin"])
+            f.flush()
+            res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+        rows.append((N, _label(cfg), int(m.group(1)), int(m.group(2)), int(kern.metadata.shared)))
+    print(f"# offline sm_{arch} (Triton {triton.__version__}), GDC={gdc}: regs / spill stack bytes / smem")
     for N, lab, reg, st, sh in rows:
         print(f"N={N:<4} {lab:<48} regs {reg:>3}  stack {st:>3} B  smem {sh:>6} B")
     return rows

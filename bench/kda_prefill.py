@@ -7,7 +7,7 @@ the chunked delta rule, initial-state read and final-state write.
 Run: python bench/kda_prefill.py   (prints one line per case and, when fla is importable, the ratio)
      python bench/kda_prefill.py --sweep   (ours vs fla-core at T = 4k, 16k, 64k with per-stage times,
                                             then a launch-config sweep of the intra kernels at 16k; about a minute)
-     python bench/kda_prefill.py --quick [--variants default,prep-fused,...]   (T=16k: the default vs every
+     python bench/kda_prefill.py --quick [--variants default,akk-lv,...]   (T=16k: the default vs every
                                             (named) QUICK_VARIANTS entry (module constants) vs fla-core, per-stage
                                             ms and a check against the default; then varlen 16 x 1k. ~80 s per
                                             variant that recompiles akk on the H200)
@@ -328,7 +328,8 @@ QUICK_VARIANTS = [
     ("default", {}),
     # since 12-03 the default is lv2k + cumsum-dot + out-vfast + hpass-s3-prefetch (so fast-softplus, hpass-prefetch,
     # cumsum-dot, out-vfast, hpass-s3 and hpass-s3-prefetch below now run the default); the per-pair akk variants
-    # (AKK_DIAG 0 / 1 / 2), wu-kb, intra-fused and the old fused state+output path were removed after that round
+    # (AKK_DIAG 0 / 1 / 2), wu-kb, intra-fused and the old fused state+output path were removed after that round,
+    # prep-fused (PREP_FUSED: 3.993 vs 2.222 ms at T=16k on the H200) after the next
     # FAST_SOFTPLUS: lg2.approx softplus (offline sm_90: prep K-loop body 2134 -> 1446 instructions)
     ("fast-softplus", dict(FAST_SOFTPLUS=1)),
     ("hpass-prefetch", dict(HPASS_PREFETCH=1)),
@@ -336,13 +337,6 @@ QUICK_VARIANTS = [
     # serial step, ~4 TB/s at the measured ~2 us/step; BV=32 / 64 halve / quarter that with 128 / 64 programs
     ("hpass-prefetch-bv32", dict(HPASS_PREFETCH=1, HPASS_BV=32)),
     ("hpass-prefetch-bv64", dict(HPASS_PREFETCH=1, HPASS_BV=64)),
-    # PREP_FUSED: no prep launch / fp32 G scratch (stages akk + wu replace prep + akk + wu). Offline sm_90, Triton
-    # 3.6: akk-fused 186 regs unrolled at 4 warps (2 CTAs/SM, no spills), 168 + 16 B stack rolled, 128 at 8 warps
-    # (DIAG=0, no spills), 117 (DIAG=1 unrolled, 8 warps); wu-fused 168 (default wu 144), 3 CTAs/SM
-    ("prep-fused", dict(PREP_FUSED=1)),
-    ("prep-fused-w8", dict(PREP_FUSED=1, PREP_FUSED_NUM_WARPS=8)),
-    ("prep-fused-prod", dict(PREP_FUSED=1, PREP_FUSED_DIAG=1, PREP_FUSED_UNROLL=0)),
-    ("prep-fused-prod-w8", dict(PREP_FUSED=1, PREP_FUSED_DIAG=1, PREP_FUSED_UNROLL=1, PREP_FUSED_NUM_WARPS=8)),
     # session 5 (offline sm_90 SASS, Triton 3.6; per chunk-head warp-instructions, the proxy that matched):
     # akk-lv: _kda_akk_lv_kernel, 1 warp per 16-row sub-chunk, diagonal blocks by level-anchored tensor-core dots,
     # off-diagonal per earlier 16-column block only, in one K pass; 245 regs / 12.8 KB smem, no spills; ~23k vs the
@@ -417,7 +411,7 @@ if __name__ == "__main__":
         print(__doc__)
     elif "--quick" in sys.argv:            # T=16k: default vs each QUICK_VARIANTS entry vs fla; varlen 16x1k
         only = None
-        if "--variants" in sys.argv:     # e.g. --variants default,prep-fused (the first one is the reference)
+        if "--variants" in sys.argv:     # e.g. --variants default,akk-lv (the first one is the reference)
             only = tuple(sys.argv[sys.argv.index("--variants") + 1].split(","))
             unknown = set(only) - {n for n, _ in QUICK_VARIANTS}
             assert not unknown, f"unknown variants {sorted(unknown)}"

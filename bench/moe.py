@@ -2,7 +2,6 @@
 
     python bench/moe.py [--tokens 1,8,64,256,1024,8192] [--no-check] [--no-ref] [--sweep]
     python bench/moe.py --sweep-decode [--decode-m 9,72,576]
-    python bench/moe.py --tail-norm [--tail-t 1,2,4,8]   (fused_moe_add_norm vs GEMMs + combine_add_rmsnorm)
 
 --sweep also times a grid of tile configs per T (CUDA-graph replay) and prints the best, for tuning get_config.
 --sweep-decode (only that, < 45 s on the H200): GEMM1 and GEMM2 timed separately at M = 9, 72, 576 assignments
@@ -332,42 +331,6 @@ def sweep_decode(args):
         print(f"  [{time.time() - t0:.0f} s]")
 
 
-def tail_norm(args):
-    """--tail-norm: per T (--tail-t), DEC_REPS routings in one CUDA graph (T = 1: no expert shared between
-    consecutive routings, L2-cold weights), us per MoE layer of GEMM1 + GEMM2 + kernels.norm.combine_add_rmsnorm
-    (today's chain, the norm launched with PDL when KIMI_PDL is on) vs fused_moe_add_norm (the combine + add + norm
-    in GEMM2's tail: one launch fewer; also with the tail's L2 prefetch switched the other way, TAIL_PREFETCH) and the
-    GEMMs alone; bits of the two paths compared on every routing."""
-    import kernels.moe.fused as fused_mod
-    from kernels.moe.fused import fused_moe_add_norm, fused_moe_uncombined_triton, tail_norm_ok
-    from kernels.norm import combine_add_rmsnorm
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 132
-    w13, w2 = _decode_weights()
-    nw = (1 + 0.1 * torch.randn(D, device=DEV)).to(torch.bfloat16)
-    for T in [int(t) for t in args.tail_t.split(",")]:
-        case = _DecodeCase(T * (K + 1), w13, w2, sms)
-        rs = [torch.randn(T, D, device=DEV, dtype=torch.bfloat16) * 3 for _ in range(DEC_REPS)]
-        ins = [(case.xs[i], w13, w2, case.ws[i], case.routs[i], rs[i], nw, 1e-6) for i in range(DEC_REPS)]
-
-        def unfused(x, w13, w2, tw, ids, r, nw, eps):
-            return combine_add_rmsnorm(fused_moe_uncombined_triton(x, w13, w2, tw, ids), tw, r, nw, eps)
-
-        same = all(all(torch.equal(a, b) for a, b in zip(fused_moe_add_norm(*a), unfused(*a))) for a in ins)
-        cfg = get_config(T * (K + 1), E + 1, torch.bfloat16, K + 1, sms, I, D)
-        us_g = _try_us([lambda a=a: fused_moe_uncombined_triton(*a[:5]) for a in ins], "gemms")
-        us_u = _try_us([lambda a=a: unfused(*a) for a in ins], "unfused")
-        us_f = _try_us([lambda a=a: fused_moe_add_norm(*a) for a in ins], "fused")
-        pf, fused_mod.TAIL_PREFETCH = fused_mod.TAIL_PREFETCH, not fused_mod.TAIL_PREFETCH   # A/B of the prefetch
-        us_f2 = _try_us([lambda a=a: fused_moe_add_norm(*a) for a in ins], "fused, other prefetch setting")
-        fused_mod.TAIL_PREFETCH = pf
-        tail = "tail" if tail_norm_ok(T, D, torch.bfloat16, torch.bfloat16, cfg) else "fallback (no tail)"
-        print(f"tail-norm T={T}: gemm1 + gemm2 + combine_add_rmsnorm {us_u:7.2f} us/layer | fused_moe_add_norm "
-              f"{us_f:7.2f} us/layer [{tail}, L2 prefetch {'on' if pf else 'off'}; {'off' if pf else 'on'}: "
-              f"{us_f2:.2f}] | delta {us_u - us_f:+.2f} us | gemms alone (no norm) {us_g:7.2f} us | "
-              f"bits equal: {same} | {cfg.short()}")
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,8,64,256,1024,8192")
@@ -378,9 +341,6 @@ def main():
     ap.add_argument("--decode-m", default="9,72,576", help="assignment counts M for --sweep-decode (multiples of 9)")
     ap.add_argument("--smoke", action="store_true", help="--sweep-decode code paths at tiny shapes, 2 routings (CPU "
                     "without CUDA: TRITON_INTERPRET=1, eager timing)")
-    ap.add_argument("--tail-norm", action="store_true", help="only: fused_moe_add_norm (combine + add + norm in "
-                    "GEMM2's tail) vs GEMM1 + GEMM2 + combine_add_rmsnorm, CUDA graph, per T of --tail-t")
-    ap.add_argument("--tail-t", default="1,2,4,8", help="token counts for --tail-norm")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.smoke:
@@ -391,19 +351,12 @@ def main():
             for m in table:
                 table[m] = table[m][:1]
         args.decode_m = "9,36"
-        if args.tail_norm:
-            import kernels._dispatch as dispatch
-
-            dispatch._FORCE = "triton"  # CPU tensors through the interpreter
-            return tail_norm(args)
         return sweep_decode(args)
     dev = "cuda"
     dt = torch.bfloat16
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     if args.sweep_decode:
         return sweep_decode(args)
-    if args.tail_norm:
-        return tail_norm(args)
     peak = bf16_peak()
     print(f"measured bf16 matmul peak (8192^3 torch.mm): {peak / 1e12:.0f} TFLOP/s; "
           f"HBM bound uses {HBM_BW / 1e12} TB/s")

@@ -51,9 +51,9 @@ class PendingMoE(NamedTuple):
     """A MoE layer not launched yet (KIMI_FUSE_MOE_NORMS, unsharded Triton path): the attention output and the residual
     before the post-attention norm. The next norm (the following layer's input norm or the final norm) runs the whole
     layer in launch order: post-attention add + RMSNorm fused with the router (kernels.moe.moe_router_add_norm),
-    then the experts with combine + residual add + its own RMSNorm in GEMM2's tail (kernels.moe.fused_moe_add_norm).
-    Each falls back to the separate launches where it has no fused form (CPU, larger batches) or is switched off
-    (the GEMM2 tail norm is opt-in, KIMI_MOE_TAIL_NORM=1: slower on the H200; docs/design.md)."""
+    then the experts with combine + residual add + its own RMSNorm in one kernel after GEMM2
+    (kernels.moe.fused_moe_add_norm). Each falls back to the separate launches where it has no fused form (CPU,
+    larger batches) or is switched off (docs/design.md)."""
     moe: "KimiMoE"
     attn: torch.Tensor
     residual: torch.Tensor
@@ -106,7 +106,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor | UncombinedMoE | PendingMoE, residual: torch.Tensor | None = None):
         """-> rmsnorm(x); with residual: (rmsnorm(residual + x), residual + x) in one kernel (x may be an
         UncombinedMoE: combined in the same kernel; or a PendingMoE, whose residual it holds: the MoE layer runs
-        first, this norm fused into its tail)."""
+        first, its combine fused into this norm)."""
         if isinstance(x, PendingMoE):
             return x.moe.forward_norms(x.attn, x.residual, x.norm, self)
         if isinstance(x, UncombinedMoE):

@@ -8,8 +8,7 @@ kda_decode(qkv [N, C], conv_w, z [N, HK], b [N, H], A_log, dt_bias, r [N, HV], o
     low-rank gates instead of z and r (z = r = None): fg_a [2, N, R] (f_a | g_a rows; a strided view of the
     projection output is fine, or a pair of [N, R]) and fg_b [2, HK, R] (f_b | g_b weights, or a pair
     f_b [HK, R], g_b [HV, R]); z, r = (fg_a @ fg_b^T in fp32, rounded to fg_a.dtype), i.e. what
-    kernels.gemv.skinny_bmm_nt(fg_a, fg_b) returns. The Triton path computes them inside the decode kernel (no
-    separate launch) where recurrent.decode_config says so (small N), else with skinny_bmm_nt first.
+    kernels.gemv.skinny_bmm_nt(fg_a, fg_b) returns. The Triton path runs skinny_bmm_nt, then the decode kernel.
 
 Both update conv_state and rec_state in place at the given slots. H = b.shape[1], K = z.shape[1] // H,
 V = r.shape[1] // H (K = V = 128 for Kimi; K != V is supported for tests). scale = K ** -0.5.

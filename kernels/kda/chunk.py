@@ -27,13 +27,13 @@ Launches:
        u   = M @ (beta * v)                      [BT, V]
        Aqk = tril(Dqk)                           [BT, BT]    (scale folded in)
        gl  = G_last                              [K]  fp32, log2 units
-   with M = (I + diag(beta) StrictTril(Dkk))^-1. PREP_FUSED=1 (A/B) drops 1a and the G scratch:
-   ``_kda_akk_fused_kernel`` recomputes G from z per K tile and applies the norms afterwards (also writes rs),
-   ``_kda_wu_fused_kernel`` recomputes G and writes qg, kg, gl with w, u.
+   with M = (I + diag(beta) StrictTril(Dkk))^-1.
    (Removed after H200 runs: the one-kernel intra "v1", 1.67x slower, 5.83 vs 3.50 ms end to end at T=16k; the
    one-launch level-anchored intra ``INTRA_FUSED``, 3.772 vs 3.340 ms at T=16k, BENCHMARKS.md seventh round; the
    first akk ``_kda_akk_kernel`` with the diagonal block per pair on CUDA cores, AKK_DIAG 0 / 1 / 2, 1.59-1.85 ms
-   for akk vs 0.69 ms for the level-anchored one at T=16k.)
+   for akk vs 0.69 ms for the level-anchored one at T=16k; ``PREP_FUSED`` (no prep launch and no fp32 G scratch:
+   akk and wu recomputing the gate cumsum from z per K tile, the diagonal block on CUDA cores), 3.993 ms at T=16k
+   (akk 2.535, wu 0.885) vs 2.222 ms for the default.)
 2. State and output, two launches:
    2a. ``_kda_hpass_kernel`` -- one program per (V tile, sequence, head), BV = 16 at B=1 (auto: the largest of
        64/32/16 giving >= 2 programs per SM): the sequential pass with the fp32 state in registers and only
@@ -107,21 +107,6 @@ AKK_BK = 16              # 1 warp, BK 16 with AKK_LV_SPLITK
 AKK_NUM_WARPS = 1
 AKK_MAXNREG = None       # ptxas register cap for akk (None: uncapped)
 AKK_LV_SPLITK = 1        # 1 = two passes over K (off-diagonal blocks, then the levels; fewer registers)
-# PREP_FUSED = 1 (A/B): no prep launch and no fp32 G scratch. akk (``_kda_akk_fused_kernel``) recomputes the gate
-# cumsum per K tile from z and applies the L2 norms to its finished sums (writes rs = (rq, rk, beta), 16 B per
-# token-head); wu recomputes G from z and writes prep's qg / kg / gl with w / u. The diagonal block is done per K
-# tile on CUDA cores: PREP_FUSED_DIAG 0 = exact exp2(G_r - G_s) per pair and channel, 1 = the same values as running
-# products of per-token factors exp2(G_{t+1} - G_t) <= 1 (partner columns descending); launched with its own
-# PREP_FUSED_* constants (wu-fused with WU_*).
-# Saves ~1.5 KB of DRAM traffic per token-head (G: 512 B written + 2 x 512 B read; prep's q/k/z/b reads; + z and
-# q re-reads). Offline sm_90, Triton 3.6 (3.9), K = V = 128 bf16: akk-fused 186 (184) regs unrolled / 4 warps, no
-# spills; 168 + 16 B stack (138) rolled; 128 (DIAG=0) / 117 (DIAG=1 unrolled) at 8 warps, no spills; wu-fused
-# 168 (167) regs, no spills (default wu 144 (150)). Not yet timed on a GPU (bench/kda_prefill.py --quick).
-PREP_FUSED = 0
-PREP_FUSED_DIAG = 0      # fused akk's diagonal block: 0 exact exp2 per pair, 1 running products
-PREP_FUSED_BK = 32
-PREP_FUSED_NUM_WARPS = 4
-PREP_FUSED_UNROLL = 1    # unroll the fused akk's diagonal-block loop (1) or not (0)
 WU_BK = 32
 WU_BV = 32
 WU_NUM_WARPS = 4
@@ -488,184 +473,6 @@ def _kda_wu_kernel(
         tl.store(u_out + (cblk + rows)[:, None] * V + c[None, :], uv.to(u_out.dtype.element_ty), mask=cm[None, :])
 
 
-# ------------------------------------------------------------------------- PREP_FUSED = 1: no prep launch, no G scratch
-@triton.jit
-def _akk_fused_diag_step(k, t0, nv, i_h, i_b, j, c, cm, qr, kr, Gr, pd, G1, d_kk, d_qk, stride_k,
-                         K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DIAG: tl.constexpr):
-    """PREP_FUSED akk, partner column j (chunk row i BC + j) of the diagonal block on one K tile c (raw q / k):
-    DIAG=0 exp2(G_r - G_j) per pair (r >= j); DIAG=1 (j descending) pd[r] = pd[r] exp2(G_{j+1} - G_j), 1 at r = j.
-    G_j is row j of the tile Gr (a masked reduction: G has no global copy in this variant); k_j is re-read (L1)."""
-    r16 = tl.arange(0, BC)
-    mj = (tl.zeros([BK], dtype=tl.int64) + i_b * BC + j) < nv
-    kj = tl.load(k + (t0 + i_b * BC + j) * stride_k + i_h * K + c, mask=mj & cm, other=0.0).to(tl.float32)
-    Gj = tl.sum(tl.where((r16 == j)[:, None], Gr, 0.0), 0)
-    if DIAG == 0:
-        p = tl.where((r16 >= j)[:, None], tl.exp2(tl.minimum(Gr - Gj[None, :], 0.0)), 0.0)
-    else:
-        pd = tl.where((r16 == j)[:, None], 1.0, pd * tl.exp2(tl.minimum(G1 - Gj, 0.0))[None, :])
-        p = pd
-    p = p * kj[None, :]
-    d_kk += tl.where((r16 == j)[None, :], tl.sum(kr * p, 1)[:, None], 0.0)
-    d_qk += tl.where((r16 == j)[None, :], tl.sum(qr * p, 1)[:, None], 0.0)
-    return pd, Gj, d_kk, d_qk
-
-
-@triton.jit
-def _kda_akk_fused_kernel(
-    q, k, z, A_log, dt_bias, b, chunk_offsets, cu_seqlens, n_seq, a_out, x_out, rs_out,
-    stride_q, stride_k, stride_z, stride_b, scale,
-    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, UNROLL: tl.constexpr = 1, DIAG: tl.constexpr = 0,
-):
-    """PREP_FUSED=1 akk, grid (chunk x row sub-chunk i (fastest), head): the outputs of ``_kda_akk_lv_kernel`` (Aqk,
-    X) plus rs [rows, 4] = (rq, rk, beta) for rows R, with no prep pass before it: the gate cumsum G (log2 units)
-    is recomputed per K tile from z (rows < (i+1) BC of the chunk, L2 hits after the first sub-chunk) and the L2
-    norms are accumulated over the K tiles and applied to the finished sums (Aqk[r, s] and Dkk[r, s] are bilinear
-    in (x_r, k_s): scaling by rq_r / rk_r and rk_s afterwards is exact). So the diagonal block is done per K tile
-    too, on CUDA cores (DIAG 0: exact exp2 per pair and channel; 1: running products of per-token factors; partner
-    rows' G taken from the tile in registers, k re-read from L1). Every exponent is <= 0 as in the default."""
-    i_b = tl.program_id(0) % (BT // BC)
-    i_c = tl.program_id(0) // (BT // BC)
-    i_h = tl.program_id(1)
-    if i_c >= tl.load(chunk_offsets + n_seq):
-        return
-    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
-    nv = eos - t0                                        # valid rows of this chunk (may exceed BT)
-    cblk = (i_c.to(tl.int64) * H + i_h) * BT
-    r16 = tl.arange(0, BC)
-    rr = i_b * BC + r16                                  # rows of R within the chunk
-    rmask = rr < nv
-    cols = tl.arange(0, BT)
-    csel = (cols < i_b * BC) & (cols < nv)               # off-diagonal columns (earlier sub-chunks)
-    neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
-    acc_kk = tl.zeros([BC, BT], dtype=tl.float32)       # raw (unnormalised) sums; norms applied after the loop
-    acc_qk = tl.zeros([BC, BT], dtype=tl.float32)
-    d_kk = tl.zeros([BC, BC], dtype=tl.float32)
-    d_qk = tl.zeros([BC, BC], dtype=tl.float32)
-    sq = tl.zeros([BC], dtype=tl.float32)
-    sk = tl.zeros([BC], dtype=tl.float32)
-    skc = tl.zeros([BT], dtype=tl.float32)
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        m2 = rmask[:, None] & cm[None, :]
-        mc = csel[:, None] & cm[None, :]
-        qr = tl.load(q + (t0 + rr)[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        kr = tl.load(k + (t0 + rr)[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        kc = tl.load(k + (t0 + cols)[:, None] * stride_k + i_h * K + c[None, :], mask=mc, other=0.0).to(tl.float32)
-        sq += tl.sum(qr * qr, 1)
-        sk += tl.sum(kr * kr, 1)
-        skc += tl.sum(kc * kc, 1)
-        # G of the earlier rows (cumsum; padded / later rows add 0) and of R (prefix + cumsum), log2 units, <= 0
-        Gc = _load_gate_cumsum(z, dt_bias, t0 + cols, stride_z, i_h, c, cm, mc, neg_a, K)    # [BT, BK]
-        pre = tl.sum(tl.where((cols == BT - 1)[:, None], Gc, 0.0), 0)                        # G of row i BC - 1
-        Gr = pre[None, :] + _load_gate_cumsum(z, dt_bias, t0 + rr, stride_z, i_h, c, cm, m2, neg_a, K)
-        Gn = tl.sum(tl.where((r16 == 0)[:, None], Gr, 0.0), 0)                               # anchor n = i BC
-        kct = tl.trans(kc * tl.exp2(tl.minimum(Gn[None, :] - Gc, 0.0)))                      # [BK, BT]
-        ef = tl.exp2(tl.minimum(Gr - Gn[None, :], 0.0))
-        acc_kk = tl.dot(kr * ef, kct, acc_kk, input_precision=PREC)
-        acc_qk = tl.dot(qr * ef, kct, acc_qk, input_precision=PREC)
-        # this K tile's share of the diagonal block (DIAG=0: exact exp2 per pair; 1: running products, j descending)
-        pd = tl.zeros([BC, BK], dtype=tl.float32)
-        G1 = tl.zeros([BK], dtype=tl.float32)
-        if UNROLL:
-            for jj in tl.static_range(BC):
-                pd, G1, d_kk, d_qk = _akk_fused_diag_step(k, t0, nv, i_h, i_b, BC - 1 - jj, c, cm, qr, kr, Gr, pd,
-                                                          G1, d_kk, d_qk, stride_k, K, BC, BK, DIAG)
-        else:
-            for jj in range(BC):
-                pd, G1, d_kk, d_qk = _akk_fused_diag_step(k, t0, nv, i_h, i_b, BC - 1 - jj, c, cm, qr, kr, Gr, pd,
-                                                          G1, d_kk, d_qk, stride_k, K, BC, BK, DIAG)
-    rq = scale / tl.sqrt(sq + 1e-6)
-    rk = 1.0 / tl.sqrt(sk + 1e-6)
-    rk_c = 1.0 / tl.sqrt(skc + 1e-6)
-    bb = tl.load(b + (t0 + rr) * stride_b + i_h, mask=rmask, other=0.0).to(tl.float32)
-    beta = tl.where(rmask, tl.sigmoid(bb), 0.0)
-    tl.store(rs_out + (cblk + rr) * 4, rq)
-    tl.store(rs_out + (cblk + rr) * 4 + 1, rk)
-    tl.store(rs_out + (cblk + rr) * 4 + 2, beta)
-    acc_kk = acc_kk * rk[:, None] * rk_c[None, :]
-    acc_qk = acc_qk * rq[:, None] * rk_c[None, :]
-    d_kk = d_kk * rk[:, None] * rk[None, :]
-    d_qk = d_qk * rq[:, None] * rk[None, :]
-    # Aqk rows of R, beta-scaled Dkk below the diagonal blocks, the diagonal block's inverse by forward substitution
-    tl.store(a_out + (cblk + rr)[:, None] * BT + cols[None, :], acc_qk.to(a_out.dtype.element_ty),
-             mask=((cols < i_b * BC) | (cols >= i_b * BC + BC))[None, :])
-    tl.store(a_out + (cblk + rr)[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(a_out.dtype.element_ty))
-    tl.store(x_out + (cblk + rr)[:, None] * BT + cols[None, :], acc_kk * beta[:, None],
-             mask=(cols < i_b * BC)[None, :])
-    lt = tl.trans(tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0))   # lt[c, r] = L[r, c]
-    di = tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)
-    for r in range(1, BC):
-        a_r = tl.sum(tl.where((r16 == r)[None, :], lt, 0.0), 1)
-        nr = tl.sum(a_r[:, None] * di, 0)
-        di = tl.where((r16 == r)[:, None], di - nr[None, :], di)
-    tl.store(x_out + (cblk + rr)[:, None] * BT + (i_b * BC + r16)[None, :], di)
-
-
-@triton.jit
-def _kda_wu_fused_kernel(
-    q, k, v, z, A_log, dt_bias, rs_in, x_in, chunk_offsets, cu_seqlens, n_seq,
-    qg_out, kg_out, gl_out, w_out, u_out,
-    stride_q, stride_k, stride_v, stride_z,
-    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-):
-    """PREP_FUSED=1 wu, grid (chunk, head): w and u as ``_kda_wu_kernel`` with G recomputed per K tile from z
-    (the same chunk cumsum prep does) instead of read from the fp32 scratch, and rs from the fused akk; also
-    writes prep's contract outputs qg, kg, gl (q / k tiles are loaded here anyway or are L2-adjacent)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    if i_c >= tl.load(chunk_offsets + n_seq):
-        return
-    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < (eos - t0)
-    tok = t0 + rows
-    cblk = (i_c.to(tl.int64) * H + i_h) * BT
-    rq = tl.load(rs_in + (cblk + rows) * 4)
-    rk = tl.load(rs_in + (cblk + rows) * 4 + 1)
-    beta = tl.load(rs_in + (cblk + rows) * 4 + 2)
-    neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
-    # prep's outputs first, before M is live (one K loop holding M, q, k and G: 200 registers, 2 CTAs/SM)
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        m2 = rmask[:, None] & cm[None, :]
-        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K)    # [BT, BK], <= 0
-        gl = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), 0)                    # G of the last row
-        tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
-        o_k = (cblk + rows)[:, None] * K + c[None, :]
-        tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :])
-        tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - G, 0.0)))
-                 .to(kg_out.dtype.element_ty), mask=cm[None, :])
-    rb = rows // BC
-    x = tl.load(x_in + (cblk + rows)[:, None] * BT + rows[None, :])
-    di = tl.where(rb[:, None] == rb[None, :], x, 0.0)
-    lo = tl.where(rb[:, None] > rb[None, :], x, 0.0)
-    nmat = tl.dot(di, lo, input_precision=PREC)
-    m = di
-    for _ in tl.static_range(BT // BC - 1):
-        m = di - tl.dot(nmat, m, input_precision=PREC)
-    for kb in range(0, K, BK):                           # G recomputed (z / k tiles: L1 / L2 hits)
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        m2 = rmask[:, None] & cm[None, :]
-        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K)
-        wv = tl.dot(m, bk * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
-        tl.store(w_out + (cblk + rows)[:, None] * K + c[None, :], wv.to(w_out.dtype.element_ty), mask=cm[None, :])
-    for vb in range(0, V, BV):
-        c = vb + tl.arange(0, BV)
-        cm = c < V
-        m2 = rmask[:, None] & cm[None, :]
-        bv = tl.load(v + tok[:, None] * stride_v + i_h * V + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        uv = tl.dot(m, bv * beta[:, None], input_precision=PREC)
-        tl.store(u_out + (cblk + rows)[:, None] * V + c[None, :], uv.to(u_out.dtype.element_ty), mask=cm[None, :])
-
-
 @triton.jit
 def _zero_outside(o, bos, eos, i_n, n_seq, n_tok, stride_o, i_h, vv, BT: tl.constexpr, BV: tl.constexpr,
                   V: tl.constexpr):
@@ -797,8 +604,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
     """Compile the kernels offline for sm_<arch> (no GPU needed; Triton's bundled ptxas) at Kimi shapes and
     return {name: (registers, spill stack bytes, shared bytes)}. Run without TRITON_INTERPRET.
     hpass / out = the state pass and output kernels at (hpass_bv or 16, HPASS_NUM_WARPS) / (out_bv or OUT_BV,
-    OUT_NUM_WARPS); prep / akk / wu = the intra kernels at the module constants; akk_fused / wu_fused = the
-    PREP_FUSED intra kernels."""
+    OUT_NUM_WARPS); prep / akk / wu = the intra kernels at the module constants."""
     import re
     import subprocess
 
@@ -840,20 +646,6 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec),
                dict(num_warps=WU_NUM_WARPS)),
-        "akk_fused": (_kda_akk_fused_kernel,
-                      dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
-                           cu_seqlens="*i32", n_seq="i32", a_out=sd, x_out="*fp32", rs_out="*fp32", stride_q="i32",
-                           stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
-                      dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, PREP_FUSED_BK), PREC=prec,
-                           UNROLL=int(PREP_FUSED_UNROLL), DIAG=int(PREP_FUSED_DIAG)),
-                      dict(num_warps=PREP_FUSED_NUM_WARPS)),
-        "wu_fused": (_kda_wu_fused_kernel,
-                     dict(q=lp, k=lp, v=lp, z=lp, A_log="*fp32", dt_bias="*fp32", rs_in="*fp32", x_in="*fp32",
-                          chunk_offsets="*i32", cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd,
-                          gl_out="*fp32", w_out=sd, u_out=sd, stride_q="i32", stride_k="i32", stride_v="i32",
-                          stride_z="i32"),
-                     dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec),
-                     dict(num_warps=WU_NUM_WARPS)),
     })
     specs = {n: specs[n] for n in which}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -927,7 +719,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     if NT > 0:
         # intra scratch: G [rows, K] fp32 (log2 units), rs [rows, 4] fp32 (rq, rk, beta), x [rows, BT] fp32
         # (block inverses + beta-scaled off-diagonal Dkk)
-        g2 = None if PREP_FUSED else torch.empty(n_rows, K, dtype=torch.float32, device=dev)
+        g2 = torch.empty(n_rows, K, dtype=torch.float32, device=dev)
         rs = torch.empty(n_rows, 4, dtype=torch.float32, device=dev)
         xs = torch.empty(n_rows, BT, dtype=torch.float32, device=dev)
 
@@ -953,30 +745,9 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 num_warps=WU_NUM_WARPS,
             )
 
-        def akk_fused():
-            return _kda_akk_fused_kernel[(BT // BC * NT, H)](
-                q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, a, xs, rs,
-                q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
-                PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, PREP_FUSED_BK), PREC=prec, UNROLL=int(PREP_FUSED_UNROLL),
-                DIAG=int(PREP_FUSED_DIAG), num_warps=PREP_FUSED_NUM_WARPS,
-            )
-
-        def wu_fused():
-            return _kda_wu_fused_kernel[(NT, H)](
-                q, k, v, z, A_log, dt_bias, rs, xs, chunk_offsets, cu_dev, P, qg, kg, gl, w, u,
-                q.stride(0), k.stride(0), v.stride(0), z.stride(0),
-                PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                num_warps=WU_NUM_WARPS,
-            )
-
-        if PREP_FUSED:
-            assert int(PREP_FUSED_DIAG) in (0, 1), "PREP_FUSED_DIAG must be 0 or 1"
-            launches["akk"] = akk_fused
-            launches["wu"] = wu_fused
-        else:
-            launches["prep"] = prep
-            launches["akk"] = akk
-            launches["wu"] = wu
+        launches["prep"] = prep
+        launches["akk"] = akk
+        launches["wu"] = wu
 
     # per-chunk start states h_c [NT, H, K, V] and vn [NT*H*BT, V], both in the MMA operand dtype
     hs = torch.empty(max(NT, 1) * H * K, V, dtype=sdt, device=dev)

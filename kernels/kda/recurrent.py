@@ -24,8 +24,8 @@ count; see there. `bench/kda.py --sweep` times the alternatives.
 
 PDL (KIMI_PDL=1, kernels._pdl; `pdl` overrides): the kernels take GDC and are launched with programmatic
 dependent launch; before griddepcontrol.wait they only compute offsets and (the per-tile kernel) prefetch the head's
-conv weights, dt_bias and norm weight into L2; every activation (qkv, b, z / r or f_a / g_a: in_proj outputs) is
-read after it.
+conv weights, dt_bias and norm weight into L2; every activation (qkv, b: in_proj outputs; z / r: skinny_bmm_nt's)
+is read after it.
 
 Early state (per-tile kernel, EARLY_STATE; _EARLY_STATE / KIMI_KDA_EARLY_STATE, kda_decode_triton(early_state=)):
 the exception to kernels._pdl's contract for this layer's state. Under PDL the decode's CTAs start while the
@@ -47,12 +47,10 @@ is the one the previous step wrote. Two decode launches on the same pools back t
 one kernel in a loop) break that premise: mode 2 would read the state before the earlier launch writes it; modes
 0 / 1 stay correct there.
 
-Low-rank gates (FG; kda_decode_triton(fg_a=, fg_b=), the model's decode path): the kernels take f_a, g_a [N, R] and
-f_b [HK, R], g_b [HV, R] instead of z, r and form z = f_a f_b^T (every tile program: all K channels of its head) and
-r = g_a g_b^T (its V tile; TAIL_LAST / TAIL_POST hand r to the tail through y) with fp32 sums rounded to the
-activation dtype, i.e. the bf16 values a separate skinny_bmm_nt would have written (summed over R in another order).
-Small grids hold the weights in registers, loaded before gdc_wait (FG_EARLY); otherwise RC-column chunks after it,
-L2-prefetched before it. Past _FG_MAX_N sequences the wrapper runs skinny_bmm_nt first instead.
+Low-rank gates (kda_decode_triton(fg_a=, fg_b=), the model's decode path): f_a, g_a [N, R] and f_b [HK, R],
+g_b [HV, R] instead of z, r; the wrapper forms z = f_a f_b^T and r = g_a g_b^T with one skinny_bmm_nt (bf16 out)
+and then runs the plain kernel. (Removed after H200 runs: the up-projections inside the decode kernels, FG, 6 us
+per step slower at batch 1 and 171 us per step slower at batch 8 than the separate skinny_bmm_nt.)
 
 Lanes whose slot is <= 0 (the null slot, CUDA-graph padding) read and write no state and output zeros, so padded
 lanes cost almost no bandwidth and never touch a real slot. No host syncs, no data-dependent shapes: the whole
@@ -78,55 +76,10 @@ TAIL_SINGLE, TAIL_LAST, TAIL_POST, TAIL_LOOP = 0, 1, 2, 3
 def _gated_norm_store(o, r_row, w_ptr, y_row, o_v, m_v, eps, V: tl.constexpr):
     # o [BVF] fp32 (zeros past V) -> y = o * rsqrt(mean(o^2) + eps) * w * sigmoid(r)
     r = tl.load(r_row + o_v, mask=m_v, other=0.0).to(tl.float32)
-    _gated_norm_vals(o, r, w_ptr, y_row, o_v, m_v, eps, V)
-
-
-@triton.jit
-def _gated_norm_vals(o, r, w_ptr, y_row, o_v, m_v, eps, V: tl.constexpr):
-    # _gated_norm_store with the gate r [BVF] fp32 given as values
     w = tl.load(w_ptr + o_v, mask=m_v, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / V + eps)
     y = o * rstd * w * tl.sigmoid(r)
     tl.store(y_row + o_v, y.to(y_row.dtype.element_ty), mask=m_v)
-
-
-@triton.jit
-def _lowrank_w(w_ptr, rows, m_rows, R: tl.constexpr, BR: tl.constexpr):
-    # rows [BX] of a low-rank up-projection W [*, R] (row-major, f_b or g_b) -> [BX, BR] in W's dtype, zeros masked
-    o_r = tl.arange(0, BR)
-    return tl.load(w_ptr + rows[:, None] * R + o_r[None, :], mask=m_rows[:, None] & (o_r < R)[None, :], other=0.0)
-
-
-@triton.jit
-def _lowrank_dot(a_row, w, slot, R: tl.constexpr, BR: tl.constexpr):
-    # a [R] (f_a / g_a row of one token) . w [BX, BR]^T -> [BX]: fp32 sum over R, rounded to a's dtype (the bf16 a
-    # separate batched matmul would write), returned as fp32; a padded lane (slot <= 0) reads nothing and gives 0
-    o_r = tl.arange(0, BR)
-    a = tl.load(a_row + o_r, mask=(o_r < R) & ((tl.zeros([BR], dtype=tl.int64) + slot) > 0), other=0.0)
-    a = a.to(tl.float32)
-    acc = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-    return acc.to(a_row.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _lowrank_loop(a_row, w_ptr, rows, m_rows, slot, R: tl.constexpr, BR: tl.constexpr, RC: tl.constexpr):
-    # _lowrank_dot with the weight read in [BX, RC] column chunks inside a (not unrolled) loop: RC columns of
-    # registers instead of BR, one L2 round trip per chunk
-    acc = tl.zeros_like(rows).to(tl.float32)
-    for r0 in range(0, BR, RC):
-        o_r = r0 + tl.arange(0, RC)
-        m_r = o_r < R
-        a = tl.load(a_row + o_r, mask=m_r & ((tl.zeros([RC], dtype=tl.int64) + slot) > 0), other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rows[:, None] * R + o_r[None, :], mask=m_rows[:, None] & m_r[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-    return acc.to(a_row.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, rows, m_rows, R: tl.constexpr, BR: tl.constexpr):
-    # L2 prefetch of rows [BX] of W [*, R]: one hint per 32 elements (a 128-byte line holds 64 bf16: 2 hints a line)
-    o_r = tl.arange(0, (BR + 31) // 32) * 32
-    prefetch_l2(w_ptr + rows[:, None] * R + o_r[None, :], m_rows[:, None] & (o_r < R)[None, :])
 
 
 @triton.jit
@@ -149,26 +102,19 @@ def _conv_shift(cs, x_row, c, m, stride_cs_w, W: tl.constexpr):
 @triton.jit
 def _kda_decode_kernel(
     qkv_ptr, convw_ptr, convs_ptr, z_ptr, b_ptr, alog_ptr, dtb_ptr, slot_ptr, state_ptr, o_ptr, cnt_ptr,
-    r_ptr, nw_ptr, y_ptr, fa_ptr, ga_ptr, fb_ptr, gb_ptr,
-    stride_qkv, stride_z, stride_b, stride_r, stride_y, stride_fa, stride_ga,
+    r_ptr, nw_ptr, y_ptr,
+    stride_qkv, stride_z, stride_b, stride_r, stride_y,
     stride_cs_s, stride_cs_w,
     stride_s_s, stride_s_h,
     scale, eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BVF: tl.constexpr, TAIL: tl.constexpr,
     EARLY: tl.constexpr, STORE_AFTER: tl.constexpr = False, GDC: tl.constexpr = False,
-    FG: tl.constexpr = False, R: tl.constexpr = 1, BR: tl.constexpr = 1, RC: tl.constexpr = 1,
-    FG_EARLY: tl.constexpr = False, EARLY_STATE: tl.constexpr = 0,
+    EARLY_STATE: tl.constexpr = 0,
 ):
     # qkv [N, 2HK+HV]; conv_w [C, W] f32; conv_state [S, W-1, C]; z [N, HK]; b [N, H]; A_log [H]; dt_bias [HK]
     # state [S, H, K, V] f32 (k-row stride V, v contiguous); o [N, H, V] f32 scratch (TAIL_LAST / TAIL_POST);
     # cnt [N*H] i32 arrival counters, zero between launches (TAIL_LAST); y [N, H*V]
-    # FG (fused low-rank gates; z_ptr / r_ptr unused): f_a, g_a rows [N, R] (row strides stride_fa / stride_ga),
-    # f_b [HK, R], g_b [HV, R] row-major; z = f_a f_b^T over the head's K channels (every tile program: the decay
-    # needs all K rows), r = g_a g_b^T over this program's V tile (TAIL_LAST / TAIL_POST: stored into y, where the
-    # tail reads it back; y has a's dtype, so the round trip is exact). FG_EARLY: the head's f_b rows and the
-    # tile's g_b rows are loaded into registers first (before gdc_wait: weights), else read in RC-column chunks
-    # after the wait (L2-prefetched before it)
     # EARLY_STATE (module doc "Early state"): 1: the slot load, the L2 prefetch of the state tile and of the conv
     # state rows go before gdc_wait; 2: also the state tile load into registers (before the wait under GDC). 0: all
     # after it. The same values either way: only the position of the loads changes
@@ -177,9 +123,6 @@ def _kda_decode_kernel(
     i_n = tl.program_id(2).to(tl.int64)
     o_k = tl.arange(0, BK).to(tl.int64)                              # int64 offsets: fewer registers (ptxas)
     o_v = i_v.to(tl.int64) * BV + tl.arange(0, BV).to(tl.int64)
-    if FG and FG_EARLY:
-        wf = _lowrank_w(fb_ptr, i_h * K + o_k, o_k < K, R, BR)       # [BK, BR]
-        wg = _lowrank_w(gb_ptr, i_h * V + o_v, o_v < V, R, BR)       # [BV, BR]
     if GDC:
         # PDL: the weights this program reads (conv taps of its q, k, v channels, dt_bias, the o_norm weight) into
         # L2 while the previous kernel (the projection writing qkv, z, b, r) finishes; then wait for it
@@ -188,9 +131,6 @@ def _kda_decode_kernel(
         prefetch_l2(convw_ptr + (2 * H * K + i_h * V + o_v) * W, o_v < V)
         prefetch_l2(dtb_ptr + i_h * K + o_k, o_k < K)
         prefetch_l2(nw_ptr + o_v, o_v < V)
-        if FG and not FG_EARLY:
-            _prefetch_rows(fb_ptr, i_h * K + o_k, o_k < K, R, BR)
-            _prefetch_rows(gb_ptr, i_h * V + o_v, o_v < V, R, BR)
         if EARLY_STATE == 0:
             gdc_enter(GDC)
     # EARLY_STATE > 0: before the wait. state_slots is written by a host -> device copy before the step, never by
@@ -256,27 +196,15 @@ def _kda_decode_kernel(
     k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
 
     # ---- gate (natural log, <= 0) and beta
-    if FG:
-        # low-rank gates: the state load goes first (in flight during the matvecs)
-        if not EARLY and EARLY_STATE != 2:
-            S = tl.load(s_ptrs, mask=m_s, other=0.0, eviction_policy="evict_first")
-        if FG_EARLY:
-            zf = _lowrank_dot(fa_ptr + i_n * stride_fa, wf, slot, R, BR)                      # [BK]
-            rg = _lowrank_dot(ga_ptr + i_n * stride_ga, wg, slot, R, BR)                      # [BV]
-        else:
-            zf = _lowrank_loop(fa_ptr + i_n * stride_fa, fb_ptr, i_h * K + o_k, m_k, slot, R, BR, RC)
-            rg = _lowrank_loop(ga_ptr + i_n * stride_ga, gb_ptr, i_h * V + o_v, m_v, slot, R, BR, RC)
-        zz = zf + tl.load(dtb_ptr + i_h * K + o_k, mask=m_k, other=0.0)
-    else:
-        zz = tl.load(z_ptr + i_n * stride_z + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32) + \
-            tl.load(dtb_ptr + i_h * K + o_k, mask=m_k, other=0.0)
+    zz = tl.load(z_ptr + i_n * stride_z + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32) + \
+        tl.load(dtb_ptr + i_h * K + o_k, mask=m_k, other=0.0)
     sp = tl.where(zz > 20.0, zz, tl.maximum(zz, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(zz))))   # softplus, exp(<=0)
     g = -tl.exp(tl.load(alog_ptr + i_h)) * sp                         # [BK]
     bb = tl.load(b_ptr + i_n * stride_b + i_h).to(tl.float32)
     beta = tl.sigmoid(bb)
 
     # ---- delta rule on the [BK, BV] state tile
-    if not EARLY and EARLY_STATE != 2 and not FG:
+    if not EARLY and EARLY_STATE != 2:
         S = tl.load(s_ptrs, mask=m_s, other=0.0, eviction_policy="evict_first")
     S = S * tl.exp(g)[:, None]                                        # decay K rows
     u = beta * (v - tl.sum(S * k[:, None], axis=0))                   # [BV]
@@ -287,21 +215,16 @@ def _kda_decode_kernel(
 
     y_row = y_ptr + i_n * stride_y + i_h * V
     o_row = o_ptr + (i_n * H + i_h) * V
-    if FG and TAIL != 0:
-        tl.store(y_row + o_v, rg.to(y_row.dtype.element_ty), mask=o_v < V)   # r tile for the tail (y's dtype)
     if TAIL == 0:
         # one program owns the head: norm here; the barrier orders every thread's conv reads before the shift
-        if FG:
-            _gated_norm_vals(o, rg, nw_ptr, y_row, o_v, o_v < V, eps, V)
-        else:
-            _gated_norm_store(o, r_ptr + i_n * stride_r + i_h * V, nw_ptr, y_row, o_v, o_v < V, eps, V)
+        _gated_norm_store(o, r_ptr + i_n * stride_r + i_h * V, nw_ptr, y_row, o_v, o_v < V, eps, V)
         tl.debug_barrier()
         _conv_shift(cs, x_row, c_q, m_k, stride_cs_w, W)
         _conv_shift(cs, x_row, c_k, m_k, stride_cs_w, W)
         _conv_shift(cs, x_row, c_v, m_v, stride_cs_w, W)
     elif TAIL == 1:
         tl.store(o_row + o_v, o, mask=o_v < V)                        # padded lanes store zeros
-        # barrier: all threads' o (and FG: r) stores and conv reads precede the (release) arrival
+        # barrier: all threads' o stores and conv reads precede the (release) arrival
         tl.debug_barrier()
         n_arrived = tl.atomic_add(cnt_ptr + i_n * H + i_h, 1, sem="acq_rel", scope="gpu")
         if STORE_AFTER:
@@ -312,11 +235,7 @@ def _kda_decode_kernel(
             o_f = tl.arange(0, BVF).to(tl.int64)
             m_f = o_f < V
             of = tl.load(o_row + o_f, mask=m_f, other=0.0, cache_modifier=".cg")   # other tiles' o, from L2
-            if FG:
-                rf = tl.load(y_row + o_f, mask=m_f, other=0.0, cache_modifier=".cg").to(tl.float32)   # tiles' r
-                _gated_norm_vals(of, rf, nw_ptr, y_row, o_f, m_f, eps, V)
-            else:
-                _gated_norm_store(of, r_ptr + i_n * stride_r + i_h * V, nw_ptr, y_row, o_f, m_f, eps, V)
+            _gated_norm_store(of, r_ptr + i_n * stride_r + i_h * V, nw_ptr, y_row, o_f, m_f, eps, V)
             # the whole head's conv shift here too (shifting v per tile, before the arrival, cost ~15 registers)
             m_fs = m_f & ((tl.zeros([BVF], dtype=tl.int64) + slot) > 0)
             _conv_shift(cs, x_row, c_q, m_k, stride_cs_w, W)
@@ -368,14 +287,13 @@ def _conv_silu(x_row, convw_ptr, cs, c, m, stride_cs_w, W: tl.constexpr):
 @triton.jit
 def _kda_decode_loop_kernel(
     qkv_ptr, convw_ptr, convs_ptr, z_ptr, b_ptr, alog_ptr, dtb_ptr, slot_ptr, state_ptr, o_ptr,
-    r_ptr, nw_ptr, y_ptr, fa_ptr, ga_ptr, fb_ptr, gb_ptr, n_units,
-    stride_qkv, stride_z, stride_b, stride_r, stride_y, stride_fa, stride_ga,
+    r_ptr, nw_ptr, y_ptr, n_units,
+    stride_qkv, stride_z, stride_b, stride_r, stride_y,
     stride_cs_s, stride_cs_w,
     stride_s_s, stride_s_h,
     scale, eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BVF: tl.constexpr, GDC: tl.constexpr = False,
-    FG: tl.constexpr = False, R: tl.constexpr = 1, BR: tl.constexpr = 1, RC: tl.constexpr = 1,
 ):
     # TAIL_LOOP: persistent grid (G,), G <= n_units = N*H. Program p owns the heads (units) u = p, p+G, ... (unit u =
     # sequence u // H, head u % H) and walks each head's NV state tiles [K, BV] in order; the state load of the next
@@ -383,8 +301,6 @@ def _kda_decode_loop_kernel(
     # each program always has one tile read in flight (one tile of registers more than the per-tile kernel).
     # The head's tail (gated RMSNorm over V, conv shift) runs in the same program: no arrival counter, no second
     # launch. Shapes as _kda_decode_kernel; o [N, H, V] f32 scratch (the head's o tiles, re-read after a barrier).
-    # FG: z of the unit's head from f_a / f_b in its prologue, r of the whole row from g_a / g_b in its tail (RC-column
-    # chunks, after the wait).
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     o_k = tl.arange(0, BK).to(tl.int64)
@@ -423,10 +339,7 @@ def _kda_decode_loop_kernel(
         q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
         k = _conv_silu(x_row, convw_ptr, cs, c_k, m_k, stride_cs_w, W)
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-        if FG:
-            zz = _lowrank_loop(fa_ptr + i_n * stride_fa, fb_ptr, c_q, m_k, slot, R, BR, RC)
-        else:
-            zz = tl.load(z_ptr + i_n * stride_z + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        zz = tl.load(z_ptr + i_n * stride_z + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         zz += tl.load(dtb_ptr + i_h * K + o_k, mask=m_k, other=0.0)
         sp = tl.where(zz > 20.0, zz, tl.maximum(zz, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(zz))))
         decay = tl.exp(-tl.exp(tl.load(alog_ptr + i_h)) * sp)           # [BK] exp(g), g <= 0
@@ -457,12 +370,8 @@ def _kda_decode_loop_kernel(
         tl.debug_barrier()
         m_f = o_f < V
         of = tl.load(o_row + o_f, mask=m_f, other=0.0)
-        if FG:
-            rf = _lowrank_loop(ga_ptr + i_n * stride_ga, gb_ptr, i_h * V + o_f, m_f & (zf + slot > 0), slot, R, BR, RC)
-            _gated_norm_vals(of, rf, nw_ptr, y_ptr + i_n * stride_y + i_h * V, o_f, m_f, eps, V)
-        else:
-            _gated_norm_store(of, r_ptr + i_n * stride_r + i_h * V, nw_ptr, y_ptr + i_n * stride_y + i_h * V, o_f,
-                              m_f, eps, V)
+        _gated_norm_store(of, r_ptr + i_n * stride_r + i_h * V, nw_ptr, y_ptr + i_n * stride_y + i_h * V, o_f,
+                          m_f, eps, V)
         _conv_shift(cs, x_row, c_q, m_k, stride_cs_w, W)
         _conv_shift(cs, x_row, c_k, m_k, stride_cs_w, W)
         _conv_shift(cs, x_row, 2 * H * K + i_h * V + o_f, m_f & (zf + slot > 0), stride_cs_w, W)
@@ -477,25 +386,15 @@ _WIDE_PER_SM = 16             # H200 sweep 12-02 (graph us/step, copy BW 4.25 TB
 _WIDE_MAXNREG = 128           # register cap of the wide config (0: none; 128: BV64/w4 fits 4 programs per SM, not 3;
                               # H200 12-03 sweep, N=64: 78.89 us = 80.1% of copy BW vs 81.41 uncapped)
 _STORE_AFTER = False          # TAIL_LAST configs write the state after the arrival (DecodeConfig.store_after)
-# Low-rank gates (kda_decode_triton(fg_a=, fg_b=)): computed inside the decode kernel up to _FG_MAX_N sequences (one
-# launch less per layer; every V-tile program re-reads its head's 32 KB of f_b from L2, N*H*V/BV*32 KB a step), by a
-# separate skinny_bmm_nt above (KIMI_KDA_FG_MAX_N overrides; unmeasured guess until bench/kda.py's fused column).
-# Registers for the weights (FG_EARLY: the whole [K, R] f_b tile + the [BV, R] g_b tile, loaded before gdc_wait)
-# while the grid has <= _FG_EARLY_PPS programs per SM, else RC-column chunks after the wait.
-# H200 12-03 (bench/ablate.py --ab, e2e b1): the fused gates were 6 us per step slower than the chain at N = 1, so
-# the default is off (0); KIMI_KDA_FG_MAX_N=8 turns them on up to 8 sequences
-_FG_MAX_N = int(os.environ.get("KIMI_KDA_FG_MAX_N", "0"))
 # Early state (module doc), per-tile kernel under PDL: 0 off, 1 slot load + L2 prefetch of the state tile and conv
 # state rows before gdc_wait (default), 2 also the state tile into registers before it (needs the caller's
 # guarantee in the module doc; A/B on the H200). KIMI_KDA_EARLY_STATE overrides; kda_decode_triton(early_state=).
 # default 0 since H200 12-03 (bench/ablate.py --ab, e2e b1: mode 1 and 2 both ~3 us per step slower than 0)
 _EARLY_STATE = int(os.environ.get("KIMI_KDA_EARLY_STATE", "0"))
-# ... and, with the early state on, the f_b | g_b skinny_bmm_nt before the decode (unfused gates) launches its
+# ... and, with the early state on, the f_b | g_b skinny_bmm_nt before the decode launches its
 # dependents at once (gemv_triton(early_launch=True)), so the decode's pre-wait loads overlap the in_proj instead of
 # starting after it (KIMI_KDA_BMM_EARLY=0: off, for an A/B)
 _BMM_EARLY_LAUNCH = os.environ.get("KIMI_KDA_BMM_EARLY", "1") != "0"
-_FG_EARLY_PPS = 2
-_FG_RC = 32
 
 
 class DecodeConfig(NamedTuple):
@@ -506,8 +405,6 @@ class DecodeConfig(NamedTuple):
     pps: int = 0       # TAIL_LOOP: resident programs per SM the grid is sized for (grid = loop_grid(N * H, ...))
     maxnreg: int = 0   # ptxas register cap (0: none), to fit more programs per SM
     store_after: bool = False  # TAIL_LAST: write the state tile after the arrival atomic, not before its release
-    fg: bool = False           # low-rank inputs given: z / r computed in the kernel (else a skinny_bmm_nt first)
-    fg_early: bool = False     # fg: weights in registers, loaded before gdc_wait (else RC-column chunks after it)
 
 
 # TAIL_LOOP candidate for large grids, (BV, num_warps, programs per SM, maxnreg); the default picker takes it only
@@ -552,15 +449,13 @@ def decode_config(N: int, H: int, K: int, V: int, n_sm: int = 132, BV: Optional[
     wide = BV is None and N * H * triton.cdiv(V, _BV_WIDE) >= _WIDE_PER_SM * n_sm
     if wide and _LOOP_DEFAULT:
         bv, nw, pps, maxnreg = _LOOP
-        return DecodeConfig(min(bv, VP), nw, TAIL_LOOP, True, pps, maxnreg, False, N <= _FG_MAX_N)
+        return DecodeConfig(min(bv, VP), nw, TAIL_LOOP, True, pps, maxnreg, False)
     if BV is None:
         BV = _BV_WIDE if wide else _BV_NARROW
     BV = min(BV, VP)
     tail = TAIL_SINGLE if BV >= V else TAIL_LAST
-    fg = N <= _FG_MAX_N
     return DecodeConfig(BV, warps_for(BV, BK), tail, wide, 0, _WIDE_MAXNREG if wide else 0,
-                        _STORE_AFTER and tail == TAIL_LAST, fg,
-                        fg and N * H * triton.cdiv(V, BV) <= _FG_EARLY_PPS * n_sm)
+                        _STORE_AFTER and tail == TAIL_LAST)
 
 
 def _fg_parts(fg_a, fg_b):
@@ -575,8 +470,7 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
                       out: Optional[torch.Tensor] = None, counters: Optional[torch.Tensor] = None,
                       pps: Optional[int] = None, grid: Optional[int] = None, maxnreg: Optional[int] = None,
                       store_after: Optional[bool] = None, pdl: Optional[bool] = None,
-                      fg_a=None, fg_b=None, fg: Optional[bool] = None, fg_early: Optional[bool] = None,
-                      fg_rc: Optional[int] = None, early_state: Optional[int] = None):
+                      fg_a=None, fg_b=None, early_state: Optional[int] = None):
     """Fused KDA decode step (see module doc). Shapes as kernels.kda.kda_decode. Returns [N, H*V] (qkv.dtype),
     written into `out` when given (every element is written, padded lanes get zeros). BV / num_warps / tail / early
     override `decode_config` (tail TAIL_LAST or TAIL_POST when BV < V; TAIL_LOOP: the persistent loop kernel at any
@@ -586,10 +480,8 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
 
     Low-rank gates: z = r = None and fg_a [2, N, R] (f_a | g_a rows, any row / batch strides, unit column stride;
     or a pair of [N, R]) with fg_b [2, HK, R] (f_b | g_b, rows contiguous; or a pair f_b [HK, R], g_b [HV, R]):
-    z = f_a f_b^T and r = g_a g_b^T are computed in fp32 and rounded to fg_a's dtype (= the bf16 output of
-    kernels.gemv.skinny_bmm_nt; the sum over R runs in a different order) inside the decode kernel when the config
-    says so (`fg`, default decode_config: N <= _FG_MAX_N), else by skinny_bmm_nt before it. fg / fg_early / fg_rc
-    override the config (fg_rc: R columns per chunk of the non-early path).
+    z = f_a f_b^T and r = g_a g_b^T by kernels.gemv.skinny_bmm_nt (fp32 sums rounded to fg_a's dtype) before the
+    decode kernel.
 
     early_state (per-tile kernel; None: _EARLY_STATE under PDL, 0 without): what goes before griddepcontrol.wait
     (module doc, "Early state"). 2 requires that the kernel launched just before this one does not write
@@ -643,35 +535,17 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         cfg = cfg._replace(maxnreg=maxnreg)
     if store_after is not None:
         cfg = cfg._replace(store_after=bool(store_after))
-    if fg is not None:
-        cfg = cfg._replace(fg=bool(fg))
-    if fg_early is not None:
-        cfg = cfg._replace(fg_early=bool(fg_early))
     es = (_EARLY_STATE if pdl_on(pdl) else 0) if early_state is None else int(early_state)
     assert es in (0, 1, 2), es
-    if low_rank and not cfg.fg:
-        # unfused: the batched f_b | g_b matmul (bf16 out), then the plain kernel. With the early state under PDL
-        # the matmul lets this kernel start at once (early_launch), so its pre-wait loads overlap the in_proj
+    if low_rank:
+        # the batched f_b | g_b matmul (bf16 out), then the plain kernel. With the early state under PDL the matmul
+        # lets this kernel start at once (early_launch), so its pre-wait loads overlap the in_proj
         el = bool(es) and _BMM_EARLY_LAUNCH and pdl_on(pdl)
         if isinstance(fg_a, torch.Tensor) and isinstance(fg_b, torch.Tensor):
             z, r = skinny_bmm_nt(fg_a, fg_b, early_launch=el).unbind(0)
         else:
             z, r = skinny_bmm_nt(fa[None], fb[None])[0], skinny_bmm_nt(ga[None], gb[None], early_launch=el)[0]
-        low_rank = False
-    if low_rank:
-        # the tile programs of TAIL_LAST / TAIL_POST pass r to the tail through `out`: bf16 in, bf16 out, exact
-        assert out.dtype == fa.dtype, (out.dtype, fa.dtype)
-        BR = triton.next_power_of_2(Rk)
-        fgk = dict(FG=True, R=Rk, BR=BR, RC=min(BR, fg_rc or _FG_RC))
-        fa_args = (fa, ga, fb, gb)
-        fa_strides = (fa.stride(0), ga.stride(0))
-        z = r = fb                                               # unused pointers
-        z_stride = r_stride = 0
-    else:
-        fgk = {}
-        fa_args = (z, z, z, z)                                   # unused pointers
-        fa_strides = (0, 0)
-        z_stride, r_stride = z.stride(0), r.stride(0)
+    z_stride, r_stride = z.stride(0), r.stride(0)
     BK = triton.next_power_of_2(K)
     NV = triton.cdiv(V, cfg.BV)
     opt = dict(maxnreg=cfg.maxnreg) if cfg.maxnreg else {}
@@ -681,14 +555,13 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
             o_scratch = torch.empty(N, H, V, dtype=torch.float32, device=qkv.device)
         G = grid or loop_grid(N * H, cfg.pps, num_sms(qkv.device))
         _kda_decode_loop_kernel[(min(G, N * H),)](
-            qkv, conv_w, conv_state, z, b, A_log, dt_bias, state_slots, rec_state, o_scratch, r, o_norm_w, out,
-            *fa_args, N * H,
-            qkv.stride(0), z_stride, b.stride(0), r_stride, out.stride(0), *fa_strides,
+            qkv, conv_w, conv_state, z, b, A_log, dt_bias, state_slots, rec_state, o_scratch, r, o_norm_w, out, N * H,
+            qkv.stride(0), z_stride, b.stride(0), r_stride, out.stride(0),
             conv_state.stride(0), conv_state.stride(1),
             rec_state.stride(0), rec_state.stride(1),
             K ** -0.5, eps,
             H=H, K=K, V=V, W=W, BK=BK, BV=cfg.BV, NV=NV, BVF=triton.next_power_of_2(V), num_warps=cfg.num_warps,
-            **fgk, **opt,
+            **opt,
         )
         return out
     if cfg.tail != TAIL_SINGLE and o_scratch is None:
@@ -697,25 +570,21 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         if counters is None:
             counters = arrival_counters(qkv.device, N * H)
         assert counters.dtype == torch.int32 and counters.numel() >= N * H
-    if fgk:
-        fgk["FG_EARLY"] = cfg.fg_early
     _kda_decode_kernel[(NV, H, N)](
         qkv, conv_w, conv_state, z, b, A_log, dt_bias, state_slots, rec_state,
         o_scratch if cfg.tail != TAIL_SINGLE else out, counters if cfg.tail == TAIL_LAST else state_slots,
-        r, o_norm_w, out, *fa_args,
-        qkv.stride(0), z_stride, b.stride(0), r_stride, out.stride(0), *fa_strides,
+        r, o_norm_w, out,
+        qkv.stride(0), z_stride, b.stride(0), r_stride, out.stride(0),
         conv_state.stride(0), conv_state.stride(1),
         rec_state.stride(0), rec_state.stride(1),
         K ** -0.5, eps,
         H=H, K=K, V=V, W=W, BK=BK, BV=cfg.BV, NV=NV, BVF=triton.next_power_of_2(V), TAIL=cfg.tail,
-        EARLY=cfg.early, STORE_AFTER=cfg.store_after, EARLY_STATE=es, num_warps=cfg.num_warps, **fgk, **opt,
+        EARLY=cfg.early, STORE_AFTER=cfg.store_after, EARLY_STATE=es, num_warps=cfg.num_warps, **opt,
     )
     if cfg.tail == TAIL_POST:
-        # FG: the tile programs left r in `out`; the post kernel reads it there (and overwrites it with y)
-        r_post, r_post_stride = (out, out.stride(0)) if fgk else (r, r_stride)
         _kda_decode_post_kernel[(H, N)](
-            o_scratch, r_post, o_norm_w, out, qkv, conv_state, state_slots,
-            r_post_stride, out.stride(0), qkv.stride(0), conv_state.stride(0), conv_state.stride(1),
+            o_scratch, r, o_norm_w, out, qkv, conv_state, state_slots,
+            r_stride, out.stride(0), qkv.stride(0), conv_state.stride(0), conv_state.stride(1),
             eps,
             H=H, K=K, V=V, W=W, BK=BK, BVF=triton.next_power_of_2(V), num_warps=4, **pdl_launch(pdl),
         )

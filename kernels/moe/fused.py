@@ -20,10 +20,10 @@ Pipeline (no host sync anywhere; every size comes from tensor shapes, so it is C
    ``[S, M, D]`` over K ranges instead.
 4. **Combine** (``_moe_combine_kernel``): ``out[t] = sum_j w[t, j] * y[t*k + j]`` in fp32 (j ascending), cast to
    x.dtype; with split-K, ``y[i]`` is the partials' sum in split order rounded to x.dtype. No atomics:
-   bit-deterministic.
-   Decode (``fused_moe_add_norm``, T <= TAIL_NORM_MAX_T): no combine launch; each GEMM2 program arrives on an acq_rel
-   counter after its stores, and the grid's last one computes combine + residual add + the next layer's RMSNorm for
-   all T tokens (``_tail_add_norm``, the ops of kernels.norm.combine_add_rmsnorm, same bits) and resets the counter.
+   bit-deterministic. ``fused_moe_add_norm`` skips this launch: GEMM 1 + GEMM 2, then
+   kernels.norm.combine_add_rmsnorm does the combine with the residual add and the next layer's RMSNorm. (Removed
+   after the H200 A/B: that combine + add + norm in GEMM 2's tail, by the last program to arrive on a counter,
+   ``TAIL_NORM``: 50 us per step slower at batch 1, neutral at batch 8.)
 
 Decode N tiles (``get_config`` with top_k): the few selected experts' weights are cut into ``nt`` even ("ragged")
 N tiles per row block, ``nt`` picked so that blocks * nt programs spread evenly over the SMs (``balanced_tiles``);
@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_launch_dependents, gdc_wait, prefetch_l2
-from kernels._tensors import H200_SMEM, arrival_counters, max_shared_mem, num_sms, unit_last_stride
+from kernels._pdl import gdc_launch_dependents, gdc_wait
+from kernels._tensors import H200_SMEM, max_shared_mem, num_sms
 from kernels.moe.router import INTERPRET, cast_to, dot_acc, dot_mode
 
 # Largest M = T*k aligned by the single-program Triton align kernel; above it the torch path is used.
@@ -64,16 +64,6 @@ _PDL = set(_PDL_ENV.split(",")) - {"0", ""}
 DECODE_PDL, DECODE_PREFETCH, DECODE_EVICT = bool(_PDL), "prefetch" in _PDL, "evict" in _PDL
 DECODE_PDL_T1 = _PDL_ENV != "0"          # PDL at one token unless switched off
 DECODE_PDL1 = "gemm1" in _PDL
-# fused_moe_add_norm: the combine + residual add + next RMSNorm in the tail of GEMM2 (the last program to arrive) for
-# T <= TAIL_NORM_MAX_T tokens (KIMI_MOE_TAIL_NORM_MAX_T, default 4: one program does all T rows); KIMI_MOE_TAIL_NORM=0:
-# GEMM2 + kernels.norm.combine_add_rmsnorm (one more launch) at every T (A/B switch)
-# opt-in (KIMI_MOE_TAIL_NORM=1) since H200 12-03: bench/ablate.py --ab at e2e b1 measured the tail 50 us per step
-# slower than the separate combine_add_rmsnorm launch (one program doing the whole row after the last arrival)
-TAIL_NORM = os.environ.get("KIMI_MOE_TAIL_NORM", "0") == "1"
-TAIL_NORM_MAX_T = int(os.environ.get("KIMI_MOE_TAIL_NORM_MAX_T", "4"))
-# ... and every GEMM2 program prefetches the norm weight and the residual rows into L2 before arriving (read per call;
-# KIMI_MOE_TAIL_PF=0 / bench/moe.py --tail-norm turn it off for an A/B)
-TAIL_PREFETCH = os.environ.get("KIMI_MOE_TAIL_PF", "1") != "0"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -301,10 +291,6 @@ def _moe_gemm2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, RAGGED: tl.constexpr,
     GDC: tl.constexpr = False, PREFETCH: tl.constexpr = 0, W_EVICT: tl.constexpr = "",
-    cnt_ptr=None, tw_ptr=None, r_ptr=None, nw_ptr=None, xo_ptr=None, ho_ptr=None,
-    T=0, stride_r=0, stride_xo=0, stride_ho=0, eps=0.0,
-    TAIL: tl.constexpr = False, TOP_K: tl.constexpr = 1, SPLIT: tl.constexpr = 1, BD: tl.constexpr = 16,
-    TAIL_PF: tl.constexpr = 0,
 ):
     """out[s, idx, n] = inter[idx, Ks] . w2[e, n, Ks] for the rows idx of one block and the K range
     Ks = [s * k_steps * BK, (s + 1) * k_steps * BK) of split s = program_id(1) (one split: the whole K, out = y in
@@ -312,26 +298,13 @@ def _moe_gemm2_kernel(
     Grid: (blocks * NT, S); IDS_BLOCK, NT and RAGGED as in _moe_gemm1_kernel.
     GDC (launched with PDL after GEMM1): the rows, expert and weight addresses (and with PREFETCH > 0 an L2 prefetch
     of the first PREFETCH K elements of each of this tile's weight rows: no dependence on GEMM1) before waiting for
-    GEMM1's inter; then signal the (PDL-launched) combine. W_EVICT as in _moe_gemm1_kernel.
-    TAIL (fused_moe_add_norm, T tokens): every program, blocks past the padded total included, then arrives on the
-    counter cnt_ptr; the last of the grid's programs combines, adds the residual and normalises all T tokens
-    (_tail_add_norm; SPLIT = S partials)."""
+    GEMM1's inter; then signal the (PDL-launched) combine. W_EVICT as in _moe_gemm1_kernel."""
     pid_m, n_lo, n_hi, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT,
                                                    BM, BN, RAGGED, IDS_BLOCK, BLOCK_E)
-    if TAIL:
-        if pid_m * BM < npost:
-            _gemm2_tile(a_ptr, w_ptr, out_ptr, M, K, stride_am, stride_we, stride_wn, stride_os, stride_om, k_steps,
-                        n_lo, n_hi, idx, e, BM, BN, BK, EVEN_K, MODE, INTERP, GDC, PREFETCH, W_EVICT)
-        elif GDC:  # every CTA waits (kernels._pdl), and the last to arrive may be this one: it reads activations
-            gdc_wait()
-            gdc_launch_dependents()
-        _tail_add_norm(cnt_ptr, out_ptr, tw_ptr, r_ptr, nw_ptr, xo_ptr, ho_ptr, T, N, stride_os, stride_r,
-                       stride_xo, stride_ho, eps, TOP_K, SPLIT, BD, INTERP, TAIL_PF)
-    else:
-        if pid_m * BM >= npost:
-            return
-        _gemm2_tile(a_ptr, w_ptr, out_ptr, M, K, stride_am, stride_we, stride_wn, stride_os, stride_om, k_steps,
-                    n_lo, n_hi, idx, e, BM, BN, BK, EVEN_K, MODE, INTERP, GDC, PREFETCH, W_EVICT)
+    if pid_m * BM >= npost:
+        return
+    _gemm2_tile(a_ptr, w_ptr, out_ptr, M, K, stride_am, stride_we, stride_wn, stride_os, stride_om, k_steps,
+                n_lo, n_hi, idx, e, BM, BN, BK, EVEN_K, MODE, INTERP, GDC, PREFETCH, W_EVICT)
 
 
 @triton.jit
@@ -374,46 +347,6 @@ def _gemm2_tile(a_ptr, w_ptr, out_ptr, M, K, stride_am, stride_we, stride_wn, st
     tl.store(o_ptrs, cast_to(acc, out_ptr.dtype.element_ty, INTERP), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _tail_add_norm(cnt_ptr, y_ptr, tw_ptr, r_ptr, nw_ptr, xo_ptr, ho_ptr, T, D, stride_ys, stride_r, stride_xo,
-                   stride_ho, eps, TOP_K: tl.constexpr, SPLIT: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
-                   PF: tl.constexpr):
-    """Arrival of one GEMM2 program (fused_moe_add_norm); the grid's last arrives -> for t < T: h[t] = r[t] +
-    combine(y)[t] and x[t] = rmsnorm(h[t]) * nw, stored to ho / xo. y [M, D] (or fp32 partials [SPLIT, M, D]) as
-    GEMM2 stores it, tw [T, TOP_K] fp32, r / xo / ho [T, D] row-strided, nw [D]. The ops are
-    kernels.norm._combine_add_rmsnorm_kernel's (EARLY_W) one for one, so the bits match combine_add_rmsnorm (keep
-    them in step). The counter is left at 0 (CUDA-graph replays, kernels._tensors.arrival_counters).
-    PF > 0 (TAIL_PREFETCH, not under the interpreter): before arriving, every program prefetches into L2 the norm
-    weight and the T residual rows, PF pointers 64 elements apart (128-byte lines of bf16): the GEMMs stream ~130 MB
-    of expert weights (T = 1) through L2 after they were last read, so that the tail's loads hit L2 (a hint, after the
-    PDL wait)."""
-    if PF > 0:
-        lines = tl.arange(0, PF) * 64
-        prefetch_l2(nw_ptr + lines, lines < D)
-        for t in range(T):
-            prefetch_l2(r_ptr + t * stride_r + lines, lines < D)
-    tl.debug_barrier()   # every thread's y stores precede the (release) arrival
-    n_arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if n_arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
-        offs = tl.arange(0, BD)
-        mask = offs < D
-        w = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        for t in range(T):
-            r = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-            # other programs' y rows: from L2 (.cg), after the acquire
-            acc = combine_row_cache(y_ptr, tw_ptr, t, offs, mask, D, stride_ys, TOP_K, SPLIT, ho_ptr.dtype.element_ty,
-                                    INTERP, ".cg")
-            x = cast_to(acc, ho_ptr.dtype.element_ty, INTERP).to(tl.float32)   # the combine's rounding
-            h = (r + x).to(ho_ptr.dtype.element_ty)
-            tl.store(ho_ptr + t * stride_ho + offs, h, mask=mask)
-            hf = h.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / D + eps)        # kernels.norm._rms_weighted
-            xn = (hf * rstd).to(xo_ptr.dtype.element_ty).to(tl.float32)
-            o = w * xn
-            tl.store(xo_ptr + t * stride_xo + offs, o.to(xo_ptr.dtype.element_ty), mask=mask)
-        tl.store(cnt_ptr, 0)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # 4. combine
 # ----------------------------------------------------------------------------------------------------------------
@@ -437,23 +370,15 @@ def combine_row(y_ptr, w_ptr, t, offs, mask, D, stride_ys, TOP_K: tl.constexpr, 
                 INTERP: tl.constexpr):
     """fp32 sum_j w[t, j] * y[t*k + j] over the columns offs (SPLIT > 1: each y row is the sum of its fp32 K
     partials in split order, rounded to DT first). Shared by _moe_combine_kernel and kernels.norm's fused
-    combine + add + RMSNorm (and, through combine_row_cache, GEMM2's tail _tail_add_norm), so all round alike."""
-    return combine_row_cache(y_ptr, w_ptr, t, offs, mask, D, stride_ys, TOP_K, SPLIT, DT, INTERP, "")
-
-
-@triton.jit
-def combine_row_cache(y_ptr, w_ptr, t, offs, mask, D, stride_ys, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
-                      DT: tl.constexpr, INTERP: tl.constexpr, CACHE: tl.constexpr):
-    """combine_row with CACHE the y loads' cache modifier ("": default; ".cg": rows that other programs of the same
-    grid wrote, read from L2). (No default argument: Triton 3.6 passes a callee's str default unwrapped.)"""
+    combine + add + RMSNorm, so both round alike."""
     acc = tl.zeros(offs.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         wj = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
         y_ptrs = y_ptr + (t * TOP_K + j) * D + offs
-        yj = tl.load(y_ptrs, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+        yj = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
         if SPLIT > 1:
             for s in tl.static_range(1, SPLIT):
-                yj += tl.load(y_ptrs + s * stride_ys, mask=mask, other=0.0, cache_modifier=CACHE)
+                yj += tl.load(y_ptrs + s * stride_ys, mask=mask, other=0.0)
             yj = cast_to(yj, DT, INTERP).to(tl.float32)
         acc += wj * yj
     return acc
@@ -653,11 +578,8 @@ def moe_gemm1(x: torch.Tensor, w13: torch.Tensor, rows: MoERows, cfg: MoEConfig,
     return inter
 
 
-def moe_gemm2(inter: torch.Tensor, w2: torch.Tensor, rows: MoERows, cfg: MoEConfig, tail: tuple | None = None):
-    """-> y [M, D] (inter.dtype), or with cfg.split2 > 1 fp32 K partials [S, M, D] (S <= split2: no empty split).
-    tail = (topk_weights [T, k] fp32, residual [T, D] unit last stride, norm_w [D], eps, x_next, h) (outputs [T, D]
-    contiguous, residual.dtype): the grid's last program also writes h = residual + combine(y) and
-    x_next = rmsnorm(h) * norm_w (fused_moe_add_norm) -> (x_next, h)."""
+def moe_gemm2(inter: torch.Tensor, w2: torch.Tensor, rows: MoERows, cfg: MoEConfig) -> torch.Tensor:
+    """-> y [M, D] (inter.dtype), or with cfg.split2 > 1 fp32 K partials [S, M, D] (S <= split2: no empty split)."""
     M, inter_dim = inter.shape
     D = w2.shape[1]
     assert cfg.prefetch2 % 16 == 0, cfg  # whole 16-byte units per row (K = inter_dim itself is checked by _bulk_ok)
@@ -675,23 +597,10 @@ def moe_gemm2(inter: torch.Tensor, w2: torch.Tensor, rows: MoERows, cfg: MoEConf
         M, D, inter_dim, inter.stride(0), w2.stride(0), w2.stride(1), M * D, D, rows.ids, rows.E, NT, k_steps,
         BM=rows.BM, BN=BN, BK=BK, EVEN_K=inter_dim % BK == 0, MODE=dot_mode(inter.dtype), INTERP=INTERPRET,
         IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, PREFETCH=cfg.prefetch2 if _bulk_ok(w2, inter_dim) else 0),
-        W_EVICT="evict_first" if cfg.evict else "", **(_tail_args(tail, y, S) if tail is not None else {}),
+        W_EVICT="evict_first" if cfg.evict else "",
         num_warps=cfg.warps2 or cfg.num_warps, num_stages=cfg.stages2 or cfg.num_stages,
     )
-    return y if tail is None else (tail[4], tail[5])
-
-
-def _tail_args(tail: tuple, y: torch.Tensor, S: int) -> dict:
-    """_moe_gemm2_kernel's TAIL arguments for moe_gemm2's tail tuple."""
-    tw, residual, norm_w, eps, x_next, h = tail
-    T, top_k = tw.shape
-    D = residual.shape[1]
-    assert residual.stride(-1) == 1 and x_next.is_contiguous() and h.is_contiguous() and norm_w.numel() == D
-    assert y.dtype == (torch.float32 if S > 1 else residual.dtype) and x_next.dtype == h.dtype == residual.dtype
-    return dict(cnt_ptr=arrival_counters(y.device, 1), tw_ptr=tw, r_ptr=residual, nw_ptr=norm_w, xo_ptr=x_next,
-                ho_ptr=h, T=T, stride_r=residual.stride(0), stride_xo=x_next.stride(0), stride_ho=h.stride(0),
-                eps=eps, TAIL=True, TOP_K=top_k, SPLIT=S, BD=triton.next_power_of_2(D),
-                TAIL_PF=max(1, triton.next_power_of_2(D) // 64) if TAIL_PREFETCH and not INTERPRET else 0)
+    return y
 
 
 def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> torch.Tensor:
@@ -754,24 +663,11 @@ def fused_moe_uncombined_triton(x, w13, w2, topk_weights, topk_ids, config: MoEC
     return moe_gemm2(moe_gemm1(x, w13, rows, cfg), w2, rows, cfg)
 
 
-def tail_norm_ok(T: int, D: int, x_dtype: torch.dtype, residual_dtype: torch.dtype, cfg: MoEConfig) -> bool:
-    """fused_moe_add_norm runs the combine + add + norm in GEMM2's tail: KIMI_MOE_TAIL_NORM on, 1 <= T <=
-    TAIL_NORM_MAX_T (one program does all T rows), y in the residual's dtype, and GEMM2's warps those of
-    kernels.norm's row kernel for D (the same layout, hence the same sum-of-squares tree on the GPU)."""
-    from kernels.norm import row_config  # kernels.norm imports this module: here, at call time
-
-    return (TAIL_NORM and 1 <= T <= TAIL_NORM_MAX_T and x_dtype == residual_dtype
-            and (cfg.warps2 or cfg.num_warps) == row_config(triton.next_power_of_2(D))[0])
-
-
-def fused_moe_add_norm(x, w13, w2, topk_weights, topk_ids, residual, norm_w, eps, config: MoEConfig | None = None,
-                       out: tuple | None = None):
+def fused_moe_add_norm(x, w13, w2, topk_weights, topk_ids, residual, norm_w, eps, config: MoEConfig | None = None):
     """The MoE layer and the next norm: -> (x_next [T, D], h [T, D]) in residual.dtype with h = residual + moe(x)
-    and x_next = rmsnorm(h) * norm_w: the bits of fused_moe_uncombined_triton followed by
-    kernels.norm.combine_add_rmsnorm. Small T (tail_norm_ok): no combine launch, the last GEMM2 program to arrive
-    computes it (_tail_add_norm); otherwise those two calls. CPU tensors (no forced Triton): fused_moe_ref +
-    add_rmsnorm. w13 / w2 / ids as fused_moe; residual [T, D] (row stride allowed), norm_w [D]. out: optional
-    (x_next, h) contiguous [T, D] buffers of the tail path, fully overwritten (tests)."""
+    and x_next = rmsnorm(h) * norm_w: fused_moe_uncombined_triton (GEMM1 + GEMM2, no combine launch) followed by
+    kernels.norm.combine_add_rmsnorm. CPU tensors (no forced Triton): fused_moe_ref + add_rmsnorm. w13 / w2 / ids as
+    fused_moe; residual [T, D] (row stride allowed), norm_w [D]."""
     from kernels._dispatch import use_triton
     from kernels.norm import add_rmsnorm, combine_add_rmsnorm
 
@@ -785,14 +681,5 @@ def fused_moe_add_norm(x, w13, w2, topk_weights, topk_ids, residual, norm_w, eps
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == T
     top_k = topk_ids.shape[1]
     cfg = config or get_config(T * top_k, E, x.dtype, top_k, num_sms(x.device), N2 // 2, D, max_shared_mem(x.device))
-    if not tail_norm_ok(T, D, x.dtype, residual.dtype, cfg):
-        y = fused_moe_uncombined_triton(x, w13, w2, topk_weights, topk_ids, config=cfg)
-        return combine_add_rmsnorm(y, topk_weights, residual, norm_w, eps)
-    x, w13, w2 = x.contiguous(), w13.contiguous().to(x.dtype), w2.contiguous().to(x.dtype)
-    residual = unit_last_stride(residual)
-    if out is None:
-        out = tuple(torch.empty(T, D, dtype=residual.dtype, device=x.device) for _ in range(2))
-    x_next, h = out
-    rows = moe_rows(topk_ids, E, cfg.BM, cfg.direct, cfg.ids_rows)
-    tail = (topk_weights.contiguous(), residual, norm_w, eps, x_next, h)
-    return moe_gemm2(moe_gemm1(x, w13, rows, cfg), w2, rows, cfg, tail=tail)
+    y = fused_moe_uncombined_triton(x, w13, w2, topk_weights, topk_ids, config=cfg)
+    return combine_add_rmsnorm(y, topk_weights, residual, norm_w, eps)

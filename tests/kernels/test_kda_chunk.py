@@ -233,21 +233,17 @@ def test_gpu_fp32_and_split():
     assert rel_rms(pool_b[2], pool_a[2]) <= 1e-4
 
 
-@pytest.mark.parametrize("fused,diag", [(0, None), (1, 0), (1, 1)])
-def test_tiling_fp32(monkeypatch, fused, diag):
+@pytest.mark.parametrize("prefetch,vfast", [(1, 1), (0, 0)])
+def test_tiling_fp32(monkeypatch, prefetch, vfast):
     """Several K tiles in the intra kernels and several V tiles in every kernel (as at K = V = 128 on the GPU),
-    for the default intra launches (akk in two K passes) and PREP_FUSED with either diagonal mode (PREP_FUSED_DIAG;
-    norms summed over the K tiles and applied afterwards, the diagonal block per K tile); the state pass with and
-    without HPASS_PREFETCH, both output grid orders."""
+    for the default intra launches (akk in two K passes); the state pass with and without HPASS_PREFETCH, both
+    output grid orders."""
     import kernels.kda.chunk as chunk_mod
 
-    monkeypatch.setattr(chunk_mod, "PREP_FUSED", fused)
-    if fused:
-        monkeypatch.setattr(chunk_mod, "PREP_FUSED_DIAG", diag)
-    monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", int(not fused or diag == 1))
+    monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", prefetch)
     monkeypatch.setattr(chunk_mod, "AKK_LV_SPLITK", 1)                # (the variants test runs it unsplit)
-    monkeypatch.setattr(chunk_mod, "OUT_VFAST", int(not fused))       # (2 V tiles of 32 in the output grid)
-    for name in ("PREP_BK", "AKK_BK", "PREP_FUSED_BK", "WU_BK", "WU_BV"):
+    monkeypatch.setattr(chunk_mod, "OUT_VFAST", vfast)                # (2 V tiles of 32 in the output grid)
+    for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV"):
         monkeypatch.setattr(chunk_mod, name, 16)
     monkeypatch.setattr(chunk_mod, "HPASS_BV", 16)
     monkeypatch.setattr(chunk_mod, "OUT_BV", 32)
@@ -270,7 +266,6 @@ def test_sm90_offline_compile_no_spills():
             "print(json.dumps({'bv64': c.compile_report(hpass_bv=64, out_bv=128), "
             "'bv32': c.compile_report(hpass_bv=32, which=('hpass',)), "
             "'bv16': c.compile_report(hpass_bv=16, which=('hpass',)), "
-            "'prep_fused': c.compile_report(which=('akk_fused', 'wu_fused')), "
             "'fast_softplus': (setattr(c, 'FAST_SOFTPLUS', 1), c.compile_report(which=('prep',)))[1], "
             "'cumsum_dot': (setattr(c, 'CUMSUM_DOT', 1), setattr(c, 'PREP_BK', 16), "
             "c.compile_report(which=('prep',)))[-1], "
@@ -311,8 +306,6 @@ def test_intra_awkward_lengths_fp32(lens, strong_gate):
 # A/B variants of kernels/kda/chunk.py (module constants); each must match the default to fp32 rounding.
 VARIANTS = {
     "hpass-no-prefetch": dict(HPASS_PREFETCH=0),
-    "prep-fused": dict(PREP_FUSED=1),
-    "prep-fused-prod": dict(PREP_FUSED=1, PREP_FUSED_DIAG=1, PREP_FUSED_UNROLL=0),
     # session 5: level-anchored tensor-core diagonal blocks in a 1-warp akk (one K pass; the default takes two)
     "akk-lv": dict(AKK_LV_SPLITK=0),
     "cumsum-scan": dict(CUMSUM_DOT=0, PREP_BK=32),
@@ -324,13 +317,9 @@ VARIANTS = {
 @pytest.mark.parametrize("strong_gate", [False, True])
 def test_variants_match_default_fp32(variant, strong_gate, monkeypatch):
     """Each variant gives the default's intermediates (qg, kg, w, u, Aqk, gl), output and final states to fp32
-    rounding (level-anchored dots vs per-pair exp2 or running products: a few ulps), with gates down to -20 per step
-    (every exponent formed is <= 0), partial chunks (masked partner rows) and varlen with length-0/1 sequences and
-    poisoned unused slots; then the variant end to end vs the fp64 recurrence."""
-    if VARIANTS[variant].get("PREP_FUSED") and (not strong_gate or VARIANTS[variant].get("PREP_FUSED_DIAG")):
-        # CI budget (~20 s per case in the interpreter): PREP_FUSED once, strong gates; its PREP_FUSED_DIAG=1 step
-        # (one line apart from DIAG=0) and the K tiling are covered by test_tiling_fp32 vs the fp64 recurrence
-        pytest.skip("PREP_FUSED: the strong-gate PREP_FUSED_DIAG=0 case only (CPU time)")
+    rounding (one K pass instead of two, a scan instead of the tensor-core cumsum: a few ulps), with gates down to -20
+    per step (every exponent formed is <= 0), partial chunks (masked partner rows) and varlen with length-0/1
+    sequences and poisoned unused slots; then the variant end to end vs the fp64 recurrence."""
     import kernels.kda.chunk as chunk_mod
     from kernels.kda.chunk import chunk_kda_plan
 

@@ -516,6 +516,35 @@ def test_fused_moe_empty():
     assert fused_moe_triton(x, w13, w2, w, ids).shape == (0, 32)
 
 
+@needs_triton
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_add_norm(T, dtype, monkeypatch):
+    """fused_moe_add_norm (the model's PendingMoE path: GEMM1 + GEMM2, then kernels.norm.combine_add_rmsnorm) ==
+    fused_moe_triton then add_rmsnorm_triton (the combine and the norm in their own kernels) bit for bit, row-strided
+    residual; CPU tensors without forced Triton take the torch references."""
+    import kernels._dispatch as d
+    from kernels.moe import fused_moe_add_norm
+    from kernels.moe.fused import fused_moe_triton
+    from kernels.norm import add_rmsnorm_ref, add_rmsnorm_triton
+
+    monkeypatch.setattr(d, "_FORCE", "triton")
+    D, I, E, k = 64, 32, 8, 3
+    x, w13, w2, w, ids = make_moe(T, D, I, E, k, dtype)
+    r = (torch.randn(T, 2 * D, device=DEV) * 3).to(dtype)[:, D:]
+    nw = (1 + 0.1 * torch.randn(D, device=DEV)).to(dtype)
+    xn, h = fused_moe_add_norm(x, w13, w2, w, ids, r, nw, 1e-6)
+    xn2, h2 = add_rmsnorm_triton(fused_moe_triton(x, w13, w2, w, ids), r, nw, 1e-6)
+    assert xn.dtype == h.dtype == dtype and xn.shape == h.shape == (T, D)
+    assert torch.equal(h, h2) and torch.equal(xn, xn2)
+    if DEV == "cpu":
+        monkeypatch.setattr(d, "_FORCE", "ref")
+        xr, hr = fused_moe_add_norm(x, w13, w2, w, ids, r, nw, 1e-6)
+        want = add_rmsnorm_ref(fused_moe_ref(x, w13, w2, w, ids), r, nw, 1e-6)
+        assert torch.equal(xr, want[0]) and torch.equal(hr, want[1])
+        assert rms_ratio(h, hr) <= _tol(dtype)
+
+
 # ------------------------------------------------------------------------------------------------ GPU, Kimi shapes
 KIMI = dict(D=2304, I=1024, E=256, k=8, scale=2.446)
 
