@@ -9,8 +9,9 @@ exited). Contract of every kernel here that takes GDC=True:
     (kernels/kda/recurrent.py, "Early state"): it reads the slot index (state_slots: written only by host -> device
     copies before the step, never by a kernel of it) before the wait, and with KIMI_KDA_EARLY_STATE=2 the state
     tile of this layer's recurrent pool (written only by this layer's KDA kernels, never by the kernel launched just
-    before the decode: the layer's in_proj). Sound because when kernel N starts, kernel N-1 has passed its wait,
-    so every kernel before N-1 has completed and its writes are visible; the activations stay after the wait;
+    before the decode: the layer's f_b|g_b skinny_bmm_nt). Sound because when kernel N starts, kernel N-1 has passed
+    its wait, so every kernel before N-1 has completed and its writes are visible; the activations stay after the
+    wait;
   * gdc_wait() in every CTA (it waits for the previous grid's completion and memory flush; a PDL-launched kernel
     that never waits would let its successor's wait see only its own completion: the chain's transitivity breaks);
   * gdc_launch_dependents() right after the wait: the next kernel's pre-wait part overlaps this kernel's body, and

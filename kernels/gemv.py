@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
-from kernels._pdl import gdc_enter, gdc_launch_dependents, gdc_wait, pdl_launch, pdl_on, prefetch_l2
+from kernels._pdl import gdc_enter, pdl_launch, pdl_on, prefetch_l2
 from kernels._tensors import arrival_counters, max_shared_mem, num_sms
 
 GEMV_MAX_M = 16
@@ -173,7 +173,6 @@ def _gemv_kernel(
     SPLIT: tl.constexpr, W_EVICT: tl.constexpr, W_CACHE: tl.constexpr, R: tl.constexpr, PREFETCH: tl.constexpr,
     w_desc=None, TMA: tl.constexpr = False,
     GDC: tl.constexpr = False, PF_N: tl.constexpr = 0, PF_L: tl.constexpr = 1, PF_STEP: tl.constexpr = 64,
-    EARLY_DEPS: tl.constexpr = False,
 ):
     # grid (cdiv(N, BN), S, B): program (n, s, b) reads W[b, n*BN:+BN, s*k_split:+k_split] once (streamed: W_EVICT
     # / W_CACHE hints keep it from evicting x, partials and other kernels' data from L2) and
@@ -189,14 +188,9 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_split, K)
     xb, wb = x_ptr + pid_b * stride_xb, w_ptr + pid_b * stride_wb
     if GDC:
-        if EARLY_DEPS:   # gemv_triton(early_launch=True): the next kernel may start before this one's wait
-            gdc_launch_dependents()
         # PDL: prefetch the head of this program's W slab into L2, then wait for the previous kernel (x is its output)
         _prefetch_w_head(wb, offs_n, n_mask, stride_wn, k_lo, k_hi, PF_N, PF_L, PF_STEP)
-        if EARLY_DEPS:
-            gdc_wait()
-        else:
-            gdc_enter(GDC)
+        gdc_enter(GDC)
     if DOT:
         row0 = (pid_b * N + pid_n * BN).to(tl.int32)                                                # TMA box row
         out = _dot_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
@@ -344,12 +338,8 @@ def _pdl_prefetch(B: int, N: int, S: int, k_split: int, es: int) -> dict:
 
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = None,
-                pdl: Optional[bool] = None, early_launch: bool = False) -> torch.Tensor:
-    """pdl: launch with PDL (kernels._pdl; None: KIMI_PDL). early_launch (PDL only): griddepcontrol.launch_dependents
-    at the start of every program instead of after its wait, so the next kernel's CTAs may start (and run their
-    pre-wait part) while the kernel before this one still runs: for a short kernel between a long one and a
-    latency-bound one (the KDA decode's f_b | g_b product: the decode's early state load then overlaps the layer's
-    in_proj). Its successor's wait still covers this kernel and, through this kernel's wait, the one before."""
+                pdl: Optional[bool] = None) -> torch.Tensor:
+    """pdl: launch with PDL (kernels._pdl; None: KIMI_PDL)."""
     batched = x.dim() == 3
     xb, wb = (x, w) if batched else (x[None], w[None])
     if xb.stride(-1) != 1:
@@ -385,8 +375,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
         BM=bm, BN=c.BN, BK=c.BK, EVEN_K=even_k, DOT=c.dot, PREC=prec, UPCAST=upcast, SPLIT=split_mode,
         W_EVICT="evict_first" if c.evict and not c.cg else "", W_CACHE=".cg" if c.cg else "", R=min(FMA_R, c.BK),
         PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages, **tma,
-        **(pdl_launch(pdl, **_pdl_prefetch(B, N, S, k_split, wb.element_size()), EARLY_DEPS=bool(early_launch))
-           if pdl_on(pdl) else {}))
+        **(pdl_launch(pdl, **_pdl_prefetch(B, N, S, k_split, wb.element_size())) if pdl_on(pdl) else {}))
     if split_mode == 1:
         br = min(1024, triton.next_power_of_2(N))
         _split_reduce_kernel[(B * M, triton.cdiv(N, br))](p, y, S, B * M, N, BR=br, num_warps=4)
@@ -406,11 +395,10 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, measured_only: bool = False)
     return F.linear(x, w)
 
 
-def skinny_bmm_nt(x: torch.Tensor, w: torch.Tensor, early_launch: bool = False) -> torch.Tensor:
-    """torch.bmm(x [B, M, K], w [B, N, K]^T) through gemv_triton when M <= GEMV_MAX_M and use_triton(x)
-    (early_launch: gemv_triton's)."""
+def skinny_bmm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """torch.bmm(x [B, M, K], w [B, N, K]^T) through gemv_triton when M <= GEMV_MAX_M and use_triton(x)."""
     if x.shape[1] <= GEMV_MAX_M and use_triton(x):
-        return gemv_triton(x, w, early_launch=early_launch)
+        return gemv_triton(x, w)
     return torch.bmm(x, w.transpose(1, 2))
 
 

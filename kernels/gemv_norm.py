@@ -61,6 +61,11 @@ from kernels.norm import (
 )
 
 NORM_IN_MAX_T = 4      # largest T of the fused path (the prologue unrolls one [BD] row per token)
+# W bytes the whole grid prefetches into L2 right after the wait, before the prologue (read per call;
+# KIMI_NORM_IN_PF_MB): the prologue's dependent loads (y, residual, the x scratch round trip) take a few us in which
+# the W stream would otherwise stand still (H200 12-03: the fused launch without it saved nothing over the two
+# launches); lines after the PDL head (or from column 0 without PDL), capped by the slab
+NORM_IN_PF_MB = float(os.environ.get("KIMI_NORM_IN_PF_MB", "12"))
 
 
 # --------------------------------------------------------------------------------------------------- reference
@@ -81,6 +86,7 @@ def _gemv_norm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, W_EVICT: tl.constexpr, W_CACHE: tl.constexpr,
     GDC: tl.constexpr = False, PF_N: tl.constexpr = 0, PF_L: tl.constexpr = 1, PF_STEP: tl.constexpr = 64,
+    PF2_N: tl.constexpr = 0, PF2_L: tl.constexpr = 1,
 ):
     # grid (cdiv(N, BN),): program n writes out[:T, n*BN:+BN]; program 0 also h[:T]. y [T*k, D] (or [SPLIT, T*k, D]
     # fp32) and tw [T, k] contiguous, r / h [T, D] row-strided, xs [programs, T, D] this call's scratch.
@@ -94,6 +100,8 @@ def _gemv_norm_kernel(
         _prefetch_w_head(w_ptr, offs_n, n_mask, stride_wn, 0, D, PF_N, PF_L, PF_STEP)
     nw = _load_w(nw_ptr, offs, mask, True)
     gdc_enter(GDC)
+    # the next PF2_N lines of the slab into L2 while the prologue's dependent loads run (NORM_IN_PF_MB)
+    _prefetch_w_head(w_ptr, offs_n, n_mask, stride_wn, PF_N * PF_STEP if GDC else 0, D, PF2_N, PF2_L, PF_STEP)
     xs = xs_ptr + pid.to(tl.int64) * T * D
     for t in tl.static_range(T):
         # _combine_add_rmsnorm_kernel's statements for token t (EARLY_W order), so h and x round alike
@@ -180,8 +188,20 @@ def gemv_combine_norm(y: torch.Tensor, topk_weights: torch.Tensor, residual: tor
         UPCAST=residual.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET", "0") == "1",
         W_EVICT="evict_first" if c.evict and not c.cg else "", W_CACHE=".cg" if c.cg else "",
         num_warps=c.num_warps, num_stages=c.num_stages,
+        **_prefetch_after(N, k_split, es, pdl_on(pdl)),
         **(pdl_launch(pdl, **_pdl_prefetch(1, N, 1, k_split, es)) if pdl_on(pdl) else {}))
     return (out, h, xs[0]) if return_x else (out, h)
+
+
+def _prefetch_after(N: int, k_split: int, es: int, gdc: bool, interp: bool = INTERPRET) -> dict:
+    """PF2_N / PF2_L: W lines per row prefetched after the wait (NORM_IN_PF_MB over the N rows), from the end of the
+    PDL head (gdc) or column 0, within the row's k_split columns."""
+    if interp:   # prefetch_l2 is inline PTX
+        return dict(PF2_N=0, PF2_L=1)
+    step = max(1, 128 // es)
+    head = _pdl_prefetch(1, N, 1, k_split, es)["PF_N"] if gdc else 0
+    n = max(0, min(triton.cdiv(k_split, step) - head, int(NORM_IN_PF_MB * (1 << 20)) // (N * 128)))
+    return dict(PF2_N=n, PF2_L=triton.next_power_of_2(max(n, 1)))
 
 
 # --------------------------------------------------------------------------------------------------- offline check
@@ -203,7 +223,8 @@ def compile_report(N: int = 12576, D: int = 2304, T: int = 1, top_k: int = 9, sp
     consts = dict(T=T, TOP_K=top_k, SPLIT=split, BD=triton.next_power_of_2(D), INTERP=False,
                   BM=max(16, triton.next_power_of_2(T)), BN=c.BN, BK=c.BK, EVEN_K=D % c.BK == 0, PREC="tf32",
                   UPCAST=False, W_EVICT="evict_first" if c.evict and not c.cg else "", W_CACHE=".cg" if c.cg else "",
-                  GDC=gdc, **(_pdl_prefetch(1, N, 1, k_split, 2) if gdc else {}))
+                  GDC=gdc, **(_pdl_prefetch(1, N, 1, k_split, 2) if gdc else {}),
+                  **_prefetch_after(N, k_split, 2, gdc, interp=False))
     types = dict(y_ptr="*fp32" if split > 1 else "*bf16", tw_ptr="*fp32", r_ptr="*bf16", nw_ptr="*bf16",
                  w_ptr="*bf16", o_ptr="*bf16", h_ptr="*bf16", xs_ptr="*bf16", eps="fp32")
     fn = _gemv_norm_kernel

@@ -29,7 +29,8 @@ is read after it.
 
 Early state (per-tile kernel, EARLY_STATE; _EARLY_STATE / KIMI_KDA_EARLY_STATE, kda_decode_triton(early_state=)):
 the exception to kernels._pdl's contract for this layer's state. Under PDL the decode's CTAs start while the
-layer's in_proj (12-17 us at b1) still runs, so its slot -> state -> compute latency chain can start there:
+layer's f_b|g_b skinny_bmm_nt (after the in_proj) still runs, so its slot -> state -> compute latency chain can start
+there:
     1 (default): before the wait, the slot load and L2 prefetches of the program's state tile and conv-state rows;
       the tile and rows are loaded after the wait (L2 hits instead of HBM misses, no slot round trip after it).
     2: also the state tile load into registers before the wait (Triton 3.6 sm_90: N=1 254 regs, N=8 125, no spills).
@@ -40,7 +41,7 @@ _fill_graph's copies before replay), never by a kernel of the step. The prefetch
 point): correct whoever writes the lines meanwhile. Mode 2 also needs: the conv / recurrent state pools of this
 layer are written only by this layer's KDA kernels (kda_decode of an earlier step; kda_prefill of an earlier step,
 or of this step for other slots, launched after the decode: KimiDeltaAttention.forward), never by the kernel
-launched just before the decode (in the model always the layer's in_proj). In a PDL chain, when kernel N starts,
+launched just before the decode (in the model the layer's f_b|g_b skinny_bmm_nt). In a PDL chain, when kernel N starts,
 kernel N-1 has passed its griddepcontrol.wait (launch_dependents follows it), so every kernel before N-1 has
 completed and flushed; non-PDL launches start after their predecessor completed. So the state read before the wait
 is the one the previous step wrote. Two decode launches on the same pools back to back (tests, benchmarks timing
@@ -134,7 +135,7 @@ def _kda_decode_kernel(
         if EARLY_STATE == 0:
             gdc_enter(GDC)
     # EARLY_STATE > 0: before the wait. state_slots is written by a host -> device copy before the step, never by
-    # the kernel just before this one (the layer's in_proj)
+    # the kernel just before this one (the layer's f_b|g_b skinny_bmm_nt)
     slot = tl.load(slot_ptr + i_n).to(tl.int64)
     s_head = state_ptr + (slot * stride_s_s + i_h * stride_s_h)
     cs = convs_ptr + slot * stride_cs_s
@@ -389,12 +390,10 @@ _STORE_AFTER = False          # TAIL_LAST configs write the state after the arri
 # Early state (module doc), per-tile kernel under PDL: 0 off, 1 slot load + L2 prefetch of the state tile and conv
 # state rows before gdc_wait (default), 2 also the state tile into registers before it (needs the caller's
 # guarantee in the module doc; A/B on the H200). KIMI_KDA_EARLY_STATE overrides; kda_decode_triton(early_state=).
-# default 0 since H200 12-03 (bench/ablate.py --ab, e2e b1: mode 1 and 2 both ~3 us per step slower than 0)
-_EARLY_STATE = int(os.environ.get("KIMI_KDA_EARLY_STATE", "0"))
-# ... and, with the early state on, the f_b | g_b skinny_bmm_nt before the decode launches its
-# dependents at once (gemv_triton(early_launch=True)), so the decode's pre-wait loads overlap the in_proj instead of
-# starting after it (KIMI_KDA_BMM_EARLY=0: off, for an A/B)
-_BMM_EARLY_LAUNCH = os.environ.get("KIMI_KDA_BMM_EARLY", "1") != "0"
+# H200 12-03: with the low-rank gates fused into this kernel mode 1 was 3 us per step slower at b1; since they run as
+# the skinny_bmm_nt launched between the in_proj and this kernel (whose ~2 us the pre-wait part now overlaps), mode 1
+# is 25 us per step faster at b1 (bench/ablate.py --set, ninth round) and the default again; mode 2: 11 us slower
+_EARLY_STATE = int(os.environ.get("KIMI_KDA_EARLY_STATE", "1"))
 
 
 class DecodeConfig(NamedTuple):
@@ -485,7 +484,7 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
 
     early_state (per-tile kernel; None: _EARLY_STATE under PDL, 0 without): what goes before griddepcontrol.wait
     (module doc, "Early state"). 2 requires that the kernel launched just before this one does not write
-    conv_state / rec_state (in the model: the layer's in_proj); two decode launches on the same pools back to back
+    conv_state / rec_state (in the model: the f_b|g_b skinny_bmm_nt); two decode launches on the same pools back to back
     break that. Without PDL it only moves the loads (same results)."""
     N = qkv.shape[0]
     H = b.shape[-1]
@@ -538,13 +537,11 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
     es = (_EARLY_STATE if pdl_on(pdl) else 0) if early_state is None else int(early_state)
     assert es in (0, 1, 2), es
     if low_rank:
-        # the batched f_b | g_b matmul (bf16 out), then the plain kernel. With the early state under PDL the matmul
-        # lets this kernel start at once (early_launch), so its pre-wait loads overlap the in_proj
-        el = bool(es) and _BMM_EARLY_LAUNCH and pdl_on(pdl)
+        # the batched f_b | g_b matmul (bf16 out), then the plain kernel
         if isinstance(fg_a, torch.Tensor) and isinstance(fg_b, torch.Tensor):
-            z, r = skinny_bmm_nt(fg_a, fg_b, early_launch=el).unbind(0)
+            z, r = skinny_bmm_nt(fg_a, fg_b).unbind(0)
         else:
-            z, r = skinny_bmm_nt(fa[None], fb[None])[0], skinny_bmm_nt(ga[None], gb[None], early_launch=el)[0]
+            z, r = skinny_bmm_nt(fa[None], fb[None])[0], skinny_bmm_nt(ga[None], gb[None])[0]
     z_stride, r_stride = z.stride(0), r.stride(0)
     BK = triton.next_power_of_2(K)
     NV = triton.cdiv(V, cfg.BV)
