@@ -17,7 +17,6 @@ from backend.model.batch import ForwardBatch, KimiCache
 from backend.model.parallel import TP, all_gather_last, all_reduce, folds_shared_expert
 from kernels._dispatch import use_triton
 from kernels.gemv import skinny_bmm_nt, skinny_linear
-from kernels.gemv_norm import gemv_combine_norm
 from kernels.kda import kda_decode, kda_prefill
 from kernels.mla import mla_decode, mla_decode_prep, mla_extend, mla_prefill, store_latent
 from kernels.moe import fused_moe, fused_moe_add_norm, moe_router, moe_router_add_norm
@@ -33,11 +32,6 @@ MLA_EXPANDED_MIN_TOKENS = {"cuda": 256}
 # 3 launches instead of 6; H200 12-03 e2e b1: 45 us per step faster). Capped at 4 tokens until larger batches are
 # timed (e2e b64 got slower with every decode fusion on). KIMI_MLA_FUSED=0 (read when the model is built): off.
 MLA_FUSED_MAX_T = 4 if os.environ.get("KIMI_MLA_FUSED", "1") != "0" else 0
-# NormIn: a finished MoE layer's combine + residual add + the next layer's input RMSNorm run in the prologue of that
-# layer's input projection (kernels.gemv_norm.gemv_combine_norm: every gemv program computes the normalised row,
-# one writes h) instead of a one-program combine_add_rmsnorm launch the projection waits for. For decode steps of at
-# most NORM_IN_MAX_T tokens (read per call); KIMI_NORM_IN=0: off
-NORM_IN_MAX_T = 1 if os.environ.get("KIMI_NORM_IN", "1") != "0" else 0
 
 
 class UncombinedMoE(NamedTuple):
@@ -58,30 +52,6 @@ class PendingMoE(NamedTuple):
     attn: torch.Tensor
     residual: torch.Tensor
     norm: "RMSNorm"
-
-
-class NormIn:
-    """The input of a layer whose norm is not launched yet: h = residual + combine(y) (a MoE layer's uncombined
-    GEMM2 output y [T*k, D] or fp32 partials, top-k weights [T, k]) and x = norm(h). The layer's input projection
-    (_GemvLinear) computes both in its own launch and leaves h here; anything else calls materialize() first."""
-
-    def __init__(self, y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor, norm: "RMSNorm"):
-        self.y, self.weights, self.residual, self.norm = y, weights, residual, norm
-        self.h: torch.Tensor | None = None                                   # [T, D], set by the projection
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.residual.shape
-
-    def project(self, w: torch.Tensor) -> torch.Tensor:
-        """-> norm(h) @ w^T [T, N] in one launch; sets h."""
-        out, self.h = gemv_combine_norm(self.y, self.weights, self.residual, self.norm.weight, self.norm.eps, w)
-        return out
-
-    def materialize(self) -> torch.Tensor:
-        """-> x = norm(h) (kernels.norm.combine_add_rmsnorm); sets h."""
-        x, self.h = combine_add_rmsnorm(self.y, self.weights, self.residual, self.norm.weight, self.norm.eps)
-        return x
 
 
 def _fuse_moe_norms_enabled() -> bool:
@@ -131,9 +101,7 @@ def _gemv_enabled() -> bool:
 class _GemvLinear(nn.Linear):
     measured_only = False                                # KIMI_GEMV=auto
 
-    def forward(self, x: torch.Tensor | NormIn) -> torch.Tensor:
-        if isinstance(x, NormIn):
-            return x.project(self.weight)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return skinny_linear(x, self.weight, self.measured_only)   # F.linear for M > 16 rows and on CPU
 
 
@@ -351,15 +319,6 @@ class KimiMoE(nn.Module):
                                                  self.renormalize, self.biased_weights, self.num_local_experts)
         return fused_moe_add_norm(x, self.w13, self.w2, weights, ids, h, next_norm.weight, next_norm.eps)
 
-    def forward_norm_in(self, attn: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, next_norm: RMSNorm) -> NormIn:
-        """PendingMoE with the next norm left to the next layer's input projection: router + post-attention norm,
-        the experts, no combine launch -> NormIn(y, weights, h, next_norm)."""
-        assert self.fold_shared
-        x, h, weights, ids = moe_router_add_norm(attn, residual, norm.weight, norm.eps, self.gate.weight,
-                                                 self.gate.e_score_correction_bias, self.top_k, self.scaling,
-                                                 self.renormalize, self.biased_weights, self.num_local_experts)
-        return NormIn(fused_moe_uncombined_triton(x, self.w13, self.w2, weights, ids), weights, h, next_norm)
-
     def forward_uncombined(self, x: torch.Tensor) -> UncombinedMoE:
         """forward without the combine (folded shared expert, Triton path only); see UncombinedMoE."""
         assert self.fold_shared
@@ -387,27 +346,18 @@ class DecoderLayer(nn.Module):
         self.defer_combine = (_fuse_combine_norm_enabled() and self.is_moe and tp.world == 1
                               and self.block_sparse_moe.fold_shared)
         self.pending_moe = self.defer_combine and _fuse_moe_norms_enabled()
-        # NormIn: this layer's input projection can take the previous MoE layer's combine + norm (unsharded gemv)
-        self.norm_in = tp.world == 1 and isinstance(self.self_attn.in_proj, _GemvLinear)
 
     def forward(self, out: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KimiCache):
         """(previous layer's FFN output, residual stream before it; None for the first layer with the embedding as
         out) -> (this layer's FFN output, residual stream before it). Each residual add runs fused with the norm
         after it: h = residual + out, then norm(h) (the same two roundings as h + out followed by the norm).
         With defer_combine (Triton path) the FFN output is an UncombinedMoE, combined by the next norm; with
-        pending_moe the whole MoE layer is returned as a PendingMoE (residual None), run by the next norm; or, for
-        decode steps of at most NORM_IN_MAX_T tokens, by this layer as NormIn: the experts here, the combine + add +
-        input norm inside this layer's in_proj launch, which also writes h."""
-        if isinstance(out, PendingMoE) and out.attn.shape[0] <= NORM_IN_MAX_T and self.norm_in:
-            x = out.moe.forward_norm_in(out.attn, out.residual, out.norm, self.input_layernorm)
-            attn = self.self_attn(x, batch, cache)                         # its in_proj sets x.h (unsharded)
-            h = x.h
+        pending_moe the whole MoE layer is returned as a PendingMoE (residual None), run by the next norm."""
+        if residual is None and not isinstance(out, PendingMoE):
+            x, h = self.input_layernorm(out), out
         else:
-            if residual is None and not isinstance(out, PendingMoE):
-                x, h = self.input_layernorm(out), out
-            else:
-                x, h = self.input_layernorm(out, residual)
-            attn = all_reduce(self.self_attn(x, batch, cache), self.tp)
+            x, h = self.input_layernorm(out, residual)
+        attn = all_reduce(self.self_attn(x, batch, cache), self.tp)
         if self.pending_moe and use_triton(attn):
             return PendingMoE(self.block_sparse_moe, attn, h, self.post_attention_layernorm), None
         x, h = self.post_attention_layernorm(attn, h)

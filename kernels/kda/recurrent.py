@@ -31,10 +31,10 @@ Early state (per-tile kernel, EARLY_STATE; _EARLY_STATE / KIMI_KDA_EARLY_STATE, 
 the exception to kernels._pdl's contract for this layer's state. Under PDL the decode's CTAs start while the
 layer's f_b|g_b skinny_bmm_nt (after the in_proj) still runs, so its slot -> state -> compute latency chain can start
 there:
-    1 (default): before the wait, the slot load and L2 prefetches of the program's state tile and conv-state rows;
+    1: before the wait, the slot load and L2 prefetches of the program's state tile and conv-state rows;
       the tile and rows are loaded after the wait (L2 hits instead of HBM misses, no slot round trip after it).
     2: also the state tile load into registers before the wait (Triton 3.6 sm_90: N=1 254 regs, N=8 125, no spills).
-    0: slot and state after the wait.
+    0 (default): slot and state after the wait.
 Why the slot may be read before the wait: state_slots is written only by host -> device copies issued before the
 step's forward (runner._fill_and_replay's stage copy before graph replay; ForwardBatch of an eager step; TP:
 _fill_graph's copies before replay), never by a kernel of the step. The prefetches are hints (L2 is the coherence
@@ -390,10 +390,11 @@ _STORE_AFTER = False          # TAIL_LAST configs write the state after the arri
 # Early state (module doc), per-tile kernel under PDL: 0 off, 1 slot load + L2 prefetch of the state tile and conv
 # state rows before gdc_wait (default), 2 also the state tile into registers before it (needs the caller's
 # guarantee in the module doc; A/B on the H200). KIMI_KDA_EARLY_STATE overrides; kda_decode_triton(early_state=).
-# H200 12-03: with the low-rank gates fused into this kernel mode 1 was 3 us per step slower at b1; since they run as
-# the skinny_bmm_nt launched between the in_proj and this kernel (whose ~2 us the pre-wait part now overlaps), mode 1
-# is 25 us per step faster at b1 (bench/ablate.py --set, ninth round) and the default again; mode 2: 11 us slower
-_EARLY_STATE = int(os.environ.get("KIMI_KDA_EARLY_STATE", "1"))
+# default 0 (opt-in). H200 12-03 (bench/ablate.py --set, BENCHMARKS.md ninth round): with the f_b|g_b skinny_bmm_nt
+# between the in_proj and this kernel, mode 1 was 21-25 us per step faster at b1 with the (since removed) combine +
+# norm in the in_proj's prologue, 1 us without it (the default chain), and 22-37 us slower at b8; mode 2 slower at
+# b1 and b8
+_EARLY_STATE = int(os.environ.get("KIMI_KDA_EARLY_STATE", "0"))
 
 
 class DecodeConfig(NamedTuple):

@@ -1,7 +1,7 @@
 """The decode fusions of the Triton path, end to end through the tiny checkpoint (interpreter on CPU, kernels on
 CUDA): a prefill fills the KDA slots and MLA pages, then one decode-only step of two sequences runs with every fusion
-on (PendingMoE: router + post-attention norm; the fused MLA chain; NormIn: the next layer's input norm in its in_proj's
-prologue; their caps lifted here) and with each switched off. Logits and the caches the step wrote must agree."""
+on (PendingMoE: router + post-attention norm; the fused MLA chain; their caps lifted here) and with each switched
+off. Logits and the caches the step wrote must agree."""
 import copy
 
 import pytest
@@ -21,62 +21,23 @@ def tiny_step(tmp_path_factory):
 
     import backend.model.kimi_linear as km
     import kernels.moe.router as router
-    import kernels.gemv_norm as gn
 
     mp = pytest.MonkeyPatch()
     mp.setattr(d, "_FORCE", "triton")
     # every fusion on (the caps lifted)
     mp.setattr(router, "ROUTER_NORM_MAX_T", 16)
     mp.setattr(km, "MLA_FUSED_MAX_T", 64)
-    mp.setattr(km, "NORM_IN_MAX_T", 4)
     tmp = str(tmp_path_factory.mktemp("tiny_dec_fuse"))
     model = load_model(write_tiny_checkpoint(tmp, tokenizer=None, seed=5), DEV, torch.bfloat16)
     assert any(getattr(layer, "pending_moe", False) for layer in model.model.layers)
-    _fuse_tiny_in_projs(mp, model)
     cache = model.allocate_cache(3, 8, 4)
     prefill = ForwardBatch.build([(list(range(30, 35)), 0, 1, [1, 2]), (list(range(40, 43)), 0, 2, [3])], 0, 4,
                                  model.device)
     model(prefill, cache)
     on_cache = copy.deepcopy(cache)
-    calls = {"norm_in": 0, "two_launch": 0}
-    _count(mp, km, "gemv_combine_norm", calls, "norm_in")
-    _count(mp, gn, "_two_launch", calls, "two_launch")
     on = _decode_step(model, on_cache)
-    # every layer after a MoE layer took its input norm in the fused in_proj launch (none fell back)
-    moe_before = sum(1 for a, b in zip(model.model.layers, model.model.layers[1:]) if a.pending_moe and b.norm_in)
-    assert calls == {"norm_in": moe_before, "two_launch": 0} and moe_before > 0, calls
     yield model, cache, on, on_cache
     mp.undo()
-
-
-def _count(mp, module, name, calls, key):
-    fn = getattr(module, name)
-
-    def counted(*a, **k):
-        calls[key] += 1
-        return fn(*a, **k)
-    mp.setattr(module, name, counted)
-
-
-def _fuse_tiny_in_projs(mp, model):
-    """NormIn's fused launch (kernels.gemv_norm) for the tiny input projections: measured as gemv wins with a
-    one-split tensor-core config (the H200 has these for the full-size shapes), so the step runs the fused kernel."""
-    import kernels.gemv as gemv
-    import kernels.gemv_norm as gn
-
-    wins, cfgs = dict(gemv.GEMV_WINS), dict(gemv.SHAPE_CONFIGS)
-    layers = [layer for layer in model.model.layers if layer.norm_in]
-    assert layers
-    for layer in layers:
-        n, k = layer.self_attn.in_proj.weight.shape
-        wins[(1, n, k)] = 4
-        cfgs[(1, n, k)] = gemv.GemvConfig(BN=16, BK=64, split=1, dot=True, num_warps=4, num_stages=1)
-    mp.setattr(gemv, "GEMV_WINS", wins)
-    mp.setattr(gemv, "SHAPE_CONFIGS", cfgs)
-    mp.setattr(gn, "GEMV_WINS", wins)
-    for layer in layers:   # the step's two decode tokens take the fused launch
-        n, k = layer.self_attn.in_proj.weight.shape
-        assert gn.fused_config(2, n, k, model.device, torch.bfloat16, None, True) is not None
 
 
 def _switch(monkeypatch, model, name):
@@ -90,8 +51,6 @@ def _switch(monkeypatch, model, name):
         monkeypatch.setattr(router, "ROUTER_NORM", False)
     if name in ("mla", "all"):
         monkeypatch.setattr(km, "MLA_FUSED_MAX_T", 0)
-    if name in ("norm_in", "all"):
-        monkeypatch.setattr(km, "NORM_IN_MAX_T", 0)
 
 
 def _decode_step(model, cache):
@@ -103,7 +62,7 @@ def _decode_step(model, cache):
     return model.compute_logits(model(batch, cache), batch.logits_index)
 
 
-@pytest.mark.parametrize("off", ["pending", "router_norm", "mla", "norm_in", "all"])
+@pytest.mark.parametrize("off", ["pending", "router_norm", "mla", "all"])
 def test_decode_fusions_match_unfused(tiny_step, monkeypatch, off):
     model, cache, on, on_cache = tiny_step
     cache_off = copy.deepcopy(cache)
