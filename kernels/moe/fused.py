@@ -675,11 +675,6 @@ def fused_moe_add_norm(x, w13, w2, topk_weights, topk_ids, residual, norm_w, eps
         from kernels.moe.ref import fused_moe_ref
 
         return add_rmsnorm(fused_moe_ref(x, w13, w2, topk_weights, topk_ids), residual, norm_w, eps)
-    T, D = x.shape
-    E, N2, Dw = w13.shape
-    assert Dw == D and w2.shape == (E, D, N2 // 2) and residual.shape == (T, D), (w13.shape, w2.shape, residual.shape)
-    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == T
-    top_k = topk_ids.shape[1]
-    cfg = config or get_config(T * top_k, E, x.dtype, top_k, num_sms(x.device), N2 // 2, D, max_shared_mem(x.device))
-    y = fused_moe_uncombined_triton(x, w13, w2, topk_weights, topk_ids, config=cfg)
+    assert residual.shape == x.shape, (residual.shape, x.shape)     # the other shapes: fused_moe_uncombined_triton
+    y = fused_moe_uncombined_triton(x, w13, w2, topk_weights, topk_ids, config=config)
     return combine_add_rmsnorm(y, topk_weights, residual, norm_w, eps)
