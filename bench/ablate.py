@@ -206,7 +206,7 @@ def export_timeline(runner: ModelRunner, batch: int, path: str, reps: int = 3):
     kernel's start, duration, grid and block: the in-graph timeline, PDL overlap visible; analysed off the GPU)."""
     from torch.profiler import ProfilerActivity, profile
 
-    g = runner.graphs[min(b for b in runner.graphs if b >= batch)]
+    g = e2e.decode_graph(runner, batch)
     g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -266,7 +266,7 @@ def main():
         with ctx:
             step, fwd = measure(engine, runner, args, params)
         line = f"{name:26s} {step:8.3f} {1e3 * (base_step - step):9.1f} {fwd:9.3f} {1e3 * (base_fwd - fwd):9.1f}"
-        if name in LINEAR_GROUPS and not args.ab:   # the group's weight bytes over the time it costs in the graph
+        if name in LINEAR_GROUPS:   # the group's weight bytes over the time it costs in the graph
             nbytes = linear_bytes(model, LINEAR_GROUPS[name])
             saved = base_fwd - fwd
             line += f"   {nbytes / 1e6:8.1f} MB" + (f" {nbytes / (saved * 1e-3) / 1e12:5.2f} TB/s" if saved > 0 else "")

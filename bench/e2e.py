@@ -512,10 +512,14 @@ def profile_steps(engine: LLMEngine, steps: int, modules: bool, smoke: bool) -> 
     return kernel_instances(prof, cpu_fallback=smoke)
 
 
+def decode_graph(runner: ModelRunner, batch: int):
+    """The captured decode graph that serves `batch` sequences (the runner's own padded-size lookup)."""
+    return runner.graphs[runner._graph_size(batch)]
+
+
 def graph_forward_us(runner: ModelRunner, batch: int, n: int = 20) -> float:
     """The decode forward alone: back-to-back replays of the batch's graph (inputs as last filled), CUDA events."""
-    bs = min(b for b in runner.graphs if b >= batch)
-    g = runner.graphs[bs]
+    g = decode_graph(runner, batch)
     g.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
