@@ -107,6 +107,19 @@ GPU_BROKEN = ("keys_m tma", "keys_m pf n64", "keys_m s1", "keys_m pf n64 nd", "k
 #   8-warp programs fit per SM (2 x 112 KB smem): 'ls n64 r128' = 'base' tiles, 2 programs per SM, 72 KB tiles
 #   (half the q smem re-reads per byte of 'w4 n32'). sm_90 (3.6 / 3.9): ls n64 r128 128 regs, no spill / 32 B stack;
 #   ls n32 w8 r128 74 KB, 128 / 128 + 32 B; w4 n32 ls 252 / 249 regs; ls n64 r128 p16 (3.6) 128, no spill.
+# ls n64 w4 / w4 n64: the 64-key tiles of 'ls n64 r128' with 4 warps (2 programs x 112 KB per SM). Per 64 keys and
+#   32 heads the ldmatrix traffic falls from 912 LDSM.x4 (8 warps: S split [2 heads x 4 keys] over warps, so q is
+#   re-read by 4 warps and the tile by 2; 467 KB) to 592 (4 warps [1 x 4]: q by 4, the tile once; 303 KB), and the
+#   cross-warp softmax from 11 barriers per tile to 7; each warp issues twice the MMAs. sm_90 (Triton 3.9): ls n64 w4
+#   255 regs + 32 B stack (5 STL / 7 LDL in the loop), w4 n64 255 + 48 B (8 / 11). Counts: scratch SASS of the loop
+#   body (cuobjdump -sass of the offline compile).
+# carry_page (cp *, LSPLIT + page_tile): the block-table entry of tile t + 1 is loaded in iteration t and carried.
+#   With the entry loaded in the iteration that uses it, the tile's cp.async depends on a load of the same iteration
+#   and Triton's pipeliner (3.9, also 3.6) keeps a ring of ONE tile buffer and waits for all copies (wait_group 0) at
+#   the top of every iteration: no load/MMA overlap inside a program, whatever num_stages. Carried, the tile gets a
+#   num_stages - 1 deep ring (TTGIR 2x32x256 / 2x64x256 buffers, async_wait num = 3: the next tile's three copies stay
+#   in flight during this tile's dots). sm_90 (3.9): ls n32 w8 cp s3 r128 110 KB, 128 regs + 24 B stack; ls n32 w4
+#   cp s3 110 KB, 254 regs; ls n64 cp s3 184 KB (one program per SM), 141 regs; ls n32 w8 cp s4 146 KB, 132 regs.
 # part16 on w4 n32 (w4 n32 p16): B=1 S=128k runs 256 units, whose fp32 partials (~17 MB written + read) are ~22% of
 #   the cache bytes.
 # min_split_tokens: smallest work unit (256 = the schedule before 12-02: B=1 S=1k ran as 4 units of 4 tiles; 32 =
@@ -153,6 +166,17 @@ DECODE_VARIANTS = {
                         programs_per_sm=2),
     "ls n64 r128 p16": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, page_tile=True, lsplit=True,
                             maxnreg=128, programs_per_sm=2, part16=True),
+    "ls n64 w4": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
+                      programs_per_sm=2),
+    "w4 n64": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2),
+    "ls n32 w8 cp s3 r128": dict(block_h=32, block_n=32, num_warps=8, num_stages=3, page_tile=True, lsplit=True,
+                                 carry_page=True, maxnreg=128, programs_per_sm=2),
+    "ls n32 w4 cp s3": dict(block_h=32, block_n=32, num_warps=4, num_stages=3, page_tile=True, lsplit=True,
+                            carry_page=True, programs_per_sm=2),
+    "ls n64 cp s3": dict(block_h=32, block_n=64, num_warps=8, num_stages=3, page_tile=True, lsplit=True,
+                         carry_page=True),
+    "ls n32 w8 cp s4": dict(block_h=32, block_n=32, num_warps=8, num_stages=4, page_tile=True, lsplit=True,
+                            carry_page=True),
     "ls n32 w8 r128": dict(block_h=32, block_n=32, num_warps=8, num_stages=2, page_tile=True, lsplit=True,
                            maxnreg=128, programs_per_sm=2),
     "w4 n32 mt32": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2,
@@ -338,9 +362,13 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
                  qk_scale, s_qn, s_qh, s_pn, s_ph, s_cp, s_cr, s_on, s_oh, s_wu, s_wh, s_lu,
                  L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
-                 UPCAST: tl.constexpr, PAGE_TILE: tl.constexpr):
+                 UPCAST: tl.constexpr, PAGE_TILE: tl.constexpr, CARRY_PAGE: tl.constexpr = False):
     """Stage 1 of one work unit with q, the latent tile and acc in two column halves (LSPLIT, heads as M): the same
-    loads (Triton's pipeliner) and math as the main path, more independent MMA chains, fewer registers."""
+    loads (Triton's pipeliner) and math as the main path, more independent MMA chains, fewer registers.
+    CARRY_PAGE (PAGE_TILE only): the block-table entry of tile t + 1 is loaded by iteration t and carried, so no load
+    in the loop depends on another load of the same iteration; Triton's pipeliner then rings the tile num_stages - 1
+    deep (cp.async of later tiles in flight during this tile's dots). With the entry loaded in-iteration it keeps one
+    buffer and waits for every copy at the top of each iteration."""
     HALF: tl.constexpr = BLOCK_L // 2
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -361,10 +389,15 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, HALF], tl.float32)
     acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
+    if CARRY_PAGE:
+        page = tl.load(bt_row + (t_begin * BLOCK_N) // BS)  # t_begin = 0 on an empty direct row: entry 0 exists
     for t in range(t_begin, t_end):
-        page = _tile_page(bt_row, t, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
+        if not CARRY_PAGE:
+            page = _tile_page(bt_row, t, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
         c0, c1, kpe = _load_rows2(cache_ptr, page, t, seq_len, offs_n, offs_l0, offs_l1, offs_r, lmask0, lmask1,
                                   rmask, s_cp, s_cr, True, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, False)
+        if CARRY_PAGE:  # tile t + 1's entry (clamped to the unit's last tile: a real entry)
+            page = tl.load(bt_row + (tl.minimum(t + 1, t_end - 1) * BLOCK_N) // BS)
         tmask = t * BLOCK_N + offs_n < seq_len
         m_i, l_i, acc0, acc1 = _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scale,
                                              IEEE, UPCAST)
@@ -427,6 +460,7 @@ def _mla_decode_stage1(
     TMA: tl.constexpr = False,
     PREFETCH: tl.constexpr = 0,  # tiles t+1..t+PREFETCH loaded into registers before tile t's dots (DECODE_VARIANTS)
     LSPLIT: tl.constexpr = False,  # latent columns in two halves (_unit_lsplit; heads as M, no PREFETCH / TMA)
+    CARRY_PAGE: tl.constexpr = False,  # LSPLIT + PAGE_TILE: block-table entry carried one iteration (_unit_lsplit)
     cnt_ptr=None,  # FUSED: int32 arrival counters [N x head_blocks], zero on entry, left zero
     FUSED: tl.constexpr = False,  # split path only: the last unit of a sequence to arrive merges (no stage 2)
     MERGE_S: tl.constexpr = 16,  # FUSED merge tile: MERGE_S units x BLOCK_H heads x MERGE_L columns per step
@@ -461,7 +495,7 @@ def _mla_decode_stage1(
             _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_ptr + n.to(tl.int64) * s_btn, out_ptr, opart_ptr, lse_ptr, n, u,
                          hb, H, seq_len, t_begin, t_end, qk_scale, s_qn, s_qh, s_pn, s_ph, s_cp, s_cr, s_on, s_oh,
                          s_wu, s_wh, s_lu, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, BLOCK_H, DIRECT, IEEE, UPCAST,
-                         PAGE_TILE)
+                         PAGE_TILE, CARRY_PAGE)
     elif active:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
@@ -892,6 +926,7 @@ def mla_decode_triton(
         PREFETCH=int(cfg.get("prefetch", 0)),
         LSPLIT=bool(cfg.get("lsplit", False)),
     )
+    variant["CARRY_PAGE"] = bool(cfg.get("carry_page", False)) and variant["LSPLIT"] and variant["PAGE_TILE"]
     assert not variant["LSPLIT"] or not (variant["KEYS_M"] or variant["PREFETCH"] or cfg.get("tma")), cfg
     # TMA boxes: exact L / R columns, tiles inside one page, rows viewable as one [NB * BS, L + R] tensor
     if cfg.get("tma", False) and BLOCK_L == L and BLOCK_R == R and BS % BLOCK_N == 0 and cache.stride(0) == BS * D:

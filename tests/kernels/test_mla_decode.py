@@ -34,7 +34,8 @@ def _needs_triton():
                                      "h64 n16", "h64 n32", "h64 n32 p16", "pf n32", "pf2 n32", "keys_m pf n64",
                                      "keys_m pf n64 nd", "keys_m pf n64 nd p16", "keys_m s1", "keys_m n32 w4",
                                      "w4 n32 p16", "w4 n32 ls", "ls n64 r128", "ls n64 r128 p16", "w4 n32 fm",
-                                     "w4 n32 mt32"])
+                                     "w4 n32 mt32", "ls n64 w4", "w4 n64", "ls n32 w8 cp s3 r128",
+                                     "ls n32 w4 cp s3", "ls n64 cp s3", "ls n32 w8 cp s4"])
 @pytest.mark.parametrize("bs,block_n", [(16, None), (64, None), (16, 32)])
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
@@ -288,7 +289,7 @@ def test_gpu_decode_variant_kimi(variant, num_splits):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("variant", ["base", "w4 n32", "h64 n16", "h64 n32", "pf n32", "pf2 n32", "ls n64 r128",
-                                     "w4 n32 ls"])
+                                     "w4 n32 ls", "ls n64 w4", "ls n32 w8 cp s3 r128", "ls n64 cp s3"])
 @pytest.mark.parametrize("lens", [[1024], [8192], [300] * 128, [20000] + [700] * 63], ids=["b1_1k", "b1_8k", "b128",
                                                                                              "mixed64"])
 def test_gpu_decode_default_schedule_kimi(variant, lens):
