@@ -52,9 +52,12 @@ MAX_SPLITS = 256
 # at 128 regs, 2 programs x ~112 KB smem per SM); H200 12-03 (Triton 3.6, L2 flushed, same run): B=64 S=8k 228.8 vs
 # 252.3 us, B=128 S=8k 432.0 vs 477.5, B=1 S=128k graph 78.3 vs 84.1, B=1 S=8k graph 20.9 vs 21.1. A device whose
 # blocks may not take that much shared memory (GB10 / sm_12x: 99 KB) keeps 'w4 n32' ("16bit-small-smem").
+# Since 12-03 (session 9) the 16-bit default is 'ls n64 w4': the same tiles with 4 warps, 35% less ldmatrix traffic
+# per tile (see the variant notes); H200 (Triton 3.6, L2 flushed, same run as FlashInfer fa3 0.7.2.post1) vs 'ls n64
+# r128': B=64 S=8k 195.5 vs 230.4 us (3.09 vs 2.62 TB/s; FlashInfer 162.8), B=128 S=8k 366.4 vs 432.9 (FlashInfer
+# 304.8), B=1 S=128k graph 72.3 vs 78.0 (FlashInfer 80.5), B=1 S=8k graph 20.3 vs 20.9 (FlashInfer 24.1).
 DECODE_CFG = {
-    "16bit": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, page_tile=True, lsplit=True, maxnreg=128,
-                  programs_per_sm=2),
+    "16bit": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True, programs_per_sm=2),
     "16bit-small-smem": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2),
     "fp32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1),
 }
@@ -168,6 +171,8 @@ DECODE_VARIANTS = {
                             maxnreg=128, programs_per_sm=2, part16=True),
     "ls n64 w4": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                       programs_per_sm=2),
+    "ls n64 w4 p16": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
+                          programs_per_sm=2, part16=True),
     "w4 n64": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2),
     "ls n32 w8 cp s3 r128": dict(block_h=32, block_n=32, num_warps=8, num_stages=3, page_tile=True, lsplit=True,
                                  carry_page=True, maxnreg=128, programs_per_sm=2),

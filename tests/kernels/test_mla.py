@@ -322,7 +322,7 @@ def test_configs_dot_dims_at_least_16(dtype, on_gpu):
 
 
 def test_decode_config_small_smem():
-    """bf16 default by shared memory per block: the H200's 227 KB takes DECODE_CFG["16bit"] ('ls n64 r128', 2 x ~112
+    """bf16 default by shared memory per block: the H200's 227 KB takes DECODE_CFG["16bit"] ('ls n64 w4', 2 x ~112
     KB per SM), a GB10's 99 KB the 74 KB 'w4 n32' tiles; a named config never inherits the default's flags."""
     big, _ = decode_config(32, 512, 64, torch.bfloat16, True, smem=232448)
     small, b = decode_config(32, 512, 64, torch.bfloat16, True, smem=101376)

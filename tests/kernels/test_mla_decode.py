@@ -34,7 +34,7 @@ def _needs_triton():
                                      "h64 n16", "h64 n32", "h64 n32 p16", "pf n32", "pf2 n32", "keys_m pf n64",
                                      "keys_m pf n64 nd", "keys_m pf n64 nd p16", "keys_m s1", "keys_m n32 w4",
                                      "w4 n32 p16", "w4 n32 ls", "ls n64 r128", "ls n64 r128 p16", "w4 n32 fm",
-                                     "w4 n32 mt32", "ls n64 w4", "w4 n64", "ls n32 w8 cp s3 r128",
+                                     "w4 n32 mt32", "ls n64 w4", "ls n64 w4 p16", "w4 n64", "ls n32 w8 cp s3 r128",
                                      "ls n32 w4 cp s3", "ls n64 cp s3", "ls n32 w8 cp s4"])
 @pytest.mark.parametrize("bs,block_n", [(16, None), (64, None), (16, 32)])
 @pytest.mark.parametrize("num_splits", [1, 5])

@@ -166,7 +166,7 @@ def test_decode_uv_gpu_default_tiles():
     q = torch.randn(3, H, L).to(BF)
     qp = torch.randn(3, H, R).to(BF)
     _, _, _, _, w_uv = make_layer(1, H, 16, R, L, V)
-    kw = dict(num_splits=40, block_n=64, min_split_tokens=64, config=DECODE_VARIANTS["ls n64 r128"])
+    kw = dict(num_splits=40, block_n=64, min_split_tokens=64, config=DECODE_VARIANTS["ls n64 w4"])
     ref = chain_decode(q, qp, cache, bt, sl, scale, w_uv, **kw)
     out = mla_decode_triton(q, qp, cache, bt, sl, scale, w_uv=w_uv, **kw)
     ulp_close(out, ref)
