@@ -26,6 +26,7 @@ if ROOT not in sys.path:
 
 import triton  # noqa: E402
 
+from kernels._tensors import max_shared_mem  # noqa: E402
 from kernels.mla import decode as dec  # noqa: E402
 from kernels.mla import extend as ext  # noqa: E402
 from kernels.mla import prefill as pre  # noqa: E402
@@ -177,6 +178,13 @@ class FlashInferMLA:
         if self.packed:
             return self.w.run(query=self.q, kv_cache=cache)
         return self.w.run(q_lat, q_pe, cache[:, :, :L], cache[:, :, L:])
+
+
+def kernel_splits(B, bt, sms):
+    """The split count mla_decode_triton picks by default (num_splits=None) for this batch on this device: the default
+    16-bit config's programs_per_sm (the default table must time what the model runs)."""
+    pps = dec._gpu_cfg(dec.DECODE_CFG, DT, max_shared_mem("cuda"), dec.DECODE_LARGE_SMEM).get("programs_per_sm", 1)
+    return default_num_splits(B, bt.shape[1], BS, H, sms, pps)
 
 
 def rel_err(a, b):
@@ -380,7 +388,6 @@ def b1_chain(pool, sms, uv_sweep=True):
     subtracted), PDL per KIMI_PDL (auto: on on sm_90). Also each half alone, the chain between in_proj / o_proj
     gemvs (their PDL overlap with the fused kernels' weight loads), and the uv block picks (uv_config) at B=1."""
     from kernels._pdl import ENABLED as PDL_ON
-    from kernels._tensors import max_shared_mem
     from kernels.gemv import gemv_triton
     from kernels.mla.absorb import mla_decode_prep_triton
     from kernels.mla.cache import store_latent_triton
@@ -402,9 +409,7 @@ def b1_chain(pool, sms, uv_sweep=True):
             bt, sl = pool.tables(B, S)
             slots = (bt[:, (S - 1) // BS].long() * BS + (S - 1) % BS).contiguous()  # the new token: row S - 1
             x = torch.randn(B, hidden, device="cuda").to(DT)
-            pps = dec._gpu_cfg(dec.DECODE_CFG, DT, max_shared_mem("cuda"),
-                               dec.DECODE_LARGE_SMEM).get("programs_per_sm", 1)
-            ns = default_num_splits(B, bt.shape[1], BS, H, sms, pps)  # what mla_decode_triton picks
+            ns = kernel_splits(B, bt, sms)  # what mla_decode_triton picks
 
             def heads(y):  # q_nope, q_pe: views of the in_proj output, as in KimiMLA.forward
                 q = y[:, :q_dim].view(B, H, nope + R)
@@ -677,7 +682,7 @@ def main():
             q = torch.randn(B, H, L, device="cuda").to(DT)
             qp = torch.randn(B, H, R, device="cuda").to(DT)
             nbytes = B * S * ROW_BYTES
-            ns = default_num_splits(B, bt.shape[1], BS, H, dev.multi_processor_count)
+            ns = kernel_splits(B, bt, dev.multi_processor_count)
             out = torch.empty(B, H, L, dtype=DT, device="cuda")
 
             def run_t():
@@ -749,7 +754,7 @@ def main():
         q = torch.randn(B, H, L, device="cuda").to(DT)
         qp = torch.randn(B, H, R, device="cuda").to(DT)
         nbytes = sum(lens) * ROW_BYTES
-        ns = default_num_splits(B, bt.shape[1], BS, H, dev.multi_processor_count)
+        ns = kernel_splits(B, bt, dev.multi_processor_count)
         res = {}
         for label, k in (("default", ns), ("splits=1", 1)):
             res[label] = bench(lambda: mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, num_splits=k))
@@ -889,7 +894,7 @@ def main():
                 break
             t = bench(lambda: mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, num_splits=ns, min_split_tokens=64))
             out.append(f"{ns}:{B * S * ROW_BYTES / t / 1e12:.2f}")
-        dflt = default_num_splits(B, bt.shape[1], BS, H, dev.multi_processor_count)
+        dflt = kernel_splits(B, bt, dev.multi_processor_count)
         print(f"B={B} S={S} (default {dflt}): " + " ".join(out), flush=True)
 
 

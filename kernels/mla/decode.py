@@ -123,6 +123,10 @@ GPU_BROKEN = ("keys_m tma", "keys_m pf n64", "keys_m s1", "keys_m pf n64 nd", "k
 #   num_stages - 1 deep ring (TTGIR 2x32x256 / 2x64x256 buffers, async_wait num = 3: the next tile's three copies stay
 #   in flight during this tile's dots). sm_90 (3.9): ls n32 w8 cp s3 r128 110 KB, 128 regs + 24 B stack; ls n32 w4
 #   cp s3 110 KB, 254 regs; ls n64 cp s3 184 KB (one program per SM), 141 regs; ls n32 w8 cp s4 146 KB, 132 regs.
+# keys_m * cp: keys as M with the carried block-table entry (main loop). sm_90 (3.9): every dot of 'keys_m n64 w4 cp'
+#   / 'keys_m n64 w8 cp' is wgmma (68 HGMMA.64x32x16 per tile: S^T 36, P V 32; no ldmatrix), tile ring 2 (184 KB, one
+#   program per SM), 254 / 252 regs; 'keys_m n32 w4 cp s3' (M = 32 keys: S^T on mma.sync, P V on wgmma) ring 2,
+#   110 KB (two per SM), 241 regs. Without the carried entry the keys_m tile had a ring of 1.
 # part16 on w4 n32 (w4 n32 p16): B=1 S=128k runs 256 units, whose fp32 partials (~17 MB written + read) are ~22% of
 #   the cache bytes.
 # min_split_tokens: smallest work unit (256 = the schedule before 12-02: B=1 S=1k ran as 4 units of 4 tiles; 32 =
@@ -174,6 +178,12 @@ DECODE_VARIANTS = {
     "ls n64 w4 p16": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                           programs_per_sm=2, part16=True),
     "w4 n64": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2),
+    "keys_m n64 w4 cp": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, keys_m=True, page_tile=True,
+                             carry_page=True),
+    "keys_m n64 w8 cp": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, keys_m=True, page_tile=True,
+                             carry_page=True),
+    "keys_m n32 w4 cp s3": dict(block_h=32, block_n=32, num_warps=4, num_stages=3, keys_m=True, page_tile=True,
+                                carry_page=True, programs_per_sm=2),
     "ls n32 w8 cp s3 r128": dict(block_h=32, block_n=32, num_warps=8, num_stages=3, page_tile=True, lsplit=True,
                                  carry_page=True, maxnreg=128, programs_per_sm=2),
     "ls n32 w4 cp s3": dict(block_h=32, block_n=32, num_warps=4, num_stages=3, page_tile=True, lsplit=True,
@@ -465,7 +475,7 @@ def _mla_decode_stage1(
     TMA: tl.constexpr = False,
     PREFETCH: tl.constexpr = 0,  # tiles t+1..t+PREFETCH loaded into registers before tile t's dots (DECODE_VARIANTS)
     LSPLIT: tl.constexpr = False,  # latent columns in two halves (_unit_lsplit; heads as M, no PREFETCH / TMA)
-    CARRY_PAGE: tl.constexpr = False,  # LSPLIT + PAGE_TILE: block-table entry carried one iteration (_unit_lsplit)
+    CARRY_PAGE: tl.constexpr = False,  # PAGE_TILE: block-table entry carried one iteration (_unit_lsplit; main loop)
     cnt_ptr=None,  # FUSED: int32 arrival counters [N x head_blocks], zero on entry, left zero
     FUSED: tl.constexpr = False,  # split path only: the last unit of a sequence to arrive merges (no stage 2)
     MERGE_S: tl.constexpr = 16,  # FUSED merge tile: MERGE_S units x BLOCK_H heads x MERGE_L columns per step
@@ -584,6 +594,14 @@ def _mla_decode_stage1(
                 kpe = kpe1
                 c1 = c_n
                 kpe1 = kpe_n
+        elif CARRY_PAGE:  # PAGE_TILE: tile t + 1's block-table entry loaded by iteration t (see _unit_lsplit)
+            page = tl.load(bt_row + (t_begin * BLOCK_N) // BS)
+            for t in range(t_begin, t_end):
+                c, kpe = _load_rows(cache_ptr, page, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp, s_cr,
+                                    True, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, False)
+                page = tl.load(bt_row + (tl.minimum(t + 1, t_end - 1) * BLOCK_N) // BS)
+                tmask = t * BLOCK_N + offs_n < seq_len
+                m_i, l_i, acc = _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, KEYS_M, IEEE, UPCAST)
         else:
             for t in tl.range(t_begin, t_end, warp_specialize=WARP_SPEC):
                 c, kpe, tmask = _load_tile(cache_ptr, bt_row, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp,
@@ -931,7 +949,8 @@ def mla_decode_triton(
         PREFETCH=int(cfg.get("prefetch", 0)),
         LSPLIT=bool(cfg.get("lsplit", False)),
     )
-    variant["CARRY_PAGE"] = bool(cfg.get("carry_page", False)) and variant["LSPLIT"] and variant["PAGE_TILE"]
+    variant["CARRY_PAGE"] = (bool(cfg.get("carry_page", False)) and variant["PAGE_TILE"] and not variant["PREFETCH"]
+                             and not cfg.get("tma"))
     assert not variant["LSPLIT"] or not (variant["KEYS_M"] or variant["PREFETCH"] or cfg.get("tma")), cfg
     # TMA boxes: exact L / R columns, tiles inside one page, rows viewable as one [NB * BS, L + R] tensor
     if cfg.get("tma", False) and BLOCK_L == L and BLOCK_R == R and BS % BLOCK_N == 0 and cache.stride(0) == BS * D:

@@ -35,7 +35,8 @@ def _needs_triton():
                                      "keys_m pf n64 nd", "keys_m pf n64 nd p16", "keys_m s1", "keys_m n32 w4",
                                      "w4 n32 p16", "w4 n32 ls", "ls n64 r128", "ls n64 r128 p16", "w4 n32 fm",
                                      "w4 n32 mt32", "ls n64 w4", "ls n64 w4 p16", "w4 n64", "ls n32 w8 cp s3 r128",
-                                     "ls n32 w4 cp s3", "ls n64 cp s3", "ls n32 w8 cp s4"])
+                                     "ls n32 w4 cp s3", "ls n64 cp s3", "ls n32 w8 cp s4", "keys_m n64 w4 cp",
+                                     "keys_m n32 w4 cp s3"])
 @pytest.mark.parametrize("bs,block_n", [(16, None), (64, None), (16, 32)])
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
@@ -54,7 +55,7 @@ def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
 
 
 @pytest.mark.parametrize("variant", ["keys_m", "keys_m page", "keys_m tma", "pf2 n32", "keys_m pf n64", "keys_m pf n64 nd",
-                                     "w4 n32 ls"])
+                                     "w4 n32 ls", "keys_m n64 w4 cp"])
 def test_decode_variant_fp32_and_odd_heads(variant):
     """fp32 cache (IEEE dots) and H=3 (masked head columns of the transposed tiles), splits on and off."""
     lens = [150, 97, 17, 1]
