@@ -577,10 +577,13 @@ class StopStringMatcher:
         return out if self.stop is None else ""
 
     def _first_stop(self, buf):
+        """(start, stop) of the stop string that completes first in buf (smallest end; at equal ends the longer one):
+        what a character-by-character stream would stop on, so the result does not depend on how the text was cut
+        into feeds (earlier feeds held no complete stop)."""
         best = None
         for s in self.stops:
-            i = buf.find(s)
-            if i >= 0 and (best is None or i < best[0]):
+            i = buf.find(s)  # the first occurrence also ends first
+            if i >= 0 and (best is None or (i + len(s), i) < (best[0] + len(best[1]), best[0])):
                 best = (i, s)
         return best
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import regex
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from backend.tokenizer import (KIMI_PAT_STR, IncrementalDetokenizer, StopStringMatcher, TokenizerError,
@@ -280,6 +280,8 @@ def test_stop_string_releases_false_prefix():
 @given(st.text(alphabet="abc\n", max_size=40), st.lists(st.text(alphabet="abc\n", min_size=1, max_size=3),
                                                            min_size=1, max_size=3),
        st.lists(st.integers(0, 40), max_size=6))
+@example("\naa", ["a", "\naa"], [2])  # 'a' completes (at 2) before '\naa' (at 3), which starts earlier
+@example("\naa", ["a", "\naa"], [])
 def test_stop_strings_random_splits(text, stops, cuts):
     bounds = sorted({min(c, len(text)) for c in cuts})
     pieces_ = [text[a:b] for a, b in zip([0] + bounds, bounds + [len(text)])]
@@ -294,8 +296,9 @@ def test_stop_strings_random_splits(text, stops, cuts):
             assert fed.startswith(out) and any(s.startswith(held) for s in stops) or held == ""
     if stop is None:
         out += m.flush()
-    hits = [(text.find(s), s) for s in stops if s in text]
-    want = text[:min(hits)[0]] if hits else text
+    # the stop that completes first (smallest end, then the longer one), whatever the cuts
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    want = text[:min(hits)[1]] if hits else text
     assert out == want
     assert (stop is not None) == bool(hits)
 
