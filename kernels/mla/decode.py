@@ -123,6 +123,9 @@ GPU_BROKEN = ("keys_m tma", "keys_m pf n64", "keys_m s1", "keys_m pf n64 nd", "k
 #   num_stages - 1 deep ring (TTGIR 2x32x256 / 2x64x256 buffers, async_wait num = 3: the next tile's three copies stay
 #   in flight during this tile's dots). sm_90 (3.9): ls n32 w8 cp s3 r128 110 KB, 128 regs + 24 B stack; ls n32 w4
 #   cp s3 110 KB, 254 regs; ls n64 cp s3 184 KB (one program per SM), 141 regs; ls n32 w8 cp s4 146 KB, 132 regs.
+# ls n64 w4 fm8: the default tiles with the one-launch merge (fused_merge) when a sequence has at most 8 units (B >= 33
+#   at S = 8k); longer merges keep stage 2. At B = 64 S = 8k the split path spends ~17 us more than 1/8 of its 64k
+#   time (stage 2 launch + the 16.8 MB of fp32 partials read there) where FlashInfer spends none.
 # keys_m * cp: keys as M with the carried block-table entry (main loop). sm_90 (3.9): every dot of 'keys_m n64 w4 cp'
 #   / 'keys_m n64 w8 cp' is wgmma (68 HGMMA.64x32x16 per tile: S^T 36, P V 32; no ldmatrix), tile ring 2 (184 KB, one
 #   program per SM), 254 / 252 regs; 'keys_m n32 w4 cp s3' (M = 32 keys: S^T on mma.sync, P V on wgmma) ring 2,
@@ -178,6 +181,8 @@ DECODE_VARIANTS = {
     "ls n64 w4 p16": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                           programs_per_sm=2, part16=True),
     "w4 n64": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2),
+    "ls n64 w4 fm8": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
+                          programs_per_sm=2, fused_merge=True, fused_merge_max=8),
     "keys_m n64 w4 cp": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, keys_m=True, page_tile=True,
                              carry_page=True),
     "keys_m n64 w8 cp": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, keys_m=True, page_tile=True,
@@ -939,7 +944,10 @@ def mla_decode_triton(
     kw = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) if on_gpu else {}
     if on_gpu and cfg.get("maxnreg"):  # ptxas register cap (.maxnreg): e.g. 128 x 256 threads -> 2 programs per SM
         kw["maxnreg"] = cfg["maxnreg"]
-    fused = bool(cfg.get("fused_merge", False)) and not direct
+    # fused_merge_max (optional): the one-launch merge only up to that many splits (the last unit of a sequence
+    # merges them all, so long merges, e.g. B=1 at 256 splits, keep stage 2)
+    fused = (bool(cfg.get("fused_merge", False)) and not direct
+             and num_splits <= int(cfg.get("fused_merge_max", MAX_SPLITS)))
     gdc = pdl_launch(pdl_on(pdl) if w_uv is not None else bool(pdl))
     variant = dict(
         FUSED=fused,
