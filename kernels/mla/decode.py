@@ -856,7 +856,7 @@ def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: 
     """Host heuristic from shapes only (graph-capturable): the work-unit budget per sequence of the balanced schedule.
     * 1 (direct: no partials, no merge) when batch x head_blocks programs already fill >= 7/8 of the SM slots
       (``programs_per_sm`` resident stage-1 programs per SM: 1 for the 112-216 KB smem configs, 2 for the default
-      'w4 n32') -- e.g. B=128 on 132 SMs at one per SM. Costs balance on mixed-length batches (one long sequence is
+      'ls n64 w4' and the small-smem 'w4 n32') -- e.g. B=128 on 132 SMs at one per SM. Costs balance on mixed-length batches (one long sequence is
       one program).
     * else about one wave, G = batch x splits ~ slots / head_blocks, at least 2 so mixed-length batches stay balanced;
       capped by the key tiles of the longest possible sequence (units may be one BLOCK_N tile: few tiles per SM, e.g.
