@@ -742,9 +742,7 @@ def main():
             f"{bw(r['g'])} | {bw(r['dense'])} | {bw(r['fi'])} | {vs} |"
         )
 
-    if args.decode_only:
-        return
-    # ------------------------------------------------------------------ mixed lengths
+    # ------------------------------------------------------------------ mixed lengths (decode too: --decode-only)
     print("\n== decode, mixed lengths (balanced schedule vs one program per sequence) ==")
     mixes = {
         "1x128k + 63x2k": [131072] + [2048] * 63,
@@ -773,6 +771,8 @@ def main():
             except Exception as e:  # noqa: BLE001
                 line += f"  flashinfer failed: {type(e).__name__}"
         print(line, flush=True)
+    if args.decode_only:
+        return
 
     # ------------------------------------------------------------------ extend
     print("\n== prefill / extend (bf16, causal, one sequence) ==")
