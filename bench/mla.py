@@ -607,7 +607,8 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--no-flashinfer", action="store_true")
-    ap.add_argument("--decode-only", action="store_true", help="decode only: skip prefill / extend and the old sweeps (the mixed-length decode cases stay)")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="decode only: skip prefill / extend and the old sweeps (the mixed-length cases stay)")
     ap.add_argument("--sweep-decode", action="store_true",
                     help="time decode.DECODE_VARIANTS at B {1,64,128} x S {8k,128k} next to FlashInfer")
     ap.add_argument("--shapes", help="with --sweep-decode: comma-separated BxS, e.g. 1x1024,64x8192 (default: "
