@@ -168,7 +168,8 @@ LOOP_KEYS = ("HMMA", "HGMMA", "LDSM", "LDSM.M88.4", "LDSM.M88.2", "LDSM.M88.1", 
 
 
 def sass_instructions(sass: str) -> list:
-    """[(address, opcode with modifiers, operands up to the ';')] of the instruction lines of ``cuobjdump -sass`` output."""
+    """[(address, opcode with modifiers, operands up to the ';')] of the instruction lines of ``cuobjdump -sass``
+    output."""
     out = []
     for line in sass.splitlines():
         m = _INSTR.match(line)
