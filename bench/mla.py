@@ -4,6 +4,7 @@
     python bench/mla.py --quick         # fewer shapes, no sweep
     python bench/mla.py --no-sweep --no-dense
     python bench/mla.py --ptxas         # no GPU needed: compile for sm_90 offline, print smem / regs / spills
+    python bench/mla.py --ptxas --only decode   # + the main-loop SASS counts of each stage-1 build (ldmatrix, MMA, ...)
     python bench/mla.py --decode-only --sweep-decode   # decode variants (decode.DECODE_VARIANTS) next to FlashInfer
     python bench/mla.py --decode-only --sweep-decode --no-flashinfer --variants "base,h64 n32"  # < 100 s
 
