@@ -62,6 +62,20 @@ def _offline():
                          ptx_wgmma="wgmma" in b.ptx, ptx_mma_sync="mma.sync" in b.ptx,
                          sass_hmma=b.sass.count("HMMA"), sass_hgmma=b.sass.count("HGMMA"),
                          target=b.kernel.metadata.target.arch, warps=b.kernel.metadata.num_warps)
+    # without cuobjdump: the compile-side fields still there, the cuobjdump ones raise CuobjdumpError on use
+    import kernels._offline as off
+
+    real, off.cuobjdump_path = off.cuobjdump_path, lambda: "/nonexistent/cuobjdump"
+    try:
+        b = compile_offline(_copy_kernel, dict(x_ptr="*fp32", y_ptr="*fp32", n="i32"), dict(B=128), num_warps=4)
+        out["no cuobjdump"] = dict(smem=b.smem, mma=b.mma, errors=[])
+        for field in ("regs", "sass"):
+            try:
+                getattr(b, field)
+            except off.CuobjdumpError as e:
+                out["no cuobjdump"]["errors"].append(str(e))
+    finally:
+        off.cuobjdump_path = real
     return out
 
 
@@ -107,6 +121,9 @@ def test_compile_offline_sm90():
     assert c["mma"] == "fma" and c["smem"] == 0 and c["rings"] == [] and 0 < c["regs"], c
     assert c["loop"]["loop"] is None and c["loop"]["instrs"] == 0 and not any(c["loop"][k] for k in LOOP_KEYS)
     assert c["summary"] == "loop -"
+    n = res.pop("no cuobjdump")
+    assert n["smem"] == 0 and n["mma"] == "fma" and len(n["errors"]) == 2, n
+    assert all(e.startswith("cuobjdump -") and "/nonexistent/cuobjdump" in e for e in n["errors"]), n
 
 
 _SASS = """
