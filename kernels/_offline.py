@@ -14,7 +14,6 @@ loop statistics of each decode stage-1 build) and the offline tests.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import os
