@@ -335,16 +335,10 @@ def bench_early_state(batches=(1, 8), layers=N_KDA_LAYERS, D=2304):
 
 
 def compile_report(batches=(1, 8, 64), arch=90, n_sm=132, gdc=True):
-    """Offline sm_<arch> compile (Triton's bundled ptxas and cuobjdump; no GPU, not under TRITON_INTERPRET) of the
-    per-tile decode kernel at the default config of each N -> rows (N, label, regs, spill stack bytes, shared
-    bytes)."""
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """Offline sm_<arch> compile (kernels/_offline.py: Triton's bundled ptxas and cuobjdump; no GPU, not under
+    TRITON_INTERPRET) of the per-tile decode kernel at the default config of each N -> rows (N, label, regs, spill
+    stack bytes, shared bytes)."""
+    from kernels._offline import compile_offline
     from kernels.kda import recurrent as rec
 
     fn = rec._kda_decode_kernel
@@ -353,27 +347,15 @@ def compile_report(batches=(1, 8, 64), arch=90, n_sm=132, gdc=True):
     types.update(convw_ptr="*fp32", alog_ptr="*fp32", dtb_ptr="*fp32", state_ptr="*fp32", o_ptr="*fp32",
                  cnt_ptr="*i32", slot_ptr="*i32", scale="fp32", eps="fp32")
     types.update({n: "i32" for n in names if n.startswith("stride")})
-    cuobjdump = f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump"
+    div = [n for n in names if types.get(n, "").startswith("*") or n.startswith("stride")]
     rows = []
     for N in batches:
         cfg = decode_config(N, H, K, V, n_sm)
         c = dict(H=H, K=K, V=V, W=W, BK=K, BV=cfg.BV, NV=V // cfg.BV, BVF=V, TAIL=cfg.tail, EARLY=cfg.early,
                  STORE_AFTER=cfg.store_after, GDC=gdc, EARLY_STATE=rec._EARLY_STATE if gdc else 0)
-        sig = {n: types.get(n, "constexpr") for n in names}
-        attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
-                 if types.get(n, "").startswith("*") or n.startswith("stride")}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in c.items()},
-                        attrs=attrs)
-        opt = dict(num_warps=cfg.num_warps)
-        if cfg.maxnreg:
-            opt["maxnreg"] = cfg.maxnreg
-        kern = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opt)
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kern.asm["cubin"])
-            f.flush()
-            res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\d+) STACK:(\d+)", res)
-        rows.append((N, _label(cfg), int(m.group(1)), int(m.group(2)), int(kern.metadata.shared)))
+        b = compile_offline(fn, types, c, num_warps=cfg.num_warps, arch=arch, maxnreg=cfg.maxnreg or None,
+                            divisible=div)
+        rows.append((N, _label(cfg), b.regs, b.stack, b.smem))
     print(f"# offline sm_{arch} (Triton {triton.__version__}), GDC={gdc}: regs / spill stack bytes / smem")
     for N, lab, reg, st, sh in rows:
         print(f"N={N:<4} {lab:<48} regs {reg:>3}  stack {st:>3} B  smem {sh:>6} B")

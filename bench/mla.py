@@ -4,6 +4,7 @@
     python bench/mla.py --quick         # fewer shapes, no sweep
     python bench/mla.py --no-sweep --no-dense
     python bench/mla.py --ptxas         # no GPU needed: compile for sm_90 offline, print smem / regs / spills
+    python bench/mla.py --ptxas --only decode   # + the main-loop SASS counts of each stage-1 build (ldmatrix, MMA, ...)
     python bench/mla.py --decode-only --sweep-decode   # decode variants (decode.DECODE_VARIANTS) next to FlashInfer
     python bench/mla.py --decode-only --sweep-decode --no-flashinfer --variants "base,h64 n32"  # < 100 s
 
@@ -463,45 +464,42 @@ def b1_chain(pool, sms, uv_sweep=True):
               f"{us['dec']:.1f} | {us['u_dec']:.1f} | {us['l_chain']:.1f} | {us['l_fused']:.1f} |")
 
 
-def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90, maxnreg=None):
-    """Compile one kernel for sm_<arch> without a GPU (Triton's bundled ptxas); print smem / regs / spills."""
-    import subprocess
-    import tempfile
+def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90, maxnreg=None, loop=False):
+    """Compile one kernel for sm_<arch> without a GPU (kernels/_offline.py: Triton's bundled ptxas); print smem /
+    regs / spills, the MMA kind, cp.async count and smem ring stages; loop: also sass_loop_stats of the main loop
+    (ldmatrix x4 loads per tile were what separated the decode variants). cuobjdump failures print "?"."""
+    from kernels._offline import CuobjdumpError, compile_offline
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    target = GPUTarget("cuda", arch, 32)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     floats = {"qk_scale", "eps"}
-    sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in fn.arg_names}
+    sig = {n: ptrs.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names if n not in consts}
     div = [n for n in fn.arg_names if n not in consts and n not in floats and n not in ("N", "H", "G")
            and not sig[n].startswith("tensordesc")]
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
-    cexpr = {(fn.arg_names.index(k),): v for k, v in consts.items()}
-    k = triton.compile(
-        ASTSource(fn=fn, signature=sig, constexprs=cexpr, attrs=attrs),
-        target=target,
-        options=dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {})),
-    )
-    ptx = k.asm["ptx"]
-    mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
+    b = compile_offline(fn, sig, consts, num_warps=num_warps, num_stages=num_stages, arch=arch, maxnreg=maxnreg,
+                        divisible=div)
+    ptx = b.ptx
     # smem ring buffers of the pipelined loads (TTGIR allocs with a leading stage dim, e.g. 2x64x512): 1 = no overlap
-    import re
-
-    rings = sorted({int(m) for m in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", k.asm["ttgir"])})
-    bufs = "x".join(map(str, rings)) or "-"
-    res = "?"
+    bufs = "x".join(map(str, b.ring_stages)) or "-"
     try:
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(k.asm["cubin"])
-        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        res = " ".join(x.strip().split(" SHARED")[0] for x in out.splitlines() if "REG" in x)
-        os.unlink(f.name)
-    except OSError:
-        pass
-    print(f"{label:<60} smem {k.metadata.shared / 1024:6.1f} KB  {res:<22} {mma:<8} cp.async {ptx.count('cp.async.cg')} "
+        res = b.res_usage.split(" SHARED")[0]
+    except CuobjdumpError:
+        res = "?"
+    print(f"{label:<60} smem {b.smem / 1024:6.1f} KB  {res:<22} {b.mma:<8} cp.async {ptx.count('cp.async.cg')} "
           f"tile buffers {bufs}", flush=True)
+    if loop:
+        try:
+            st = b.loop
+        except CuobjdumpError:
+            print("    loop ?", flush=True)
+            return
+        if st["loop"] is None:
+            print("    loop -", flush=True)
+            return
+        print(f"    loop {st['instrs']:>5} instrs  HMMA {st['HMMA']:>4} HGMMA {st['HGMMA']:>3}  ldmatrix x4 "
+              f"{st['LDSM.M88.4'] + st['LDSM.MT88.4']:>4} (.trans {st['LDSM.MT88.4']:>3}) x2 "
+              f"{st['LDSM.M88.2'] + st['LDSM.MT88.2']:>3} x1 {st['LDSM.M88.1'] + st['LDSM.MT88.1']:>3}  "
+              f"LDS {st['LDS']:>3} STS {st['STS']:>3} STSM {st['STSM']:>2}  LDGSTS {st['LDGSTS']:>3} "
+              f"LDG {st['LDG']:>3}  bar.sync {st['BAR.SYNC']:>3}  SHFL {st['SHFL']:>3}  spills STL {st['STL']:>2} "
+              f"LDL {st['LDL']:>2}", flush=True)
 
 
 def ptxas_report(arch=90, only=None):
@@ -511,7 +509,8 @@ def ptxas_report(arch=90, only=None):
 
     def build(fn, ptrs, consts, num_warps, num_stages, label, maxnreg=None):
         if only is None or label.startswith(only):
-            ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch, maxnreg)
+            ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch, maxnreg,
+                      loop=fn is dec._mla_decode_stage1)
 
     for dtn, dts in (("16bit", "*bf16"), ("fp32", "*fp32")):
         ieee = dtn == "fp32"
@@ -546,6 +545,8 @@ def ptxas_report(arch=90, only=None):
                      MIN_TILES=4, DIRECT=False, IEEE=ieee, UPCAST=False, KEYS_M=c.get("keys_m", False),
                      PAGE_TILE=c.get("page_tile", False), WARP_SPEC=c.get("warp_spec", False),
                      PREFETCH=int(c.get("prefetch", 0)), LSPLIT=c.get("lsplit", False),
+                     CARRY_PAGE=(bool(c.get("carry_page", False)) and c.get("page_tile", False)
+                                 and not c.get("prefetch", 0) and not c.get("tma", False)),  # as mla_decode_triton
                      **(dict(FUSED=True, MERGE_S=16, MERGE_L=16 if c.get("part16") else 8,
                              MERGE_STAGES=4 if c.get("part16") else 5) if c.get("fused_merge")
                         else dict(FUSED=False, cnt_ptr=None, MERGE_S=8, MERGE_L=32, MERGE_STAGES=2)),
@@ -593,8 +594,9 @@ def ptxas_report(arch=90, only=None):
                        opart_ptr="*fp32", lse_ptr="*fp32"),
                   dict(L=L, R=R, BLOCK_L=L, BLOCK_R=R, BS=BS, BLOCK_N=c["block_n"], BLOCK_H=c["block_h"], BLOCK_B=128,
                        MIN_TILES=1, DIRECT=False, IEEE=False, UPCAST=False, KEYS_M=False, PAGE_TILE=True,
-                       WARP_SPEC=False, PREFETCH=0, LSPLIT=True, FUSED=False, cnt_ptr=None, MERGE_S=8, MERGE_L=32,
-                       MERGE_STAGES=2, TMA=False, c_desc=None, k_desc=None, GDC=True),
+                       WARP_SPEC=False, PREFETCH=0, LSPLIT=True, CARRY_PAGE=bool(c.get("carry_page", False)),
+                       FUSED=False, cnt_ptr=None, MERGE_S=8, MERGE_L=32, MERGE_STAGES=2, TMA=False, c_desc=None,
+                       k_desc=None, GDC=True),
                   c["num_warps"], c["num_stages"], "absorb: decode stage 1 default (GDC)", c.get("maxnreg"))
 
 

@@ -99,23 +99,22 @@ PTX_EVENTS = ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefet
 
 
 def ptx_events(fn, consts: dict, ptr_types: dict | None = None, num_warps: int = 4, arch: int = 90) -> list:
-    """Compile jit kernel `fn` offline for sm_<arch> (no GPU, not under TRITON_INTERPRET) with the constexprs
-    `consts` (the rest: *_ptr args ptr_types.get(name, "*bf16"), eps / scale fp32, other args i32) -> the PTX
-    memory and griddepcontrol instructions in program order (PTX_EVENTS names), to check what runs before the
-    wait."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """Compile jit kernel `fn` offline for sm_<arch> (kernels/_offline.py; no GPU, not under TRITON_INTERPRET) with
+    the constexprs `consts` (the rest: *_ptr args ptr_types.get(name, "*bf16"), eps / scale fp32, other args i32)
+    -> the PTX memory and griddepcontrol instructions in program order (PTX_EVENTS names), to check what runs before
+    the wait."""
+    from kernels._offline import compile_offline
 
     ptr_types = ptr_types or {}
     sig, cst = {}, {}
-    for i, p in enumerate(fn.params):
+    for p in fn.params:
         if p.is_constexpr or p.name in consts:
-            sig[p.name] = "constexpr"
-            cst[(i,)] = consts.get(p.name, p.default)
+            cst[p.name] = consts.get(p.name, p.default)
         elif p.name.endswith("_ptr"):
             sig[p.name] = ptr_types.get(p.name, "*bf16")
         else:
             sig[p.name] = "fp32" if p.name in ("eps", "scale") else "i32"
-    kern = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cst), target=GPUTarget("cuda", arch, 64),
-                          options=dict(num_warps=num_warps))
+    # warp_size 64 in the target as this check has always compiled it (Triton 3.9's CUDA backend lays out 32-thread
+    # warps whatever the target says)
+    kern = compile_offline(fn, sig, cst, num_warps=num_warps, arch=arch, warp_size=64).kernel
     return [e for line in kern.asm["ptx"].splitlines() for e in PTX_EVENTS if e in line]

@@ -410,15 +410,10 @@ def short_conv_decode(x, w, conv_state, state_slots):
 # --------------------------------------------------------------------------------------------------- offline check
 def compile_report(arch: int = 90, cfg: Optional[PrefillConfig] = None, W: int = 4, dtype: str = "bf16",
                    fast: bool = True) -> dict:
-    """Compile the streaming prefill kernel offline for sm_<arch> (Triton's bundled ptxas; no GPU, no
-    TRITON_INTERPRET) -> {"regs", "spill" (stack bytes), "shared" (bytes), "ptx", "sass"}. Triton 3.6 (H200 device)
-    and 3.9 (CI) both give 128 registers, no spills, no shared memory for the default config at W = 4, bf16."""
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """Compile the streaming prefill kernel offline for sm_<arch> (kernels/_offline.py: Triton's bundled ptxas; no
+    GPU, no TRITON_INTERPRET) -> {"regs", "spill" (stack bytes), "shared" (bytes), "ptx", "sass"}. Triton 3.6 (H200
+    device) and 3.9 (CI) both give 128 registers, no spills, no shared memory for the default config at W = 4, bf16."""
+    from kernels._offline import compile_offline
 
     cfg = cfg or PREFILL_CONFIG
     fn = _conv_prefill_stream_kernel
@@ -427,19 +422,7 @@ def compile_report(arch: int = 90, cfg: Optional[PrefillConfig] = None, W: int =
                  slot_ptr="*i32", his_ptr="*i8", T="i32", C="i32", P="i32", stride_x="i32", stride_y="i32",
                  stride_ss="i32", stride_sw="i32")
     consts = dict(W=W, BT=cfg.BT, BC=cfg.BC, NS=4, RS=cfg.RS, PF=cfg.PF, FAST=fast)
-    sig = {n: types.get(n, "constexpr") for n in names}
     # divisibility by 16 as Triton specializes it at the Kimi shape (C = 12288, row stride 12576, 16-B aligned rows)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n in types and (types[n].startswith("*") or n.startswith("stride") or n == "C")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()}, attrs=attrs)
-    kern = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=cfg.num_warps, num_stages=1))
-    bindir = f"{triton.__path__[0]}/backends/nvidia/bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kern.asm["cubin"])
-        f.flush()
-        res = subprocess.run([f"{bindir}/cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([f"{bindir}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
-    return dict(regs=int(m.group(1)), spill=int(m.group(2)), shared=int(kern.metadata.shared), ptx=kern.asm["ptx"],
-                sass=sass)
+    div = [n for n in names if n in types and (types[n].startswith("*") or n.startswith("stride") or n == "C")]
+    b = compile_offline(fn, types, consts, num_warps=cfg.num_warps, num_stages=1, arch=arch, divisible=div)
+    return dict(regs=b.regs, spill=b.stack, shared=b.smem, ptx=b.ptx, sass=b.sass)

@@ -405,21 +405,16 @@ def skinny_bmm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------- offline check
 def compile_report(arch: int = 90, configs: Optional[list] = None, M: int = 16, bf16: bool = True,
                    split: int = 0) -> dict:
-    """Compile _gemv_kernel offline for sm_<arch> (Triton's bundled ptxas; no GPU, no TRITON_INTERPRET) and return
-    {(config, dot): (registers, spill stack bytes, shared bytes, kernel)} (SPLIT mode `split`: 0 / 1 / 2)."""
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """Compile _gemv_kernel offline for sm_<arch> (kernels/_offline.py: Triton's bundled ptxas; no GPU, no
+    TRITON_INTERPRET) and return {(config, dot): (registers, spill stack bytes, shared bytes, kernel)} (SPLIT mode
+    `split`: 0 / 1 / 2)."""
+    from kernels._offline import compile_offline
 
     configs = configs or [DOT_CONFIG, FMA_CONFIG]
     ty = "*bf16" if bf16 else "*fp32"
     types = dict(x_ptr=ty, w_ptr=ty, y_ptr=ty, p_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32",
                  k_split="i32", stride_xb="i32", stride_xm="i32", stride_wb="i32", stride_wn="i32",
                  stride_yb="i32", stride_ym="i32", stride_ps="i32", stride_pb="i32", stride_pm="i32")
-    cuobjdump = f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump"
     fn, names, out = _gemv_kernel, _gemv_kernel.arg_names, {}
     for cfg in configs:
         dot = cfg.dot if cfg.dot is not None else cfg is DOT_CONFIG
@@ -433,17 +428,9 @@ def compile_report(arch: int = 90, configs: Optional[list] = None, M: int = 16, 
         else:
             consts["TMA"] = False
             consts["w_desc"] = None
-        sig = {n: types.get(n, "constexpr") for n in names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                 if n in types and (types[n].startswith("*") or n.startswith("stride") or n in ("K", "k_split"))}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
-                        attrs=attrs)
-        kern = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kern.asm["cubin"])
-            f.flush()
-            res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\d+) STACK:(\d+)", res)
-        out[(cfg, dot)] = (int(m.group(1)), int(m.group(2)), int(kern.metadata.shared), kern)
+        div = [n for n in names
+               if n in types and (types[n].startswith("*") or n.startswith("stride") or n in ("K", "k_split"))]
+        b = compile_offline(fn, types, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, arch=arch,
+                            divisible=div)
+        out[(cfg, dot)] = (b.regs, b.stack, b.smem, b.kernel)
     return out

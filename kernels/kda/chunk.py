@@ -601,15 +601,11 @@ def _kda_out_kernel(
 def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16: bool = True,
                    hpass_bv: Optional[int] = None, out_bv: Optional[int] = None,
                    which: Sequence[str] = ("hpass", "out", "prep", "akk", "wu")) -> dict:
-    """Compile the kernels offline for sm_<arch> (no GPU needed; Triton's bundled ptxas) at Kimi shapes and
-    return {name: (registers, spill stack bytes, shared bytes)}. Run without TRITON_INTERPRET.
+    """Compile the kernels offline for sm_<arch> (kernels/_offline.py; no GPU needed, Triton's bundled ptxas) at
+    Kimi shapes and return {name: (registers, spill stack bytes, shared bytes)}. Run without TRITON_INTERPRET.
     hpass / out = the state pass and output kernels at (hpass_bv or 16, HPASS_NUM_WARPS) / (out_bv or OUT_BV,
     OUT_NUM_WARPS); prep / akk / wu = the intra kernels at the module constants."""
-    import re
-    import subprocess
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from kernels._offline import compile_offline
 
     lp, sd = ("*bf16", "*bf16") if bf16 else ("*fp32", "*fp32")
     prec = "tf32" if bf16 else "ieee"
@@ -648,23 +644,11 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                dict(num_warps=WU_NUM_WARPS)),
     })
     specs = {n: specs[n] for n in which}
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     out = {}
     for name, (fn, types, consts, opts) in specs.items():
-        names = fn.arg_names
-        sig = {n: types.get(n, "constexpr") for n in names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                 if n in types and (types[n].startswith("*") or n.startswith("stride"))}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
-                        attrs=attrs)
-        kern = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
-        import tempfile
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kern.asm["cubin"])
-            f.flush()
-            res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\d+) STACK:(\d+)", res)
-        out[name] = (int(m.group(1)), int(m.group(2)), int(kern.metadata.shared))
+        div = [n for n in fn.arg_names if n in types and (types[n].startswith("*") or n.startswith("stride"))]
+        b = compile_offline(fn, types, consts, arch=arch, divisible=div, extra_options=opts)
+        out[name] = (b.regs, b.stack, b.smem)
     return out
 
 

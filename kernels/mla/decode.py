@@ -114,8 +114,8 @@ GPU_BROKEN = ("keys_m tma", "keys_m pf n64", "keys_m s1", "keys_m pf n64 nd", "k
 #   32 heads the ldmatrix traffic falls from 912 LDSM.x4 (8 warps: S split [2 heads x 4 keys] over warps, so q is
 #   re-read by 4 warps and the tile by 2; 467 KB) to 592 (4 warps [1 x 4]: q by 4, the tile once; 303 KB), and the
 #   cross-warp softmax from 11 barriers per tile to 7; each warp issues twice the MMAs. sm_90 (Triton 3.9): ls n64 w4
-#   255 regs + 32 B stack (5 STL / 7 LDL in the loop), w4 n64 255 + 48 B (8 / 11). Counts: scratch SASS of the loop
-#   body (cuobjdump -sass of the offline compile).
+#   255 regs + 32 B stack (5 STL / 7 LDL in the loop), w4 n64 255 + 48 B (8 / 11). Counts: the loop lines of
+#   `python bench/mla.py --ptxas --only decode` (kernels/_offline.sass_loop_stats, per warp: x4 114 x 8 / 148 x 4).
 # carry_page (cp *, LSPLIT + page_tile): the block-table entry of tile t + 1 is loaded in iteration t and carried.
 #   With the entry loaded in the iteration that uses it, the tile's cp.async depends on a load of the same iteration
 #   and Triton's pipeliner (3.9, also 3.6) keeps a ring of ONE tile buffer and waits for all copies (wait_group 0) at

@@ -240,28 +240,17 @@ _ITEMS: list = []  # (arch, launch) of report(), read by the forked compile work
 
 def _compile_one(i):
     import re
-    import tempfile
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from kernels._offline import compile_offline
 
     arch, (_, fn, sig, consts, attrs, opts) = _ITEMS[i]
     try:
-        k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
-                           options=opts.__dict__)
+        k = compile_offline(fn, sig, consts, arch=arch, attrs=attrs, extra_options=opts.__dict__)
     except Exception as e:  # noqa: BLE001
         return dict(error=f"{type(e).__name__}: {str(e)[-400:]}")
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
-    ptx = k.asm["ptx"]
-    mma = next((t for t in ("tcgen05", "wgmma", "mma.sync") if t in ptx), "-")
-    return dict(regs=int(m.group(1)), stack=int(m.group(2)), smem=int(k.metadata.shared), warps=opts.num_warps,
-                stages=opts.num_stages, pdl=bool(opts.launch_pdl), gdc="griddepcontrol.wait" in ptx, mma=mma,
+    ptx = k.ptx
+    return dict(regs=k.regs, stack=k.stack, smem=k.smem, warps=opts.num_warps, stages=opts.num_stages,
+                pdl=bool(opts.launch_pdl), gdc="griddepcontrol.wait" in ptx, mma=k.mma if k.mma != "fma" else "-",
                 target=re.search(r"\.target (\S+)", ptx).group(1))
 
 

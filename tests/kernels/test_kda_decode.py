@@ -368,9 +368,8 @@ def test_decode_fg_bf16(KV):
 # shared head of the offline sm_90 scripts below (run in a subprocess without TRITON_INTERPRET):
 # compile(N, early_state) -> (cfg, kernel, registers, stack bytes) for decode_config's pick at Kimi shapes
 _OFFLINE_HEAD = r"""
-import json, re, subprocess, tempfile, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re
+from kernels._offline import compile_offline
 from kernels._pdl import ptx_events
 from kernels.kda import recurrent as rec
 fn = rec._kda_decode_kernel
@@ -379,8 +378,7 @@ f32 = dict(convw_ptr="*fp32", alog_ptr="*fp32", dtb_ptr="*fp32", state_ptr="*fp3
            slot_ptr="*i32")
 types = {n: "*bf16" for n in names if n.endswith("_ptr")}
 types.update(f32, scale="fp32", eps="fp32", **{n: "i32" for n in names if n.startswith("stride")})
-attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
-         if types.get(n, "").startswith("*") or n.startswith("stride")}
+div = [n for n in names if types.get(n, "").startswith("*") or n.startswith("stride")]
 
 
 def consts(cfg, es):
@@ -391,16 +389,8 @@ def consts(cfg, es):
 def compile(N, es):
     cfg = rec.decode_config(N, 32, 128, 128, 132)
     c = consts(cfg, es)
-    src = ASTSource(fn=fn, signature={n: types.get(n, "constexpr") for n in names},
-                    constexprs={(names.index(k),): v for k, v in c.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        res = subprocess.run([f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump", "-res-usage", f.name],
-                             capture_output=True, text=True).stdout
-    reg, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", res).groups())
-    return cfg, c, k, reg, stack
+    b = compile_offline(fn, types, c, num_warps=cfg.num_warps, arch=90, divisible=div)
+    return cfg, c, b.kernel, b.regs, b.stack
 """
 
 # -------------------------------------------------------------------------- early state (EARLY_STATE, recurrent.py)
