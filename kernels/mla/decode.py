@@ -110,26 +110,26 @@ GPU_BROKEN = ("keys_m tma", "keys_m pf n64", "keys_m s1", "keys_m pf n64 nd", "k
 #   8-warp programs fit per SM (2 x 112 KB smem): 'ls n64 r128' = 'base' tiles, 2 programs per SM, 72 KB tiles
 #   (half the q smem re-reads per byte of 'w4 n32'). sm_90 (3.6 / 3.9): ls n64 r128 128 regs, no spill / 32 B stack;
 #   ls n32 w8 r128 74 KB, 128 / 128 + 32 B; w4 n32 ls 252 / 249 regs; ls n64 r128 p16 (3.6) 128, no spill.
-# ls n64 w4 / w4 n64: the 64-key tiles of 'ls n64 r128' with 4 warps (2 programs x 112 KB per SM). Per 64 keys and
-#   32 heads the ldmatrix traffic falls from 912 LDSM.x4 (8 warps: S split [2 heads x 4 keys] over warps, so q is
-#   re-read by 4 warps and the tile by 2; 467 KB) to 592 (4 warps [1 x 4]: q by 4, the tile once; 303 KB), and the
-#   cross-warp softmax from 11 barriers per tile to 7; each warp issues twice the MMAs. sm_90 (Triton 3.9): ls n64 w4
-#   255 regs + 32 B stack (5 STL / 7 LDL in the loop), w4 n64 255 + 48 B (8 / 11). Counts: the loop lines of
+# ls n64 w4 (the 16-bit default since session 9): the 64-key tiles of 'ls n64 r128' with 4 warps (2 programs x
+#   112 KB per SM). Per 64 keys and 32 heads the ldmatrix traffic falls from 912 LDSM.x4 (8 warps: S split [2 heads x
+#   4 keys] over warps, so q is re-read by 4 warps and the tile by 2; 467 KB) to 592 (4 warps [1 x 4]: q by 4, the
+#   tile once; 303 KB), and the cross-warp softmax from 11 barriers per tile to 7; each warp issues twice the MMAs.
+#   sm_90 (Triton 3.9): 255 regs + 32 B stack (5 STL / 7 LDL in the loop). Counts: the loop lines of
 #   `python bench/mla.py --ptxas --only decode` (kernels/_offline.sass_loop_stats, per warp: x4 114 x 8 / 148 x 4).
-# carry_page (cp *, LSPLIT + page_tile): the block-table entry of tile t + 1 is loaded in iteration t and carried.
-#   With the entry loaded in the iteration that uses it, the tile's cp.async depends on a load of the same iteration
-#   and Triton's pipeliner (3.9, also 3.6) keeps a ring of ONE tile buffer and waits for all copies (wait_group 0) at
-#   the top of every iteration: no load/MMA overlap inside a program, whatever num_stages. Carried, the tile gets a
-#   num_stages - 1 deep ring (TTGIR 2x32x256 / 2x64x256 buffers, async_wait num = 3: the next tile's three copies stay
-#   in flight during this tile's dots). sm_90 (3.9): ls n32 w8 cp s3 r128 110 KB, 128 regs + 24 B stack; ls n32 w4
-#   cp s3 110 KB, 254 regs; ls n64 cp s3 184 KB (one program per SM), 141 regs; ls n32 w8 cp s4 146 KB, 132 regs.
-# ls n64 w4 fm8: the default tiles with the one-launch merge (fused_merge) when a sequence has at most 8 units (B >= 33
-#   at S = 8k); longer merges keep stage 2. At B = 64 S = 8k the split path spends ~17 us more than 1/8 of its 64k
-#   time (stage 2 launch + the 16.8 MB of fp32 partials read there) where FlashInfer spends none.
-# keys_m * cp: keys as M with the carried block-table entry (main loop). sm_90 (3.9): every dot of 'keys_m n64 w4 cp'
-#   / 'keys_m n64 w8 cp' is wgmma (68 HGMMA.64x32x16 per tile: S^T 36, P V 32; no ldmatrix), tile ring 2 (184 KB, one
-#   program per SM), 254 / 252 regs; 'keys_m n32 w4 cp s3' (M = 32 keys: S^T on mma.sync, P V on wgmma) ring 2,
-#   110 KB (two per SM), 241 regs. Without the carried entry the keys_m tile had a ring of 1.
+#   H200 (BENCHMARKS.md, tenth round): 'ls n64 w4' 195-198 us at B=64 S=8k vs 230 for 'ls n64 r128' (FlashInfer
+#   fa3 159-163); the same tiles without the latent halves ('w4 n64') 212; with the one-launch merge capped at 8
+#   splits ('fm8', fused_merge_max) 297; bf16 partials (p16) within the run-to-run noise. Removed after that run:
+#   'w4 n64', 'ls n64 w4 fm8' and fused_merge_max.
+# carry_page (cp *, page_tile): the block-table entry of tile t + 1 is loaded in iteration t and carried (_unit_lsplit
+#   and the main loop). With the entry loaded in the iteration that uses it, the tile's cp.async depends on a load of
+#   the same iteration and Triton's pipeliner (3.9, also 3.6) keeps a ring of ONE tile buffer and waits for all copies
+#   (wait_group 0) at the top of every iteration: no load/MMA overlap inside a program, whatever num_stages. Carried,
+#   the tile gets a num_stages - 1 deep ring (TTGIR 2x32x256 buffers, async_wait num = 3: the next tile's copies stay
+#   in flight during this tile's dots). sm_90 (3.9): ls n32 w4 cp s3 110 KB, 254 regs. keys_m n64 w4 cp: every dot is
+#   wgmma (68 HGMMA.64x32x16 per tile: S^T 36, P V 32; no ldmatrix), ring 2, 184 KB (one program per SM), 254 regs;
+#   keys_m n32 w4 cp s3 (M = 32 keys: S^T on mma.sync, P V on wgmma) ring 2, 110 KB (two per SM), 241 regs. H200: all
+#   slower than 'ls n64 w4' (B=64 S=8k: ls n32 w4 cp s3 220 us, keys_m n32 w4 cp s3 247, keys_m n64 w4 cp 259; the
+#   8-warp ones, removed, 251-388): the shared-memory traffic, not the load/MMA overlap, bounds these kernels.
 # part16 on w4 n32 (w4 n32 p16): B=1 S=128k runs 256 units, whose fp32 partials (~17 MB written + read) are ~22% of
 #   the cache bytes.
 # min_split_tokens: smallest work unit (256 = the schedule before 12-02: B=1 S=1k ran as 4 units of 4 tiles; 32 =
@@ -180,23 +180,12 @@ DECODE_VARIANTS = {
                       programs_per_sm=2),
     "ls n64 w4 p16": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                           programs_per_sm=2, part16=True),
-    "w4 n64": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2),
-    "ls n64 w4 fm8": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
-                          programs_per_sm=2, fused_merge=True, fused_merge_max=8),
     "keys_m n64 w4 cp": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, keys_m=True, page_tile=True,
-                             carry_page=True),
-    "keys_m n64 w8 cp": dict(block_h=32, block_n=64, num_warps=8, num_stages=2, keys_m=True, page_tile=True,
                              carry_page=True),
     "keys_m n32 w4 cp s3": dict(block_h=32, block_n=32, num_warps=4, num_stages=3, keys_m=True, page_tile=True,
                                 carry_page=True, programs_per_sm=2),
-    "ls n32 w8 cp s3 r128": dict(block_h=32, block_n=32, num_warps=8, num_stages=3, page_tile=True, lsplit=True,
-                                 carry_page=True, maxnreg=128, programs_per_sm=2),
     "ls n32 w4 cp s3": dict(block_h=32, block_n=32, num_warps=4, num_stages=3, page_tile=True, lsplit=True,
                             carry_page=True, programs_per_sm=2),
-    "ls n64 cp s3": dict(block_h=32, block_n=64, num_warps=8, num_stages=3, page_tile=True, lsplit=True,
-                         carry_page=True),
-    "ls n32 w8 cp s4": dict(block_h=32, block_n=32, num_warps=8, num_stages=4, page_tile=True, lsplit=True,
-                            carry_page=True),
     "ls n32 w8 r128": dict(block_h=32, block_n=32, num_warps=8, num_stages=2, page_tile=True, lsplit=True,
                            maxnreg=128, programs_per_sm=2),
     "w4 n32 mt32": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2,
@@ -944,10 +933,7 @@ def mla_decode_triton(
     kw = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) if on_gpu else {}
     if on_gpu and cfg.get("maxnreg"):  # ptxas register cap (.maxnreg): e.g. 128 x 256 threads -> 2 programs per SM
         kw["maxnreg"] = cfg["maxnreg"]
-    # fused_merge_max (optional): the one-launch merge only up to that many splits (the last unit of a sequence
-    # merges them all, so long merges, e.g. B=1 at 256 splits, keep stage 2)
-    fused = (bool(cfg.get("fused_merge", False)) and not direct
-             and num_splits <= int(cfg.get("fused_merge_max", MAX_SPLITS)))
+    fused = bool(cfg.get("fused_merge", False)) and not direct
     gdc = pdl_launch(pdl_on(pdl) if w_uv is not None else bool(pdl))
     variant = dict(
         FUSED=fused,
