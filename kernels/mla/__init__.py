@@ -47,11 +47,16 @@ __all__ = [
 ]
 
 
-def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: int = 32, num_sms: int = 132) -> int:
-    """Split count for mla_decode from shapes only (graph-capturable); re-exported from decode.py."""
+def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: int = 32, num_sms: int = 132,
+                       programs_per_sm: int | None = None) -> int:
+    """Split count mla_decode picks from shapes only (graph-capturable); decode.py's heuristic with, by default, the
+    16-bit default config's resident programs per SM (what a bf16 cache runs; the fp32 test config differs)."""
+    from .decode import DECODE_CFG
     from .decode import default_num_splits as _d
 
-    return _d(batch, max_blocks, block_size, num_heads, num_sms)
+    if programs_per_sm is None:
+        programs_per_sm = DECODE_CFG["16bit"].get("programs_per_sm", 1)
+    return _d(batch, max_blocks, block_size, num_heads, num_sms, programs_per_sm)
 
 
 def store_latent(latent, cache, slot_mapping):

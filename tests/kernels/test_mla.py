@@ -17,7 +17,8 @@ from kernels.mla.cache import store_latent_triton  # noqa: E402
 from kernels.mla.decode import DECODE_CFG, MIN_DOT, decode_config, default_num_splits, mla_decode_triton  # noqa: E402
 from kernels.mla.extend import EXTEND_CFG, extend_config, mla_extend_triton  # noqa: E402
 
-CPU_ONLY_TESTS = {"test_ref_cpu_path", "test_default_num_splits", "test_configs_dot_dims_at_least_16",
+CPU_ONLY_TESTS = {"test_ref_cpu_path", "test_default_num_splits", "test_default_num_splits_export_matches_bf16_default",
+                  "test_configs_dot_dims_at_least_16",
                   "test_configs_kimi_unchanged"}
 
 
@@ -164,6 +165,16 @@ def test_decode_all_padded():
         out = torch.full((2, H, L), float("nan"), dtype=torch.bfloat16, device=DEV)
         mla_decode_triton(q, qp, cache, bt, sl, SCALE, num_splits=ns, out=out, min_split_tokens=16)
         assert (out == 0).all()
+
+
+def test_default_num_splits_export_matches_bf16_default():
+    """kernels.mla.default_num_splits gives the split count a bf16 cache runs (the default config's programs per SM,
+    2): B=64 on 132 SMs -> 4 units per sequence, not the 2 of one program per SM."""
+    from kernels import mla
+
+    assert DECODE_CFG["16bit"]["programs_per_sm"] == 2
+    assert mla.default_num_splits(64, 128, 64, 32, 132) == default_num_splits(64, 128, 64, 32, 132, 2) == 4
+    assert mla.default_num_splits(64, 128, 64, 32, 132, programs_per_sm=1) == 2
 
 
 def test_default_num_splits():
