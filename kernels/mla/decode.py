@@ -130,6 +130,10 @@ GPU_BROKEN = ("keys_m tma", "keys_m pf n64", "keys_m s1", "keys_m pf n64 nd", "k
 #   keys_m n32 w4 cp s3 (M = 32 keys: S^T on mma.sync, P V on wgmma) ring 2, 110 KB (two per SM), 241 regs. H200: all
 #   slower than 'ls n64 w4' (B=64 S=8k: ls n32 w4 cp s3 220 us, keys_m n32 w4 cp s3 247, keys_m n64 w4 cp 259; the
 #   8-warp ones, removed, 251-388): the shared-memory traffic, not the load/MMA overlap, bounds these kernels.
+#   h64 n32 cp s3 (NOT TIMED YET, end of session 9): the padded-heads wgmma form (FlashMLA's M = 64) with the carried
+#   entry: tile ring 3 (180 KB, one 8-warp program per SM), loop = 74 HGMMA + 4 bar.sync + 8 SHFL per 32-key tile (the
+#   softmax stays inside each warp's rows), no ldmatrix; 255 regs + 72 B stack (13 LDL in the loop). The same tiles
+#   without the carried entry ('h64 n32', ring 1) took 434 us at B=64 S=8k (fifth round).
 # part16 on w4 n32 (w4 n32 p16): B=1 S=128k runs 256 units, whose fp32 partials (~17 MB written + read) are ~22% of
 #   the cache bytes.
 # min_split_tokens: smallest work unit (256 = the schedule before 12-02: B=1 S=1k ran as 4 units of 4 tiles; 32 =
@@ -180,6 +184,8 @@ DECODE_VARIANTS = {
                       programs_per_sm=2),
     "ls n64 w4 p16": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                           programs_per_sm=2, part16=True),
+    "h64 n32 cp s3": dict(block_h=64, block_n=32, num_warps=8, num_stages=3, pad_heads=True, page_tile=True,
+                          carry_page=True),
     "keys_m n64 w4 cp": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, keys_m=True, page_tile=True,
                              carry_page=True),
     "keys_m n32 w4 cp s3": dict(block_h=32, block_n=32, num_warps=4, num_stages=3, keys_m=True, page_tile=True,

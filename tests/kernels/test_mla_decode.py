@@ -35,7 +35,7 @@ def _needs_triton():
                                      "keys_m pf n64 nd", "keys_m pf n64 nd p16", "keys_m s1", "keys_m n32 w4",
                                      "w4 n32 p16", "w4 n32 ls", "ls n64 r128", "ls n64 r128 p16", "w4 n32 fm",
                                      "w4 n32 mt32", "ls n64 w4", "ls n64 w4 p16", "ls n32 w4 cp s3",
-                                     "keys_m n64 w4 cp", "keys_m n32 w4 cp s3"])
+                                     "keys_m n64 w4 cp", "keys_m n32 w4 cp s3", "h64 n32 cp s3"])
 @pytest.mark.parametrize("bs,block_n", [(16, None), (64, None), (16, 32)])
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
