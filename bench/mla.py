@@ -545,8 +545,7 @@ def ptxas_report(arch=90, only=None):
                      MIN_TILES=4, DIRECT=False, IEEE=ieee, UPCAST=False, KEYS_M=c.get("keys_m", False),
                      PAGE_TILE=c.get("page_tile", False), WARP_SPEC=c.get("warp_spec", False),
                      PREFETCH=int(c.get("prefetch", 0)), LSPLIT=c.get("lsplit", False),
-                     CARRY_PAGE=(bool(c.get("carry_page", False)) and c.get("page_tile", False)
-                                 and not c.get("prefetch", 0) and not c.get("tma", False)),  # as mla_decode_triton
+                     CARRY_PAGE=dec.carry_page(c, c.get("page_tile", False)),  # as mla_decode_triton
                      **(dict(FUSED=True, MERGE_S=16, MERGE_L=16 if c.get("part16") else 8,
                              MERGE_STAGES=4 if c.get("part16") else 5) if c.get("fused_merge")
                         else dict(FUSED=False, cnt_ptr=None, MERGE_S=8, MERGE_L=32, MERGE_STAGES=2)),
@@ -594,7 +593,7 @@ def ptxas_report(arch=90, only=None):
                        opart_ptr="*fp32", lse_ptr="*fp32"),
                   dict(L=L, R=R, BLOCK_L=L, BLOCK_R=R, BS=BS, BLOCK_N=c["block_n"], BLOCK_H=c["block_h"], BLOCK_B=128,
                        MIN_TILES=1, DIRECT=False, IEEE=False, UPCAST=False, KEYS_M=False, PAGE_TILE=True,
-                       WARP_SPEC=False, PREFETCH=0, LSPLIT=True, CARRY_PAGE=bool(c.get("carry_page", False)),
+                       WARP_SPEC=False, PREFETCH=0, LSPLIT=True, CARRY_PAGE=dec.carry_page(c, True),
                        FUSED=False, cnt_ptr=None, MERGE_S=8, MERGE_L=32, MERGE_STAGES=2, TMA=False, c_desc=None,
                        k_desc=None, GDC=True),
                   c["num_warps"], c["num_stages"], "absorb: decode stage 1 default (GDC)", c.get("maxnreg"))

@@ -404,15 +404,15 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, HALF], tl.float32)
     acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
-    if CARRY_PAGE:
-        page = tl.load(bt_row + (t_begin * BLOCK_N) // BS)  # t_begin = 0 on an empty direct row: entry 0 exists
+    if CARRY_PAGE:  # t_begin = 0 on an empty direct row: entry 0 exists
+        page = _tile_page(bt_row, t_begin, seq_len, offs_n, BS, BLOCK_N, True)
     for t in range(t_begin, t_end):
         if not CARRY_PAGE:
             page = _tile_page(bt_row, t, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
         c0, c1, kpe = _load_rows2(cache_ptr, page, t, seq_len, offs_n, offs_l0, offs_l1, offs_r, lmask0, lmask1,
                                   rmask, s_cp, s_cr, True, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, False)
         if CARRY_PAGE:  # tile t + 1's entry (clamped to the unit's last tile: a real entry)
-            page = tl.load(bt_row + (tl.minimum(t + 1, t_end - 1) * BLOCK_N) // BS)
+            page = _tile_page(bt_row, tl.minimum(t + 1, t_end - 1), seq_len, offs_n, BS, BLOCK_N, True)
         tmask = t * BLOCK_N + offs_n < seq_len
         m_i, l_i, acc0, acc1 = _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scale,
                                              IEEE, UPCAST)
@@ -595,11 +595,11 @@ def _mla_decode_stage1(
                 c1 = c_n
                 kpe1 = kpe_n
         elif CARRY_PAGE:  # PAGE_TILE: tile t + 1's block-table entry loaded by iteration t (see _unit_lsplit)
-            page = tl.load(bt_row + (t_begin * BLOCK_N) // BS)
+            page = _tile_page(bt_row, t_begin, seq_len, offs_n, BS, BLOCK_N, True)
             for t in range(t_begin, t_end):
                 c, kpe = _load_rows(cache_ptr, page, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp, s_cr,
                                     True, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, False)
-                page = tl.load(bt_row + (tl.minimum(t + 1, t_end - 1) * BLOCK_N) // BS)
+                page = _tile_page(bt_row, tl.minimum(t + 1, t_end - 1), seq_len, offs_n, BS, BLOCK_N, True)
                 tmask = t * BLOCK_N + offs_n < seq_len
                 m_i, l_i, acc = _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, KEYS_M, IEEE, UPCAST)
         else:
@@ -846,13 +846,19 @@ def _gpu_cfg(table, dtype, smem: int = H200_SMEM, large_smem: int = 0):
     return dict(table["16bit-small-smem" if smem < large_smem else "16bit"])
 
 
+def carry_page(cfg: dict, page_tile: bool) -> bool:
+    """Stage 1's CARRY_PAGE for launch config ``cfg`` (DECODE_VARIANTS "carry_page"): only with one block-table entry
+    per tile (``page_tile``, the PAGE_TILE constexpr) and not with the register prefetch or TMA loops."""
+    return bool(cfg.get("carry_page", False)) and page_tile and not cfg.get("prefetch", 0) and not cfg.get("tma", False)
+
+
 def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: int = 32, num_sms: int = 132,
                        programs_per_sm: int = 1) -> int:
     """Host heuristic from shapes only (graph-capturable): the work-unit budget per sequence of the balanced schedule.
     * 1 (direct: no partials, no merge) when batch x head_blocks programs already fill >= 7/8 of the SM slots
       (``programs_per_sm`` resident stage-1 programs per SM: 1 for the 112-216 KB smem configs, 2 for the default
-      'ls n64 w4' and the small-smem 'w4 n32') -- e.g. B=128 on 132 SMs at one per SM. Costs balance on mixed-length batches (one long sequence is
-      one program).
+      'ls n64 w4' and the small-smem 'w4 n32') -- e.g. B=128 on 132 SMs at one per SM. Costs balance on mixed-length
+      batches (one long sequence is one program).
     * else about one wave, G = batch x splits ~ slots / head_blocks, at least 2 so mixed-length batches stay balanced;
       capped by the key tiles of the longest possible sequence (units may be one BLOCK_N tile: few tiles per SM, e.g.
       B=1 S=1k, then run as up to 16 one-tile units instead of 4 four-tile ones) and MAX_SPLITS."""
@@ -949,8 +955,7 @@ def mla_decode_triton(
         PREFETCH=int(cfg.get("prefetch", 0)),
         LSPLIT=bool(cfg.get("lsplit", False)),
     )
-    variant["CARRY_PAGE"] = (bool(cfg.get("carry_page", False)) and variant["PAGE_TILE"] and not variant["PREFETCH"]
-                             and not cfg.get("tma"))
+    variant["CARRY_PAGE"] = carry_page(cfg, variant["PAGE_TILE"])
     assert not variant["LSPLIT"] or not (variant["KEYS_M"] or variant["PREFETCH"] or cfg.get("tma")), cfg
     # TMA boxes: exact L / R columns, tiles inside one page, rows viewable as one [NB * BS, L + R] tensor
     if cfg.get("tma", False) and BLOCK_L == L and BLOCK_R == R and BS % BLOCK_N == 0 and cache.stride(0) == BS * D:
