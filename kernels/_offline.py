@@ -131,8 +131,8 @@ class OfflineKernel:
 def compile_offline(fn, signature: dict, constexprs: Optional[dict] = None, *, num_warps: Optional[int] = None,
                     num_stages: Optional[int] = None, arch: int = 90, maxnreg: Optional[int] = None,
                     divisible: Iterable[str] = (), attrs: Optional[dict] = None,
-                    extra_options: Optional[dict] = None, warp_size: int = 32) -> OfflineKernel:
-    """Compile jit kernel ``fn`` for sm_<arch> (GPUTarget("cuda", arch, warp_size)) without a GPU.
+                    extra_options: Optional[dict] = None) -> OfflineKernel:
+    """Compile jit kernel ``fn`` for sm_<arch> (GPUTarget("cuda", arch, 32)) without a GPU.
 
     signature: {arg name: Triton type ("*bf16", "i32", "fp32", "tensordesc<...>")}; keys that are not arguments of
         fn are ignored, arguments not in it are "constexpr".
@@ -154,7 +154,7 @@ def compile_offline(fn, signature: dict, constexprs: Optional[dict] = None, *, n
         if v is not None:
             opts[k] = v
     kern = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cst, attrs=att),
-                          target=GPUTarget("cuda", arch, warp_size), options=opts)
+                          target=GPUTarget("cuda", arch, 32), options=opts)
     return OfflineKernel(kern, arch)
 
 

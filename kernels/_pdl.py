@@ -114,7 +114,5 @@ def ptx_events(fn, consts: dict, ptr_types: dict | None = None, num_warps: int =
             sig[p.name] = ptr_types.get(p.name, "*bf16")
         else:
             sig[p.name] = "fp32" if p.name in ("eps", "scale") else "i32"
-    # warp_size 64 in the target as this check has always compiled it (Triton 3.9's CUDA backend lays out 32-thread
-    # warps whatever the target says)
-    kern = compile_offline(fn, sig, cst, num_warps=num_warps, arch=arch, warp_size=64).kernel
+    kern = compile_offline(fn, sig, cst, num_warps=num_warps, arch=arch).kernel
     return [e for line in kern.asm["ptx"].splitlines() for e in PTX_EVENTS if e in line]
