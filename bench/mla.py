@@ -16,6 +16,7 @@ FlashInfer's MLA decode (fa3) when `import flashinfer` works. Times: triton.test
 """
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -55,6 +56,20 @@ DT = torch.bfloat16
 
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
+
+
+def host_time(fn, reps=50):
+    """Median host seconds of one eager call: the launch side (Python, argument binding, launches), the stream
+    drained before each call so no launch waits on a full queue. An eager time near this is launch-bound."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(ts)
 
 
 _FLUSH = None
@@ -258,7 +273,10 @@ def check_small(variants=None, decode_only=False):
     assert e < 1e-2 and torch.isfinite(out.float()).all()
 
 
-GRAPH_MAX_B = 8  # the sweep also times a CUDA-graph replay up to this batch (launch gaps matter at small B)
+# The sweep times a CUDA-graph replay at every batch (it stopped at B = 8 before 12-03): the engine replays decode in
+# graphs, and an eager call's host side can exceed the kernel time (12-03, default table: B=8 S=8k eager 186 µs,
+# graph 44; B=32 S=8k and the 4x8k+28x512 mix were eager-only rows and read 184 / 204 µs)
+FI_H200_GRAPH_MAX_B = 8  # FI_H200_US holds graph times up to this batch, eager times above
 SWEEP_SHAPES = ((1, 1024), (1, 8192), (1, 131072), (64, 8192), (128, 8192))
 # FlashInfer fa3 on the H200 (12-02, same harness): µs, CUDA graph at B=1, eager otherwise; the sweep's ratios use
 # these with --no-flashinfer
@@ -267,13 +285,13 @@ FI_H200_US = {(1, 8192): 23.8, (1, 131072): 80.6, (64, 8192): 160.0, (128, 8192)
 
 def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=False):
     """Each decode variant (decode.DECODE_VARIANTS) at each shape next to FlashInfer fa3: eager µs / TB/s (cache bytes
-    only, L2 flushed, median), CUDA-graph µs at B <= GRAPH_MAX_B (launch gaps matter there), output vs FlashInfer
+    only, L2 flushed, median), CUDA-graph µs, output vs FlashInfer
     (without it: vs a dense bf16 torch decode of the same pages). Each variant runs its own default schedule
     (num_splits=None: the split heuristic with the variant's programs_per_sm). split_sweep: then split counts at B=1
     S=128k. Rows print as they finish."""
     variants = variants or dec.DECODE_VARIANTS
     res = {}  # (variant, B, S) -> seconds
-    print("\n== decode variant sweep (eager, L2 flushed; µs / TB/s; graph µs at B <= 8) ==", flush=True)
+    print("\n== decode variant sweep (eager, L2 flushed; µs / TB/s; graph µs) ==", flush=True)
     for B, S in shapes:
         bt, sl = pool.tables(B, S)
         q = torch.randn(B, H, L, device="cuda").to(DT)
@@ -290,13 +308,12 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=
                 t = bench(lambda: fi.run(q, qp, pool.cache))
                 res[("flashinfer", B, S)] = t
                 line = f"B={B:<4} S={S:<7} {'flashinfer fa3':<16} {t * 1e6:9.1f} us {nbytes / t / 1e12:5.2f} TB/s"
-                if B <= GRAPH_MAX_B:
-                    try:
-                        tg = bench_graph(lambda: fi.run(q, qp, pool.cache))
-                        res[("flashinfer graph", B, S)] = tg
-                        line += f"  graph {tg * 1e6:7.1f} us {nbytes / tg / 1e12:5.2f} TB/s"
-                    except Exception as e:  # noqa: BLE001
-                        line += f"  graph failed: {type(e).__name__}"
+                try:
+                    tg = bench_graph(lambda: fi.run(q, qp, pool.cache))
+                    res[("flashinfer graph", B, S)] = tg
+                    line += f"  graph {tg * 1e6:7.1f} us {nbytes / tg / 1e12:5.2f} TB/s"
+                except Exception as e:  # noqa: BLE001
+                    line += f"  graph failed: {type(e).__name__}"
                 print(line, flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"  flashinfer failed at B={B} S={S}: {type(e).__name__}: {e}")
@@ -320,17 +337,15 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=
             line = f"B={B:<4} S={S:<7} {name:<16} {t * 1e6:9.1f} us {nbytes / t / 1e12:5.2f} TB/s  err {err:.1e}"
             if ("flashinfer", B, S) in res:
                 line += f"  vs FI {res[('flashinfer', B, S)] / t:5.2f}x"
-            if B <= GRAPH_MAX_B:
-                tg = bench_graph(run_v)
-                res[(name + " graph", B, S)] = tg
-                line += f"  graph {tg * 1e6:7.1f} us {nbytes / tg / 1e12:5.2f} TB/s"
+            tg = bench_graph(run_v)
+            res[(name + " graph", B, S)] = tg
+            line += f"  graph {tg * 1e6:7.1f} us {nbytes / tg / 1e12:5.2f} TB/s"
             if err > 2e-2:
                 line += "  WARNING rel err"
             print(line + f"  splits {ns}", flush=True)
 
     rec = fi is None
-    print("\nmarkdown (µs eager / TB/s; [graph µs] at B <= 8; (x) = FlashInfer time / variant time, graph vs graph"
-          " at B <= 8"
+    print("\nmarkdown (µs eager / TB/s; [graph µs]; (x) = FlashInfer time / variant time, graph vs graph"
           + ("; FlashInfer = its H200 run of 12-02 (FI_H200_US), not this run):" if rec else "):"))
     names = list(variants)
     print("| B | S | FlashInfer | " + " | ".join(names) + " |")
@@ -341,7 +356,7 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=
         fi_g = res.get(("flashinfer graph", B, S))
         if rec and (B, S) in FI_H200_US:
             fi_t = fi_g = None
-            if B <= GRAPH_MAX_B:
+            if B <= FI_H200_GRAPH_MAX_B:
                 fi_g = FI_H200_US[(B, S)] * 1e-6
             else:
                 fi_t = FI_H200_US[(B, S)] * 1e-6
@@ -674,7 +689,7 @@ def main():
 
     rows = []
     hdr = (
-        f"{'B':>4} {'S':>7} {'splits':>6} {'triton us':>10} {'TB/s':>6} {'graph us':>9} {'TB/s':>6} "
+        f"{'B':>4} {'S':>7} {'splits':>6} {'triton us':>10} {'TB/s':>6} {'graph us':>9} {'TB/s':>6} {'host us':>8} "
         f"{'dense us':>9} {'TB/s':>6} {'FI us':>8} {'TB/s':>6} {'vs FI':>6}"
     )
     print("\n== decode ==\n" + hdr)
@@ -692,6 +707,7 @@ def main():
 
             t_tr = bench(run_t)
             t_g = bench_graph(run_t)
+            t_host = host_time(run_t)
             t_dense = t_fi = None
             if not args.no_dense and B * S <= (8 << 20):
                 try:
@@ -718,7 +734,7 @@ def main():
                 except Exception as e:  # noqa: BLE001
                     print(f"  flashinfer failed at B={B} S={S}: {type(e).__name__}: {e}")
             best = min(t_tr, t_g)
-            r = dict(B=B, S=S, ns=ns, tr=t_tr, g=t_g, dense=t_dense, fi=t_fi, bytes=nbytes)
+            r = dict(B=B, S=S, ns=ns, tr=t_tr, g=t_g, host=t_host, dense=t_dense, fi=t_fi, bytes=nbytes)
             rows.append(r)
 
             def f(t):
@@ -727,21 +743,23 @@ def main():
             vs = f"{t_fi / best:6.2f}" if t_fi else f"{'-':>6}"
             print(
                 f"{B:>4} {S:>7} {ns:>6} {t_tr * 1e6:10.1f} {nbytes / t_tr / 1e12:6.2f} {' '.join(f(t_g))} "
+                f"{t_host * 1e6:8.1f} "
                 f"{' '.join(f(t_dense))} {f(t_fi)[0][1:]} {f(t_fi)[1]} {vs}",
                 flush=True,
             )
 
     print("\nmarkdown (decode; TB/s = cache bytes / time; copy = %.2f TB/s; FlashInfer and Triton/FI: each side's "
-          "best of eager and CUDA graph):" % (copy_bw / 1e12))
-    print("| B | S | splits | Triton µs | Triton TB/s | graph µs | graph TB/s | dense TB/s | FlashInfer TB/s | Triton/FI |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "best of eager and CUDA graph; host µs = one eager call's launch side):" % (copy_bw / 1e12))
+    print("| B | S | splits | Triton µs | Triton TB/s | graph µs | graph TB/s | host µs | dense TB/s | FlashInfer TB/s "
+          "| Triton/FI |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bw = lambda t: f"{r['bytes'] / t / 1e12:.2f}" if t else "-"  # noqa: E731
         best = min(r["tr"], r["g"])
         vs = f"{r['fi'] / best:.2f}x" if r["fi"] else "-"
         print(
             f"| {r['B']} | {r['S']} | {r['ns']} | {r['tr'] * 1e6:.1f} | {bw(r['tr'])} | {r['g'] * 1e6:.1f} | "
-            f"{bw(r['g'])} | {bw(r['dense'])} | {bw(r['fi'])} | {vs} |"
+            f"{bw(r['g'])} | {r['host'] * 1e6:.1f} | {bw(r['dense'])} | {bw(r['fi'])} | {vs} |"
         )
 
     # ------------------------------------------------------------------ mixed lengths (decode too: --decode-only)
@@ -760,16 +778,24 @@ def main():
         qp = torch.randn(B, H, R, device="cuda").to(DT)
         nbytes = sum(lens) * ROW_BYTES
         ns = kernel_splits(B, bt, dev.multi_processor_count)
+        out = torch.empty(B, H, L, dtype=DT, device="cuda")
         res = {}
         for label, k in (("default", ns), ("splits=1", 1)):
-            res[label] = bench(lambda: mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, num_splits=k))
-        line = f"{name:<18} " + "  ".join(f"{k} {t * 1e6:.1f} us {nbytes / t / 1e12:.2f} TB/s" for k, t in res.items())
+            fn = lambda: mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, num_splits=k, out=out)  # noqa: E731
+            res[label] = bench(fn)
+            res[label + " graph"] = bench_graph(fn)  # eager rows below ~200 µs can be launch-bound (host µs)
+            if label == "default":
+                res["host"] = host_time(fn)
+        line = f"{name:<18} " + "  ".join(
+            f"{k} {t * 1e6:.1f} us" + ("" if k == "host" else f" {nbytes / t / 1e12:.2f} TB/s") for k, t in res.items())
         if fi is not None:
             try:
                 fi.plan(bt, sl, torch.ones(B, dtype=torch.int32, device="cuda"), causal=False)
                 fi.run(q, qp, pool.cache)
                 t = bench(lambda: fi.run(q, qp, pool.cache))
-                line += f"  flashinfer {t * 1e6:.1f} us {nbytes / t / 1e12:.2f} TB/s"
+                tg = bench_graph(lambda: fi.run(q, qp, pool.cache))
+                line += (f"  flashinfer {t * 1e6:.1f} us {nbytes / t / 1e12:.2f} TB/s, graph {tg * 1e6:.1f} us "
+                         f"{nbytes / tg / 1e12:.2f} TB/s")
             except Exception as e:  # noqa: BLE001
                 line += f"  flashinfer failed: {type(e).__name__}"
         print(line, flush=True)
