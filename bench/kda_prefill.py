@@ -356,6 +356,16 @@ QUICK_VARIANTS = [
     # on every serial step); at 3 it waits with 3 groups in flight (one chunk ahead). 80 regs, 106 KB smem (2/SM)
     ("hpass-s3", dict(HPASS_NUM_STAGES=3)),
     ("hpass-s3-prefetch", dict(HPASS_NUM_STAGES=3, HPASS_PREFETCH=1)),
+    # session 10 (offline sm_90, Triton 3.9; untimed): the intra launches are latency-bound (prep ~0.15 ms of issue
+    # and ~0.22 ms of bytes in 0.52 ms; akk ~45% of the issue rate at 12 one-warp CTAs / SM; wu 3 CTAs / SM).
+    # prep-norm1: the q / k norms from one [64, 128] load each instead of 8 unpipelined round trips (127 regs)
+    ("prep-norm1", dict(PREP_NORM1=1)),
+    ("prep-norm1-s4", dict(PREP_NORM1=1, PREP_STAGES=4)),
+    # register caps for occupancy: akk 162 -> 128 regs (12 -> 16 CTAs / SM, 144 B stack, +5% instructions);
+    # wu 150 -> 128 (3 -> 4 CTAs / SM, 16 B stack)
+    ("akk-r128", dict(AKK_MAXNREG=128)),
+    ("wu-r128", dict(WU_MAXNREG=128)),
+    ("intra-r128-norm1", dict(PREP_NORM1=1, AKK_MAXNREG=128, WU_MAXNREG=128)),
 ]
 
 

@@ -98,6 +98,11 @@ OUT_VFAST = 1            # V tile fastest in the output grid (the 2nd V tile's q
 # smem, no spills.
 PREP_BK = 16             # with CUMSUM_DOT (H200 12-03: prep 0.559 -> 0.522 ms at T=16k)
 PREP_NUM_WARPS = 4
+# PREP_NORM1 = 1 (A/B, untimed): the q / k row norms from one [BT, K] load each instead of K / PREP_BK dependent load
+# round trips (offline sm_90, Triton 3.9: that loop is not pipelined, LDG -> reduce -> next; prep is latency-bound,
+# 0.52 ms at T=16k against ~0.22 ms for its ~0.92 GB at 4.3 TB/s and ~0.15 ms of issue). 127 regs, 4 CTAs / SM.
+PREP_NORM1 = 0
+PREP_STAGES = None       # pipeline depth of prep's output K loop (None: the launch's num_stages, Triton's default 3)
 # akk = _kda_akk_lv_kernel (level-anchored tensor-core dots for the diagonal blocks; its [16, x] tiles are
 # replicated in every warp at 2 or 4 warps, so 1 warp). H200 12-03: akk 1.583 -> 0.691 ms at T=16k vs the removed
 # per-pair akk (AKK_DIAG 0: exact exp2 per pair and channel, 1.587 ms at 4 warps / BK 32; 1: running products of
@@ -105,11 +110,14 @@ PREP_NUM_WARPS = 4
 # one anchored 8x8 dot, never timed to the end; before them the exact 8x8-split "HALF" diagonal, 4.63 ms).
 AKK_BK = 16              # 1 warp, BK 16 with AKK_LV_SPLITK
 AKK_NUM_WARPS = 1
-AKK_MAXNREG = None       # ptxas register cap for akk (None: uncapped)
+# ptxas register cap for akk (None: uncapped, 162 regs -> 12 one-warp CTAs / SM). Offline sm_90 (Triton 3.9): 128 ->
+# 16 CTAs / SM, 144 B stack spill, +5% instructions; untimed (akk is ~45% of the H200's issue rate: latency-bound)
+AKK_MAXNREG = None
 AKK_LV_SPLITK = 1        # 1 = two passes over K (off-diagonal blocks, then the levels; fewer registers)
 WU_BK = 32
 WU_BV = 32
 WU_NUM_WARPS = 4
+WU_MAXNREG = None        # register cap for wu (None: 150 regs, 3 CTAs / SM; 128: 4 CTAs, 16 B spill offline; untimed)
 # FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep (fla's choice) instead of libdevice's
 # accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop body 2134 -> see --quick). No
 # effect under the interpreter.
@@ -193,11 +201,14 @@ def _kda_prep_kernel(
     qg_out, kg_out, gl_out, g_out, rs_out,
     stride_q, stride_k, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr = 0,
-    CS: tl.constexpr = 0,
+    CS: tl.constexpr = 0, NORM1: tl.constexpr = 0, KP: tl.constexpr = 0, STAGES: tl.constexpr = None,
 ):
     """Intra launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
     contract outputs qg, kg, gl and the scratch G [rows, K] fp32 and rs [rows, 4] fp32 = (rq, rk, beta, -)
-    (rq = scale / |q|, rk = 1 / |k|; padded rows: G = G of the last valid row, beta = 0)."""
+    (rq = scale / |q|, rk = 1 / |k|; padded rows: G = G of the last valid row, beta = 0).
+    NORM1 (PREP_NORM1): the row norms from one [BT, KP] load of q and of k (KP = K rounded up to a power of two)
+    instead of a loop of K / BK dependent round trips; STAGES (PREP_STAGES): software-pipeline depth of the K loop
+    that writes G / qg / kg (its q / k / z tiles of later iterations in flight)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -207,15 +218,23 @@ def _kda_prep_kernel(
     rmask = rows < (eos - t0)
     tok = t0 + rows
     cblk = (i_c.to(tl.int64) * H + i_h) * BT
-    sq = tl.zeros([BT], dtype=tl.float32)
-    sk = tl.zeros([BT], dtype=tl.float32)
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        m2 = rmask[:, None] & (c < K)[None, :]
-        bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        sq += tl.sum(bq * bq, 1)
-        sk += tl.sum(bk * bk, 1)
+    if NORM1:
+        cf = tl.arange(0, KP)
+        mf = rmask[:, None] & (cf < K)[None, :]
+        qf = tl.load(q + tok[:, None] * stride_q + i_h * K + cf[None, :], mask=mf, other=0.0).to(tl.float32)
+        kf = tl.load(k + tok[:, None] * stride_k + i_h * K + cf[None, :], mask=mf, other=0.0).to(tl.float32)
+        sq = tl.sum(qf * qf, 1)
+        sk = tl.sum(kf * kf, 1)
+    else:
+        sq = tl.zeros([BT], dtype=tl.float32)
+        sk = tl.zeros([BT], dtype=tl.float32)
+        for kb in range(0, K, BK):
+            c = kb + tl.arange(0, BK)
+            m2 = rmask[:, None] & (c < K)[None, :]
+            bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            sq += tl.sum(bq * bq, 1)
+            sk += tl.sum(bk * bk, 1)
     rq = scale / tl.sqrt(sq + 1e-6)
     rk = 1.0 / tl.sqrt(sk + 1e-6)
     bb = tl.load(b + tok * stride_b + i_h, mask=rmask, other=0.0).to(tl.float32)
@@ -224,7 +243,7 @@ def _kda_prep_kernel(
     tl.store(rs_out + (cblk + rows) * 4 + 1, rk)
     tl.store(rs_out + (cblk + rows) * 4 + 2, beta)
     neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
-    for kb in range(0, K, BK):
+    for kb in tl.range(0, K, BK, num_stages=STAGES):
         c = kb + tl.arange(0, BK)
         cm = c < K
         m2 = rmask[:, None] & cm[None, :]
@@ -632,7 +651,8 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                  dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", g_out="*fp32",
                       rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
-                 dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT)),
+                 dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT),
+                      NORM1=int(PREP_NORM1), KP=triton.next_power_of_2(K), STAGES=PREP_STAGES),
                  dict(num_warps=PREP_NUM_WARPS)),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
@@ -641,7 +661,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec),
-               dict(num_warps=WU_NUM_WARPS)),
+               dict(num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG))),
     })
     specs = {n: specs[n] for n in which}
     out = {}
@@ -712,6 +732,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
                 q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
                 PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), CS=int(CUMSUM_DOT),
+                NORM1=int(PREP_NORM1), KP=triton.next_power_of_2(K), STAGES=PREP_STAGES,
                 num_warps=PREP_NUM_WARPS,
             )
 
@@ -726,7 +747,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_wu_kernel[(NT, H)](
                 k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                num_warps=WU_NUM_WARPS,
+                num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG),
             )
 
         launches["prep"] = prep

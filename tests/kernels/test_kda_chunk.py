@@ -269,6 +269,7 @@ def test_sm90_offline_compile_no_spills():
             "'fast_softplus': (setattr(c, 'FAST_SOFTPLUS', 1), c.compile_report(which=('prep',)))[1], "
             "'cumsum_dot': (setattr(c, 'CUMSUM_DOT', 1), setattr(c, 'PREP_BK', 16), "
             "c.compile_report(which=('prep',)))[-1], "
+            "'prep_norm1': (setattr(c, 'PREP_NORM1', 1), c.compile_report(which=('prep',)))[-1], "
             "'akk_lv_1k': (setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1]}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=400)
@@ -310,6 +311,8 @@ VARIANTS = {
     "akk-lv": dict(AKK_LV_SPLITK=0),
     "cumsum-scan": dict(CUMSUM_DOT=0, PREP_BK=32),
     "out-v-slowest": dict(OUT_VFAST=0),
+    # the row norms from one [BT, K] load (no K loop of dependent round trips)
+    "prep-norm1": dict(PREP_NORM1=1),
 }
 
 
@@ -363,8 +366,11 @@ def test_variants_match_default_fp32(variant, strong_gate, monkeypatch):
 # variants whose difference exists only on the GPU (FAST_SOFTPLUS: inline PTX lg2.approx, the interpreter keeps logf)
 GPU_VARIANTS = dict(VARIANTS, **{
     "exact-softplus": dict(FAST_SOFTPLUS=0),
-    # pipeline depth only (no effect in the interpreter)
+    # pipeline depth / register caps only (no effect in the interpreter)
     "hpass-s2": dict(HPASS_NUM_STAGES=2),
+    "prep-s4": dict(PREP_NORM1=1, PREP_STAGES=4),
+    "akk-r128": dict(AKK_MAXNREG=128),
+    "wu-r128": dict(WU_MAXNREG=128),
 })
 
 
