@@ -28,7 +28,7 @@ if ROOT not in sys.path:
 
 import triton  # noqa: E402
 
-from kernels._tensors import max_shared_mem  # noqa: E402
+from kernels._tensors import cdiv, max_shared_mem  # noqa: E402
 from kernels.mla import decode as dec  # noqa: E402
 from kernels.mla import extend as ext  # noqa: E402
 from kernels.mla import prefill as pre  # noqa: E402
@@ -121,7 +121,7 @@ class Pool:
         self.cache[0].zero_()
 
     def tables(self, B, S):
-        mb = triton.cdiv(S, BS)
+        mb = cdiv(S, BS)
         assert B * mb < self.nb
         perm = torch.randperm(self.nb - 1, device="cuda")[: B * mb] + 1
         bt = perm.view(B, mb).to(torch.int32)
@@ -130,12 +130,12 @@ class Pool:
 
     def tables_varlen(self, lens):
         """Mixed lengths; block_table width = the longest (unused entries = page 0)."""
-        mb = triton.cdiv(max(lens), BS)
+        mb = cdiv(max(lens), BS)
         B = len(lens)
         perm = torch.randperm(self.nb - 1, device="cuda")[: B * mb] + 1
         bt = perm.view(B, mb).to(torch.int32)
         for i, s in enumerate(lens):
-            bt[i, triton.cdiv(s, BS) :] = 0
+            bt[i, cdiv(s, BS) :] = 0
         return bt, torch.tensor(lens, dtype=torch.int32, device="cuda")
 
 
@@ -211,13 +211,13 @@ def rel_err(a, b):
 def check_small(variants=None, decode_only=False):
     """Quick correctness check on the device before timing (mixed lengths, splits on and off)."""
     lens = [1, 63, 64, 65, 4097, 0]
-    nb = sum(triton.cdiv(s, BS) for s in lens) + 4
+    nb = sum(cdiv(s, BS) for s in lens) + 4
     cache = torch.randn(nb, BS, D, device="cuda").to(DT)
     perm = (torch.randperm(nb - 1) + 1).tolist()
     bt = torch.zeros(len(lens), 80, dtype=torch.int32)
     k = 0
     for i, s in enumerate(lens):
-        n = triton.cdiv(s, BS)
+        n = cdiv(s, BS)
         bt[i, :n] = torch.tensor(perm[k : k + n])
         k += n
     # poison what no sequence owns (page 0, each last page's tail): kernels must mask, not multiply by 0
@@ -907,8 +907,8 @@ def main():
             bt, sl = pool.tables(B, S)
             q = torch.randn(B, H, L, device="cuda").to(DT)
             qp = torch.randn(B, H, R, device="cuda").to(DT)
-            hb = triton.cdiv(H, cfg["block_h"])
-            ns = max(1, min(triton.cdiv(2 * dev.multi_processor_count, B * hb), triton.cdiv(S, 256), 256))
+            hb = cdiv(H, cfg["block_h"])
+            ns = max(1, min(cdiv(2 * dev.multi_processor_count, B * hb), cdiv(S, 256), 256))
             try:
                 t = bench(lambda: mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, num_splits=ns, config=cfg))
                 line += f"{B * S * ROW_BYTES / t / 1e12:12.2f}"
@@ -923,7 +923,7 @@ def main():
         qp = torch.randn(B, H, R, device="cuda").to(DT)
         out = []
         for ns in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
-            if ns > triton.cdiv(S, 64):
+            if ns > cdiv(S, 64):
                 break
             t = bench(lambda: mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, num_splits=ns, min_split_tokens=64))
             out.append(f"{ns}:{B * S * ROW_BYTES / t / 1e12:.2f}")

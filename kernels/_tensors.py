@@ -4,6 +4,17 @@ from typing import Optional
 import torch
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host ints. triton.cdiv / triton.next_power_of_2 are constexpr functions in Triton 3.9: a host
+    call costs ~30x the arithmetic (their __call__ unwraps constexprs), and launch paths call them many times."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (0 for n <= 0, as triton.next_power_of_2)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def unit_last_stride(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """`t` in `dtype` with unit stride in its last dim; unchanged (a view, no copy) when it already is, since the
     kernels take the other strides as arguments."""

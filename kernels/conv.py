@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels._dispatch import use_triton
-from kernels._tensors import unit_last_stride
+from kernels._tensors import cdiv, next_pow2, unit_last_stride
 
 
 # --------------------------------------------------------------------------------------------------- references
@@ -353,28 +353,28 @@ def short_conv_prefill_triton(x, w, conv_state, cu_seqlens, state_slots, has_ini
         return y.zero_()
     if impl == "stream" and W <= 4:
         cfg = cfg or PREFILL_CONFIG
-        BC = min(cfg.BC, max(32, triton.next_power_of_2(C)))
+        BC = min(cfg.BC, max(32, next_pow2(C)))
         assert cfg.BT >= W - 1 and cfg.BT % cfg.RS == 0 and cfg.RS in (4, 8)
-        _conv_prefill_stream_kernel[(triton.cdiv(T, cfg.BT) + P + 2, triton.cdiv(C, BC))](
+        _conv_prefill_stream_kernel[(cdiv(T, cfg.BT) + P + 2, cdiv(C, BC))](
             x, w, conv_state, y, cu_seqlens, state_slots, his, T, C, P,
             x.stride(0), y.stride(0), conv_state.stride(0), conv_state.stride(1),
-            W=W, BT=cfg.BT, BC=BC, NS=triton.next_power_of_2(P + 2), RS=cfg.RS, PF=cfg.PF,
+            W=W, BT=cfg.BT, BC=BC, NS=next_pow2(P + 2), RS=cfg.RS, PF=cfg.PF,
             FAST=os.environ.get("TRITON_INTERPRET") != "1",
             num_warps=max(1, min(cfg.num_warps, BC // 256)), num_stages=1)
         return y
     BT, BC = 32, 128
     LOG_P = max(1, (P).bit_length())
     if T > 0:
-        _conv_prefill_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
+        _conv_prefill_kernel[(cdiv(T, BT), cdiv(C, BC))](
             x, w, conv_state, y, cu_seqlens, state_slots, his, T, C, P,
             x.stride(0), y.stride(0), conv_state.stride(0), conv_state.stride(1),
             W=W, BT=BT, BC=BC, LOG_P=LOG_P, num_warps=4)
     # second launch: the state write must not race with the reads above
     BCs = 256
-    _conv_prefill_state_kernel[(P, triton.cdiv(C, BCs))](
+    _conv_prefill_state_kernel[(P, cdiv(C, BCs))](
         x, conv_state, cu_seqlens, state_slots, his, C,
         x.stride(0), conv_state.stride(0), conv_state.stride(1),
-        W=W, BW=triton.next_power_of_2(W - 1), BC=BCs, num_warps=4)
+        W=W, BW=next_pow2(W - 1), BC=BCs, num_warps=4)
     return y
 
 
@@ -388,7 +388,7 @@ def short_conv_decode_triton(x, w, conv_state, state_slots, out=None):
     if N == 0:
         return y
     BC = 256
-    _conv_decode_kernel[(N, triton.cdiv(C, BC))](
+    _conv_decode_kernel[(N, cdiv(C, BC))](
         x, w, conv_state, y, state_slots, C,
         x.stride(0), y.stride(0), conv_state.stride(0), conv_state.stride(1),
         W=W, BC=BC, num_warps=2)

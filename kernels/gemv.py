@@ -35,7 +35,7 @@ import triton.language as tl
 
 from kernels._dispatch import use_triton
 from kernels._pdl import gdc_enter, pdl_launch, pdl_on, prefetch_l2
-from kernels._tensors import arrival_counters, max_shared_mem, num_sms
+from kernels._tensors import arrival_counters, cdiv, max_shared_mem, next_pow2, num_sms
 
 GEMV_MAX_M = 16
 # PDL launch: W bytes the whole grid prefetches into L2 before griddepcontrol.wait (KIMI_PDL_L2_MB; a fraction of
@@ -302,13 +302,13 @@ def gemv_config(M: int, N: int, K: int, B: int, device, cfg: Optional[GemvConfig
     bk = _block_k(K, base.BK)
     if dot:
         bk = max(bk, 16)
-    tiles = B * triton.cdiv(N, base.BN)
-    steps = triton.cdiv(K, bk)
+    tiles = B * cdiv(N, base.BN)
+    steps = cdiv(K, bk)
     split = base.split if base.split is not None else _pick_split(tiles, steps, num_sms(device))
     split = max(1, min(split, steps))
-    k_split = triton.cdiv(steps, split) * bk                          # a multiple of BK
+    k_split = cdiv(steps, split) * bk                          # a multiple of BK
     stages = _dot_stages(base, bk, es, max_shared_mem(device)) if dot else base.num_stages
-    return replace(base, BK=bk, dot=dot, split=triton.cdiv(K, k_split), num_stages=stages), k_split
+    return replace(base, BK=bk, dot=dot, split=cdiv(K, k_split), num_stages=stages), k_split
 
 
 def _dot_stages(c: GemvConfig, bk: int, es: int, smem: int) -> int:
@@ -333,8 +333,8 @@ def _pdl_prefetch(B: int, N: int, S: int, k_split: int, es: int) -> dict:
     B * N * S row slabs, at most the slab's k_split columns and PDL_MAX_LINES), their power-of-2 tile and the
     elements per 128-byte line. E.g. bf16 o_proj (N 2304, S 3): 18 of 22 lines; in_proj (N 12576): 10 of 36."""
     step = max(1, 128 // es)
-    n = min(triton.cdiv(k_split, step), int(PDL_L2_MB * (1 << 20)) // (B * N * S * 128), PDL_MAX_LINES)
-    return dict(PF_N=n, PF_L=triton.next_power_of_2(max(n, 1)), PF_STEP=step)
+    n = min(cdiv(k_split, step), int(PDL_L2_MB * (1 << 20)) // (B * N * S * 128), PDL_MAX_LINES)
+    return dict(PF_N=n, PF_L=next_pow2(max(n, 1)), PF_STEP=step)
 
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = None,
@@ -356,10 +356,10 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
         return y.zero_() if batched else y[0].zero_()
     c, k_split = gemv_config(M, N, K, B, x.device, cfg, x.element_size())
     S = c.split
-    bm = max(16, triton.next_power_of_2(M)) if c.dot else triton.next_power_of_2(M)
+    bm = max(16, next_pow2(M)) if c.dot else next_pow2(M)
     split_mode = 0 if S == 1 else (2 if c.fused else 1)
     p = y if S == 1 else torch.empty(S, B, M, N, dtype=torch.float32, device=x.device)   # fp32 partials
-    cnt = arrival_counters(x.device, B * triton.cdiv(N, c.BN)) if split_mode == 2 else p
+    cnt = arrival_counters(x.device, B * cdiv(N, c.BN)) if split_mode == 2 else p
     even_k = K % c.BK == 0
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     upcast = c.dot and x.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -368,7 +368,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
     if c.tma and c.dot and _tma_ok(wb):
         from triton.tools.tensor_descriptor import TensorDescriptor
         tma = dict(TMA=True, w_desc=TensorDescriptor.from_tensor(wb.view(B * N, K), [c.BN, c.BK]))
-    _gemv_kernel[(triton.cdiv(N, c.BN), S, B)](
+    _gemv_kernel[(cdiv(N, c.BN), S, B)](
         xb, wb, y, p, cnt, M, N, K, k_split,
         xb.stride(0), xb.stride(1), wb.stride(0), wb.stride(1), y.stride(0), y.stride(1),
         p.stride(0) if S > 1 else 0, p.stride(-3), p.stride(-2),
@@ -377,8 +377,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
         PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages, **tma,
         **(pdl_launch(pdl, **_pdl_prefetch(B, N, S, k_split, wb.element_size())) if pdl_on(pdl) else {}))
     if split_mode == 1:
-        br = min(1024, triton.next_power_of_2(N))
-        _split_reduce_kernel[(B * M, triton.cdiv(N, br))](p, y, S, B * M, N, BR=br, num_warps=4)
+        br = min(1024, next_pow2(N))
+        _split_reduce_kernel[(B * M, cdiv(N, br))](p, y, S, B * M, N, BR=br, num_warps=4)
     return y if batched else y[0]
 
 
@@ -418,7 +418,7 @@ def compile_report(arch: int = 90, configs: Optional[list] = None, M: int = 16, 
     fn, names, out = _gemv_kernel, _gemv_kernel.arg_names, {}
     for cfg in configs:
         dot = cfg.dot if cfg.dot is not None else cfg is DOT_CONFIG
-        consts = dict(BM=max(16, M) if dot else triton.next_power_of_2(M), BN=cfg.BN, BK=cfg.BK, EVEN_K=True,
+        consts = dict(BM=max(16, M) if dot else next_pow2(M), BN=cfg.BN, BK=cfg.BK, EVEN_K=True,
                       DOT=dot, PREC="tf32" if bf16 else "ieee", UPCAST=False, SPLIT=split,
                       W_EVICT="evict_first" if cfg.evict and not cfg.cg else "", W_CACHE=".cg" if cfg.cg else "",
                       R=min(FMA_R, cfg.BK), PREFETCH=cfg.prefetch)

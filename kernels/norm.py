@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kernels._dispatch import use_triton
 from kernels._pdl import gdc_enter, pdl_launch
-from kernels._tensors import unit_last_stride
+from kernels._tensors import next_pow2, unit_last_stride
 from kernels.moe.fused import combine_row
 from kernels.moe.router import INTERPRET, cast_to
 
@@ -215,7 +215,7 @@ def rmsnorm_triton(x: torch.Tensor, w: torch.Tensor, eps: float, cfg=None, pdl=N
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0] == 0:
         return y.reshape(shape)
-    BD = triton.next_power_of_2(D)
+    BD = next_pow2(D)
     warps, early = row_config(BD, cfg)
     _rmsnorm_kernel[(x2.shape[0],)](x2, w, y, x2.stride(0), y.stride(0), D, eps, BD=BD, EARLY_W=early,
                                      num_warps=warps, **pdl_launch(pdl))
@@ -228,7 +228,7 @@ def rmsnorm_head_triton(x: torch.Tensor, w: torch.Tensor, eps: float, pdl=None) 
     x = unit_last_stride(x)
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
     if T:
-        BC = triton.next_power_of_2(C)
+        BC = next_pow2(C)
         warps, early = row_config(BC)
         _rmsnorm_head_kernel[(T,)](x, w, y, x.stride(0), y.stride(0), w.shape[0], C, eps, BC=BC, EARLY_W=early,
                                    num_warps=warps, **pdl_launch(pdl))
@@ -243,7 +243,7 @@ def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
     y = torch.empty(T, D, dtype=x.dtype, device=x.device)
     h = torch.empty_like(y)
     if T:
-        BD = triton.next_power_of_2(D)
+        BD = next_pow2(D)
         warps, early = row_config(BD, cfg)
         _add_rmsnorm_kernel[(T,)](x, residual, w, y, h, x.stride(0), residual.stride(0), y.stride(0), h.stride(0),
                                   D, eps, BD=BD, EARLY_W=early, num_warps=warps, **pdl_launch(pdl))
@@ -262,7 +262,7 @@ def combine_add_rmsnorm_triton(y: torch.Tensor, topk_weights: torch.Tensor, resi
     out = torch.empty(T, D, dtype=residual.dtype, device=residual.device)
     h = torch.empty_like(out)
     if T:
-        BD = triton.next_power_of_2(D)
+        BD = next_pow2(D)
         split = y.shape[0] if y.dim() == 3 else 1
         # num_warps as add_rmsnorm_triton: the same reduction tree for the norm's sum of squares
         warps, early = row_config(BD, cfg)
@@ -291,7 +291,7 @@ def gated_rmsnorm_triton(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps:
     R = o2.shape[0]
     if R == 0:
         return y.reshape(shape)
-    BV = triton.next_power_of_2(V)
+    BV = next_pow2(V)
     ROWS = 1
     while ROWS < 8 and R % (ROWS * 2) == 0 and ROWS * 2 * BV <= 2048:
         ROWS *= 2

@@ -14,10 +14,9 @@ from typing import Optional
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels._tensors import cdiv, next_pow2
 from kernels.sampling import KS, SERIES_MAX, SERIES_TERMS, _race_kernel
 
 _M32 = 0xFFFFFFFF
@@ -84,8 +83,8 @@ def race_argmax(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -
     M, V = probs.shape
     if probs.stride(-1) != 1:
         probs = probs.contiguous()
-    block = min(_RACE_BLOCK, max(128, triton.next_power_of_2(V)))  # small vocabularies (tests): small tiles
-    nb = triton.cdiv(V, block)
+    block = min(_RACE_BLOCK, max(128, next_pow2(V)))  # small vocabularies (tests): small tiles
+    nb = cdiv(V, block)
     vals = torch.empty(M, nb, dtype=torch.float32, device=probs.device)
     idx = torch.empty(M, nb, dtype=torch.int64, device=probs.device)
     _race_kernel[(M, nb)](probs, probs.stride(0), seeds, steps, vals, idx, V, nb, BLOCK=block,

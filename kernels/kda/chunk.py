@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tensors import max_shared_mem, num_sms
+from kernels._tensors import cdiv, max_shared_mem, next_pow2, num_sms
 
 BT = 64          # chunk size
 BC = 16          # sub-chunk (diagonal block) size
@@ -652,7 +652,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", g_out="*fp32",
                       rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
                  dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT),
-                      NORM1=int(PREP_NORM1), KP=triton.next_power_of_2(K), STAGES=PREP_STAGES),
+                      NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES),
                  dict(num_warps=PREP_NUM_WARPS)),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
@@ -703,7 +703,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         cu = [int(x) for x in cu_seqlens_cpu]
         NT = sum((cu[i + 1] - cu[i] + BT - 1) // BT for i in range(P))
     else:
-        NT = triton.cdiv(T, BT) + P
+        NT = cdiv(T, BT) + P
     fp32 = q.dtype == torch.float32 and v.dtype == torch.float32
     sdt = torch.float32 if fp32 else torch.bfloat16
     prec = "ieee" if fp32 else "tf32"
@@ -717,7 +717,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     gl = torch.empty(max(NT, 1) * H, K, dtype=torch.float32, device=dev)
     if buffers is not None:
         buffers.update(qg=qg, kg=kg, w=w, u=u, a=a, gl=gl)
-    PB = max(16, triton.next_power_of_2(P))
+    PB = max(16, next_pow2(P))
     nsm = num_sms(dev, cpu=1)
     launches = {}
     if NT > 0:
@@ -732,7 +732,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
                 q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
                 PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), CS=int(CUMSUM_DOT),
-                NORM1=int(PREP_NORM1), KP=triton.next_power_of_2(K), STAGES=PREP_STAGES,
+                NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES,
                 num_warps=PREP_NUM_WARPS,
             )
 
@@ -761,7 +761,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     if hbv is None:
         hbv = 16
         for cand in (64, 32):
-            if _interpreting() or triton.cdiv(V, cand) * P * H >= 2 * nsm:
+            if _interpreting() or cdiv(V, cand) * P * H >= 2 * nsm:
                 hbv = cand
                 break
     hbv = min(V, hbv)
@@ -771,7 +771,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     h_stages = HPASS_NUM_STAGES if max_shared_mem(dev) >= 160 * 1024 else min(HPASS_NUM_STAGES, 2)
 
     def hpass():
-        return _kda_hpass_kernel[(triton.cdiv(V, hbv), P, H)](
+        return _kda_hpass_kernel[(cdiv(V, hbv), P, H)](
             kg, w, u, gl, hs, vn, o, rec_state,
             cu_dev, chunk_offsets, slots, hi, P, T,
             o.stride(0), rec_state.stride(0),
@@ -780,7 +780,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         )
 
     def out():
-        grid = (triton.cdiv(V, obv) * NT, H) if OUT_VFAST else (NT, H, triton.cdiv(V, obv))
+        grid = (cdiv(V, obv) * NT, H) if OUT_VFAST else (NT, H, cdiv(V, obv))
         return _kda_out_kernel[grid](
             qg, a, hs, vn, o, chunk_offsets, cu_dev, P, o.stride(0),
             PB=PB, H=H, K=K, V=V, BT=BT, BV=obv, PREC=prec, MM=mm, VFAST=int(OUT_VFAST),

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels._tensors import next_pow2
 from kernels.kda.ref import kda_gate_ref
 
 
@@ -40,7 +41,7 @@ def kda_gate_triton(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor)
     g = torch.empty(T, H, K, dtype=torch.float32, device=z.device)
     if T:
         _kda_gate_kernel[(T, H)](z2, A_log.reshape(H).float().contiguous(), dt_bias.reshape(HK).float().contiguous(),
-                                 g, z2.stride(0), H=H, K=K, BK=triton.next_power_of_2(K), num_warps=1)
+                                 g, z2.stride(0), H=H, K=K, BK=next_pow2(K), num_warps=1)
     return g.reshape(*z.shape[:-1], H, K) if z.shape[-1] == HK else g.reshape(*z.shape[:-2], H, K)
 
 

@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from kernels._pdl import gdc_enter, pdl_launch, pdl_on, prefetch_l2
-from kernels._tensors import arrival_counters, num_sms
+from kernels._tensors import arrival_counters, cdiv, next_pow2, num_sms
 from kernels.gemv import skinny_bmm_nt
 
 TAIL_SINGLE, TAIL_LAST, TAIL_POST, TAIL_LOOP = 0, 1, 2, 3
@@ -427,8 +427,8 @@ def loop_grid(n_units: int, pps: int, n_sm: int) -> int:
     """Programs of the persistent loop kernel: n_units heads over at most pps * n_sm programs, every program taking
     the same number of heads (cdiv) so none finishes a whole head early (N=64, H=32, 132 SMs, pps 4: 512 programs x 4
     heads rather than 528 programs, 16 of them with 3)."""
-    per = triton.cdiv(n_units, max(1, pps * n_sm))
-    return triton.cdiv(n_units, per)
+    per = cdiv(n_units, max(1, pps * n_sm))
+    return cdiv(n_units, per)
 
 
 def warps_for(BV: int, BK: int) -> int:
@@ -444,9 +444,9 @@ def decode_config(N: int, H: int, K: int, V: int, n_sm: int = 132, BV: Optional[
     (latency-bound: N * H * V/64 < _WIDE_PER_SM * n_sm) take BV 32 with the state loaded after the prologue (fewer
     live registers); large grids take BV 64 with the state load issued first (more bytes in flight per program).
     Kimi (H = 32, V = 128) on 132 SMs: N <= 32 -> BV 32 / 4 warps late, N >= 33 -> BV 64 / 4 warps early."""
-    BK = triton.next_power_of_2(K)
-    VP = triton.next_power_of_2(V)
-    wide = BV is None and N * H * triton.cdiv(V, _BV_WIDE) >= _WIDE_PER_SM * n_sm
+    BK = next_pow2(K)
+    VP = next_pow2(V)
+    wide = BV is None and N * H * cdiv(V, _BV_WIDE) >= _WIDE_PER_SM * n_sm
     if wide and _LOOP_DEFAULT:
         bv, nw, pps, maxnreg = _LOOP
         return DecodeConfig(min(bv, VP), nw, TAIL_LOOP, True, pps, maxnreg, False)
@@ -544,8 +544,8 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         else:
             z, r = skinny_bmm_nt(fa[None], fb[None])[0], skinny_bmm_nt(ga[None], gb[None])[0]
     z_stride, r_stride = z.stride(0), r.stride(0)
-    BK = triton.next_power_of_2(K)
-    NV = triton.cdiv(V, cfg.BV)
+    BK = next_pow2(K)
+    NV = cdiv(V, cfg.BV)
     opt = dict(maxnreg=cfg.maxnreg) if cfg.maxnreg else {}
     opt.update(pdl_launch(pdl))
     if cfg.tail == TAIL_LOOP:
@@ -558,7 +558,7 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
             conv_state.stride(0), conv_state.stride(1),
             rec_state.stride(0), rec_state.stride(1),
             K ** -0.5, eps,
-            H=H, K=K, V=V, W=W, BK=BK, BV=cfg.BV, NV=NV, BVF=triton.next_power_of_2(V), num_warps=cfg.num_warps,
+            H=H, K=K, V=V, W=W, BK=BK, BV=cfg.BV, NV=NV, BVF=next_pow2(V), num_warps=cfg.num_warps,
             **opt,
         )
         return out
@@ -576,7 +576,7 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         conv_state.stride(0), conv_state.stride(1),
         rec_state.stride(0), rec_state.stride(1),
         K ** -0.5, eps,
-        H=H, K=K, V=V, W=W, BK=BK, BV=cfg.BV, NV=NV, BVF=triton.next_power_of_2(V), TAIL=cfg.tail,
+        H=H, K=K, V=V, W=W, BK=BK, BV=cfg.BV, NV=NV, BVF=next_pow2(V), TAIL=cfg.tail,
         EARLY=cfg.early, STORE_AFTER=cfg.store_after, EARLY_STATE=es, num_warps=cfg.num_warps, **opt,
     )
     if cfg.tail == TAIL_POST:
@@ -584,6 +584,6 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
             o_scratch, r, o_norm_w, out, qkv, conv_state, state_slots,
             r_stride, out.stride(0), qkv.stride(0), conv_state.stride(0), conv_state.stride(1),
             eps,
-            H=H, K=K, V=V, W=W, BK=BK, BVF=triton.next_power_of_2(V), num_warps=4, **pdl_launch(pdl),
+            H=H, K=K, V=V, W=W, BK=BK, BVF=next_pow2(V), num_warps=4, **pdl_launch(pdl),
         )
     return out

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels._pdl import gdc_enter, pdl_launch, pdl_on, prefetch_l2
-from kernels._tensors import num_sms, unit_last_stride
+from kernels._tensors import cdiv, next_pow2, num_sms, unit_last_stride
 from kernels.norm import _load_w, _rms_weighted, rmsnorm_head_ref, row_config
 
 from .decode import MIN_DOT, _dot, _seq_units, _unit_plan, _upcast
@@ -124,15 +124,15 @@ def mla_decode_prep_triton(y, q_dim, kv_norm_w, eps, w_uk, latent_cache, slot_ma
     if T == 0:
         return out
     slot_mapping = unit_last_stride(slot_mapping, torch.int64)
-    bl = max(MIN_DOT, min(triton.next_power_of_2(L), block_l or PREP_BLOCK_L))
-    BC = triton.next_power_of_2(C)
+    bl = max(MIN_DOT, min(next_pow2(L), block_l or PREP_BLOCK_L))
+    BC = next_pow2(C)
     warps, early = row_config(BC)  # rmsnorm_head's warps and weight order: the norm's reduction gives its bits
-    _prep_kernel[(H, triton.cdiv(L, bl))](
+    _prep_kernel[(H, cdiv(L, bl))](
         q_nope, lat, kv_norm_w, w_uk, latent_cache, slot_mapping, out,
         T, H, L, C, eps,
         q_nope.stride(0), q_nope.stride(1), lat.stride(0), w_uk.stride(0), w_uk.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), out.stride(0), out.stride(1),
-        NOPE=nope, BLOCK_NOPE=max(MIN_DOT, triton.next_power_of_2(nope)), BLOCK_L=bl, BLOCK_T=PREP_BLOCK_T, BC=BC,
+        NOPE=nope, BLOCK_NOPE=max(MIN_DOT, next_pow2(nope)), BLOCK_L=bl, BLOCK_T=PREP_BLOCK_T, BC=BC,
         BS=BS, EARLY_W=early, IEEE=y.dtype == torch.float32, UPCAST=_upcast(y.dtype), num_warps=warps,
         **pdl_launch(pdl),
     )
@@ -221,12 +221,12 @@ def uv_config(N: int, H: int, V: int, num_splits: int, merge: bool, sms: int, cf
     SM, each program looping over its sequences with its weight chunk kept. cfg (bench / tests): block_v, groups,
     block_s override; stage2=True (read by decode.mla_decode_triton) keeps stage 2 for the merge."""
     cfg = cfg or {}
-    vp = triton.next_power_of_2(V)
+    vp = next_pow2(V)
     bv = cfg.get("block_v") or (min(vp, UV_VC) if not merge or num_splits <= 32 else min(vp, 4 * UV_VC))
-    bv = max(1, min(triton.next_power_of_2(bv), vp))
-    per = H * triton.cdiv(V, bv)
+    bv = max(1, min(next_pow2(bv), vp))
+    per = H * cdiv(V, bv)
     ng = cfg.get("groups") or max(1, min(N, (2 * sms) // per))
-    bs = cfg.get("block_s") or max(1, min(16, triton.next_power_of_2(max(1, num_splits))))
+    bs = cfg.get("block_s") or max(1, min(16, next_pow2(max(1, num_splits))))
     return dict(BLOCK_V=bv, VC=min(bv, UV_VC), NG=int(ng), BLOCK_S=bs)
 
 
@@ -240,7 +240,7 @@ def launch_uv(seq_lens, opart, lse, lat, w_uv, out, N, H, G, L, BLOCK_L, BLOCK_N
     wstr = opart.stride()[:2] if merge else (0, 0)
     lstr = lse.stride(0) if merge else 0
     lat_str = lat.stride()[:2] if not merge else (0, 0)
-    _uv_kernel[(H, triton.cdiv(V, c["BLOCK_V"]), c["NG"])](
+    _uv_kernel[(H, cdiv(V, c["BLOCK_V"]), c["NG"])](
         seq_lens, opart if merge else out, lse if merge else seq_lens, lat if not merge else out, w_uv, out,
         N, H, G, V,
         *wstr, lstr, *lat_str, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),

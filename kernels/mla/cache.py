@@ -3,7 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tensors import unit_last_stride
+from kernels._tensors import next_pow2, unit_last_stride
 
 
 @triton.jit
@@ -47,7 +47,7 @@ def store_latent_triton(latent: torch.Tensor, cache: torch.Tensor, slot_mapping:
         cache.stride(0),
         cache.stride(1),
         BS=cache.shape[1],
-        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_D=next_pow2(D),
         num_warps=4,
     )
 
@@ -101,8 +101,8 @@ def gather_latent_triton(cache: torch.Tensor, block_table: torch.Tensor, cu_seql
         return out
     block_table = unit_last_stride(block_table, torch.int32)
     cu_seqlens_k = unit_last_stride(cu_seqlens_k, torch.int32)
-    block_d = triton.next_power_of_2(D)
-    rows = min(triton.next_power_of_2(BS), max(1, 4096 // block_d))
+    block_d = next_pow2(D)
+    rows = min(next_pow2(BS), max(1, 4096 // block_d))
     _gather_latent_kernel[(block_table.shape[1], P)](
         cache, block_table, cu_seqlens_k, out, D, cache.stride(0), cache.stride(1), block_table.stride(0),
         out.stride(0), BS=BS, ROWS=rows, BLOCK_D=block_d, num_warps=4,

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels._pdl import gdc_enter, pdl_launch, pdl_on
-from kernels._tensors import H200_SMEM, arrival_counters, max_shared_mem, num_sms, unit_last_stride
+from kernels._tensors import H200_SMEM, arrival_counters, cdiv, max_shared_mem, next_pow2, num_sms, unit_last_stride
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 64  # smallest work unit (keys): one 64-key tile (256 before 12-02; config min_split_tokens=256)
@@ -771,13 +771,13 @@ def merge_config(N: int, H: int, BLOCK_L: int, num_splits: int, num_sms: int = 1
     """Stage-2 tiles from host ints: BLOCK_S units x BLOCK_H2 heads x BLOCK_L2 columns per step, ~``elems`` fp32
     values (a 32 KB tile, 64 registers per thread at 4 warps). Start from whole rows and all heads (fewest programs),
     then halve heads, then columns (down to 64) until the grid has >= 2 programs per SM."""
-    bs = max(1, min(32, triton.next_power_of_2(max(1, num_splits))))
+    bs = max(1, min(32, next_pow2(max(1, num_splits))))
     budget = max(1, elems // bs)
-    bl = max(1, min(BLOCK_L, triton.next_power_of_2(budget)))
-    bh = max(1, min(triton.next_power_of_2(H), budget // bl))
+    bl = max(1, min(BLOCK_L, next_pow2(budget)))
+    bh = max(1, min(next_pow2(H), budget // bl))
 
     def programs(bh_, bl_):
-        return N * triton.cdiv(H, bh_) * triton.cdiv(BLOCK_L, bl_)
+        return N * cdiv(H, bh_) * cdiv(BLOCK_L, bl_)
 
     while programs(bh, bl) < 2 * num_sms and (bh > 1 or bl > 64):
         if bh > 1:
@@ -792,12 +792,12 @@ def _upcast(dtype) -> bool:
 
 
 def _block_h(H: int, cap: int = GPU_BLOCK_H) -> int:
-    return max(MIN_DOT, min(triton.next_power_of_2(cap), triton.next_power_of_2(H)))
+    return max(MIN_DOT, min(next_pow2(cap), next_pow2(H)))
 
 
 def _dot_dim(x: int) -> int:
     """Power-of-two tile extent covering x, at least MIN_DOT (the excess is masked)."""
-    return max(MIN_DOT, triton.next_power_of_2(max(1, int(x))))
+    return max(MIN_DOT, next_pow2(max(1, int(x))))
 
 
 def _check_dots(kernel: str, dots) -> None:
@@ -862,13 +862,13 @@ def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: 
     * else about one wave, G = batch x splits ~ slots / head_blocks, at least 2 so mixed-length batches stay balanced;
       capped by the key tiles of the longest possible sequence (units may be one BLOCK_N tile: few tiles per SM, e.g.
       B=1 S=1k, then run as up to 16 one-tile units instead of 4 four-tile ones) and MAX_SPLITS."""
-    head_blocks = triton.cdiv(num_heads, _block_h(num_heads))
+    head_blocks = cdiv(num_heads, _block_h(num_heads))
     programs = max(1, batch * head_blocks)
     slots = num_sms * max(1, programs_per_sm)
     if programs * 8 >= slots * 7:
         return 1
     splits = max(2, slots // programs)
-    max_useful = max(1, triton.cdiv(max_blocks * block_size, MIN_UNIT_TOKENS))
+    max_useful = max(1, cdiv(max_blocks * block_size, MIN_UNIT_TOKENS))
     return int(max(1, min(splits, max_useful, MAX_SPLITS)))
 
 
@@ -925,7 +925,7 @@ def mla_decode_triton(
             num_splits = min(num_splits, int(cfg["fused_max_splits"]))
     num_splits = max(1, int(num_splits))
     min_tiles = max(1, (min_split_tokens or cfg.get("min_split_tokens") or MIN_SPLIT_TOKENS) // BLOCK_N)
-    BLOCK_B = max(128, triton.next_power_of_2(N))  # one compile for every batch up to 128 (a 128-lane plan is cheap)
+    BLOCK_B = max(128, next_pow2(N))  # one compile for every batch up to 128 (a 128-lane plan is cheap)
     # no_direct: num_splits 1 runs the split kernel (one unit per sequence) + stage 2 instead of the direct path
     direct = num_splits == 1 and not cfg.get("no_direct", False)
     G = N * num_splits  # work-unit budget of the balanced schedule
@@ -965,7 +965,7 @@ def mla_decode_triton(
         variant.update(TMA=True, c_desc=TensorDescriptor.from_tensor(rows, [BLOCK_N, L]),
                        k_desc=TensorDescriptor.from_tensor(rows, [BLOCK_N, R]))
     if fused:  # one counter per (sequence, head block); every launch leaves them at 0
-        variant["cnt_ptr"] = arrival_counters(q_lat.device, N * triton.cdiv(H, BLOCK_H))
+        variant["cnt_ptr"] = arrival_counters(q_lat.device, N * cdiv(H, BLOCK_H))
         # merge tile [16 units, BLOCK_H, 8 fp32 / 16 bf16 columns] = 16 KB, cp.async-pipelined 5 / 4 deep, so up
         # to 16 units take the pipelined one-chunk path (offline sm_90, Triton 3.6 / 3.9: w4 n32 fm 239 / 251 regs,
         # 74 KB, no spill; p16 254 / 255 + 16 B stack on 3.9; [8, 32, 32] fp32 spills 440 B on 3.6)
@@ -973,7 +973,7 @@ def mla_decode_triton(
         variant.update(MERGE_S=int(cfg.get("merge_s", 16)),
                        MERGE_L=min(BLOCK_L, int(cfg.get("merge_l", 16 if p16 else 8))),
                        MERGE_STAGES=int(cfg.get("merge_stages", 4 if p16 else 5)) if on_gpu else 1)
-    _mla_decode_stage1[(n_units, triton.cdiv(H, BLOCK_H))](
+    _mla_decode_stage1[(n_units, cdiv(H, BLOCK_H))](
         q_lat,
         q_pe,
         cache,
@@ -1020,7 +1020,7 @@ def mla_decode_triton(
         mc = merge_config(N, H, BLOCK_L, num_splits, num_sms(q_lat.device))
         if cfg.get("merge"):  # tests / sweeps: explicit stage-2 tiles
             mc.update(cfg["merge"])
-        _mla_decode_stage2[(N, triton.cdiv(H, mc["BLOCK_H2"]), triton.cdiv(L, mc["BLOCK_L2"]))](
+        _mla_decode_stage2[(N, cdiv(H, mc["BLOCK_H2"]), cdiv(L, mc["BLOCK_L2"]))](
             seq_lens,
             opart,
             lse,

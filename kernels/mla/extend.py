@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tensors import H200_SMEM, max_shared_mem, unit_last_stride
+from kernels._tensors import H200_SMEM, cdiv, max_shared_mem, next_pow2, unit_last_stride
 
 from .decode import LOG2E, _check_dots, _dot, _dot_dim, _gpu_cfg, _upcast
 
@@ -44,7 +44,7 @@ def extend_config(H: int, L: int, R: int, dtype, on_gpu: bool, block_n=None, row
     if config:
         cfg.update(config)
     rows = _dot_dim(rows or (cfg["rows"] if on_gpu else 64))
-    block_h = min(triton.next_power_of_2(H), rows)
+    block_h = min(next_pow2(H), rows)
     b = dict(
         BLOCK_H=block_h,
         BLOCK_T=max(1, rows // block_h),
@@ -196,7 +196,7 @@ def mla_extend_triton(
     cfg, blocks = extend_config(H, L, R, cache.dtype, on_gpu, block_n, rows, config, max_shared_mem(q_lat.device))
     BLOCK_T, BLOCK_H = blocks["BLOCK_T"], blocks["BLOCK_H"]
     mq = T if max_query_len is None else max(1, int(max_query_len))
-    grid = (triton.cdiv(mq, BLOCK_T), P, triton.cdiv(H, BLOCK_H))
+    grid = (cdiv(mq, BLOCK_T), P, cdiv(H, BLOCK_H))
     kw = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) if on_gpu else {}
     _mla_extend_kernel[grid](
         q_lat,

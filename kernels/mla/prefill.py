@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tensors import H200_SMEM, max_shared_mem, unit_last_stride
+from kernels._tensors import H200_SMEM, cdiv, max_shared_mem, unit_last_stride
 
 from .decode import LOG2E, _check_dots, _dot, _dot_dim, _gpu_cfg, _upcast
 
@@ -261,7 +261,7 @@ def mla_prefill_expanded_triton(
     on_gpu = q.is_cuda
     cfg, blocks = prefill_config(DN, R, DV, k_nope.dtype, on_gpu, block_m, block_n, config, max_shared_mem(q.device))
     mq = T if max_query_len is None else max(1, int(max_query_len))
-    grid = (H, triton.cdiv(mq, blocks["BLOCK_M"]), P)
+    grid = (H, cdiv(mq, blocks["BLOCK_M"]), P)
     kw = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) if on_gpu else {}
     _mla_prefill_kernel[grid](
         q,

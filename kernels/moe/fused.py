@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kernels._pdl import gdc_launch_dependents, gdc_wait
-from kernels._tensors import H200_SMEM, max_shared_mem, num_sms
+from kernels._tensors import H200_SMEM, cdiv, max_shared_mem, next_pow2, num_sms
 from kernels.moe.router import INTERPRET, cast_to, dot_acc, dot_mode
 
 # Largest M = T*k aligned by the single-program Triton align kernel; above it the torch path is used.
@@ -107,7 +107,7 @@ def _moe_align_small_kernel(
 
 def max_padded_size(M: int, E: int, block_m: int) -> int:
     n = M + min(M, E) * (block_m - 1)
-    return triton.cdiv(n, block_m) * block_m
+    return cdiv(n, block_m) * block_m
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -122,8 +122,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
         expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
         num_post = torch.empty(1, dtype=torch.int32, device=dev)
-        BLOCK = max(16, triton.next_power_of_2(M))
-        BLOCK_E = max(16, triton.next_power_of_2(E + 1))
+        BLOCK = max(16, next_pow2(M))
+        BLOCK_E = max(16, next_pow2(E + 1))
         scratch = torch.empty(2 * BLOCK_E, dtype=torch.int32, device=dev)
         _moe_align_small_kernel[(1,)](
             flat.contiguous(), sorted_ids, expert_ids, num_post, scratch, M, E, max_padded,
@@ -430,8 +430,8 @@ def balanced_tiles(N: int, BN: int, blocks: int, sms: int) -> int:
     busiest SM's columns: ceil(blocks * nt / sms) tiles of N / nt columns each (smallest nt on ties).
     E.g. N 1024, BN 32, 9 blocks, 132 SMs: 44 tiles of 23-24 columns, 396 programs = 3 per SM (32 BN-wide tiles:
     288 programs, 24 SMs run a third tile of 32 columns while the rest idle)."""
-    lo = triton.cdiv(N, BN)
-    best = min(range(lo, 2 * lo + 1), key=lambda nt: (triton.cdiv(blocks * nt, sms) / nt, nt))
+    lo = cdiv(N, BN)
+    best = min(range(lo, 2 * lo + 1), key=lambda nt: (cdiv(blocks * nt, sms) / nt, nt))
     return best if (best != lo or N % BN) else 0
 
 
@@ -490,15 +490,15 @@ def fit_stages(cfg: MoEConfig, smem: int, es: int = 2) -> MoEConfig:
 
 
 def _fit(b: int, n: int) -> int:
-    return max(16, min(b, triton.next_power_of_2(n)))
+    return max(16, min(b, next_pow2(n)))
 
 
 def _tiles(N: int, BN: int, nt: int) -> tuple[int, int, bool]:
     """-> (BN, NT, RAGGED) for N columns: nt == 0 -> cdiv(N, BN) BN-wide tiles; else nt even tiles (<= BN wide)."""
     if nt <= 0:
-        return BN, triton.cdiv(N, BN), False
+        return BN, cdiv(N, BN), False
     nt = min(nt, N)
-    assert triton.cdiv(N, nt) <= BN, (N, BN, nt)
+    assert cdiv(N, nt) <= BN, (N, BN, nt)
     return BN, nt, not (N % nt == 0 and N // nt == BN)
 
 
@@ -528,8 +528,8 @@ def moe_rows(topk_ids: torch.Tensor, E: int, BM: int, direct: bool = False, ids_
     if direct:  # block b = assignment b (row b, expert ids[b]); bytes-optimal only while no expert repeats (T = 1)
         return MoERows(ids, ids, ids, ids, M, -1, 0, E, BM)
     if M <= (ids_rows or ALIGN_IN_GEMM_MAX):  # decode: the GEMM programs find their rows in the ids (no align launch)
-        return MoERows(ids, ids, ids, ids, max_padded_size(M, E, BM) // BM, max(16, triton.next_power_of_2(M)),
-                       max(16, triton.next_power_of_2(E + 1)), E, BM)
+        return MoERows(ids, ids, ids, ids, max_padded_size(M, E, BM) // BM, max(16, next_pow2(M)),
+                       max(16, next_pow2(E + 1)), E, BM)
     sorted_ids, expert_ids, num_post = moe_align(ids, E, BM)
     return MoERows(ids, sorted_ids, expert_ids, num_post, expert_ids.numel(), 0, 0, E, BM)
 
@@ -585,9 +585,9 @@ def moe_gemm2(inter: torch.Tensor, w2: torch.Tensor, rows: MoERows, cfg: MoEConf
     assert cfg.prefetch2 % 16 == 0, cfg  # whole 16-byte units per row (K = inter_dim itself is checked by _bulk_ok)
     BN, NT, ragged = _tiles(D, _fit(cfg.BN2, D), cfg.nt2)
     BK = _fit(cfg.BK2 or cfg.BK, inter_dim)
-    steps = triton.cdiv(inter_dim, BK)
-    k_steps = triton.cdiv(steps, max(1, min(cfg.split2, steps)))
-    S = triton.cdiv(steps, k_steps)
+    steps = cdiv(inter_dim, BK)
+    k_steps = cdiv(steps, max(1, min(cfg.split2, steps)))
+    S = cdiv(steps, k_steps)
     if S == 1:
         y = torch.empty(M, D, dtype=inter.dtype, device=inter.device)
     else:
@@ -610,8 +610,8 @@ def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, 
     D = out.shape[1]
     assert out.is_contiguous() and y.is_contiguous() and y.shape[-2:] == (T * top_k, D)
     split = y.shape[0] if y.dim() == 3 else 1
-    BD = min(1024, triton.next_power_of_2(D))
-    _moe_combine_kernel[(T, triton.cdiv(D, BD))](
+    BD = min(1024, next_pow2(D))
+    _moe_combine_kernel[(T, cdiv(D, BD))](
         y, topk_weights.contiguous(), out, D, T * top_k * D, TOP_K=top_k, SPLIT=split, BD=BD, INTERP=INTERPRET,
         **_gdc(pdl), num_warps=4,
     )

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from kernels._pdl import gdc_enter, gdc_wait, pdl_launch, pdl_on
 
-from kernels._tensors import arrival_counters, unit_last_stride
+from kernels._tensors import arrival_counters, cdiv, next_pow2, unit_last_stride
 
 # The Triton interpreter multiplies the raw uint16 storage of bf16 operands in tl.dot; under TRITON_INTERPRET=1
 # the kernels upcast dot operands to fp32 (exact for bf16/fp16 products, so results are unchanged).
@@ -583,8 +583,8 @@ def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
     if T == 0:
         return out
     if T <= GEMV_MAX_T:
-        BK = min(4096, triton.next_power_of_2(D))
-        _router_logits_gemv_kernel[(T, triton.cdiv(E, 2))](
+        BK = min(4096, next_pow2(D))
+        _router_logits_gemv_kernel[(T, cdiv(E, 2))](
             x, gate_w, out, E, D, x.stride(0), gate_w.stride(0), out.stride(0), BE=2, BK=BK, num_warps=4,
         )
         return out
@@ -592,9 +592,9 @@ def router_logits_triton(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
     BT = 16 if T <= 16 else (32 if T <= 256 else 64)
     # decode: many small expert tiles so that the gate weight is streamed by many SMs
     BE = 16 if T <= 64 else 64
-    BE = min(BE, max(16, triton.next_power_of_2(E)))
-    BK = min(64 if is_fp32 else 128, max(16, triton.next_power_of_2(D)))
-    grid = (triton.cdiv(T, BT), triton.cdiv(E, BE))
+    BE = min(BE, max(16, next_pow2(E)))
+    BK = min(64 if is_fp32 else 128, max(16, next_pow2(D)))
+    grid = (cdiv(T, BT), cdiv(E, BE))
     _router_logits_kernel[grid](
         x, gate_w, out, T, E, D, x.stride(0), gate_w.stride(0), out.stride(0),
         BT=BT, BE=BE, BK=BK, EVEN_K=D % BK == 0, MODE=dot_mode(x.dtype), num_warps=4, num_stages=2 if is_fp32 else 3,
@@ -615,7 +615,7 @@ def router_topk_triton(logits, bias, top_k, routed_scaling_factor=1.0, renormali
         return w, ids
     assert 1 <= top_k <= E
     logits = logits.contiguous()
-    BLOCK_E = triton.next_power_of_2(E)
+    BLOCK_E = next_pow2(E)
     has_bias = bias is not None
     if ROUTER_DECODE in ("v2", "v3") and T <= TOPK_ROW_MAX_T and BLOCK_E <= 1024:
         _topk_rows(logits[None], bias, w, ids, top_k, routed_scaling_factor, renormalize, biased_weights,
@@ -625,10 +625,10 @@ def router_topk_triton(logits, bias, top_k, routed_scaling_factor=1.0, renormali
     small = T <= GEMV_MAX_T
     BT = 1 if small else max(1, min(16, 2048 // BLOCK_E))
     bias_arg = bias.contiguous() if has_bias else logits
-    _router_topk_kernel[(triton.cdiv(T, BT),)](
+    _router_topk_kernel[(cdiv(T, BT),)](
         logits, bias_arg, w, ids, T, E, logits.stride(0), float(routed_scaling_factor),
         int(append_expert) if has_extra else 0,
-        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BT=BT, BLOCK_E=BLOCK_E,
+        TOP_K=top_k, BLOCK_K=next_pow2(top_k), BT=BT, BLOCK_E=BLOCK_E,
         HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights), RENORM=bool(renormalize), HAS_EXTRA=has_extra,
         OUT_K=out_k, num_warps=1 if small and BLOCK_E <= 1024 else 4,
     )
@@ -642,7 +642,7 @@ def _topk_rows(parts, bias, w, ids, top_k, scale, renormalize, biased_weights, a
     _router_topk_row_kernel[(T,)](
         parts, bias.contiguous() if has_bias else parts, w, ids, E, parts.stride(0), parts.stride(1), float(scale),
         int(append_expert) if has_extra else 0,
-        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), HAS_BIAS=has_bias,
+        TOP_K=top_k, BLOCK_K=next_pow2(top_k), BLOCK_E=next_pow2(E), HAS_BIAS=has_bias,
         BIASED_WEIGHTS=bool(biased_weights), RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=w.shape[1], NS=NS,
         num_warps=1,
     )
@@ -664,11 +664,11 @@ def router_logits_splitk(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
     is_fp32 = x.dtype == torch.float32
     BK = 64 if is_fp32 else 128
     KS = max(BK, SPLITK_KS // BK * BK)
-    S = triton.cdiv(D, KS)
+    S = cdiv(D, KS)
     out = torch.empty(S, T, E, device=x.device, dtype=torch.float32)
     BT = 16 if T <= 16 else (32 if T <= 128 else 64)
-    BE = min(16 if T <= 128 else 32, max(16, triton.next_power_of_2(E)))
-    _router_logits_splitk_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE), S)](
+    BE = min(16 if T <= 128 else 32, max(16, next_pow2(E)))
+    _router_logits_splitk_kernel[(cdiv(T, BT), cdiv(E, BE), S)](
         x, gate_w, out, T, E, D, x.stride(0), gate_w.stride(0), out.stride(0), out.stride(1), KS,
         BT=BT, BE=BE, BK=BK, MODE=dot_mode(x.dtype), num_warps=4, num_stages=2,
     )
@@ -703,7 +703,7 @@ def decode_k_split(D: int, BE: int, num_warps: int):
     while BK > 16 and BE * BK > 64 * 32 * num_warps:
         BK //= 2
     NK, tail = D // BK, D % BK
-    return BK, NK, triton.next_power_of_2(tail) if tail else 0
+    return BK, NK, next_pow2(tail) if tail else 0
 
 
 def _router_fused(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert, pdl=None):
@@ -727,12 +727,12 @@ def _router_decode_v1(x, gate_w, bias, top_k, scale, renormalize, biased_weights
     w = torch.empty(T, out_k, device=x.device, dtype=torch.float32)
     ids = torch.empty(T, out_k, device=x.device, dtype=torch.int32)
     has_bias = bias is not None
-    _router_fused_gemv_kernel[(T, triton.cdiv(E, 2))](
+    _router_fused_gemv_kernel[(T, cdiv(E, 2))](
         x, gate_w, logits, arrival_counters(x.device, T), bias.contiguous() if has_bias else logits, w, ids,
         T, E, D, x.stride(0), gate_w.stride(0), logits.stride(0), float(scale),
         int(append_expert) if has_extra else 0,
-        BE=2, BK=min(4096, triton.next_power_of_2(D)), TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
-        BLOCK_E=triton.next_power_of_2(E), HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights),
+        BE=2, BK=min(4096, next_pow2(D)), TOP_K=top_k, BLOCK_K=next_pow2(top_k),
+        BLOCK_E=next_pow2(E), HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights),
         RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k, num_warps=4, **pdl_launch(pdl),
     )
     return w, ids
@@ -747,7 +747,7 @@ def _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights
     T, D = x.shape
     E = gate_w.shape[0]
     assert 1 <= top_k <= E
-    BE = min(BE or DECODE_BE, triton.next_power_of_2(E))
+    BE = min(BE or DECODE_BE, next_pow2(E))
     num_warps = num_warps or DECODE_WARPS
     poll = ROUTER_DECODE == "v3" if poll is None else poll
     maxnreg = DECODE_MAXNREG if maxnreg is None else maxnreg
@@ -764,7 +764,7 @@ def _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights
         gate_w = gate_w.to(x.dtype)
     has_extra = append_expert is not None
     out_k = top_k + int(has_extra)
-    BLOCK_E = triton.next_power_of_2(E)
+    BLOCK_E = next_pow2(E)
     # v3 exchanges the logits through the slot rows; the (unused) logits argument then points at them too
     sync = _poll_slots(x.device, T * BLOCK_E) if poll else arrival_counters(x.device, T)
     logits = sync if poll else torch.empty(T, E, device=x.device, dtype=torch.float32)
@@ -772,11 +772,11 @@ def _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights
     ids = torch.empty(T, out_k, device=x.device, dtype=torch.int32)
     has_bias = bias is not None
     BK, NK, BK_TAIL = decode_k_split(D, BE, num_warps)
-    _router_decode_kernel[(T, triton.cdiv(E, BE))](
+    _router_decode_kernel[(T, cdiv(E, BE))](
         x, gate_w, logits, sync, bias.contiguous() if has_bias else w, w, ids,
         E, D, x.stride(0), gate_w.stride(0), E, float(scale), int(append_expert) if has_extra else 0,
         attn, residual, norm_w, h, attn.stride(0), residual.stride(0), h.stride(0), float(eps),
-        BE=BE, BK=BK, NK=NK, BK_TAIL=BK_TAIL, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
+        BE=BE, BK=BK, NK=NK, BK_TAIL=BK_TAIL, TOP_K=top_k, BLOCK_K=next_pow2(top_k),
         BLOCK_E=BLOCK_E, HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights),
         RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k, POLL=bool(poll), MAX_SPINS=1 << 20,
         GDC=DECODE_GDC, NORM=norm is not None, num_warps=num_warps, **extra,
