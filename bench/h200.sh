@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call: carried wheels -> GPU kernel tests at Kimi shapes -> benchmarks.
 # Usage (device tool, carry [".whl"]): bash bench/h200.sh [tests|bench|all] [extra pytest args]
+# .whl/ (fla-core, flashinfer trimmed, their pure-Python deps) is built here by `bash bench/wheels.sh`.
 # Logs go to $OUT (or ./.out) so they come back even when a step fails.
 # To run exactly the committed HEAD while files are being edited here, carry a snapshot instead of relying on git
 # on the device (its .git may be stale there, so `git stash` there restores an old tree):
