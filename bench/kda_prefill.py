@@ -366,6 +366,12 @@ QUICK_VARIANTS = [
     ("akk-r128", dict(AKK_MAXNREG=128)),
     ("wu-r128", dict(WU_MAXNREG=128)),
     ("intra-r128-norm1", dict(PREP_NORM1=1, AKK_MAXNREG=128, WU_MAXNREG=128)),
+    # akk-unc: the off-diagonal K pass without its per-block branches, which kept its loads out of the pipeliner
+    # (plain LDG waited for per K tile -> a cp.async ring; loop body 549 -> 429 instructions; 230 regs, 8 CTAs / SM;
+    # r168: 24 B stack, 12 / SM as now; r128: 144 B stack, 16 / SM)
+    ("akk-unc", dict(AKK_UNCOND=1)),
+    ("akk-unc-r168", dict(AKK_UNCOND=1, AKK_MAXNREG=168)),
+    ("akk-unc-r128", dict(AKK_UNCOND=1, AKK_MAXNREG=128)),
 ]
 
 

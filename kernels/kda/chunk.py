@@ -114,6 +114,11 @@ AKK_NUM_WARPS = 1
 # 16 CTAs / SM, 144 B stack spill, +5% instructions; untimed (akk is ~45% of the H200's issue rate: latency-bound)
 AKK_MAXNREG = None
 AKK_LV_SPLITK = 1        # 1 = two passes over K (off-diagonal blocks, then the levels; fewer registers)
+# AKK_UNCOND = 1 (A/B, untimed): the off-diagonal K pass without the per-block branches (blocks j >= i load nothing:
+# rows masked, zero products). Offline sm_90 (Triton 3.9): the branches kept that loop's loads out of Triton's
+# pipeliner (plain LDG, waited for each K tile); unconditional they become a cp.async ring (LDGSTS), and the loop body
+# shrinks 549 -> 429 instructions, but 230 regs (8 one-warp CTAs / SM); with AKK_MAXNREG=168: 24 B stack, 12 / SM
+AKK_UNCOND = 0
 WU_BK = 32
 WU_BV = 32
 WU_NUM_WARPS = 4
@@ -331,7 +336,7 @@ def _kda_akk_lv_kernel(
     q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out,
     stride_q, stride_k,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, SPLITK: tl.constexpr = 0,
+    PREC: tl.constexpr, SPLITK: tl.constexpr = 0, UNCOND: tl.constexpr = 0,
 ):
     """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head), meant for num_warps=1: the rows
     R = [i BC, (i+1) BC) of
@@ -343,6 +348,8 @@ def _kda_akk_lv_kernel(
       diagonal block: level anchors hb = BC/2, ..., 1 (_akk_level), 4 exp2 tiles per K tile for BC = 16 instead of
         BC x BC x K exp2 and 2 BC cross-lane K reductions per block; s = r of Aqk: sum qn kn.
     SPLITK=1: the off-diagonal blocks and the levels in two passes over K (fewer live accumulators).
+    UNCOND=1 (AKK_UNCOND): every program runs all three off-diagonal block updates, those with j >= i on masked
+    (zero) rows, so the off-diagonal pass has no branches and its loads can be pipelined.
     Then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted (fp32). x_out [rows, BT] fp32: columns
     < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di (columns above are not written).
     (Offline sm_90, Triton 3.6: at 2 or 4 warps these [16, x] tiles are replicated in every warp (the dot-operand
@@ -393,15 +400,23 @@ def _kda_akk_lv_kernel(
         ef = tl.exp2(tl.minimum(Gr - Gn[None, :], 0.0))
         qe = qr * ef
         ke = kr * ef
-        if i_b > 0:
-            o0k, o0q = _akk_off_block(pk, pg, prs, nv, 0, c, cm, Gn, qe, ke, o0k, o0q, stride_k, K, BC,
-                                      PREC)
-        if i_b > 1:
-            o1k, o1q = _akk_off_block(pk, pg, prs, nv, 1, c, cm, Gn, qe, ke, o1k, o1q, stride_k, K, BC,
-                                      PREC)
-        if i_b > 2:
-            o2k, o2q = _akk_off_block(pk, pg, prs, nv, 2, c, cm, Gn, qe, ke, o2k, o2q, stride_k, K, BC,
-                                      PREC)
+        if UNCOND:  # no branches: blocks j >= i_b load nothing (rows masked by nv_j = 0) and add zero products
+            o0k, o0q = _akk_off_block(pk, pg, prs, tl.where(i_b > 0, nv, 0), 0, c, cm, Gn, qe, ke, o0k, o0q,
+                                      stride_k, K, BC, PREC)
+            o1k, o1q = _akk_off_block(pk, pg, prs, tl.where(i_b > 1, nv, 0), 1, c, cm, Gn, qe, ke, o1k, o1q,
+                                      stride_k, K, BC, PREC)
+            o2k, o2q = _akk_off_block(pk, pg, prs, tl.where(i_b > 2, nv, 0), 2, c, cm, Gn, qe, ke, o2k, o2q,
+                                      stride_k, K, BC, PREC)
+        else:
+            if i_b > 0:
+                o0k, o0q = _akk_off_block(pk, pg, prs, nv, 0, c, cm, Gn, qe, ke, o0k, o0q, stride_k, K, BC,
+                                          PREC)
+            if i_b > 1:
+                o1k, o1q = _akk_off_block(pk, pg, prs, nv, 1, c, cm, Gn, qe, ke, o1k, o1q, stride_k, K, BC,
+                                          PREC)
+            if i_b > 2:
+                o2k, o2q = _akk_off_block(pk, pg, prs, nv, 2, c, cm, Gn, qe, ke, o2k, o2q, stride_k, K, BC,
+                                          PREC)
         dq0 += tl.sum(qr * kr, 1)
         if not SPLITK:
             l8k, l8q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, BC // 2, K, BC, PREC)
@@ -656,7 +671,8 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                  dict(num_warps=PREP_NUM_WARPS)),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
-                dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK)),
+                dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
+                     UNCOND=int(AKK_UNCOND)),
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
@@ -740,7 +756,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_akk_lv_kernel[(BT // BC * NT, H)](
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
+                UNCOND=int(AKK_UNCOND), num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
             )
 
         def wu():

@@ -270,7 +270,9 @@ def test_sm90_offline_compile_no_spills():
             "'cumsum_dot': (setattr(c, 'CUMSUM_DOT', 1), setattr(c, 'PREP_BK', 16), "
             "c.compile_report(which=('prep',)))[-1], "
             "'prep_norm1': (setattr(c, 'PREP_NORM1', 1), c.compile_report(which=('prep',)))[-1], "
-            "'akk_lv_1k': (setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1]}))")
+            "'akk_lv_1k': (setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1], "
+            "'akk_uncond': (setattr(c, 'AKK_LV_SPLITK', 1), setattr(c, 'AKK_UNCOND', 1), "
+            "c.compile_report(which=('akk',)))[-1]}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=400)
     if r.returncode != 0 and ("ptxas" in r.stderr or "cuobjdump" in r.stderr):
@@ -313,6 +315,8 @@ VARIANTS = {
     "out-v-slowest": dict(OUT_VFAST=0),
     # the row norms from one [BT, K] load (no K loop of dependent round trips)
     "prep-norm1": dict(PREP_NORM1=1),
+    # akk's off-diagonal blocks without branches (blocks j >= i on masked rows)
+    "akk-uncond": dict(AKK_UNCOND=1),
 }
 
 
@@ -370,6 +374,7 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "hpass-s2": dict(HPASS_NUM_STAGES=2),
     "prep-s4": dict(PREP_NORM1=1, PREP_STAGES=4),
     "akk-r128": dict(AKK_MAXNREG=128),
+    "akk-unc-r168": dict(AKK_UNCOND=1, AKK_MAXNREG=168),
     "wu-r128": dict(WU_MAXNREG=128),
 })
 
