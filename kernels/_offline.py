@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import re
 import subprocess
@@ -136,7 +137,7 @@ def compile_offline(fn, signature: dict, constexprs: Optional[dict] = None, *, n
 
     signature: {arg name: Triton type ("*bf16", "i32", "fp32", "tensordesc<...>")}; keys that are not arguments of
         fn are ignored, arguments not in it are "constexpr".
-    constexprs: {arg name or argument path tuple: value}.
+    constexprs: {arg name or argument path tuple: value}; a constexpr not given takes its default, where it has one.
     divisible: argument names that get the tt.divisibility 16 attribute (what the JIT infers for 16-aligned pointers
         and multiples of 16); attrs: further {path tuple: [[attr, value], ...]} (merged after, replacing per path).
     Options: extra_options, then num_warps / num_stages / maxnreg where given (None = Triton's default).
@@ -147,6 +148,9 @@ def compile_offline(fn, signature: dict, constexprs: Optional[dict] = None, *, n
     names = fn.arg_names
     sig = {n: signature.get(n, "constexpr") for n in names}
     cst = {(names.index(k),) if isinstance(k, str) else k: v for k, v in (constexprs or {}).items()}
+    for i, p in enumerate(fn.params):     # constexprs not given: the parameter's default (as a JIT launch does)
+        if sig[p.name] == "constexpr" and (i,) not in cst and p.default is not inspect.Parameter.empty:
+            cst[(i,)] = p.default
     att = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     att.update(attrs or {})
     opts = dict(extra_options or {})

@@ -31,6 +31,8 @@ import os
 import triton
 import triton.language as tl
 
+from kernels._tensors import cdiv
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -91,6 +93,29 @@ def prefetch_l2(ptrs, mask):
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } // $0", "=r,l,r",
         [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_span_l2(ptr, n_lines, pid, nprog, LINE: tl.constexpr, BLOCK: tl.constexpr):
+    """Program pid of nprog: L2 prefetch of its share of the n_lines 128-byte lines from ptr (LINE elements each;
+    lines pid * BLOCK + j, stepping nprog * BLOCK): the grid together hints the whole span, once per line."""
+    for start in range(pid * BLOCK, n_lines, nprog * BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        prefetch_l2(ptr + o.to(tl.int64) * LINE, o < n_lines)
+
+
+L2_LINE_BYTES = 128
+
+
+def l2_spans(tensors, max_spans: int = 2) -> list:
+    """Host side of prefetch_span_l2: [(tensor, lines)] for up to max_spans contiguous tensors (pad with (None, 0));
+    lines = the tensor's bytes in 128-byte lines (a partial last line counts)."""
+    out = []
+    for t in tensors:
+        assert t.is_contiguous(), "an L2 prefetch span must be contiguous"
+        out.append((t, cdiv(t.numel() * t.element_size(), L2_LINE_BYTES)))
+    assert len(out) <= max_spans, f"at most {max_spans} prefetch spans"
+    return out + [(None, 0)] * (max_spans - len(out))
 
 
 # --------------------------------------------------------------------------------------------------- offline check

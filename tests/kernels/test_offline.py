@@ -89,7 +89,7 @@ def test_compile_offline_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
-    if r.returncode != 0 and "ptxas" in r.stderr:
+    if r.returncode != 0 and "Cannot find ptxas" in r.stderr:
         pytest.skip("no bundled ptxas: " + r.stderr[-300:])
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])

@@ -171,7 +171,7 @@ def test_sm90_lowering():
     instruction (router v3 keeps its early signal) and the same memory instructions."""
     r = subprocess.run([sys.executable, "-c", _LOWERING], cwd=ROOT, env=_env_without_interpreter(),
                        capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 and "ptxas" in r.stderr:
+    if r.returncode != 0 and "Cannot find ptxas" in r.stderr:
         pytest.skip("no bundled ptxas: " + r.stderr[-300:])
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])

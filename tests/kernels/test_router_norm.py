@@ -266,7 +266,7 @@ def test_sm90_lowering_norm():
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KIMI_PDL")}
     p = subprocess.run([sys.executable, "-c", _LOWERING], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
-    if p.returncode != 0 and "ptxas" in p.stderr:
+    if p.returncode != 0 and "Cannot find ptxas" in p.stderr:
         pytest.skip("no bundled ptxas: " + p.stderr[-300:])
     assert p.returncode == 0, p.stderr[-3000:]
     W = "griddepcontrol.wait"
