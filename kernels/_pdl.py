@@ -104,18 +104,31 @@ def prefetch_span_l2(ptr, n_lines, pid, nprog, LINE: tl.constexpr, BLOCK: tl.con
         prefetch_l2(ptr + o.to(tl.int64) * LINE, o < n_lines)
 
 
+@triton.jit
+def prefetch_spans_l2(pf0_ptr, pf1_ptr, PF0_N: tl.constexpr, PF1_N: tl.constexpr, pid, nprog,
+                      PF_LINE: tl.constexpr):
+    """The two weight spans of l2_prefetch_args (0 lines: none), shared by the grid's nprog programs."""
+    if PF0_N > 0:
+        prefetch_span_l2(pf0_ptr, PF0_N, pid, nprog, PF_LINE, 256)
+    if PF1_N > 0:
+        prefetch_span_l2(pf1_ptr, PF1_N, pid, nprog, PF_LINE, 256)
+
+
 L2_LINE_BYTES = 128
 
 
-def l2_spans(tensors, max_spans: int = 2) -> list:
-    """Host side of prefetch_span_l2: [(tensor, lines)] for up to max_spans contiguous tensors (pad with (None, 0));
-    lines = the tensor's bytes in 128-byte lines (a partial last line counts)."""
-    out = []
-    for t in tensors:
-        assert t.is_contiguous(), "an L2 prefetch span must be contiguous"
-        out.append((t, cdiv(t.numel() * t.element_size(), L2_LINE_BYTES)))
-    assert len(out) <= max_spans, f"at most {max_spans} prefetch spans"
-    return out + [(None, 0)] * (max_spans - len(out))
+def l2_prefetch_args(tensors, on: bool, dummy) -> tuple:
+    """Launch side of prefetch_spans_l2: (pf0, pf1, dict(PF0_N, PF1_N, PF_LINE)) for up to 2 contiguous tensors of
+    one element size (lines = bytes in 128-byte lines, a partial last line counting); `dummy` fills a missing span.
+    on False (or no tensors): no spans."""
+    tensors = tuple(tensors) if on else ()
+    assert len(tensors) <= 2, "at most 2 prefetch spans"
+    assert all(t.is_contiguous() for t in tensors), "an L2 prefetch span must be contiguous"
+    assert len({t.element_size() for t in tensors}) <= 1, "prefetch spans of one element size"
+    lines = [cdiv(t.numel() * t.element_size(), L2_LINE_BYTES) for t in tensors] + [0, 0]
+    ptrs = list(tensors) + [dummy, dummy]
+    line = L2_LINE_BYTES // tensors[0].element_size() if tensors else 64
+    return ptrs[0], ptrs[1], dict(PF0_N=lines[0], PF1_N=lines[1], PF_LINE=line)
 
 
 # --------------------------------------------------------------------------------------------------- offline check

@@ -72,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_enter, l2_spans, pdl_launch, pdl_on, prefetch_l2, prefetch_span_l2
+from kernels._pdl import gdc_enter, l2_prefetch_args, pdl_launch, pdl_on, prefetch_l2, prefetch_spans_l2
 from kernels._tensors import arrival_counters, cdiv, next_pow2, num_sms
 from kernels.gemv import skinny_bmm_nt
 
@@ -140,12 +140,8 @@ def _kda_decode_kernel(
         prefetch_l2(nw_ptr + o_v, o_v < V)
         if PF0_N + PF1_N > 0:
             # L2 prefetch of later kernels' weights (module doc, "Weight prefetch"), the grid sharing the lines
-            pid = i_v + NV * (i_h + H * i_n)
-            nprog = NV * H * tl.num_programs(2)
-            if PF0_N > 0:
-                prefetch_span_l2(pf0_ptr, PF0_N, pid, nprog, PF_LINE, 256)
-            if PF1_N > 0:
-                prefetch_span_l2(pf1_ptr, PF1_N, pid, nprog, PF_LINE, 256)
+            prefetch_spans_l2(pf0_ptr, pf1_ptr, PF0_N, PF1_N, i_v + NV * (i_h + H * i_n), NV * H * tl.num_programs(2),
+                              PF_LINE)
         if EARLY_STATE == 0:
             gdc_enter(GDC)
     # EARLY_STATE > 0: before the wait. state_slots is written by a host -> device copy before the step, never by
@@ -585,19 +581,18 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         if counters is None:
             counters = arrival_counters(qkv.device, N * H)
         assert counters.dtype == torch.int32 and counters.numel() >= N * H
-    (pf0, n0), (pf1, n1) = l2_spans(l2_prefetch) if l2_prefetch and pdl_on(pdl) else ((None, 0), (None, 0))
-    assert pf1 is None or pf1.element_size() == pf0.element_size(), "prefetch spans of one element size"
+    pf0, pf1, pf = l2_prefetch_args(l2_prefetch, pdl_on(pdl), out)
     _kda_decode_kernel[(NV, H, N)](
         qkv, conv_w, conv_state, z, b, A_log, dt_bias, state_slots, rec_state,
         o_scratch if cfg.tail != TAIL_SINGLE else out, counters if cfg.tail == TAIL_LAST else state_slots,
-        r, o_norm_w, out, out if pf0 is None else pf0, out if pf1 is None else pf1,
+        r, o_norm_w, out, pf0, pf1,
         qkv.stride(0), z_stride, b.stride(0), r_stride, out.stride(0),
         conv_state.stride(0), conv_state.stride(1),
         rec_state.stride(0), rec_state.stride(1),
         K ** -0.5, eps,
         H=H, K=K, V=V, W=W, BK=BK, BV=cfg.BV, NV=NV, BVF=next_pow2(V), TAIL=cfg.tail,
         EARLY=cfg.early, STORE_AFTER=cfg.store_after, EARLY_STATE=es, num_warps=cfg.num_warps,
-        PF0_N=n0, PF1_N=n1, PF_LINE=64 if pf0 is None else 128 // pf0.element_size(), **opt,
+        **pf, **opt,
     )
     if cfg.tail == TAIL_POST:
         _kda_decode_post_kernel[(H, N)](

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_enter, l2_spans, pdl_launch, pdl_on, prefetch_l2, prefetch_span_l2
+from kernels._pdl import gdc_enter, l2_prefetch_args, pdl_launch, pdl_on, prefetch_l2, prefetch_spans_l2
 from kernels._tensors import cdiv, next_pow2, num_sms, unit_last_stride
 from kernels.norm import _load_w, _rms_weighted, rmsnorm_head_ref, row_config
 
@@ -90,10 +90,7 @@ def _prep_kernel(
     gdc_enter(GDC)
     # L2 hints of later kernels' weights (the layer's shared expert; mla_decode_prep_triton(l2_prefetch=)), issued
     # after the wait: the projection before this kernel streams HBM until then, the MLA chain after it does not
-    if PF0_N > 0:
-        prefetch_span_l2(pf0_ptr, PF0_N, pid, nprog, PF_LINE, 256)
-    if PF1_N > 0:
-        prefetch_span_l2(pf1_ptr, PF1_N, pid, nprog, PF_LINE, 256)
+    prefetch_spans_l2(pf0_ptr, pf1_ptr, PF0_N, PF1_N, pid, nprog, PF_LINE)
     odt = qlat_ptr.dtype.element_ty
     for t0 in range(0, T, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
@@ -135,17 +132,15 @@ def mla_decode_prep_triton(y, q_dim, kv_norm_w, eps, w_uk, latent_cache, slot_ma
     bl = max(MIN_DOT, min(next_pow2(L), block_l or PREP_BLOCK_L))
     BC = next_pow2(C)
     warps, early = row_config(BC)  # rmsnorm_head's warps and weight order: the norm's reduction gives its bits
-    (pf0, n0), (pf1, n1) = l2_spans(l2_prefetch) if l2_prefetch and pdl_on(pdl) else ((None, 0), (None, 0))
-    assert pf1 is None or pf1.element_size() == pf0.element_size(), "prefetch spans of one element size"
+    pf0, pf1, pf = l2_prefetch_args(l2_prefetch, pdl_on(pdl), out)
     _prep_kernel[(H, cdiv(L, bl))](
-        q_nope, lat, kv_norm_w, w_uk, latent_cache, slot_mapping, out, out if pf0 is None else pf0,
-        out if pf1 is None else pf1,
+        q_nope, lat, kv_norm_w, w_uk, latent_cache, slot_mapping, out, pf0, pf1,
         T, H, L, C, eps,
         q_nope.stride(0), q_nope.stride(1), lat.stride(0), w_uk.stride(0), w_uk.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), out.stride(0), out.stride(1),
         NOPE=nope, BLOCK_NOPE=max(MIN_DOT, next_pow2(nope)), BLOCK_L=bl, BLOCK_T=PREP_BLOCK_T, BC=BC,
         BS=BS, EARLY_W=early, IEEE=y.dtype == torch.float32, UPCAST=_upcast(y.dtype), num_warps=warps,
-        PF0_N=n0, PF1_N=n1, PF_LINE=64 if pf0 is None else 128 // pf0.element_size(), **pdl_launch(pdl),
+        **pf, **pdl_launch(pdl),
     )
     return out
 
