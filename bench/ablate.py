@@ -114,8 +114,7 @@ ABLATIONS = {
     "combine_norm": {"combine_add_rmsnorm": lambda y, tw, res, w, eps: (res, res)},
     "router": {"moe_router": _router},
     "fgb": {"skinny_bmm_nt": lambda a, b: zeros("fgb", (a.shape[0], a.shape[1], b.shape[1]), a.dtype, a.device)},
-    "kda": {"kda_decode": lambda qkv, *a, **kw: zeros("kda", (qkv.shape[0], qkv.shape[1] // 3), qkv.dtype,
-                                                      qkv.device)},
+    "kda": {"kda_decode": lambda qkv, *a: zeros("kda", (qkv.shape[0], qkv.shape[1] // 3), qkv.dtype, qkv.device)},
     "mla_attn": {"mla_decode": lambda q, *a, w_uv=None: zeros(
         "mla", q.shape if w_uv is None else (*q.shape[:2], w_uv.shape[1]), q.dtype, q.device)},
     "mla_einsum": {"torch": _TorchNoEinsum()},
@@ -129,7 +128,7 @@ ABLATIONS = {
 }
 ABLATIONS["router_norm"] = {"moe_router_add_norm": lambda attn, res, w, eps, gw, b, top_k, *a: (
     attn, res, *_router(attn, gw, b, top_k, *a))}
-ABLATIONS["mla_prep"] = {"mla_decode_prep": lambda y, q_dim, w, eps, w_uk, *a, **kw: zeros(
+ABLATIONS["mla_prep"] = {"mla_decode_prep": lambda y, q_dim, w, eps, w_uk, *a: zeros(
     "mla_prep", (y.shape[0], w_uk.shape[0], w_uk.shape[2]), y.dtype, y.device)}
 ABLATIONS["norms+router+fgb"] = {**ABLATIONS["post_norm"], **ABLATIONS["combine_norm"], **ABLATIONS["router"],
                                  **ABLATIONS["fgb"]}

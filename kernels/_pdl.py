@@ -31,8 +31,6 @@ import os
 import triton
 import triton.language as tl
 
-from kernels._tensors import cdiv
-
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -93,42 +91,6 @@ def prefetch_l2(ptrs, mask):
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } // $0", "=r,l,r",
         [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_span_l2(ptr, n_lines, pid, nprog, LINE: tl.constexpr, BLOCK: tl.constexpr):
-    """Program pid of nprog: L2 prefetch of its share of the n_lines 128-byte lines from ptr (LINE elements each;
-    lines pid * BLOCK + j, stepping nprog * BLOCK): the grid together hints the whole span, once per line."""
-    for start in range(pid * BLOCK, n_lines, nprog * BLOCK):
-        o = start + tl.arange(0, BLOCK)
-        prefetch_l2(ptr + o.to(tl.int64) * LINE, o < n_lines)
-
-
-@triton.jit
-def prefetch_spans_l2(pf0_ptr, pf1_ptr, PF0_N: tl.constexpr, PF1_N: tl.constexpr, pid, nprog,
-                      PF_LINE: tl.constexpr):
-    """The two weight spans of l2_prefetch_args (0 lines: none), shared by the grid's nprog programs."""
-    if PF0_N > 0:
-        prefetch_span_l2(pf0_ptr, PF0_N, pid, nprog, PF_LINE, 256)
-    if PF1_N > 0:
-        prefetch_span_l2(pf1_ptr, PF1_N, pid, nprog, PF_LINE, 256)
-
-
-L2_LINE_BYTES = 128
-
-
-def l2_prefetch_args(tensors, on: bool, dummy) -> tuple:
-    """Launch side of prefetch_spans_l2: (pf0, pf1, dict(PF0_N, PF1_N, PF_LINE)) for up to 2 contiguous tensors of
-    one element size (lines = bytes in 128-byte lines, a partial last line counting); `dummy` fills a missing span.
-    on False (or no tensors): no spans."""
-    tensors = tuple(tensors) if on else ()
-    assert len(tensors) <= 2, "at most 2 prefetch spans"
-    assert all(t.is_contiguous() for t in tensors), "an L2 prefetch span must be contiguous"
-    assert len({t.element_size() for t in tensors}) <= 1, "prefetch spans of one element size"
-    lines = [cdiv(t.numel() * t.element_size(), L2_LINE_BYTES) for t in tensors] + [0, 0]
-    ptrs = list(tensors) + [dummy, dummy]
-    line = L2_LINE_BYTES // tensors[0].element_size() if tensors else 64
-    return ptrs[0], ptrs[1], dict(PF0_N=lines[0], PF1_N=lines[1], PF_LINE=line)
 
 
 # --------------------------------------------------------------------------------------------------- offline check

@@ -86,11 +86,6 @@ class RMSNorm(nn.Module):
         return add_rmsnorm(x, residual, self.weight, self.eps)
 
 
-# KIMI_SHARED_PREFETCH=1: each layer's decode mixer (KDA decode kernel, fused MLA chain's prep) hints its MoE's
-# shared-expert weights into L2 (read per call, so bench/ablate.py --set flips it; DecoderLayer.l2_prefetch)
-SHARED_PREFETCH = os.environ.get("KIMI_SHARED_PREFETCH", "0") == "1"
-
-
 def _gemv_mode() -> str:
     """KIMI_GEMV (read when a module is built): "1" every M <= 16 projection runs kernels.gemv on CUDA; "auto" (the
     default since H200 12-03: e2e b1 2.62 -> 2.51 ms/step) only the shapes of kernels.gemv.GEMV_WINS (measured
@@ -136,8 +131,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = _linear(h * k, d, dtype)
         self.gemv = _gemv_enabled()
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KimiCache, l2_prefetch=()) -> torch.Tensor:
-        """l2_prefetch: weights of later kernels that the decode kernel hints into L2 (DecoderLayer.l2_prefetch)."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
         y = self.in_proj(x)                         # [T, 3HK + 2K + H]
         c, k = self.qkv_dim, self.head_dim
         qkv, b = y[:, :c], y[:, c + 2 * k:]         # [T, 3HK] pre-conv q | k | v, [T, H] beta logits (row views)
@@ -155,7 +149,7 @@ class KimiDeltaAttention(nn.Module):
                 z, r = torch.bmm(fg_a[:, :nd], self.fg_b_proj.transpose(1, 2)).unbind(0)      # [nd, HK] each
                 fa = fb = None
             outs.append(kda_decode(qkv[:nd], self.conv_weight, z, b[:nd], self.A_log, self.dt_bias, r, w, self.eps,
-                                   conv, rec, batch.state_slots[:nd], fa, fb, l2_prefetch=l2_prefetch))
+                                   conv, rec, batch.state_slots[:nd], fa, fb))
         if nd < T:
             fa = fg_a[:, nd:]                                                    # [2, T - nd, K] prefill rows only
             zr = skinny_bmm_nt(fa, self.fg_b_proj) if self.gemv else torch.bmm(fa, self.fg_b_proj.transpose(1, 2))
@@ -184,14 +178,12 @@ class KimiMLA(nn.Module):
         self.kv_b_proj = _linear(lat, h * (self.nope + self.v_dim), dtype)
         self.o_proj = _linear(h * self.v_dim, d, dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KimiCache, l2_prefetch=()) -> torch.Tensor:
-        """l2_prefetch: weights of later kernels that the fused decode chain's prep kernel hints into L2."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
         y = self.in_proj(x)
         q = y[:, :self.q_dim].view(-1, self.num_heads, self.nope + self.rope)
         q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]          # [T, H, nope], [T, H, R] (no rotary)
         if batch.num_decodes == y.shape[0] <= MLA_FUSED_MAX_T and not self.expanded and use_triton(y):
-            return self.o_proj(self._decode_fused(y, q_pe, cache.latent[self.cache_index], batch,
-                                                  l2_prefetch).flatten(1))
+            return self.o_proj(self._decode_fused(y, q_pe, cache.latent[self.cache_index], batch).flatten(1))
         # cache rows [T, L+R]: kv_a_layernorm(latent) | k_pe, from the row view y[:, q_dim:] in one launch
         latent = rmsnorm_head(y[:, self.q_dim:], self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
         latent_cache = cache.latent[self.cache_index]
@@ -200,12 +192,12 @@ class KimiMLA(nn.Module):
         out = attend(q_nope, q_pe, latent_cache, batch)  # [T, H, V]; the MLA kernels take q_pe's row/head strides
         return self.o_proj(out.flatten(1))
 
-    def _decode_fused(self, y, q_pe, latent_cache, batch: ForwardBatch, l2_prefetch=()) -> torch.Tensor:
+    def _decode_fused(self, y, q_pe, latent_cache, batch: ForwardBatch) -> torch.Tensor:
         """Decode-only step: cache store + q_lat in one launch, attention with the W_UV product in its merge ->
         [T, H, V]."""
         w_uk, w_uv = self._w_uk_uv()
         q_lat = mla_decode_prep(y, self.q_dim, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, w_uk,
-                                latent_cache, batch.slot_mapping, l2_prefetch=l2_prefetch)         # [T, H, L]
+                                latent_cache, batch.slot_mapping)                                  # [T, H, L]
         n = y.shape[0]
         return mla_decode(q_lat, q_pe, latent_cache, batch.block_table[:n], batch.seq_lens[:n], self.scale,
                           w_uv=w_uv)
@@ -355,15 +347,6 @@ class DecoderLayer(nn.Module):
                               and self.block_sparse_moe.fold_shared)
         self.pending_moe = self.defer_combine and _fuse_moe_norms_enabled()
 
-    def l2_prefetch(self) -> tuple:
-        """The folded shared expert's weights (w13[E], w2[E]), which this layer's MoE GEMMs read whatever the
-        routing: the KDA decode kernel, or the fused MLA decode chain's prep kernel, hints them into L2 while the
-        mixer runs latency-bound (SHARED_PREFETCH; else ())."""
-        if not (SHARED_PREFETCH and self.is_moe and self.block_sparse_moe.fold_shared):
-            return ()
-        moe = self.block_sparse_moe
-        return moe.w13[moe.num_local_experts], moe.w2[moe.num_local_experts]
-
     def forward(self, out: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KimiCache):
         """(previous layer's FFN output, residual stream before it; None for the first layer with the embedding as
         out) -> (this layer's FFN output, residual stream before it). Each residual add runs fused with the norm
@@ -374,7 +357,7 @@ class DecoderLayer(nn.Module):
             x, h = self.input_layernorm(out), out
         else:
             x, h = self.input_layernorm(out, residual)
-        attn = all_reduce(self.self_attn(x, batch, cache, l2_prefetch=self.l2_prefetch()), self.tp)
+        attn = all_reduce(self.self_attn(x, batch, cache), self.tp)
         if self.pending_moe and use_triton(attn):
             return PendingMoE(self.block_sparse_moe, attn, h, self.post_attention_layernorm), None
         x, h = self.post_attention_layernorm(attn, h)

@@ -129,14 +129,13 @@ def kda_decode_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_sta
 
 
 def kda_decode(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state, state_slots,
-               fg_a=None, fg_b=None, l2_prefetch=()):
+               fg_a=None, fg_b=None):
     """Fused Triton decode (kernels/kda/recurrent.py: 1 launch, graph-capturable) or the torch reference.
-    z, r or (z = r = None) the low-rank fg_a, fg_b (module doc). l2_prefetch: weights later kernels read, hinted
-    into L2 by the Triton kernel under PDL (recurrent.py, "Weight prefetch"); the reference ignores it.
+    z, r or (z = r = None) the low-rank fg_a, fg_b (module doc).
 
     Triton path: lanes with slot 0 (padding) touch no state and output zeros."""
     if not use_triton(qkv):
         return kda_decode_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
                               state_slots, fg_a=fg_a, fg_b=fg_b)
     return kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
-                             state_slots, fg_a=fg_a, fg_b=fg_b, l2_prefetch=l2_prefetch)
+                             state_slots, fg_a=fg_a, fg_b=fg_b)

@@ -53,12 +53,6 @@ g_b [HV, R] instead of z, r; the wrapper forms z = f_a f_b^T and r = g_a g_b^T w
 and then runs the plain kernel. (Removed after H200 runs: the up-projections inside the decode kernels, FG, 6 us
 per step slower at batch 1 and 171 us per step slower at batch 8 than the separate skinny_bmm_nt.)
 
-Weight prefetch (per-tile kernel under PDL, kda_decode_triton(l2_prefetch=)): at small batches this kernel is
-latency-bound (the state tile of one head is 16-64 KB) and HBM sits mostly idle while it runs. Before its wait
-the grid hints into L2 up to two weight spans that kernels after it read; the model passes the layer's shared
-expert (w13[E], w2[E] of the folded MoE: 14 MB at Kimi shapes), which the MoE GEMMs then find in L2. Hints only,
-so any span is correct; weights are what kernels._pdl's contract allows before the wait.
-
 Lanes whose slot is <= 0 (the null slot, CUDA-graph padding) read and write no state and output zeros, so padded
 lanes cost almost no bandwidth and never touch a real slot. No host syncs, no data-dependent shapes: the whole
 step is CUDA-graph capturable.
@@ -72,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_enter, l2_prefetch_args, pdl_launch, pdl_on, prefetch_l2, prefetch_spans_l2
+from kernels._pdl import gdc_enter, pdl_launch, pdl_on, prefetch_l2
 from kernels._tensors import arrival_counters, cdiv, next_pow2, num_sms
 from kernels.gemv import skinny_bmm_nt
 
@@ -109,7 +103,7 @@ def _conv_shift(cs, x_row, c, m, stride_cs_w, W: tl.constexpr):
 @triton.jit
 def _kda_decode_kernel(
     qkv_ptr, convw_ptr, convs_ptr, z_ptr, b_ptr, alog_ptr, dtb_ptr, slot_ptr, state_ptr, o_ptr, cnt_ptr,
-    r_ptr, nw_ptr, y_ptr, pf0_ptr, pf1_ptr,
+    r_ptr, nw_ptr, y_ptr,
     stride_qkv, stride_z, stride_b, stride_r, stride_y,
     stride_cs_s, stride_cs_w,
     stride_s_s, stride_s_h,
@@ -117,7 +111,7 @@ def _kda_decode_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BVF: tl.constexpr, TAIL: tl.constexpr,
     EARLY: tl.constexpr, STORE_AFTER: tl.constexpr = False, GDC: tl.constexpr = False,
-    EARLY_STATE: tl.constexpr = 0, PF0_N: tl.constexpr = 0, PF1_N: tl.constexpr = 0, PF_LINE: tl.constexpr = 64,
+    EARLY_STATE: tl.constexpr = 0,
 ):
     # qkv [N, 2HK+HV]; conv_w [C, W] f32; conv_state [S, W-1, C]; z [N, HK]; b [N, H]; A_log [H]; dt_bias [HK]
     # state [S, H, K, V] f32 (k-row stride V, v contiguous); o [N, H, V] f32 scratch (TAIL_LAST / TAIL_POST);
@@ -138,10 +132,6 @@ def _kda_decode_kernel(
         prefetch_l2(convw_ptr + (2 * H * K + i_h * V + o_v) * W, o_v < V)
         prefetch_l2(dtb_ptr + i_h * K + o_k, o_k < K)
         prefetch_l2(nw_ptr + o_v, o_v < V)
-        if PF0_N + PF1_N > 0:
-            # L2 prefetch of later kernels' weights (module doc, "Weight prefetch"), the grid sharing the lines
-            prefetch_spans_l2(pf0_ptr, pf1_ptr, PF0_N, PF1_N, i_v + NV * (i_h + H * i_n), NV * H * tl.num_programs(2),
-                              PF_LINE)
         if EARLY_STATE == 0:
             gdc_enter(GDC)
     # EARLY_STATE > 0: before the wait. state_slots is written by a host -> device copy before the step, never by
@@ -480,7 +470,7 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
                       out: Optional[torch.Tensor] = None, counters: Optional[torch.Tensor] = None,
                       pps: Optional[int] = None, grid: Optional[int] = None, maxnreg: Optional[int] = None,
                       store_after: Optional[bool] = None, pdl: Optional[bool] = None,
-                      fg_a=None, fg_b=None, early_state: Optional[int] = None, l2_prefetch=()):
+                      fg_a=None, fg_b=None, early_state: Optional[int] = None):
     """Fused KDA decode step (see module doc). Shapes as kernels.kda.kda_decode. Returns [N, H*V] (qkv.dtype),
     written into `out` when given (every element is written, padded lanes get zeros). BV / num_warps / tail / early
     override `decode_config` (tail TAIL_LAST or TAIL_POST when BV < V; TAIL_LOOP: the persistent loop kernel at any
@@ -496,10 +486,7 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
     early_state (per-tile kernel; None: _EARLY_STATE under PDL, 0 without): what goes before griddepcontrol.wait
     (module doc, "Early state"). 2 requires that the kernel launched just before this one does not write
     conv_state / rec_state (in the model: the f_b|g_b skinny_bmm_nt); two decode launches on the same pools back to back
-    break that. Without PDL it only moves the loads (same results).
-
-    l2_prefetch: up to 2 contiguous weight tensors that kernels after this one read (module doc, "Weight
-    prefetch"); the per-tile kernel under PDL hints their lines into L2 before its wait, else ignored."""
+    break that. Without PDL it only moves the loads (same results)."""
     N = qkv.shape[0]
     H = b.shape[-1]
     low_rank = fg_a is not None
@@ -581,18 +568,16 @@ def kda_decode_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_
         if counters is None:
             counters = arrival_counters(qkv.device, N * H)
         assert counters.dtype == torch.int32 and counters.numel() >= N * H
-    pf0, pf1, pf = l2_prefetch_args(l2_prefetch, pdl_on(pdl), out)
     _kda_decode_kernel[(NV, H, N)](
         qkv, conv_w, conv_state, z, b, A_log, dt_bias, state_slots, rec_state,
         o_scratch if cfg.tail != TAIL_SINGLE else out, counters if cfg.tail == TAIL_LAST else state_slots,
-        r, o_norm_w, out, pf0, pf1,
+        r, o_norm_w, out,
         qkv.stride(0), z_stride, b.stride(0), r_stride, out.stride(0),
         conv_state.stride(0), conv_state.stride(1),
         rec_state.stride(0), rec_state.stride(1),
         K ** -0.5, eps,
         H=H, K=K, V=V, W=W, BK=BK, BV=cfg.BV, NV=NV, BVF=next_pow2(V), TAIL=cfg.tail,
-        EARLY=cfg.early, STORE_AFTER=cfg.store_after, EARLY_STATE=es, num_warps=cfg.num_warps,
-        **pf, **opt,
+        EARLY=cfg.early, STORE_AFTER=cfg.store_after, EARLY_STATE=es, num_warps=cfg.num_warps, **opt,
     )
     if cfg.tail == TAIL_POST:
         _kda_decode_post_kernel[(H, N)](

@@ -87,16 +87,14 @@ def mla_decode(q_lat, q_pe, cache, block_table, seq_lens, scale, num_splits=None
     return out
 
 
-def mla_decode_prep(y, q_dim, kv_norm_w, eps, w_uk, latent_cache, slot_mapping, out=None, l2_prefetch=()):
+def mla_decode_prep(y, q_dim, kv_norm_w, eps, w_uk, latent_cache, slot_mapping, out=None):
     """Decode-step head of the absorbed MLA layer in one launch (kernels/mla/absorb.py; PDL per KIMI_PDL): writes the
     cache rows of the T tokens (slot -1: nothing) and returns q_lat [T, H, L] (y.dtype). Meant for decode batches
-    (T up to a few hundred: every program loops over all tokens); ``out`` (optional [T, H, L]); ``l2_prefetch``:
-    weights of later kernels the Triton kernel hints into L2 under PDL (the reference ignores it)."""
+    (T up to a few hundred: every program loops over all tokens); ``out`` (optional [T, H, L])."""
     if use_triton(y):
         from .absorb import mla_decode_prep_triton
 
-        return mla_decode_prep_triton(y, q_dim, kv_norm_w, eps, w_uk, latent_cache, slot_mapping, out=out,
-                                      l2_prefetch=l2_prefetch)
+        return mla_decode_prep_triton(y, q_dim, kv_norm_w, eps, w_uk, latent_cache, slot_mapping, out=out)
     res = mla_decode_prep_ref(y, q_dim, kv_norm_w, eps, w_uk, latent_cache, slot_mapping)
     if out is None:
         return res

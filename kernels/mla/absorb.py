@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_enter, l2_prefetch_args, pdl_launch, pdl_on, prefetch_l2, prefetch_spans_l2
+from kernels._pdl import gdc_enter, pdl_launch, pdl_on, prefetch_l2
 from kernels._tensors import cdiv, next_pow2, num_sms, unit_last_stride
 from kernels.norm import _load_w, _rms_weighted, rmsnorm_head_ref, row_config
 
@@ -65,12 +65,11 @@ def mla_decode_uv_ref(q_lat, q_pe, cache, block_table, seq_lens, scale, w_uv):
 # --------------------------------------------------------------------------------------------------- prep
 @triton.jit
 def _prep_kernel(
-    q_ptr, lat_ptr, nw_ptr, wuk_ptr, cache_ptr, slot_ptr, qlat_ptr, pf0_ptr, pf1_ptr,
+    q_ptr, lat_ptr, nw_ptr, wuk_ptr, cache_ptr, slot_ptr, qlat_ptr,
     T, H, L, C, eps,
     s_qt, s_qh, s_lt, s_wh, s_wn, s_cp, s_cr, s_ot, s_oh,
     NOPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr, BC: tl.constexpr,
     BS: tl.constexpr, EARLY_W: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr = False,
-    PF0_N: tl.constexpr = 0, PF1_N: tl.constexpr = 0, PF_LINE: tl.constexpr = 64,
 ):
     h = tl.program_id(0)
     lb = tl.program_id(1)
@@ -88,9 +87,6 @@ def _prep_kernel(
     head = offs_c < L
     nw = _load_w(nw_ptr, offs_c, tl.where(pid < T, head, False), EARLY_W)  # where: the interpreter's bool & int
     gdc_enter(GDC)
-    # L2 hints of later kernels' weights (the layer's shared expert; mla_decode_prep_triton(l2_prefetch=)), issued
-    # after the wait: the projection before this kernel streams HBM until then, the MLA chain after it does not
-    prefetch_spans_l2(pf0_ptr, pf1_ptr, PF0_N, PF1_N, pid, nprog, PF_LINE)
     odt = qlat_ptr.dtype.element_ty
     for t0 in range(0, T, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
@@ -113,9 +109,8 @@ def _prep_kernel(
 
 
 def mla_decode_prep_triton(y, q_dim, kv_norm_w, eps, w_uk, latent_cache, slot_mapping, out=None, pdl=None,
-                           block_l=None, l2_prefetch=()):
-    """See kernels/mla/__init__.py mla_decode_prep. ``pdl``: PDL launch (kernels._pdl; None: KIMI_PDL).
-    ``l2_prefetch``: up to 2 contiguous weight tensors later kernels read, hinted into L2 under PDL (else ignored)."""
+                           block_l=None):
+    """See kernels/mla/__init__.py mla_decode_prep. ``pdl``: PDL launch (kernels._pdl; None: KIMI_PDL)."""
     T = y.shape[0]
     H, nope, L = w_uk.shape
     NB, BS, C = latent_cache.shape
@@ -132,15 +127,14 @@ def mla_decode_prep_triton(y, q_dim, kv_norm_w, eps, w_uk, latent_cache, slot_ma
     bl = max(MIN_DOT, min(next_pow2(L), block_l or PREP_BLOCK_L))
     BC = next_pow2(C)
     warps, early = row_config(BC)  # rmsnorm_head's warps and weight order: the norm's reduction gives its bits
-    pf0, pf1, pf = l2_prefetch_args(l2_prefetch, pdl_on(pdl), out)
     _prep_kernel[(H, cdiv(L, bl))](
-        q_nope, lat, kv_norm_w, w_uk, latent_cache, slot_mapping, out, pf0, pf1,
+        q_nope, lat, kv_norm_w, w_uk, latent_cache, slot_mapping, out,
         T, H, L, C, eps,
         q_nope.stride(0), q_nope.stride(1), lat.stride(0), w_uk.stride(0), w_uk.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), out.stride(0), out.stride(1),
         NOPE=nope, BLOCK_NOPE=max(MIN_DOT, next_pow2(nope)), BLOCK_L=bl, BLOCK_T=PREP_BLOCK_T, BC=BC,
         BS=BS, EARLY_W=early, IEEE=y.dtype == torch.float32, UPCAST=_upcast(y.dtype), num_warps=warps,
-        **pf, **pdl_launch(pdl),
+        **pdl_launch(pdl),
     )
     return out
 

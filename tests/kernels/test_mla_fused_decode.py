@@ -121,26 +121,6 @@ def test_prep_many_tokens_loops():
     assert torch.equal(bits(c_fused), bits(c_chain))
 
 
-@pytest.mark.parametrize("pdl", [False, True])
-def test_prep_weight_prefetch_same_bits(pdl):
-    """l2_prefetch (hints of later kernels' weights, under PDL; the interpreter has none, so there it is ignored):
-    q_lat and the cache rows keep their bits; a non-contiguous span is refused."""
-    torch.manual_seed(3)
-    T, H, nope, R, L, V, eps = 3, 2, 32, 16, 64, 32, 1e-6
-    y, q_dim, w_norm, w_uk, _ = make_layer(T, H, nope, R, L, V)
-    cache, bt, sl = make_paged([70, 5, 1], BF, bs=16, l=L, r=R)
-    slots = torch.tensor([bt[i, 0].item() * 16 + 3 + 5 * i for i in range(T)], dtype=torch.int64, device=DEV)
-    w13 = torch.randn(96, 64, device=DEV).to(BF)
-    w2 = torch.randn(64, 48, device=DEV).to(BF)
-    c0, c1 = cache.clone(), cache.clone()
-    q0 = mla_decode_prep_triton(y, q_dim, w_norm, eps, w_uk, c0, slots, pdl=pdl)
-    q1 = mla_decode_prep_triton(y, q_dim, w_norm, eps, w_uk, c1, slots, pdl=pdl, l2_prefetch=(w13, w2))
-    assert torch.equal(bits(q1), bits(q0)) and torch.equal(bits(c1), bits(c0))
-    if pdl and HAS_CUDA:
-        with pytest.raises(AssertionError, match="contiguous"):
-            mla_decode_prep_triton(y, q_dim, w_norm, eps, w_uk, c1, slots, pdl=True, l2_prefetch=(w13.t(),))
-
-
 def chain_decode(q_lat, q_pe, cache, bt, sl, scale, w_uv, **kw):
     out_lat = mla_decode_triton(q_lat, q_pe, cache, bt, sl, scale, **kw)
     return torch.einsum("thl,hvl->thv", out_lat, w_uv)
@@ -252,7 +232,6 @@ s1 = dict(L=512, R=64, BLOCK_L=512, BLOCK_R=64, BS=64, BLOCK_N=64, BLOCK_H=32, B
           DIRECT=False, IEEE=False, UPCAST=False, PAGE_TILE=True, LSPLIT=True, FUSED=False, cnt_ptr=None, TMA=False,
           c_desc=None, k_desc=None)
 cases = {"prep": (absorb._prep_kernel, prep, mem, 4),
-         "prep_pf": (absorb._prep_kernel, dict(prep, PF0_N=73728, PF1_N=36864, PF_LINE=64), mem, 4),
          "uv_merge_v128": (absorb._uv_kernel, dict(uv, BLOCK_V=128, MERGE=True), uvp, 8),
          "uv_row": (absorb._uv_kernel, dict(uv, BLOCK_V=32, MERGE=False), uvp, 8)}
 if STAGE1:  # ~30 s more (two stage-1 compiles): the stage-1 GDC build reads nothing before the wait
@@ -290,9 +269,4 @@ def test_sm90_pdl_lowering():
         assert "st.global" not in pre and "atom." not in pre, (name, pre)
         assert ("ld.global" in pre) == (name != "stage1"), (name, pre)
         assert ("prefetch.global.L2" in pre) == (name == "uv_merge_v128"), (name, pre)
-        assert [e for e in on if e not in (W, LD, "prefetch.global.L2")] == \
-            [e for e in off if e != "prefetch.global.L2" or name != "prep_pf"], name
-    # the weight spans (l2_prefetch) add only L2 prefetches, after the wait
-    pf, base = res["prep_pf"]["True"], res["prep"]["True"]
-    assert [e for e in pf if e != "prefetch.global.L2"] == [e for e in base if e != "prefetch.global.L2"]
-    assert "prefetch.global.L2" in pf[pf.index(W):] and "prefetch.global.L2" not in base
+        assert [e for e in on if e not in (W, LD, "prefetch.global.L2")] == off, name

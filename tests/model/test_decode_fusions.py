@@ -77,30 +77,3 @@ def test_decode_fusions_match_unfused(tiny_step, monkeypatch, off):
     for a, b in zip(on_cache.latent + on_cache.rec_state + on_cache.conv_state,
                     cache_off.latent + cache_off.rec_state + cache_off.conv_state):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
-
-
-def test_shared_prefetch_same_bits(tiny_step, monkeypatch):
-    # SHARED_PREFETCH: each layer's decode mixer (KDA decode, MLA prep) hints its MoE's shared expert into L2 (a hint
-    # under PDL, on CUDA; ignored without): the step's logits and caches keep their bits. l2_prefetch names exactly
-    # the folded shared expert's two slabs on MoE layers, nothing on the others
-    import backend.model.kimi_linear as km
-
-    model, cache, on, on_cache = tiny_step
-    monkeypatch.setattr(km, "SHARED_PREFETCH", True)
-    n = 0
-    for layer in model.model.layers:
-        spans = layer.l2_prefetch()
-        if not (layer.is_moe and layer.block_sparse_moe.fold_shared):
-            assert spans == ()
-            continue
-        moe, e = layer.block_sparse_moe, layer.block_sparse_moe.num_local_experts
-        assert [s.data_ptr() for s in spans] == [moe.w13[e].data_ptr(), moe.w2[e].data_ptr()]
-        assert all(s.is_contiguous() for s in spans)
-        n += 1
-    assert n > 0
-    cache_pf = copy.deepcopy(cache)
-    got = _decode_step(model, cache_pf)
-    assert torch.equal(got, on)
-    for a, b in zip(on_cache.latent + on_cache.rec_state + on_cache.conv_state,
-                    cache_pf.latent + cache_pf.rec_state + cache_pf.conv_state):
-        assert torch.equal(a, b)
