@@ -343,8 +343,8 @@ QUICK_VARIANTS = [
     # removed per-pair akk's ~112k (this kernel's [16, x] tiles are replicated in every warp at 2 or 4 warps: the
     # same per-thread SASS count at 1, 2 and 4 warps). The default (akk-lv-2k) does it in two K passes
     # (off-diagonal blocks, then levels): 164 regs (12 warps/SM instead of 8), ~13% more instructions
-    ("akk-lv", dict(AKK_LV_SPLITK=0)),
-    ("akk-lv-w2", dict(AKK_LV_SPLITK=0, AKK_NUM_WARPS=2)),                  # 255 regs, no spills
+    ("akk-lv", dict(AKK_LV_SPLITK=0, AKK_MAXNREG=None)),
+    ("akk-lv-w2", dict(AKK_LV_SPLITK=0, AKK_NUM_WARPS=2, AKK_MAXNREG=None)),   # 255 regs, no spills
     # cumsum-dot: prep's gate cumsum as 2 tf32 dots with the triangular ones matrix (hi/lo split, fp32-accurate)
     # instead of tl.cumsum's scan (~40% of prep's instructions); prep BK=16: 123 regs (4 CTAs/SM), ~18k vs ~27k
     # (FAST_SOFTPLUS alone) / ~36k (default)
@@ -363,15 +363,33 @@ QUICK_VARIANTS = [
     ("prep-norm1-s4", dict(PREP_NORM1=1, PREP_STAGES=4)),
     # register caps for occupancy: akk 162 -> 128 regs (12 -> 16 CTAs / SM, 144 B stack, +5% instructions);
     # wu 150 -> 128 (3 -> 4 CTAs / SM, 16 B stack)
-    ("akk-r128", dict(AKK_MAXNREG=128)),
+    ("akk-r128", dict(AKK_UNCOND=0, AKK_MAXNREG=128)),
     ("wu-r128", dict(WU_MAXNREG=128)),
-    ("intra-r128-norm1", dict(PREP_NORM1=1, AKK_MAXNREG=128, WU_MAXNREG=128)),
+    ("intra-r128-norm1", dict(PREP_NORM1=1, AKK_UNCOND=0, AKK_MAXNREG=128, WU_MAXNREG=128)),
     # akk-unc: the off-diagonal K pass without its per-block branches, which kept its loads out of the pipeliner
     # (plain LDG waited for per K tile -> a cp.async ring; loop body 549 -> 429 instructions; 230 regs, 8 CTAs / SM;
     # r168: 24 B stack, 12 / SM as now; r128: 144 B stack, 16 / SM)
-    ("akk-unc", dict(AKK_UNCOND=1)),
+    # (prep-norm1 and akk-unc-r168 are the defaults since session 12; before: the two below)
+    ("akk-unc", dict(AKK_UNCOND=1, AKK_MAXNREG=None)),
     ("akk-unc-r168", dict(AKK_UNCOND=1, AKK_MAXNREG=168)),
     ("akk-unc-r128", dict(AKK_UNCOND=1, AKK_MAXNREG=128)),
+    ("prep-norm-loop", dict(PREP_NORM1=0)),
+    ("akk-branched", dict(AKK_UNCOND=0, AKK_MAXNREG=None)),
+    # session 12 (offline sm_90, Triton 3.9): wu runs x load -> 4-dot inverse chain -> K loop -> V loop, each loop's
+    # first cp.async waited for after the chain / the previous loop (three exposed load latencies per program, 20
+    # waves of 3 CTAs / SM). wu-loop: one loop, loads one tile ahead in registers, tile 0's before the chain (197
+    # regs: 2 CTAs / SM; r168: 8 B stack); wu-loop-lp: bf16 dot operands (fla's precision), 168 regs, 3 / SM
+    ("wu-loop", dict(WU_LOOP=1)),
+    ("wu-loop-r168", dict(WU_LOOP=1, WU_MAXNREG=168)),
+    ("wu-loop-lp", dict(WU_LOOP=1, WU_LP=1)),
+    # the state pass at BV 32: half the programs (128 at T=16k, H=32), half the L2 re-reads of w / kg per step
+    # prep with NORM1 (its K loop only writes G / qg / kg now): wider tiles / more warps (offline sm_90, Triton 3.9:
+    # BK 32 168 regs, 3 CTAs / SM; BK 32 at 8 warps 120 regs; BK 16 at 8 warps 96 regs; the default 127, 4 / SM)
+    ("prep-bk32", dict(PREP_BK=32)),
+    ("prep-bk32-w8", dict(PREP_BK=32, PREP_NUM_WARPS=8)),
+    ("prep-w8", dict(PREP_NUM_WARPS=8)),
+    ("hpass-bv32", dict(HPASS_BV=32)),
+    ("hpass-bv32-w8", dict(HPASS_BV=32, HPASS_NUM_WARPS=8)),
 ]
 
 

@@ -98,10 +98,11 @@ OUT_VFAST = 1            # V tile fastest in the output grid (the 2nd V tile's q
 # smem, no spills.
 PREP_BK = 16             # with CUMSUM_DOT (H200 12-03: prep 0.559 -> 0.522 ms at T=16k)
 PREP_NUM_WARPS = 4
-# PREP_NORM1 = 1 (A/B, untimed): the q / k row norms from one [BT, K] load each instead of K / PREP_BK dependent load
-# round trips (offline sm_90, Triton 3.9: that loop is not pipelined, LDG -> reduce -> next; prep is latency-bound,
-# 0.52 ms at T=16k against ~0.22 ms for its ~0.92 GB at 4.3 TB/s and ~0.15 ms of issue). 127 regs, 4 CTAs / SM.
-PREP_NORM1 = 0
+# PREP_NORM1 = 1 (default since H200 12-04, session 11: prep 0.521 -> 0.454 ms, T=16k 2.227 -> 2.162 ms): the q / k
+# row norms from one [BT, K] load each instead of K / PREP_BK dependent load round trips (offline sm_90, Triton 3.9:
+# that loop is not pipelined, LDG -> reduce -> next; prep is latency-bound, 0.52 ms at T=16k against ~0.22 ms for its
+# ~0.92 GB at 4.3 TB/s and ~0.15 ms of issue). 127 regs, 4 CTAs / SM. 0: the K loop (variant prep-norm-loop).
+PREP_NORM1 = 1
 PREP_STAGES = None       # pipeline depth of prep's output K loop (None: the launch's num_stages, Triton's default 3)
 # akk = _kda_akk_lv_kernel (level-anchored tensor-core dots for the diagonal blocks; its [16, x] tiles are
 # replicated in every warp at 2 or 4 warps, so 1 warp). H200 12-03: akk 1.583 -> 0.691 ms at T=16k vs the removed
@@ -110,19 +111,27 @@ PREP_STAGES = None       # pipeline depth of prep's output K loop (None: the lau
 # one anchored 8x8 dot, never timed to the end; before them the exact 8x8-split "HALF" diagonal, 4.63 ms).
 AKK_BK = 16              # 1 warp, BK 16 with AKK_LV_SPLITK
 AKK_NUM_WARPS = 1
-# ptxas register cap for akk (None: uncapped, 162 regs -> 12 one-warp CTAs / SM). Offline sm_90 (Triton 3.9): 128 ->
-# 16 CTAs / SM, 144 B stack spill, +5% instructions; untimed (akk is ~45% of the H200's issue rate: latency-bound)
-AKK_MAXNREG = None
+# ptxas register cap for akk. 168 (default since H200 12-04, with AKK_UNCOND): the unconditional K pass takes 230 regs
+# uncapped (8 one-warp CTAs / SM); at 168, 12 / SM with 24 B of stack. The branched pass (AKK_UNCOND=0) takes 162
+# uncapped; 128 -> 16 CTAs / SM, 144 B stack spill, +5% instructions (akk is ~45% of the H200's issue rate:
+# latency-bound). None: uncapped.
+AKK_MAXNREG = 168
 AKK_LV_SPLITK = 1        # 1 = two passes over K (off-diagonal blocks, then the levels; fewer registers)
-# AKK_UNCOND = 1 (A/B, untimed): the off-diagonal K pass without the per-block branches (blocks j >= i load nothing:
-# rows masked, zero products). Offline sm_90 (Triton 3.9): the branches kept that loop's loads out of Triton's
-# pipeliner (plain LDG, waited for each K tile); unconditional they become a cp.async ring (LDGSTS), and the loop body
-# shrinks 549 -> 429 instructions, but 230 regs (8 one-warp CTAs / SM); with AKK_MAXNREG=168: 24 B stack, 12 / SM
-AKK_UNCOND = 0
+# AKK_UNCOND = 1 (default since H200 12-04, session 11, with AKK_MAXNREG=168: akk 0.695 -> 0.673 ms at T=16k): the
+# off-diagonal K pass without the per-block branches (blocks j >= i load nothing: rows masked, zero products).
+# Offline sm_90 (Triton 3.9): the branches kept that loop's loads out of Triton's pipeliner (plain LDG, waited for each
+# K tile); unconditional they become a cp.async ring (LDGSTS), and the loop body shrinks 549 -> 429 instructions.
+# 0: the branched pass (variant akk-branched, 162 regs uncapped).
+AKK_UNCOND = 1
 WU_BK = 32
 WU_BV = 32
 WU_NUM_WARPS = 4
 WU_MAXNREG = None        # register cap for wu (None: 150 regs, 3 CTAs / SM; 128: 4 CTAs, 16 B spill offline; untimed)
+# WU_LOOP = 1 (A/B, untimed): wu's w and u tiles in one loop whose loads run one tile ahead, tile 0's issued before
+# the inverse chain (the default's K and V loops each start with an exposed load after the chain). WU_LP = 1 (with
+# WU_LOOP): M and the scaled k / v tiles as bf16 dot operands (fla's precision) instead of fp32 at tf32.
+WU_LOOP = 0
+WU_LP = 0
 # FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep (fla's choice) instead of libdevice's
 # accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop body 2134 -> see --quick). No
 # effect under the interpreter.
@@ -462,15 +471,35 @@ def _kda_akk_lv_kernel(
 
 
 @triton.jit
+def _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i, stride_k, stride_v, i_h, K: tl.constexpr, V: tl.constexpr,
+             BK: tl.constexpr, BV: tl.constexpr):
+    """Tile i of wu's one loop: k [BT, BK] (columns i*BK..), its gate G [BT, BK] fp32 and v [BT, BV] (columns
+    i*BV..); zeros past K / V (a tile index past both loads nothing)."""
+    ck = i * BK + tl.arange(0, BK)
+    cv = i * BV + tl.arange(0, BV)
+    bk = tl.load(k + tok[:, None] * stride_k + i_h * K + ck[None, :], mask=rmask[:, None] & (ck < K)[None, :],
+                 other=0.0)
+    G = tl.load(g_in + (cblk + rows)[:, None] * K + ck[None, :], mask=(ck < K)[None, :], other=0.0)
+    bv = tl.load(v + tok[:, None] * stride_v + i_h * V + cv[None, :], mask=rmask[:, None] & (cv < V)[None, :],
+                 other=0.0)
+    return bk, G, bv
+
+
+@triton.jit
 def _kda_wu_kernel(
     k, v, g_in, rs_in, x_in, chunk_offsets, cu_seqlens, n_seq, w_out, u_out,
     stride_k, stride_v,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0, MM: tl.constexpr = 0,
 ):
     """Intra launch 3, grid (chunk, head): M = (I + L)^-1 = sum_j (-N)^j Di with N = Di L_off (strictly block-lower,
     N^(BT/BC) = 0), from x_in (Di on the diagonal blocks, L_off below); then w = M (beta kn exp2(G)), u = M (beta v)
-    as [BT, BT] x [BT, BK|BV] dots."""
+    as [BT, BT] x [BT, BK|BV] dots.
+    LOOP 0: a K loop for w, then a V loop for u (each pipelined by Triton after the inverse: two exposed load
+    latencies after it). LOOP 1: one loop over max(K / BK, V / BV) tiles, each one k, G and v tile, the next tile's
+    loads issued (into registers) before this tile's dots and tile 0's before the inverse, so no load waits on the
+    inverse chain or on a loop boundary. MM (LOOP 1): the dot operands' mode (_mm; 1: M and the scaled k / v tiles in
+    the input dtype, as fla's recompute_w_u; 0: fp32 at PREC)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -481,6 +510,8 @@ def _kda_wu_kernel(
     tok = t0 + rows
     cblk = (i_c.to(tl.int64) * H + i_h) * BT
     rb = rows // BC
+    if LOOP == 1:
+        nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, 0, stride_k, stride_v, i_h, K, V, BK, BV)
     x = tl.load(x_in + (cblk + rows)[:, None] * BT + rows[None, :])
     di = tl.where(rb[:, None] == rb[None, :], x, 0.0)          # block-diagonal inverse (the 'where' drops the
     lo = tl.where(rb[:, None] > rb[None, :], x, 0.0)           # never-written entries above the diagonal blocks)
@@ -490,21 +521,39 @@ def _kda_wu_kernel(
         m = di - tl.dot(nmat, m, input_precision=PREC)
     rk = tl.load(rs_in + (cblk + rows) * 4 + 1)
     beta = tl.load(rs_in + (cblk + rows) * 4 + 2)
-    for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        m2 = rmask[:, None] & cm[None, :]
-        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        G = tl.load(g_in + (cblk + rows)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
-        wv = tl.dot(m, bk * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
-        tl.store(w_out + (cblk + rows)[:, None] * K + c[None, :], wv.to(w_out.dtype.element_ty), mask=cm[None, :])
-    for vb in range(0, V, BV):
-        c = vb + tl.arange(0, BV)
-        cm = c < V
-        m2 = rmask[:, None] & cm[None, :]
-        bv = tl.load(v + tok[:, None] * stride_v + i_h * V + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        uv = tl.dot(m, bv * beta[:, None], input_precision=PREC)
-        tl.store(u_out + (cblk + rows)[:, None] * V + c[None, :], uv.to(u_out.dtype.element_ty), mask=cm[None, :])
+    if LOOP == 1:
+        NI: tl.constexpr = max((K + BK - 1) // BK, (V + BV - 1) // BV)
+        dt = k.dtype.element_ty if MM != 0 else tl.float32
+        ml = m.to(dt)
+        for i in range(NI):
+            bk, G, bv = nk, ng, nv
+            nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i + 1, stride_k, stride_v, i_h, K, V, BK, BV)
+            ck = i * BK + tl.arange(0, BK)
+            cv = i * BV + tl.arange(0, BV)
+            wv = _mm(ml, (bk.to(tl.float32) * (rk * beta)[:, None] * tl.exp2(G)).to(dt), PREC, MM)
+            uv = _mm(ml, (bv.to(tl.float32) * beta[:, None]).to(dt), PREC, MM)
+            tl.store(w_out + (cblk + rows)[:, None] * K + ck[None, :], wv.to(w_out.dtype.element_ty),
+                     mask=(ck < K)[None, :])
+            tl.store(u_out + (cblk + rows)[:, None] * V + cv[None, :], uv.to(u_out.dtype.element_ty),
+                     mask=(cv < V)[None, :])
+    else:
+        for kb in range(0, K, BK):
+            c = kb + tl.arange(0, BK)
+            cm = c < K
+            m2 = rmask[:, None] & cm[None, :]
+            bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            G = tl.load(g_in + (cblk + rows)[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
+            wv = tl.dot(m, bk * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
+            tl.store(w_out + (cblk + rows)[:, None] * K + c[None, :], wv.to(w_out.dtype.element_ty),
+                     mask=cm[None, :])
+        for vb in range(0, V, BV):
+            c = vb + tl.arange(0, BV)
+            cm = c < V
+            m2 = rmask[:, None] & cm[None, :]
+            bv = tl.load(v + tok[:, None] * stride_v + i_h * V + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            uv = tl.dot(m, bv * beta[:, None], input_precision=PREC)
+            tl.store(u_out + (cblk + rows)[:, None] * V + c[None, :], uv.to(u_out.dtype.element_ty),
+                     mask=cm[None, :])
 
 
 @triton.jit
@@ -676,7 +725,8 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
-               dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec),
+               dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
+                    LOOP=int(WU_LOOP), MM=int(bool(WU_LP)) if bf16 else 0),
                dict(num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG))),
     })
     specs = {n: specs[n] for n in which}
@@ -763,6 +813,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_wu_kernel[(NT, H)](
                 k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
+                LOOP=int(WU_LOOP), MM=(mm if WU_LP else 0),
                 num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG),
             )
 

@@ -266,13 +266,14 @@ def test_sm90_offline_compile_no_spills():
             "print(json.dumps({'bv64': c.compile_report(hpass_bv=64, out_bv=128), "
             "'bv32': c.compile_report(hpass_bv=32, which=('hpass',)), "
             "'bv16': c.compile_report(hpass_bv=16, which=('hpass',)), "
-            "'fast_softplus': (setattr(c, 'FAST_SOFTPLUS', 1), c.compile_report(which=('prep',)))[1], "
-            "'cumsum_dot': (setattr(c, 'CUMSUM_DOT', 1), setattr(c, 'PREP_BK', 16), "
+            "'exact_softplus': (setattr(c, 'FAST_SOFTPLUS', 0), c.compile_report(which=('prep',)))[1], "
+            "'prep_norm_loop': (setattr(c, 'FAST_SOFTPLUS', 1), setattr(c, 'PREP_NORM1', 0), "
             "c.compile_report(which=('prep',)))[-1], "
-            "'prep_norm1': (setattr(c, 'PREP_NORM1', 1), c.compile_report(which=('prep',)))[-1], "
-            "'akk_lv_1k': (setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1], "
-            "'akk_uncond': (setattr(c, 'AKK_LV_SPLITK', 1), setattr(c, 'AKK_UNCOND', 1), "
-            "c.compile_report(which=('akk',)))[-1]}))")
+            "'cumsum_scan': (setattr(c, 'PREP_NORM1', 1), setattr(c, 'CUMSUM_DOT', 0), setattr(c, 'PREP_BK', 32), "
+            "c.compile_report(which=('prep',)))[-1], "
+            "'akk_branched': (setattr(c, 'AKK_UNCOND', 0), setattr(c, 'AKK_MAXNREG', None), "
+            "c.compile_report(which=('akk',)))[-1], "
+            "'akk_lv_1k': (setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1]}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=400)
     if r.returncode != 0 and ("Cannot find ptxas" in r.stderr or "Cannot find cuobjdump" in r.stderr):
@@ -281,7 +282,10 @@ def test_sm90_offline_compile_no_spills():
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     for cfg, kernels in rep.items():
         for name, (regs, stack, smem) in kernels.items():
-            assert stack == 0, (cfg, name, regs, stack)
+            # the default akk (unconditional K pass capped at AKK_MAXNREG=168 regs for 12 CTAs / SM) keeps 24 B of
+            # stack; every other kernel and configuration spills nothing
+            allowed = 32 if (cfg, name) == ("bv64", "akk") else 0
+            assert stack <= allowed, (cfg, name, regs, stack)
             assert smem <= 227 * 1024, (cfg, name, smem)
 
 
@@ -310,13 +314,15 @@ def test_intra_awkward_lengths_fp32(lens, strong_gate):
 VARIANTS = {
     "hpass-no-prefetch": dict(HPASS_PREFETCH=0),
     # session 5: level-anchored tensor-core diagonal blocks in a 1-warp akk (one K pass; the default takes two)
-    "akk-lv": dict(AKK_LV_SPLITK=0),
+    "akk-lv": dict(AKK_LV_SPLITK=0, AKK_MAXNREG=None),
     "cumsum-scan": dict(CUMSUM_DOT=0, PREP_BK=32),
     "out-v-slowest": dict(OUT_VFAST=0),
-    # the row norms from one [BT, K] load (no K loop of dependent round trips)
-    "prep-norm1": dict(PREP_NORM1=1),
-    # akk's off-diagonal blocks without branches (blocks j >= i on masked rows)
-    "akk-uncond": dict(AKK_UNCOND=1),
+    # the row norms by a K loop of dependent round trips (the default loads each [BT, K] once)
+    "prep-norm-loop": dict(PREP_NORM1=0),
+    # akk's off-diagonal blocks with per-block branches (the default runs blocks j >= i on masked rows)
+    "akk-branched": dict(AKK_UNCOND=0, AKK_MAXNREG=None),
+    # wu's w and u tiles in one loop, loads one tile ahead (tile 0 before the inverse chain)
+    "wu-loop": dict(WU_LOOP=1),
 }
 
 
@@ -374,8 +380,10 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "hpass-s2": dict(HPASS_NUM_STAGES=2),
     "prep-s4": dict(PREP_NORM1=1, PREP_STAGES=4),
     "akk-r128": dict(AKK_MAXNREG=128),
-    "akk-unc-r168": dict(AKK_UNCOND=1, AKK_MAXNREG=168),
+    "akk-uncapped": dict(AKK_MAXNREG=None),
     "wu-r128": dict(WU_MAXNREG=128),
+    # bf16 dot operands in wu (no effect on fp32 inputs)
+    "wu-loop-lp": dict(WU_LOOP=1, WU_LP=1),
 })
 
 
