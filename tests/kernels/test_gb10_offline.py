@@ -11,7 +11,6 @@ registers. Triton 3.9 lowers tl.dot to mma.sync on sm_12x (its cap >= 100 pipeli
 Run as a script for the report: `python tests/kernels/test_gb10_offline.py [arch]` (no TRITON_INTERPRET)."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -276,17 +275,12 @@ def report(arch: int = ARCH, scenarios=None) -> dict:
 def test_gb10_offline_compile():
     """Every recorded launch compiles for sm_121a with shared memory <= 99 KB and registers x threads within the 64K
     register file, mma.sync dots only, griddepcontrol in every PDL launch; every scenario launched its kernels."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), str(ARCH)], cwd=root, env=env,
-                       capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 and ("Cannot find ptxas" in r.stderr or "Cannot find cuobjdump" in r.stderr):
-        pytest.skip("no bundled ptxas/cuobjdump: " + r.stderr[-300:])
-    assert r.returncode == 0, r.stderr[-3000:]
+    from tests.kernels.conftest import run_offline   # here: this file also runs as the script (no tests package)
+
+    rep = run_offline(script=os.path.abspath(__file__), args=(str(ARCH),), timeout=600)
     print("\n".join(f"{x['scenario'][:24]:<24} {x['kernel']:<30} smem {x.get('smem')} regs {x.get('regs')} "
                     f"stack {x.get('stack')} warps {x.get('warps')} stages {x.get('stages')}"
-                    for x in json.loads(r.stdout.strip().splitlines()[-1])["launches"]))
-    rep = json.loads(r.stdout.strip().splitlines()[-1])
+                    for x in rep["launches"]))
     bad = [x for x in rep["launches"] if "error" in x]
     assert not bad, bad
     for x in rep["launches"]:

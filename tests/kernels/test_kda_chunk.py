@@ -257,11 +257,8 @@ def test_tiling_fp32(monkeypatch, prefetch, vfast):
 def test_sm90_offline_compile_no_spills():
     """Every kernel compiles for sm_90 at Kimi shapes (bf16) without register spills and within H200 shared memory.
     Offline (Triton's bundled ptxas), in a subprocess without TRITON_INTERPRET."""
-    import json
-    import subprocess
-    import sys
+    from tests.kernels.conftest import run_offline
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import json, kernels.kda.chunk as c; "
             "print(json.dumps({'bv64': c.compile_report(hpass_bv=64, out_bv=128), "
             "'bv32': c.compile_report(hpass_bv=32, which=('hpass',)), "
@@ -274,12 +271,7 @@ def test_sm90_offline_compile_no_spills():
             "'akk_branched': (setattr(c, 'AKK_UNCOND', 0), setattr(c, 'AKK_MAXNREG', None), "
             "c.compile_report(which=('akk',)))[-1], "
             "'akk_lv_1k': (setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1]}))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=400)
-    if r.returncode != 0 and ("Cannot find ptxas" in r.stderr or "Cannot find cuobjdump" in r.stderr):
-        pytest.skip("no bundled ptxas/cuobjdump: " + r.stderr[-300:])
-    assert r.returncode == 0, r.stderr[-3000:]
-    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    rep = run_offline(code, 400)
     for cfg, kernels in rep.items():
         for name, (regs, stack, smem) in kernels.items():
             # the default akk (unconditional K pass capped at AKK_MAXNREG=168 regs for 12 CTAs / SM) keeps 24 B of

@@ -12,7 +12,7 @@ from kernels.testing import (
     make_kda_tokens,
     slice_tokens,
 )
-from tests.kernels.conftest import requires_triton
+from tests.kernels.conftest import requires_triton, run_offline
 
 pytestmark = requires_triton
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -482,19 +482,8 @@ def test_early_state_offline_sm90():
     16-byte loads, none left after the wait); never an activation (bf16 b16 loads: qkv, z, b, r, and the conv state,
     prefetched only), store or atomic before it; launch_dependents right after it; no spills."""
     import collections
-    import json
-    import os
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KIMI_PDL")}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-c", _ES_OFFLINE], cwd=root, env=env, capture_output=True, text=True,
-                       timeout=600)
-    if r.returncode != 0 and "Cannot find ptxas" in r.stderr:
-        pytest.skip("no bundled ptxas: " + r.stderr[-300:])
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = run_offline(_ES_OFFLINE, 600, unset=("KIMI_PDL",))
     W, LD = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
     for N in (1, 8):
         parts = {}

@@ -14,6 +14,7 @@ from kernels.mla.absorb import mla_decode_prep_ref, mla_decode_prep_triton, mla_
 from kernels.mla.cache import store_latent_triton
 from kernels.mla.decode import DECODE_VARIANTS, GPU_BROKEN, mla_decode_triton
 from kernels.norm import rmsnorm_head_ref, rmsnorm_head_triton
+from tests.kernels.conftest import run_offline
 from tests.kernels.test_mla import check_close, make_paged
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -247,19 +248,8 @@ def test_sm90_pdl_lowering():
     right after it; before it no store / atomic, only the weight loads (prep: w_uk tile + norm weight; uv: the held
     w_uv chunk, plus L2 prefetches of the rest when BLOCK_V > VC) and nothing at all in stage 1 (compiled on GPU
     machines or with KIMI_TEST_STAGE1_LOWERING=1: CI time); the same memory instructions as the non-GDC build."""
-    import json
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KIMI_PDL")}
     stage1 = "STAGE1 = " + str(HAS_CUDA or os.environ.get("KIMI_TEST_STAGE1_LOWERING") == "1") + "\n"
-    r = subprocess.run([sys.executable, "-c", stage1 + _LOWERING], cwd=root, env=env, capture_output=True, text=True,
-                       timeout=600)
-    if r.returncode != 0 and "Cannot find ptxas" in r.stderr:
-        pytest.skip("no bundled ptxas: " + r.stderr[-300:])
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = run_offline(stage1 + _LOWERING, 600, unset=("KIMI_PDL",))
     W, LD = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
     for name, ev in res.items():
         off, on = ev["False"], ev["True"]

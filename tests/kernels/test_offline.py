@@ -3,7 +3,6 @@ sass_loop_stats. The compiles run in a subprocess without TRITON_INTERPRET (this
 would replace the jit functions); sass_loop_stats is also checked on hand-written SASS."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -86,13 +85,9 @@ def test_compile_offline_sm90():
     loads with mma.sync); one stage: no ring; the copy kernel: no loop, no smem, no MMA."""
     if not os.path.exists(cuobjdump_path()):
         pytest.skip("no bundled cuobjdump: " + cuobjdump_path())
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
-    if r.returncode != 0 and "Cannot find ptxas" in r.stderr:
-        pytest.skip("no bundled ptxas: " + r.stderr[-300:])
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    from tests.kernels.conftest import run_offline   # here: this file also runs as the script (no tests package)
+
+    res = run_offline(script=os.path.abspath(__file__), timeout=600)
     print("\n".join(f"{k}: {v}" for k, v in res.items()))
     for name in ("dot s3 w4", "dot s1 w4", "dot s3 w2"):
         b = res[name]

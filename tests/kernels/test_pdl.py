@@ -1,7 +1,6 @@
 """PDL chain of the decode kernels (kernels/_pdl.py, KIMI_PDL): the switch, the launch arguments every wrapper passes,
 the sm_90 lowering of each GDC kernel (what runs before griddepcontrol.wait), and on a GPU a CUDA graph of PDL
 launches bit-identical to the same chain without PDL."""
-import json
 import os
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from kernels import norm as norm_mod
 from kernels.kda import recurrent as rec_mod
 from kernels.moe import router as router_mod
 from kernels.testing import make_kda_layer
-from tests.kernels.conftest import requires_triton
+from tests.kernels.conftest import requires_triton, run_offline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -169,12 +168,7 @@ def test_sm90_lowering():
     before it no store, atomic or (except the weight loads of norms and routers) load, only L2 prefetches (gemv,
     KDA decode); launch_dependents right after the wait (router v3: first, as before); without the flag neither
     instruction (router v3 keeps its early signal) and the same memory instructions."""
-    r = subprocess.run([sys.executable, "-c", _LOWERING], cwd=ROOT, env=_env_without_interpreter(),
-                       capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 and "Cannot find ptxas" in r.stderr:
-        pytest.skip("no bundled ptxas: " + r.stderr[-300:])
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = run_offline(_LOWERING, 600, unset=("KIMI_PDL",))
     W, L = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
     weights_first = {"add_rmsnorm", "rmsnorm", "rmsnorm_head", "combine_add_rmsnorm", "router_v1", "router_v3"}
     prefetch_first = {"gemv_dot", "gemv_fma", "kda_decode"}

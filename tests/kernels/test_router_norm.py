@@ -8,10 +8,7 @@ h is one rounded add (bitwise equal to add_rmsnorm's). x: the fused kernel sums 
 (decode_k_split), add_rmsnorm in one [next_pow2(D)] reduction, so x may differ in the last bit of some elements
 (at most 1 bf16 ulp); the weights / ids are always those of the x the kernel returns.
 """
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,12 +16,12 @@ import torch
 import kernels._dispatch as dispatch
 from kernels.moe import moe_router_add_norm, moe_router_ref
 from kernels.norm import add_rmsnorm_ref
+from tests.kernels.conftest import run_offline
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAS_CUDA = torch.cuda.is_available()
 needs_triton = pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
 DEV = "cuda" if HAS_CUDA else "cpu"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EPS, SCALE = 1e-6, 2.446
 
 # (decode kernel, BE, warps): the default v3 config, v2's arrival counter, wider programs, and 64 experts per 1-warp
@@ -263,14 +260,8 @@ def test_sm90_lowering_norm():
     """Offline sm_90 PTX of the NORM decode kernel under PDL (WAIT): one griddepcontrol.wait; before it loads only
     (gate rows, norm weight, bias: weights), no store or atomic; after it the attn / residual loads; without WAIT
     the same memory instructions."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KIMI_PDL")}
-    p = subprocess.run([sys.executable, "-c", _LOWERING], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
-    if p.returncode != 0 and "Cannot find ptxas" in p.stderr:
-        pytest.skip("no bundled ptxas: " + p.stderr[-300:])
-    assert p.returncode == 0, p.stderr[-3000:]
     W = "griddepcontrol.wait"
-    for name, ev in json.loads(p.stdout.strip().splitlines()[-1]).items():
+    for name, ev in run_offline(_LOWERING, 600, unset=("KIMI_PDL",)).items():
         off, on = ev["0"], ev["1"]
         assert on.count(W) == 1 and W not in off, name
         pre, post = on[:on.index(W)], on[on.index(W) + 1:]
