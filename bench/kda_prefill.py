@@ -364,8 +364,8 @@ QUICK_VARIANTS = [
     # register caps for occupancy: akk 162 -> 128 regs (12 -> 16 CTAs / SM, 144 B stack, +5% instructions);
     # wu 150 -> 128 (3 -> 4 CTAs / SM, 16 B stack)
     ("akk-r128", dict(AKK_UNCOND=0, AKK_MAXNREG=128)),
-    ("wu-r128", dict(WU_MAXNREG=128)),
-    ("intra-r128-norm1", dict(PREP_NORM1=1, AKK_UNCOND=0, AKK_MAXNREG=128, WU_MAXNREG=128)),
+    ("wu-r128", dict(WU_LOOP=0, WU_MAXNREG=128)),
+    ("intra-r128-norm1", dict(PREP_NORM1=1, AKK_UNCOND=0, AKK_MAXNREG=128, WU_LOOP=0, WU_MAXNREG=128)),
     # akk-unc: the off-diagonal K pass without its per-block branches, which kept its loads out of the pipeliner
     # (plain LDG waited for per K tile -> a cp.async ring; loop body 549 -> 429 instructions; 230 regs, 8 CTAs / SM;
     # r168: 24 B stack, 12 / SM as now; r128: 144 B stack, 16 / SM)
@@ -378,16 +378,22 @@ QUICK_VARIANTS = [
     # session 12 (offline sm_90, Triton 3.9): wu runs x load -> 4-dot inverse chain -> K loop -> V loop, each loop's
     # first cp.async waited for after the chain / the previous loop (three exposed load latencies per program, 20
     # waves of 3 CTAs / SM). wu-loop: one loop, loads one tile ahead in registers, tile 0's before the chain (197
-    # regs: 2 CTAs / SM; r168: 8 B stack); wu-loop-lp: bf16 dot operands (fla's precision), 168 regs, 3 / SM
-    ("wu-loop", dict(WU_LOOP=1)),
+    # regs: 2 CTAs / SM; r168: 8 B stack); wu-loop-lp: bf16 dot operands (fla's precision), 168 regs, 3 / SM.
+    # H200 12-04: wu 0.436 (two loops) -> 0.408 (wu-loop) -> 0.391 ms (wu-loop-r168, the default since); wu-loop-lp
+    # 0.325 ms but WRONG (o rel err 1.2: M converted to bf16 once before the loop; converted per tile: an illegal
+    # address), both removed
+    ("wu-two-loops", dict(WU_LOOP=0, WU_MAXNREG=None)),
+    ("wu-loop", dict(WU_LOOP=1, WU_MAXNREG=None)),
     ("wu-loop-r168", dict(WU_LOOP=1, WU_MAXNREG=168)),
-    ("wu-loop-lp", dict(WU_LOOP=1, WU_LP=1)),
     # the state pass at BV 32: half the programs (128 at T=16k, H=32), half the L2 re-reads of w / kg per step
     # prep with NORM1 (its K loop only writes G / qg / kg now): wider tiles / more warps (offline sm_90, Triton 3.9:
     # BK 32 168 regs, 3 CTAs / SM; BK 32 at 8 warps 120 regs; BK 16 at 8 warps 96 regs; the default 127, 4 / SM)
     ("prep-bk32", dict(PREP_BK=32)),
     ("prep-bk32-w8", dict(PREP_BK=32, PREP_NUM_WARPS=8)),
     ("prep-w8", dict(PREP_NUM_WARPS=8)),
+    # H200 12-04 (T=16k: BV 16 0.377, bv32 0.364, bv32-w8 0.370 ms; varlen 16x1k, where the rule picks BV 64:
+    # 0.293 / 0.308 / 0.401): the rule now takes 32 over 16 while it gives ~one program per SM
+    ("hpass-bv16", dict(HPASS_BV=16)),
     ("hpass-bv32", dict(HPASS_BV=32)),
     ("hpass-bv32-w8", dict(HPASS_BV=32, HPASS_NUM_WARPS=8)),
 ]

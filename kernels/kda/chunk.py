@@ -80,7 +80,7 @@ RCP_LN2 = 1.4426950408889634
 #  (4 warps), 136 / 80 KB at BV=32 (4), 204 / 104 KB at BV=64 (8); out 72 regs / 48 KB at BV=64 (4 warps), 95 / 72 KB
 #  at BV=128)
 # intra -> state pass only (stores h_c, vn) -> fully parallel output
-HPASS_BV = None          # None: largest of 64/32/16 giving >= 2 programs per SM ((V/BV) * P * H >= 2 * SMs)
+HPASS_BV = None          # None: largest of 64/32 giving >= 2 programs per SM ((V/BV) * P * H >= 2 * SMs), else _plan's rule
 HPASS_NUM_WARPS = None   # None: 4 for BV <= 32, 8 for BV = 64
 HPASS_NUM_STAGES = 3       # H200 12-03: hpass 0.508 -> 0.376 ms at T=16k (with HPASS_PREFETCH), one chunk in flight
 HPASS_PREFETCH = 1       # 1: load u / gl of the next chunk one iteration ahead (off the serial chain; offline
@@ -126,12 +126,12 @@ AKK_UNCOND = 1
 WU_BK = 32
 WU_BV = 32
 WU_NUM_WARPS = 4
-WU_MAXNREG = None        # register cap for wu (None: 150 regs, 3 CTAs / SM; 128: 4 CTAs, 16 B spill offline; untimed)
-# WU_LOOP = 1 (A/B, untimed): wu's w and u tiles in one loop whose loads run one tile ahead, tile 0's issued before
-# the inverse chain (the default's K and V loops each start with an exposed load after the chain). WU_LP = 1 (with
-# WU_LOOP): M and the scaled k / v tiles as bf16 dot operands (fla's precision) instead of fp32 at tf32.
-WU_LOOP = 0
-WU_LP = 0
+# WU_LOOP = 1 (default since H200 12-04, session 12, with WU_MAXNREG=168: wu 0.436 -> 0.391 ms at T=16k, the same
+# bits): wu's w and u tiles in one loop whose loads run one tile ahead, tile 0's issued before the inverse chain
+# (LOOP 0, the variant wu-two-loops: a K loop, then a V loop, each starting with a load waited for after the chain
+# / the previous loop). Uncapped 189 regs (2 CTAs / SM on the H200: 0.408 ms); capped at 168: 3 / SM, 8 B stack.
+WU_LOOP = 1
+WU_MAXNREG = 168         # register cap for wu (LOOP 0: 150 regs uncapped, 3 CTAs / SM; 128: 4, 16 B spill offline)
 # FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep (fla's choice) instead of libdevice's
 # accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop body 2134 -> see --quick). No
 # effect under the interpreter.
@@ -490,7 +490,7 @@ def _kda_wu_kernel(
     k, v, g_in, rs_in, x_in, chunk_offsets, cu_seqlens, n_seq, w_out, u_out,
     stride_k, stride_v,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0, MM: tl.constexpr = 0,
+    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0,
 ):
     """Intra launch 3, grid (chunk, head): M = (I + L)^-1 = sum_j (-N)^j Di with N = Di L_off (strictly block-lower,
     N^(BT/BC) = 0), from x_in (Di on the diagonal blocks, L_off below); then w = M (beta kn exp2(G)), u = M (beta v)
@@ -498,8 +498,9 @@ def _kda_wu_kernel(
     LOOP 0: a K loop for w, then a V loop for u (each pipelined by Triton after the inverse: two exposed load
     latencies after it). LOOP 1: one loop over max(K / BK, V / BV) tiles, each one k, G and v tile, the next tile's
     loads issued (into registers) before this tile's dots and tile 0's before the inverse, so no load waits on the
-    inverse chain or on a loop boundary. MM (LOOP 1): the dot operands' mode (_mm; 1: M and the scaled k / v tiles in
-    the input dtype, as fla's recompute_w_u; 0: fp32 at PREC)."""
+    inverse chain or on a loop boundary. (bf16 dot operands there, fla's precision, were faster on the H200 -- wu
+    0.325 ms -- but wrong with M converted once before the loop and an illegal address with M converted per tile,
+    Triton 3.6, 12-04: removed.)"""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -523,15 +524,13 @@ def _kda_wu_kernel(
     beta = tl.load(rs_in + (cblk + rows) * 4 + 2)
     if LOOP == 1:
         NI: tl.constexpr = max((K + BK - 1) // BK, (V + BV - 1) // BV)
-        dt = k.dtype.element_ty if MM != 0 else tl.float32
-        ml = m.to(dt)
         for i in range(NI):
             bk, G, bv = nk, ng, nv
             nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i + 1, stride_k, stride_v, i_h, K, V, BK, BV)
             ck = i * BK + tl.arange(0, BK)
             cv = i * BV + tl.arange(0, BV)
-            wv = _mm(ml, (bk.to(tl.float32) * (rk * beta)[:, None] * tl.exp2(G)).to(dt), PREC, MM)
-            uv = _mm(ml, (bv.to(tl.float32) * beta[:, None]).to(dt), PREC, MM)
+            wv = tl.dot(m, bk.to(tl.float32) * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
+            uv = tl.dot(m, bv.to(tl.float32) * beta[:, None], input_precision=PREC)
             tl.store(w_out + (cblk + rows)[:, None] * K + ck[None, :], wv.to(w_out.dtype.element_ty),
                      mask=(ck < K)[None, :])
             tl.store(u_out + (cblk + rows)[:, None] * V + cv[None, :], uv.to(u_out.dtype.element_ty),
@@ -726,7 +725,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                    LOOP=int(WU_LOOP), MM=int(bool(WU_LP)) if bf16 else 0),
+                    LOOP=int(WU_LOOP)),
                dict(num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG))),
     })
     specs = {n: specs[n] for n in which}
@@ -813,7 +812,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_wu_kernel[(NT, H)](
                 k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                LOOP=int(WU_LOOP), MM=(mm if WU_LP else 0),
+                LOOP=int(WU_LOOP),
                 num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG),
             )
 
@@ -826,7 +825,9 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     vn = torch.empty(n_rows, V, dtype=sdt, device=dev)
     hbv = HPASS_BV
     if hbv is None:
-        hbv = 16
+        # largest BV with >= 2 programs per SM; else 32 while it still gives ~one per SM (H200 12-04, T=16k, P=1,
+        # H=32: BV 32 (128 programs) 0.364 ms vs BV 16 (256) 0.377), else 16
+        hbv = 32 if cdiv(V, 32) * P * H >= nsm * 7 // 8 else 16
         for cand in (64, 32):
             if _interpreting() or cdiv(V, cand) * P * H >= 2 * nsm:
                 hbv = cand

@@ -270,13 +270,16 @@ def test_sm90_offline_compile_no_spills():
             "c.compile_report(which=('prep',)))[-1], "
             "'akk_branched': (setattr(c, 'AKK_UNCOND', 0), setattr(c, 'AKK_MAXNREG', None), "
             "c.compile_report(which=('akk',)))[-1], "
-            "'akk_lv_1k': (setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1]}))")
+            "'akk_lv_1k': (setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1], "
+            "'wu_two_loops': (setattr(c, 'WU_LOOP', 0), setattr(c, 'WU_MAXNREG', None), "
+            "c.compile_report(which=('wu',)))[-1]}))")
     rep = run_offline(code, 400)
     for cfg, kernels in rep.items():
         for name, (regs, stack, smem) in kernels.items():
             # the default akk (unconditional K pass capped at AKK_MAXNREG=168 regs for 12 CTAs / SM) keeps 24 B of
-            # stack; every other kernel and configuration spills nothing
-            allowed = 32 if (cfg, name) == ("bv64", "akk") else 0
+            # stack and the default wu (one loop, capped at WU_MAXNREG=168 for 3 CTAs / SM) 8 B; every other kernel
+            # and configuration spills nothing
+            allowed = {("bv64", "akk"): 32, ("bv64", "wu"): 16}.get((cfg, name), 0)
             assert stack <= allowed, (cfg, name, regs, stack)
             assert smem <= 227 * 1024, (cfg, name, smem)
 
@@ -313,8 +316,8 @@ VARIANTS = {
     "prep-norm-loop": dict(PREP_NORM1=0),
     # akk's off-diagonal blocks with per-block branches (the default runs blocks j >= i on masked rows)
     "akk-branched": dict(AKK_UNCOND=0, AKK_MAXNREG=None),
-    # wu's w and u tiles in one loop, loads one tile ahead (tile 0 before the inverse chain)
-    "wu-loop": dict(WU_LOOP=1),
+    # wu's w tiles in a K loop, then its u tiles in a V loop (the default: one loop, loads one tile ahead)
+    "wu-two-loops": dict(WU_LOOP=0, WU_MAXNREG=None),
 }
 
 
@@ -373,9 +376,8 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "prep-s4": dict(PREP_NORM1=1, PREP_STAGES=4),
     "akk-r128": dict(AKK_MAXNREG=128),
     "akk-uncapped": dict(AKK_MAXNREG=None),
-    "wu-r128": dict(WU_MAXNREG=128),
-    # bf16 dot operands in wu (no effect on fp32 inputs)
-    "wu-loop-lp": dict(WU_LOOP=1, WU_LP=1),
+    "wu-r128": dict(WU_LOOP=0, WU_MAXNREG=128),
+    "wu-uncapped": dict(WU_MAXNREG=None),
 })
 
 
