@@ -38,9 +38,11 @@ from kernels._pdl import gdc_enter, pdl_launch, pdl_on, prefetch_l2
 from kernels._tensors import arrival_counters, cdiv, max_shared_mem, next_pow2, num_sms
 
 GEMV_MAX_M = 16
-# PDL launch: W bytes the whole grid prefetches into L2 before griddepcontrol.wait (KIMI_PDL_L2_MB; a fraction of
-# the H200's 50 MB L2, so the prefetched head of the slabs is still there when the loop reaches it) and its cap
-PDL_L2_MB = float(os.environ.get("KIMI_PDL_L2_MB", "16"))
+# PDL launch: W bytes the whole grid prefetches into L2 before griddepcontrol.wait (KIMI_PDL_L2_MB) and its cap in
+# lines per row. 4 MB since H200 12-04 (bench/ablate.py --batch 1 --set kernels.gemv.PDL_L2_MB=...: b1 step 2.27 ms
+# at 3-6 MB (or 1-4 lines per row) vs 2.32-2.35 at 16 MB and 2.29 at 0; b8 unchanged): a larger head competes with
+# the still-running previous kernel's own HBM stream
+PDL_L2_MB = float(os.environ.get("KIMI_PDL_L2_MB", "4"))
 PDL_MAX_LINES = 64
 
 

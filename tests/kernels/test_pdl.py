@@ -119,6 +119,9 @@ def test_gemv_prefetch_budget(monkeypatch):
     assert gemv_mod._pdl_prefetch(1, 12576, 1, 2304, 2) == dict(PF_N=10, PF_L=16, PF_STEP=64)    # in_proj
     assert gemv_mod._pdl_prefetch(2, 4096, 1, 128, 2) == dict(PF_N=2, PF_L=2, PF_STEP=64)        # f_b | g_b
     assert gemv_mod._pdl_prefetch(1, 64, 1, 1 << 20, 4)["PF_N"] == gemv_mod.PDL_MAX_LINES
+    monkeypatch.setattr(gemv_mod, "PDL_L2_MB", 4)     # the default since 12-04: 2-4 lines (256-512 B) per row
+    assert gemv_mod._pdl_prefetch(1, 2304, 3, 1408, 2) == dict(PF_N=4, PF_L=4, PF_STEP=64)       # o_proj
+    assert gemv_mod._pdl_prefetch(1, 12576, 1, 2304, 2) == dict(PF_N=2, PF_L=2, PF_STEP=64)      # in_proj
     monkeypatch.setattr(gemv_mod, "PDL_L2_MB", 0)
     assert gemv_mod._pdl_prefetch(1, 2304, 3, 1408, 2)["PF_N"] == 0
 
