@@ -264,6 +264,10 @@ SHAPE_CONFIGS: dict = {
     (1, 6720, 2304, 1): GemvConfig(BN=64, BK=128, split=1, dot=True, num_warps=4, num_stages=6),      # MLA q|kv_a
     (32, 128, 512, 1): GemvConfig(BN=64, BK=128, split=1, dot=True, num_warps=4, num_stages=4),       # MLA w_uv
 }
+# field overrides of SHAPE_CONFIGS' entries, {(B, N, K[, M]): {GemvConfig field: value}}: plain literals, so that
+# `bench/ablate.py --set "kernels.gemv.SHAPE_OVERRIDES={(1, 2304, 4096): {'split': 4}}"` tries a config inside the
+# decode graph (where the standalone sweep's L2-flushed optimum need not hold); empty by default
+SHAPE_OVERRIDES: dict = {}
 # {(B, N, K): largest M} where ours beat cuBLAS on the H200 (skinny_linear(measured_only=True), KIMI_GEMV=auto)
 GEMV_WINS: dict = {(1, 12576, 2304): 1, (1, 2304, 4096): 1, (1, 6720, 2304): 1}
 
@@ -299,6 +303,9 @@ def gemv_config(M: int, N: int, K: int, B: int, device, cfg: Optional[GemvConfig
     memory per block (_dot_stages)."""
     if cfg is None:
         cfg = SHAPE_CONFIGS.get((B, N, K, M), SHAPE_CONFIGS.get((B, N, K)))
+        ov = SHAPE_OVERRIDES.get((B, N, K, M), SHAPE_OVERRIDES.get((B, N, K)))
+        if ov:
+            cfg = replace(cfg or (DOT_CONFIG if M > FMA_MAX_M else FMA_CONFIG), **ov)
     dot = cfg.dot if cfg is not None and cfg.dot is not None else M > FMA_MAX_M
     base = cfg if cfg is not None else (DOT_CONFIG if dot else FMA_CONFIG)
     bk = _block_k(K, base.BK)

@@ -126,6 +126,22 @@ def test_shape_configs_table(monkeypatch):
     assert gemv_config(1, 6720, 2304, 1, "cpu")[0].BN == kernels.gemv.DOT_CONFIG.BN
 
 
+def test_shape_overrides(monkeypatch):
+    # SHAPE_OVERRIDES (literal field dicts, for bench/ablate.py --set) change fields of the shape's config only;
+    # a shape without a SHAPE_CONFIGS entry gets them on the default config
+    base = GemvConfig(BN=64, BK=128, split=3, dot=True, num_warps=4, num_stages=2)
+    monkeypatch.setattr(kernels.gemv, "SHAPE_CONFIGS", {(1, 2304, 4096): base})
+    monkeypatch.setattr(kernels.gemv, "SHAPE_OVERRIDES", {(1, 2304, 4096): {"split": 4, "BN": 32},
+                                                          (1, 6720, 2304, 1): {"split": 2}})
+    c, _ = gemv_config(1, 2304, 4096, 1, "cpu")
+    assert (c.BN, c.split, c.num_warps, c.num_stages) == (32, 4, 4, 2)
+    c, _ = gemv_config(1, 6720, 2304, 1, "cpu")
+    assert c.split == 2 and c.BN == kernels.gemv.DOT_CONFIG.BN
+    with_ov = gemv_config(4, 6720, 2304, 1, "cpu")
+    monkeypatch.setattr(kernels.gemv, "SHAPE_OVERRIDES", {})
+    assert gemv_config(4, 6720, 2304, 1, "cpu") == with_ov               # M = 4: the M = 1 override does not apply
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K,what", KIMI, ids=[k[2] for k in KIMI])
 @pytest.mark.parametrize("M", [1, 4, 16])
