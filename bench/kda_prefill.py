@@ -369,7 +369,7 @@ QUICK_VARIANTS = [
     # akk-unc: the off-diagonal K pass without its per-block branches, which kept its loads out of the pipeliner
     # (plain LDG waited for per K tile -> a cp.async ring; loop body 549 -> 429 instructions; 230 regs, 8 CTAs / SM;
     # r168: 24 B stack, 12 / SM as now; r128: 144 B stack, 16 / SM)
-    # (prep-norm1 and akk-unc-r168 are the defaults since session 12; before: the two below)
+    # (akk-unc-r168 and prep-norm1 became the defaults in session 12; the old paths are the two after it)
     ("akk-unc", dict(AKK_UNCOND=1, AKK_MAXNREG=None)),
     ("akk-unc-r168", dict(AKK_UNCOND=1, AKK_MAXNREG=168)),
     ("akk-unc-r128", dict(AKK_UNCOND=1, AKK_MAXNREG=128)),
@@ -385,12 +385,12 @@ QUICK_VARIANTS = [
     ("wu-two-loops", dict(WU_LOOP=0, WU_MAXNREG=None)),
     ("wu-loop", dict(WU_LOOP=1, WU_MAXNREG=None)),
     ("wu-loop-r168", dict(WU_LOOP=1, WU_MAXNREG=168)),
-    # the state pass at BV 32: half the programs (128 at T=16k, H=32), half the L2 re-reads of w / kg per step
     # prep with NORM1 (its K loop only writes G / qg / kg now): wider tiles / more warps (offline sm_90, Triton 3.9:
     # BK 32 168 regs, 3 CTAs / SM; BK 32 at 8 warps 120 regs; BK 16 at 8 warps 96 regs; the default 127, 4 / SM)
     ("prep-bk32", dict(PREP_BK=32)),
     ("prep-bk32-w8", dict(PREP_BK=32, PREP_NUM_WARPS=8)),
     ("prep-w8", dict(PREP_NUM_WARPS=8)),
+    # the state pass at BV 32: half the programs (128 at T=16k, H=32), half the L2 re-reads of w / kg per step.
     # H200 12-04 (T=16k: BV 16 0.377, bv32 0.364, bv32-w8 0.370 ms; varlen 16x1k, where the rule picks BV 64:
     # 0.293 / 0.308 / 0.401): the rule now takes 32 over 16 while it gives ~one program per SM
     ("hpass-bv16", dict(HPASS_BV=16)),

@@ -80,7 +80,7 @@ RCP_LN2 = 1.4426950408889634
 #  (4 warps), 136 / 80 KB at BV=32 (4), 204 / 104 KB at BV=64 (8); out 72 regs / 48 KB at BV=64 (4 warps), 95 / 72 KB
 #  at BV=128)
 # intra -> state pass only (stores h_c, vn) -> fully parallel output
-HPASS_BV = None          # None: largest of 64/32 giving >= 2 programs per SM ((V/BV) * P * H >= 2 * SMs), else _plan's rule
+HPASS_BV = None          # None: hpass_bv's rule (64 under the interpreter)
 HPASS_NUM_WARPS = None   # None: 4 for BV <= 32, 8 for BV = 64
 HPASS_NUM_STAGES = 3       # H200 12-03: hpass 0.508 -> 0.376 ms at T=16k (with HPASS_PREFETCH), one chunk in flight
 HPASS_PREFETCH = 1       # 1: load u / gl of the next chunk one iteration ahead (off the serial chain; offline
@@ -737,6 +737,16 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
     return out
 
 
+def hpass_bv(V: int, P: int, H: int, nsm: int) -> int:
+    """The state pass's V tile when HPASS_BV is None: the largest of 64 / 32 giving >= 2 programs ((V / BV) x P x H)
+    per SM; else 32 while that still gives ~one per SM (H200 12-04, T=16k, P=1, H=32: BV 32 = 128 programs 0.364 ms
+    vs BV 16 = 256 programs 0.377); else 16."""
+    for cand in (64, 32):
+        if cdiv(V, cand) * P * H >= 2 * nsm:
+            return cand
+    return 32 if cdiv(V, 32) * P * H >= nsm * 7 // 8 else 16
+
+
 def _fast_softplus() -> int:
     return int(bool(FAST_SOFTPLUS) and not _interpreting())
 
@@ -823,16 +833,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     # per-chunk start states h_c [NT, H, K, V] and vn [NT*H*BT, V], both in the MMA operand dtype
     hs = torch.empty(max(NT, 1) * H * K, V, dtype=sdt, device=dev)
     vn = torch.empty(n_rows, V, dtype=sdt, device=dev)
-    hbv = HPASS_BV
-    if hbv is None:
-        # largest BV with >= 2 programs per SM; else 32 while it still gives ~one per SM (H200 12-04, T=16k, P=1,
-        # H=32: BV 32 (128 programs) 0.364 ms vs BV 16 (256) 0.377), else 16
-        hbv = 32 if cdiv(V, 32) * P * H >= nsm * 7 // 8 else 16
-        for cand in (64, 32):
-            if _interpreting() or cdiv(V, cand) * P * H >= 2 * nsm:
-                hbv = cand
-                break
-    hbv = min(V, hbv)
+    hbv = min(V, HPASS_BV or (64 if _interpreting() else hpass_bv(V, P, H, nsm)))
     obv = min(V, OUT_BV)
     # 3 stages need up to 128 KB of smem per block (BV 64; 102 / 108 KB at BV 16 / 32): a GB10 (sm_121, 99 KB per
     # block) takes 2 (70 / 76 / 96 KB)

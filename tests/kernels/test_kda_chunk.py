@@ -253,6 +253,17 @@ def test_tiling_fp32(monkeypatch, prefetch, vfast):
     check(*res, [2, 1], FP32_TOL)
 
 
+def test_hpass_bv_rule():
+    """The state pass's V tile: 64 / 32 with >= 2 programs per SM, else 32 with ~one per SM, else 16 (132 SMs)."""
+    from kernels.kda.chunk import hpass_bv
+
+    assert hpass_bv(128, 16, 32, 132) == 64        # varlen 16 x 1k: 1024 programs
+    assert hpass_bv(128, 3, 32, 132) == 32         # 384 programs at BV 32 (192 at 64)
+    assert hpass_bv(128, 1, 32, 132) == 32         # T = 16k, one sequence: 128 programs (the H200 12-04 case)
+    assert hpass_bv(128, 1, 16, 132) == 16         # 64 programs at BV 32: too few, BV 16 gives 128
+    assert hpass_bv(128, 1, 32, 160) == 16         # 128 < 7/8 of 160 SMs
+
+
 @pytest.mark.slow
 def test_sm90_offline_compile_no_spills():
     """Every kernel compiles for sm_90 at Kimi shapes (bf16) without register spills and within H200 shared memory.
@@ -279,7 +290,7 @@ def test_sm90_offline_compile_no_spills():
             # the default akk (unconditional K pass capped at AKK_MAXNREG=168 regs for 12 CTAs / SM) keeps 24 B of
             # stack and the default wu (one loop, capped at WU_MAXNREG=168 for 3 CTAs / SM) 8 B; every other kernel
             # and configuration spills nothing
-            allowed = {("bv64", "akk"): 32, ("bv64", "wu"): 16}.get((cfg, name), 0)
+            allowed = {("bv64", "akk"): 24, ("bv64", "wu"): 8}.get((cfg, name), 0)
             assert stack <= allowed, (cfg, name, regs, stack)
             assert smem <= 227 * 1024, (cfg, name, smem)
 
