@@ -245,6 +245,7 @@ class GemvConfig:
     cg: bool = False                # W loads .cg (L2 only, bypass L1; ptxas takes no evict_first with it)
     prefetch: bool = False          # FMA: next step's tiles loaded before this step's FMAs
     tma: bool = False               # dot: W by TMA boxes (host TensorDescriptor) where W's layout allows
+    l2_mb: Optional[float] = None   # PDL: W MB prefetched into L2 before the wait (None: PDL_L2_MB)
 
 
 FMA_R = 8                # FMA path: contiguous K elements per thread and load (8 bf16 = 16 bytes)
@@ -337,12 +338,14 @@ def _tma_ok(wb: torch.Tensor) -> bool:
             and wb.data_ptr() % 16 == 0 and K * es >= 16)
 
 
-def _pdl_prefetch(B: int, N: int, S: int, k_split: int, es: int) -> dict:
-    """PDL-only constexprs: L2 lines prefetched per W row and K split before the wait (PDL_L2_MB over the grid's
-    B * N * S row slabs, at most the slab's k_split columns and PDL_MAX_LINES), their power-of-2 tile and the
-    elements per 128-byte line. E.g. bf16 o_proj (N 2304, S 3): 18 of 22 lines; in_proj (N 12576): 10 of 36."""
+def _pdl_prefetch(B: int, N: int, S: int, k_split: int, es: int, mb: Optional[float] = None) -> dict:
+    """PDL-only constexprs: L2 lines prefetched per W row and K split before the wait (`mb` MB, default PDL_L2_MB,
+    over the grid's B * N * S row slabs, at most the slab's k_split columns and PDL_MAX_LINES), their power-of-2 tile
+    and the elements per 128-byte line. E.g. bf16 at 4 MB: o_proj (N 2304, S 3) 4 of 22 lines; in_proj (N 12576)
+    2 of 36."""
     step = max(1, 128 // es)
-    n = min(cdiv(k_split, step), int(PDL_L2_MB * (1 << 20)) // (B * N * S * 128), PDL_MAX_LINES)
+    mb = PDL_L2_MB if mb is None else mb
+    n = min(cdiv(k_split, step), int(mb * (1 << 20)) // (B * N * S * 128), PDL_MAX_LINES)
     return dict(PF_N=n, PF_L=next_pow2(max(n, 1)), PF_STEP=step)
 
 
@@ -384,7 +387,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
         BM=bm, BN=c.BN, BK=c.BK, EVEN_K=even_k, DOT=c.dot, PREC=prec, UPCAST=upcast, SPLIT=split_mode,
         W_EVICT="evict_first" if c.evict and not c.cg else "", W_CACHE=".cg" if c.cg else "", R=min(FMA_R, c.BK),
         PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages, **tma,
-        **(pdl_launch(pdl, **_pdl_prefetch(B, N, S, k_split, wb.element_size())) if pdl_on(pdl) else {}))
+        **(pdl_launch(pdl, **_pdl_prefetch(B, N, S, k_split, wb.element_size(), c.l2_mb)) if pdl_on(pdl) else {}))
     if split_mode == 1:
         br = min(1024, next_pow2(N))
         _split_reduce_kernel[(B * M, cdiv(N, br))](p, y, S, B * M, N, BR=br, num_warps=4)

@@ -122,8 +122,22 @@ def test_gemv_prefetch_budget(monkeypatch):
     monkeypatch.setattr(gemv_mod, "PDL_L2_MB", 4)     # the default since 12-04: 2-4 lines (256-512 B) per row
     assert gemv_mod._pdl_prefetch(1, 2304, 3, 1408, 2) == dict(PF_N=4, PF_L=4, PF_STEP=64)       # o_proj
     assert gemv_mod._pdl_prefetch(1, 12576, 1, 2304, 2) == dict(PF_N=2, PF_L=2, PF_STEP=64)      # in_proj
+    assert gemv_mod._pdl_prefetch(1, 2304, 3, 1408, 2, mb=8.0)["PF_N"] == 9                      # per-shape l2_mb
     monkeypatch.setattr(gemv_mod, "PDL_L2_MB", 0)
     assert gemv_mod._pdl_prefetch(1, 2304, 3, 1408, 2)["PF_N"] == 0
+    assert gemv_mod._pdl_prefetch(1, 2304, 3, 1408, 2, mb=19.0)["PF_N"] == 22                   # the whole slab
+
+
+def test_gemv_l2_mb_field_reaches_launch(monkeypatch):
+    """A config's l2_mb (e.g. a SHAPE_OVERRIDES entry set by bench/ablate.py) replaces PDL_L2_MB for that shape."""
+    monkeypatch.setattr(pdl_mod, "INTERPRET", False)
+    rec = _Recorder()
+    monkeypatch.setattr(gemv_mod, "_gemv_kernel", rec)
+    x, w = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(96, 64, dtype=torch.bfloat16)
+    gemv_mod.gemv_triton(x, w, pdl=True)
+    monkeypatch.setattr(gemv_mod, "SHAPE_OVERRIDES", {(1, 96, 64): {"l2_mb": 0.0}})
+    gemv_mod.gemv_triton(x, w, pdl=True)
+    assert [kw["PF_N"] for kw in rec.calls] == [1, 0]
 
 
 _LOWERING = r"""
@@ -132,6 +146,7 @@ from kernels._pdl import ptx_events
 from kernels import gemv, norm
 from kernels.kda import recurrent as rec
 from kernels.moe import router as r
+from kernels.mla import decode as mla
 f32 = dict(convw_ptr="*fp32", alog_ptr="*fp32", dtb_ptr="*fp32", state_ptr="*fp32", o_ptr="*fp32", cnt_ptr="*i32",
            slot_ptr="*i32")
 rt = dict(logits_ptr="*fp32", cnt_ptr="*i32", bias_ptr="*fp32", w_out_ptr="*fp32", id_out_ptr="*i32")
@@ -153,6 +168,8 @@ cases = {
     "kda_decode": (rec._kda_decode_kernel, kc, f32, 4),
     "kda_post": (rec._kda_decode_post_kernel, dict(H=32, K=128, V=128, W=4, BK=128, BVF=128), f32, 4),
     "kda_loop": (rec._kda_decode_loop_kernel, dict(H=32, K=128, V=128, W=4, BK=128, BV=16, NV=8, BVF=128), f32, 4),
+    "mla_stage2": (mla._mla_decode_stage2, dict(L=512, BLOCK_N=64, BLOCK_B=128, MIN_TILES=1, BLOCK_S=256, BLOCK_H2=1,
+                   BLOCK_L2=32), dict(seqlen_ptr="*i32", opart_ptr="*fp32", lse_ptr="*fp32"), 4),
     "router_v1": (r._router_fused_gemv_kernel, dict(topk, BE=2, BK=4096), rt, 4),
     "router_v3": (r._router_decode_kernel, dict(topk, BE=1, BK=BK, NK=NK, BK_TAIL=BKT, POLL=True,
                   MAX_SPINS=1 << 20, GDC=True), dict(rt, cnt_ptr="*i64", logits_ptr="*i64"), 1),
