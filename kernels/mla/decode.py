@@ -134,6 +134,11 @@ GPU_BROKEN = ("keys_m tma", "keys_m pf n64", "keys_m s1", "keys_m pf n64 nd", "k
 #   entry: tile ring 3 (180 KB, one 8-warp program per SM), loop = 74 HGMMA + 4 bar.sync + 8 SHFL per 32-key tile (the
 #   softmax stays inside each warp's rows), no ldmatrix; 255 regs + 72 B stack (13 LDL in the loop). The same tiles
 #   without the carried entry ('h64 n32', ring 1) took 434 us at B=64 S=8k (fifth round).
+# H200 12-04 (session 13, FlashInfer in the same run; BENCHMARKS.md thirteenth round), beside 'ls n64 w4': the carried
+#   entry at 2 stages ('ls n64 w4 cp': still one tile buffer, 136 B of stack, 32 LDL in the loop offline) B=1 S=128k
+#   graph 70.1 vs 66.9 us, B=64 S=8k 190.7 vs 189.5; PDL launches of both stages on the plain path (pdl=True; stage 2
+#   takes GDC since then) 68.1 vs 66.9 at B=1 and equal at B >= 8; bf16 partials 65.8 at B=1 S=128k (16.4 vs 18.5 at
+#   S=8k) but 198.5 vs 189.5 at B=64 S=8k. Neither variant kept.
 # part16 on w4 n32 (w4 n32 p16): B=1 S=128k runs 256 units, whose fp32 partials (~17 MB written + read) are ~22% of
 #   the cache bytes.
 # min_split_tokens: smallest work unit (256 = the schedule before 12-02: B=1 S=1k ran as 4 units of 4 tiles; 32 =
@@ -723,10 +728,12 @@ def _mla_decode_stage2(
     BLOCK_S: tl.constexpr,
     BLOCK_H2: tl.constexpr,
     BLOCK_L2: tl.constexpr,
+    GDC: tl.constexpr = False,  # PDL launch after a GDC stage 1: the CTAs are placed early, nothing read before the wait
 ):
     """LSE merge of sequence n's non-empty units for BLOCK_H2 heads x BLOCK_L2 latent columns: [BLOCK_S, BLOCK_H2,
     BLOCK_L2] partial tiles, BLOCK_S units per step. Large batches take many heads per program (few, fat programs:
     the per-program plan and LSE pass are latency, not bytes), B=1 many column slices (parallelism)."""
+    gdc_enter(GDC)
     n = tl.program_id(0)
     hb = tl.program_id(1)
     lb = tl.program_id(2)
@@ -767,11 +774,16 @@ def _mla_decode_stage2(
              res.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & lmask[None, :])
 
 
+# stage 2 reads up to this many units per step: a uniform batch's units in one step (B=1 S=128k, 256 units: 7.0 us vs
+# 11.7 us for 8 steps of 32 (two dependent L2 round trips each); H200 12-04, .snap/mla_b1.py in BENCHMARKS.md)
+MERGE_MAX_S = 256
+
+
 def merge_config(N: int, H: int, BLOCK_L: int, num_splits: int, num_sms: int = 132, elems: int = 8192) -> dict:
     """Stage-2 tiles from host ints: BLOCK_S units x BLOCK_H2 heads x BLOCK_L2 columns per step, ~``elems`` fp32
     values (a 32 KB tile, 64 registers per thread at 4 warps). Start from whole rows and all heads (fewest programs),
     then halve heads, then columns (down to 64) until the grid has >= 2 programs per SM."""
-    bs = max(1, min(32, next_pow2(max(1, num_splits))))
+    bs = max(1, min(MERGE_MAX_S, next_pow2(max(1, num_splits))))
     budget = max(1, elems // bs)
     bl = max(1, min(BLOCK_L, next_pow2(budget)))
     bh = max(1, min(next_pow2(H), budget // bl))
@@ -1038,6 +1050,7 @@ def mla_decode_triton(
             MIN_TILES=min_tiles,
             **mc,
             num_warps=4,
+            **gdc,
         )
     if w_uv is not None:
         from .absorb import launch_uv

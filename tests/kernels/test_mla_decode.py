@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from kernels.mla.decode import DECODE_VARIANTS, GPU_BROKEN, default_num_splits, merge_config, mla_decode_triton
+from kernels.mla.decode import (DECODE_VARIANTS, GPU_BROKEN, MERGE_MAX_S, default_num_splits, merge_config,
+                                mla_decode_triton)
 from kernels.mla.ref import mla_decode_ref
 from tests.kernels.test_mla import check_close, make_paged  # shared paged-cache builder (NaN outside owned rows)
 
@@ -96,7 +97,8 @@ LONG = [4097, 1, 65, 0, 64]
 # unit per step, several heads per program and split columns, or wide steps over all heads.
 @pytest.mark.parametrize("num_splits", [1, 3, 16])
 @pytest.mark.parametrize("merge", [None, dict(BLOCK_S=1, BLOCK_H2=2, BLOCK_L2=16), dict(BLOCK_S=32, BLOCK_H2=4,
-                                                                                         BLOCK_L2=32)])
+                                                                                         BLOCK_L2=32),
+                                   dict(BLOCK_S=128, BLOCK_H2=1, BLOCK_L2=64)])
 @pytest.mark.parametrize("variant", ["base", "h64 n32", "pf n32", "pf2 n32", "ls n64 r128"])
 def test_decode_schedule_long_and_short(num_splits, merge, variant):
     if num_splits == 1 and merge is not None:
@@ -124,14 +126,16 @@ def test_decode_default_schedule_one_tile_units():
     check_close(o, mla_decode_ref(q, qp, cache, bt, sl, SCALE), torch.float32)
 
 
-@pytest.mark.parametrize("n,h,ns", [(1, 32, 132), (1, 32, 16), (64, 32, 2), (128, 32, 2), (6, 4, 5), (2, 3, 40)])
+@pytest.mark.parametrize("n,h,ns", [(1, 32, 132), (1, 32, 16), (1, 32, 256), (8, 32, 33), (64, 32, 2), (128, 32, 2),
+                                    (6, 4, 5), (2, 3, 40), (1, 32, 1000)])
 def test_merge_config(n, h, ns):
     mc = merge_config(n, h, 512, ns, 132)
     bs, bh, bl = mc["BLOCK_S"], mc["BLOCK_H2"], mc["BLOCK_L2"]
     assert all(x >= 1 and x & (x - 1) == 0 for x in (bs, bh, bl))
-    assert bs * bh * bl <= 8192 and bs <= 32 and bh <= 32 and bl <= 512
+    assert bs * bh * bl <= 8192 and bs <= MERGE_MAX_S and bh <= 32 and bl <= 512
+    assert bs >= min(ns, MERGE_MAX_S)  # a uniform batch's units (ns per sequence) in one step while they fit
     programs = n * -(-h // bh) * (512 // bl)
-    assert programs >= 2 * 132 or (bh == 1 and bl == 64)  # enough programs, or as split as the tiles allow
+    assert programs >= 2 * 132 or (bh == 1 and bl <= 64)  # enough programs, or as split as the tiles allow
 
 
 FUSED_VARIANTS = ["w4 n32 fm", "w4 n32 fm u4", "w4 n32 fm u8 p16"]
