@@ -93,6 +93,32 @@ def prefetch_l2(ptrs, mask):
         [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def prefetch_span_l2(ptr, n_lines, pid, nprog, LINE: tl.constexpr, BLOCK: tl.constexpr):
+    """Program pid of nprog: L2 prefetch of its share of the n_lines 128-byte lines from ptr (LINE elements each;
+    lines pid * BLOCK + j, stepping nprog * BLOCK): the grid together hints the whole span, once per line."""
+    for start in range(pid * BLOCK, n_lines, nprog * BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        prefetch_l2(ptr + o.to(tl.int64) * LINE, o < n_lines)
+
+
+L2_LINE_BYTES = 128
+
+
+def l2_span_args(spans, dummy) -> tuple:
+    """Launch side of prefetch_span_l2 for up to two contiguous tensors of one element size: (ptr0, ptr1,
+    dict(PF0_N, PF1_N, PF_LINE)) with the spans' 128-byte line counts (a partial last line counting); `dummy` stands
+    in for a missing span."""
+    spans = tuple(spans or ())
+    assert len(spans) <= 2, "at most 2 prefetch spans"
+    assert all(t.is_contiguous() for t in spans), "an L2 prefetch span must be contiguous"
+    assert len({t.element_size() for t in spans}) <= 1, "prefetch spans of one element size"
+    lines = [-(-t.numel() * t.element_size() // L2_LINE_BYTES) for t in spans] + [0, 0]
+    ptrs = list(spans) + [dummy, dummy]
+    line = L2_LINE_BYTES // spans[0].element_size() if spans else 64
+    return ptrs[0], ptrs[1], dict(PF0_N=lines[0], PF1_N=lines[1], PF_LINE=line)
+
+
 # --------------------------------------------------------------------------------------------------- offline check
 PTX_EVENTS = ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2", "ld.global",
               "st.global", "atom.")

@@ -32,6 +32,11 @@ MLA_EXPANDED_MIN_TOKENS = {"cuda": 256}
 # 3 launches instead of 6; H200 12-03 e2e b1: 45 us per step faster). Capped at 4 tokens until larger batches are
 # timed (e2e b64 got slower with every decode fusion on). KIMI_MLA_FUSED=0 (read when the model is built): off.
 MLA_FUSED_MAX_T = 4 if os.environ.get("KIMI_MLA_FUSED", "1") != "0" else 0
+# MiB of the folded shared expert's weights (w13[E] first, then w2[E]) the fused decode router hints into L2 after its
+# logits, for the MoE GEMM1 that follows (HBM idles through the router's top-k handshake); 0: off. 9 = w13[E] at Kimi
+# shapes: H200 12-04 (bench/ablate.py --batch 1 --steps 60 --set ...ROUTER_L2_HINT_MB=...) b1 step 2.261-2.268 ms vs
+# 2.270-2.274 for four controls in the same run (~8 us); 4.5 MiB 2.269, 13.5 (w2[E] too, evicted by GEMM1's stream) 2.272
+ROUTER_L2_HINT_MB = float(os.environ.get("KIMI_ROUTER_L2_HINT_MB", "9"))
 
 
 class UncombinedMoE(NamedTuple):
@@ -316,8 +321,21 @@ class KimiMoE(nn.Module):
         assert self.fold_shared
         x, h, weights, ids = moe_router_add_norm(attn, residual, norm.weight, norm.eps, self.gate.weight,
                                                  self.gate.e_score_correction_bias, self.top_k, self.scaling,
-                                                 self.renormalize, self.biased_weights, self.num_local_experts)
+                                                 self.renormalize, self.biased_weights, self.num_local_experts,
+                                                 l2_hint=self.shared_l2_hint(ROUTER_L2_HINT_MB))
         return fused_moe_add_norm(x, self.w13, self.w2, weights, ids, h, next_norm.weight, next_norm.eps)
+
+    def shared_l2_hint(self, mb: float) -> tuple:
+        """The first `mb` MB of the folded shared expert's weights (w13[E], then w2[E]) as contiguous views: the
+        router hints them into L2 for the GEMMs that follow (every token selects expert E); () for mb <= 0."""
+        if mb <= 0 or not self.fold_shared:
+            return ()
+        budget, out = int(mb * (1 << 20)) // self.w13.element_size(), []
+        for w in (self.w13[self.num_local_experts].view(-1), self.w2[self.num_local_experts].view(-1)):
+            if budget > 0:
+                out.append(w[:budget])
+                budget -= out[-1].numel()
+        return tuple(out)
 
     def forward_uncombined(self, x: torch.Tensor) -> UncombinedMoE:
         """forward without the combine (folded shared expert, Triton path only); see UncombinedMoE."""

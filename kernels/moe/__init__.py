@@ -45,15 +45,17 @@ def moe_router_add_norm(
     renormalize: bool = True,
     biased_weights: bool = False,
     append_expert: int | None = None,
+    l2_hint: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (x, h, topk_weights, topk_ids) with (x, h) = kernels.norm.add_rmsnorm(attn, residual, norm_w, eps) and
     the router of x (moe_router's arguments). The Triton path runs decode batches (T <= 16, router v2 / v3) in one
-    launch (kernels.moe.router.moe_router_add_norm_triton; KIMI_ROUTER_NORM=0: two); elsewhere the two ops."""
+    launch (kernels.moe.router.moe_router_add_norm_triton; KIMI_ROUTER_NORM=0: two); elsewhere the two ops.
+    l2_hint: up to two contiguous weight tensors that launch hints into L2 after its logits (a hint: same results)."""
     if use_triton(attn):
         from kernels.moe.router import moe_router_add_norm_triton
 
         return moe_router_add_norm_triton(attn, residual, norm_w, eps, gate_w, bias, top_k, routed_scaling_factor,
-                                          renormalize, biased_weights, append_expert)
+                                          renormalize, biased_weights, append_expert, l2_hint=l2_hint)
     from kernels.norm import add_rmsnorm_ref   # kernels.norm imports kernels.moe (no module-level import here)
 
     x, h = add_rmsnorm_ref(attn, residual, norm_w, eps)

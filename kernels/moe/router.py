@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_enter, gdc_wait, pdl_launch, pdl_on
+from kernels._pdl import gdc_enter, gdc_wait, l2_span_args, pdl_launch, pdl_on, prefetch_span_l2
 
 from kernels._tensors import arrival_counters, cdiv, next_pow2, unit_last_stride
 
@@ -384,6 +384,17 @@ def _select_topk_row(logits, b, w_out_ptr, id_out_ptr, t, E, scale, extra_id,
 
 
 @triton.jit
+def _hint_spans(pf0_ptr, pf1_ptr, PF0_N: tl.constexpr, PF1_N: tl.constexpr, PF_LINE: tl.constexpr):
+    # the grid's programs (all tokens' expert blocks) share the spans' lines
+    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    nprog = tl.num_programs(0) * tl.num_programs(1)
+    if PF0_N > 0:
+        prefetch_span_l2(pf0_ptr, PF0_N, pid, nprog, PF_LINE, 128)
+    if PF1_N > 0:
+        prefetch_span_l2(pf1_ptr, PF1_N, pid, nprog, PF_LINE, 128)
+
+
+@triton.jit
 def _router_decode_kernel(
     x_ptr, w_ptr, logits_ptr, cnt_ptr, bias_ptr, w_out_ptr, id_out_ptr, E, D, stride_xt, stride_we, stride_lt,
     scale, extra_id, a_ptr, r_ptr, nw_ptr, h_ptr, stride_at, stride_rt, stride_ht, eps,
@@ -391,7 +402,8 @@ def _router_decode_kernel(
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIASED_WEIGHTS: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr, OUT_K: tl.constexpr,
     POLL: tl.constexpr, MAX_SPINS: tl.constexpr, GDC: tl.constexpr = False, WAIT: tl.constexpr = False,
-    NORM: tl.constexpr = False,
+    NORM: tl.constexpr = False, pf0_ptr=None, pf1_ptr=None, PF0_N: tl.constexpr = 0, PF1_N: tl.constexpr = 0,
+    PF_LINE: tl.constexpr = 64,
 ):
     # ROUTER_DECODE v2 / v3 (T <= GEMV_MAX_T): program (t, e-block of BE experts), meant for 1 warp. D = NK * BK +
     # tail (BK a power of two, tail < BK masked to BK_TAIL): no masked lanes beyond the tail (D 2304 = 2048 + 256,
@@ -410,6 +422,9 @@ def _router_decode_kernel(
     # weight nw_ptr [D]); every program recomputes h and the token's rstd with the same code (bit-identical x in all
     # of them: _norm_row), the token's program 0 stores x to x_ptr and h to h_ptr. The norm weight chunks are
     # loaded with the gate rows (before the wait under WAIT), attn / residual after it
+    # PF0_N / PF1_N > 0 (WAIT only; l2_hint): once its logit is out, each program hints its share of up to two weight
+    # spans (the next kernel's: the MoE GEMM1's always-selected shared expert) into L2, after every load of its own,
+    # while HBM idles through the top-k handshake
     if GDC:
         # a PDL-launched dependent (the MoE GEMM1, KIMI_MOE_PDL=...,gemm1) may start its CTAs now: it reads nothing
         # of ours before its griddepcontrol.wait, which waits for this whole grid; a no-op without PDL
@@ -495,6 +510,7 @@ def _router_decode_kernel(
         slot_row = cnt_ptr + t.to(tl.int64) * BLOCK_E
         word = (acc.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF) | 0x100000000
         tl.store(slot_row + offs_e, word, mask=e_ok)
+        _hint_spans(pf0_ptr, pf1_ptr, PF0_N, PF1_N, PF_LINE)
         if tl.program_id(1) == tl.num_programs(1) - 1:
             words = tl.load(slot_row + offs_all, mask=all_ok, other=0x100000000, volatile=True)
             spins = 0
@@ -510,6 +526,7 @@ def _router_decode_kernel(
         tl.store(l_row + offs_e, acc, mask=e_ok)
         tl.debug_barrier()  # every thread's logit stores precede the (release) arrival
         n_arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
+        _hint_spans(pf0_ptr, pf1_ptr, PF0_N, PF1_N, PF_LINE)
         if n_arrived == tl.num_programs(1) - 1:
             logits = tl.load(l_row + offs_all, mask=all_ok, other=0.0, cache_modifier=".cg")
             _select_topk_row(logits, b, w_out_ptr, id_out_ptr, t, E, scale, extra_id, TOP_K, BLOCK_K, BLOCK_E,
@@ -739,11 +756,12 @@ def _router_decode_v1(x, gate_w, bias, top_k, scale, renormalize, biased_weights
 
 
 def _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights, append_expert,
-                      BE=None, num_warps=None, poll=None, maxnreg=None, pdl=None, norm=None):
+                      BE=None, num_warps=None, poll=None, maxnreg=None, pdl=None, norm=None, l2_hint=None):
     """One launch of _router_decode_kernel (T <= GEMV_MAX_T); BE / num_warps default to DECODE_BE / DECODE_WARPS,
     poll (the v3 handshake) to ROUTER_DECODE == "v3"; pdl: PDL launch, WAIT (None: KIMI_PDL). norm = (attn,
     residual, norm_w, h, eps): x [T, D] (contiguous, written) = rmsnorm(h), h [T, D] (contiguous, written) =
-    residual + attn, computed by the router programs themselves (NORM)."""
+    residual + attn, computed by the router programs themselves (NORM). l2_hint: up to two contiguous tensors the
+    programs hint into L2 once their logits are out (PDL launches only: the hint sits after the wait)."""
     T, D = x.shape
     E = gate_w.shape[0]
     assert 1 <= top_k <= E
@@ -780,9 +798,17 @@ def _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights
         BLOCK_E=BLOCK_E, HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights),
         RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k, POLL=bool(poll), MAX_SPINS=1 << 20,
         GDC=DECODE_GDC, NORM=norm is not None, num_warps=num_warps, **extra,
-        **(dict(WAIT=True, launch_pdl=True) if pdl_on(pdl) else {}),
+        **(dict(WAIT=True, launch_pdl=True) if pdl_on(pdl) else {}), **_hint_args(l2_hint, pdl_on(pdl), w),
     )
     return w, ids
+
+
+def _hint_args(l2_hint, on: bool, dummy) -> dict:
+    """_router_decode_kernel's span arguments for l2_hint (none without PDL: no inline asm under the interpreter)."""
+    if not on or not l2_hint:
+        return {}
+    p0, p1, consts = l2_span_args(l2_hint, dummy)
+    return dict(pf0_ptr=p0, pf1_ptr=p1, **consts)
 
 
 def norm_fused(T: int) -> bool:
@@ -791,13 +817,14 @@ def norm_fused(T: int) -> bool:
 
 
 def moe_router_add_norm_triton(attn, residual, norm_w, eps, gate_w, bias, top_k, routed_scaling_factor=1.0,
-                               renormalize=True, biased_weights=False, append_expert=None, pdl=None):
+                               renormalize=True, biased_weights=False, append_expert=None, pdl=None, l2_hint=None):
     """attn, residual [T, D] (row strides allowed), norm_w [D] -> (x, h, topk_weights, topk_ids): (x, h) =
     kernels.norm.add_rmsnorm(attn, residual, norm_w, eps) (contiguous [T, D] in attn.dtype), then (topk_weights,
     topk_ids) = moe_router(x, gate_w, ...). norm_fused(T) (decode under v2 / v3): one _router_decode_kernel launch
     that computes h and x itself (NORM); its sum of squares runs in D chunks (decode_k_split) in another order than
     _add_rmsnorm_kernel's 4-warp tree, so x may differ from add_rmsnorm's in the last bit of a few elements (the
-    routing always uses the x it returns); else add_rmsnorm_triton, then moe_router_triton (two launches)."""
+    routing always uses the x it returns); else add_rmsnorm_triton, then moe_router_triton (two launches).
+    l2_hint (fused launch under PDL only): weight tensors hinted into L2 after the logits (_router_decode_v2)."""
     assert attn.dim() == 2 and residual.shape == attn.shape and residual.dtype == attn.dtype, \
         (attn.shape, residual.shape)
     T, D = attn.shape
@@ -813,7 +840,7 @@ def moe_router_add_norm_triton(attn, residual, norm_w, eps, gate_w, bias, top_k,
     h = torch.empty_like(x)
     w, ids = _router_decode_v2(x, gate_w, bias, top_k, routed_scaling_factor, renormalize, biased_weights,
                                append_expert, BE=NORM_BE, num_warps=NORM_WARPS, pdl=pdl,
-                               norm=(attn, residual, norm_w.contiguous(), h, eps))
+                               norm=(attn, residual, norm_w.contiguous(), h, eps), l2_hint=l2_hint)
     return x, h, w, ids
 
 

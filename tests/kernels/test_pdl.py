@@ -140,6 +140,26 @@ def test_gemv_l2_mb_field_reaches_launch(monkeypatch):
     assert [kw["PF_N"] for kw in rec.calls] == [1, 0]
 
 
+@pytest.mark.parametrize("pdl", [True, False])
+def test_router_l2_hint_args(monkeypatch, pdl):
+    """The fused decode router's l2_hint reaches the launch as two spans of 128-byte lines under PDL (the hint's
+    prefetches sit after the wait), and not at all without PDL."""
+    monkeypatch.setattr(pdl_mod, "INTERPRET", False)
+    rec = _Recorder()
+    monkeypatch.setattr(router_mod, "_router_decode_kernel", rec)
+    T, D, E, bf = 1, 64, 16, torch.bfloat16
+    a, r, nw = torch.randn(T, D, dtype=bf), torch.randn(T, D, dtype=bf), torch.randn(D, dtype=bf)
+    spans = (torch.zeros(1000, dtype=bf), torch.zeros(70, dtype=bf))
+    router_mod.moe_router_add_norm_triton(a, r, nw, 1e-6, torch.randn(E, D, dtype=bf), torch.randn(E), 4,
+                                          append_expert=E, pdl=pdl, l2_hint=spans)
+    (kw,) = rec.calls
+    if pdl:
+        assert (kw["PF0_N"], kw["PF1_N"], kw["PF_LINE"]) == (16, 2, 64), kw
+        assert kw["pf0_ptr"] is spans[0] and kw["pf1_ptr"] is spans[1]
+    else:
+        assert "PF0_N" not in kw and "pf0_ptr" not in kw
+
+
 _LOWERING = r"""
 import json
 from kernels._pdl import ptx_events
@@ -173,11 +193,17 @@ cases = {
     "router_v1": (r._router_fused_gemv_kernel, dict(topk, BE=2, BK=4096), rt, 4),
     "router_v3": (r._router_decode_kernel, dict(topk, BE=1, BK=BK, NK=NK, BK_TAIL=BKT, POLL=True,
                   MAX_SPINS=1 << 20, GDC=True), dict(rt, cnt_ptr="*i64", logits_ptr="*i64"), 1),
+    "router_v3_hint": (r._router_decode_kernel, dict(topk, BE=1, BK=BK, NK=NK, BK_TAIL=BKT, POLL=True,
+                       MAX_SPINS=1 << 20, GDC=True, NORM=True, PF0_N=300, PF1_N=20, PF_LINE=64),
+                       dict(rt, cnt_ptr="*i64", logits_ptr="*i64"), 2),
 }
 out = {}
 for name, (fn, consts, pt, nw) in cases.items():
-    flag = "WAIT" if name == "router_v3" else "GDC"
-    out[name] = {str(on): ptx_events(fn, dict(consts, **{flag: on}), pt, nw) for on in (False, True)}
+    flag = "WAIT" if name.startswith("router_v3") else "GDC"
+    # the router's L2 hint goes with PDL launches only (_hint_args): its off build has no spans
+    nohint = dict(PF0_N=0, PF1_N=0) if name.endswith("_hint") else {}
+    out[name] = {str(on): ptx_events(fn, dict(consts, **{flag: on}, **({} if on else nohint)), pt, nw)
+                 for on in (False, True)}
 print(json.dumps(out))
 """
 
@@ -190,19 +216,23 @@ def test_sm90_lowering():
     instruction (router v3 keeps its early signal) and the same memory instructions."""
     res = run_offline(_LOWERING, 600, unset=("KIMI_PDL",))
     W, L = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
-    weights_first = {"add_rmsnorm", "rmsnorm", "rmsnorm_head", "combine_add_rmsnorm", "router_v1", "router_v3"}
+    weights_first = {"add_rmsnorm", "rmsnorm", "rmsnorm_head", "combine_add_rmsnorm", "router_v1", "router_v3",
+                     "router_v3_hint"}
     prefetch_first = {"gemv_dot", "gemv_fma", "kda_decode"}
     for name, ev in res.items():
         off, on = ev["False"], ev["True"]
         assert on.count(W) == 1 and W not in off, name
         pre, post = on[:on.index(W)], on[on.index(W) + 1:]
         assert "st.global" not in pre and "atom." not in pre, (name, pre)
-        if name == "router_v3":
+        if name.startswith("router_v3"):
             assert pre[0] == L and off[0] == L and L not in post, name
         else:
             assert post[0] == L and L not in off and L not in pre, (name, post[:3])
         assert ("ld.global" in pre) == (name in weights_first), (name, pre)
         assert ("prefetch.global.L2" in pre) == (name in prefetch_first), (name, pre)
+        if name == "router_v3_hint":   # the L2 hint: after the wait and the logit's store, never without PDL
+            assert "prefetch.global.L2" in post and "prefetch.global.L2" not in off, name
+            assert post.index("prefetch.global.L2") > post.index("st.global"), name
         strip = [e for e in on if e not in (W, L, "prefetch.global.L2")]
         if name != "router_v1":  # v1 peels the first K step under GDC (its loop body is compiled twice)
             assert strip == [e for e in off if e != L], name

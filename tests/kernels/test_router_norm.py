@@ -233,10 +233,10 @@ def test_router_norm_entry_point(monkeypatch):
     wr, ir = moe_router_ref(xr, g, b, 4, SCALE, True, True, append_expert=16)
     assert torch.equal(x, xr) and torch.equal(h, hr) and torch.equal(w, wr) and torch.equal(ids, ir)
     seen = []
-    monkeypatch.setattr(r, "moe_router_add_norm_triton", lambda *a: seen.append(a) or "triton")
+    monkeypatch.setattr(r, "moe_router_add_norm_triton", lambda *a, **kw: seen.append((a, kw)) or "triton")
     monkeypatch.setattr(dispatch, "_FORCE", "triton")
-    assert moe_router_add_norm(attn, res, nw, EPS, g, b, 4, SCALE, True, True, 16) == "triton"
-    assert seen == [(attn, res, nw, EPS, g, b, 4, SCALE, True, True, 16)]
+    assert moe_router_add_norm(attn, res, nw, EPS, g, b, 4, SCALE, True, True, 16, l2_hint=(g,)) == "triton"
+    assert seen == [((attn, res, nw, EPS, g, b, 4, SCALE, True, True, 16), dict(l2_hint=(g,)))]
 
 
 _LOWERING = r"""

@@ -77,3 +77,21 @@ def test_decode_fusions_match_unfused(tiny_step, monkeypatch, off):
     for a, b in zip(on_cache.latent + on_cache.rec_state + on_cache.conv_state,
                     cache_off.latent + cache_off.rec_state + cache_off.conv_state):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_router_l2_hint_same_bits(tiny_step, monkeypatch):
+    """ROUTER_L2_HINT_MB: the router hints the first MB of the folded shared expert (w13[E], then w2[E]) into L2 (a
+    PDL launch only; dropped under the interpreter): the step's logits are bit for bit those without it."""
+    import backend.model.kimi_linear as km
+
+    model, cache, on, _ = tiny_step
+    moe = next(layer.block_sparse_moe for layer in model.model.layers if getattr(layer, "pending_moe", False))
+    w13, w2 = moe.w13[moe.num_local_experts], moe.w2[moe.num_local_experts]
+    mb = lambda n: n * w13.element_size() / (1 << 20)  # noqa: E731
+    assert moe.shared_l2_hint(0.0) == ()
+    half = moe.shared_l2_hint(mb(w13.numel() // 2))
+    assert len(half) == 1 and half[0].numel() == w13.numel() // 2 and half[0].data_ptr() == w13.data_ptr()
+    both = moe.shared_l2_hint(mb(w13.numel() + w2.numel()) + 1)
+    assert [t.numel() for t in both] == [w13.numel(), w2.numel()] and both[1].data_ptr() == w2.data_ptr()
+    monkeypatch.setattr(km, "ROUTER_L2_HINT_MB", 64.0)
+    assert torch.equal(_decode_step(model, copy.deepcopy(cache)), on)
