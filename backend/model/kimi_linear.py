@@ -36,6 +36,9 @@ MLA_FUSED_MAX_T = 4 if os.environ.get("KIMI_MLA_FUSED", "1") != "0" else 0
 # logits, for the MoE GEMM1 that follows (HBM idles through the router's top-k handshake); 0: off. 9 = w13[E] at Kimi
 # shapes: H200 12-04 (bench/ablate.py --batch 1 --steps 60 --set ...ROUTER_L2_HINT_MB=...) b1 step 2.261-2.268 ms vs
 # 2.270-2.274 for four controls in the same run (~8 us); 4.5 MiB 2.269, 13.5 (w2[E] too, evicted by GEMM1's stream) 2.272
+# The same hint of o_proj's weight from the KDA decode kernel (issued once its state tile had arrived) lost: b1 step
+# +5-10 us at 4 MiB, +18 at 8, +34 at 12, +52 at 18 (whole o_proj) against interleaved controls (H200 12-04): the
+# decode's own tail and o_proj's PDL head compete with it; removed
 ROUTER_L2_HINT_MB = float(os.environ.get("KIMI_ROUTER_L2_HINT_MB", "9"))
 
 
