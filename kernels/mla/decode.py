@@ -774,16 +774,28 @@ def _mla_decode_stage2(
              res.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & lmask[None, :])
 
 
-# stage 2 reads up to this many units per step: a uniform batch's units in one step (B=1 S=128k, 256 units: 7.0 us vs
-# 11.7 us for 8 steps of 32 (two dependent L2 round trips each); H200 12-04, .snap/mla_b1.py in BENCHMARKS.md)
+# stage 2 reads up to this many units per step: a uniform batch's units in one step (H200 12-04, stage 2 kernel /
+# graph us: B=1 S=128k, 256 units, 6.8 / 67.3 vs 15.8 / 76.3 for 8 steps of 32, each two dependent L2 round trips)
 MERGE_MAX_S = 256
 
 
-def merge_config(N: int, H: int, BLOCK_L: int, num_splits: int, num_sms: int = 132, elems: int = 8192) -> dict:
+def merge_units(max_blocks: int, block_size: int, block_n: int, num_splits: int, min_tiles: int = 1) -> int:
+    """Units of a sequence that fills the block table, from host ints: _unit_plan's split length for a batch of such
+    sequences, cdiv(tiles, split). A uniform batch has exactly this many per sequence (B=8 S=8k: 33 splits -> 32
+    units of 4 tiles); shorter or mixed lengths get other counts (stage 2 loops over steps when they exceed BLOCK_S)."""
+    tiles = max(1, cdiv(max_blocks * block_size, block_n))
+    split = max(min_tiles, cdiv(tiles, max(1, num_splits)))
+    return cdiv(tiles, split)
+
+
+def merge_config(N: int, H: int, BLOCK_L: int, num_splits: int, num_sms: int = 132, elems: int = 8192,
+                 units: int = 0) -> dict:
     """Stage-2 tiles from host ints: BLOCK_S units x BLOCK_H2 heads x BLOCK_L2 columns per step, ~``elems`` fp32
-    values (a 32 KB tile, 64 registers per thread at 4 warps). Start from whole rows and all heads (fewest programs),
-    then halve heads, then columns (down to 64) until the grid has >= 2 programs per SM."""
-    bs = max(1, min(MERGE_MAX_S, next_pow2(max(1, num_splits))))
+    values (a 32 KB tile, 64 registers per thread at 4 warps). BLOCK_S covers `units` (merge_units; 0: num_splits)
+    units, so a uniform batch merges in one step without idle lanes (B=8 S=8k, 32 units: S32 x L256 6.3 us, S64 x
+    L128 11.6). Start from whole rows and all heads (fewest programs), then halve heads, then columns (down to 64)
+    until the grid has >= 2 programs per SM."""
+    bs = max(1, min(MERGE_MAX_S, next_pow2(max(1, units or num_splits))))
     budget = max(1, elems // bs)
     bl = max(1, min(BLOCK_L, next_pow2(budget)))
     bh = max(1, min(next_pow2(H), budget // bl))
@@ -1029,7 +1041,8 @@ def mla_decode_triton(
     # (the merge over N x H x L-slice programs) and runs the product on its rows (bench alternative for long merges)
     uv_merge = w_uv is not None and not direct and not fused and not (uv_cfg or {}).get("stage2")
     if not direct and not fused and not uv_merge:
-        mc = merge_config(N, H, BLOCK_L, num_splits, num_sms(q_lat.device))
+        mc = merge_config(N, H, BLOCK_L, num_splits, num_sms(q_lat.device),
+                          units=merge_units(block_table.shape[1], BS, BLOCK_N, num_splits, min_tiles))
         if cfg.get("merge"):  # tests / sweeps: explicit stage-2 tiles
             mc.update(cfg["merge"])
         _mla_decode_stage2[(N, cdiv(H, mc["BLOCK_H2"]), cdiv(L, mc["BLOCK_L2"]))](

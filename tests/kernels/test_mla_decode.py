@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels.mla.decode import (DECODE_VARIANTS, GPU_BROKEN, MERGE_MAX_S, default_num_splits, merge_config,
-                                mla_decode_triton)
+                                merge_units, mla_decode_triton)
 from kernels.mla.ref import mla_decode_ref
 from tests.kernels.test_mla import check_close, make_paged  # shared paged-cache builder (NaN outside owned rows)
 
@@ -136,6 +136,19 @@ def test_merge_config(n, h, ns):
     assert bs >= min(ns, MERGE_MAX_S)  # a uniform batch's units (ns per sequence) in one step while they fit
     programs = n * -(-h // bh) * (512 // bl)
     assert programs >= 2 * 132 or (bh == 1 and bl <= 64)  # enough programs, or as split as the tiles allow
+
+
+@pytest.mark.parametrize("b,s,bs", [(8, 8192, 32), (1, 131072, 256), (1, 8192, 128), (64, 8192, 4), (8, 131072, 64),
+                                    (1, 1024, 16)])
+def test_merge_units_uniform(b, s, bs):
+    """A full-length uniform batch: merge_units is _unit_plan's unit count per sequence (the same arithmetic on the
+    host) and the merge covers it in one step (B=8 S=8k: 33 splits, 32 units -> BLOCK_S 32, not 64)."""
+    ns = default_num_splits(b, s // 64, 64, 32, 132, 2)
+    units = merge_units(s // 64, 64, 64, ns)
+    tiles = s // 64
+    split = -(-(b * tiles) // (b * ns))
+    assert units == -(-tiles // split)
+    assert merge_config(b, 32, 512, ns, 132, units=units)["BLOCK_S"] == bs
 
 
 FUSED_VARIANTS = ["w4 n32 fm", "w4 n32 fm u4", "w4 n32 fm u8 p16"]
