@@ -40,6 +40,7 @@ from .ref import mla_decode_ref, store_latent_ref
 PREP_BLOCK_L = 64   # q_lat columns per prep program: Kimi H=32, L=512 -> 256 programs, 16 KB of w_uk each
 PREP_BLOCK_T = 16   # tokens per tl.dot (M >= 16); T > 16 loops, the w_uk tile stays in registers
 UV_VC = 32          # w_uv rows per chunk held in registers ([32, 512] bf16 = 32 KB per program)
+UV_MAX_S = 16        # uv_config: most units per merge step
 
 
 # --------------------------------------------------------------------------------------------------- references
@@ -215,18 +216,20 @@ def _uv_kernel(
 
 
 def uv_config(N: int, H: int, V: int, num_splits: int, merge: bool, sms: int, cfg: dict | None = None) -> dict:
-    """Host launch picks of _uv_kernel: BLOCK_V output columns per program (chunks of UV_VC), NG sequence groups.
-    Each (h, vb) program re-reads the head's partials (~num_splits x L x 4 B per sequence), so long merges take wide
-    V blocks (fewer re-reads) and short ones narrow blocks (the weights over more SMs); NG then fills ~2 programs per
-    SM, each program looping over its sequences with its weight chunk kept. cfg (bench / tests): block_v, groups,
-    block_s override; stage2=True (read by decode.mla_decode_triton) keeps stage 2 for the merge."""
+    """Host launch picks of _uv_kernel: BLOCK_V output columns per program (one UV_VC chunk), NG sequence groups.
+    Each (h, vb) program merges the head's partials itself (~units x L x 4 B per sequence from L2), so narrow V
+    blocks re-read them V / BLOCK_V times; they still win at every context: B=1 with a 128k-wide table (256 splits),
+    chain graph us at S = 1k / 8k / 32k / 128k, BLOCK_V 32 vs 128: 15.6 / 29.2 / 53.5 / 87.4 vs 19.7 / 36.5 / 64.5 /
+    99.3 (H200 12-04; the b1 decode step 16 us faster). NG then fills ~2 programs per SM, each program looping over
+    its sequences with its weight chunk kept. cfg (bench / tests): block_v, groups, block_s override; stage2=True (read
+    by decode.mla_decode_triton) keeps stage 2 for the merge."""
     cfg = cfg or {}
     vp = next_pow2(V)
-    bv = cfg.get("block_v") or (min(vp, UV_VC) if not merge or num_splits <= 32 else min(vp, 4 * UV_VC))
+    bv = cfg.get("block_v") or min(vp, UV_VC)
     bv = max(1, min(next_pow2(bv), vp))
     per = H * cdiv(V, bv)
     ng = cfg.get("groups") or max(1, min(N, (2 * sms) // per))
-    bs = cfg.get("block_s") or max(1, min(16, next_pow2(max(1, num_splits))))
+    bs = cfg.get("block_s") or max(1, min(UV_MAX_S, next_pow2(max(1, num_splits))))
     return dict(BLOCK_V=bv, VC=min(bv, UV_VC), NG=int(ng), BLOCK_S=bs)
 
 

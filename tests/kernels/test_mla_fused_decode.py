@@ -157,7 +157,8 @@ def test_decode_uv_matches_chain(num_splits, variant, uv):
 
 def test_decode_uv_gpu_default_tiles():
     """The GPU-default decode tiles (64-key page tiles, latent halves) and uv default picks, one long sequence
-    split into many one-tile units (block_v 128 path: chunk loop), Kimi-like head dims at H=2."""
+    split into many one-tile units, Kimi-like head dims at H=2; and the chunk loop of a wide V block (block_v 64 =
+    two UV_VC chunks)."""
     if HAS_CUDA:
         pytest.skip("covered by the GPU test at Kimi shapes")
     torch.manual_seed(2)
@@ -172,6 +173,9 @@ def test_decode_uv_gpu_default_tiles():
     out = mla_decode_triton(q, qp, cache, bt, sl, scale, w_uv=w_uv, **kw)
     ulp_close(out, ref)
     assert (out[1] == 0).all()
+    wide = mla_decode_triton(q, qp, cache, bt, sl, scale, w_uv=w_uv, uv_cfg=dict(block_v=64), **kw)
+    ulp_close(wide, ref)
+    assert (wide[1] == 0).all()
 
 
 # ----------------------------------------------------------------------------------------- GPU, Kimi shapes
