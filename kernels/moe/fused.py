@@ -64,6 +64,13 @@ _PDL = set(_PDL_ENV.split(",")) - {"0", ""}
 DECODE_PDL, DECODE_PREFETCH, DECODE_EVICT = bool(_PDL), "prefetch" in _PDL, "evict" in _PDL
 DECODE_PDL_T1 = _PDL_ENV != "0"          # PDL at one token unless switched off
 DECODE_PDL1 = "gemm1" in _PDL
+# One-token GEMM1: row blocks counted as L2-resident when its tiles are balanced over the SMs (get_config). 1 = the
+# shared expert, appended last, whose w13 the decode router hints into L2 (backend.model.kimi_linear
+# .ROUTER_L2_HINT_MB): the 8 routed blocks then take 33 tiles each (264 HBM programs, 2 per SM) and the shared
+# block's 33 L2-hit programs ride on top, instead of 44 tiles per block (396 = 3 per SM, the hinted ones among them,
+# so the SMs streaming three HBM tiles still set the time). 0: every block streams from HBM. Untimed (A/B:
+# bench/ablate.py --set kernels.moe.fused.DECODE_L2_BLOCKS=1)
+DECODE_L2_BLOCKS = int(os.environ.get("KIMI_MOE_L2_BLOCKS", "0"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -456,7 +463,8 @@ def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms
         cfg = MoEConfig(128, 64, 128, 64, 8, 3)
     if top_k is not None and M <= BALANCE_MAX_M and cfg.BM == 16:
         blocks = expected_blocks(M, E, top_k)
-        cfg = replace(cfg, nt1=balanced_tiles(N1, cfg.BN1, blocks, sms), nt2=balanced_tiles(N2, cfg.BN2, blocks, sms))
+        hbm1 = max(1, blocks - DECODE_L2_BLOCKS) if M == top_k else blocks  # GEMM1 blocks streamed from HBM
+        cfg = replace(cfg, nt1=balanced_tiles(N1, cfg.BN1, hbm1, sms), nt2=balanced_tiles(N2, cfg.BN2, blocks, sms))
     if top_k is not None and cfg.BM == 16:
         one = M == top_k
         pdl = DECODE_PDL or (one and DECODE_PDL_T1)

@@ -371,6 +371,18 @@ def test_balanced_tiles_and_decode_config():
     assert get_config(8192 * 9, 257, torch.bfloat16, 9).nt1 == 0  # prefill unchanged
 
 
+def test_decode_l2_blocks(monkeypatch):
+    """DECODE_L2_BLOCKS = 1 (the router-hinted shared expert): one token's GEMM1 balances the 8 routed blocks (33
+    tiles each: 264 programs, 2 per SM); GEMM2 and larger batches keep their tiles."""
+    import kernels.moe.fused as fm
+
+    base1, base8 = fm.get_config(9, 257, torch.bfloat16, 9, 132), fm.get_config(72, 257, torch.bfloat16, 9, 132)
+    monkeypatch.setattr(fm, "DECODE_L2_BLOCKS", 1)
+    c1, c8 = fm.get_config(9, 257, torch.bfloat16, 9, 132), fm.get_config(72, 257, torch.bfloat16, 9, 132)
+    assert fm.balanced_tiles(1024, 32, 8, 132) == 33
+    assert (c1.nt1, c1.nt2) == (33, base1.nt2) and c8 == base8
+
+
 def test_decode_switches(monkeypatch):
     """KIMI_MOE_DIRECT / KIMI_MOE_PDL (module flags): direct rows only at one token (M == top_k), PDL / prefetch of
     GEMM2's whole K / evict_first on every BLOCK_M-16 decode config, prefill configs untouched."""
