@@ -596,7 +596,7 @@ def ptxas_report(arch=90, only=None):
                        BS=BS, EARLY_W=True, IEEE=False, UPCAST=False, GDC=True),
                   4, 2, "absorb prep (GDC)")
             for merge, ns_ in ((True, 16), (True, 128), (False, 1)):
-                c = absorb.uv_config(1, H, 128, ns_, merge, 132)
+                c = absorb.uv_config(1, H, 128, ns_, 132)
                 build(absorb._uv_kernel, dict(seqlen_ptr="*i32", opart_ptr="*fp32", lse_ptr="*fp32", lat_ptr=dts,
                                               wuv_ptr=dts, out_ptr=dts),
                       dict(L=L, BLOCK_L=L, BLOCK_V=c["BLOCK_V"], VC=c["VC"], BLOCK_S=c["BLOCK_S"], BLOCK_N=64,

@@ -105,10 +105,10 @@ def prefetch_span_l2(ptr, n_lines, pid, nprog, LINE: tl.constexpr, BLOCK: tl.con
 L2_LINE_BYTES = 128
 
 
-def l2_span_args(spans, dummy) -> tuple:
-    """Launch side of prefetch_span_l2 for up to two contiguous tensors of one element size: (ptr0, ptr1,
-    dict(PF0_N, PF1_N, PF_LINE)) with the spans' 128-byte line counts (a partial last line counting); `dummy` stands
-    in for a missing span."""
+def l2_span_args(spans, dummy) -> dict:
+    """Launch kwargs of prefetch_span_l2's two spans for up to two contiguous tensors of one element size: pf0_ptr,
+    pf1_ptr and the constexprs PF0_N, PF1_N (the spans' 128-byte line counts, a partial last line counting) and
+    PF_LINE (elements per line); `dummy` stands in for a missing span."""
     spans = tuple(spans or ())
     assert len(spans) <= 2, "at most 2 prefetch spans"
     assert all(t.is_contiguous() for t in spans), "an L2 prefetch span must be contiguous"
@@ -116,7 +116,7 @@ def l2_span_args(spans, dummy) -> tuple:
     lines = [-(-t.numel() * t.element_size() // L2_LINE_BYTES) for t in spans] + [0, 0]
     ptrs = list(spans) + [dummy, dummy]
     line = L2_LINE_BYTES // spans[0].element_size() if spans else 64
-    return ptrs[0], ptrs[1], dict(PF0_N=lines[0], PF1_N=lines[1], PF_LINE=line)
+    return dict(pf0_ptr=ptrs[0], pf1_ptr=ptrs[1], PF0_N=lines[0], PF1_N=lines[1], PF_LINE=line)
 
 
 # --------------------------------------------------------------------------------------------------- offline check

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
-from kernels._pdl import gdc_enter, pdl_launch, pdl_on, prefetch_l2
+from kernels._pdl import L2_LINE_BYTES, gdc_enter, pdl_launch, pdl_on, prefetch_l2
 from kernels._tensors import arrival_counters, cdiv, max_shared_mem, next_pow2, num_sms
 
 GEMV_MAX_M = 16
@@ -343,9 +343,9 @@ def _pdl_prefetch(B: int, N: int, S: int, k_split: int, es: int, mb: Optional[fl
     over the grid's B * N * S row slabs, at most the slab's k_split columns and PDL_MAX_LINES), their power-of-2 tile
     and the elements per 128-byte line. E.g. bf16 at 4 MB: o_proj (N 2304, S 3) 4 of 22 lines; in_proj (N 12576)
     2 of 36."""
-    step = max(1, 128 // es)
+    step = max(1, L2_LINE_BYTES // es)
     mb = PDL_L2_MB if mb is None else mb
-    n = min(cdiv(k_split, step), int(mb * (1 << 20)) // (B * N * S * 128), PDL_MAX_LINES)
+    n = min(cdiv(k_split, step), int(mb * (1 << 20)) // (B * N * S * L2_LINE_BYTES), PDL_MAX_LINES)
     return dict(PF_N=n, PF_L=next_pow2(max(n, 1)), PF_STEP=step)
 
 

@@ -215,7 +215,7 @@ def _uv_kernel(
             tl.store(out_ptr + n * s_on + h * s_oh + rows, r.to(odt), mask=rows < V)
 
 
-def uv_config(N: int, H: int, V: int, num_splits: int, merge: bool, sms: int, cfg: dict | None = None) -> dict:
+def uv_config(N: int, H: int, V: int, num_splits: int, sms: int, cfg: dict | None = None) -> dict:
     """Host launch picks of _uv_kernel: BLOCK_V output columns per program (one UV_VC chunk), NG sequence groups.
     Each (h, vb) program merges the head's partials itself (~units x L x 4 B per sequence from L2), so narrow V
     blocks re-read them V / BLOCK_V times; they still win at every context: B=1 with a 128k-wide table (256 splits),
@@ -239,7 +239,7 @@ def launch_uv(seq_lens, opart, lse, lat, w_uv, out, N, H, G, L, BLOCK_L, BLOCK_N
     rows lat [N, H, L])."""
     V = w_uv.shape[1]
     assert w_uv.shape == (H, V, L) and w_uv.stride(2) == 1 and out.shape == (N, H, V) and out.stride(2) == 1
-    c = uv_config(N, H, V, num_splits, merge, num_sms(out.device), cfg)
+    c = uv_config(N, H, V, num_splits, num_sms(out.device), cfg)
     wstr = opart.stride()[:2] if merge else (0, 0)
     lstr = lse.stride(0) if merge else 0
     lat_str = lat.stride()[:2] if not merge else (0, 0)

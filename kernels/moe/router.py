@@ -798,17 +798,10 @@ def _router_decode_v2(x, gate_w, bias, top_k, scale, renormalize, biased_weights
         BLOCK_E=BLOCK_E, HAS_BIAS=has_bias, BIASED_WEIGHTS=bool(biased_weights),
         RENORM=bool(renormalize), HAS_EXTRA=has_extra, OUT_K=out_k, POLL=bool(poll), MAX_SPINS=1 << 20,
         GDC=DECODE_GDC, NORM=norm is not None, num_warps=num_warps, **extra,
-        **(dict(WAIT=True, launch_pdl=True) if pdl_on(pdl) else {}), **_hint_args(l2_hint, pdl_on(pdl), w),
+        # the L2 hint goes with PDL launches only (after the wait; no inline asm under the interpreter)
+        **(dict(WAIT=True, launch_pdl=True, **(l2_span_args(l2_hint, w) if l2_hint else {})) if pdl_on(pdl) else {}),
     )
     return w, ids
-
-
-def _hint_args(l2_hint, on: bool, dummy) -> dict:
-    """_router_decode_kernel's span arguments for l2_hint (none without PDL: no inline asm under the interpreter)."""
-    if not on or not l2_hint:
-        return {}
-    p0, p1, consts = l2_span_args(l2_hint, dummy)
-    return dict(pf0_ptr=p0, pf1_ptr=p1, **consts)
 
 
 def norm_fused(T: int) -> bool:
