@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from kernels.mla.absorb import mla_decode_prep_ref, mla_decode_prep_triton, mla_decode_uv_ref
+from kernels.mla.absorb import mla_decode_prep_ref, mla_decode_prep_triton, mla_decode_uv_ref, uv_config
 from kernels.mla.cache import store_latent_triton
 from kernels.mla.decode import DECODE_VARIANTS, GPU_BROKEN, mla_decode_triton
 from kernels.norm import rmsnorm_head_ref, rmsnorm_head_triton
@@ -176,6 +176,15 @@ def test_decode_uv_gpu_default_tiles():
     wide = mla_decode_triton(q, qp, cache, bt, sl, scale, w_uv=w_uv, uv_cfg=dict(block_v=64), **kw)
     ulp_close(wide, ref)
     assert (wide[1] == 0).all()
+
+
+@pytest.mark.parametrize("splits", [1, 16, 46, 256])
+def test_uv_config_narrow_blocks(splits):
+    """The W_UV merge kernel takes one 32-column chunk per program at every split count (H200 12-04: narrow beat the
+    old 128-column blocks for merges of > 32 splits at every context); cfg overrides still widen it."""
+    c = uv_config(1, 32, 128, splits, 132)
+    assert (c["BLOCK_V"], c["VC"], c["NG"]) == (32, 32, 1) and c["BLOCK_S"] == min(16, splits)
+    assert uv_config(1, 32, 128, splits, 132, dict(block_v=128))["BLOCK_V"] == 128
 
 
 # ----------------------------------------------------------------------------------------- GPU, Kimi shapes
