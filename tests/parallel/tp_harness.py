@@ -43,6 +43,7 @@ def rank_main(rank: int, world: int, port: int, ckpt: str, out_path: str):
         if rank == 0:
             torch.save(logits, out_path + ".tmp")
             os.replace(out_path + ".tmp", out_path)
+        dist.barrier()   # tear down together: a rank closing its gloo pairs under a busy peer can abort the peer
     finally:
         dist.destroy_process_group()
 
@@ -67,6 +68,7 @@ def engine_rank_main(rank: int, world: int, port: int, ckpt: str, prompts: list,
         runner.graphs = {b: EagerGraph(runner, b) for b in (1, 2, 4)}
         if rank:
             runner.follow()
+            dist.barrier()
             return
         sends, real_send = [], group.send
         group.send = lambda kind, meta=(), ints=(): sends.append((kind, len(ints))) or real_send(kind, meta, ints)
@@ -77,5 +79,6 @@ def engine_rank_main(rank: int, world: int, port: int, ckpt: str, prompts: list,
             engine.step()
         group.send(parallel.STOP)
         torch.save(([[t for out in s for t in out.token_ids] for s in streams], sends), out_path)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
