@@ -217,6 +217,11 @@ def export_timeline(runner: ModelRunner, batch: int, path: str, reps: int = 3):
     print(f"timeline: {reps} graph replays -> {path}")
 
 
+def _case_path(path: str, i: int) -> str:
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.set{i}{ext or '.json'}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
@@ -229,7 +234,7 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="MOD.ATTR=VALUE[;...]",
                     help="a case that sets module constants (read per call) instead of an ablation; repeatable")
     ap.add_argument("--timeline", default="", metavar="PATH", help="also export a chrome trace of the unablated "
-                    "decode graph's replays (GPU)")
+                    "decode graph's replays (GPU), and one per --set case (PATH with .setN before the extension)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager: runs every stand-in (testing)")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n and n != "none"] if args.only else list(ABLATIONS)
@@ -262,9 +267,13 @@ def main():
     print(f"{'(none)':26s} {base_step:8.3f} {'':9s} {base_fwd:9.3f}")
     cases = [(name, Switched(p)) for name, p in _switches().items()] if args.ab else \
         [(name, Patched(ABLATIONS[name])) for name in names]
-    for name, ctx in cases + sets:
+    for i, (name, ctx) in enumerate(cases + sets):
         with ctx:
             step, fwd = measure(engine, runner, args, params)
+            if args.timeline and i >= len(cases) and not args.smoke:   # --set case i: its own trace, PATH.setI.json
+                streams = e2e.start_decode(engine, args.batch, args.context, params)
+                export_timeline(runner, args.batch, _case_path(args.timeline, i - len(cases) + 1))
+                e2e.stop_decode(engine, streams)
         line = f"{name:26s} {step:8.3f} {1e3 * (base_step - step):9.1f} {fwd:9.3f} {1e3 * (base_fwd - fwd):9.1f}"
         if name in LINEAR_GROUPS:   # the group's weight bytes over the time it costs in the graph
             nbytes = linear_bytes(model, LINEAR_GROUPS[name])

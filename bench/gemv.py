@@ -9,6 +9,7 @@ The 50 MB L2 would hold the smaller weights, so each graph cycles through enough
 Then the projections of one batch-M decode step (20 KDA + 7 MLA layers, 1 dense MLP, lm_head) summed for both.
 --sweep: per shape and M, each config of SWEEP (tl.dot / FMA, BN, BK, warps, stages; K split by the default rule or
 forced to 1): us and TB/s, the default marked, then the best per shape (what to put in kernels/gemv.py).
+--ragged / --tma: sweep only the ragged-tile (GemvConfig.ragged) / TMA variants of the tl.dot bases.
 --smoke: CPU, Triton interpreter, tiny shapes: runs every code path (CI check of this file), timings meaningless.
 """
 from __future__ import annotations
@@ -56,6 +57,10 @@ SWEEP += [GemvConfig(dot=False, BN=bn, BK=bk, num_warps=w, num_stages=1, prefetc
            (64, 256, 8, False), (16, 256, 2, False), (8, 512, 2, True)]]
 # variants of the default at its picked split: two-launch reduce, no eviction hint, .cg loads
 VARIANTS = [replace(DOT_CONFIG, fused=False), replace(DOT_CONFIG, evict=False), replace(DOT_CONFIG, cg=True)]
+# --ragged: the dot bases with N in even tiles filling whole waves of SMs (GemvConfig.ragged), plus the default
+RAGGED_SWEEP = [replace(c, ragged=True) for c in SWEEP if c.dot] + [replace(c, ragged=True) for c in (
+    GemvConfig(dot=True, BN=128, BK=128, num_warps=4, num_stages=4), GemvConfig(dot=True, BN=128, BK=64, num_warps=4,
+                                                                                num_stages=8))] + [DOT_CONFIG]
 # --tma: the dot bases with W by TMA boxes (a separate run: a fault would poison the CUDA context for what follows)
 TMA_SWEEP = [replace(c, tma=True) for c in SWEEP if c.dot]
 PROGRAM_TARGETS = (132, 264, 396, 528)   # splits putting ~1..4 programs on each of 132 SMs
@@ -94,6 +99,7 @@ def tbs(nbytes, us):
 def describe(c: GemvConfig, k_split: int) -> str:
     flags = ("" if c.fused or c.split == 1 else " 2launch") + ("" if c.evict else " noevict") + (" cg" if c.cg else "")
     flags += (" pf" if c.prefetch and not c.dot else "") + (" tma" if c.tma and c.dot else "")
+    flags += " ragged" if c.ragged else ""
     return (f"{'dot' if c.dot else 'fma'} BN{c.BN} BK{c.BK} w{c.num_warps} s{c.num_stages} split{c.split}"
             f"(k{k_split}){flags}")
 
@@ -137,10 +143,12 @@ def bench(shapes, ms, device, smoke, bw):
     print("\n".join(rows))
 
 
-def sweep(shapes, ms, device, smoke, bw, tma=False):
+def sweep(shapes, ms, device, smoke, bw, tma=False, ragged=False):
     bases = SWEEP[:2] + SWEEP[8:10] + [replace(SWEEP[9], BK=32)] if smoke else SWEEP
     if tma:
         bases = [replace(c, tma=True) for c in SWEEP[:2]] if smoke else TMA_SWEEP
+    if ragged:
+        bases = [replace(c, ragged=True) for c in SWEEP[:2]] + [DOT_CONFIG] if smoke else RAGGED_SWEEP
     best = {}
     for name, B, N, K, _ in shapes:
         for M in ms:
@@ -148,7 +156,9 @@ def sweep(shapes, ms, device, smoke, bw, tma=False):
             default, dk = gemv_config(M, N, K, B, device)
             t_ref = time_us(case.torch_fns(), smoke, replays=10)
             configs = [c for base in bases for c in sweep_splits(base, M, N, K, B, device)]
-            if not tma:
+            if ragged:
+                configs.append(default)          # the shape's own config, for the side-by-side
+            if not (tma or ragged):
                 configs += [replace(v, split=gemv_config(M, N, K, B, device, v)[0].split) for v in VARIANTS]
             results, seen = [], set()
             for cfg in configs:
@@ -186,7 +196,7 @@ def sweep(shapes, ms, device, smoke, bw, tma=False):
         if r[0] < t_ref:
             print(f"      ({B}, {N}, {K}, {M}): GemvConfig(BN={c.BN}, BK={c.BK}, split={c.split}, dot={c.dot}, "
                   f"num_warps={c.num_warps}, num_stages={c.num_stages}, fused={c.fused}, evict={c.evict}, cg={c.cg}, "
-                  f"prefetch={c.prefetch}, tma={c.tma}),")
+                  f"prefetch={c.prefetch}, tma={c.tma}, ragged={c.ragged}),")
     for M in ms:
         tr = sum(calls * best[(n, B, N, K, M)][0] for n, B, N, K, calls in shapes)
         to = sum(calls * min(best[(n, B, N, K, M)][0], best[(n, B, N, K, M)][1][0] if best[(n, B, N, K, M)][1]
@@ -200,6 +210,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes (testing this file)")
     ap.add_argument("--tma", action="store_true", help="sweep the TMA variants only (run it separately: see TMA_SWEEP)")
+    ap.add_argument("--ragged", action="store_true", help="sweep the ragged-tile variants (and the default) only")
     ap.add_argument("--shapes", default="", help="comma-separated prefixes of shape names (default: all)")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -212,8 +223,8 @@ def main():
     if device == "cuda":
         print(f"# {torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
     print(f"# device copy bandwidth {bw / 1e12:.2f} TB/s (2 x bytes / t, same run)")
-    if args.tma:
-        sweep(shapes, ms, device, args.smoke, bw, tma=True)
+    if args.tma or args.ragged:
+        sweep(shapes, ms, device, args.smoke, bw, tma=args.tma, ragged=args.ragged)
         return
     bench(shapes, ms, device, args.smoke, bw)
     if args.sweep:

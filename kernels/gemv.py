@@ -24,6 +24,7 @@ decode) still runs; x and everything after come after the wait, so the bits are 
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -175,6 +176,7 @@ def _gemv_kernel(
     SPLIT: tl.constexpr, W_EVICT: tl.constexpr, W_CACHE: tl.constexpr, R: tl.constexpr, PREFETCH: tl.constexpr,
     w_desc=None, TMA: tl.constexpr = False,
     GDC: tl.constexpr = False, PF_N: tl.constexpr = 0, PF_L: tl.constexpr = 1, PF_STEP: tl.constexpr = 64,
+    RAGGED: tl.constexpr = False, NT=1,
 ):
     # grid (cdiv(N, BN), S, B): program (n, s, b) reads W[b, n*BN:+BN, s*k_split:+k_split] once (streamed: W_EVICT
     # / W_CACHE hints keep it from evicting x, partials and other kernels' data from L2) and
@@ -182,10 +184,18 @@ def _gemv_kernel(
     #   SPLIT 1: writes the fp32 partial p[s, b, :M, n*BN:+BN] (summed by _split_reduce_kernel, a second launch);
     #   SPLIT 2: writes the partial, then the last of the tile's S programs to arrive (acq_rel counter, left at 0:
     #            graph-replay safe) sums p[0..S-1] in that order and writes y (deterministic, one launch)
+    # RAGGED: N cut into NT even tiles [n*N//NT, (n+1)*N//NT) of <= BN rows (masked rows cost no bytes), so that the
+    # grid can be whole waves of the SMs (_ragged_tiles) instead of cdiv(N, BN) BN-row tiles with a partial wave
     pid_n, pid_s, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    if RAGGED:
+        n_lo = pid_n * N // NT
+        n_hi = (pid_n + 1) * N // NT
+    else:
+        n_lo = pid_n * BN
+        n_hi = N
+    offs_n = n_lo + tl.arange(0, BN)
     offs_m = tl.arange(0, BM)
-    n_mask, m_mask = offs_n < N, offs_m < M
+    n_mask, m_mask = offs_n < n_hi, offs_m < M
     k_lo = pid_s * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     xb, wb = x_ptr + pid_b * stride_xb, w_ptr + pid_b * stride_wb
@@ -203,7 +213,7 @@ def _gemv_kernel(
     mn_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + pid_b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT == 0:
-        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mn_mask)
+        tl.store(y_ptrs, out.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mn_mask)
     else:
         p_ptrs = p_ptr + pid_b * stride_pb + offs_m[:, None] * stride_pm + offs_n[None, :]        # [BM, BN]
         tl.store(p_ptrs + pid_s.to(tl.int64) * stride_ps, out, mask=mn_mask)
@@ -215,20 +225,21 @@ def _gemv_kernel(
                 tot = tl.zeros((BM, BN), dtype=tl.float32)
                 for s in range(S):  # fixed order: the same bits whichever program arrives last
                     tot += tl.load(p_ptrs + s * stride_ps, mask=mn_mask, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=mn_mask)
+                tl.store(y_ptrs, tot.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mn_mask)
                 tl.store(cnt, 0)
 
 
 @triton.jit
-def _split_reduce_kernel(p_ptr, y_ptr, S, R, N, BR: tl.constexpr):
-    # partials p [S, R, N] fp32 (R = B*M rows) -> y [R, N] = sum over s in order 0..S-1, cast to y's dtype
+def _split_reduce_kernel(p_ptr, y_ptr, x_ptr, S, R, N, BR: tl.constexpr):
+    # partials p [S, R, N] fp32 (R = B*M rows) -> y [R, N] = sum over s in order 0..S-1, rounded to x's dtype, then
+    # y's (x_ptr: only its dtype)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BR + tl.arange(0, BR)
     mask = offs < N
     acc = tl.zeros((BR,), dtype=tl.float32)
     for s in range(S):
         acc += tl.load(p_ptr + (s * R + row) * N + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + row * N + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * N + offs, acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------- launch config
@@ -246,6 +257,7 @@ class GemvConfig:
     prefetch: bool = False          # FMA: next step's tiles loaded before this step's FMAs
     tma: bool = False               # dot: W by TMA boxes (host TensorDescriptor) where W's layout allows
     l2_mb: Optional[float] = None   # PDL: W MB prefetched into L2 before the wait (None: PDL_L2_MB)
+    ragged: bool = False            # N in even tiles of <= BN rows filling whole waves of SMs (_ragged_tiles)
 
 
 FMA_R = 8                # FMA path: contiguous K elements per thread and load (8 bf16 = 16 bytes)
@@ -257,20 +269,29 @@ SM_PEAK_OVER_HBM = 1.15  # one SM streams ~15% more than its 1/SMs share of HBM 
 PROGRAM_OVERHEAD = 1.0   # per program, in BK steps: first-load latency, epilogue, partial write / reduce
 # per-shape overrides {(B, N, K, M) or (B, N, K): config} (exact M first), filled from bench/gemv.py --sweep
 # H200 sweep 2026-12-03 (bench/gemv.py --m 1 --sweep --shapes KDA,o_proj,MLA; L2 flushed, us ours vs cuBLAS):
-# in_proj 16.82 vs 18.71, f_b|g_b 2.76 vs 3.33, o_proj 8.30 vs 9.88, q|kv_a 10.03 vs 11.27, w_uv 3.62 vs 4.11
+# in_proj 16.82 vs 18.71, f_b|g_b 2.76 vs 3.33, o_proj 8.30 vs 9.88, q|kv_a 10.03 vs 11.27, w_uv 3.62 vs 4.11.
+# Ragged tiles (whole waves of SMs), H200 2026-12-04 (bench/gemv.py --m 1 --ragged, us ragged vs BN-wide vs cuBLAS):
+# in_proj 15.62 / 17.92 / 20.22, o_proj 7.24 / 8.02 / 10.05, q|kv_a 9.29 / 9.93 / 11.64, MLP gate|up 22.66 / 27.34 /
+# 28.17, MLP down 13.09 / 14.07 / 16.22, lm_head 188.0 / 194.9 / 199.3
 SHAPE_CONFIGS: dict = {
-    (1, 12576, 2304, 1): GemvConfig(BN=64, BK=128, split=1, dot=True, num_warps=4, num_stages=4),     # KDA in_proj
+    # KDA in_proj
+    (1, 12576, 2304, 1): GemvConfig(BN=64, BK=128, split=1, dot=True, num_warps=4, num_stages=4, ragged=True),
     (2, 4096, 128, 1): GemvConfig(BN=8, BK=128, split=1, dot=False, num_warps=2, num_stages=1, prefetch=True),
-    (1, 2304, 4096, 1): GemvConfig(BN=64, BK=128, split=3, dot=True, num_warps=4, num_stages=6),      # o_proj
-    (1, 6720, 2304, 1): GemvConfig(BN=64, BK=128, split=1, dot=True, num_warps=4, num_stages=6),      # MLA q|kv_a
+    (1, 2304, 4096, 1): GemvConfig(BN=64, BK=128, split=3, dot=True, num_warps=4, num_stages=6, ragged=True),  # o_proj
+    (1, 6720, 2304, 1): GemvConfig(BN=64, BK=128, split=1, dot=True, num_warps=4, num_stages=6, ragged=True),  # q|kv_a
     (32, 128, 512, 1): GemvConfig(BN=64, BK=128, split=1, dot=True, num_warps=4, num_stages=4),       # MLA w_uv
+    (1, 18432, 2304, 1): GemvConfig(BN=128, BK=128, split=1, dot=True, num_warps=4, num_stages=3, ragged=True),  # MLP
+    (1, 2304, 9216, 1): GemvConfig(BN=64, BK=128, split=4, dot=True, num_warps=4, num_stages=4, ragged=True),   # down
+    # lm_head
+    (1, 163840, 2304, 1): GemvConfig(BN=128, BK=64, split=1, dot=True, num_warps=4, num_stages=6, ragged=True),
 }
 # field overrides of SHAPE_CONFIGS' entries, {(B, N, K[, M]): {GemvConfig field: value}}: plain literals, so that
 # `bench/ablate.py --set "kernels.gemv.SHAPE_OVERRIDES={(1, 2304, 4096): {'split': 4}}"` tries a config inside the
 # decode graph (where the standalone sweep's L2-flushed optimum need not hold); empty by default
 SHAPE_OVERRIDES: dict = {}
 # {(B, N, K): largest M} where ours beat cuBLAS on the H200 (skinny_linear(measured_only=True), KIMI_GEMV=auto)
-GEMV_WINS: dict = {(1, 12576, 2304): 1, (1, 2304, 4096): 1, (1, 6720, 2304): 1}
+GEMV_WINS: dict = {(1, 12576, 2304): 1, (1, 2304, 4096): 1, (1, 6720, 2304): 1, (1, 18432, 2304): 1, (1, 2304, 9216): 1,
+                   (1, 163840, 2304): 1}
 
 
 def _block_k(K: int, BK: int) -> int:
@@ -321,6 +342,15 @@ def gemv_config(M: int, N: int, K: int, B: int, device, cfg: Optional[GemvConfig
     return replace(base, BK=bk, dot=dot, split=cdiv(K, k_split), num_stages=stages), k_split
 
 
+def _ragged_tiles(N: int, BN: int, B: int, S: int, sms: int) -> int:
+    """N tiles of a ragged config: the smallest count >= cdiv(N, BN) (so tiles fit BN rows) for which the grid's
+    B * S * NT programs are whole waves of the SMs, capped at N (a tile holds at least one row). E.g. in_proj
+    (N 12576) on 132 SMs: BN 128 -> 132 tiles of 95-96 rows, one program per SM (BN-wide tiles: 99, or 197 at BN 64,
+    65 SMs streaming two); o_proj (N 2304, 3 K splits) at BN 64: 44 tiles of 52-53 rows, 132 programs."""
+    step = sms // math.gcd(sms, B * S)
+    return min(N, cdiv(cdiv(N, BN), step) * step)
+
+
 def _dot_stages(c: GemvConfig, bk: int, es: int, smem: int) -> int:
     """num_stages of a dot config within `smem` bytes per block: each stage holds a W tile [BN, BK] and the x tile
     [16, BK] (BN 64 / BK 128 bf16: 20 KB; the H200 sweep's 6 stages = 120 KB fit its 227 KB, not a GB10's 99 KB),
@@ -350,8 +380,10 @@ def _pdl_prefetch(B: int, N: int, S: int, k_split: int, es: int, mb: Optional[fl
 
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = None,
-                pdl: Optional[bool] = None) -> torch.Tensor:
-    """pdl: launch with PDL (kernels._pdl; None: KIMI_PDL)."""
+                pdl: Optional[bool] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """pdl: launch with PDL (kernels._pdl; None: KIMI_PDL). out: y's storage ([M, N] or [B, M, N], unit stride
+    along N), of x's dtype or fp32; values are rounded to x's dtype either way (fp32 out = the x.dtype result
+    upcast, bit for bit, without a conversion launch: the lm_head's logits)."""
     batched = x.dim() == 3
     xb, wb = (x, w) if batched else (x[None], w[None])
     if xb.stride(-1) != 1:
@@ -361,50 +393,59 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
     B, M, K = xb.shape
     N = wb.shape[1]
     assert wb.shape == (B, N, K) and M <= GEMV_MAX_M and x.dtype == w.dtype, (xb.shape, wb.shape, x.dtype, w.dtype)
-    y = torch.empty(B, M, N, dtype=x.dtype, device=x.device)
+    if out is None:
+        y = torch.empty(B, M, N, dtype=x.dtype, device=x.device)
+    else:
+        y = out if batched else out[None]
+        assert y.shape == (B, M, N) and y.stride(-1) == 1 and y.dtype in (x.dtype, torch.float32), (out.shape, y.dtype)
+    res = out if out is not None else (y if batched else y[0])
     if M == 0 or N == 0:
-        return y if batched else y[0]
+        return res
     if K == 0:
-        return y.zero_() if batched else y[0].zero_()
+        return res.zero_()
     c, k_split = gemv_config(M, N, K, B, x.device, cfg, x.element_size())
     S = c.split
     bm = max(16, next_pow2(M)) if c.dot else next_pow2(M)
     split_mode = 0 if S == 1 else (2 if c.fused else 1)
     p = y if S == 1 else torch.empty(S, B, M, N, dtype=torch.float32, device=x.device)   # fp32 partials
-    cnt = arrival_counters(x.device, B * cdiv(N, c.BN)) if split_mode == 2 else p
+    nt = _ragged_tiles(N, c.BN, B, S, num_sms(x.device)) if c.ragged else cdiv(N, c.BN)
+    cnt = arrival_counters(x.device, B * nt) if split_mode == 2 else p
     even_k = K % c.BK == 0
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     upcast = c.dot and x.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET", "0") == "1"
     assert not c.dot or min(c.BN, c.BK) >= 16, c                     # tl.dot's GPU lowering needs dims >= 16
     tma = {}
-    if c.tma and c.dot and _tma_ok(wb):
+    if c.tma and c.dot and not c.ragged and _tma_ok(wb):   # a ragged tile's box would read its neighbour's rows
         from triton.tools.tensor_descriptor import TensorDescriptor
         tma = dict(TMA=True, w_desc=TensorDescriptor.from_tensor(wb.view(B * N, K), [c.BN, c.BK]))
-    _gemv_kernel[(cdiv(N, c.BN), S, B)](
+    _gemv_kernel[(nt, S, B)](
         xb, wb, y, p, cnt, M, N, K, k_split,
         xb.stride(0), xb.stride(1), wb.stride(0), wb.stride(1), y.stride(0), y.stride(1),
         p.stride(0) if S > 1 else 0, p.stride(-3), p.stride(-2),
         BM=bm, BN=c.BN, BK=c.BK, EVEN_K=even_k, DOT=c.dot, PREC=prec, UPCAST=upcast, SPLIT=split_mode,
         W_EVICT="evict_first" if c.evict and not c.cg else "", W_CACHE=".cg" if c.cg else "", R=min(FMA_R, c.BK),
-        PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages, **tma,
+        PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages, RAGGED=c.ragged, NT=nt, **tma,
         **(pdl_launch(pdl, **_pdl_prefetch(B, N, S, k_split, wb.element_size(), c.l2_mb)) if pdl_on(pdl) else {}))
     if split_mode == 1:
         br = min(1024, next_pow2(N))
-        _split_reduce_kernel[(B * M, cdiv(N, br))](p, y, S, B * M, N, BR=br, num_warps=4)
-    return y if batched else y[0]
+        _split_reduce_kernel[(B * M, cdiv(N, br))](p, y, xb, S, B * M, N, BR=br, num_warps=4)
+    return res
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return gemv_triton(x, w) if use_triton(x) else gemv_ref(x, w)
 
 
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, measured_only: bool = False) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, measured_only: bool = False,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x [M, K], w [N, K]) through gemv_triton when M <= GEMV_MAX_M and use_triton(x) (measured_only: and
-    M <= GEMV_WINS[(1, N, K)], the shapes where the H200 sweep had ours faster than cuBLAS); else F.linear."""
+    M <= GEMV_WINS[(1, N, K)], the shapes where the H200 sweep had ours faster than cuBLAS); else F.linear.
+    out: [M, N] of x's dtype or fp32, filled with the x.dtype result (upcast) and returned."""
     if x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and use_triton(x):
         if not measured_only or x.shape[0] <= GEMV_WINS.get((1, w.shape[0], w.shape[1]), 0):
-            return gemv_triton(x, w)
-    return F.linear(x, w)
+            return gemv_triton(x, w, out=out)
+    y = F.linear(x, w)
+    return y if out is None else out.copy_(y)
 
 
 def skinny_bmm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

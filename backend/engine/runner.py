@@ -292,10 +292,11 @@ class ModelRunner:
         for bs in reversed(graph_batch_sizes(max_bs)):
             batch = self.static_batch(bs)
             # warmup outside the capture: Triton compiles and autotunes here
-            logits[:bs] = self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)
+            # decode: every row is sampled (no logits gather); the logits land in the static buffer
+            self.model.compute_logits(self.model(batch, self.cache), None, out=logits[:bs])
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                logits[:bs] = self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)
+                self.model.compute_logits(self.model(batch, self.cache), None, out=logits[:bs])
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)

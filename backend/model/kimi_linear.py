@@ -6,7 +6,7 @@ Tensor parallel (tp.world = W > 1, backend/model/parallel.py): modules hold this
 1/W of the dense MLPs; mixers and FFNs return partial sums that DecoderLayer all-reduces.
 """
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,10 @@ MLA_FUSED_MAX_T = 4 if os.environ.get("KIMI_MLA_FUSED", "1") != "0" else 0
 # +5-10 us at 4 MiB, +18 at 8, +34 at 12, +52 at 18 (whole o_proj) against interleaved controls (H200 12-04): the
 # decode's own tail and o_proj's PDL head compete with it; removed
 ROUTER_L2_HINT_MB = float(os.environ.get("KIMI_ROUTER_L2_HINT_MB", "9"))
+# compute_logits(out=...) (the decode graphs): a kernels.gemv lm_head stores fp32 logits into the graph's buffer
+# itself, rounded through x's dtype (same bits); False: x.dtype logits, then a conversion and a copy (A/B switch:
+# bench/ablate.py --set backend.model.kimi_linear.LOGITS_INTO=False). KIMI_LOGITS_INTO=0: off
+LOGITS_INTO = os.environ.get("KIMI_LOGITS_INTO", "1") != "0"
 
 
 class UncombinedMoE(NamedTuple):
@@ -434,12 +438,19 @@ class KimiLinearForCausalLM(nn.Module):
         return self.model(batch, cache)
 
     @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
-        """lm_head on the sampled positions only -> fp32 [M, vocab] (on every rank)."""
-        logits = self.lm_head(hidden[logits_index])
+    def compute_logits(self, hidden: torch.Tensor, logits_index: Optional[torch.Tensor],
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """lm_head on the sampled positions only (logits_index None: every row, no gather) -> fp32 [M, vocab] (on
+        every rank). out: an fp32 [M, vocab] buffer to fill and return (the decode graphs' static logits); where the
+        lm_head runs kernels.gemv (LOGITS_INTO) it stores the x.dtype-rounded logits there itself, the same bits as
+        the x.dtype result upcast, without the conversion and copy launches."""
+        x = hidden if logits_index is None else hidden[logits_index]
+        if out is not None and LOGITS_INTO and self.tp.world == 1 and isinstance(self.lm_head, _GemvLinear):
+            return skinny_linear(x, self.lm_head.weight, self.lm_head.measured_only, out=out)
+        logits = self.lm_head(x)
         if self.tp.world > 1:
             logits = all_gather_last(logits, self.tp)
-        return logits.float()
+        return logits.float() if out is None else out.copy_(logits)
 
     def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int) -> KimiCache:
         """Zeroed KDA state pool (slot 0 null) and MLA latent pages (page 0 null)."""

@@ -28,6 +28,9 @@ CONFIGS = {
     "fma prefetch split2": GemvConfig(BN=16, BK=32, split=2, dot=False, prefetch=True),
     "dot tma split2": GemvConfig(BN=16, BK=32, split=2, dot=True, tma=True),
     "fma prefetch bk64": GemvConfig(BN=32, BK=64, split=1, dot=False, prefetch=True, evict=False),
+    "dot ragged split2": GemvConfig(BN=32, BK=32, split=2, dot=True, ragged=True),
+    "fma ragged": GemvConfig(BN=16, BK=64, split=1, dot=False, ragged=True),
+    "dot ragged tma": GemvConfig(BN=64, BK=16, split=1, dot=True, ragged=True, tma=True),
 }
 # (N, K, what) Kimi-Linear-48B decode projections (D = 2304)
 KIMI = [
@@ -74,6 +77,37 @@ def test_gemv_batched_strided(dtype, T, cfg):
     assert out.shape == (2, T, N)
     assert_close("gemv batched", out, gemv_ref(x, w), TOL[dtype])
     assert_close("skinny_bmm_nt", skinny_bmm_nt(x, w), torch.bmm(x.float(), w.float().transpose(1, 2)), TOL[dtype])
+
+
+def test_ragged_tiles():
+    from kernels.gemv import _ragged_tiles
+    assert _ragged_tiles(12576, 128, 1, 1, 132) == 132       # in_proj: one program per SM, 95-96 rows each
+    assert _ragged_tiles(12576, 64, 1, 1, 132) == 264
+    assert _ragged_tiles(2304, 64, 1, 3, 132) == 44          # o_proj at 3 K splits: 132 programs
+    assert _ragged_tiles(12576, 128, 1, 1, 48) == 144        # a 48-SM part: three waves
+    assert _ragged_tiles(20, 16, 1, 1, 132) == 20            # capped at one row per tile
+    for N, BN, B, S, sms in [(12576, 128, 1, 1, 132), (2304, 64, 1, 3, 132), (6720, 64, 2, 2, 48), (37, 16, 1, 2, 7)]:
+        nt = _ragged_tiles(N, BN, B, S, sms)
+        widths = [(n + 1) * N // nt - n * N // nt for n in range(nt)]
+        assert max(widths) <= BN and min(widths) >= 1 and sum(widths) == N
+        assert nt == N or (B * S * nt) % sms == 0
+
+
+@requires_triton
+@pytest.mark.parametrize("sms", [3, 7, 132])
+@pytest.mark.parametrize("dot", [True, False])
+@pytest.mark.parametrize("B", [1, 2])
+def test_gemv_ragged_any_sm_count(monkeypatch, sms, dot, B):
+    # tile counts and widths vary with the SM count; every row is written once (NaN-poisoned output buffer)
+    monkeypatch.setattr(kernels.gemv, "num_sms", lambda device: sms)
+    N, K, M = 70, 96, 3
+    x, w = _xw(M, N, K, torch.float32, B=B)
+    real_empty = torch.empty
+    monkeypatch.setattr(kernels.gemv.torch, "empty",
+                        lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    y = gemv_triton(x, w, GemvConfig(BN=16, BK=32, split=2, dot=dot, ragged=True))
+    assert not y.isnan().any()
+    assert_close("gemv ragged", y, gemv_ref(x, w), TOL[torch.float32])
 
 
 def test_gemv_ref_formula():
@@ -150,6 +184,18 @@ def test_gemv_kimi_gpu(M, N, K, what):
     y = gemv_triton(x, w)
     assert_close(what, y, gemv_ref(x, w), bf16_tol())
     assert_close(what + " vs cuBLAS", y, F.linear(x, w), bf16_tol())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("N,K,what", KIMI[:3], ids=[k[2] for k in KIMI[:3]])
+@pytest.mark.parametrize("cfg", [GemvConfig(BN=128, BK=128, split=1, dot=True, num_stages=4, ragged=True),
+                                 GemvConfig(BN=64, BK=128, split=3, dot=True, num_stages=6, ragged=True),
+                                 GemvConfig(BN=32, BK=512, split=2, dot=False, ragged=True)],
+                         ids=["dot128", "dot64 split3", "fma"])
+def test_gemv_ragged_kimi_gpu(M, N, K, what, cfg):
+    x, w = _xw(M, N, K, torch.bfloat16)
+    assert_close(what + " ragged", gemv_triton(x, w, cfg), gemv_ref(x, w), bf16_tol())
 
 
 @pytest.mark.gpu
@@ -234,6 +280,50 @@ def test_model_opt_in_matches_default(tiny_fp32, monkeypatch):
     got = _decode_logits(model)
     assert len(calls) > 0
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
+
+
+@requires_triton
+@pytest.mark.parametrize("cfg", [GemvConfig(BN=16, BK=32, split=1, dot=True), GemvConfig(BN=16, BK=32, split=3, dot=True),
+                                 GemvConfig(BN=16, BK=32, split=2, dot=False, fused=False),
+                                 GemvConfig(BN=32, BK=32, split=2, dot=True, ragged=True)],
+                         ids=["dot", "split3", "2launch", "ragged"])
+def test_gemv_fp32_out_is_upcast(cfg):
+    # out= an fp32 buffer (the lm_head's logits): the x.dtype result upcast, bit for bit, in every split mode
+    x, w = _xw(2, 70, 96, torch.bfloat16)
+    ref = gemv_triton(x, w, cfg).float()
+    out = torch.full((2, 70), float("nan"), device=DEV)
+    assert gemv_triton(x, w, cfg, out=out) is out
+    assert torch.equal(out, ref)
+    # F.linear fallback (M > GEMV_MAX_M) fills out the same way
+    xl = torch.randn(20, 96, device=DEV).to(torch.bfloat16)
+    out = torch.full((20, 70), float("nan"), device=DEV)
+    assert skinny_linear(xl, w, out=out) is out and torch.equal(out, F.linear(xl, w).float())
+    with pytest.raises(AssertionError):
+        gemv_triton(x, w, cfg, out=torch.empty(2, 70, dtype=torch.float16, device=DEV))
+
+
+@requires_triton
+@pytest.mark.parametrize("into", [True, False])
+def test_compute_logits_into_buffer(tiny_fp32, monkeypatch, into):
+    # the decode graphs' call: every row, fp32 logits stored into the static buffer by the lm_head gemv itself
+    # (LOGITS_INTO) or converted and copied; the same bits as the gathered, upcast logits either way
+    from backend.model import kimi_linear
+    from backend.model.loader import load_model
+
+    monkeypatch.setenv("KIMI_GEMV", "1")
+    model = load_model(tiny_fp32, DEV, torch.bfloat16)
+    monkeypatch.setattr(kernels.gemv, "use_triton", lambda t: True)
+    monkeypatch.setattr(kimi_linear, "LOGITS_INTO", into)
+    outs = []
+    real = kernels.gemv.gemv_triton
+    monkeypatch.setattr(kernels.gemv, "gemv_triton", lambda *a, **k: outs.append(k.get("out")) or real(*a, **k))
+    hidden = torch.randn(3, model.config.hidden_size, device=DEV).to(torch.bfloat16)
+    ref = model.compute_logits(hidden, torch.arange(3, device=DEV))
+    buf = torch.full((4, ref.shape[1]), float("nan"), device=DEV)
+    got = model.compute_logits(hidden, None, out=buf[:3])
+    assert ref.dtype == torch.float32 and torch.equal(got, ref) and torch.equal(buf[:3], ref)
+    assert buf[3].isnan().all()
+    assert outs[0] is None and (outs[1] is not None) == into
 
 
 @requires_triton
