@@ -509,6 +509,9 @@ def profile_steps(engine: LLMEngine, steps: int, modules: bool, smoke: bool) -> 
             sync()
     finally:
         labels.close()
+    trace = os.environ.get("E2E_PROFILE_TRACE")   # also write the steps' chrome trace (bench/timeline.py reads it)
+    if trace:
+        prof.export_chrome_trace(trace)
     return kernel_instances(prof, cpu_fallback=smoke)
 
 
@@ -755,7 +758,8 @@ def main():
               f"(routing as measured; {uni['t'] * 1e3:.2f} ms with uniform routing)\n"
               f"    SOL: {roof.describe(sol, args.bw, peak)}")
 
-    bench_prefill(engine, min(args.prefill), seed=99)  # warmup: extend kernels compile
+    if args.prefill:
+        bench_prefill(engine, min(args.prefill), seed=99)  # warmup: extend kernels compile
     for i, n in enumerate(args.prefill):
         dt = bench_prefill(engine, n, seed=i)
         sol = peak / roof.prefill_flops(n) * n
