@@ -227,6 +227,8 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--max-model-len", type=int, default=0, help="the engine's (block-table width; default: "
+                    "context + 64 * steps)")
     ap.add_argument("--only", default="", help="comma-separated ablation names (default: all)")
     ap.add_argument("--ab", action="store_true", help="time the decode fusions' switches (each off, all off) instead")
     ap.add_argument("--all-on", action="store_true", help="first switch every decode fusion on at every batch size "
@@ -247,7 +249,7 @@ def main():
     else:
         dev, dtype, cfg = torch.device("cuda"), torch.bfloat16, ModelConfig.from_dict(e2e.config_dict(27))
     model = random_model(cfg, dev, dtype)
-    ecfg = EngineConfig(max_model_len=args.context + 64 * args.steps, max_num_seqs=args.batch,
+    ecfg = EngineConfig(max_model_len=args.max_model_len or args.context + 64 * args.steps, max_num_seqs=args.batch,
                         max_num_batched_tokens=8192, block_size=64, gpu_memory_utilization=0.9, device=dev.type,
                         dtype=str(dtype).removeprefix("torch."), max_prefill_tokens_with_decode=0,
                         max_graph_batch_size=args.batch, enforce_eager=args.smoke)
