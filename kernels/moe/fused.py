@@ -68,8 +68,9 @@ DECODE_PDL1 = "gemm1" in _PDL
 # shared expert, appended last, whose w13 the decode router hints into L2 (backend.model.kimi_linear
 # .ROUTER_L2_HINT_MB): the 8 routed blocks then take 33 tiles each (264 HBM programs, 2 per SM) and the shared
 # block's 33 L2-hit programs ride on top, instead of 44 tiles per block (396 = 3 per SM, the hinted ones among them,
-# so the SMs streaming three HBM tiles still set the time). 0: every block streams from HBM. Untimed (A/B:
-# bench/ablate.py --set kernels.moe.fused.DECODE_L2_BLOCKS=1)
+# so the SMs streaming three HBM tiles still set the time). 0: every block streams from HBM. H200 12-04 (bench/
+# ablate.py --batch 1 --set kernels.moe.fused.DECODE_L2_BLOCKS=1, interleaved controls): b1 step 2.234 vs 2.232-2.233,
+# and 2.213 vs 2.212-2.214 with the ragged gemv tiles: a tie, so 0 stays
 DECODE_L2_BLOCKS = int(os.environ.get("KIMI_MOE_L2_BLOCKS", "0"))
 
 
