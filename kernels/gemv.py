@@ -177,6 +177,7 @@ def _gemv_kernel(
     w_desc=None, TMA: tl.constexpr = False,
     GDC: tl.constexpr = False, PF_N: tl.constexpr = 0, PF_L: tl.constexpr = 1, PF_STEP: tl.constexpr = 64,
     RAGGED: tl.constexpr = False, NT=1,
+    am_ptr=None, ARGMAX: tl.constexpr = False,
 ):
     # grid (cdiv(N, BN), S, B): program (n, s, b) reads W[b, n*BN:+BN, s*k_split:+k_split] once (streamed: W_EVICT
     # / W_CACHE hints keep it from evicting x, partials and other kernels' data from L2) and
@@ -214,6 +215,9 @@ def _gemv_kernel(
     y_ptrs = y_ptr + pid_b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT == 0:
         tl.store(y_ptrs, out.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mn_mask)
+        if ARGMAX:
+            _argmax_tile(out.to(x_ptr.dtype.element_ty).to(tl.float32), mn_mask, m_mask, offs_m, n_lo, pid_n,
+                         tl.num_programs(0), am_ptr, BM)
     else:
         p_ptrs = p_ptr + pid_b * stride_pb + offs_m[:, None] * stride_pm + offs_n[None, :]        # [BM, BN]
         tl.store(p_ptrs + pid_s.to(tl.int64) * stride_ps, out, mask=mn_mask)
@@ -227,6 +231,40 @@ def _gemv_kernel(
                     tot += tl.load(p_ptrs + s * stride_ps, mask=mn_mask, other=0.0, cache_modifier=".cg")
                 tl.store(y_ptrs, tot.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mn_mask)
                 tl.store(cnt, 0)
+
+
+@triton.jit
+def _argmax_tile(v, mn_mask, m_mask, offs_m, n_lo, pid_n, NT, am_ptr, BM: tl.constexpr):
+    # ARGMAX: per row of v [BM, BN] (the stored values, as fp32) the tile's maximum (NaN counts as the largest, as in
+    # torch.argmax) and the first column holding it -> am_ptr [2, BM, NT] fp32 (the index as its bits); plain stores,
+    # no fence or counter (measured: a last-arriving reduction here cost every program a release fence)
+    v = tl.where(mn_mask, tl.where(v != v, float("inf"), v), float("-inf"))
+    best = tl.max(v, axis=1)
+    idx = n_lo + tl.argmax(v, axis=1, tie_break_left=True)
+    tl.store(am_ptr + offs_m * NT + pid_n, best, mask=m_mask)
+    tl.store(am_ptr + (BM + offs_m) * NT + pid_n, idx.to(tl.int32).to(tl.float32, bitcast=True), mask=m_mask)
+
+
+@triton.jit
+def _argmax_reduce_kernel(am_ptr, out_ptr, M, NT, BM: tl.constexpr, CHUNK: tl.constexpr, GDC: tl.constexpr = False):
+    # one program: the tiles' (max, index) of each of the M rows, scanned in tile order (tiles ascend in N, so the
+    # first tile holding the row's max holds its first index) -> out [M] i64. GDC: PDL launch after the gemv
+    gdc_enter(GDC)
+    offs_m = tl.arange(0, BM)
+    m_mask = offs_m < M
+    run_v = tl.full((BM,), float("-inf"), tl.float32)
+    run_t = tl.zeros((BM,), dtype=tl.int32)
+    for c0 in range(0, NT, CHUNK):
+        t = c0 + tl.arange(0, CHUNK)
+        pv = tl.load(am_ptr + offs_m[:, None] * NT + t[None, :], mask=m_mask[:, None] & (t < NT)[None, :],
+                     other=float("-inf"))
+        cv = tl.max(pv, axis=1)
+        ct = c0 + tl.argmax(pv, axis=1, tie_break_left=True)
+        take = cv > run_v           # strictly greater: an earlier chunk keeps its tie
+        run_t = tl.where(take, ct, run_t)
+        run_v = tl.where(take, cv, run_v)
+    pi = tl.load(am_ptr + (BM + offs_m) * NT + run_t, mask=m_mask, other=0.0)
+    tl.store(out_ptr + offs_m, pi.to(tl.int32, bitcast=True).to(tl.int64), mask=m_mask)
 
 
 @triton.jit
@@ -380,10 +418,13 @@ def _pdl_prefetch(B: int, N: int, S: int, k_split: int, es: int, mb: Optional[fl
 
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = None,
-                pdl: Optional[bool] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                pdl: Optional[bool] = None, out: Optional[torch.Tensor] = None,
+                argmax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """pdl: launch with PDL (kernels._pdl; None: KIMI_PDL). out: y's storage ([M, N] or [B, M, N], unit stride
     along N), of x's dtype or fp32; values are rounded to x's dtype either way (fp32 out = the x.dtype result
-    upcast, bit for bit, without a conversion launch: the lm_head's logits)."""
+    upcast, bit for bit, without a conversion launch: the lm_head's logits). argmax_out: [M] i64, filled with
+    torch.argmax(y, -1) of the stored y (first index of the maximum; NaN the largest): each program stores its tile's
+    (max, index), a one-program kernel (PDL) scans them (unbatched, one K split; the lm_head's greedy token)."""
     batched = x.dim() == 3
     xb, wb = (x, w) if batched else (x[None], w[None])
     if xb.stride(-1) != 1:
@@ -404,12 +445,18 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
     if K == 0:
         return res.zero_()
     c, k_split = gemv_config(M, N, K, B, x.device, cfg, x.element_size())
+    if argmax_out is not None:        # the argmax tail runs after the one-split store
+        assert not batched and argmax_out.shape == (M,) and argmax_out.dtype == torch.int64, argmax_out.shape
+        c, k_split = replace(c, split=1), cdiv(K, c.BK) * c.BK
     S = c.split
     bm = max(16, next_pow2(M)) if c.dot else next_pow2(M)
     split_mode = 0 if S == 1 else (2 if c.fused else 1)
     p = y if S == 1 else torch.empty(S, B, M, N, dtype=torch.float32, device=x.device)   # fp32 partials
     nt = _ragged_tiles(N, c.BN, B, S, num_sms(x.device)) if c.ragged else cdiv(N, c.BN)
     cnt = arrival_counters(x.device, B * nt) if split_mode == 2 else p
+    am = {}
+    if argmax_out is not None:       # [2, BM, nt] fp32: each tile's max and (bits of) its index
+        am = dict(am_ptr=torch.empty(2 * bm * nt, dtype=torch.float32, device=x.device), ARGMAX=True)
     even_k = K % c.BK == 0
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     upcast = c.dot and x.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -424,8 +471,11 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
         p.stride(0) if S > 1 else 0, p.stride(-3), p.stride(-2),
         BM=bm, BN=c.BN, BK=c.BK, EVEN_K=even_k, DOT=c.dot, PREC=prec, UPCAST=upcast, SPLIT=split_mode,
         W_EVICT="evict_first" if c.evict and not c.cg else "", W_CACHE=".cg" if c.cg else "", R=min(FMA_R, c.BK),
-        PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages, RAGGED=c.ragged, NT=nt, **tma,
+        PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages, RAGGED=c.ragged, NT=nt, **tma, **am,
         **(pdl_launch(pdl, **_pdl_prefetch(B, N, S, k_split, wb.element_size(), c.l2_mb)) if pdl_on(pdl) else {}))
+    if am:
+        _argmax_reduce_kernel[(1,)](am["am_ptr"], argmax_out, M, nt, BM=bm, CHUNK=256, num_warps=4,
+                                    **pdl_launch(pdl))
     if split_mode == 1:
         br = min(1024, next_pow2(N))
         _split_reduce_kernel[(B * M, cdiv(N, br))](p, y, xb, S, B * M, N, BR=br, num_warps=4)
@@ -436,14 +486,21 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return gemv_triton(x, w) if use_triton(x) else gemv_ref(x, w)
 
 
+def skinny_linear_takes(M: int, w: torch.Tensor, measured_only: bool = False) -> bool:
+    """Does skinny_linear(x [M, K], w, measured_only) run gemv_triton: M <= GEMV_MAX_M rows on a Triton device (and,
+    measured_only, M <= GEMV_WINS[(1, N, K)]: the shapes where the H200 sweep had ours faster than cuBLAS)?"""
+    return (M <= GEMV_MAX_M and use_triton(w)
+            and (not measured_only or M <= GEMV_WINS.get((1, w.shape[0], w.shape[1]), 0)))
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, measured_only: bool = False,
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x [M, K], w [N, K]) through gemv_triton when M <= GEMV_MAX_M and use_triton(x) (measured_only: and
-    M <= GEMV_WINS[(1, N, K)], the shapes where the H200 sweep had ours faster than cuBLAS); else F.linear.
-    out: [M, N] of x's dtype or fp32, filled with the x.dtype result (upcast) and returned."""
-    if x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and use_triton(x):
-        if not measured_only or x.shape[0] <= GEMV_WINS.get((1, w.shape[0], w.shape[1]), 0):
-            return gemv_triton(x, w, out=out)
+                  out: Optional[torch.Tensor] = None, argmax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x [M, K], w [N, K]) through gemv_triton where skinny_linear_takes, else F.linear.
+    out: [M, N] of x's dtype or fp32, filled with the x.dtype result (upcast) and returned. argmax_out: gemv_triton's
+    (only where skinny_linear_takes)."""
+    if x.dim() == 2 and use_triton(x) and skinny_linear_takes(x.shape[0], w, measured_only):
+        return gemv_triton(x, w, out=out, argmax_out=argmax_out)
+    assert argmax_out is None, "argmax_out: gemv path only (skinny_linear_takes)"
     y = F.linear(x, w)
     return y if out is None else out.copy_(y)
 

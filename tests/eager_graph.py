@@ -11,4 +11,5 @@ class EagerGraph:
     def replay(self):
         r = self.runner
         batch = r.static_batch(self.bs)
-        r.model.compute_logits(r.model(batch, r.cache), None, out=r.graph_vars["logits"][:self.bs])
+        am = r.graph_vars["greedy"][:self.bs] if r.graph_argmax.get(self.bs) else None
+        r.model.compute_logits(r.model(batch, r.cache), None, out=r.graph_vars["logits"][:self.bs], argmax_out=am)

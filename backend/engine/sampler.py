@@ -192,8 +192,8 @@ class SamplerOutput:
         else:  # ids travel as fp64 (exact) so that ids and logprobs come back in one transfer
             t = torch.cat([self.token_ids[:, None].double(), self.logprobs[:, None].double(),
                            self.top_ids.double(), self.top_logprobs.double()], dim=1)
-        if t.device.type != "cuda":
-            return t, None
+        if t.device.type != "cuda":      # a copy: token_ids may view a graph's static buffer that the next step reuses
+            return t.clone(), None
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         done = torch.cuda.Event()
@@ -271,11 +271,16 @@ def _fast_ok(p) -> bool:
     return p.min_p > 0.0 or 0 < p.top_k <= KS  # KS: top-k up to this bounds the kernel's candidate set
 
 
-def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-    """logits [M, V] fp32 (modified in place) -> SamplerOutput on the device."""
+def sample(logits: torch.Tensor, md: SamplingMetadata, greedy_ids: Optional[torch.Tensor] = None) -> SamplerOutput:
+    """logits [M, V] fp32 (modified in place) -> SamplerOutput on the device. greedy_ids: [M] i64, logits.argmax(-1)
+    found already (the batch-1 decode graph's lm_head), taken where no bias or penalty changes the logits first."""
+    if md.bias is not None or md.rep_index is not None or md.out_index is not None:
+        greedy_ids = None
     logits = apply_penalties(logits, md)
     want_lp = md.num_top_logprobs >= 0
-    ids = logits.argmax(dim=-1) if md.any_greedy else None  # full-vocab passes only where a row needs them
+    ids = None
+    if md.any_greedy:  # full-vocab passes only where a row needs them
+        ids = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
     processed = logits
     if not md.all_greedy:
         if not want_lp and _FAST_FILTERS and md.fast_filters and use_triton(logits):

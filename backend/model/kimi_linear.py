@@ -16,7 +16,7 @@ from backend.config import ModelConfig
 from backend.model.batch import ForwardBatch, KimiCache
 from backend.model.parallel import TP, all_gather_last, all_reduce, folds_shared_expert
 from kernels._dispatch import use_triton
-from kernels.gemv import skinny_bmm_nt, skinny_linear
+from kernels.gemv import skinny_bmm_nt, skinny_linear, skinny_linear_takes
 from kernels.kda import kda_decode, kda_prefill
 from kernels.mla import mla_decode, mla_decode_prep, mla_extend, mla_prefill, store_latent
 from kernels.moe import fused_moe, fused_moe_add_norm, moe_router, moe_router_add_norm
@@ -437,14 +437,25 @@ class KimiLinearForCausalLM(nn.Module):
         """-> final-normed hidden states [T, D]; updates KDA state slots and MLA pages in place."""
         return self.model(batch, cache)
 
+    def fuses_argmax(self, rows: int) -> bool:
+        """Can compute_logits(out=..., argmax_out=...) of `rows` rows find each row's argmax inside the lm_head's
+        gemv (kernels.gemv argmax_out: LOGITS_INTO, one rank, the gemv path taken for that many rows)?"""
+        lin = self.lm_head
+        return (LOGITS_INTO and self.tp.world == 1 and isinstance(lin, _GemvLinear)
+                and skinny_linear_takes(rows, lin.weight, lin.measured_only))
+
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, logits_index: Optional[torch.Tensor],
-                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       out: Optional[torch.Tensor] = None, argmax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """lm_head on the sampled positions only (logits_index None: every row, no gather) -> fp32 [M, vocab] (on
         every rank). out: an fp32 [M, vocab] buffer to fill and return (the decode graphs' static logits); where the
         lm_head runs kernels.gemv (LOGITS_INTO) it stores the x.dtype-rounded logits there itself, the same bits as
-        the x.dtype result upcast, without the conversion and copy launches."""
+        the x.dtype result upcast, without the conversion and copy launches. argmax_out [M] i64 (with out, where
+        fuses_argmax): each row's torch.argmax, found by the gemv's last program (the greedy token, no launch)."""
         x = hidden if logits_index is None else hidden[logits_index]
+        if argmax_out is not None:
+            assert out is not None and self.fuses_argmax(x.shape[0]), "argmax_out: see fuses_argmax"
+            return skinny_linear(x, self.lm_head.weight, self.lm_head.measured_only, out=out, argmax_out=argmax_out)
         if out is not None and LOGITS_INTO and self.tp.world == 1 and isinstance(self.lm_head, _GemvLinear):
             return skinny_linear(x, self.lm_head.weight, self.lm_head.measured_only, out=out)
         logits = self.lm_head(x)

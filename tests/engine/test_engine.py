@@ -361,3 +361,40 @@ def test_stream_from_another_thread(engine):
     t.start()
     t.join(30)
     assert out["toks"] == greedy_generate(engine.runner.model, [4, 5, 6], 3)
+
+
+def test_graph_argmax_greedy_tokens(tiny_dir, monkeypatch):
+    """Batch-1 decode graphs whose lm_head gemv also finds the argmax (runner.graph_argmax): the sampler takes those
+    ids (no argmax launch) and the tokens are the request's alone. Kernels forced on CPU (interpreter), gemv for every
+    skinny linear so that the tiny lm_head takes it."""
+    import backend.engine.runner as runner_mod
+    import kernels._dispatch as d
+
+    monkeypatch.setattr(d, "_FORCE", "triton")
+    monkeypatch.setenv("KIMI_GEMV", "1")
+    eng = make_engine(tiny_dir, max_num_seqs=2)
+    try:
+        with_graphs(eng, sizes=(1, 2))
+        r = eng.runner
+        assert r.model.fuses_argmax(1)
+        r.graph_argmax = {1: True, 2: False}
+        seen = []
+        real = runner_mod.sample
+        monkeypatch.setattr(runner_mod, "sample", lambda lg, md, greedy_ids=None: seen.append(
+            greedy_ids is not None) or real(lg, md, greedy_ids=greedy_ids))
+        work = [([5, 17, 99, 3], 6), ([200, 1], 4)]
+        ref = alone(eng, work)
+        got = [collect(eng.add_request(p, SamplingParams(max_tokens=m, **GREEDY)))[0] for p, m in work]
+        assert got == ref
+        assert any(seen) and r.fed > 0
+        # a penalty changes the logits before the argmax: the fused ids are offered but not taken
+        def penalised():
+            return collect(eng.add_request([5, 17, 99, 3, 17], SamplingParams(max_tokens=6, repetition_penalty=3.0,
+                                                                             **GREEDY)))[0]
+        seen.clear()
+        pen = penalised()
+        assert any(seen)
+        r.graph_argmax = {}
+        assert penalised() == pen
+    finally:
+        eng.shutdown()

@@ -148,8 +148,11 @@ def _scenarios(torch):
         shapes = [(12576, D), (D, H * V), (MH * 192 + L + R, D), (D, MH * NOPE), (MH * 2 * NOPE, L), (VOCAB, D)]
         ws = [torch.empty(n, k, dtype=bf) for n, k in shapes]
         fg = torch.empty(2, H * K, K, dtype=bf)
+        # and the batch-1 decode graph's lm_head: fp32 logits + the fused argmax (kernels.gemv argmax_out)
+        am = (lambda: skinny_linear(torch.zeros(1, D, dtype=bf), ws[-1], out=torch.empty(1, VOCAB),
+                                    argmax_out=torch.empty(1, dtype=torch.int64))) if M == 1 else (lambda: None)
         return lambda: ([skinny_linear(torch.zeros(M, w.shape[1], dtype=bf), w) for w in ws],
-                        skinny_bmm_nt(torch.zeros(2, M, K, dtype=bf), fg))
+                        skinny_bmm_nt(torch.zeros(2, M, K, dtype=bf), fg), am())
 
     def sampler():
         from backend.engine.sampler import race_argmax
