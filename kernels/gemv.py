@@ -37,6 +37,7 @@ import triton.language as tl
 from kernels._dispatch import use_triton
 from kernels._pdl import L2_LINE_BYTES, gdc_enter, pdl_launch, pdl_on, prefetch_l2
 from kernels._tensors import arrival_counters, cdiv, max_shared_mem, next_pow2, num_sms
+from kernels.moe.router import INTERPRET, cast_to
 
 GEMV_MAX_M = 16
 # PDL launch: W bytes the whole grid prefetches into L2 before griddepcontrol.wait (KIMI_PDL_L2_MB) and its cap in
@@ -177,7 +178,7 @@ def _gemv_kernel(
     w_desc=None, TMA: tl.constexpr = False,
     GDC: tl.constexpr = False, PF_N: tl.constexpr = 0, PF_L: tl.constexpr = 1, PF_STEP: tl.constexpr = 64,
     RAGGED: tl.constexpr = False, NT=1,
-    am_ptr=None, ARGMAX: tl.constexpr = False,
+    am_ptr=None, ARGMAX: tl.constexpr = False, GLU: tl.constexpr = False, INTERP: tl.constexpr = False,
 ):
     # grid (cdiv(N, BN), S, B): program (n, s, b) reads W[b, n*BN:+BN, s*k_split:+k_split] once (streamed: W_EVICT
     # / W_CACHE hints keep it from evicting x, partials and other kernels' data from L2) and
@@ -203,14 +204,18 @@ def _gemv_kernel(
     if GDC:
         # PDL: prefetch the head of this program's W slab into L2, then wait for the previous kernel (x is its output)
         _prefetch_w_head(wb, offs_n, n_mask, stride_wn, k_lo, k_hi, PF_N, PF_L, PF_STEP)
+        if GLU:
+            _prefetch_w_head(wb, offs_n + N, n_mask, stride_wn, k_lo, k_hi, PF_N, PF_L, PF_STEP)
         gdc_enter(GDC)
-    if DOT:
-        row0 = (pid_b * N + pid_n * BN).to(tl.int32)                                                # TMA box row
-        out = _dot_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
-                        BK, EVEN_K, PREC, UPCAST, W_EVICT, W_CACHE, w_desc, row0, TMA)                     # [BM, BN]
-    else:
-        out = _fma_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
-                        BK, R, EVEN_K, PREFETCH, W_EVICT, W_CACHE)                                         # [BM, BN]
+    out = _w_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi, BK, EVEN_K, DOT, PREC,
+                  UPCAST, W_EVICT, W_CACHE, w_desc, (pid_b * N + pid_n * BN).to(tl.int32), TMA, R, PREFETCH)  # [BM, BN]
+    if GLU:     # W = [gate | up] rows: y = silu(x . gate_n) * (x . up_n), rounded as torch's bf16 silu and product
+        up = _w_tile(xb, wb, offs_m, offs_n + N, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi, BK, EVEN_K, DOT,
+                     PREC, UPCAST, W_EVICT, W_CACHE, w_desc, 0, False, R, PREFETCH)
+        XT: tl.constexpr = x_ptr.dtype.element_ty
+        g = cast_to(out, XT, INTERP).to(tl.float32)
+        act = cast_to(g / (1.0 + tl.exp(-g)), XT, INTERP).to(tl.float32)
+        out = act * cast_to(up, XT, INTERP).to(tl.float32)
     mn_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + pid_b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT == 0:
@@ -231,6 +236,19 @@ def _gemv_kernel(
                     tot += tl.load(p_ptrs + s * stride_ps, mask=mn_mask, other=0.0, cache_modifier=".cg")
                 tl.store(y_ptrs, tot.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mn_mask)
                 tl.store(cnt, 0)
+
+
+@triton.jit
+def _w_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi, BK: tl.constexpr,
+            EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, W_EVICT: tl.constexpr,
+            W_CACHE: tl.constexpr, w_desc, row0, TMA: tl.constexpr, R: tl.constexpr, PREFETCH: tl.constexpr):
+    # fp32 [BM, BN] = x[:, k_lo:k_hi] @ W[offs_n, k_lo:k_hi]^T by the tl.dot or the FMA path
+    if DOT:
+        return _dot_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
+                         BK, EVEN_K, PREC, UPCAST, W_EVICT, W_CACHE, w_desc, row0, TMA)
+    else:
+        return _fma_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
+                         BK, R, EVEN_K, PREFETCH, W_EVICT, W_CACHE)
 
 
 @triton.jit
@@ -320,6 +338,9 @@ SHAPE_CONFIGS: dict = {
     (32, 128, 512, 1): GemvConfig(BN=64, BK=128, split=1, dot=True, num_warps=4, num_stages=4),       # MLA w_uv
     (1, 18432, 2304, 1): GemvConfig(BN=128, BK=128, split=1, dot=True, num_warps=4, num_stages=3, ragged=True),  # MLP
     (1, 2304, 9216, 1): GemvConfig(BN=64, BK=128, split=4, dot=True, num_warps=4, num_stages=4, ragged=True),   # down
+    # the dense MLP's gate|up as gemv_triton(glu=True) (N = I outputs, 2 x 35 rows per program: the bytes per
+    # program of the gate|up entry above); untimed
+    (1, 9216, 2304, 1): GemvConfig(BN=64, BK=128, split=1, dot=True, num_warps=4, num_stages=3, ragged=True),
     # lm_head
     (1, 163840, 2304, 1): GemvConfig(BN=128, BK=64, split=1, dot=True, num_warps=4, num_stages=6, ragged=True),
 }
@@ -419,12 +440,14 @@ def _pdl_prefetch(B: int, N: int, S: int, k_split: int, es: int, mb: Optional[fl
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = None,
                 pdl: Optional[bool] = None, out: Optional[torch.Tensor] = None,
-                argmax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                argmax_out: Optional[torch.Tensor] = None, glu: bool = False) -> torch.Tensor:
     """pdl: launch with PDL (kernels._pdl; None: KIMI_PDL). out: y's storage ([M, N] or [B, M, N], unit stride
     along N), of x's dtype or fp32; values are rounded to x's dtype either way (fp32 out = the x.dtype result
     upcast, bit for bit, without a conversion launch: the lm_head's logits). argmax_out: [M] i64, filled with
     torch.argmax(y, -1) of the stored y (first index of the maximum; NaN the largest): each program stores its tile's
-    (max, index), a one-program kernel (PDL) scans them (unbatched, one K split; the lm_head's greedy token)."""
+    (max, index), a one-program kernel (PDL) scans them (unbatched, one K split; the lm_head's greedy token).
+    glu: w is [gate | up] rows ([2N, K]) and y [M, N] = silu(x gate^T) * (x up^T) with torch's bf16 roundings of the
+    projections, the silu and the product (a dense MLP's gate_up_proj + act + mul; one K split, no TMA)."""
     batched = x.dim() == 3
     xb, wb = (x, w) if batched else (x[None], w[None])
     if xb.stride(-1) != 1:
@@ -432,8 +455,9 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
     if wb.stride(-1) != 1:
         wb = wb.contiguous()
     B, M, K = xb.shape
-    N = wb.shape[1]
-    assert wb.shape == (B, N, K) and M <= GEMV_MAX_M and x.dtype == w.dtype, (xb.shape, wb.shape, x.dtype, w.dtype)
+    N = wb.shape[1] // (2 if glu else 1)
+    assert wb.shape == (B, N * (2 if glu else 1), K) and M <= GEMV_MAX_M and x.dtype == w.dtype, \
+        (xb.shape, wb.shape, x.dtype, w.dtype)
     if out is None:
         y = torch.empty(B, M, N, dtype=x.dtype, device=x.device)
     else:
@@ -447,6 +471,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
     c, k_split = gemv_config(M, N, K, B, x.device, cfg, x.element_size())
     if argmax_out is not None:        # the argmax tail runs after the one-split store
         assert not batched and argmax_out.shape == (M,) and argmax_out.dtype == torch.int64, argmax_out.shape
+    if argmax_out is not None or glu:  # epilogues of the whole dot: one K split
         c, k_split = replace(c, split=1), cdiv(K, c.BK) * c.BK
     S = c.split
     bm = max(16, next_pow2(M)) if c.dot else next_pow2(M)
@@ -462,7 +487,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
     upcast = c.dot and x.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET", "0") == "1"
     assert not c.dot or min(c.BN, c.BK) >= 16, c                     # tl.dot's GPU lowering needs dims >= 16
     tma = {}
-    if c.tma and c.dot and not c.ragged and _tma_ok(wb):   # a ragged tile's box would read its neighbour's rows
+    if c.tma and c.dot and not c.ragged and not glu and _tma_ok(wb):   # ragged: a box would read the next tile's rows
         from triton.tools.tensor_descriptor import TensorDescriptor
         tma = dict(TMA=True, w_desc=TensorDescriptor.from_tensor(wb.view(B * N, K), [c.BN, c.BK]))
     _gemv_kernel[(nt, S, B)](
@@ -471,8 +496,11 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
         p.stride(0) if S > 1 else 0, p.stride(-3), p.stride(-2),
         BM=bm, BN=c.BN, BK=c.BK, EVEN_K=even_k, DOT=c.dot, PREC=prec, UPCAST=upcast, SPLIT=split_mode,
         W_EVICT="evict_first" if c.evict and not c.cg else "", W_CACHE=".cg" if c.cg else "", R=min(FMA_R, c.BK),
-        PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages, RAGGED=c.ragged, NT=nt, **tma, **am,
-        **(pdl_launch(pdl, **_pdl_prefetch(B, N, S, k_split, wb.element_size(), c.l2_mb)) if pdl_on(pdl) else {}))
+        PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages, RAGGED=c.ragged, NT=nt, GLU=glu,
+        INTERP=glu and INTERPRET, **tma,
+        **am,
+        **(pdl_launch(pdl, **_pdl_prefetch(B, wb.shape[1], S, k_split, wb.element_size(), c.l2_mb)) if pdl_on(pdl)
+           else {}))
     if am:
         _argmax_reduce_kernel[(1,)](am["am_ptr"], argmax_out, M, nt, BM=bm, CHUNK=256, num_warps=4,
                                     **pdl_launch(pdl))

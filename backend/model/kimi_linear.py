@@ -16,7 +16,7 @@ from backend.config import ModelConfig
 from backend.model.batch import ForwardBatch, KimiCache
 from backend.model.parallel import TP, all_gather_last, all_reduce, folds_shared_expert
 from kernels._dispatch import use_triton
-from kernels.gemv import skinny_bmm_nt, skinny_linear, skinny_linear_takes
+from kernels.gemv import gemv_triton, skinny_bmm_nt, skinny_linear, skinny_linear_takes
 from kernels.kda import kda_decode, kda_prefill
 from kernels.mla import mla_decode, mla_decode_prep, mla_extend, mla_prefill, store_latent
 from kernels.moe import fused_moe, fused_moe_add_norm, moe_router, moe_router_add_norm
@@ -44,6 +44,10 @@ ROUTER_L2_HINT_MB = float(os.environ.get("KIMI_ROUTER_L2_HINT_MB", "9"))
 # itself, rounded through x's dtype (same bits); False: x.dtype logits, then a conversion and a copy (A/B switch:
 # bench/ablate.py --set backend.model.kimi_linear.LOGITS_INTO=False). KIMI_LOGITS_INTO=0: off
 LOGITS_INTO = os.environ.get("KIMI_LOGITS_INTO", "1") != "0"
+# Dense MLP rows on the gemv path (layer 0 at decode): silu(gate) * up in the gate|up gemv's epilogue
+# (kernels.gemv glu=True) instead of two elementwise launches after it (~2.7 us at b1 on the H200). Opt-in, untimed:
+# KIMI_MLP_GLU=1 (A/B: bench/ablate.py --set backend.model.kimi_linear.MLP_GLU=True)
+MLP_GLU = os.environ.get("KIMI_MLP_GLU", "0") == "1"
 
 
 class UncombinedMoE(NamedTuple):
@@ -270,7 +274,11 @@ class KimiMLP(nn.Module):
         self.down_proj = _linear(inter, dim, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)                               # [T, 2I]
+        lin = self.gate_up_proj
+        if MLP_GLU and isinstance(lin, _GemvLinear) and use_triton(x) \
+                and skinny_linear_takes(x.shape[0], lin.weight, lin.measured_only):
+            return self.down_proj(gemv_triton(x, lin.weight, glu=True))         # silu(gate) * up in the gemv
+        gu = lin(x)                                             # [T, 2I]
         return self.down_proj(F.silu(gu[:, :self.inter]) * gu[:, self.inter:])
 
 

@@ -149,8 +149,12 @@ def _scenarios(torch):
         ws = [torch.empty(n, k, dtype=bf) for n, k in shapes]
         fg = torch.empty(2, H * K, K, dtype=bf)
         # and the batch-1 decode graph's lm_head: fp32 logits + the fused argmax (kernels.gemv argmax_out)
-        am = (lambda: skinny_linear(torch.zeros(1, D, dtype=bf), ws[-1], out=torch.empty(1, VOCAB),
-                                    argmax_out=torch.empty(1, dtype=torch.int64))) if M == 1 else (lambda: None)
+        # and the dense MLP's gate|up with silu * up in its epilogue (glu, KIMI_MLP_GLU)
+        from kernels.gemv import gemv_triton
+        glu = torch.empty(2 * 9216, D, dtype=bf)
+        am = (lambda: (skinny_linear(torch.zeros(1, D, dtype=bf), ws[-1], out=torch.empty(1, VOCAB),
+                                     argmax_out=torch.empty(1, dtype=torch.int64)),
+                       gemv_triton(torch.zeros(1, D, dtype=bf), glu, glu=True))) if M == 1 else (lambda: None)
         return lambda: ([skinny_linear(torch.zeros(M, w.shape[1], dtype=bf), w) for w in ws],
                         skinny_bmm_nt(torch.zeros(2, M, K, dtype=bf), fg), am())
 

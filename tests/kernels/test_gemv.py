@@ -199,6 +199,15 @@ def test_gemv_ragged_kimi_gpu(M, N, K, what, cfg):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4])
+def test_gemv_glu_dense_mlp_gpu(M):
+    # Kimi's dense MLP (I 9216, D 2304) with its own config: torch's bf16 roundings, so the torch path's values
+    x, w = _xw(M, 2 * 9216, 2304, torch.bfloat16)
+    gu = F.linear(x, w)
+    assert_close("glu kimi", gemv_triton(x, w, glu=True), F.silu(gu[:, :9216]) * gu[:, 9216:], bf16_tol())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 3])
 def test_gemv_argmax_lm_head_gpu(M):
     # the lm_head shape with its own config (ragged, PDL as configured); a tie across tiles
@@ -371,6 +380,51 @@ def test_gemv_argmax_out(monkeypatch, M, N, K, cfg, nan_row):
     assert not arrival_counters(DEV, 1)[:64].any()
     with pytest.raises(AssertionError):
         gemv_triton(x[None], w[None], cfg, argmax_out=am)                          # batched: not supported
+
+
+@requires_triton
+@pytest.mark.parametrize("M,I,K,cfg", [
+    (1, 100, 64, GemvConfig(BN=32, BK=32, dot=True, ragged=True)),
+    (3, 70, 96, GemvConfig(BN=16, BK=32, dot=True, split=3)),
+    (1, 50, 40, GemvConfig(BN=16, BK=64, dot=False)),
+    (2, 33, 64, GemvConfig(BN=16, BK=32, dot=True, tma=True)),
+], ids=["ragged", "split-ignored", "fma-k-tail", "tma-ignored"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_glu(monkeypatch, M, I, K, cfg, dtype):
+    # glu=True: W = [gate | up] rows, y = silu(x gate^T) * (x up^T) (a dense MLP's gate_up_proj + act + mul)
+    monkeypatch.setattr(kernels.gemv, "num_sms", lambda device: 7)
+    x, w = _xw(M, 2 * I, K, dtype)
+    real_empty = torch.empty
+    monkeypatch.setattr(kernels.gemv.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    y = gemv_triton(x, w, cfg, glu=True)
+    monkeypatch.undo()
+    gu = gemv_ref(x, w).to(dtype).float()                           # the projections rounded as F.linear's output
+    ref = (F.silu(gu[:, :I]).to(dtype).float() * gu[:, I:]).to(dtype)
+    assert y.shape == (M, I) and y.dtype == dtype and not y.isnan().any()
+    assert_close("glu", y, ref, TOL[dtype])
+    with pytest.raises(AssertionError):
+        gemv_triton(x, w[:-1], cfg, glu=True)                      # odd row count: no gate | up halves
+
+
+@requires_triton
+def test_model_mlp_glu_matches(tiny_fp32, monkeypatch):
+    # MLP_GLU: the dense MLP's silu * up inside the gate|up gemv; decode logits as with the two elementwise ops
+    from backend.model import kimi_linear
+    from backend.model.loader import load_model
+
+    monkeypatch.setenv("KIMI_GEMV", "1")
+    model = load_model(tiny_fp32, DEV, torch.float32)
+    assert any(isinstance(m, kimi_linear.KimiMLP) for m in model.modules())
+    monkeypatch.setattr(kernels.gemv, "use_triton", lambda t: True)
+    monkeypatch.setattr(kimi_linear, "use_triton", lambda t: True)
+    ref = _decode_logits(model)
+    glu = []
+    real = kernels.gemv.gemv_triton
+    monkeypatch.setattr(kimi_linear, "gemv_triton", lambda *a, **k: glu.append(k.get("glu")) or real(*a, **k))
+    monkeypatch.setattr(kimi_linear, "MLP_GLU", True)
+    got = _decode_logits(model)
+    assert glu and all(glu)
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
 
 
 @requires_triton
