@@ -484,7 +484,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
         am = dict(am_ptr=torch.empty(2 * bm * nt, dtype=torch.float32, device=x.device), ARGMAX=True)
     even_k = K % c.BK == 0
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    upcast = c.dot and x.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    upcast = c.dot and x.dtype != torch.float32 and INTERPRET
     assert not c.dot or min(c.BN, c.BK) >= 16, c                     # tl.dot's GPU lowering needs dims >= 16
     tma = {}
     if c.tma and c.dot and not c.ragged and not glu and _tma_ok(wb):   # ragged: a box would read the next tile's rows
@@ -526,7 +526,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, measured_only: bool = False,
     """F.linear(x [M, K], w [N, K]) through gemv_triton where skinny_linear_takes, else F.linear.
     out: [M, N] of x's dtype or fp32, filled with the x.dtype result (upcast) and returned. argmax_out: gemv_triton's
     (only where skinny_linear_takes)."""
-    if x.dim() == 2 and use_triton(x) and skinny_linear_takes(x.shape[0], w, measured_only):
+    if x.dim() == 2 and skinny_linear_takes(x.shape[0], w, measured_only):
         return gemv_triton(x, w, out=out, argmax_out=argmax_out)
     assert argmax_out is None, "argmax_out: gemv path only (skinny_linear_takes)"
     y = F.linear(x, w)

@@ -125,6 +125,11 @@ class SamplingMetadata:
     any_greedy: bool = True  # (host) some row is greedy: the plain argmax is needed
     fast_filters: bool = False  # (host) every sampled row has min_p > 0 or top_k <= kernels.sampling.KS (_fast_ok)
 
+    @property
+    def changes_logits(self) -> bool:
+        """A bias or penalty to apply (apply_penalties' inputs): the raw logits' argmax is not the greedy token."""
+        return self.bias is not None or self.rep_index is not None or self.out_index is not None
+
     @staticmethod
     def build(reqs: list, vocab_size: int, device: torch.device, pending: int = 0) -> "SamplingMetadata":
         """At most two host->device transfers (floats, ints); none for an all-greedy step without penalties/bias.
@@ -223,6 +228,8 @@ class SamplerOutput:
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if not md.changes_logits:
+        return logits
     if md.bias is not None:
         rows, cols, vals = md.bias
         logits.index_put_((rows, cols), vals, accumulate=True)
@@ -274,7 +281,7 @@ def _fast_ok(p) -> bool:
 def sample(logits: torch.Tensor, md: SamplingMetadata, greedy_ids: Optional[torch.Tensor] = None) -> SamplerOutput:
     """logits [M, V] fp32 (modified in place) -> SamplerOutput on the device. greedy_ids: [M] i64, logits.argmax(-1)
     found already (the batch-1 decode graph's lm_head), taken where no bias or penalty changes the logits first."""
-    if md.bias is not None or md.rep_index is not None or md.out_index is not None:
+    if md.changes_logits:
         greedy_ids = None
     logits = apply_penalties(logits, md)
     want_lp = md.num_top_logprobs >= 0

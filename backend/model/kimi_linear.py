@@ -275,8 +275,7 @@ class KimiMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lin = self.gate_up_proj
-        if MLP_GLU and isinstance(lin, _GemvLinear) and use_triton(x) \
-                and skinny_linear_takes(x.shape[0], lin.weight, lin.measured_only):
+        if MLP_GLU and isinstance(lin, _GemvLinear) and skinny_linear_takes(x.shape[0], lin.weight, lin.measured_only):
             return self.down_proj(gemv_triton(x, lin.weight, glu=True))         # silu(gate) * up in the gemv
         gu = lin(x)                                             # [T, 2I]
         return self.down_proj(F.silu(gu[:, :self.inter]) * gu[:, self.inter:])
@@ -445,12 +444,15 @@ class KimiLinearForCausalLM(nn.Module):
         """-> final-normed hidden states [T, D]; updates KDA state slots and MLA pages in place."""
         return self.model(batch, cache)
 
+    def _logits_into(self) -> bool:
+        """compute_logits(out=...) hands `out` to the lm_head's skinny_linear: LOGITS_INTO, one rank, a gemv lm_head."""
+        return LOGITS_INTO and self.tp.world == 1 and isinstance(self.lm_head, _GemvLinear)
+
     def fuses_argmax(self, rows: int) -> bool:
         """Can compute_logits(out=..., argmax_out=...) of `rows` rows find each row's argmax inside the lm_head's
-        gemv (kernels.gemv argmax_out: LOGITS_INTO, one rank, the gemv path taken for that many rows)?"""
+        gemv (kernels.gemv argmax_out: _logits_into, the gemv path taken for that many rows)?"""
         lin = self.lm_head
-        return (LOGITS_INTO and self.tp.world == 1 and isinstance(lin, _GemvLinear)
-                and skinny_linear_takes(rows, lin.weight, lin.measured_only))
+        return self._logits_into() and skinny_linear_takes(rows, lin.weight, lin.measured_only)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, logits_index: Optional[torch.Tensor],
@@ -459,13 +461,11 @@ class KimiLinearForCausalLM(nn.Module):
         every rank). out: an fp32 [M, vocab] buffer to fill and return (the decode graphs' static logits); where the
         lm_head runs kernels.gemv (LOGITS_INTO) it stores the x.dtype-rounded logits there itself, the same bits as
         the x.dtype result upcast, without the conversion and copy launches. argmax_out [M] i64 (with out, where
-        fuses_argmax): each row's torch.argmax, found by the gemv's last program (the greedy token, no launch)."""
+        fuses_argmax): each row's torch.argmax, from the gemv's tile maxima (the greedy token, no torch.argmax)."""
         x = hidden if logits_index is None else hidden[logits_index]
-        if argmax_out is not None:
-            assert out is not None and self.fuses_argmax(x.shape[0]), "argmax_out: see fuses_argmax"
+        assert argmax_out is None or (out is not None and self.fuses_argmax(x.shape[0])), "argmax_out: fuses_argmax"
+        if out is not None and self._logits_into():
             return skinny_linear(x, self.lm_head.weight, self.lm_head.measured_only, out=out, argmax_out=argmax_out)
-        if out is not None and LOGITS_INTO and self.tp.world == 1 and isinstance(self.lm_head, _GemvLinear):
-            return skinny_linear(x, self.lm_head.weight, self.lm_head.measured_only, out=out)
         logits = self.lm_head(x)
         if self.tp.world > 1:
             logits = all_gather_last(logits, self.tp)
