@@ -1,7 +1,7 @@
 """H200 benchmark: per-request sampling filters + race (kernels/sampling.py filtered_race) vs the sampler's torch path
 (apply_filters: full sort of [M, V] + softmax / cumsum / scatter, then softmax + the Triton race_argmax).
 
-    python bench/sampling.py [--m 1,8,64] [--sweep] [--smoke]
+    python bench/sampling.py [--m 1,8,64] [--sweep] [--smoke] [--greedy-only]
 
 V = 163840 (Kimi), temperature 0.6, top_p 0.95, min_p 0.01 (the e2e profile's settings), + top_k 50, + min_p off
 (top_p alone: more candidates than the workspace holds, the kernel's slow "full mode"). Logits N(0, s^2) with
@@ -12,6 +12,9 @@ s = 1 (flat: ~6 % of the vocabulary survives min_p) and s = 4 (peaked). Columns 
   agree                chosen tokens equal to the torch path's, over 8 seed batches (must be 100 %: only float
                        near-ties may differ, ~1e-6 per row)
 --sweep: the first case also per row-pass config (BLOCK, num_warps) of SWEEP, graph us (for kernels/sampling.py).
+Greedy rows (first table): torch.argmax vs kernels/argmax.py argmax_rows over the same [M, V] fp32 logits, us per
+call from one CUDA graph of 20 back-to-back calls (GPU time, launch gaps included), and argmax_rows per (block,
+num_warps) of GREEDY_SWEEP; `same` = equal to torch.argmax. --greedy-only: that table alone.
 --smoke: CPU, Triton interpreter, V = 1000, M = 2, s = 4: runs every code path (CI check of this file), timings
 meaningless.
 """
@@ -36,6 +39,7 @@ from types import SimpleNamespace  # noqa: E402
 
 from backend.engine import sampler as S  # noqa: E402
 from backend.engine.request import Request, SamplingParams  # noqa: E402
+from kernels.argmax import argmax_rows  # noqa: E402
 from kernels.sampling import filtered_race  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself: _timing when loaded by path
 from _timing import time_us  # noqa: E402
@@ -46,6 +50,27 @@ CASES = {"T0.6 p0.95 minp0.01": dict(temperature=0.6, top_p=0.95, min_p=0.01),
 
 
 SWEEP = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]
+
+
+GREEDY_SWEEP = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16)]
+
+
+def bench_greedy(ms, V, smoke, dev):
+    print(f"greedy argmax, V={V}: us per call (20 calls in one graph)")
+    print(f"{'M':>3s} | {'torch':>7s} {'ours':>7s} {'x':>5s} | same | sweep (block/warps us)")
+    for M in ms:
+        logits = torch.randn(M, V, device=dev) * 4.0
+        reps = 1 if smoke else 20
+        t_ref = time_us([lambda: torch.argmax(logits, dim=-1)] * reps, smoke)
+        t_ours = time_us([lambda: argmax_rows(logits)] * reps, smoke)
+        same = torch.equal(argmax_rows(logits), torch.argmax(logits, dim=-1))
+        cells = []
+        for blk, w in ([] if smoke else GREEDY_SWEEP):
+            f = (lambda b=blk, nw=w: argmax_rows(logits, block=b, num_warps=nw))
+            ok = torch.equal(f(), torch.argmax(logits, dim=-1))
+            cells.append(f"{blk}/w{w} {time_us([f] * reps, smoke):.1f}{'' if ok else ' DIFF'}")
+        print(f"{M:3d} | {t_ref:7.2f} {t_ours:7.2f} {t_ref / t_ours:5.1f} | {'yes' if same else 'NO'} | "
+              + ", ".join(cells))
 
 
 def torch_path(logits, md):
@@ -112,12 +137,17 @@ def main():
     ap.add_argument("--m", default="1,8,64")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--greedy-only", action="store_true")
     a = ap.parse_args()
     if a.smoke:
+        bench_greedy([2], 1000, True, "cpu")
         bench([2], 1000, True, "cpu", a.sweep)
         return
     print(torch.cuda.get_device_name(), "| triton", __import__("triton").__version__)
-    bench([int(m) for m in a.m.split(",")], 163840, False, "cuda", a.sweep)
+    ms = [int(m) for m in a.m.split(",")]
+    bench_greedy(ms, 163840, False, "cuda")
+    if not a.greedy_only:
+        bench(ms, 163840, False, "cuda", a.sweep)
 
 
 if __name__ == "__main__":

@@ -178,7 +178,7 @@ def _gemv_kernel(
     w_desc=None, TMA: tl.constexpr = False,
     GDC: tl.constexpr = False, PF_N: tl.constexpr = 0, PF_L: tl.constexpr = 1, PF_STEP: tl.constexpr = 64,
     RAGGED: tl.constexpr = False, NT=1,
-    am_ptr=None, ARGMAX: tl.constexpr = False, GLU: tl.constexpr = False, INTERP: tl.constexpr = False,
+    GLU: tl.constexpr = False, INTERP: tl.constexpr = False,
 ):
     # grid (cdiv(N, BN), S, B): program (n, s, b) reads W[b, n*BN:+BN, s*k_split:+k_split] once (streamed: W_EVICT
     # / W_CACHE hints keep it from evicting x, partials and other kernels' data from L2) and
@@ -220,9 +220,6 @@ def _gemv_kernel(
     y_ptrs = y_ptr + pid_b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT == 0:
         tl.store(y_ptrs, out.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mn_mask)
-        if ARGMAX:
-            _argmax_tile(out.to(x_ptr.dtype.element_ty).to(tl.float32), mn_mask, m_mask, offs_m, n_lo, pid_n,
-                         tl.num_programs(0), am_ptr, BM)
     else:
         p_ptrs = p_ptr + pid_b * stride_pb + offs_m[:, None] * stride_pm + offs_n[None, :]        # [BM, BN]
         tl.store(p_ptrs + pid_s.to(tl.int64) * stride_ps, out, mask=mn_mask)
@@ -249,40 +246,6 @@ def _w_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, 
     else:
         return _fma_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
                          BK, R, EVEN_K, PREFETCH, W_EVICT, W_CACHE)
-
-
-@triton.jit
-def _argmax_tile(v, mn_mask, m_mask, offs_m, n_lo, pid_n, NT, am_ptr, BM: tl.constexpr):
-    # ARGMAX: per row of v [BM, BN] (the stored values, as fp32) the tile's maximum (NaN counts as the largest, as in
-    # torch.argmax) and the first column holding it -> am_ptr [2, BM, NT] fp32 (the index as its bits); plain stores,
-    # no fence or counter (measured: a last-arriving reduction here cost every program a release fence)
-    v = tl.where(mn_mask, tl.where(v != v, float("inf"), v), float("-inf"))
-    best = tl.max(v, axis=1)
-    idx = n_lo + tl.argmax(v, axis=1, tie_break_left=True)
-    tl.store(am_ptr + offs_m * NT + pid_n, best, mask=m_mask)
-    tl.store(am_ptr + (BM + offs_m) * NT + pid_n, idx.to(tl.int32).to(tl.float32, bitcast=True), mask=m_mask)
-
-
-@triton.jit
-def _argmax_reduce_kernel(am_ptr, out_ptr, M, NT, BM: tl.constexpr, CHUNK: tl.constexpr, GDC: tl.constexpr = False):
-    # one program: the tiles' (max, index) of each of the M rows, scanned in tile order (tiles ascend in N, so the
-    # first tile holding the row's max holds its first index) -> out [M] i64. GDC: PDL launch after the gemv
-    gdc_enter(GDC)
-    offs_m = tl.arange(0, BM)
-    m_mask = offs_m < M
-    run_v = tl.full((BM,), float("-inf"), tl.float32)
-    run_t = tl.zeros((BM,), dtype=tl.int32)
-    for c0 in range(0, NT, CHUNK):
-        t = c0 + tl.arange(0, CHUNK)
-        pv = tl.load(am_ptr + offs_m[:, None] * NT + t[None, :], mask=m_mask[:, None] & (t < NT)[None, :],
-                     other=float("-inf"))
-        cv = tl.max(pv, axis=1)
-        ct = c0 + tl.argmax(pv, axis=1, tie_break_left=True)
-        take = cv > run_v           # strictly greater: an earlier chunk keeps its tie
-        run_t = tl.where(take, ct, run_t)
-        run_v = tl.where(take, cv, run_v)
-    pi = tl.load(am_ptr + (BM + offs_m) * NT + run_t, mask=m_mask, other=0.0)
-    tl.store(out_ptr + offs_m, pi.to(tl.int32, bitcast=True).to(tl.int64), mask=m_mask)
 
 
 @triton.jit
@@ -440,12 +403,10 @@ def _pdl_prefetch(B: int, N: int, S: int, k_split: int, es: int, mb: Optional[fl
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = None,
                 pdl: Optional[bool] = None, out: Optional[torch.Tensor] = None,
-                argmax_out: Optional[torch.Tensor] = None, glu: bool = False) -> torch.Tensor:
+                glu: bool = False) -> torch.Tensor:
     """pdl: launch with PDL (kernels._pdl; None: KIMI_PDL). out: y's storage ([M, N] or [B, M, N], unit stride
     along N), of x's dtype or fp32; values are rounded to x's dtype either way (fp32 out = the x.dtype result
-    upcast, bit for bit, without a conversion launch: the lm_head's logits). argmax_out: [M] i64, filled with
-    torch.argmax(y, -1) of the stored y (first index of the maximum; NaN the largest): each program stores its tile's
-    (max, index), a one-program kernel (PDL) scans them (unbatched, one K split; the lm_head's greedy token).
+    upcast, bit for bit, without a conversion launch: the lm_head's logits).
     glu: w is [gate | up] rows ([2N, K]) and y [M, N] = silu(x gate^T) * (x up^T) with torch's bf16 roundings of the
     projections, the silu and the product (a dense MLP's gate_up_proj + act + mul; one K split, no TMA)."""
     batched = x.dim() == 3
@@ -469,9 +430,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
     if K == 0:
         return res.zero_()
     c, k_split = gemv_config(M, N, K, B, x.device, cfg, x.element_size())
-    if argmax_out is not None:        # the argmax tail runs after the one-split store
-        assert not batched and argmax_out.shape == (M,) and argmax_out.dtype == torch.int64, argmax_out.shape
-    if argmax_out is not None or glu:  # epilogues of the whole dot: one K split
+    if glu:                           # an epilogue of the whole dot: one K split
         c, k_split = replace(c, split=1), cdiv(K, c.BK) * c.BK
     S = c.split
     bm = max(16, next_pow2(M)) if c.dot else next_pow2(M)
@@ -479,9 +438,6 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
     p = y if S == 1 else torch.empty(S, B, M, N, dtype=torch.float32, device=x.device)   # fp32 partials
     nt = _ragged_tiles(N, c.BN, B, S, num_sms(x.device)) if c.ragged else cdiv(N, c.BN)
     cnt = arrival_counters(x.device, B * nt) if split_mode == 2 else p
-    am = {}
-    if argmax_out is not None:       # [2, BM, nt] fp32: each tile's max and (bits of) its index
-        am = dict(am_ptr=torch.empty(2 * bm * nt, dtype=torch.float32, device=x.device), ARGMAX=True)
     even_k = K % c.BK == 0
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     upcast = c.dot and x.dtype != torch.float32 and INTERPRET
@@ -498,12 +454,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
         W_EVICT="evict_first" if c.evict and not c.cg else "", W_CACHE=".cg" if c.cg else "", R=min(FMA_R, c.BK),
         PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages, RAGGED=c.ragged, NT=nt, GLU=glu,
         INTERP=glu and INTERPRET, **tma,
-        **am,
         **(pdl_launch(pdl, **_pdl_prefetch(B, wb.shape[1], S, k_split, wb.element_size(), c.l2_mb)) if pdl_on(pdl)
            else {}))
-    if am:
-        _argmax_reduce_kernel[(1,)](am["am_ptr"], argmax_out, M, nt, BM=bm, CHUNK=256, num_warps=4,
-                                    **pdl_launch(pdl))
     if split_mode == 1:
         br = min(1024, next_pow2(N))
         _split_reduce_kernel[(B * M, cdiv(N, br))](p, y, xb, S, B * M, N, BR=br, num_warps=4)
@@ -522,13 +474,11 @@ def skinny_linear_takes(M: int, w: torch.Tensor, measured_only: bool = False) ->
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, measured_only: bool = False,
-                  out: Optional[torch.Tensor] = None, argmax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x [M, K], w [N, K]) through gemv_triton where skinny_linear_takes, else F.linear.
-    out: [M, N] of x's dtype or fp32, filled with the x.dtype result (upcast) and returned. argmax_out: gemv_triton's
-    (only where skinny_linear_takes)."""
+    out: [M, N] of x's dtype or fp32, filled with the x.dtype result (upcast) and returned."""
     if x.dim() == 2 and skinny_linear_takes(x.shape[0], w, measured_only):
-        return gemv_triton(x, w, out=out, argmax_out=argmax_out)
-    assert argmax_out is None, "argmax_out: gemv path only (skinny_linear_takes)"
+        return gemv_triton(x, w, out=out)
     y = F.linear(x, w)
     return y if out is None else out.copy_(y)
 

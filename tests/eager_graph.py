@@ -11,5 +11,4 @@ class EagerGraph:
     def replay(self):
         r = self.runner
         batch = r.static_batch(self.bs)
-        am = r.graph_vars["greedy"][:self.bs] if r.graph_argmax.get(self.bs) else None
-        r.model.compute_logits(r.model(batch, r.cache), None, out=r.graph_vars["logits"][:self.bs], argmax_out=am)
+        r.model.compute_logits(r.model(batch, r.cache), None, out=r.graph_vars["logits"][:self.bs])

@@ -11,7 +11,6 @@ Tensor parallel (cfg.tp_size > 1 or a torchrun world): rank 0's runner launches 
 """
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -27,12 +26,6 @@ from backend.model.loader import load_model
 from backend.model.parallel import EAGER, PING, REPLAY, STOP, TP, RankFailure
 
 log = logging.getLogger(__name__)
-# Decode graphs whose lm_head runs kernels.gemv (batch 1) also find each row's argmax (the lm_head's programs store
-# their tile's (max, index), one small kernel scans them), and greedy rows take it instead of torch.argmax after the
-# graph (9 us at b1 on the H200). Read at capture. Off by default, untimed in this form: a first version (the scan by
-# the last-arriving lm_head program) made the graph 18 us longer (H200 12-04, BENCHMARKS fourteenth round).
-# KIMI_GRAPH_ARGMAX=1: on (A/B: bench/ablate.py --set backend.engine.runner.GRAPH_ARGMAX=True)
-GRAPH_ARGMAX = os.environ.get("KIMI_GRAPH_ARGMAX", "0") == "1"
 
 
 @dataclass(slots=True)
@@ -140,7 +133,6 @@ class ModelRunner:
                  capacity, self.num_blocks - 1, self.block_size, self.num_slots - 1, self.max_num_seqs,
                  self.max_model_len)
         self.graphs, self.graph_vars = {}, {}
-        self.graph_argmax = {}   # captured batch size -> its graph also writes each row's argmax (graph_vars["greedy"])
         self._sizes = (None, [])  # (graphs, smallest graph batch size >= n for each n)
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self._capture_graphs(min(cfg.max_graph_batch_size or self.max_num_seqs, self.max_num_seqs))
@@ -282,9 +274,7 @@ class ModelRunner:
         except Exception as e:
             raise self._step_error(e) from e
         md = SamplingMetadata.build(reqs, self.vocab_size, self.device, pending=int(feed is not None))
-        n = len(reqs)
-        fused = self.group is None and self.graph_argmax.get(self._graph_size(n), False)
-        sampled = sample(logits, md, greedy_ids=self.graph_vars["greedy"][:n] if fused else None)
+        sampled = sample(logits, md)
         return Launched(sampled, md, sampled.copy_to_host())
 
     @staticmethod
@@ -296,20 +286,17 @@ class ModelRunner:
     # CUDA graphs
     def _capture_graphs(self, max_bs: int):
         t0 = time.monotonic()
-        self.graph_vars, self.graph_argmax = self._make_graph_vars(max_bs), {}
+        self.graph_vars = self._make_graph_vars(max_bs)
         logits, pool = self.graph_vars["logits"], torch.cuda.graph_pool_handle()
         # largest first, so that smaller graphs reuse the pool
         for bs in reversed(graph_batch_sizes(max_bs)):
             batch = self.static_batch(bs)
             # warmup outside the capture: Triton compiles and autotunes here
-            # decode: every row is sampled (no logits gather); the logits land in the static buffer, and where the
-            # lm_head's gemv can (batch 1) each row's argmax too: the greedy token without a launch of its own
-            am = self.graph_vars["greedy"][:bs] if GRAPH_ARGMAX and self.model.fuses_argmax(bs) else None
-            self.graph_argmax[bs] = am is not None
-            self.model.compute_logits(self.model(batch, self.cache), None, out=logits[:bs], argmax_out=am)
+            # decode: every row is sampled (no logits gather); the logits land in the static buffer
+            self.model.compute_logits(self.model(batch, self.cache), None, out=logits[:bs])
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.model.compute_logits(self.model(batch, self.cache), None, out=logits[:bs], argmax_out=am)
+                self.model.compute_logits(self.model(batch, self.cache), None, out=logits[:bs])
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
@@ -350,7 +337,6 @@ class ModelRunner:
             has_initial_state=torch.ones(max_bs, dtype=torch.bool, device=dev),
             logits_index=torch.arange(max_bs, dtype=torch.int64, device=dev),
             logits=torch.zeros(max_bs, self.vocab_size, dtype=torch.float32, device=dev),
-            greedy=torch.zeros(max_bs, dtype=torch.int64, device=dev),     # argmax of logits (graph_argmax sizes)
             stage=stage, hosts=[(h, h.numpy(), lanes_of(h, True)) for h in hosts], flip=[0],
             # per lane: the block_ids list whose first `lens[i]` pages row i holds; None = col 0 is the null page
             lanes=[None] * max_bs, lens=[0] * max_bs,

@@ -17,6 +17,7 @@ import torch
 
 from kernels._dispatch import use_triton
 from kernels._tensors import cdiv, next_pow2
+from kernels.argmax import argmax_rows
 from kernels.sampling import KS, SERIES_MAX, SERIES_TERMS, _race_kernel
 
 _M32 = 0xFFFFFFFF
@@ -266,6 +267,9 @@ def apply_filters(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return torch.empty_like(x).scatter_(-1, order, xs)
 
 
+# Greedy rows' argmax by kernels.argmax (one launch, the whole GPU) instead of torch.argmax (9 us for one Kimi row on
+# the H200). KIMI_ARGMAX=torch: torch's (A/B: bench/ablate.py --set backend.engine.sampler.TRITON_ARGMAX=False)
+TRITON_ARGMAX = os.environ.get("KIMI_ARGMAX", "triton") != "torch"
 # KIMI_SAMPLER_FAST=0: sampled rows always take the torch path (apply_filters + softmax + race_argmax)
 _FAST_FILTERS = os.environ.get("KIMI_SAMPLER_FAST", "1") != "0"
 
@@ -278,16 +282,13 @@ def _fast_ok(p) -> bool:
     return p.min_p > 0.0 or 0 < p.top_k <= KS  # KS: top-k up to this bounds the kernel's candidate set
 
 
-def sample(logits: torch.Tensor, md: SamplingMetadata, greedy_ids: Optional[torch.Tensor] = None) -> SamplerOutput:
-    """logits [M, V] fp32 (modified in place) -> SamplerOutput on the device. greedy_ids: [M] i64, logits.argmax(-1)
-    found already (the batch-1 decode graph's lm_head), taken where no bias or penalty changes the logits first."""
-    if md.changes_logits:
-        greedy_ids = None
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    """logits [M, V] fp32 (modified in place) -> SamplerOutput on the device."""
     logits = apply_penalties(logits, md)
     want_lp = md.num_top_logprobs >= 0
     ids = None
     if md.any_greedy:  # full-vocab passes only where a row needs them
-        ids = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
+        ids = argmax_rows(logits) if TRITON_ARGMAX and use_triton(logits) else logits.argmax(dim=-1)
     processed = logits
     if not md.all_greedy:
         if not want_lp and _FAST_FILTERS and md.fast_filters and use_triton(logits):

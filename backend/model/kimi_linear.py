@@ -45,9 +45,9 @@ ROUTER_L2_HINT_MB = float(os.environ.get("KIMI_ROUTER_L2_HINT_MB", "9"))
 # bench/ablate.py --set backend.model.kimi_linear.LOGITS_INTO=False). KIMI_LOGITS_INTO=0: off
 LOGITS_INTO = os.environ.get("KIMI_LOGITS_INTO", "1") != "0"
 # Dense MLP rows on the gemv path (layer 0 at decode): silu(gate) * up in the gate|up gemv's epilogue
-# (kernels.gemv glu=True) instead of two elementwise launches after it (~2.7 us at b1 on the H200). Opt-in, untimed:
-# KIMI_MLP_GLU=1 (A/B: bench/ablate.py --set backend.model.kimi_linear.MLP_GLU=True)
-MLP_GLU = os.environ.get("KIMI_MLP_GLU", "0") == "1"
+# (kernels.gemv glu=True) instead of two elementwise launches after it: b1 step 2-4 us shorter on the H200 (12-04,
+# BENCHMARKS fifteenth round). KIMI_MLP_GLU=0: off (A/B: bench/ablate.py --set backend.model.kimi_linear.MLP_GLU=False)
+MLP_GLU = os.environ.get("KIMI_MLP_GLU", "1") != "0"
 
 
 class UncombinedMoE(NamedTuple):
@@ -448,24 +448,16 @@ class KimiLinearForCausalLM(nn.Module):
         """compute_logits(out=...) hands `out` to the lm_head's skinny_linear: LOGITS_INTO, one rank, a gemv lm_head."""
         return LOGITS_INTO and self.tp.world == 1 and isinstance(self.lm_head, _GemvLinear)
 
-    def fuses_argmax(self, rows: int) -> bool:
-        """Can compute_logits(out=..., argmax_out=...) of `rows` rows find each row's argmax inside the lm_head's
-        gemv (kernels.gemv argmax_out: _logits_into, the gemv path taken for that many rows)?"""
-        lin = self.lm_head
-        return self._logits_into() and skinny_linear_takes(rows, lin.weight, lin.measured_only)
-
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, logits_index: Optional[torch.Tensor],
-                       out: Optional[torch.Tensor] = None, argmax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """lm_head on the sampled positions only (logits_index None: every row, no gather) -> fp32 [M, vocab] (on
         every rank). out: an fp32 [M, vocab] buffer to fill and return (the decode graphs' static logits); where the
         lm_head runs kernels.gemv (LOGITS_INTO) it stores the x.dtype-rounded logits there itself, the same bits as
-        the x.dtype result upcast, without the conversion and copy launches. argmax_out [M] i64 (with out, where
-        fuses_argmax): each row's torch.argmax, from the gemv's tile maxima (the greedy token, no torch.argmax)."""
+        the x.dtype result upcast, without the conversion and copy launches."""
         x = hidden if logits_index is None else hidden[logits_index]
-        assert argmax_out is None or (out is not None and self.fuses_argmax(x.shape[0])), "argmax_out: fuses_argmax"
         if out is not None and self._logits_into():
-            return skinny_linear(x, self.lm_head.weight, self.lm_head.measured_only, out=out, argmax_out=argmax_out)
+            return skinny_linear(x, self.lm_head.weight, self.lm_head.measured_only, out=out)
         logits = self.lm_head(x)
         if self.tp.world > 1:
             logits = all_gather_last(logits, self.tp)

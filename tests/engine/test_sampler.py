@@ -55,24 +55,6 @@ def test_greedy_is_argmax():
     assert ids == logits.argmax(-1).tolist() and lps == [None] * 5
 
 
-def test_precomputed_greedy_ids():
-    # greedy_ids (the decode graph's fused argmax) are taken as they are for greedy rows without bias or penalties,
-    # and ignored where those change the logits first; sampled rows of a mixed batch still race
-    logits = torch.tensor([[3.0, 2.5, 2.0, 0.0], [0.0, 1.0, 5.0, 0.0]])
-    given = torch.tensor([3, 0])          # deliberately not the argmax: shows which source was used
-
-    def ids_of(reqs):
-        md = SamplingMetadata.build(reqs, 4, CPU)
-        return sample(logits.clone(), md, greedy_ids=given).to_host(md)[0]
-
-    assert ids_of([rq(temperature=0.0), rq(temperature=0.0)]) == [3, 0]
-    assert ids_of([rq(temperature=0.0, logit_bias={0: -100.0}), rq(temperature=0.0)]) == [1, 2]
-    assert ids_of([rq(prompt=(0,), temperature=0.0, repetition_penalty=2.0), rq(temperature=0.0)]) == [1, 2]
-    assert ids_of([rq(output=(0, 0), temperature=0.0, frequency_penalty=0.4), rq(temperature=0.0)]) == [1, 2]
-    mixed = ids_of([rq(temperature=0.0), rq(temperature=1.0, top_k=1)])
-    assert mixed == [3, 2]
-
-
 def test_temperature_matches_softmax():
     f = freqs(LOGITS, temperature=1.0)
     assert torch.allclose(f, PROBS.double(), atol=0.03)

@@ -47,7 +47,7 @@ EXPECTED = {
     "moe combine": {"_moe_combine_kernel"},
     "gemv M=1": {"_gemv_kernel"},
     "gemv M=16": {"_gemv_kernel"},
-    "sampler": {"_race_kernel"},
+    "sampler": {"_race_kernel", "_argmax_kernel"},
 }
 
 
@@ -148,15 +148,14 @@ def _scenarios(torch):
         shapes = [(12576, D), (D, H * V), (MH * 192 + L + R, D), (D, MH * NOPE), (MH * 2 * NOPE, L), (VOCAB, D)]
         ws = [torch.empty(n, k, dtype=bf) for n, k in shapes]
         fg = torch.empty(2, H * K, K, dtype=bf)
-        # and the batch-1 decode graph's lm_head: fp32 logits + the fused argmax (kernels.gemv argmax_out)
-        # and the dense MLP's gate|up with silu * up in its epilogue (glu, KIMI_MLP_GLU)
+        # and the batch-1 decode graph's lm_head (fp32 logits stored by the gemv, KIMI_LOGITS_INTO) and the dense
+        # MLP's gate|up with silu * up in its epilogue (glu, KIMI_MLP_GLU)
         from kernels.gemv import gemv_triton
         glu = torch.empty(2 * 9216, D, dtype=bf)
-        am = (lambda: (skinny_linear(torch.zeros(1, D, dtype=bf), ws[-1], out=torch.empty(1, VOCAB),
-                                     argmax_out=torch.empty(1, dtype=torch.int64)),
+        b1 = (lambda: (skinny_linear(torch.zeros(1, D, dtype=bf), ws[-1], out=torch.empty(1, VOCAB)),
                        gemv_triton(torch.zeros(1, D, dtype=bf), glu, glu=True))) if M == 1 else (lambda: None)
         return lambda: ([skinny_linear(torch.zeros(M, w.shape[1], dtype=bf), w) for w in ws],
-                        skinny_bmm_nt(torch.zeros(2, M, K, dtype=bf), fg), am())
+                        skinny_bmm_nt(torch.zeros(2, M, K, dtype=bf), fg), b1())
 
     def sampler():
         from backend.engine.sampler import race_argmax
@@ -164,7 +163,9 @@ def _scenarios(torch):
         M = 8
         p = torch.full((M, VOCAB), 1.0 / VOCAB)
         seeds, steps = torch.zeros(M, dtype=torch.int64), torch.zeros(M, dtype=torch.int64)
-        fns = [lambda: race_argmax(p, seeds, steps)]
+        from kernels.argmax import argmax_rows
+
+        fns = [lambda: race_argmax(p, seeds, steps), lambda: argmax_rows(p)]
         try:                                               # the filtered race (kernels/sampling.py), where present
             from kernels.sampling import filtered_race
 

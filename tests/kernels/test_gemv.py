@@ -208,17 +208,6 @@ def test_gemv_glu_dense_mlp_gpu(M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 3])
-def test_gemv_argmax_lm_head_gpu(M):
-    # the lm_head shape with its own config (ragged, PDL as configured); a tie across tiles
-    x, w = _argmax_case(M, 163840, 2304)
-    am = torch.full((M,), -1, dtype=torch.int64, device=DEV)
-    out = torch.empty(M, 163840, device=DEV)
-    y = gemv_triton(x, w, out=out, argmax_out=am)
-    assert torch.equal(am, y.argmax(-1)) and torch.equal(y, gemv_triton(x, w).float())
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 2])
 @pytest.mark.parametrize("N,K", [(2304, 4096), (6720, 2304)])
 def test_gemv_fma_gpu(M, N, K):
@@ -344,42 +333,6 @@ def test_compute_logits_into_buffer(tiny_fp32, monkeypatch, into):
     assert ref.dtype == torch.float32 and torch.equal(got, ref) and torch.equal(buf[:3], ref)
     assert buf[3].isnan().all()
     assert outs[0] is None and (outs[1] is not None) == into
-
-
-def _argmax_case(M, N, K, nan_row=None):
-    # x and W with the row maximum tied between W rows far apart (other tiles), and optionally a NaN logit
-    x, w = _xw(M, N, K, torch.bfloat16)
-    y = gemv_ref(x, w).float()
-    top = int(y[0].argmax())
-    for j in (top // 3, top, N - 1):        # an earlier row, itself, the last row: identical logits
-        w[j] = w[top]
-    if nan_row is not None:
-        w[nan_row, 0] = float("nan")
-    return x, w
-
-
-@requires_triton
-@pytest.mark.parametrize("M,N,K,cfg,nan_row", [
-    (1, 1000, 64, GemvConfig(BN=32, BK=32, dot=True, ragged=True), None),
-    (3, 517, 96, GemvConfig(BN=16, BK=32, dot=True), None),
-    (1, 300, 64, GemvConfig(BN=16, BK=64, dot=False, ragged=True, split=3), None),
-    (2, 333, 64, GemvConfig(BN=16, BK=32, dot=True, ragged=True), 200),
-], ids=["ragged", "rows3", "fma-split-ignored", "nan"])
-def test_gemv_argmax_out(monkeypatch, M, N, K, cfg, nan_row):
-    # argmax_out = torch.argmax of the stored logits: first index of a tie, NaN the largest; counters back to zero
-    monkeypatch.setattr(kernels.gemv, "num_sms", lambda device: 7)
-    x, w = _argmax_case(M, N, K, nan_row)
-    am = torch.full((M,), -1, dtype=torch.int64, device=DEV)
-    out = torch.empty(M, N, device=DEV)
-    y = gemv_triton(x, w, cfg, out=out, argmax_out=am)
-    assert torch.equal(am, y.argmax(-1))
-    if nan_row is not None:
-        assert (am == nan_row).all()
-    else:
-        assert y[0, am[0]] == y[0].max() and (y[0] == y[0].max()).sum() >= 2     # the tie is real
-    assert not arrival_counters(DEV, 1)[:64].any()
-    with pytest.raises(AssertionError):
-        gemv_triton(x[None], w[None], cfg, argmax_out=am)                          # batched: not supported
 
 
 @requires_triton
