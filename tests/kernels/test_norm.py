@@ -166,3 +166,46 @@ def test_model_fused_combine_norm_same_logits(tmp_path_factory, monkeypatch, ker
     off = _tiny_logits(path, torch.bfloat16, monkeypatch, False)
     on = _tiny_logits(path, torch.bfloat16, monkeypatch, True)
     assert torch.isfinite(off).all() and torch.equal(on, off)
+
+
+@pytest.mark.parametrize("T,V,D", [(1, 50, 16), (7, 1000, 100), (3, 40, 2304)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embed_rmsnorm_bits(T, V, D, dtype):
+    """embed_rmsnorm == the gather then rmsnorm_triton (what the model launched before), bit for bit; h = table[ids];
+    repeated ids; an id outside [0, V) gives a zero row instead of reading out of bounds."""
+    from kernels.norm import embed_rmsnorm, embed_rmsnorm_ref, embed_rmsnorm_triton
+
+    table = (torch.randn(V, D, device=DEV) * 2).to(dtype)
+    w = (1 + 0.1 * torch.randn(D, device=DEV)).to(dtype)
+    ids = torch.randint(0, V, (T,), device=DEV)
+    ids[-1] = ids[0]
+    y, h = embed_rmsnorm_triton(ids, table, w, 1e-6)
+    assert y.dtype == h.dtype == dtype and y.shape == h.shape == (T, D)
+    assert torch.equal(h, table[ids]) and torch.equal(y, rmsnorm_triton(table[ids], w, 1e-6))
+    yr, hr = embed_rmsnorm_ref(ids, table, w, 1e-6)
+    assert torch.equal(hr, h)
+    assert_close("embed_rmsnorm", y, yr, TOL[dtype])
+    y2, h2 = embed_rmsnorm(ids, table, w, 1e-6)                          # the dispatcher
+    assert torch.equal(h2, h)
+    bad = torch.tensor([V, -1, 0], device=DEV)
+    yb, hb = embed_rmsnorm_triton(bad, table, w, 1e-6)
+    assert not hb[:2].any() and not yb[:2].any() and torch.equal(hb[2], table[0])
+    assert embed_rmsnorm_triton(ids[:0], table, w, 1e-6)[0].shape == (0, D)
+
+
+@pytest.mark.parametrize("kernels", ["ref", "triton"])
+def test_model_embed_norm_same_logits(tmp_path_factory, monkeypatch, kernels):
+    """Tiny checkpoint: logits with the embedding gathered inside the first norm (EMBED_NORM) == without."""
+    import backend.model.kimi_linear as km
+    import kernels._dispatch as d
+    from tools.tiny_checkpoint import write_tiny_checkpoint
+
+    if kernels == "ref" and DEV == "cuda":
+        pytest.skip("CUDA tensors always run Triton")
+    monkeypatch.setattr(d, "_FORCE", kernels)
+    path = write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_embed")), tokenizer=None, seed=5)
+    monkeypatch.setattr(km, "EMBED_NORM", False)
+    off = _tiny_logits(path, torch.bfloat16, monkeypatch, True)
+    monkeypatch.setattr(km, "EMBED_NORM", True)
+    on = _tiny_logits(path, torch.bfloat16, monkeypatch, True)
+    assert torch.isfinite(off).all() and torch.equal(on, off)
