@@ -8,8 +8,6 @@ add_rmsnorm(x, res [T, D], w, eps) -> (rmsnorm(h), h) with h = res + x in x.dtyp
 combine_add_rmsnorm(y [T*k, D], tw [T, k], res [T, D], w, eps) -> add_rmsnorm(x, res, w, eps) with
                                                x = sum_j tw[t, j] * y[t*k + j] (fp32, j ascending) in res.dtype: the
                                                MoE combine (kernels.moe.fused) folded into it, one launch for two
-embed_rmsnorm(ids [T], table [V, D], w, eps) -> (rmsnorm(h), h) with h = table[ids]: the embedding gather and the
-                                               first layer's input norm in one launch (ids outside [0, V) give zero rows)
 gated_rmsnorm(o [T, H, V], r [T, H, V], w [V], eps) -> [T, H, V]:
                                                y = o_f32 * rsqrt(mean(o_f32^2) + eps) * w * sigmoid(r_f32)  (fp32 math)
 PDL (KIMI_PDL=1, kernels._pdl; `pdl` overrides): the row kernels (all but gated_rmsnorm, which decode does not run)
@@ -54,11 +52,6 @@ def rmsnorm_head_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tens
 
 def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
     h = residual + x
-    return rmsnorm_ref(h, w, eps), h
-
-
-def embed_rmsnorm_ref(ids: torch.Tensor, table: torch.Tensor, w: torch.Tensor, eps: float):
-    h = table[ids]
     return rmsnorm_ref(h, w, eps), h
 
 
@@ -122,28 +115,6 @@ def _rmsnorm_kernel(
     gdc_enter(GDC)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     y = _rms_weighted(x, w, w_ptr, offs, mask, D, eps, y_ptr.dtype.element_ty, EARLY_W)
-    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _embed_rmsnorm_kernel(
-    ids_ptr, e_ptr, w_ptr, y_ptr, h_ptr,
-    stride_e, stride_y, stride_h,
-    V, D, eps,
-    BD: tl.constexpr, EARLY_W: tl.constexpr, GDC: tl.constexpr = False,
-):
-    # one program per token: h = table[ids[t]] (zeros for an id outside [0, V)), y = rmsnorm(h). GDC (PDL launch):
-    # the weight load precedes the wait (ids are written by the host copy before the step, like any input)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BD)
-    mask = offs < D
-    w = _load_w(w_ptr, offs, mask, EARLY_W)
-    gdc_enter(GDC)
-    tok = tl.zeros([BD], dtype=tl.int64) + tl.load(ids_ptr + row).to(tl.int64)    # splat: a vector mask
-    ok = (tok >= 0) & (tok < V)
-    h = tl.load(e_ptr + tl.where(ok, tok, 0) * stride_e + offs, mask=mask & ok, other=0.0)
-    tl.store(h_ptr + row * stride_h + offs, h, mask=mask)
-    y = _rms_weighted(h.to(tl.float32), w, w_ptr, offs, mask, D, eps, y_ptr.dtype.element_ty, EARLY_W)
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -251,21 +222,6 @@ def rmsnorm_triton(x: torch.Tensor, w: torch.Tensor, eps: float, cfg=None, pdl=N
     return y.reshape(shape)
 
 
-def embed_rmsnorm_triton(ids: torch.Tensor, table: torch.Tensor, w: torch.Tensor, eps: float, cfg=None, pdl=None):
-    """ids [T] int, table [V, D] (unit column stride) -> (y, h) [T, D] of table's dtype."""
-    T, (V, D) = ids.shape[0], table.shape
-    assert table.stride(1) == 1, table.stride()
-    h = torch.empty(T, D, dtype=table.dtype, device=table.device)
-    y = torch.empty_like(h)
-    if T == 0:
-        return y, h
-    BD = next_pow2(D)
-    warps, early = row_config(BD, cfg)
-    _embed_rmsnorm_kernel[(T,)](ids, table, w, y, h, table.stride(0), y.stride(0), h.stride(0), V, D, eps, BD=BD,
-                                EARLY_W=early, num_warps=warps, **pdl_launch(pdl))
-    return y, h
-
-
 def rmsnorm_head_triton(x: torch.Tensor, w: torch.Tensor, eps: float, pdl=None) -> torch.Tensor:
     """x [T, D + P] (row stride allowed) -> contiguous [T, D + P] in x.dtype."""
     T, C = x.shape
@@ -348,12 +304,6 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         return rmsnorm_triton(x, w, eps)
     return rmsnorm_ref(x, w, eps)
-
-
-def embed_rmsnorm(ids: torch.Tensor, table: torch.Tensor, w: torch.Tensor, eps: float):
-    if use_triton(table):
-        return embed_rmsnorm_triton(ids, table, w, eps)
-    return embed_rmsnorm_ref(ids, table, w, eps)
 
 
 def rmsnorm_head(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

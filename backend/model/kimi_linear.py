@@ -21,7 +21,7 @@ from kernels.kda import kda_decode, kda_prefill
 from kernels.mla import mla_decode, mla_decode_prep, mla_extend, mla_prefill, store_latent
 from kernels.moe import fused_moe, fused_moe_add_norm, moe_router, moe_router_add_norm
 from kernels.moe.fused import fused_moe_uncombined_triton
-from kernels.norm import add_rmsnorm, combine_add_rmsnorm, embed_rmsnorm, rmsnorm, rmsnorm_head
+from kernels.norm import add_rmsnorm, combine_add_rmsnorm, rmsnorm, rmsnorm_head
 
 
 # Prefill segments with at least this many new tokens attend in expanded form (kernels.mla.mla_prefill: gather +
@@ -48,10 +48,6 @@ LOGITS_INTO = os.environ.get("KIMI_LOGITS_INTO", "1") != "0"
 # (kernels.gemv glu=True) instead of two elementwise launches after it: b1 step 2-4 us shorter on the H200 (12-04,
 # BENCHMARKS fifteenth round). KIMI_MLP_GLU=0: off (A/B: bench/ablate.py --set backend.model.kimi_linear.MLP_GLU=False)
 MLP_GLU = os.environ.get("KIMI_MLP_GLU", "1") != "0"
-# One rank on a Triton device: the embedding gather runs inside the first layer's input norm (kernels.norm
-# embed_rmsnorm), one launch instead of two at the head of every step. KIMI_EMBED_NORM=0: nn.Embedding, then the norm
-# (A/B: bench/ablate.py --set backend.model.kimi_linear.EMBED_NORM=False)
-EMBED_NORM = os.environ.get("KIMI_EMBED_NORM", "1") != "0"
 
 
 class UncombinedMoE(NamedTuple):
@@ -59,13 +55,6 @@ class UncombinedMoE(NamedTuple):
     or fp32 K partials [S, T*k, D]) and weights [T, k] fp32. The next RMSNorm combines it with the residual add."""
     y: torch.Tensor
     weights: torch.Tensor
-
-
-class Embedded(NamedTuple):
-    """The first layer's input before the embedding (EMBED_NORM): its input norm gathers table[ids] itself and
-    returns (rmsnorm(h), h) with h = table[ids], the residual stream."""
-    ids: torch.Tensor
-    table: torch.Tensor
 
 
 class PendingMoE(NamedTuple):
@@ -106,8 +95,6 @@ class RMSNorm(nn.Module):
         first, its combine fused into this norm)."""
         if isinstance(x, PendingMoE):
             return x.moe.forward_norms(x.attn, x.residual, x.norm, self)
-        if isinstance(x, Embedded):
-            return embed_rmsnorm(x.ids, x.table, self.weight, self.eps)
         if isinstance(x, UncombinedMoE):
             return combine_add_rmsnorm(x.y, x.weights, residual, self.weight, self.eps)
         if residual is None:
@@ -393,12 +380,12 @@ class DecoderLayer(nn.Module):
         self.pending_moe = self.defer_combine and _fuse_moe_norms_enabled()
 
     def forward(self, out: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KimiCache):
-        """(previous layer's FFN output, residual stream before it; None for the first layer with the embedding, or an
-        Embedded whose rows the input norm gathers, as out) -> (this layer's FFN output, residual stream before it). Each residual add runs fused with the norm
+        """(previous layer's FFN output, residual stream before it; None for the first layer with the embedding as
+        out) -> (this layer's FFN output, residual stream before it). Each residual add runs fused with the norm
         after it: h = residual + out, then norm(h) (the same two roundings as h + out followed by the norm).
         With defer_combine (Triton path) the FFN output is an UncombinedMoE, combined by the next norm; with
         pending_moe the whole MoE layer is returned as a PendingMoE (residual None), run by the next norm."""
-        if residual is None and not isinstance(out, (PendingMoE, Embedded)):
+        if residual is None and not isinstance(out, PendingMoE):
             x, h = self.input_layernorm(out), out
         else:
             x, h = self.input_layernorm(out, residual)
@@ -431,9 +418,7 @@ class KimiModel(nn.Module):
         return all_reduce(h, self.tp)
 
     def forward(self, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
-        ids = batch.input_ids
-        fused = EMBED_NORM and self.tp.world == 1 and use_triton(ids)   # the first norm gathers the rows itself
-        out, residual = (Embedded(ids, self.embed_tokens.weight) if fused else self.embed(ids)), None
+        out, residual = self.embed(batch.input_ids), None
         for layer in self.layers:
             out, residual = layer(out, residual, batch, cache)
         return self.norm(out, residual)[0]

@@ -34,8 +34,7 @@ EXPECTED = {
     "mla extend": {"_mla_extend_kernel"},
     "mla prefill": {"_gather_latent_kernel", "_mla_prefill_kernel"},
     "mla cache": {"_store_latent_kernel"},
-    "norms": {"_rmsnorm_kernel", "_add_rmsnorm_kernel", "_combine_add_rmsnorm_kernel", "_rmsnorm_head_kernel",
-              "_embed_rmsnorm_kernel"},
+    "norms": {"_rmsnorm_kernel", "_add_rmsnorm_kernel", "_combine_add_rmsnorm_kernel", "_rmsnorm_head_kernel"},
     "router T=1": {"_router_decode_kernel"},
     "router T=16": {"_router_decode_kernel"},
     "router T=64": {"_router_logits_splitk_kernel", "_router_topk_row_kernel"},
@@ -123,9 +122,7 @@ def _scenarios(torch):
         head = torch.zeros(T, MH * 192 + L + R, dtype=bf)[:, MH * 192:]
         return lambda: (norm.rmsnorm_triton(x, w, 1e-5), norm.add_rmsnorm_triton(x, res, w, 1e-5),
                         norm.combine_add_rmsnorm_triton(y, tw, res, w, 1e-5),
-                        norm.rmsnorm_head_triton(head, torch.ones(L, dtype=bf), 1e-5),
-                        norm.embed_rmsnorm_triton(torch.zeros(T, dtype=torch.int64), torch.zeros(VOCAB, D, dtype=bf),
-                                                  w, 1e-5))
+                        norm.rmsnorm_head_triton(head, torch.ones(L, dtype=bf), 1e-5))
 
     gate_w, bias = torch.zeros(E, D, dtype=bf), torch.zeros(E, dtype=f32)
 
