@@ -32,13 +32,21 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_enter, pdl_launch, pdl_on
+from kernels._pdl import gdc_enter, pdl_launch, pdl_on, prefetch_l2
 from kernels._tensors import H200_SMEM, arrival_counters, cdiv, max_shared_mem, next_pow2, num_sms, unit_last_stride
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 64  # smallest work unit (keys): one 64-key tile (256 before 12-02; config min_split_tokens=256)
 MIN_UNIT_TOKENS = 64  # default_num_splits: at most one unit per 64 keys of the longest sequence
 MAX_SPLITS = 256
+# PDL launches of stage 1 (the batch-1 w_uv chain): before griddepcontrol.wait, each of the first EARLY_UNITS work
+# units hints the rows of its first EARLY_TILES key tiles into L2 (the cache pages are stable: only the newest row,
+# written by the prep kernel still running, may be hinted before it lands, and L2 is the coherence point), so the
+# unit's first tile arrives from L2 after the wait instead of from HBM. The schedule (seq_lens, block table: host
+# copies before the step) is then computed before the wait too. 0: nothing before the wait (the default while untimed)
+# A/B: bench/ablate.py --set kernels.mla.decode.EARLY_TILES=1. KIMI_MLA_EARLY_TILES=N
+EARLY_TILES = int(os.environ.get("KIMI_MLA_EARLY_TILES", "0"))
+EARLY_UNITS = 32          # at most this many units hint (x 74 KB per 64-key tile: <= 2.4 MB per layer)
 
 # GPU tile configuration (Hopper, L=512/R=64), per cache dtype: BLOCK_H heads share each K tile of BLOCK_N tokens.
 # ptxas for sm_90 (Triton 3.9, 16-byte-divisible strides as the JIT specialises them; `python bench/mla.py --ptxas`):
@@ -435,6 +443,22 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
 
 
 @triton.jit
+def _prefetch_unit_tiles(cache_ptr, bt_row, u, t_begin, t_end, seq_len, s_cp, s_cr, BS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, D: tl.constexpr, EPL: tl.constexpr, LP: tl.constexpr,
+                         EARLY_TILES: tl.constexpr, EARLY_UNITS: tl.constexpr):
+    # L2 hints for the rows of tiles t_begin .. t_begin + EARLY_TILES - 1 of unit u (u < EARLY_UNITS, tiles inside
+    # the unit and keys < seq_len): one hint per 128-byte line (EPL elements) of each row's D values, LP >= lines
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, LP) * EPL
+    for i in tl.static_range(EARLY_TILES):
+        key = (t_begin + i) * BLOCK_N + offs_n
+        ok = (key < seq_len) & ((t_begin + i) < t_end) & (u < EARLY_UNITS)
+        page = tl.load(bt_row + key // BS, mask=ok, other=0).to(tl.int64)
+        rows = cache_ptr + page * s_cp + (key % BS).to(tl.int64) * s_cr
+        prefetch_l2(rows[:, None] + offs_c[None, :], ok[:, None] & (offs_c < D)[None, :])
+
+
+@triton.jit
 def _mla_decode_stage1(
     q_ptr,
     qpe_ptr,
@@ -486,9 +510,14 @@ def _mla_decode_stage1(
     MERGE_S: tl.constexpr = 16,  # FUSED merge tile: MERGE_S units x BLOCK_H heads x MERGE_L columns per step
     MERGE_L: tl.constexpr = 8,
     MERGE_STAGES: tl.constexpr = 2,  # software-pipeline depth of the merge's column loop
-    GDC: tl.constexpr = False,  # PDL launch (w_uv path): nothing is read before the wait
+    GDC: tl.constexpr = False,  # PDL launch (w_uv path): nothing is read before the wait, except (EARLY_TILES)
+    EARLY_TILES: tl.constexpr = 0,  # with GDC: the schedule and L2 hints of the unit's first tiles before the wait
+    EARLY_UNITS: tl.constexpr = 0,
+    EPL: tl.constexpr = 64,  # cache elements per 128-byte line
+    LP: tl.constexpr = 16,  # next_pow2(lines per cache row)
 ):
-    gdc_enter(GDC)
+    if EARLY_TILES == 0:  # (the host passes EARLY_TILES > 0 with GDC only)
+        gdc_enter(GDC)
     u = tl.program_id(0)  # DIRECT: the sequence; else the work unit
     hb = tl.program_id(1)
     if DIRECT:
@@ -510,6 +539,11 @@ def _mla_decode_stage1(
             ne = (tl.sum(tl.where(sel, tiles, 0), 0) + sl - 1) // tl.maximum(sl, 1)  # non-empty units of n
             u0 = tl.sum(tl.where(sel, first, 0), 0)
             zero_u = tl.sum(tl.where(bm & (offs_b == u) & (tiles == 0), 1, 0), 0) > 0  # sequence u is empty
+    if EARLY_TILES > 0:  # seq_lens and the block table are written by host copies before the step, not by a kernel
+        if active:
+            _prefetch_unit_tiles(cache_ptr, bt_ptr + n.to(tl.int64) * s_btn, u, t_begin, t_end, seq_len, s_cp, s_cr,
+                                 BS, BLOCK_N, L + R, EPL, LP, EARLY_TILES, EARLY_UNITS)
+        gdc_enter(GDC)
     if LSPLIT:
         if active:
             _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_ptr + n.to(tl.int64) * s_btn, out_ptr, opart_ptr, lse_ptr, n, u,
@@ -971,6 +1005,11 @@ def mla_decode_triton(
         kw["maxnreg"] = cfg["maxnreg"]
     fused = bool(cfg.get("fused_merge", False)) and not direct
     gdc = pdl_launch(pdl_on(pdl) if w_uv is not None else bool(pdl))
+    early, early_kw = int(cfg.get("early_tiles", EARLY_TILES)), {}
+    if gdc and early > 0:   # L2 hints of each unit's first tiles before the wait (EARLY_TILES)
+        epl = 128 // cache.element_size()
+        early_kw = dict(EARLY_TILES=early, EARLY_UNITS=int(cfg.get("early_units", EARLY_UNITS)), EPL=epl,
+                        LP=next_pow2(cdiv(D, epl)))
     variant = dict(
         FUSED=fused,
         KEYS_M=bool(cfg.get("keys_m", False)),
@@ -1036,6 +1075,7 @@ def mla_decode_triton(
         **variant,
         **kw,
         **gdc,
+        **early_kw,
     )
     # w_uv: the merge (split path) or the latent-row read fused with the W_UV product; uv_cfg "stage2" keeps stage 2
     # (the merge over N x H x L-slice programs) and runs the product on its rows (bench alternative for long merges)

@@ -230,6 +230,33 @@ def test_gpu_fused_chain_kimi(B, S, variant):
                 assert (out[-1] == 0).all()
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("B,S", [(1, 1024), (1, 131072), (8, 8192), (64, 1000)])
+@pytest.mark.parametrize("early", [1, 2])
+def test_gpu_early_tiles_same_bits(B, S, early, monkeypatch):
+    """decode.EARLY_TILES (stage 1's schedule and L2 hints of each unit's first tiles before the PDL wait, while the
+    prep kernel before it still writes the new token's cache row) changes no value: prep + the w_uv decode, both PDL
+    launches, give the same bits as without the hints, at the default split count and at num_splits 1."""
+    import kernels.mla.decode as dec
+
+    H, L, R, nope, V = KIMI["H"], KIMI["L"], KIMI["R"], KIMI["nope"], KIMI["V"]
+    torch.manual_seed(B + S)
+    lens = [S - 3 * i for i in range(B)]
+    cache, bt, sl = make_paged(lens, BF, bs=64, l=L, r=R)
+    y, q_dim, w_norm, w_uk, w_uv = make_layer(B, H, nope, R, L, V)
+    slots = torch.tensor([bt[i, (s - 1) // 64].item() * 64 + (s - 1) % 64 for i, s in enumerate(lens)],
+                         dtype=torch.int64, device=DEV)
+    q_pe = y[:, :q_dim].view(B, H, nope + R)[..., nope:]
+    for ns in (None, 1):
+        outs = []
+        for e in (0, early):
+            monkeypatch.setattr(dec, "EARLY_TILES", e)
+            c = cache.clone()
+            q = mla_decode_prep_triton(y, q_dim, w_norm, 1e-6, w_uk, c, slots, pdl=True)
+            outs.append(mla_decode_triton(q, q_pe, c, bt, sl, 192 ** -0.5, num_splits=ns, w_uv=w_uv, pdl=True))
+        assert torch.equal(outs[0], outs[1]), (ns, (outs[0].float() - outs[1].float()).abs().max())
+
+
 # ----------------------------------------------------------------------------------------- PDL lowering (offline)
 _LOWERING = r"""
 import json
@@ -248,8 +275,10 @@ s1 = dict(L=512, R=64, BLOCK_L=512, BLOCK_R=64, BS=64, BLOCK_N=64, BLOCK_H=32, B
 cases = {"prep": (absorb._prep_kernel, prep, mem, 4),
          "uv_merge_v128": (absorb._uv_kernel, dict(uv, BLOCK_V=128, MERGE=True), uvp, 8),
          "uv_row": (absorb._uv_kernel, dict(uv, BLOCK_V=32, MERGE=False), uvp, 8)}
-if STAGE1:  # ~30 s more (two stage-1 compiles): the stage-1 GDC build reads nothing before the wait
+if STAGE1:  # ~45 s more (stage-1 compiles): the stage-1 GDC build reads nothing before the wait; with EARLY_TILES
+    # the schedule and block-table loads and the L2 hints go before it
     cases["stage1"] = (dec._mla_decode_stage1, s1, s1p, 8)
+    cases["stage1_early"] = (dec._mla_decode_stage1, dict(s1, EARLY_TILES=2, EARLY_UNITS=32, EPL=64, LP=16), s1p, 8)
 print(json.dumps({k: {str(on): ptx_events(fn, dict(c, GDC=on), pt, nw) for on in (False, True)}
                   for k, (fn, c, pt, nw) in cases.items()}))
 """
@@ -266,10 +295,16 @@ def test_sm90_pdl_lowering():
     W, LD = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
     for name, ev in res.items():
         off, on = ev["False"], ev["True"]
-        assert on.count(W) == 1 and W not in off and LD not in off, name
+        # stage1_early: the compiler gives the path of a program without a unit its own copy of the wait (one per path)
+        assert (on.count(W) == 1 or name == "stage1_early") and W not in off and LD not in off, name
+        assert all(on[i + 1] == LD for i, e in enumerate(on) if e == W), name
         pre, post = on[:on.index(W)], on[on.index(W) + 1:]
         assert post[0] == LD and LD not in pre, (name, post[:3])
         assert "st.global" not in pre and "atom." not in pre, (name, pre)
         assert ("ld.global" in pre) == (name != "stage1"), (name, pre)
-        assert ("prefetch.global.L2" in pre) == (name == "uv_merge_v128"), (name, pre)
+        assert ("prefetch.global.L2" in pre) == (name in ("uv_merge_v128", "stage1_early")), (name, pre)
+        if name == "stage1_early":   # the same events as without GDC (which hints too), the wait after the hints
+            assert [e for e in on if e not in (W, LD)] == off and "ld.global" in pre, name
+            assert on.count(W) == 2 and on[-2:] == [W, LD], name         # the second: a program without a unit
+            continue
         assert [e for e in on if e not in (W, LD, "prefetch.global.L2")] == off, name
