@@ -43,9 +43,10 @@ MAX_SPLITS = 256
 # units hints the rows of its first EARLY_TILES key tiles into L2 (the cache pages are stable: only the newest row,
 # written by the prep kernel still running, may be hinted before it lands, and L2 is the coherence point), so the
 # unit's first tile arrives from L2 after the wait instead of from HBM. The schedule (seq_lens, block table: host
-# copies before the step) is then computed before the wait too. 0: nothing before the wait (the default while untimed)
-# A/B: bench/ablate.py --set kernels.mla.decode.EARLY_TILES=1. KIMI_MLA_EARLY_TILES=N
-EARLY_TILES = int(os.environ.get("KIMI_MLA_EARLY_TILES", "0"))
+# copies before the step) is then computed before the wait too. H200 12-04 (bench/ablate.py --batch 1 --steps 80 --set
+# kernels.mla.decode.EARLY_TILES=..., ten interleaved cases): 2 tiles 2.185-2.187 ms per step against 2.191-2.194 for
+# 0 (graph 2.166-2.170 vs 2.174-2.176), 1 tile in between. 0: nothing before the wait. KIMI_MLA_EARLY_TILES=N
+EARLY_TILES = int(os.environ.get("KIMI_MLA_EARLY_TILES", "2"))
 EARLY_UNITS = 32          # at most this many units hint (x 74 KB per 64-key tile: <= 2.4 MB per layer)
 
 # GPU tile configuration (Hopper, L=512/R=64), per cache dtype: BLOCK_H heads share each K tile of BLOCK_N tokens.
