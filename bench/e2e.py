@@ -754,7 +754,7 @@ def main():
         sol = roof.decode(b, ctx, args.bw, peak, unique)
         uni = roof.decode(b, ctx, args.bw, peak)  # uniform routing: what a trained router would roughly need
         rows.append((name, b * sps, "tok/s", b / sol["t"]))
-        print(f"  {name}: {1e3 / sps:.2f} ms/step, {b * sps:.0f} tok/s; speed of light {sol['t'] * 1e3:.2f} ms "
+        print(f"  {name}: {1e3 / sps:.3f} ms/step, {b * sps:.1f} tok/s; speed of light {sol['t'] * 1e3:.3f} ms "
               f"(routing as measured; {uni['t'] * 1e3:.2f} ms with uniform routing)\n"
               f"    SOL: {roof.describe(sol, args.bw, peak)}")
 
@@ -773,14 +773,14 @@ def main():
     print(f"\n{'benchmark':58s} {'measured':>12s} {'speed of light':>15s} {'% SOL':>7s}")
     for name, v, unit, sol in rows:
         s = f"{sol:12.0f}" if sol else f"{'-':>12s}"
-        pct = f"{100 * v / sol:6.1f}%" if sol else f"{'-':>7s}"
-        print(f"{name:58s} {v:8.0f} {unit:5s} {s} {unit:5s}{pct}")
+        pct = f"{100 * v / sol:7.2f}%" if sol else f"{'-':>8s}"   # 2 decimals: targets sit at whole percents
+        print(f"{name:58s} {v:8.1f} {unit:5s} {s} {unit:5s}{pct}")
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print("\n| benchmark | measured | speed of light | % SOL | setup |\n|---|---|---|---|---|")
     for name, v, unit, sol in rows:
         sol_s = f"{sol:.0f} {unit}" if sol else "-"
-        pct = f"{100 * v / sol:.1f}%" if sol else "-"
-        print(f"| {name} | {v:.0f} {unit} | {sol_s} | {pct} | {gpu}, {args.layers} layers, random "
+        pct = f"{100 * v / sol:.2f}%" if sol else "-"
+        print(f"| {name} | {v:.1f} {unit} | {sol_s} | {pct} | {gpu}, {args.layers} layers, random "
               f"{'bf16' if dtype == torch.bfloat16 else 'fp32'}, {'CUDA graphs' if graphs else 'eager'} |")
     for name, v in hf_rows:  # same weights, same process, before our engine was built
         print(f"| {name} | {v:.1f} tok/s | - | - | {gpu}, {args.layers} layers, same random weights; HF transformers "
