@@ -64,6 +64,12 @@ _PDL = set(_PDL_ENV.split(",")) - {"0", ""}
 DECODE_PDL, DECODE_PREFETCH, DECODE_EVICT = bool(_PDL), "prefetch" in _PDL, "evict" in _PDL
 DECODE_PDL_T1 = _PDL_ENV != "0"          # PDL at one token unless switched off
 DECODE_PDL1 = "gemm1" in _PDL
+# With DECODE_PREFETCH: K elements of each GEMM2 weight row hinted into L2 before the wait (0: the whole row, as
+# measured on the H200 12-03 with "prefetch": b1 +150 us per step; the whole 42 MB of w2 rows then competes with
+# GEMM1's 85 MB stream for L2). A few MB, like the skinny GEMM's 4 MB PDL head (kernels.gemv.PDL_L2_MB), is untimed:
+# bench/ablate.py --set "kernels.moe.fused.DECODE_PREFETCH=True;kernels.moe.fused.DECODE_PREFETCH_K=128"
+# (128 elements: 256 B of each row, 9 x 2304 rows = 5.3 MB at b1). KIMI_MOE_PREFETCH_K=N
+DECODE_PREFETCH_K = int(os.environ.get("KIMI_MOE_PREFETCH_K", "0"))
 # One-token GEMM1: row blocks counted as L2-resident when its tiles are balanced over the SMs (get_config). 1 = the
 # shared expert, appended last, whose w13 the decode router hints into L2 (backend.model.kimi_linear
 # .ROUTER_L2_HINT_MB): the 8 routed blocks then take 33 tiles each (264 HBM programs, 2 per SM) and the shared
@@ -469,7 +475,8 @@ def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms
     if top_k is not None and cfg.BM == 16:
         one = M == top_k
         pdl = DECODE_PDL or (one and DECODE_PDL_T1)
-        cfg = replace(cfg, direct=DECODE_DIRECT and one, pdl=pdl, prefetch2=N1 if DECODE_PDL and DECODE_PREFETCH else 0,
+        pf2 = min(DECODE_PREFETCH_K or N1, N1) if pdl and DECODE_PREFETCH else 0    # elements, a multiple of 16
+        cfg = replace(cfg, direct=DECODE_DIRECT and one, pdl=pdl, prefetch2=pf2,
                       evict=DECODE_EVICT, pdl1=DECODE_PDL1)
         if one and DECODE_DIRECT:
             cfg = replace(cfg, num_stages=3, stages2=cfg.num_stages)        # GEMM1 3 stages, GEMM2 keeps 4

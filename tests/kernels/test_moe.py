@@ -399,6 +399,13 @@ def test_decode_switches(monkeypatch):
     pre = fm.get_config(8192 * 9, 257, torch.bfloat16, 9, 132)
     assert not (pre.direct or pre.pdl or pre.evict or pre.prefetch2)
     assert not fm.get_config(9, 257, torch.bfloat16).direct  # no top_k: no switches
+    monkeypatch.setattr(fm, "DECODE_PREFETCH_K", 128)                          # the head of each row only
+    assert fm.get_config(9, 257, torch.bfloat16, 9, 132).prefetch2 == 128
+    monkeypatch.setattr(fm, "DECODE_PREFETCH_K", 4096)                         # capped at the row
+    assert fm.get_config(9, 257, torch.bfloat16, 9, 132).prefetch2 == 1024
+    monkeypatch.setattr(fm, "DECODE_PDL", False)                               # one token: PDL by DECODE_PDL_T1
+    monkeypatch.setattr(fm, "DECODE_PREFETCH_K", 0)
+    assert fm.get_config(9, 257, torch.bfloat16, 9, 132).prefetch2 == 1024
     monkeypatch.setattr(fm, "DECODE_PREFETCH", False)
     assert fm.get_config(9, 257, torch.bfloat16, 9, 132).prefetch2 == 0
 
