@@ -31,7 +31,7 @@ import os
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from kernels._jit import INTERPRET
 
 
 def _default_on() -> bool:

@@ -25,7 +25,7 @@ from kernels._dispatch import use_triton
 from kernels._pdl import gdc_enter, pdl_launch
 from kernels._tensors import next_pow2, unit_last_stride
 from kernels.moe.fused import combine_row
-from kernels.moe.router import INTERPRET, cast_to
+from kernels._jit import INTERPRET, cast_to
 
 # Row kernels load the norm weight first (A/B switch: KIMI_NORM_EARLY_W=0 loads it where it is used, the old order)
 EARLY_W = os.environ.get("KIMI_NORM_EARLY_W", "1") != "0"

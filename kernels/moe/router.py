@@ -26,13 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._jit import INTERPRET
 from kernels._pdl import gdc_enter, gdc_wait, l2_span_args, pdl_launch, pdl_on, prefetch_span_l2
 
 from kernels._tensors import arrival_counters, cdiv, next_pow2, unit_last_stride
 
-# The Triton interpreter multiplies the raw uint16 storage of bf16 operands in tl.dot; under TRITON_INTERPRET=1
-# the kernels upcast dot operands to fp32 (exact for bf16/fp16 products, so results are unchanged).
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Largest T routed by the GEMV logits kernel and single-row top-k programs (decode batches)
 GEMV_MAX_T = 16
 # T <= GEMV_MAX_T: logits and top-k in one launch (the last-arriving logits program of a token selects its top-k);
@@ -70,18 +68,6 @@ NORM_BE = int(os.environ.get("KIMI_ROUTER_NORM_BE", "1"))
 NORM_WARPS = int(os.environ.get("KIMI_ROUTER_NORM_WARPS", "2"))
 # KIMI_PDL=1 (kernels._pdl): the decode routers (v1, v2 / v3) are launched with PDL and wait for the previous kernel
 # (the post-attention norm) after loading their gate rows
-
-
-@triton.jit
-def cast_to(v, DT: tl.constexpr, EMUL_RTNE: tl.constexpr):
-    """v.to(DT). The interpreter truncates fp32 -> bf16 (GPUs round to nearest even); with EMUL_RTNE (= INTERPRET)
-    the rounding is done by hand so CPU CI sees the GPU numerics."""
-    if EMUL_RTNE and DT == tl.bfloat16:
-        b = v.to(tl.float32).to(tl.uint32, bitcast=True)
-        b = b + 0x7FFF + ((b >> 16) & 1)
-        return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return v.to(DT)
 
 
 def dot_mode(dtype: torch.dtype) -> int:

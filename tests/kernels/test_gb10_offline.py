@@ -31,6 +31,7 @@ EXPECTED = {
     "kda gate": {"_kda_gate_kernel"},
     "mla decode N=1 S=128k": {"_mla_decode_stage1", "_mla_decode_stage2"},
     "mla decode N=64 S=8k": {"_mla_decode_stage1", "_mla_decode_stage2"},
+    "mla decode w_uv N=1 S=8k": {"_mla_decode_stage1", "_uv_kernel"},   # the b1 chain: PDL, early L2 hints
     "mla extend": {"_mla_extend_kernel"},
     "mla prefill": {"_gather_latent_kernel", "_mla_prefill_kernel"},
     "mla cache": {"_store_latent_kernel"},
@@ -95,6 +96,16 @@ def _scenarios(torch):
         sl = torch.full((N,), S, dtype=i32)
         q, qpe = torch.zeros(N, MH, L, dtype=bf), torch.zeros(N, MH, R, dtype=bf)
         return lambda: mla_decode(q, qpe, cache, bt, sl, 0.1)
+
+    def mla_dec_uv(N, S):
+        from kernels.mla.decode import mla_decode_triton
+
+        nb = S // BS
+        bt = (torch.arange(N * nb, dtype=i32) % pages).view(N, nb)
+        sl = torch.full((N,), S, dtype=i32)
+        q, qpe = torch.zeros(N, MH, L, dtype=bf), torch.zeros(N, MH, R, dtype=bf)
+        w_uv = torch.zeros(MH, NOPE, L, dtype=bf)
+        return lambda: mla_decode_triton(q, qpe, cache, bt, sl, 0.1, w_uv=w_uv, pdl=True)
 
     def mla_ext():
         T, nb = 512, 32                                    # two sequences of 256 new tokens, 2k context
@@ -183,6 +194,7 @@ def _scenarios(torch):
         "kda prefill T=4096": kda_pre(4096),
         "kda gate": (lambda z: lambda: kda_gate_triton(z, lay["A_log"], lay["dt_bias"]))(torch.zeros(16, H * K)),
         "mla decode N=1 S=128k": mla_dec(1, 131072), "mla decode N=64 S=8k": mla_dec(64, 8192),
+        "mla decode w_uv N=1 S=8k": mla_dec_uv(1, 8192),
         "mla extend": mla_ext(), "mla prefill": mla_pre(), "mla cache": mla_cache(), "norms": norms(),
         "router T=1": router(1), "router T=16": router(16), "router T=64": router(64), "router T=2048": router(2048),
         "moe T=1": moe(1), "moe T=8": moe(8), "moe T=64": moe(64), "moe T=512": moe(512), "moe T=4096": moe(4096),
