@@ -53,3 +53,13 @@ def test_timeline_sweep(tmp_path):
     idle, att, exc = timeline.sweep(ks)
     assert idle == 2.0
     assert (att[0], att[1], att[2]) == (9.0, 5.0, 4.0) and (exc[0], exc[1], exc[2]) == (8.0, 4.0, 4.0)
+
+
+def test_sampling_bench_smoke():
+    """bench/sampling.py --smoke (interpreter, V = 1000): the greedy table (torch.argmax vs kernels/argmax.py, equal
+    ids) and every sampled case (the filtered race agreeing with the torch path) run."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "sampling.py"), "--smoke"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "greedy argmax, V=1000" in p.stdout and "| yes |" in p.stdout, p.stdout[-3000:]
+    assert p.stdout.count("2/2") == 3 and "MISMATCH" not in p.stdout, p.stdout[-3000:]
