@@ -35,9 +35,9 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels._jit import INTERPRET, cast_to
 from kernels._pdl import L2_LINE_BYTES, gdc_enter, pdl_launch, pdl_on, prefetch_l2
 from kernels._tensors import arrival_counters, cdiv, max_shared_mem, next_pow2, num_sms
-from kernels._jit import INTERPRET, cast_to
 
 GEMV_MAX_M = 16
 # PDL launch: W bytes the whole grid prefetches into L2 before griddepcontrol.wait (KIMI_PDL_L2_MB) and its cap in

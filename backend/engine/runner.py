@@ -302,11 +302,12 @@ class ModelRunner:
     # CUDA graphs
     def _capture_graphs(self, max_bs: int):
         t0 = time.monotonic()
-        self.graph_vars, self.graph_greedy = self._make_graph_vars(max_bs), {}
+        self.graph_vars = self._make_graph_vars(max_bs)
+        greedy = GRAPH_GREEDY and self.group is None and use_triton(self.graph_vars["logits"])
+        self.graph_greedy = {bs: greedy for bs in graph_batch_sizes(max_bs)}
         pool = torch.cuda.graph_pool_handle()
         # largest first, so that smaller graphs reuse the pool
         for bs in reversed(graph_batch_sizes(max_bs)):
-            self.graph_greedy[bs] = GRAPH_GREEDY and self.group is None and use_triton(self.graph_vars["logits"])
             self.graph_forward(bs)  # warmup outside the capture: Triton compiles and autotunes here
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):

@@ -289,10 +289,8 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, greedy_ids: Optional[torc
         greedy_ids = None
     logits = apply_penalties(logits, md)
     want_lp = md.num_top_logprobs >= 0
-    ids = None
-    if md.any_greedy and greedy_ids is not None:
-        ids = greedy_ids
-    elif md.any_greedy:  # full-vocab passes only where a row needs them
+    ids = greedy_ids if md.any_greedy else None
+    if md.any_greedy and ids is None:  # full-vocab passes only where a row needs them
         ids = argmax_rows(logits) if TRITON_ARGMAX and use_triton(logits) else logits.argmax(dim=-1)
     processed = logits
     if not md.all_greedy:

@@ -41,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._jit import INTERPRET, cast_to
 from kernels._pdl import gdc_launch_dependents, gdc_wait
 from kernels._tensors import H200_SMEM, cdiv, max_shared_mem, next_pow2, num_sms
-from kernels._jit import INTERPRET, cast_to
 from kernels.moe.router import dot_acc, dot_mode
 
 # Largest M = T*k aligned by the single-program Triton align kernel; above it the torch path is used.
