@@ -126,6 +126,9 @@ ABLATIONS = {
             "fused_moe_add_norm": lambda x, w13, w2, tw, ids, res, w, eps: km.combine_add_rmsnorm(
                 zeros("moe", (ids.numel(), x.shape[1]), x.dtype, x.device), tw, res, w, eps)},
 }
+# the PendingMoE path's combine + add + norm launch skipped (GEMM1 + GEMM2 kept): what folding it away can save
+ABLATIONS["combine_tail"] = {"fused_moe_add_norm": lambda x, w13, w2, tw, ids, res, w, eps: (
+    km.fused_moe_uncombined_triton(x, w13, w2, tw, ids), (res, res))[1]}
 ABLATIONS["router_norm"] = {"moe_router_add_norm": lambda attn, res, w, eps, gw, b, top_k, *a: (
     attn, res, *_router(attn, gw, b, top_k, *a))}
 ABLATIONS["mla_prep"] = {"mla_decode_prep": lambda y, q_dim, w, eps, w_uk, *a: zeros(
