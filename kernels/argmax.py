@@ -8,13 +8,10 @@ last program of the row to arrive (an acq_rel arrival counter, kernels._tensors.
 partials by the same rule (blocks ascend, so the first block holding the maximum holds its first index), writes
 out[row] and resets its counter to zero (graph-replay safe). No host sync, no data-dependent shapes.
 """
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import gdc_enter, pdl_launch
 from kernels._tensors import arrival_counters, cdiv, next_pow2
 
 BLOCK = 4096      # columns per program: V 163840 -> 40 programs per row
@@ -36,12 +33,10 @@ def _first_max(x, offs, BIG: tl.constexpr):
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, stride_x, V, val_ptr, idx_ptr, stride_p, cnt_ptr, out_ptr, stride_o, also_ptr, stride_a, NB,
-                   BLOCK: tl.constexpr, NBP: tl.constexpr, ALSO: tl.constexpr = False, GDC: tl.constexpr = False):
+def _argmax_kernel(x_ptr, stride_x, V, val_ptr, idx_ptr, stride_p, cnt_ptr, out_ptr, NB,
+                   BLOCK: tl.constexpr, NBP: tl.constexpr):
     # x [M, V] (any float dtype, unit column stride); val / idx [M, >= NB] partials (row stride stride_p); cnt [M]
-    # i32, zero between launches; out [M] i64, element stride stride_o (ALSO: also_ptr [M] i64 too, stride_a). GDC (PDL
-    # launch): nothing is read before the wait
-    gdc_enter(GDC)
+    # i32, zero between launches; out [M] i64
     row = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     offs = b * BLOCK + tl.arange(0, BLOCK)
@@ -55,10 +50,7 @@ def _argmax_kernel(x_ptr, stride_x, V, val_ptr, idx_ptr, stride_p, cnt_ptr, out_
         pv = tl.load(val_ptr + row * stride_p + j, mask=j < NB, other=float("-inf"), cache_modifier=".cg")
         pi = tl.load(idx_ptr + row * stride_p + j, mask=j < NB, other=0, cache_modifier=".cg")
         _, jb = _first_max(pv, j, NBP)
-        best = tl.sum(tl.where(j == jb, pi, 0), axis=0).to(tl.int64)
-        tl.store(out_ptr + row * stride_o, best)
-        if ALSO:
-            tl.store(also_ptr + row * stride_a, best)
+        tl.store(out_ptr + row, tl.sum(tl.where(j == jb, pi, 0), axis=0).to(tl.int64))
         tl.store(cnt_ptr + row, 0)
 
 
@@ -71,25 +63,19 @@ def _partials(M: int, NB: int, device) -> tuple:
     return bufs[-1]
 
 
-def argmax_rows(x: torch.Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS, out: Optional[torch.Tensor] = None,
-                also: Optional[torch.Tensor] = None, pdl: Optional[bool] = False) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """torch.argmax(x, dim=-1) of x [M, V] (V < 2^31) -> [M] i64, one Triton launch (see the module doc).
-    block / num_warps: columns per program and its warps (tests, bench/sampling.py). out: the [M] i64 result's
-    storage (any stride); also: a second [M] i64 tensor that receives the same ids (a decode graph's next input ids);
-    pdl: a PDL launch (kernels._pdl; None: KIMI_PDL), reading nothing before griddepcontrol.wait."""
+    block / num_warps: columns per program and its warps (tests, bench/sampling.py)."""
     assert x.dim() == 2 and 0 < x.shape[1] < 2**31, x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, V = x.shape
-    out = torch.empty(M, dtype=torch.int64, device=x.device) if out is None else out
-    for t in (out, also):
-        assert t is None or (t.shape == (M,) and t.dtype == torch.int64), (t.shape, t.dtype)
+    out = torch.empty(M, dtype=torch.int64, device=x.device)
     if M == 0:
         return out
     NB = cdiv(V, block)
     vals, idxs = _partials(M, NB, x.device)
-    also_t = out if also is None else also
-    _argmax_kernel[(M, NB)](x, x.stride(0), V, vals, idxs, vals.stride(0), arrival_counters(x.device, M), out,
-                            out.stride(0), also_t, also_t.stride(0), NB, BLOCK=block, NBP=max(16, next_pow2(NB)),
-                            ALSO=also is not None, num_warps=num_warps, **pdl_launch(pdl))
+    _argmax_kernel[(M, NB)](x, x.stride(0), V, vals, idxs, vals.stride(0),
+                            arrival_counters(x.device, M), out, NB,
+                            BLOCK=block, NBP=max(16, next_pow2(NB)), num_warps=num_warps)
     return out

@@ -9,4 +9,6 @@ class EagerGraph:
         self.runner, self.bs = runner, bs
 
     def replay(self):
-        self.runner.graph_forward(self.bs)
+        r = self.runner
+        batch = r.static_batch(self.bs)
+        r.model.compute_logits(r.model(batch, r.cache), None, out=r.graph_vars["logits"][:self.bs])

@@ -11,7 +11,6 @@ Tensor parallel (cfg.tp_size > 1 or a torchrun world): rank 0's runner launches 
 """
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -25,17 +24,8 @@ from backend.model import parallel
 from backend.model.batch import ForwardBatch
 from backend.model.loader import load_model
 from backend.model.parallel import EAGER, PING, REPLAY, STOP, TP, RankFailure
-from kernels._dispatch import use_triton
-from kernels.argmax import argmax_rows
 
 log = logging.getLogger(__name__)
-# Decode graphs (one rank, a Triton device) end with the greedy argmax of every lane (kernels.argmax, a PDL launch
-# after the lm_head) and write it into graph_vars["greedy"] and into the graph's own input_ids. A launched step whose
-# every row is greedy without bias or penalty takes those ids (no argmax launch after the graph), and the step
-# launched after it (feed) then needs no device copy of its input ids: they are in place. Outside the graph that
-# leaves the H2D copy of the other inputs and the D2H copy of the tokens. Read at capture. Opt-in, untimed:
-# KIMI_GRAPH_GREEDY=1 (A/B: bench/ablate.py --set backend.engine.runner.GRAPH_GREEDY=True)
-GRAPH_GREEDY = os.environ.get("KIMI_GRAPH_GREEDY", "0") == "1"
 
 
 @dataclass(slots=True)
@@ -44,7 +34,6 @@ class Launched:
     sampled: SamplerOutput
     md: SamplingMetadata
     copy: tuple  # SamplerOutput.copy_to_host(): queued right after the sampling, before any later step
-    ids_in_graph: bool = False  # the sampled ids are the graph's argmax, already in its input_ids (GRAPH_GREEDY)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _GIB = 1 << 30
@@ -144,7 +133,6 @@ class ModelRunner:
                  capacity, self.num_blocks - 1, self.block_size, self.num_slots - 1, self.max_num_seqs,
                  self.max_model_len)
         self.graphs, self.graph_vars = {}, {}
-        self.graph_greedy = {}   # captured batch size -> its graph also writes each lane's argmax (GRAPH_GREEDY)
         self._sizes = (None, [])  # (graphs, smallest graph batch size >= n for each n)
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self._capture_graphs(min(cfg.max_graph_batch_size or self.max_num_seqs, self.max_num_seqs))
@@ -281,17 +269,13 @@ class ModelRunner:
         step's input token of each is the token that one samples: it is copied on the device, never via the host).
         Its sampling takes each request's output index as one past the known tokens."""
         reqs = [s.request for s in out.seqs]
-        n = len(reqs)
-        in_place = feed is not None and feed.ids_in_graph   # the previous replay wrote this step's input ids
         try:
-            logits = self._replay(out, None if feed is None or in_place else feed.sampled.token_ids, in_place)
+            logits = self._replay(out, None if feed is None else feed.sampled.token_ids)
         except Exception as e:
             raise self._step_error(e) from e
         md = SamplingMetadata.build(reqs, self.vocab_size, self.device, pending=int(feed is not None))
-        greedy = self.graph_vars["greedy"][:n] if self.graph_greedy.get(self._graph_size(n)) else None
-        sampled = sample(logits, md, greedy_ids=greedy)
-        ids_in_graph = greedy is not None and md.all_greedy and not md.changes_logits
-        return Launched(sampled, md, sampled.copy_to_host(), ids_in_graph)
+        sampled = sample(logits, md)
+        return Launched(sampled, md, sampled.copy_to_host())
 
     @staticmethod
     def collect(launched: "Launched") -> tuple:
@@ -303,29 +287,21 @@ class ModelRunner:
     def _capture_graphs(self, max_bs: int):
         t0 = time.monotonic()
         self.graph_vars = self._make_graph_vars(max_bs)
-        greedy = GRAPH_GREEDY and self.group is None and use_triton(self.graph_vars["logits"])
-        self.graph_greedy = {bs: greedy for bs in graph_batch_sizes(max_bs)}
-        pool = torch.cuda.graph_pool_handle()
+        logits, pool = self.graph_vars["logits"], torch.cuda.graph_pool_handle()
         # largest first, so that smaller graphs reuse the pool
         for bs in reversed(graph_batch_sizes(max_bs)):
-            self.graph_forward(bs)  # warmup outside the capture: Triton compiles and autotunes here
+            batch = self.static_batch(bs)
+            # warmup outside the capture: Triton compiles and autotunes here
+            # decode: every row is sampled (no logits gather); the logits land in the static buffer
+            self.model.compute_logits(self.model(batch, self.cache), None, out=logits[:bs])
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.graph_forward(bs)
+                self.model.compute_logits(self.model(batch, self.cache), None, out=logits[:bs])
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
         log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs),
                  sorted(self.graphs), time.monotonic() - t0)
-
-    def graph_forward(self, bs: int):
-        """What the decode graph of batch size bs runs (captured; tests/eager_graph.py runs it eagerly): every row is
-        sampled (no logits gather), the logits land in the static buffer; with graph_greedy[bs] each lane's argmax
-        lands in graph_vars["greedy"] and in the graph's input_ids (the next step's input if it is greedy)."""
-        v = self.graph_vars
-        self.model.compute_logits(self.model(self.static_batch(bs), self.cache), None, out=v["logits"][:bs])
-        if self.graph_greedy.get(bs):
-            argmax_rows(v["logits"][:bs], out=v["greedy"][:bs], also=v["input_ids"][:bs], pdl=None)
 
     def _make_graph_vars(self, max_bs: int) -> dict:
         """Static decode inputs; at rest every lane is a padding lane (null slot, null page, nothing stored).
@@ -361,7 +337,6 @@ class ModelRunner:
             has_initial_state=torch.ones(max_bs, dtype=torch.bool, device=dev),
             logits_index=torch.arange(max_bs, dtype=torch.int64, device=dev),
             logits=torch.zeros(max_bs, self.vocab_size, dtype=torch.float32, device=dev),
-            greedy=torch.zeros(max_bs, dtype=torch.int64, device=dev),    # each lane's argmax (graph_greedy sizes)
             stage=stage, hosts=[(h, h.numpy(), lanes_of(h, True)) for h in hosts], flip=[0],
             # per lane: the block_ids list whose first `lens[i]` pages row i holds; None = col 0 is the null page
             lanes=[None] * max_bs, lens=[0] * max_bs,
@@ -376,21 +351,20 @@ class ModelRunner:
             block_table=v["block_table"][:bs], slot_mapping=v["slot_mapping"][:bs],
             logits_index=v["logits_index"][:bs], max_query_len=1)
 
-    def _replay(self, out: SchedulerOutput, feed: torch.Tensor = None, in_place: bool = False) -> torch.Tensor:
+    def _replay(self, out: SchedulerOutput, feed: torch.Tensor = None) -> torch.Tensor:
         """Fills the graph inputs of a decode-only step and replays -> logits [n, V] (a view of the static buffer).
-        feed: [n] i64 device tensor of input ids (the previous step's samples), instead of the host's. in_place: the
-        input ids are already in the graph's input_ids (the previous replay's argmax, GRAPH_GREEDY)."""
+        feed: [n] i64 device tensor of input ids (the previous step's samples), instead of the host's."""
         n = len(out.seqs)
         bs = self._graph_size(n)
         if self.group is not None:
             return self._replay_tp(out, bs)
         try:
-            return self._fill_and_replay(out, n, bs, feed, in_place)
+            return self._fill_and_replay(out, n, bs, feed)
         except BaseException:
             self.graph_vars["lanes"][:] = [_UNKNOWN] * len(self.graph_vars["lanes"])  # rewrite every row next time
             raise
 
-    def _fill_and_replay(self, out: SchedulerOutput, n: int, bs: int, feed, in_place: bool = False) -> torch.Tensor:
+    def _fill_and_replay(self, out: SchedulerOutput, n: int, bs: int, feed) -> torch.Tensor:
         B, v = self.block_size, self.graph_vars
         mb, lanes, lens = self.max_blocks_per_seq, v["lanes"], v["lens"]
         flip = v["flip"][0] = 1 - v["flip"][0]
@@ -412,7 +386,7 @@ class ModelRunner:
                 lanes[i], lens[i] = None, 0
                 e_idx.append(i * mb)
                 e_val.append(0)
-        if feed is None and not in_place:
+        if feed is None:
             h_ids[:n] = [r.token_id(p) for r, p in zip(reqs, starts)]
         h_slot[:n] = [r.block_ids[p // B] * B + p % B for r, p in zip(reqs, starts)]
         h_len[:n] = [p + 1 for p in starts]
@@ -423,8 +397,7 @@ class ModelRunner:
             raw[small:small + 8 * k].view(np.int64)[:] = e_idx
             raw[small + 8 * k:small + 12 * k].view(np.int32)[:] = e_val
         stage = v["stage"]
-        lo = 8 * len(lanes) if in_place else 0    # in_place: the input_ids part of stage already holds the ids
-        stage[lo:small + 12 * k].copy_(host[lo:small + 12 * k], non_blocking=True)  # the one H2D copy
+        stage[:small + 12 * k].copy_(host[:small + 12 * k], non_blocking=True)  # the one H2D copy
         if k:
             v["block_table"].view(-1).index_copy_(0, stage[small:small + 8 * k].view(torch.int64),
                                                   stage[small + 8 * k:small + 12 * k].view(torch.int32))

@@ -282,15 +282,12 @@ def _fast_ok(p) -> bool:
     return p.min_p > 0.0 or 0 < p.top_k <= KS  # KS: top-k up to this bounds the kernel's candidate set
 
 
-def sample(logits: torch.Tensor, md: SamplingMetadata, greedy_ids: Optional[torch.Tensor] = None) -> SamplerOutput:
-    """logits [M, V] fp32 (modified in place) -> SamplerOutput on the device. greedy_ids: [M] i64, logits.argmax(-1)
-    found already (a decode graph's, runner.GRAPH_GREEDY), taken where no bias or penalty changes the logits first."""
-    if md.changes_logits:
-        greedy_ids = None
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    """logits [M, V] fp32 (modified in place) -> SamplerOutput on the device."""
     logits = apply_penalties(logits, md)
     want_lp = md.num_top_logprobs >= 0
-    ids = greedy_ids if md.any_greedy else None
-    if md.any_greedy and ids is None:  # full-vocab passes only where a row needs them
+    ids = None
+    if md.any_greedy:  # full-vocab passes only where a row needs them
         ids = argmax_rows(logits) if TRITON_ARGMAX and use_triton(logits) else logits.argmax(dim=-1)
     processed = logits
     if not md.all_greedy:

@@ -2,7 +2,6 @@
 of each request alone (backend/model/generate.py), under chunking, preemption, aborts and injected failures."""
 
 import asyncio
-import os
 import random
 import threading
 import time
@@ -140,19 +139,14 @@ def test_stop_token_while_the_next_step_is_in_flight(tiny_dir):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("graph_greedy", [False, True])
-def test_gpu_pipelined_decode(tiny_dir, monkeypatch, graph_greedy):
+def test_gpu_pipelined_decode(tiny_dir):
     """The CUDA-graph engine pipelines decode steps (device-fed tokens, async copy back) with the tokens of the
-    eager engine; graph_greedy: the graphs also write each lane's argmax into their input ids (runner.GRAPH_GREEDY)."""
-    import backend.engine.runner as runner_mod
-
-    monkeypatch.setattr(runner_mod, "GRAPH_GREEDY", graph_greedy)
+    eager engine."""
     kw = dict(max_num_seqs=8, num_blocks=128, device="cuda", dtype="float32")
     eager = make_engine(tiny_dir, enforce_eager=True, **kw)
     eng = count_fed(make_engine(tiny_dir, **kw))
     try:
         assert eng.runner.graphs and not eager.runner.graphs
-        assert all(eng.runner.graph_greedy.values()) == graph_greedy and eng.runner.graph_greedy
         check_pipelined(eager, eng)
     finally:
         eager.shutdown()
@@ -354,35 +348,6 @@ def test_graph_replay_path_with_padding_lanes(tiny_dir):
         assert torch.count_nonzero(r.cache.latent[0][0]) == 0  # the null page is never written
         assert_pools_full(eng)
     finally:
-        eng.shutdown()
-
-
-@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                    reason="kernels.argmax needs CUDA or TRITON_INTERPRET=1")
-def test_graph_greedy_ids_in_place(tiny_dir):
-    """GRAPH_GREEDY: graphs that also write each lane's argmax (into graph_vars["greedy"] and their own input_ids).
-    Greedy requests, a stop token hit while the next step is in flight, a request with a repetition penalty (its
-    greedy token is not the raw argmax) and seeded sampling in the same batch all give their tokens alone; steps fed
-    in place (no device copy of the ids) happen, and only after an all-greedy step without penalties."""
-    eager, eng = make_engine(tiny_dir), make_engine(tiny_dir)
-    try:
-        r = eng.runner
-        with_graphs(eng)
-        r.graph_greedy = {b: True for b in r.graphs}
-        in_place, real = [], r._replay
-        r._replay = lambda out, feed=None, ip=False: in_place.append(ip) or real(out, feed, ip)
-        check_pipelined(eager, eng)
-        assert any(in_place) and not all(in_place)
-        # a penalised request in the batch: its steps are not all-greedy without penalties, so nothing in place
-        n0 = sum(in_place)
-        work = workload(3, seed=11)
-        pen = SamplingParams(max_tokens=6, repetition_penalty=1.3, **GREEDY)
-        ref = [collect(s)[0] for s in [eager.add_request(p, pen) for p, _ in work]]
-        assert [collect(s)[0] for s in [eng.add_request(p, pen) for p, _ in work]] == ref
-        assert sum(in_place) == n0
-        assert_pools_full(eng)
-    finally:
-        eager.shutdown()
         eng.shutdown()
 
 

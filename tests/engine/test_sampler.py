@@ -319,22 +319,3 @@ def test_cuda_race_distribution():
         assert chi2_pvalue(counts, target) > 1e-4, (counts.tolist(), (target * n).tolist())
         m = 8192
         same_race_winner(ids[:m], probs.expand(m, -1).contiguous(), seeds[:m], steps[:m])
-
-
-def test_precomputed_greedy_ids():
-    """sample(greedy_ids=): taken as they are for greedy rows without bias or penalties (a decode graph's argmax,
-    runner.GRAPH_GREEDY); ignored when a bias or a penalty changes the logits first."""
-    V = 50
-    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
-    given = torch.tensor([7, 9])
-
-    def run(**kw):
-        reqs = [Request([1, 2], SamplingParams(temperature=0.0, **kw), seed=i) for i in range(2)]
-        md = SamplingMetadata.build(reqs, V, torch.device("cpu"))
-        return sample(logits.clone(), md, greedy_ids=given).token_ids.tolist()
-
-    assert run() == [7, 9]
-    assert run(logit_bias={3: 100.0}) == [3, 3]
-    assert run(repetition_penalty=1.5) == sample(logits.clone(), SamplingMetadata.build(
-        [Request([1, 2], SamplingParams(temperature=0.0, repetition_penalty=1.5), seed=i) for i in range(2)], V,
-        torch.device("cpu"))).token_ids.tolist()

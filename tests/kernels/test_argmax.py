@@ -83,19 +83,3 @@ def test_argmax_rows_cuda_graph():
         x.copy_(torch.randn(2, 163840, generator=torch.Generator().manual_seed(seed)).cuda())
         g.replay()
         assert torch.equal(out, torch.argmax(x, dim=-1))
-
-
-@requires_triton
-@pytest.mark.parametrize("pdl", [False, True])
-def test_argmax_rows_out_also(pdl):
-    """out= (a strided view) and also= (a second target, a decode graph's input ids) receive the same ids; nothing
-    else is written. pdl: a PDL launch after the kernel that wrote x (GPU; the interpreter has no PDL)."""
-    gen = torch.Generator().manual_seed(9)
-    x = _case(3, 5000, "tie", gen)
-    buf = torch.full((3, 2), -1, dtype=torch.int64, device=DEV)
-    also = torch.full((5,), -7, dtype=torch.int64, device=DEV)
-    x2 = x * 1.0                                       # written by the launch just before (what PDL waits for)
-    got = argmax_rows(x2, block=1024, out=buf[:, 0], also=also[1:4], pdl=pdl)
-    ref = torch.argmax(x, dim=-1)
-    assert got.data_ptr() == buf.data_ptr() and torch.equal(buf[:, 0], ref) and (buf[:, 1] == -1).all()
-    assert torch.equal(also[1:4], ref) and also[0] == -7 and also[4] == -7

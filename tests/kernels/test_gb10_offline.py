@@ -176,9 +176,7 @@ def _scenarios(torch):
         seeds, steps = torch.zeros(M, dtype=torch.int64), torch.zeros(M, dtype=torch.int64)
         from kernels.argmax import argmax_rows
 
-        ids = torch.zeros(2, M, dtype=torch.int64)
-        fns = [lambda: race_argmax(p, seeds, steps), lambda: argmax_rows(p),
-               lambda: argmax_rows(p, out=ids[0], also=ids[1], pdl=None)]      # the decode graphs' (GRAPH_GREEDY)
+        fns = [lambda: race_argmax(p, seeds, steps), lambda: argmax_rows(p)]
         try:                                               # the filtered race (kernels/sampling.py), where present
             from kernels.sampling import filtered_race
 
