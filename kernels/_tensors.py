@@ -61,15 +61,22 @@ def max_shared_mem(device, cpu: int = H200_SMEM) -> int:
     return _SMEM[i]
 
 
-_COUNTERS: dict = {}  # device -> list of i32 counter buffers (all kept alive: captured graphs hold them)
+WORKSPACES: dict = {}  # (name, device) -> the workspaces made so far, the newest last (all kept alive)
+
+
+def workspace(name: str, device, fits, make):
+    """The newest workspace `name` of device if fits(it), else make(newest or None), kept as the newest. Workspaces
+    are grown on demand and never freed or shrunk: a CUDA graph that captured a launch keeps pointing at the buffers
+    it was captured with when a larger one is made."""
+    bufs = WORKSPACES.setdefault((name, torch.device(device)), [])
+    if not bufs or not fits(bufs[-1]):
+        bufs.append(make(bufs[-1] if bufs else None))
+    return bufs[-1]
 
 
 def arrival_counters(device, n: int) -> torch.Tensor:
     """A zeroed i32 buffer of >= n arrival counters for "last program to arrive does the tail" kernels (KDA decode,
     the decode router). Every launch leaves the counters it used at zero, so kernels on one stream can share it; two
-    streams running such kernels at once would need their own. Never freed or shrunk: a CUDA graph captured at one
-    size keeps pointing at its buffer when a larger one is made."""
-    bufs = _COUNTERS.setdefault(torch.device(device), [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
-    return bufs[-1]
+    streams running such kernels at once would need their own."""
+    return workspace("arrival_counters", device, lambda b: b.numel() >= n,
+                     lambda _: torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))

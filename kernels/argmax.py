@@ -12,12 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tensors import arrival_counters, cdiv, next_pow2
+from kernels._tensors import arrival_counters, cdiv, next_pow2, workspace
 
 BLOCK = 4096      # columns per program: V 163840 -> 40 programs per row
 NUM_WARPS = 4
-_WS: dict = {}    # device -> [(values [rows, cols] f32, indices [rows, cols] i32)], the last the largest; grown on
-                  # demand and never freed (a CUDA graph that captured a launch keeps pointing at its buffers)
 
 
 @triton.jit
@@ -55,12 +53,13 @@ def _argmax_kernel(x_ptr, stride_x, V, val_ptr, idx_ptr, stride_p, cnt_ptr, out_
 
 
 def _partials(M: int, NB: int, device) -> tuple:
-    bufs = _WS.setdefault(torch.device(device), [])
-    if not bufs or bufs[-1][0].shape[0] < M or bufs[-1][0].shape[1] < NB:
-        rows, cols = max(M, 64, *(b[0].shape[0] for b in bufs[-1:])), max(NB, 64, *(b[0].shape[1] for b in bufs[-1:]))
-        bufs.append((torch.empty(rows, cols, dtype=torch.float32, device=device),
-                     torch.empty(rows, cols, dtype=torch.int32, device=device)))
-    return bufs[-1]
+    """(values [rows, cols] f32, indices [rows, cols] i32) with rows >= M, cols >= NB: the per-block partials."""
+    def make(old):
+        rows, cols = max(M, 64, old[0].shape[0] if old else 0), max(NB, 64, old[0].shape[1] if old else 0)
+        return (torch.empty(rows, cols, dtype=torch.float32, device=device),
+                torch.empty(rows, cols, dtype=torch.int32, device=device))
+
+    return workspace("argmax_partials", device, lambda b: b[0].shape[0] >= M and b[0].shape[1] >= NB, make)
 
 
 def argmax_rows(x: torch.Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:

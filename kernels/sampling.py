@@ -45,6 +45,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels._tensors import workspace
+
 GCAP = 16384      # candidates kept in the workspace per row (64 rows: 8 MB)
 RCAP = 1024       # bracket size resolved in registers (sorted)
 NT = 16           # thresholds per search pass: the key bracket shrinks 16x per pass
@@ -53,7 +55,6 @@ SB = 256          # tile of the search passes ([SB, NT] compares)
 RB = 1024         # tile of the race
 KS = 256          # top-k <= KS: a lower bound on the k-th value from KS group maxima of the row (pass 1)
 
-_WS = {}
 
 
 # The exponential race of backend/engine/sampler.py (its torch reference: exponential_noise / _exp1_from_bits):
@@ -110,14 +111,11 @@ def _race_kernel(p_ptr, stride_p, seeds_ptr, steps_ptr, vals_ptr, idx_ptr, V, NB
 
 def _workspace(M: int, device: torch.device):
     """(G values [M, GCAP] f32, G token ids [M, GCAP] i32, R [M, RCAP] f32), grown on demand, reused across calls."""
-    ws = _WS.get(device)
-    if ws is None or ws[0].shape[0] < M:
-        rows = max(M, 8)
-        ws = (torch.empty(rows, GCAP, dtype=torch.float32, device=device),
-              torch.empty(rows, GCAP, dtype=torch.int32, device=device),
-              torch.empty(rows, RCAP, dtype=torch.float32, device=device))
-        _WS[device] = ws
-    return ws
+    rows = max(M, 8)
+    return workspace("sampling", device, lambda ws: ws[0].shape[0] >= M,
+                     lambda _: (torch.empty(rows, GCAP, dtype=torch.float32, device=device),
+                                torch.empty(rows, GCAP, dtype=torch.int32, device=device),
+                                torch.empty(rows, RCAP, dtype=torch.float32, device=device)))
 
 
 @triton.jit

@@ -29,7 +29,7 @@ import triton.language as tl
 from kernels._jit import INTERPRET
 from kernels._pdl import gdc_enter, gdc_wait, l2_span_args, pdl_launch, pdl_on, prefetch_span_l2
 
-from kernels._tensors import arrival_counters, cdiv, next_pow2, unit_last_stride
+from kernels._tensors import arrival_counters, cdiv, next_pow2, unit_last_stride, workspace
 
 # Largest T routed by the GEMV logits kernel and single-row top-k programs (decode batches)
 GEMV_MAX_T = 16
@@ -823,13 +823,10 @@ def moe_router_add_norm_triton(attn, residual, norm_w, eps, gate_w, bias, top_k,
     return x, h, w, ids
 
 
-_SLOTS: dict = {}  # device -> list of int64 slot buffers (all kept alive: captured graphs hold them)
 
 
 def _poll_slots(device, n: int) -> torch.Tensor:
     """A zeroed int64 buffer of >= n logit slots for the v3 handshake; every launch leaves its slots at zero (one
-    stream at a time, like kernels._tensors.arrival_counters). Never freed: captured graphs keep their buffer."""
-    bufs = _SLOTS.setdefault(torch.device(device), [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, GEMV_MAX_T * 1024), dtype=torch.int64, device=device))
-    return bufs[-1]
+    stream at a time, like kernels._tensors.arrival_counters)."""
+    return workspace("router_poll_slots", device, lambda b: b.numel() >= n,
+                     lambda _: torch.zeros(max(n, GEMV_MAX_T * 1024), dtype=torch.int64, device=device))

@@ -42,3 +42,10 @@ def run_offline(code: str | None = None, timeout: int = 400, *, script: str | No
         pytest.skip("no bundled ptxas/cuobjdump: " + r.stderr[-300:])
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def poll_slot_buffers() -> list:
+    """Every v3 logit-slot buffer made so far (kernels.moe.router._poll_slots)."""
+    from kernels._tensors import WORKSPACES
+
+    return [b for (name, _), bufs in WORKSPACES.items() if name == "router_poll_slots" for b in bufs]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels.moe import moe_router_ref
+from tests.kernels.conftest import poll_slot_buffers
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -64,8 +65,7 @@ def test_fused_router_matches(T, E, k, D, kern):
             assert torch.equal(w, w2)  # the same fp32 logits and the same selection code
         torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
     assert not arrival_counters(DEV, T)[:T].any()  # every launch resets its counters (v3: its slots)
-    import kernels.moe.router as r
-    assert all(not buf.any() for bufs in r._SLOTS.values() for buf in bufs)
+    assert all(not b.any() for b in poll_slot_buffers())
 
 
 @needs_triton
@@ -196,7 +196,6 @@ def test_dispatch_takes_fused_path_for_decode():
 def test_fused_router_kimi_graph(T, kern):
     """Kimi shapes (E=256, k=8, D=2304, shared expert appended), captured in a CUDA graph and replayed with new inputs:
     the counters (v3: slots) reset inside each replay."""
-    import kernels.moe.router as r
     from kernels._tensors import arrival_counters
 
     E, k, D = 256, 8, 2304
@@ -215,7 +214,7 @@ def test_fused_router_kimi_graph(T, kern):
         assert torch.equal(ids, ir)
         torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
     assert not arrival_counters("cuda", T)[:T].any()
-    assert all(not buf.any() for bufs in r._SLOTS.values() for buf in bufs)
+    assert all(not b.any() for b in poll_slot_buffers())
 
 
 @pytest.mark.gpu

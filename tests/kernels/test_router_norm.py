@@ -16,6 +16,7 @@ import torch
 import kernels._dispatch as dispatch
 from kernels.moe import moe_router_add_norm, moe_router_ref
 from kernels.norm import add_rmsnorm_ref
+from tests.kernels.conftest import poll_slot_buffers
 from tests.kernels.conftest import run_offline
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -30,6 +31,8 @@ KERNELS = [("v3", 1, 1), ("v2", 1, 1), ("v3", 4, 2), ("v3", 64, 1)]
 
 
 @pytest.fixture(autouse=True)
+
+
 def _all_decode_batches(monkeypatch):
     """The fused launch up to T = 16 (GEMV_MAX_T) in these tests; the default cap is ROUTER_NORM_MAX_T."""
     from kernels.moe import router
@@ -109,11 +112,10 @@ def _check(got, two, g, bias, k, renorm, biased, extra, kimi_d=False):
 
 
 def _no_leftovers(T):
-    import kernels.moe.router as r
     from kernels._tensors import arrival_counters
 
     assert not arrival_counters(DEV, T)[:T].any()
-    assert all(not buf.any() for bufs in r._SLOTS.values() for buf in bufs)
+    assert all(not b.any() for b in poll_slot_buffers())
 
 
 # (T, E, k, D, kernel): small shapes under three configs (T 16: the default); D 300 under BE 64 (9 K chunks + tail,

@@ -48,3 +48,26 @@ def test_launch_paths_use_the_host_helpers():
         for d, _, files in os.walk(os.path.join(ROOT, top)):
             hits += [h for f in files if f.endswith(".py") for h in _host_triton_calls(os.path.join(d, f))]
     assert not hits, hits
+
+
+def test_workspace_grows_and_keeps_old_buffers():
+    """kernels._tensors.workspace: the newest buffer while it fits; a larger one made (from the newest) when not,
+    the older kept alive (a captured CUDA graph may still point at it); separate per name; the users share it."""
+    import torch
+
+    from kernels._tensors import WORKSPACES, arrival_counters, workspace
+
+    made = []
+
+    def make(old):
+        made.append(old)
+        return torch.zeros(max(8, 2 * (old.numel() if old is not None else 0)))
+
+    a = workspace("test_ws", "cpu", lambda b: b.numel() >= 5, make)
+    assert workspace("test_ws", "cpu", lambda b: b.numel() >= 8, make) is a and made == [None]
+    b = workspace("test_ws", "cpu", lambda b: b.numel() >= 9, make)
+    kept = WORKSPACES[("test_ws", torch.device("cpu"))]
+    assert b.numel() == 16 and made[1] is a and len(kept) == 2 and kept[0] is a and kept[1] is b
+    assert workspace("test_ws2", "cpu", lambda b: True, make) is not b
+    c = arrival_counters("cpu", 3)
+    assert c.dtype == torch.int32 and not c.any() and arrival_counters("cpu", 2) is c
