@@ -1,7 +1,6 @@
 """KDA references: chunk form == recurrent form (fp64), gate/l2norm formulas, varlen/slot-pool helper."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels.kda.ref import (
     kda_chunk_ref,
