@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels._tensors import workspace
+from kernels._tensors import next_pow2, workspace
 
 GCAP = 16384      # candidates kept in the workspace per row (64 rows: 8 MB)
 RCAP = 1024       # bracket size resolved in registers (sorted)
@@ -110,8 +110,10 @@ def _race_kernel(p_ptr, stride_p, seeds_ptr, steps_ptr, vals_ptr, idx_ptr, V, NB
 
 
 def _workspace(M: int, device: torch.device):
-    """(G values [M, GCAP] f32, G token ids [M, GCAP] i32, R [M, RCAP] f32), grown on demand, reused across calls."""
-    rows = max(M, 8)
+    """(G values [M, GCAP] f32, G token ids [M, GCAP] i32, R [M, RCAP] f32), grown on demand, reused across calls.
+    Rows grow in powers of two: the outgrown workspaces stay alive (kernels._tensors.workspace), and at ~135 KB per
+    row, batches growing one row at a time would otherwise keep every size."""
+    rows = next_pow2(max(M, 8))
     return workspace("sampling", device, lambda ws: ws[0].shape[0] >= M,
                      lambda _: (torch.empty(rows, GCAP, dtype=torch.float32, device=device),
                                 torch.empty(rows, GCAP, dtype=torch.int32, device=device),

@@ -158,3 +158,16 @@ def test_gpu_kimi_vocab(scale):
                               prm.get("top_p"), race=S.race_argmax)
             bad += int((got != want).sum())
     assert bad <= 1, bad
+
+
+def test_workspace_grows_geometrically():
+    """The sampling workspace is never freed (kernels._tensors.workspace): growing a batch one row at a time must not
+    keep a buffer per size, only one per power of two."""
+    from kernels._tensors import WORKSPACES
+    from kernels.sampling import _workspace
+
+    dev = torch.device("meta")
+    for m in range(1, 130):
+        g, gi, r = _workspace(m, dev)
+        assert g.shape[0] >= m and gi.shape[0] >= m and r.shape[0] >= m
+    assert [ws[0].shape[0] for ws in WORKSPACES[("sampling", dev)]] == [8, 16, 32, 64, 128, 256]
