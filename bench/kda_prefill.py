@@ -396,6 +396,15 @@ QUICK_VARIANTS = [
     ("hpass-bv16", dict(HPASS_BV=16)),
     ("hpass-bv32", dict(HPASS_BV=32)),
     ("hpass-bv32-w8", dict(HPASS_BV=32, HPASS_NUM_WARPS=8)),
+    # session 17 (no device; offline sm_90, Triton 3.9, K = V = 128, 3 stages): the output inside the state pass
+    # (HPASS_OUT: no h_c / vn written and read back, no output launch; ~0.8 of ~4.1 GB at T=16k). Loop per chunk:
+    # 28 HGMMA / 28 LDGSTS against 16 / 16, the same 7-11 barriers; BV 32 164 regs / 180 KB (split: 136 / 108 KB),
+    # BV 16 103 / 174 KB (one program per SM: at T=16k 256 programs would take two waves, so bv16 is expected to
+    # lose), BV 64 242 / 192 KB; 2 stages: 124 / 118 / 136 KB. Timed as the hpass stage alone (no out stage).
+    ("hpass-out", dict(HPASS_OUT=1)),
+    ("hpass-out-s2", dict(HPASS_OUT=1, HPASS_NUM_STAGES=2)),
+    ("hpass-out-bv16", dict(HPASS_OUT=1, HPASS_BV=16)),
+    ("hpass-out-bv64", dict(HPASS_OUT=1, HPASS_BV=64)),
 ]
 
 

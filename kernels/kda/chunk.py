@@ -45,6 +45,8 @@ Launches:
        the final state is written back there (fla layout [S, H, K, V], fp32). No other slot is touched.
    2b. ``_kda_out_kernel`` -- one program per (chunk, head, V tile), fully parallel (no sequential dependency):
            o = qg @ h_c + Aqk @ vn
+   HPASS_OUT=1 (A/B, not timed yet): 2a computes 2b's o in its loop (four dots per chunk, two of them off the
+   serial chain); h_c and vn are not stored and 2b is not launched.
    (Removed: the older fused state+output kernel ``_kda_state_kernel``, one sequential program per (V tile,
    sequence, head) doing all four dots per chunk; the split above replaced it as the default on the H200.)
 
@@ -85,6 +87,12 @@ HPASS_NUM_WARPS = None   # None: 4 for BV <= 32, 8 for BV = 64
 HPASS_NUM_STAGES = 3       # H200 12-03: hpass 0.508 -> 0.376 ms at T=16k (with HPASS_PREFETCH), one chunk in flight
 HPASS_PREFETCH = 1       # 1: load u / gl of the next chunk one iteration ahead (off the serial chain; offline
                          # sm_90, Triton 3.6: 82 regs at BV=16, 136 at BV=32, no spills)
+# HPASS_OUT = 1 (A/B, NOT TIMED YET): the state pass also computes the output (o = qg h_c + Aqk vn in its loop, see
+# _kda_hpass_kernel), so h_c [NT, H, K, V] and vn are neither written nor read back and the output launch goes away
+# (T=16k, bf16: ~0.8 GB less traffic of ~4.1 GB; the output launch was 0.191 ms, the state pass 0.365 ms on the H200,
+# 12-04). Costs the state pass two more dots per chunk (off its serial chain) and qg / Aqk loads (L2 re-reads per V
+# tile). Only where a block may take >= 160 KB of shared memory (3 stages carry qg / Aqk too); a GB10 keeps the split.
+HPASS_OUT = 0
 OUT_BV = 64
 OUT_NUM_WARPS = 4
 OUT_NUM_STAGES = 2
@@ -580,11 +588,15 @@ def _kda_hpass_kernel(
     stride_o, stride_s,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MM: tl.constexpr, PREFETCH: tl.constexpr = 0,
+    qg_in=None, a_in=None, OUT: tl.constexpr = 0,
 ):
     """Split path, launch 2: the sequential state pass only. Per chunk: store h_c (the state at the chunk start,
     in the MMA operand dtype) and vn = u - w h_c, then h = exp2(gl) h + kg^T vn. Two dots per chunk.
     PREFETCH=1: u and gl (which feed no dot, so Triton's pipeliner leaves their loads in the loop body, on the
-    serial chain) are loaded one chunk ahead by hand."""
+    serial chain) are loaded one chunk ahead by hand.
+    OUT=1 (HPASS_OUT): the output kernel's work in the same loop, o = qg h_c + Aqk vn (the same operands and
+    expression as _kda_out_kernel), written to o; h_c and vn are not stored (h_out / vn_out unused) and there is no
+    output launch. Two more dots per chunk, off the recurrence's chain (qg h_c needs only h_c, Aqk vn only vn)."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_h = tl.program_id(2)
@@ -617,6 +629,9 @@ def _kda_hpass_kernel(
         r0 = ch * BT
         b_w = tl.load(w_in + r0 * K + o_bk)
         b_kgt = tl.load(kg_in + r0 * K + o_kbt)                       # [K, BT]
+        if OUT:
+            b_qg = tl.load(qg_in + r0 * K + o_bk)                     # [BT, K]
+            b_a = tl.load(a_in + r0 * BT + rows[:, None] * BT + rows[None, :])   # [BT, BT], zeros above the diagonal
         if PREFETCH:
             b_u = nx_u.to(tl.float32)
             b_gl = nx_gl
@@ -629,10 +644,17 @@ def _kda_hpass_kernel(
             b_u = tl.load(u_in + r0 * V + o_bv).to(tl.float32)
             b_gl = tl.load(gl_in + ch * K + kk)
         hb = h.to(dt)
-        tl.store(h_out + ch * K * V + o_kv, hb.to(h_out.dtype.element_ty))
+        if not OUT:
+            tl.store(h_out + ch * K * V + o_kv, hb.to(h_out.dtype.element_ty))
         vn = b_u - _mm(b_w, hb, PREC, MM)
         vnb = vn.to(dt)
-        tl.store(vn_out + r0 * V + o_bv, vnb.to(vn_out.dtype.element_ty))
+        if OUT:
+            b_o = _mm(b_qg, hb, PREC, MM) + _mm(b_a, vnb, PREC, MM)
+            t0 = bos + it * BT
+            tl.store(o + t0 * stride_o + i_h * V + (rows[:, None] * stride_o + vv[None, :]),
+                     b_o.to(o.dtype.element_ty), mask=(rows < eos - t0)[:, None])
+        else:
+            tl.store(vn_out + r0 * V + o_bv, vnb.to(vn_out.dtype.element_ty))
         h = h * tl.exp2(b_gl)[:, None] + _mm(b_kgt, vnb, PREC, MM)
 
     tl.store(p_h + o_kv, h.to(rec_state.dtype.element_ty))
@@ -696,9 +718,9 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "hpass": (_kda_hpass_kernel,
                   dict(kg_in=sd, w_in=sd, u_in=sd, gl_in="*fp32", h_out=sd, vn_out=sd, o=lp, rec_state="*fp32",
                        cu_seqlens="*i32", chunk_offsets="*i32", state_slots="*i32", has_initial_state="*i8",
-                       n_seq="i32", n_tok="i32", stride_o="i32", stride_s="i32"),
+                       n_seq="i32", n_tok="i32", stride_o="i32", stride_s="i32", qg_in=sd, a_in=sd),
                   dict(H=H, K=K, V=V, BT=BT, BV=min(V, hpass_bv or 16), PREC=prec, MM=mm,
-                       PREFETCH=int(HPASS_PREFETCH)),
+                       PREFETCH=int(HPASS_PREFETCH), OUT=int(HPASS_OUT)),
                   dict(num_warps=HPASS_NUM_WARPS or (8 if (hpass_bv or 16) >= 64 else 4),
                        num_stages=HPASS_NUM_STAGES)),
         "out": (_kda_out_kernel,
@@ -830,14 +852,17 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         launches["akk"] = akk
         launches["wu"] = wu
 
-    # per-chunk start states h_c [NT, H, K, V] and vn [NT*H*BT, V], both in the MMA operand dtype
-    hs = torch.empty(max(NT, 1) * H * K, V, dtype=sdt, device=dev)
-    vn = torch.empty(n_rows, V, dtype=sdt, device=dev)
+    big_smem = max_shared_mem(dev) >= 160 * 1024
+    fuse_out = bool(HPASS_OUT) and big_smem
+    # per-chunk start states h_c [NT, H, K, V] and vn [NT*H*BT, V], both in the MMA operand dtype (not with fuse_out:
+    # the state pass writes o itself; its h_out / vn_out arguments are then unused)
+    hs = w if fuse_out else torch.empty(max(NT, 1) * H * K, V, dtype=sdt, device=dev)
+    vn = u if fuse_out else torch.empty(n_rows, V, dtype=sdt, device=dev)
     hbv = min(V, HPASS_BV or (64 if _interpreting() else hpass_bv(V, P, H, nsm)))
     obv = min(V, OUT_BV)
     # 3 stages need up to 128 KB of smem per block (BV 64; 102 / 108 KB at BV 16 / 32): a GB10 (sm_121, 99 KB per
     # block) takes 2 (70 / 76 / 96 KB)
-    h_stages = HPASS_NUM_STAGES if max_shared_mem(dev) >= 160 * 1024 else min(HPASS_NUM_STAGES, 2)
+    h_stages = HPASS_NUM_STAGES if big_smem else min(HPASS_NUM_STAGES, 2)
 
     def hpass():
         return _kda_hpass_kernel[(cdiv(V, hbv), P, H)](
@@ -845,6 +870,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             cu_dev, chunk_offsets, slots, hi, P, T,
             o.stride(0), rec_state.stride(0),
             H=H, K=K, V=V, BT=BT, BV=hbv, PREC=prec, MM=mm, PREFETCH=int(HPASS_PREFETCH),
+            qg_in=qg, a_in=a, OUT=int(fuse_out),
             num_warps=HPASS_NUM_WARPS or (8 if hbv >= 64 else 4), num_stages=h_stages,
         )
 
@@ -856,7 +882,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             num_warps=OUT_NUM_WARPS, num_stages=OUT_NUM_STAGES,
         )
     launches["hpass"] = hpass
-    if NT > 0:
+    if NT > 0 and not fuse_out:
         launches["out"] = out
     return launches
 

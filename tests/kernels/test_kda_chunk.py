@@ -233,14 +233,15 @@ def test_gpu_fp32_and_split():
     assert rel_rms(pool_b[2], pool_a[2]) <= 1e-4
 
 
-@pytest.mark.parametrize("prefetch,vfast", [(1, 1), (0, 0)])
-def test_tiling_fp32(monkeypatch, prefetch, vfast):
+@pytest.mark.parametrize("prefetch,vfast,hout", [(1, 1, 0), (0, 0, 0), (1, 0, 1)])
+def test_tiling_fp32(monkeypatch, prefetch, vfast, hout):
     """Several K tiles in the intra kernels and several V tiles in every kernel (as at K = V = 128 on the GPU),
     for the default intra launches (akk in two K passes); the state pass with and without HPASS_PREFETCH, both
-    output grid orders."""
+    output grid orders, and the output inside the state pass (HPASS_OUT)."""
     import kernels.kda.chunk as chunk_mod
 
     monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", prefetch)
+    monkeypatch.setattr(chunk_mod, "HPASS_OUT", hout)
     monkeypatch.setattr(chunk_mod, "AKK_LV_SPLITK", 1)                # (the variants test runs it unsplit)
     monkeypatch.setattr(chunk_mod, "OUT_VFAST", vfast)                # (2 V tiles of 32 in the output grid)
     for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV"):
@@ -283,7 +284,9 @@ def test_sm90_offline_compile_no_spills():
             "c.compile_report(which=('akk',)))[-1], "
             "'akk_lv_1k': (setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1], "
             "'wu_two_loops': (setattr(c, 'WU_LOOP', 0), setattr(c, 'WU_MAXNREG', None), "
-            "c.compile_report(which=('wu',)))[-1]}))")
+            "c.compile_report(which=('wu',)))[-1], "
+            "'hpass_out_bv32': (setattr(c, 'HPASS_OUT', 1), c.compile_report(hpass_bv=32, which=('hpass',)))[-1], "
+            "'hpass_out_bv64': c.compile_report(hpass_bv=64, which=('hpass',))}))")
     rep = run_offline(code, 400)
     for cfg, kernels in rep.items():
         for name, (regs, stack, smem) in kernels.items():
@@ -329,6 +332,9 @@ VARIANTS = {
     "akk-branched": dict(AKK_UNCOND=0, AKK_MAXNREG=None),
     # wu's w tiles in a K loop, then its u tiles in a V loop (the default: one loop, loads one tile ahead)
     "wu-two-loops": dict(WU_LOOP=0, WU_MAXNREG=None),
+    # the output computed in the state pass (no h_c / vn round trip, no output launch)
+    "hpass-out": dict(HPASS_OUT=1),
+    "hpass-out-no-prefetch": dict(HPASS_OUT=1, HPASS_PREFETCH=0),
 }
 
 
