@@ -486,9 +486,9 @@ def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90, maxnreg=N
     from kernels._offline import CuobjdumpError, compile_offline
 
     floats = {"qk_scale", "eps"}
-    sig = {n: ptrs.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names if n not in consts}
-    div = [n for n in fn.arg_names if n not in consts and n not in floats and n not in ("N", "H", "G")
-           and not sig[n].startswith("tensordesc")]
+    cexpr = {p.name for p in fn.params if p.is_constexpr}   # not given in consts: their defaults (compile_offline)
+    sig = {n: ptrs.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names if n not in consts and n not in cexpr}
+    div = [n for n in sig if n not in floats and n not in ("N", "H", "G") and not sig[n].startswith("tensordesc")]
     b = compile_offline(fn, sig, consts, num_warps=num_warps, num_stages=num_stages, arch=arch, maxnreg=maxnreg,
                         divisible=div)
     ptx = b.ptx
@@ -561,6 +561,7 @@ def ptxas_report(arch=90, only=None):
                      PAGE_TILE=c.get("page_tile", False), WARP_SPEC=c.get("warp_spec", False),
                      PREFETCH=int(c.get("prefetch", 0)), LSPLIT=c.get("lsplit", False),
                      CARRY_PAGE=dec.carry_page(c, c.get("page_tile", False)),  # as mla_decode_triton
+                     L2_AHEAD=dec.l2_ahead(c, c.get("page_tile", False), True), EPL=64, LANES=32 * c["num_warps"],
                      **(dict(FUSED=True, MERGE_S=16, MERGE_L=16 if c.get("part16") else 8,
                              MERGE_STAGES=4 if c.get("part16") else 5) if c.get("fused_merge")
                         else dict(FUSED=False, cnt_ptr=None, MERGE_S=8, MERGE_L=32, MERGE_STAGES=2)),

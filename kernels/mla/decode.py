@@ -196,6 +196,17 @@ DECODE_VARIANTS = {
                             maxnreg=128, programs_per_sm=2, part16=True),
     "ls n64 w4": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                       programs_per_sm=2),
+    # l2_ahead (NOT TIMED YET, session 17): after tile t's dots, hints for tile t + a's rows into L2 (_unit_lsplit /
+    # the plain loop); a1 = the hints' overhead alone (tile t + 1's cp.async follows at once), a2 / a3 one / two
+    # iterations of lead (in flight at B >= 1 on 132 SMs: up to ~264 programs x (a - 1) x 72 KB of the 50 MB L2)
+    "ls n64 w4 a1": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
+                         programs_per_sm=2, l2_ahead=1),
+    "ls n64 w4 a2": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
+                         programs_per_sm=2, l2_ahead=2),
+    "ls n64 w4 a3": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
+                         programs_per_sm=2, l2_ahead=3),
+    "w4 n32 a2": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2,
+                      l2_ahead=2),
     "ls n64 w4 p16": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                           programs_per_sm=2, part16=True),
     "h64 n32 cp s3": dict(block_h=64, block_n=32, num_warps=8, num_stages=3, pad_heads=True, page_tile=True,
@@ -391,13 +402,21 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
                  qk_scale, s_qn, s_qh, s_pn, s_ph, s_cp, s_cr, s_on, s_oh, s_wu, s_wh, s_lu,
                  L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
-                 UPCAST: tl.constexpr, PAGE_TILE: tl.constexpr, CARRY_PAGE: tl.constexpr = False):
+                 UPCAST: tl.constexpr, PAGE_TILE: tl.constexpr, CARRY_PAGE: tl.constexpr = False,
+                 L2_AHEAD: tl.constexpr = 0, EPL: tl.constexpr = 64, LANES: tl.constexpr = 128):
     """Stage 1 of one work unit with q, the latent tile and acc in two column halves (LSPLIT, heads as M): the same
     loads (Triton's pipeliner) and math as the main path, more independent MMA chains, fewer registers.
     CARRY_PAGE (PAGE_TILE only): the block-table entry of tile t + 1 is loaded by iteration t and carried, so no load
     in the loop depends on another load of the same iteration; Triton's pipeliner then rings the tile num_stages - 1
     deep (cp.async of later tiles in flight during this tile's dots). With the entry loaded in-iteration it keeps one
-    buffer and waits for every copy at the top of each iteration."""
+    buffer and waits for every copy at the top of each iteration.
+    L2_AHEAD = a > 0 (PAGE_TILE; GPU only): after tile t's dots, iteration t hints tile t + a's rows into L2 (tiles
+    t_begin + 1 .. t_begin + a - 1 before the loop), so while this program's single-buffered tile waits and computes,
+    HBM keeps streaming its next tiles. Tile t + 1's own cp.async is issued right after those dots (Triton's
+    pipeliner, ring of one buffer), so a = 1 hints nothing early (the overhead-only control); a = 2 gives each hint
+    one iteration of lead. Offline sm_90 (Triton 3.9, 'ls n64 w4'): loop 1191 -> 1240-1247 instructions, spills
+    5 STL / 7 LDL -> 1 / 12 per tile (hinting at the top of the iteration with the entry carried: 1305-1366, 7-12 /
+    39-48)."""
     HALF: tl.constexpr = BLOCK_L // 2
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -420,6 +439,10 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
     acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
     if CARRY_PAGE:  # t_begin = 0 on an empty direct row: entry 0 exists
         page = _tile_page(bt_row, t_begin, seq_len, offs_n, BS, BLOCK_N, True)
+    if L2_AHEAD > 0:
+        for i in tl.static_range(1, L2_AHEAD):   # tiles t_begin + 1 .. (tile t_begin's own load is next)
+            _hint_tile_l2(cache_ptr, _ahead_page(bt_row, t_begin + i, t_end, BS, BLOCK_N), t_begin + i, t_end,
+                          seq_len, s_cp, BS, BLOCK_N, L + R, EPL, LANES)
     for t in range(t_begin, t_end):
         if not CARRY_PAGE:
             page = _tile_page(bt_row, t, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
@@ -430,6 +453,9 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
         tmask = t * BLOCK_N + offs_n < seq_len
         m_i, l_i, acc0, acc1 = _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scale,
                                              IEEE, UPCAST)
+        if L2_AHEAD > 0:
+            _hint_tile_l2(cache_ptr, _ahead_page(bt_row, t + L2_AHEAD, t_end, BS, BLOCK_N), t + L2_AHEAD, t_end,
+                          seq_len, s_cp, BS, BLOCK_N, L + R, EPL, LANES)
     has = l_i > 0
     inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     if DIRECT:
@@ -457,6 +483,26 @@ def _prefetch_unit_tiles(cache_ptr, bt_row, u, t_begin, t_end, seq_len, s_cp, s_
         page = tl.load(bt_row + key // BS, mask=ok, other=0).to(tl.int64)
         rows = cache_ptr + page * s_cp + (key % BS).to(tl.int64) * s_cr
         prefetch_l2(rows[:, None] + offs_c[None, :], ok[:, None] & (offs_c < D)[None, :])
+
+
+@triton.jit
+def _hint_tile_l2(cache_ptr, page, ta, t_end, seq_len, s_cp, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  D: tl.constexpr, EPL: tl.constexpr, LANES: tl.constexpr):
+    # L2_AHEAD (PAGE_TILE, rows of D elements back to back, 128-byte aligned: the host checks): L2 hints for key tile
+    # ta's rows, one contiguous span of its valid rows x D elements in page `page` (_ahead_page); nothing when ta is
+    # past the unit. One hint per 128-byte line (EPL elements), LANES lines per step (one per thread).
+    nrow = tl.where(ta < t_end, tl.minimum(seq_len - ta * BLOCK_N, BLOCK_N), 0)
+    n_lines = (nrow * D + EPL - 1) // EPL
+    base = cache_ptr + page.to(tl.int64) * s_cp + ((ta * BLOCK_N) % BS) * D
+    for i in tl.static_range((BLOCK_N * D // EPL + LANES - 1) // LANES):
+        j = i * LANES + tl.arange(0, LANES)
+        prefetch_l2(base + j * EPL, j < n_lines)
+
+
+@triton.jit
+def _ahead_page(bt_row, ta, t_end, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """L2_AHEAD: block-table entry of tile ta (PAGE_TILE: one page per tile); 0 past the unit (never hinted)."""
+    return tl.load(bt_row + (ta * BLOCK_N) // BS, mask=ta < t_end, other=0)
 
 
 @triton.jit
@@ -516,6 +562,8 @@ def _mla_decode_stage1(
     EARLY_UNITS: tl.constexpr = 0,
     EPL: tl.constexpr = 64,  # cache elements per 128-byte line
     LP: tl.constexpr = 16,  # next_pow2(lines per cache row)
+    L2_AHEAD: tl.constexpr = 0,  # PAGE_TILE, LSPLIT or the plain loop: L2 hints of tile t + L2_AHEAD in iteration t
+    LANES: tl.constexpr = 128,  # L2_AHEAD: 32 x num_warps (one hinted line per thread and step)
 ):
     if EARLY_TILES == 0:  # (the host passes EARLY_TILES > 0 with GDC only)
         gdc_enter(GDC)
@@ -550,7 +598,7 @@ def _mla_decode_stage1(
             _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_ptr + n.to(tl.int64) * s_btn, out_ptr, opart_ptr, lse_ptr, n, u,
                          hb, H, seq_len, t_begin, t_end, qk_scale, s_qn, s_qh, s_pn, s_ph, s_cp, s_cr, s_on, s_oh,
                          s_wu, s_wh, s_lu, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, BLOCK_H, DIRECT, IEEE, UPCAST,
-                         PAGE_TILE, CARRY_PAGE)
+                         PAGE_TILE, CARRY_PAGE, L2_AHEAD, EPL, LANES)
     elif active:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
@@ -642,6 +690,16 @@ def _mla_decode_stage1(
                 page = _tile_page(bt_row, tl.minimum(t + 1, t_end - 1), seq_len, offs_n, BS, BLOCK_N, True)
                 tmask = t * BLOCK_N + offs_n < seq_len
                 m_i, l_i, acc = _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, KEYS_M, IEEE, UPCAST)
+        elif L2_AHEAD > 0:  # PAGE_TILE: the plain loop with tile t + L2_AHEAD's rows hinted into L2 (_unit_lsplit)
+            for i in tl.static_range(1, L2_AHEAD):
+                _hint_tile_l2(cache_ptr, _ahead_page(bt_row, t_begin + i, t_end, BS, BLOCK_N), t_begin + i, t_end,
+                              seq_len, s_cp, BS, BLOCK_N, L + R, EPL, LANES)
+            for t in range(t_begin, t_end):
+                c, kpe, tmask = _load_tile(cache_ptr, bt_row, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp,
+                                           s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, PAGE_TILE)
+                m_i, l_i, acc = _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, KEYS_M, IEEE, UPCAST)
+                _hint_tile_l2(cache_ptr, _ahead_page(bt_row, t + L2_AHEAD, t_end, BS, BLOCK_N), t + L2_AHEAD, t_end,
+                              seq_len, s_cp, BS, BLOCK_N, L + R, EPL, LANES)
         else:
             for t in tl.range(t_begin, t_end, warp_specialize=WARP_SPEC):
                 c, kpe, tmask = _load_tile(cache_ptr, bt_row, t, seq_len, offs_n, offs_l, offs_r, lmask, rmask, s_cp,
@@ -911,6 +969,17 @@ def carry_page(cfg: dict, page_tile: bool) -> bool:
     return bool(cfg.get("carry_page", False)) and page_tile and not cfg.get("prefetch", 0) and not cfg.get("tma", False)
 
 
+def l2_ahead(cfg: dict, page_tile: bool, on_gpu: bool) -> int:
+    """Stage 1's L2_AHEAD for launch config ``cfg`` (key "l2_ahead", or KIMI_MLA_L2_AHEAD when cfg has none): the
+    look-ahead in key tiles of the in-loop L2 hints, on the GPU (the interpreter has no prefetch instruction) with one
+    block-table entry per tile, in the LSPLIT loop or the plain one (not with the register prefetch, TMA, keys-as-M
+    or the carried entry)."""
+    a = int(cfg.get("l2_ahead", os.environ.get("KIMI_MLA_L2_AHEAD", "0")))
+    plain = not (cfg.get("prefetch", 0) or cfg.get("tma", False) or cfg.get("keys_m", False)
+                 or (cfg.get("carry_page", False) and not cfg.get("lsplit", False)))
+    return a if a > 0 and on_gpu and page_tile and plain else 0
+
+
 def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: int = 32, num_sms: int = 132,
                        programs_per_sm: int = 1) -> int:
     """Host heuristic from shapes only (graph-capturable): the work-unit budget per sequence of the balanced schedule.
@@ -1007,8 +1076,8 @@ def mla_decode_triton(
     fused = bool(cfg.get("fused_merge", False)) and not direct
     gdc = pdl_launch(pdl_on(pdl) if w_uv is not None else bool(pdl))
     early, early_kw = int(cfg.get("early_tiles", EARLY_TILES)), {}
+    epl = 128 // cache.element_size()
     if gdc and early > 0:   # L2 hints of each unit's first tiles before the wait (EARLY_TILES)
-        epl = 128 // cache.element_size()
         early_kw = dict(EARLY_TILES=early, EARLY_UNITS=int(cfg.get("early_units", EARLY_UNITS)), EPL=epl,
                         LP=next_pow2(cdiv(D, epl)))
     variant = dict(
@@ -1020,6 +1089,11 @@ def mla_decode_triton(
         LSPLIT=bool(cfg.get("lsplit", False)),
     )
     variant["CARRY_PAGE"] = carry_page(cfg, variant["PAGE_TILE"])
+    ahead = l2_ahead(cfg, variant["PAGE_TILE"], on_gpu)
+    rows_ok = cache.stride(1) == D and (D * cache.element_size()) % 128 == 0 and cache.data_ptr() % 128 == 0 and \
+        (cache.stride(0) * cache.element_size()) % 128 == 0   # the hinted tile is one line-aligned span
+    if ahead and rows_ok:
+        variant.update(L2_AHEAD=ahead, EPL=epl, LANES=32 * cfg["num_warps"])
     assert not variant["LSPLIT"] or not (variant["KEYS_M"] or variant["PREFETCH"] or cfg.get("tma")), cfg
     # TMA boxes: exact L / R columns, tiles inside one page, rows viewable as one [NB * BS, L + R] tensor
     if cfg.get("tma", False) and BLOCK_L == L and BLOCK_R == R and BS % BLOCK_N == 0 and cache.stride(0) == BS * D:

@@ -353,3 +353,75 @@ def test_gpu_decode_fused_graph(variant, lens):
         if s_ == 0:
             assert (res[0][i] == 0).all()
     assert (arrival_counters(q.device, 1) == 0).all()
+
+
+# ------------------------------------------------------------------------------ in-loop L2 hints (l2_ahead)
+def test_l2_ahead_rule(monkeypatch):
+    """l2_ahead: the config's look-ahead (or KIMI_MLA_L2_AHEAD) on the GPU, with one block-table entry per tile, for
+    the LSPLIT and plain loops only; 0 under the interpreter (no prefetch instruction there)."""
+    from kernels.mla.decode import l2_ahead
+
+    monkeypatch.delenv("KIMI_MLA_L2_AHEAD", raising=False)
+    a2 = DECODE_VARIANTS["ls n64 w4 a2"]
+    assert l2_ahead(a2, True, True) == 2 and l2_ahead(DECODE_VARIANTS["w4 n32 a2"], True, True) == 2
+    assert l2_ahead(a2, True, False) == 0 and l2_ahead(a2, False, True) == 0
+    assert l2_ahead(DECODE_VARIANTS["ls n64 w4"], True, True) == 0
+    for other in ("pf n32", "keys_m page", "keys_m n64 w4 cp"):      # register prefetch, keys-as-M, carried entry
+        assert l2_ahead(dict(DECODE_VARIANTS[other], l2_ahead=2), True, True) == 0, other
+    assert l2_ahead(dict(DECODE_VARIANTS["ls n32 w4 cp s3"], l2_ahead=2), True, True) == 2   # lsplit + carried
+    monkeypatch.setenv("KIMI_MLA_L2_AHEAD", "3")
+    assert l2_ahead(DECODE_VARIANTS["ls n64 w4"], True, True) == 3 and l2_ahead(a2, True, True) == 2
+
+
+_L2_AHEAD_BUILD = r"""
+import json
+from kernels._offline import compile_offline
+from kernels.mla import decode as dec
+bf = "*bf16"
+sig = dict(q_ptr=bf, qpe_ptr=bf, cache_ptr=bf, bt_ptr="*i32", seqlen_ptr="*i32", out_ptr=bf, opart_ptr="*fp32",
+           lse_ptr="*fp32", N="i32", H="i32", G="i32", qk_scale="fp32", **{s: "i32" for s in (
+           "s_qn", "s_qh", "s_pn", "s_ph", "s_cp", "s_cr", "s_btn", "s_on", "s_oh", "s_wu", "s_wh", "s_lu")})
+div = [n for n in sig if n not in ("qk_scale", "N", "H", "G")]
+res = {}
+for name in ("ls n64 w4 a2", "w4 n32 a2"):
+    c = dec.DECODE_VARIANTS[name]
+    for a in (0, 2):
+        k = compile_offline(dec._mla_decode_stage1, sig, dict(
+            L=512, R=64, BLOCK_L=512, BLOCK_R=64, BS=64, BLOCK_N=c["block_n"], BLOCK_H=32, BLOCK_B=128, MIN_TILES=1,
+            DIRECT=False, IEEE=False, UPCAST=False, PAGE_TILE=True, LSPLIT=c.get("lsplit", False), L2_AHEAD=a,
+            LANES=32 * c["num_warps"]), num_warps=c["num_warps"], num_stages=c["num_stages"], arch=90, divisible=div)
+        res[f"{name}/{a}"] = dict(prefetch=k.ptx.count("prefetch.global.L2"), stack=k.stack, smem=k.smem)
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.slow
+def test_sm90_l2_ahead_build():
+    """Offline sm_90 (no GPU): the L2_AHEAD builds of the 16-bit default ('ls n64 w4') and the small-smem tiles
+    ('w4 n32') hint L2 in the loop, the builds without it not at all; no more shared memory, at most 64 B of stack."""
+    from tests.kernels.conftest import run_offline
+
+    res = run_offline(_L2_AHEAD_BUILD, 600)
+    for name in ("ls n64 w4 a2", "w4 n32 a2"):
+        off, on = res[f"{name}/0"], res[f"{name}/2"]
+        assert off["prefetch"] == 0 and on["prefetch"] > 0, (name, off, on)
+        assert on["smem"] == off["smem"] and on["stack"] <= 64, (name, off, on)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("base,hinted", [("ls n64 w4", "ls n64 w4 a1"), ("ls n64 w4", "ls n64 w4 a2"),
+                                         ("ls n64 w4", "ls n64 w4 a3"), ("w4 n32", "w4 n32 a2")])
+@pytest.mark.parametrize("lens", [[131072], [8192] * 64, [1, 63, 64, 65, 4097, 0, 1000]], ids=["b1_128k", "b64_8k",
+                                                                                                  "mixed"])
+def test_gpu_l2_ahead_same_bits(base, hinted, lens):
+    """L2 hints change no result: the hinted variant gives the bits of its base at the default split count and on the
+    direct path (one program per sequence), long units and short ones, an empty lane."""
+    cache, bt, sl = make_paged(lens, torch.bfloat16, bs=64, l=512, r=64, device="cuda", poison=False)
+    N = len(lens)
+    q = torch.randn(N, 32, 512, device="cuda").bfloat16()
+    qp = torch.randn(N, 32, 64, device="cuda").bfloat16()
+    for ns in (None, 1):
+        outs = [mla_decode_triton(q, qp, cache, bt, sl, 192 ** -0.5, num_splits=ns, config=DECODE_VARIANTS[v])
+                for v in (base, hinted)]
+        assert torch.equal(outs[0], outs[1]), (ns, (outs[0].float() - outs[1].float()).abs().max())
