@@ -48,6 +48,10 @@ MAX_SPLITS = 256
 # 0 (graph 2.166-2.170 vs 2.174-2.176), 1 tile in between. 0: nothing before the wait. KIMI_MLA_EARLY_TILES=N
 EARLY_TILES = int(os.environ.get("KIMI_MLA_EARLY_TILES", "2"))
 EARLY_UNITS = 32          # at most this many units hint (x 74 KB per 64-key tile: <= 2.4 MB per layer)
+# In-loop L2 hints of tile t + L2_AHEAD after tile t's dots (l2_ahead(); NOT TIMED YET, session 17) for configs without
+# their own "l2_ahead" key, i.e. the defaults: 0 = none. KIMI_MLA_L2_AHEAD=N; bench/ablate.py --set
+# kernels.mla.decode.L2_AHEAD=2 (the variants 'ls n64 w4 a1|a2|a3' carry the key)
+L2_AHEAD = int(os.environ.get("KIMI_MLA_L2_AHEAD", "0"))
 
 # GPU tile configuration (Hopper, L=512/R=64), per cache dtype: BLOCK_H heads share each K tile of BLOCK_N tokens.
 # ptxas for sm_90 (Triton 3.9, 16-byte-divisible strides as the JIT specialises them; `python bench/mla.py --ptxas`):
@@ -970,11 +974,11 @@ def carry_page(cfg: dict, page_tile: bool) -> bool:
 
 
 def l2_ahead(cfg: dict, page_tile: bool, on_gpu: bool) -> int:
-    """Stage 1's L2_AHEAD for launch config ``cfg`` (key "l2_ahead", or KIMI_MLA_L2_AHEAD when cfg has none): the
+    """Stage 1's L2_AHEAD for launch config ``cfg`` (key "l2_ahead", or the module's L2_AHEAD when cfg has none): the
     look-ahead in key tiles of the in-loop L2 hints, on the GPU (the interpreter has no prefetch instruction) with one
     block-table entry per tile, in the LSPLIT loop or the plain one (not with the register prefetch, TMA, keys-as-M
     or the carried entry)."""
-    a = int(cfg.get("l2_ahead", os.environ.get("KIMI_MLA_L2_AHEAD", "0")))
+    a = int(cfg.get("l2_ahead", L2_AHEAD))
     plain = not (cfg.get("prefetch", 0) or cfg.get("tma", False) or cfg.get("keys_m", False)
                  or (cfg.get("carry_page", False) and not cfg.get("lsplit", False)))
     return a if a > 0 and on_gpu and page_tile and plain else 0

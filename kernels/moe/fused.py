@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kernels._jit import INTERPRET, cast_to
-from kernels._pdl import gdc_launch_dependents, gdc_wait
+from kernels._pdl import gdc_launch_dependents, gdc_wait, prefetch_l2
 from kernels._tensors import H200_SMEM, cdiv, max_shared_mem, next_pow2, num_sms
 from kernels.moe.router import dot_acc, dot_mode
 
@@ -79,6 +79,13 @@ DECODE_PREFETCH_K = int(os.environ.get("KIMI_MOE_PREFETCH_K", "0"))
 # ablate.py --batch 1 --set kernels.moe.fused.DECODE_L2_BLOCKS=1, interleaved controls): b1 step 2.234 vs 2.232-2.233,
 # and 2.213 vs 2.212-2.214 with the ragged gemv tiles: a tie, so 0 stays
 DECODE_L2_BLOCKS = int(os.environ.get("KIMI_MOE_L2_BLOCKS", "0"))
+# Decode (BLOCK_M 16) GEMM1 / GEMM2 in-loop L2 hints (NOT TIMED YET, session 17): each K step also hints the weight
+# rows' K slice this many steps ahead into L2 (prefetch.global.L2, one per 128-byte line: BK 128 -> 2 per row), so
+# more of each program's stream is in flight than the num_stages - 1 tiles of Triton's pipeliner (b1: GEMM1 3 stages
+# of 18 K steps, 3.6 TB/s; GEMM2 4 stages of 8, 3.4 TB/s on the H200). 0: none. KIMI_MOE_L2_AHEAD="a1,a2".
+# bench/ablate.py --set "kernels.moe.fused.DECODE_L2_AHEAD1=4;kernels.moe.fused.DECODE_L2_AHEAD2=4"
+_AHEAD = (os.environ.get("KIMI_MOE_L2_AHEAD", "0,0") + ",0").split(",")
+DECODE_L2_AHEAD1, DECODE_L2_AHEAD2 = int(_AHEAD[0] or 0), int(_AHEAD[1] or 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -227,6 +234,14 @@ def _prefetch_rows_l2(ptrs, nbytes):
                               [ptrs.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def _hint_k_tile_l2(rows, kp, k_hi, n_ok, BK: tl.constexpr, EPL: tl.constexpr):
+    """L2_AHEAD: L2 hints (prefetch.global.L2, one per 128-byte line of EPL elements) for the K slice [kp, kp + BK)
+    of the weight rows `rows` ([BN] pointers at K = 0), where n_ok and inside [.., k_hi); nothing past k_hi."""
+    j = tl.arange(0, BK // EPL) * EPL
+    prefetch_l2(rows[:, None] + kp + j[None, :], n_ok[:, None] & (kp + j < k_hi)[None, :])
+
+
 @triton.jit(do_not_specialize=["M", "E", "NT"])  # runtime sizes: one compile for every batch size / tile count
 def _moe_gemm1_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
@@ -234,6 +249,7 @@ def _moe_gemm1_kernel(
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
     MODE: tl.constexpr, INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, RAGGED: tl.constexpr,
     GDC: tl.constexpr = False, W_EVICT: tl.constexpr = "", WAIT: tl.constexpr = False, SHARED_PF: tl.constexpr = False,
+    L2_AHEAD: tl.constexpr = 0, EPL: tl.constexpr = 64,
 ):
     """inter[idx, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, N + n]) for the rows idx of one block.
     GDC: signal at once that a PDL-launched GEMM2 may start its CTAs as this kernel's CTAs retire (its pre-wait part
@@ -243,6 +259,8 @@ def _moe_gemm1_kernel(
     rows into L2 (speculative: the model's shared expert, appended last by the router; useless, not wrong, else).
     W_EVICT: the weight loads' L2 eviction policy ("evict_first": streamed once,
     so they leave L2 to what is read again, e.g. GEMM2 weights prefetched by a PDL GEMM2).
+    L2_AHEAD > 0 (GPU only): the K step at k0 also hints the gate and up rows' K slice L2_AHEAD steps ahead into L2
+    (EPL elements per 128-byte line), beyond the num_stages - 1 tiles Triton's pipeliner keeps in flight.
     IDS_BLOCK > 0: the block's rows come from the ids (_block_rows_from_ids), not from moe_align's outputs; < 0: one
     block per assignment (direct, see _block_rows).
     Grid: (blocks * NT,); NT and RAGGED as in _block_rows."""
@@ -278,7 +296,12 @@ def _moe_gemm1_kernel(
     u_ptrs = g_ptrs + N * stride_wn
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    if L2_AHEAD > 0:
+        g_rows = w_ptr + e * stride_we + offs_n.to(tl.int64) * stride_wn
     for k0 in range(0, K, BK):
+        if L2_AHEAD > 0:
+            _hint_k_tile_l2(g_rows, k0 + L2_AHEAD * BK, K, n_ok, BK, EPL)
+            _hint_k_tile_l2(g_rows + N * stride_wn, k0 + L2_AHEAD * BK, K, n_ok, BK, EPL)
         if EVEN_K:  # no K mask: keeps the contiguous K loads vectorised
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy=W_EVICT)
@@ -305,7 +328,8 @@ def _moe_gemm2_kernel(
     M, N, K, stride_am, stride_we, stride_wn, stride_os, stride_om, ids_ptr, E, NT, k_steps,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, RAGGED: tl.constexpr,
-    GDC: tl.constexpr = False, PREFETCH: tl.constexpr = 0, W_EVICT: tl.constexpr = "",
+    GDC: tl.constexpr = False, PREFETCH: tl.constexpr = 0, W_EVICT: tl.constexpr = "", L2_AHEAD: tl.constexpr = 0,
+    EPL: tl.constexpr = 64,
 ):
     """out[s, idx, n] = inter[idx, Ks] . w2[e, n, Ks] for the rows idx of one block and the K range
     Ks = [s * k_steps * BK, (s + 1) * k_steps * BK) of split s = program_id(1) (one split: the whole K, out = y in
@@ -313,20 +337,20 @@ def _moe_gemm2_kernel(
     Grid: (blocks * NT, S); IDS_BLOCK, NT and RAGGED as in _moe_gemm1_kernel.
     GDC (launched with PDL after GEMM1): the rows, expert and weight addresses (and with PREFETCH > 0 an L2 prefetch
     of the first PREFETCH K elements of each of this tile's weight rows: no dependence on GEMM1) before waiting for
-    GEMM1's inter; then signal the (PDL-launched) combine. W_EVICT as in _moe_gemm1_kernel."""
+    GEMM1's inter; then signal the (PDL-launched) combine. W_EVICT and L2_AHEAD as in _moe_gemm1_kernel."""
     pid_m, n_lo, n_hi, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT,
                                                    BM, BN, RAGGED, IDS_BLOCK, BLOCK_E)
     if pid_m * BM >= npost:
         return
     _gemm2_tile(a_ptr, w_ptr, out_ptr, M, K, stride_am, stride_we, stride_wn, stride_os, stride_om, k_steps,
-                n_lo, n_hi, idx, e, BM, BN, BK, EVEN_K, MODE, INTERP, GDC, PREFETCH, W_EVICT)
+                n_lo, n_hi, idx, e, BM, BN, BK, EVEN_K, MODE, INTERP, GDC, PREFETCH, W_EVICT, L2_AHEAD, EPL)
 
 
 @triton.jit
 def _gemm2_tile(a_ptr, w_ptr, out_ptr, M, K, stride_am, stride_we, stride_wn, stride_os, stride_om, k_steps,
                 n_lo, n_hi, idx, e, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                 MODE: tl.constexpr, INTERP: tl.constexpr, GDC: tl.constexpr, PREFETCH: tl.constexpr,
-                W_EVICT: tl.constexpr):
+                W_EVICT: tl.constexpr, L2_AHEAD: tl.constexpr = 0, EPL: tl.constexpr = 64):
     # one live block's tile of _moe_gemm2_kernel (its docstring): PDL wait, K loop, store
     pid_s = tl.program_id(1)
     k_lo = pid_s * k_steps * BK                 # a multiple of BK: the K loads stay aligned
@@ -347,7 +371,11 @@ def _gemm2_tile(a_ptr, w_ptr, out_ptr, M, K, stride_am, stride_we, stride_wn, st
     a_ptrs = a_ptr + row[:, None] * stride_am + k_lo + offs_k[None, :]
     b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + k_lo + offs_k[:, None]  # [BK, BN]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if L2_AHEAD > 0:
+        w_rows = w_ptr + e * stride_we + offs_n.to(tl.int64) * stride_wn
     for k0 in range(k_lo, k_hi, BK):
+        if L2_AHEAD > 0:
+            _hint_k_tile_l2(w_rows, k0 + L2_AHEAD * BK, k_hi, n_ok, BK, EPL)
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy=W_EVICT)
@@ -422,13 +450,16 @@ class MoEConfig:
     evict: bool = False   # weight loads of both GEMMs evict_first in L2 (streamed once)
     ids_rows: int = 0     # largest M whose GEMM programs derive their rows from the ids (0: ALIGN_IN_GEMM_MAX)
     pdl1: bool = False    # GEMM1 launched with PDL (gains only if the router signals early; direct: prefetches E - 1)
+    ahead1: int = 0       # GEMM1 / GEMM2 in-loop L2 hints this many K steps ahead (L2_AHEAD; 0: none)
+    ahead2: int = 0
 
     def short(self) -> str:
         s = f"{self.BM},{self.BN1},{self.BN2},{self.BK},{self.num_warps},{self.num_stages}"
         extra = [f"{k}={v}" for k, v in (("nt1", self.nt1), ("nt2", self.nt2), ("split2", self.split2),
                                           ("BK2", self.BK2), ("warps2", self.warps2), ("stages2", self.stages2),
                                           ("direct", self.direct), ("pdl", self.pdl), ("prefetch2", self.prefetch2),
-                                          ("evict", self.evict), ("ids_rows", self.ids_rows), ("pdl1", self.pdl1))
+                                          ("evict", self.evict), ("ids_rows", self.ids_rows), ("pdl1", self.pdl1),
+                                          ("ahead1", self.ahead1), ("ahead2", self.ahead2))
                  if v != MoEConfig.__dataclass_fields__[k].default]
         return s + ("," + ",".join(extra) if extra else "")
 
@@ -478,7 +509,7 @@ def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms
         pdl = DECODE_PDL or (one and DECODE_PDL_T1)
         pf2 = min(DECODE_PREFETCH_K or N1, N1) if pdl and DECODE_PREFETCH else 0    # elements, a multiple of 16
         cfg = replace(cfg, direct=DECODE_DIRECT and one, pdl=pdl, prefetch2=pf2,
-                      evict=DECODE_EVICT, pdl1=DECODE_PDL1)
+                      evict=DECODE_EVICT, pdl1=DECODE_PDL1, ahead1=DECODE_L2_AHEAD1, ahead2=DECODE_L2_AHEAD2)
         if one and DECODE_DIRECT:
             cfg = replace(cfg, num_stages=3, stages2=cfg.num_stages)        # GEMM1 3 stages, GEMM2 keeps 4
     if dtype == torch.float32:  # fp32 operands: halve the pipeline depth to fit shared memory
@@ -565,6 +596,14 @@ def _bulk_ok(w: torch.Tensor, K: int) -> bool:
     return w.data_ptr() % 16 == 0 and all(st * sz % 16 == 0 for st in w.stride()[:2]) and K * sz % 16 == 0
 
 
+def _ahead(steps: int, w: torch.Tensor, BK: int) -> dict:
+    """Launch kwargs of a GEMM's in-loop L2 hints (L2_AHEAD): GPU only (no prefetch instruction in the interpreter),
+    K tiles of whole 128-byte lines."""
+    if steps <= 0 or INTERPRET or not w.is_cuda or (BK * w.element_size()) % 128:
+        return {}
+    return dict(L2_AHEAD=int(steps), EPL=128 // w.element_size())
+
+
 def _gdc1(pdl1: bool, shared_pf: bool) -> dict:
     """GEMM1 launched with PDL (WAIT; SHARED_PF: the speculative L2 prefetch of expert E - 1, direct rows and
     16-byte aligned weight rows only)."""
@@ -589,7 +628,7 @@ def moe_gemm1(x: torch.Tensor, w13: torch.Tensor, rows: MoERows, cfg: MoEConfig,
         TOP_K=top_k, BM=rows.BM, BN=BN, BK=BK, EVEN_K=D % BK == 0, MODE=dot_mode(x.dtype), INTERP=INTERPRET,
         IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, launch=False),
         **_gdc1(cfg.pdl1, rows.ids_block < 0 and _bulk_ok(w13, D)),
-        W_EVICT="evict_first" if cfg.evict else "",
+        W_EVICT="evict_first" if cfg.evict else "", **_ahead(cfg.ahead1, w13, BK),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return inter
@@ -614,7 +653,7 @@ def moe_gemm2(inter: torch.Tensor, w2: torch.Tensor, rows: MoERows, cfg: MoEConf
         M, D, inter_dim, inter.stride(0), w2.stride(0), w2.stride(1), M * D, D, rows.ids, rows.E, NT, k_steps,
         BM=rows.BM, BN=BN, BK=BK, EVEN_K=inter_dim % BK == 0, MODE=dot_mode(inter.dtype), INTERP=INTERPRET,
         IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, PREFETCH=cfg.prefetch2 if _bulk_ok(w2, inter_dim) else 0),
-        W_EVICT="evict_first" if cfg.evict else "",
+        W_EVICT="evict_first" if cfg.evict else "", **_ahead(cfg.ahead2, w2, BK),
         num_warps=cfg.warps2 or cfg.num_warps, num_stages=cfg.stages2 or cfg.num_stages,
     )
     return y

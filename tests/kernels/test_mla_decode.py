@@ -357,11 +357,13 @@ def test_gpu_decode_fused_graph(variant, lens):
 
 # ------------------------------------------------------------------------------ in-loop L2 hints (l2_ahead)
 def test_l2_ahead_rule(monkeypatch):
-    """l2_ahead: the config's look-ahead (or KIMI_MLA_L2_AHEAD) on the GPU, with one block-table entry per tile, for
+    """l2_ahead: the config's look-ahead (or the module's L2_AHEAD, KIMI_MLA_L2_AHEAD) on the GPU, with one block-table entry per tile, for
     the LSPLIT and plain loops only; 0 under the interpreter (no prefetch instruction there)."""
     from kernels.mla.decode import l2_ahead
 
-    monkeypatch.delenv("KIMI_MLA_L2_AHEAD", raising=False)
+    import kernels.mla.decode as dec
+
+    monkeypatch.setattr(dec, "L2_AHEAD", 0)
     a2 = DECODE_VARIANTS["ls n64 w4 a2"]
     assert l2_ahead(a2, True, True) == 2 and l2_ahead(DECODE_VARIANTS["w4 n32 a2"], True, True) == 2
     assert l2_ahead(a2, True, False) == 0 and l2_ahead(a2, False, True) == 0
@@ -369,7 +371,7 @@ def test_l2_ahead_rule(monkeypatch):
     for other in ("pf n32", "keys_m page", "keys_m n64 w4 cp"):      # register prefetch, keys-as-M, carried entry
         assert l2_ahead(dict(DECODE_VARIANTS[other], l2_ahead=2), True, True) == 0, other
     assert l2_ahead(dict(DECODE_VARIANTS["ls n32 w4 cp s3"], l2_ahead=2), True, True) == 2   # lsplit + carried
-    monkeypatch.setenv("KIMI_MLA_L2_AHEAD", "3")
+    monkeypatch.setattr(dec, "L2_AHEAD", 3)                                   # the defaults (no key of their own)
     assert l2_ahead(DECODE_VARIANTS["ls n64 w4"], True, True) == 3 and l2_ahead(a2, True, True) == 2
 
 
