@@ -405,6 +405,16 @@ QUICK_VARIANTS = [
     ("hpass-out-s2", dict(HPASS_OUT=1, HPASS_NUM_STAGES=2)),
     ("hpass-out-bv16", dict(HPASS_OUT=1, HPASS_BV=16)),
     ("hpass-out-bv64", dict(HPASS_OUT=1, HPASS_BV=64)),
+    # session 17 (offline sm_90, Triton 3.9): akk as two launches (AKK_PARTS=2): the off-diagonal pass 134 regs
+    # uncapped / 128 without spill, the levels + inverse 168 / 144 without spill (one launch: 168 regs + 24 B stack,
+    # 12 one-warp CTAs / SM); at (128, 144): 16 / 14 CTAs per SM (13 / 12 KB smem each: 16 is also the smem limit)
+    ("akk-parts2", dict(AKK_PARTS=2, AKK_PARTS_MAXNREG=(128, 144))),
+    ("akk-parts2-r128", dict(AKK_PARTS=2, AKK_PARTS_MAXNREG=(128, 128))),
+    ("akk-parts2-unc", dict(AKK_PARTS=2, AKK_PARTS_MAXNREG=(None, None))),
+    # prep's register cap (offline sm_90, Triton 3.9: 127 regs uncapped = 4 CTAs / SM; 112 no spill, still 4;
+    # 96: 64 B stack, 5 / SM; 80: 256 B, 6 / SM)
+    ("prep-r96", dict(PREP_MAXNREG=96)),
+    ("prep-r80", dict(PREP_MAXNREG=80)),
 ]
 
 

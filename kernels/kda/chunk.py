@@ -106,6 +106,9 @@ OUT_VFAST = 1            # V tile fastest in the output grid (the 2nd V tile's q
 # smem, no spills.
 PREP_BK = 16             # with CUMSUM_DOT (H200 12-03: prep 0.559 -> 0.522 ms at T=16k)
 PREP_NUM_WARPS = 4
+# ptxas register cap for prep (A/B, NOT TIMED YET, session 17): 127 regs uncapped = 4 four-warp CTAs / SM; 96 -> 5,
+# 80 -> 6 (offline sm_90 spills: see bench/kda_prefill.py QUICK_VARIANTS). None: uncapped.
+PREP_MAXNREG = None
 # PREP_NORM1 = 1 (default since H200 12-04, session 11: prep 0.521 -> 0.454 ms, T=16k 2.227 -> 2.162 ms): the q / k
 # row norms from one [BT, K] load each instead of K / PREP_BK dependent load round trips (offline sm_90, Triton 3.9:
 # that loop is not pipelined, LDG -> reduce -> next; prep is latency-bound, 0.52 ms at T=16k against ~0.22 ms for its
@@ -131,6 +134,11 @@ AKK_LV_SPLITK = 1        # 1 = two passes over K (off-diagonal blocks, then the 
 # K tile); unconditional they become a cp.async ring (LDGSTS), and the loop body shrinks 549 -> 429 instructions.
 # 0: the branched pass (variant akk-branched, 162 regs uncapped).
 AKK_UNCOND = 1
+# AKK_PARTS = 2 (A/B, NOT TIMED YET, session 17; with AKK_LV_SPLITK): the off-diagonal pass and the levels + inverse
+# as separate one-warp programs (grid x 2), each with half the accumulators; AKK_PARTS_MAXNREG caps them (None:
+# uncapped). See _kda_akk_lv_kernel.
+AKK_PARTS = 1
+AKK_PARTS_MAXNREG = (None, None)
 WU_BK = 32
 WU_BV = 32
 WU_NUM_WARPS = 4
@@ -353,7 +361,8 @@ def _kda_akk_lv_kernel(
     q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out,
     stride_q, stride_k,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, SPLITK: tl.constexpr = 0, UNCOND: tl.constexpr = 0,
+    PREC: tl.constexpr, SPLITK: tl.constexpr = 0, UNCOND: tl.constexpr = 0, PARTS: tl.constexpr = 1,
+    PART: tl.constexpr = 0,
 ):
     """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head), meant for num_warps=1: the rows
     R = [i BC, (i+1) BC) of
@@ -370,8 +379,12 @@ def _kda_akk_lv_kernel(
     Then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted (fp32). x_out [rows, BT] fp32: columns
     < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di (columns above are not written).
     (Offline sm_90, Triton 3.6: at 2 or 4 warps these [16, x] tiles are replicated in every warp (the dot-operand
-    layouts), so 1 warp does the same work with a quarter of the issue slots.)"""
+    layouts), so 1 warp does the same work with a quarter of the issue slots.)
+    PARTS=2 (AKK_PARTS; needs SPLITK): two launches, PART 0 the off-diagonal pass and its stores only, PART 1 the
+    levels, the diagonal blocks and the inverse: each compiled kernel holds half the accumulators (fewer registers,
+    more one-warp programs per SM) at the price of loading the sub-chunk's q / k / G rows twice."""
     tl.static_assert((BT == 64) & (BC == 16))           # 3 off-diagonal column blocks, 4 levels
+    tl.static_assert((PARTS == 1) | ((PARTS == 2) & (SPLITK == 1)))
     i_b = tl.program_id(0) % (BT // BC)
     i_c = tl.program_id(0) // (BT // BC)
     i_h = tl.program_id(1)
@@ -408,6 +421,11 @@ def _kda_akk_lv_kernel(
     l1k = tl.zeros([BC, BC], dtype=tl.float32)
     l1q = tl.zeros([BC, BC], dtype=tl.float32)
     dq0 = tl.zeros([BC], dtype=tl.float32)               # diagonal s = r of Aqk
+    if PARTS == 2:
+        if PART == 1:
+            _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K, BT, BC,
+                                BK, PREC, True)
+            return
     # SPLITK=1: two passes over K (off-diagonal blocks, then the levels): fewer live accumulators (registers)
     for kb in range(0, K, BK):
         c = kb + tl.arange(0, BK)
@@ -444,22 +462,54 @@ def _kda_akk_lv_kernel(
     _akk_store_off(pa, px, rr, i_b, 1, o1k, o1q, beta, BT, BC)
     _akk_store_off(pa, px, rr, i_b, 2, o2k, o2q, beta, BT, BC)
     _akk_store_off(pa, px, rr, i_b, 3, o2k, o2q, beta, BT, BC)     # (block 3 is never < i: zeros)
+    if PARTS == 2:
+        return
     if SPLITK:
-        for kb in range(0, K, BK):
-            c = kb + tl.arange(0, BK)
-            cm = c < K
-            qr, kr, Gr = _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K)
-            l8k, l8q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, BC // 2, K, BC, PREC)
-            l4k, l4q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l4k, l4q, BC // 4, K, BC, PREC)
-            l2k, l2q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l2k, l2q, BC // 8, K, BC, PREC)
-            l1k, l1q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l1k, l1q, BC // 16, K, BC, PREC)
+        _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K, BT, BC,
+                            BK, PREC, False)
+    else:
+        _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC)
+
+
+@triton.jit
+def _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K: tl.constexpr,
+                        BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, DQ0: tl.constexpr):
+    """akk (SPLITK): the levels' own pass over K, then the diagonal blocks and the inverse (_akk_diag_inverse).
+    dq0: the s = r terms of Aqk from the off-diagonal pass, or (DQ0, PARTS=2) summed in this pass (the same order)."""
+    l8k = tl.zeros([BC, BC], dtype=tl.float32)
+    l8q = tl.zeros([BC, BC], dtype=tl.float32)
+    l4k = tl.zeros([BC, BC], dtype=tl.float32)
+    l4q = tl.zeros([BC, BC], dtype=tl.float32)
+    l2k = tl.zeros([BC, BC], dtype=tl.float32)
+    l2q = tl.zeros([BC, BC], dtype=tl.float32)
+    l1k = tl.zeros([BC, BC], dtype=tl.float32)
+    l1q = tl.zeros([BC, BC], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        c = kb + tl.arange(0, BK)
+        cm = c < K
+        qr, kr, Gr = _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K)
+        if DQ0:
+            dq0 += tl.sum(qr * kr, 1)
+        l8k, l8q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, BC // 2, K, BC, PREC)
+        l4k, l4q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l4k, l4q, BC // 4, K, BC, PREC)
+        l2k, l2q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l2k, l2q, BC // 8, K, BC, PREC)
+        l1k, l1q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l1k, l1q, BC // 16, K, BC, PREC)
+    _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC)
+
+
+@triton.jit
+def _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT: tl.constexpr,
+                      BC: tl.constexpr, PREC: tl.constexpr):
+    """akk: the diagonal blocks of Aqk / Dkk from the levels (+ dq0, the s = r terms of Aqk), Aqk's stored, then the
+    inverse of (I + diag(beta) StrictTril(Dkk)) on the block stored to X."""
+    r16 = tl.arange(0, BC)
     d_kk = tl.zeros([BC, BC], dtype=tl.float32)
     d_qk = tl.where(r16[:, None] == r16[None, :], dq0[:, None], 0.0)
     d_kk, d_qk = _akk_level_sel(l8k, l8q, d_kk, d_qk, BC // 2, BC)
     d_kk, d_qk = _akk_level_sel(l4k, l4q, d_kk, d_qk, BC // 4, BC)
     d_kk, d_qk = _akk_level_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
     d_kk, d_qk = _akk_level_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
-    tl.store(pa + rr[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(a_out.dtype.element_ty))
+    tl.store(pa + rr[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(pa.dtype.element_ty))
     # (I + L_ii)^-1, L_ii = diag(beta) StrictTril(Dkk): the two BC/2 x BC/2 diagonal halves by forward substitution
     # side by side (rows r and r + BC/2 in one step: BC/2 - 1 steps instead of BC - 1), then the lower-left half by
     # the block merge X = D - D L_21 D (D = the two half inverses; (D L_21)^2 = 0)
@@ -704,7 +754,7 @@ def _kda_out_kernel(
 
 def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16: bool = True,
                    hpass_bv: Optional[int] = None, out_bv: Optional[int] = None,
-                   which: Sequence[str] = ("hpass", "out", "prep", "akk", "wu")) -> dict:
+                   which: Sequence[str] = ("hpass", "out", "prep", "akk", "wu"), akk_part: int = 0) -> dict:
     """Compile the kernels offline for sm_<arch> (kernels/_offline.py; no GPU needed, Triton's bundled ptxas) at
     Kimi shapes and return {name: (registers, spill stack bytes, shared bytes)}. Run without TRITON_INTERPRET.
     hpass / out = the state pass and output kernels at (hpass_bv or 16, HPASS_NUM_WARPS) / (out_bv or OUT_BV,
@@ -738,12 +788,13 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                       rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
                  dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT),
                       NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES),
-                 dict(num_warps=PREP_NUM_WARPS)),
+                 dict(num_warps=PREP_NUM_WARPS, **_maxnreg(PREP_MAXNREG))),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                     UNCOND=int(AKK_UNCOND)),
-                dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
+                     UNCOND=int(AKK_UNCOND), PARTS=AKK_PARTS if AKK_LV_SPLITK else 1, PART=akk_part),
+                dict(num_warps=AKK_NUM_WARPS,
+                     **_maxnreg(AKK_PARTS_MAXNREG[akk_part] if AKK_PARTS == 2 and AKK_LV_SPLITK else AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
@@ -830,15 +881,19 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
                 PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), CS=int(CUMSUM_DOT),
                 NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES,
-                num_warps=PREP_NUM_WARPS,
+                num_warps=PREP_NUM_WARPS, **_maxnreg(PREP_MAXNREG),
             )
 
         def akk():
-            return _kda_akk_lv_kernel[(BT // BC * NT, H)](
-                q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
-                PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                UNCOND=int(AKK_UNCOND), num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
-            )
+            parts = AKK_PARTS if AKK_LV_SPLITK else 1
+            for part in range(parts):    # PARTS 2: the off-diagonal launch, then the levels + inverse launch
+                kern = _kda_akk_lv_kernel[(BT // BC * NT, H)](
+                    q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
+                    PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
+                    UNCOND=int(AKK_UNCOND), PARTS=parts, PART=part, num_warps=AKK_NUM_WARPS,
+                    **_maxnreg(AKK_PARTS_MAXNREG[part] if parts == 2 else AKK_MAXNREG),
+                )
+            return kern
 
         def wu():
             return _kda_wu_kernel[(NT, H)](

@@ -286,7 +286,10 @@ def test_sm90_offline_compile_no_spills():
             "'wu_two_loops': (setattr(c, 'WU_LOOP', 0), setattr(c, 'WU_MAXNREG', None), "
             "c.compile_report(which=('wu',)))[-1], "
             "'hpass_out_bv32': (setattr(c, 'HPASS_OUT', 1), c.compile_report(hpass_bv=32, which=('hpass',)))[-1], "
-            "'hpass_out_bv64': c.compile_report(hpass_bv=64, which=('hpass',))}))")
+            "'hpass_out_bv64': c.compile_report(hpass_bv=64, which=('hpass',)), "
+            "'akk_parts2_0': (setattr(c, 'AKK_PARTS', 2), setattr(c, 'AKK_LV_SPLITK', 1), "
+            "setattr(c, 'AKK_PARTS_MAXNREG', (128, 144)), c.compile_report(which=('akk',), akk_part=0))[-1], "
+            "'akk_parts2_1': c.compile_report(which=('akk',), akk_part=1)}))")
     rep = run_offline(code, 400)
     for cfg, kernels in rep.items():
         for name, (regs, stack, smem) in kernels.items():
@@ -335,6 +338,8 @@ VARIANTS = {
     # the output computed in the state pass (no h_c / vn round trip, no output launch)
     "hpass-out": dict(HPASS_OUT=1),
     "hpass-out-no-prefetch": dict(HPASS_OUT=1, HPASS_PREFETCH=0),
+    # akk as two launches (off-diagonal pass; levels + inverse)
+    "akk-parts2": dict(AKK_PARTS=2),
 }
 
 
@@ -395,6 +400,8 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "akk-uncapped": dict(AKK_MAXNREG=None),
     "wu-r128": dict(WU_LOOP=0, WU_MAXNREG=128),
     "wu-uncapped": dict(WU_MAXNREG=None),
+    "akk-parts2-r128-144": dict(AKK_PARTS=2, AKK_PARTS_MAXNREG=(128, 144)),
+    "prep-r96": dict(PREP_MAXNREG=96),
 })
 
 
