@@ -417,6 +417,11 @@ QUICK_VARIANTS = [
     # sm_90 BK 16 / 4 warps 255 regs, 2 CTAs / SM; ~2x the default akk's instructions per chunk-head (see chunk.py)
     ("akk-chunk", dict(AKK_CHUNK=1)),
     ("akk-chunk-w8", dict(AKK_CHUNK=1, AKK_CHUNK_WARPS=8)),
+    # wu's gated k operand written by prep in bf16 (WU_KBG, session 17): wu reads 16 instead of 48 KB per chunk-head;
+    # offline sm_90 prep 127 -> 136 regs uncapped (3 CTAs / SM), 120 at the cap 128 (4, no spill); wu 168 -> 153
+    ("wu-kbg", dict(WU_KBG=1, PREP_MAXNREG=128)),
+    # the session-17 candidates together (additivity)
+    ("s17-combo", dict(HPASS_OUT=1, AKK_PARTS=2, AKK_PARTS_MAXNREG=(128, 144), WU_KBG=1, PREP_MAXNREG=128)),
     ("prep-r96", dict(PREP_MAXNREG=96)),
     ("prep-r80", dict(PREP_MAXNREG=80)),
 ]

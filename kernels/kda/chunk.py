@@ -157,6 +157,10 @@ WU_NUM_WARPS = 4
 # (LOOP 0, the variant wu-two-loops: a K loop, then a V loop, each starting with a load waited for after the chain
 # / the previous loop). Uncapped 189 regs (2 CTAs / SM on the H200: 0.408 ms); capped at 168: 3 / SM, 8 B stack.
 WU_LOOP = 1
+# WU_KBG = 1 (A/B, NOT TIMED YET, session 17; WU_LOOP 1): prep also writes wu's operand kb = beta kn exp2(G) in
+# the MMA operand dtype (bf16 for bf16 inputs, fla's precision for it; fp32 inputs: the same bits), so wu reads kb
+# (16 KB per chunk-head) instead of k and the fp32 G (48 KB) and forms no exp2: ~134 MB less traffic at T=16k.
+WU_KBG = 0
 WU_MAXNREG = 168         # register cap for wu (LOOP 0: 150 regs uncapped, 3 CTAs / SM; 128: 4, 16 B spill offline)
 # FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep (fla's choice) instead of libdevice's
 # accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop body 2134 -> see --quick). No
@@ -242,6 +246,7 @@ def _kda_prep_kernel(
     stride_q, stride_k, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr = 0,
     CS: tl.constexpr = 0, NORM1: tl.constexpr = 0, KP: tl.constexpr = 0, STAGES: tl.constexpr = None,
+    kb_out=None, KBG: tl.constexpr = 0,
 ):
     """Intra launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
     contract outputs qg, kg, gl and the scratch G [rows, K] fp32 and rs [rows, 4] fp32 = (rq, rk, beta, -)
@@ -297,6 +302,9 @@ def _kda_prep_kernel(
         tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :])
         tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - G, 0.0)))
                  .to(kg_out.dtype.element_ty), mask=cm[None, :])
+        if KBG:   # wu's operand beta kn exp2(G), in the MMA operand dtype (WU_KBG; the same fp32 expression as wu's)
+            tl.store(kb_out + o_k, (bk * (rk * beta)[:, None] * tl.exp2(G)).to(kb_out.dtype.element_ty),
+                     mask=cm[None, :])
 
 
 @triton.jit
@@ -622,14 +630,19 @@ def _kda_akk_chunk_kernel(
 
 @triton.jit
 def _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i, stride_k, stride_v, i_h, K: tl.constexpr, V: tl.constexpr,
-             BK: tl.constexpr, BV: tl.constexpr):
+             BK: tl.constexpr, BV: tl.constexpr, KBG: tl.constexpr = 0):
     """Tile i of wu's one loop: k [BT, BK] (columns i*BK..), its gate G [BT, BK] fp32 and v [BT, BV] (columns
-    i*BV..); zeros past K / V (a tile index past both loads nothing)."""
+    i*BV..); zeros past K / V (a tile index past both loads nothing). KBG: k is prep's kb scratch [rows, K] (chunk
+    rows, already gated) and G is not loaded (zeros)."""
     ck = i * BK + tl.arange(0, BK)
     cv = i * BV + tl.arange(0, BV)
-    bk = tl.load(k + tok[:, None] * stride_k + i_h * K + ck[None, :], mask=rmask[:, None] & (ck < K)[None, :],
-                 other=0.0)
-    G = tl.load(g_in + (cblk + rows)[:, None] * K + ck[None, :], mask=(ck < K)[None, :], other=0.0)
+    if KBG:
+        bk = tl.load(k + (cblk + rows)[:, None] * K + ck[None, :], mask=(ck < K)[None, :], other=0.0)
+        G = tl.zeros([rows.shape[0], BK], dtype=tl.float32)
+    else:
+        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + ck[None, :], mask=rmask[:, None] & (ck < K)[None, :],
+                     other=0.0)
+        G = tl.load(g_in + (cblk + rows)[:, None] * K + ck[None, :], mask=(ck < K)[None, :], other=0.0)
     bv = tl.load(v + tok[:, None] * stride_v + i_h * V + cv[None, :], mask=rmask[:, None] & (cv < V)[None, :],
                  other=0.0)
     return bk, G, bv
@@ -640,7 +653,7 @@ def _kda_wu_kernel(
     k, v, g_in, rs_in, x_in, chunk_offsets, cu_seqlens, n_seq, w_out, u_out,
     stride_k, stride_v,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0,
+    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0, KBG: tl.constexpr = 0,
 ):
     """Intra launch 3, grid (chunk, head): M = (I + L)^-1 = sum_j (-N)^j Di with N = Di L_off (strictly block-lower,
     N^(BT/BC) = 0), from x_in (Di on the diagonal blocks, L_off below); then w = M (beta kn exp2(G)), u = M (beta v)
@@ -650,7 +663,10 @@ def _kda_wu_kernel(
     loads issued (into registers) before this tile's dots and tile 0's before the inverse, so no load waits on the
     inverse chain or on a loop boundary. (bf16 dot operands there, fla's precision, were faster on the H200 -- wu
     0.325 ms -- but wrong with M converted once before the loop and an illegal address with M converted per tile,
-    Triton 3.6, 12-04: removed.)"""
+    Triton 3.6, 12-04: removed.)
+    KBG=1 (WU_KBG, LOOP 1 only): k is prep's kb = beta kn exp2(G) (bf16 for bf16 inputs, as fla's operand) and g_in
+    is not read: w = M kb."""
+    tl.static_assert((KBG == 0) | (LOOP == 1))
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -662,7 +678,7 @@ def _kda_wu_kernel(
     cblk = (i_c.to(tl.int64) * H + i_h) * BT
     rb = rows // BC
     if LOOP == 1:
-        nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, 0, stride_k, stride_v, i_h, K, V, BK, BV)
+        nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, 0, stride_k, stride_v, i_h, K, V, BK, BV, KBG)
     x = tl.load(x_in + (cblk + rows)[:, None] * BT + rows[None, :])
     di = tl.where(rb[:, None] == rb[None, :], x, 0.0)          # block-diagonal inverse (the 'where' drops the
     lo = tl.where(rb[:, None] > rb[None, :], x, 0.0)           # never-written entries above the diagonal blocks)
@@ -676,10 +692,14 @@ def _kda_wu_kernel(
         NI: tl.constexpr = max((K + BK - 1) // BK, (V + BV - 1) // BV)
         for i in range(NI):
             bk, G, bv = nk, ng, nv
-            nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i + 1, stride_k, stride_v, i_h, K, V, BK, BV)
+            nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i + 1, stride_k, stride_v, i_h, K, V, BK, BV,
+                                  KBG)
             ck = i * BK + tl.arange(0, BK)
             cv = i * BV + tl.arange(0, BV)
-            wv = tl.dot(m, bk.to(tl.float32) * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
+            if KBG:
+                wv = tl.dot(m, bk.to(tl.float32), input_precision=PREC)
+            else:
+                wv = tl.dot(m, bk.to(tl.float32) * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
             uv = tl.dot(m, bv.to(tl.float32) * beta[:, None], input_precision=PREC)
             tl.store(w_out + (cblk + rows)[:, None] * K + ck[None, :], wv.to(w_out.dtype.element_ty),
                      mask=(ck < K)[None, :])
@@ -877,9 +897,11 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "prep": (_kda_prep_kernel,
                  dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", g_out="*fp32",
-                      rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
+                      rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32",
+                      kb_out=sd),
                  dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT),
-                      NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES),
+                      NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES,
+                      KBG=int(bool(WU_KBG) and bool(WU_LOOP))),
                  dict(num_warps=PREP_NUM_WARPS, **_maxnreg(PREP_MAXNREG))),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
@@ -890,7 +912,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                    LOOP=int(WU_LOOP)),
+                    LOOP=int(WU_LOOP), KBG=int(bool(WU_KBG) and bool(WU_LOOP))),
                dict(num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG))),
     })
     specs["akk_chunk"] = (_kda_akk_chunk_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32",
@@ -969,6 +991,8 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         # (block inverses + beta-scaled off-diagonal Dkk)
         g2 = torch.empty(n_rows, K, dtype=torch.float32, device=dev)
         rs = torch.empty(n_rows, 4, dtype=torch.float32, device=dev)
+        kbg = bool(WU_KBG) and bool(WU_LOOP)
+        kb = torch.empty(n_rows, K, dtype=sdt, device=dev) if kbg else None     # wu's gated k operand (WU_KBG)
         xs = torch.empty(n_rows, BT, dtype=torch.float32, device=dev)
 
         def prep():
@@ -976,7 +1000,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
                 q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
                 PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), CS=int(CUMSUM_DOT),
-                NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES,
+                NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES, kb_out=kb, KBG=int(kbg),
                 num_warps=PREP_NUM_WARPS, **_maxnreg(PREP_MAXNREG),
             )
 
@@ -999,9 +1023,9 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
 
         def wu():
             return _kda_wu_kernel[(NT, H)](
-                k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
+                kb if kbg else k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                LOOP=int(WU_LOOP),
+                LOOP=int(WU_LOOP), KBG=int(kbg),
                 num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG),
             )
 
