@@ -209,6 +209,9 @@ DECODE_VARIANTS = {
                          programs_per_sm=2, l2_ahead=2),
     "ls n64 w4 a3": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                          programs_per_sm=2, l2_ahead=3),
+    # one program per SM at the look-ahead (half the units at B = 1: longer units, half the partials to merge)
+    "ls n64 w4 a3 pp1": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
+                             programs_per_sm=1, l2_ahead=3),
     "ls n64 w4 a2 p16": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                              programs_per_sm=2, l2_ahead=2, part16=True),
     "w4 n32 a2": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2,
