@@ -375,6 +375,24 @@ def _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K: tl.co
 
 
 @triton.jit
+def _akk_level_accs(BC: tl.constexpr):
+    """akk: zeroed accumulators of the four diagonal-block levels hb = 8, 4, 2, 1 (k and q for each)."""
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    return z, z, z, z, z, z, z, z
+
+
+@triton.jit
+def _akk_four_levels(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, K: tl.constexpr,
+                     BC: tl.constexpr, PREC: tl.constexpr):
+    """akk: the four levels' dots on one K tile (_akk_level for hb = BC/2 .. 1)."""
+    l8k, l8q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, BC // 2, K, BC, PREC)
+    l4k, l4q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l4k, l4q, BC // 4, K, BC, PREC)
+    l2k, l2q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l2k, l2q, BC // 8, K, BC, PREC)
+    l1k, l1q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l1k, l1q, BC // 16, K, BC, PREC)
+    return l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q
+
+
+@triton.jit
 def _kda_akk_lv_kernel(
     q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out,
     stride_q, stride_k,
@@ -430,14 +448,7 @@ def _kda_akk_lv_kernel(
     o1q = tl.zeros([BC, BC], dtype=tl.float32)
     o2k = tl.zeros([BC, BC], dtype=tl.float32)
     o2q = tl.zeros([BC, BC], dtype=tl.float32)
-    l8k = tl.zeros([BC, BC], dtype=tl.float32)          # diagonal-block levels hb = 8, 4, 2, 1 (BC = 16)
-    l8q = tl.zeros([BC, BC], dtype=tl.float32)
-    l4k = tl.zeros([BC, BC], dtype=tl.float32)
-    l4q = tl.zeros([BC, BC], dtype=tl.float32)
-    l2k = tl.zeros([BC, BC], dtype=tl.float32)
-    l2q = tl.zeros([BC, BC], dtype=tl.float32)
-    l1k = tl.zeros([BC, BC], dtype=tl.float32)
-    l1q = tl.zeros([BC, BC], dtype=tl.float32)
+    l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)    # diagonal-block levels hb = 8, 4, 2, 1
     dq0 = tl.zeros([BC], dtype=tl.float32)               # diagonal s = r of Aqk
     if PARTS == 2:
         if PART == 1:
@@ -472,10 +483,8 @@ def _kda_akk_lv_kernel(
                                           PREC)
         dq0 += tl.sum(qr * kr, 1)
         if not SPLITK:
-            l8k, l8q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, BC // 2, K, BC, PREC)
-            l4k, l4q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l4k, l4q, BC // 4, K, BC, PREC)
-            l2k, l2q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l2k, l2q, BC // 8, K, BC, PREC)
-            l1k, l1q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l1k, l1q, BC // 16, K, BC, PREC)
+            l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_four_levels(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, l4k, l4q,
+                                                                      l2k, l2q, l1k, l1q, K, BC, PREC)
     _akk_store_off(pa, px, rr, i_b, 0, o0k, o0q, beta, BT, BC)
     _akk_store_off(pa, px, rr, i_b, 1, o1k, o1q, beta, BT, BC)
     _akk_store_off(pa, px, rr, i_b, 2, o2k, o2q, beta, BT, BC)
@@ -494,24 +503,15 @@ def _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride
                         BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, DQ0: tl.constexpr):
     """akk (SPLITK): the levels' own pass over K, then the diagonal blocks and the inverse (_akk_diag_inverse).
     dq0: the s = r terms of Aqk from the off-diagonal pass, or (DQ0, PARTS=2) summed in this pass (the same order)."""
-    l8k = tl.zeros([BC, BC], dtype=tl.float32)
-    l8q = tl.zeros([BC, BC], dtype=tl.float32)
-    l4k = tl.zeros([BC, BC], dtype=tl.float32)
-    l4q = tl.zeros([BC, BC], dtype=tl.float32)
-    l2k = tl.zeros([BC, BC], dtype=tl.float32)
-    l2q = tl.zeros([BC, BC], dtype=tl.float32)
-    l1k = tl.zeros([BC, BC], dtype=tl.float32)
-    l1q = tl.zeros([BC, BC], dtype=tl.float32)
+    l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)
     for kb in range(0, K, BK):
         c = kb + tl.arange(0, BK)
         cm = c < K
         qr, kr, Gr = _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K)
         if DQ0:
             dq0 += tl.sum(qr * kr, 1)
-        l8k, l8q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, BC // 2, K, BC, PREC)
-        l4k, l4q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l4k, l4q, BC // 4, K, BC, PREC)
-        l2k, l2q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l2k, l2q, BC // 8, K, BC, PREC)
-        l1k, l1q = _akk_level(pg, i_b, c, cm, qr, kr, Gr, l1k, l1q, BC // 16, K, BC, PREC)
+        l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_four_levels(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, l4k, l4q, l2k,
+                                                                  l2q, l1k, l1q, K, BC, PREC)
     _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC)
 
 
