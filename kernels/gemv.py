@@ -36,7 +36,8 @@ import triton.language as tl
 
 from kernels._dispatch import use_triton
 from kernels._jit import INTERPRET, cast_to
-from kernels._pdl import L2_LINE_BYTES, gdc_enter, pdl_launch, pdl_on, prefetch_l2
+from kernels._pdl import (L2_LINE_BYTES, gdc_enter, l2_ahead_kwargs, pdl_launch, pdl_on, prefetch_k_slice_l2,
+                          prefetch_l2)
 from kernels._tensors import arrival_counters, cdiv, max_shared_mem, next_pow2, num_sms
 
 GEMV_MAX_M = 16
@@ -80,11 +81,9 @@ def _dot_tile(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn
     acc = tl.zeros((offs_n.shape[0], offs_m.shape[0]), dtype=tl.float32)                               # [BN, BM]
     if L2_AHEAD > 0:
         pf_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
-        pf_j = tl.arange(0, BK // EPL) * EPL
     for k0 in range(k_lo, k_hi, BK):
         if L2_AHEAD > 0:
-            kp = k0 + L2_AHEAD * BK
-            prefetch_l2(pf_rows[:, None] + kp + pf_j[None, :], n_mask[:, None] & (kp + pf_j < k_hi)[None, :])
+            prefetch_k_slice_l2(pf_rows, k0 + L2_AHEAD * BK, k_hi, n_mask, BK, EPL)
         if EVEN_K:      # K and k_split are multiples of BK: no mask along K keeps the loads 16-byte vectors
             if TMA:
                 w = w_desc.load([w_row0, k0])
@@ -410,11 +409,9 @@ def _tma_ok(wb: torch.Tensor) -> bool:
 def _ahead_kw(c: GemvConfig, wb: torch.Tensor, tma: bool) -> dict:
     """L2_AHEAD / EPL of a launch: the config's look-ahead (None: the module's L2_AHEAD) on the dot path with pointer
     loads of whole 128-byte lines per K step, GPU only (the interpreter has no prefetch instruction)."""
-    a = L2_AHEAD if c.l2_ahead is None else c.l2_ahead
-    es = wb.element_size()
-    if a <= 0 or not c.dot or tma or INTERPRET or not wb.is_cuda or (c.BK * es) % L2_LINE_BYTES:
+    if not c.dot or tma:
         return {}
-    return dict(L2_AHEAD=int(a), EPL=L2_LINE_BYTES // es)
+    return l2_ahead_kwargs(L2_AHEAD if c.l2_ahead is None else c.l2_ahead, wb, c.BK)
 
 
 def _pdl_prefetch(B: int, N: int, S: int, k_split: int, es: int, mb: Optional[float] = None) -> dict:

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kernels._jit import INTERPRET, cast_to
-from kernels._pdl import gdc_launch_dependents, gdc_wait, prefetch_l2
+from kernels._pdl import gdc_launch_dependents, gdc_wait, l2_ahead_kwargs, prefetch_k_slice_l2
 from kernels._tensors import H200_SMEM, cdiv, max_shared_mem, next_pow2, num_sms
 from kernels.moe.router import dot_acc, dot_mode
 
@@ -234,14 +234,6 @@ def _prefetch_rows_l2(ptrs, nbytes):
                               [ptrs.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit
-def _hint_k_tile_l2(rows, kp, k_hi, n_ok, BK: tl.constexpr, EPL: tl.constexpr):
-    """L2_AHEAD: L2 hints (prefetch.global.L2, one per 128-byte line of EPL elements) for the K slice [kp, kp + BK)
-    of the weight rows `rows` ([BN] pointers at K = 0), where n_ok and inside [.., k_hi); nothing past k_hi."""
-    j = tl.arange(0, BK // EPL) * EPL
-    prefetch_l2(rows[:, None] + kp + j[None, :], n_ok[:, None] & (kp + j < k_hi)[None, :])
-
-
 @triton.jit(do_not_specialize=["M", "E", "NT"])  # runtime sizes: one compile for every batch size / tile count
 def _moe_gemm1_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
@@ -300,8 +292,8 @@ def _moe_gemm1_kernel(
         g_rows = w_ptr + e * stride_we + offs_n.to(tl.int64) * stride_wn
     for k0 in range(0, K, BK):
         if L2_AHEAD > 0:
-            _hint_k_tile_l2(g_rows, k0 + L2_AHEAD * BK, K, n_ok, BK, EPL)
-            _hint_k_tile_l2(g_rows + N * stride_wn, k0 + L2_AHEAD * BK, K, n_ok, BK, EPL)
+            prefetch_k_slice_l2(g_rows, k0 + L2_AHEAD * BK, K, n_ok, BK, EPL)
+            prefetch_k_slice_l2(g_rows + N * stride_wn, k0 + L2_AHEAD * BK, K, n_ok, BK, EPL)
         if EVEN_K:  # no K mask: keeps the contiguous K loads vectorised
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy=W_EVICT)
@@ -375,7 +367,7 @@ def _gemm2_tile(a_ptr, w_ptr, out_ptr, M, K, stride_am, stride_we, stride_wn, st
         w_rows = w_ptr + e * stride_we + offs_n.to(tl.int64) * stride_wn
     for k0 in range(k_lo, k_hi, BK):
         if L2_AHEAD > 0:
-            _hint_k_tile_l2(w_rows, k0 + L2_AHEAD * BK, k_hi, n_ok, BK, EPL)
+            prefetch_k_slice_l2(w_rows, k0 + L2_AHEAD * BK, k_hi, n_ok, BK, EPL)
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy=W_EVICT)
@@ -596,14 +588,6 @@ def _bulk_ok(w: torch.Tensor, K: int) -> bool:
     return w.data_ptr() % 16 == 0 and all(st * sz % 16 == 0 for st in w.stride()[:2]) and K * sz % 16 == 0
 
 
-def _ahead(steps: int, w: torch.Tensor, BK: int) -> dict:
-    """Launch kwargs of a GEMM's in-loop L2 hints (L2_AHEAD): GPU only (no prefetch instruction in the interpreter),
-    K tiles of whole 128-byte lines."""
-    if steps <= 0 or INTERPRET or not w.is_cuda or (BK * w.element_size()) % 128:
-        return {}
-    return dict(L2_AHEAD=int(steps), EPL=128 // w.element_size())
-
-
 def _gdc1(pdl1: bool, shared_pf: bool) -> dict:
     """GEMM1 launched with PDL (WAIT; SHARED_PF: the speculative L2 prefetch of expert E - 1, direct rows and
     16-byte aligned weight rows only)."""
@@ -628,7 +612,7 @@ def moe_gemm1(x: torch.Tensor, w13: torch.Tensor, rows: MoERows, cfg: MoEConfig,
         TOP_K=top_k, BM=rows.BM, BN=BN, BK=BK, EVEN_K=D % BK == 0, MODE=dot_mode(x.dtype), INTERP=INTERPRET,
         IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, launch=False),
         **_gdc1(cfg.pdl1, rows.ids_block < 0 and _bulk_ok(w13, D)),
-        W_EVICT="evict_first" if cfg.evict else "", **_ahead(cfg.ahead1, w13, BK),
+        W_EVICT="evict_first" if cfg.evict else "", **l2_ahead_kwargs(cfg.ahead1, w13, BK),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return inter
@@ -653,7 +637,7 @@ def moe_gemm2(inter: torch.Tensor, w2: torch.Tensor, rows: MoERows, cfg: MoEConf
         M, D, inter_dim, inter.stride(0), w2.stride(0), w2.stride(1), M * D, D, rows.ids, rows.E, NT, k_steps,
         BM=rows.BM, BN=BN, BK=BK, EVEN_K=inter_dim % BK == 0, MODE=dot_mode(inter.dtype), INTERP=INTERPRET,
         IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, PREFETCH=cfg.prefetch2 if _bulk_ok(w2, inter_dim) else 0),
-        W_EVICT="evict_first" if cfg.evict else "", **_ahead(cfg.ahead2, w2, BK),
+        W_EVICT="evict_first" if cfg.evict else "", **l2_ahead_kwargs(cfg.ahead2, w2, BK),
         num_warps=cfg.warps2 or cfg.num_warps, num_stages=cfg.stages2 or cfg.num_stages,
     )
     return y

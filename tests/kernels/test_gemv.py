@@ -201,13 +201,14 @@ def test_gemv_ragged_kimi_gpu(M, N, K, what, cfg):
 def test_l2_ahead_kwargs(monkeypatch):
     """The in-loop L2 look-ahead (kernels.gemv.L2_AHEAD, or a config's l2_ahead) reaches the launch only on the GPU,
     for the dot path with pointer loads and K steps of whole 128-byte lines."""
+    import kernels._pdl as pdl
     from kernels.gemv import _ahead_kw
 
     w = torch.empty(1, 64, 256, dtype=torch.bfloat16)
     dot = GemvConfig(BN=64, BK=128, dot=True)
     monkeypatch.setattr(kernels.gemv, "L2_AHEAD", 4)
     assert _ahead_kw(dot, w, False) == {}                                   # CPU tensor / interpreter
-    monkeypatch.setattr(kernels.gemv, "INTERPRET", False)
+    monkeypatch.setattr(pdl, "INTERPRET", False)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     assert _ahead_kw(dot, w, False) == dict(L2_AHEAD=4, EPL=64)
     assert _ahead_kw(replace(dot, l2_ahead=6), w, False) == dict(L2_AHEAD=6, EPL=64)

@@ -423,11 +423,14 @@ def test_decode_l2_ahead(monkeypatch):
     assert (c1.ahead1, c1.ahead2) == (c8.ahead1, c8.ahead2) == (4, 3) and "ahead1=4" in c1.short()
     pre = fm.get_config(8192 * 9, 257, torch.bfloat16, 9, 132)
     assert (pre.ahead1, pre.ahead2) == (0, 0)
+    import kernels._pdl as pdl
+
     w = torch.empty(2, 4, 256, dtype=torch.bfloat16)
-    assert fm._ahead(4, w, 128) == {}                                       # CPU tensor / interpreter: no hints
-    monkeypatch.setattr(fm, "INTERPRET", False)
+    ahead = pdl.l2_ahead_kwargs                                             # what moe_gemm1 / moe_gemm2 pass
+    assert ahead(4, w, 128) == {}                                           # CPU tensor / interpreter: no hints
+    monkeypatch.setattr(pdl, "INTERPRET", False)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    assert fm._ahead(4, w, 128) == dict(L2_AHEAD=4, EPL=64) and fm._ahead(4, w, 32) == {} and fm._ahead(0, w, 128) == {}
+    assert ahead(4, w, 128) == dict(L2_AHEAD=4, EPL=64) and ahead(4, w, 32) == {} and ahead(0, w, 128) == {}
 
 
 def test_decode_defaults(monkeypatch):
