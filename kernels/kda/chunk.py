@@ -528,22 +528,28 @@ def _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, 
     d_kk, d_qk = _akk_level_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
     d_kk, d_qk = _akk_level_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
     tl.store(pa + rr[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(pa.dtype.element_ty))
-    # (I + L_ii)^-1, L_ii = diag(beta) StrictTril(Dkk): the two BC/2 x BC/2 diagonal halves by forward substitution
-    # side by side (rows r and r + BC/2 in one step: BC/2 - 1 steps instead of BC - 1), then the lower-left half by
-    # the block merge X = D - D L_21 D (D = the two half inverses; (D L_21)^2 = 0)
+    lmat = tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0)        # L_ii = diag(beta) StrictTril(Dkk)
+    tl.store(px + rr[:, None] * BT + (i_b * BC + r16)[None, :], _block_diag_inverse(lmat, r16, BC, PREC))
+
+
+@triton.jit
+def _block_diag_inverse(lmat, r, BC: tl.constexpr, PREC: tl.constexpr):
+    """(I + L)^-1 on every BC-row diagonal block of lmat ([N, N] fp32, strictly lower in each block; r = arange(N);
+    entries outside the blocks are ignored; zeros outside the blocks). Each block's two BC/2-row halves by forward
+    substitution, all halves side by side (row j of every half per step: BC/2 - 1 steps instead of BC - 1), then each
+    block's lower-left quarter by the merge X = D - D L_21 D (D = the two half inverses; (D L_21)^2 = 0)."""
     HB: tl.constexpr = BC // 2
-    lmat = tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0)
-    hr = (r16 >= HB)[:, None] == (r16 >= HB)[None, :]                                 # same half
+    hr = (r // HB)[:, None] == (r // HB)[None, :]                                     # same half
     lt = tl.trans(tl.where(hr, lmat, 0.0))                                             # lt[c, r] = L[r, c]
-    di = tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)
-    for r in range(1, HB):
-        sel = (r16 == r) | (r16 == r + HB)
-        a_r = tl.sum(tl.where(sel[None, :], lt, 0.0), 1)      # [BC] over c: L[r, c] (c < HB), L[r + HB, c] (c >= HB)
-        nr = tl.sum(a_r[:, None] * di, 0)                     # [BC]: row r's update left, row r + HB's right
+    di = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for j in range(1, HB):
+        sel = (r % HB) == j
+        a_r = tl.sum(tl.where(sel[None, :], lt, 0.0), 1)    # [N] over c: L[the selected row of c's half, c]
+        nr = tl.sum(a_r[:, None] * di, 0)                   # [N]: each selected row's update in its half
         di = tl.where(sel[:, None] & hr, di - nr[None, :], di)
-    l21 = tl.where((r16 >= HB)[:, None] & (r16 < HB)[None, :], lmat, 0.0)
-    di = di - tl.dot(di, tl.dot(l21, di, input_precision=PREC), input_precision=PREC)
-    tl.store(px + rr[:, None] * BT + (i_b * BC + r16)[None, :], di)
+    blk = (r // BC)[:, None] == (r // BC)[None, :]
+    l21 = tl.where(blk & ((r % BC) >= HB)[:, None] & ((r % BC) < HB)[None, :], lmat, 0.0)
+    return di - tl.dot(di, tl.dot(l21, di, input_precision=PREC), input_precision=PREC)
 
 
 @triton.jit
@@ -561,8 +567,7 @@ def _kda_akk_chunk_kernel(
     one exp2 tile e = exp2(-|G - G_n(row)|) per level and K tile serving both sides (the off-diagonal BC-blocks are
     levels BT/2 .. BC, the diagonal blocks' pairs levels BC/2 .. 1). Each level: [BT, BK] x [BK, BT] dots over K
     (M = BT = 64 rows: wgmma on sm_90, instead of one-warp [16, x] tiles), then its pairs are selected. The
-    diagonal-block inverses: forward substitution on all BT/8 eight-row halves at once, then the per-block merge
-    X = D - D L21 D (as _akk_diag_inverse)."""
+    diagonal-block inverses: _block_diag_inverse over all four blocks at once."""
     tl.static_assert((BT == 64) & (BC == 16))
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -608,23 +613,11 @@ def _kda_akk_chunk_kernel(
     px = x_out + cblk * BT
     o = r[:, None] * BT + r[None, :]
     tl.store(pa + o, d_qk.to(pa.dtype.element_ty))
-    # block-diagonal (I + L_ii)^-1, L = diag(beta) StrictTril(Dkk): every BC-block's two 8-row halves by forward
-    # substitution side by side (row j of each of the BT/8 halves per step), then X = D - D L21 D per block
+    # X: the block-diagonal (I + L_ii)^-1 (L = diag(beta) StrictTril(Dkk)) on the BC-blocks, beta Dkk below them
     rb = r // BC
-    blk = rb[:, None] == rb[None, :]
     lmat = tl.where(r[:, None] > r[None, :], d_kk * beta[:, None], 0.0)
-    HB: tl.constexpr = BC // 2
-    hr = (r // HB)[:, None] == (r // HB)[None, :]                                     # same 8-row half
-    lt = tl.trans(tl.where(hr, lmat, 0.0))                                             # lt[c, r] = L[r, c]
-    di = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for j in range(1, HB):
-        selr = (r % HB) == j
-        a_r = tl.sum(tl.where(selr[None, :], lt, 0.0), 1)    # [BT] over c: L[the selected row of c's half, c]
-        nr = tl.sum(a_r[:, None] * di, 0)                    # [BT]: each selected row's update in its half
-        di = tl.where(selr[:, None] & hr, di - nr[None, :], di)
-    l21 = tl.where(blk & ((r % BC) >= HB)[:, None] & ((r % BC) < HB)[None, :], lmat, 0.0)
-    di = di - tl.dot(di, tl.dot(l21, di, input_precision=PREC), input_precision=PREC)
-    x = tl.where(blk, di, tl.where(rb[:, None] > rb[None, :], d_kk * beta[:, None], 0.0))
+    di = _block_diag_inverse(lmat, r, BC, PREC)
+    x = tl.where(rb[:, None] == rb[None, :], di, tl.where(rb[:, None] > rb[None, :], d_kk * beta[:, None], 0.0))
     tl.store(px + o, x)
 
 
