@@ -978,14 +978,19 @@ def carry_page(cfg: dict, page_tile: bool) -> bool:
     return bool(cfg.get("carry_page", False)) and page_tile and not cfg.get("prefetch", 0) and not cfg.get("tma", False)
 
 
-def l2_ahead(cfg: dict, page_tile: bool, on_gpu: bool) -> int:
+def l2_ahead(cfg: dict, page_tile: bool, on_gpu: bool, cache=None) -> int:
     """Stage 1's L2_AHEAD for launch config ``cfg`` (key "l2_ahead", or the module's L2_AHEAD when cfg has none): the
     look-ahead in key tiles of the in-loop L2 hints, on the GPU (the interpreter has no prefetch instruction) with one
     block-table entry per tile, in the LSPLIT loop or the plain one (not with the register prefetch, TMA, keys-as-M
-    or the carried entry)."""
+    or the carried entry); and, given the cache [NB, BS, D], only where a tile's rows are one 128-byte-aligned span
+    (rows of D elements back to back, rows and pages whole lines, an aligned base: _hint_tile_l2's addressing)."""
     a = int(cfg.get("l2_ahead", L2_AHEAD))
     plain = not (cfg.get("prefetch", 0) or cfg.get("tma", False) or cfg.get("keys_m", False)
                  or (cfg.get("carry_page", False) and not cfg.get("lsplit", False)))
+    if cache is not None:
+        es, D = cache.element_size(), cache.shape[2]
+        plain = plain and cache.stride(1) == D and (D * es) % 128 == 0 and (cache.stride(0) * es) % 128 == 0 \
+            and cache.data_ptr() % 128 == 0
     return a if a > 0 and on_gpu and page_tile and plain else 0
 
 
@@ -1098,10 +1103,8 @@ def mla_decode_triton(
         LSPLIT=bool(cfg.get("lsplit", False)),
     )
     variant["CARRY_PAGE"] = carry_page(cfg, variant["PAGE_TILE"])
-    ahead = l2_ahead(cfg, variant["PAGE_TILE"], on_gpu)
-    rows_ok = cache.stride(1) == D and (D * cache.element_size()) % 128 == 0 and cache.data_ptr() % 128 == 0 and \
-        (cache.stride(0) * cache.element_size()) % 128 == 0   # the hinted tile is one line-aligned span
-    if ahead and rows_ok:
+    ahead = l2_ahead(cfg, variant["PAGE_TILE"], on_gpu, cache)
+    if ahead:
         variant.update(L2_AHEAD=ahead, EPL=epl, LANES=32 * cfg["num_warps"])
     assert not variant["LSPLIT"] or not (variant["KEYS_M"] or variant["PREFETCH"] or cfg.get("tma")), cfg
     # TMA boxes: exact L / R columns, tiles inside one page, rows viewable as one [NB * BS, L + R] tensor

@@ -374,6 +374,24 @@ def test_l2_ahead_rule(monkeypatch):
     monkeypatch.setattr(dec, "L2_AHEAD", 3)                                   # the defaults (no key of their own)
     assert l2_ahead(DECODE_VARIANTS["ls n64 w4"], True, True) == 3 and l2_ahead(a2, True, True) == 2
 
+    class Cache:                                 # a [NB, BS, D] bf16 cache's layout, as _hint_tile_l2 addresses it
+        def __init__(self, D=576, row=576, page=64 * 576, base=1 << 20):
+            self.shape, self._st, self._base = (8, 64, D), (page, row, 1), base
+
+        def element_size(self):
+            return 2
+
+        def stride(self, i):
+            return self._st[i]
+
+        def data_ptr(self):
+            return self._base
+
+    assert l2_ahead(a2, True, True, Cache()) == 2                            # Kimi: 1,152-byte rows, 72 KB pages
+    assert l2_ahead(a2, True, True, Cache(row=640)) == 0                     # rows not back to back
+    assert l2_ahead(a2, True, True, Cache(D=40, row=40, page=64 * 40)) == 0  # 80-byte rows: not whole lines
+    assert l2_ahead(a2, True, True, Cache(base=(1 << 20) + 64)) == 0         # base off a 128-byte line
+
 
 _L2_AHEAD_BUILD = r"""
 import json
