@@ -54,9 +54,6 @@ PDL_MAX_LINES = 64
 L2_AHEAD = int(os.environ.get("KIMI_GEMV_L2_AHEAD", "0"))
 
 
-
-
-
 # --------------------------------------------------------------------------------------------------- reference
 def gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [(B,) M, K], w [(B,) N, K] -> (x @ w^T) in fp32, cast to x.dtype."""

@@ -56,7 +56,6 @@ RB = 1024         # tile of the race
 KS = 256          # top-k <= KS: a lower bound on the k-th value from KS group maxima of the row (pass 1)
 
 
-
 # The exponential race of backend/engine/sampler.py (its torch reference: exponential_noise / _exp1_from_bits):
 # E ~ Exp(1) for token v of a row from the counter hash of (seed, step, v); series near 0, log only where E >= log 2
 SERIES_MAX = 0.5
@@ -106,7 +105,6 @@ def _race_kernel(p_ptr, stride_p, seeds_ptr, steps_ptr, vals_ptr, idx_ptr, V, NB
     best = tl.argmax(q, axis=0)
     tl.store(vals_ptr + row * NB + blk, tl.max(q, axis=0))
     tl.store(idx_ptr + row * NB + blk, (blk * BLOCK + best).to(tl.int64))
-
 
 
 def _workspace(M: int, device: torch.device):

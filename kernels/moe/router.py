@@ -823,8 +823,6 @@ def moe_router_add_norm_triton(attn, residual, norm_w, eps, gate_w, bias, top_k,
     return x, h, w, ids
 
 
-
-
 def _poll_slots(device, n: int) -> torch.Tensor:
     """A zeroed int64 buffer of >= n logit slots for the v3 handshake; every launch leaves its slots at zero (one
     stream at a time, like kernels._tensors.arrival_counters)."""
