@@ -26,6 +26,7 @@ class SamplingParams:
     logit_bias: dict = field(default_factory=dict)  # token id -> bias added to the logit
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20 alternatives per token (needs logprobs)
+    grammar: Optional[object] = None  # backend.engine.structured.Grammar: every token must extend its language
 
     def validate(self, vocab_size: int) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -54,6 +55,11 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: {t!r} is not a token id in [0, {vocab_size})")
             if not isinstance(b, (int, float)) or not math.isfinite(b):
                 raise ValueError(f"logit_bias[{t}] must be a finite number, got {b!r}")
+        if self.grammar is not None and not callable(getattr(self.grammar, "matcher", None)):
+            raise ValueError(f"grammar must be a compiled Grammar (backend.engine.structured), got {self.grammar!r}")
+        if self.grammar is not None and self.grammar.vocab_size != vocab_size:
+            raise ValueError(f"the grammar was compiled for {self.grammar.vocab_size} token ids, the model has "
+                             f"{vocab_size}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
 
@@ -63,8 +69,10 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """Sampling reads the tokens generated so far (repetition, presence or frequency penalty)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Sampling reads the tokens generated so far (repetition, presence or frequency penalty, or a grammar whose
+        matcher must have taken the previous token before it can say what the next may be)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.grammar is not None)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -102,7 +110,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "seed", "num_computed_tokens",
                  "state_slot", "block_ids", "status", "finish_reason", "error", "arrival_time", "first_token_time",
-                 "num_preemptions", "pending_logprobs", "num_sent_tokens")
+                 "num_preemptions", "pending_logprobs", "num_sent_tokens", "matcher")
 
     def __init__(self, prompt_token_ids, params: SamplingParams, request_id: Optional[str] = None, seed: int = 0):
         self.request_id = request_id if request_id is not None else f"req-{next(_ids)}"
@@ -122,6 +130,9 @@ class Request:
         self.num_preemptions = 0
         self.pending_logprobs: list = []  # logprob entries not yet delivered
         self.num_sent_tokens = 0  # output tokens already delivered to the stream
+        # the grammar's state after output_token_ids (llguidance LLMatcher; kept across preemption, since the output
+        # tokens are); None without a grammar
+        self.matcher = params.grammar.matcher() if params.grammar is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

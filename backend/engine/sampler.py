@@ -1,6 +1,7 @@
 """Device sampling with per-request parameters; no host sync until `SamplerOutput.to_host` (one `.tolist()`).
 
-Order (vLLM v1): logit_bias -> repetition penalty (HF: prompt + output tokens) -> presence/frequency penalties
+Order (vLLM v1): grammar mask (backend/engine/structured.py: tokens the request's grammar does not allow next get
+-inf) -> logit_bias -> repetition penalty (HF: prompt + output tokens) -> presence/frequency penalties
 (OpenAI: output tokens) -> greedy argmax for temperature-0 rows | temperature -> min-p -> top-k -> top-p -> sample.
 Sampling is an exponential race, argmax(p / E) with E ~ Exp(1), where E for token v of request r at output step i
 is a counter-based hash of (seed_r, i, v): the same seed gives the same tokens whatever else is in the batch, and
@@ -15,6 +16,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from backend.engine.structured import apply_masks, masks
 from kernels._dispatch import use_triton
 from kernels._tensors import cdiv, next_pow2
 from kernels.argmax import argmax_rows
@@ -120,6 +122,7 @@ class SamplingMetadata:
     frequency: Optional[torch.Tensor]  # [M] f32
     out_index: Optional[tuple]  # (rows, cols) of output tokens (with repeats) of rows with presence/frequency
     bias: Optional[tuple]  # (rows, cols, values)
+    grammar: Optional[tuple]  # (rows [R] i64, allowed-token bitmask [R, cdiv(V, 32)] int32) of rows with a grammar
     num_top_logprobs: int  # -1 = no logprobs this step
     wants_logprobs: list  # [M] bool (host)
     top_counts: list  # [M] int (host): top_logprobs asked per row
@@ -129,7 +132,8 @@ class SamplingMetadata:
     @property
     def changes_logits(self) -> bool:
         """A bias or penalty to apply (apply_penalties' inputs): the raw logits' argmax is not the greedy token."""
-        return self.bias is not None or self.rep_index is not None or self.out_index is not None
+        return (self.bias is not None or self.rep_index is not None or self.out_index is not None
+                or self.grammar is not None)
 
     @staticmethod
     def build(reqs: list, vocab_size: int, device: torch.device, pending: int = 0) -> "SamplingMetadata":
@@ -143,7 +147,8 @@ class SamplingMetadata:
         all_greedy = all(greedy)
         sampled = [not g for g in greedy]
         use = lambda pred: any(s and pred(p) for s, p in zip(sampled, ps))  # noqa: E731
-        assert not pending or not any(p.needs_history for p in ps), "penalties need the previous tokens on the host"
+        assert not pending or not any(p.needs_history for p in ps), \
+            "penalties and grammars need the previous tokens on the host"
         rep_rows, rep_cols, out_rows, out_cols, b_rows, b_cols, b_vals = [], [], [], [], [], [], []
         for m, (r, p) in enumerate(zip(reqs, ps)):
             if p.repetition_penalty != 1.0:
@@ -167,6 +172,11 @@ class SamplingMetadata:
             i = _to_device([[p.top_k if p.top_k > 0 else vocab_size for p in ps], [r.seed % (1 << 63) for r in reqs],
                             [len(r.output_token_ids) + pending for r in reqs], [int(g) for g in greedy]], torch.int64, device)
         idx = lambda rows, cols: (_to_device(rows, torch.int64, device), _to_device(cols, torch.int64, device))  # noqa
+        g_rows = [m for m, r in enumerate(reqs) if r.matcher is not None]
+        grammar = None
+        if g_rows:  # host work (llguidance) while the step's forward runs on the device
+            words = masks([reqs[m].matcher for m in g_rows], vocab_size)
+            grammar = (_to_device(g_rows, torch.int64, device), words.to(device, non_blocking=True))
         wants = [p.wants_logprobs for p in ps]
         return SamplingMetadata(
             greedy=i[3] != 0 if i is not None else None, temperature=f[0] if f is not None else None,
@@ -178,6 +188,7 @@ class SamplingMetadata:
             presence=f[4] if out_rows else None, frequency=f[5] if out_rows else None,
             out_index=idx(out_rows, out_cols) if out_rows else None,
             bias=(*idx(b_rows, b_cols), _to_device(b_vals, torch.float32, device)) if b_rows else None,
+            grammar=grammar,
             num_top_logprobs=max((p.top_logprobs for p in ps if p.wants_logprobs), default=-1),
             wants_logprobs=wants, top_counts=[p.top_logprobs for p in ps], any_greedy=any(greedy),
             fast_filters=all(g or _fast_ok(p) for g, p in zip(greedy, ps)))
@@ -231,6 +242,8 @@ class SamplerOutput:
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if not md.changes_logits:
         return logits
+    if md.grammar is not None:
+        apply_masks(logits, *md.grammar)
     if md.bias is not None:
         rows, cols, vals = md.bias
         logits.index_put_((rows, cols), vals, accumulate=True)

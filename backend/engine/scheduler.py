@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from backend.engine.memory import BlockPool, StatePool
 from backend.engine.request import Request, RequestStatus
+from backend.engine.structured import advance, finished
 
 
 @dataclass(slots=True)
@@ -232,6 +233,10 @@ class Scheduler:
             j += 1
             req.output_token_ids.append(token)
             touched.append(req)
+            error = advance(req.matcher, token) if req.matcher is not None else None
+            if error is not None:
+                self.finish(req, "error", error)
+                continue
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self.finish(req, reason)
@@ -241,6 +246,8 @@ class Scheduler:
     def _stop_reason(self, req: Request, token: int):
         p = req.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if req.matcher is not None and finished(req.matcher):  # the grammar is complete: nothing more may follow
             return "stop"
         if p.max_tokens and len(req.output_token_ids) >= p.max_tokens:
             return "length"

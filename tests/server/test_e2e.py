@@ -240,6 +240,51 @@ def test_bad_inputs_invalid_argument_server_survives(loaded):
     assert r.tokens == 256 - r.prompt_tokens
 
 
+# what LocalAI sends for response_format {"type": "json_schema", ...} (its json-schema-to-GBNF converter's shape)
+SCHEMA_GBNF = r"""space ::= " "?
+boolean ::= ("true" | "false") space
+count ::= ("1" | "2" | "3") space
+root-ok-kv ::= "\"ok\"" space ":" space boolean
+root-n-kv ::= "\"n\"" space ":" space count
+root ::= "{" space root-ok-kv "," space root-n-kv "}" space
+"""
+
+
+def test_grammar_constrains_output(loaded):
+    """PredictOptions.Grammar (GBNF): Predict and PredictStream give text of the grammar's language, the same text
+    with a fixed seed, and a free request beside constrained ones is unchanged; a bad grammar is INVALID_ARGUMENT."""
+    free = pb.PredictOptions(Prompt="Give me JSON", Tokens=N, Temperature=0)
+    free_text = loaded.stub.Predict(free).message.decode()
+    outs = []
+    for seed in range(1, 4):
+        req = pb.PredictOptions(Prompt="Give me JSON", Tokens=64, Temperature=0.8, Seed=seed, Grammar=SCHEMA_GBNF)
+        text = loaded.stub.Predict(req).message.decode()
+        obj = json.loads(text)
+        assert set(obj) == {"ok", "n"} and isinstance(obj["ok"], bool) and obj["n"] in (1, 2, 3), text
+        assert text_of(list(loaded.stub.PredictStream(req))) == text
+        outs.append(text)
+    results = [None] * 4
+
+    def run(i):
+        req = free if i == 0 else pb.PredictOptions(Prompt="Give me JSON", Tokens=64, Temperature=0.8, Seed=i,
+                                                    Grammar=SCHEMA_GBNF)
+        results[i] = text_of(list(loaded.stub.PredictStream(req, timeout=120)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert results == [free_text] + outs
+    yes_no = loaded.stub.Predict(pb.PredictOptions(Prompt="Answer:", Tokens=16, Temperature=0,
+                                                   Grammar='root ::= "yes" | "no"'))
+    assert yes_no.message.decode() in ("yes", "no")
+    with pytest.raises(grpc.RpcError) as ei:
+        loaded.stub.Predict(pb.PredictOptions(Prompt="hi", Grammar="root ::= missing-rule"))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "grammar" in ei.value.details()
+    assert loaded.stub.Health(pb.HealthMessage()).message == b"OK"
+
+
 def test_concurrent_streams_match_solo(loaded):
     prompts = [f"Request number {i}: tell me about item {i * 7}" for i in range(8)]
     solo = [loaded.stub.Predict(pb.PredictOptions(Prompt=p, Tokens=N, Temperature=0)).message.decode()

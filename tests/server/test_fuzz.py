@@ -81,6 +81,10 @@ metadata = st.dictionaries(st.sampled_from(["enable_thinking", "thinking", "chat
                                             "other"]), json_text, max_size=3)
 
 
+GRAMMARS = ['root ::= "yes" | "no"', 'root ::= [a-z]+ "."', 'start: /[0-9]{1,4}/', '{"type": "object"}', "root ::= ",
+            'root ::= "\\x00" | "x"', '{"enum": ["a", 1, null]}', 'root ::= ( "a" ']
+
+
 @st.composite
 def predict_options(draw):
     kw = dict(
@@ -91,7 +95,8 @@ def predict_options(draw):
         LogitBias=draw(st.one_of(st.just(""), logit_bias)), Logprobs=draw(i32), TopLogprobs=draw(i32),
         UseTokenizerTemplate=draw(st.booleans()), Messages=draw(st.lists(message, max_size=4)),
         Tools=draw(st.one_of(st.just(""), st.just(""), tools)), ToolChoice=draw(st.one_of(st.just(""), json_text)),
-        Metadata=draw(metadata), Grammar=draw(st.one_of(st.just(""), st.text(max_size=10))),
+        Metadata=draw(metadata), Grammar=draw(st.one_of(st.just(""), st.just(""), st.text(max_size=10),
+                                                        st.sampled_from(GRAMMARS))),
     )
     if draw(st.booleans()):  # half the requests have sane sampling values, so that they reach the engine
         kw.update(Temperature=draw(st.floats(0, 2)), TopP=draw(st.floats(0, 1)), MinP=draw(st.floats(0, 1)),

@@ -206,6 +206,8 @@ BAD = [
     (dict(LogitBias='{"999999999": 1}'), "logit_bias"),
     (dict(Tools="[{bad"), "Tools"),
     (dict(TopLogprobs=50), "TopLogprobs"),
+    (dict(Grammar='root ::= ( "a" '), "grammar"),
+    (dict(Grammar='{"type": 3}'), "grammar"),
     (dict(Prompt=""), "empty prompt"),
     (dict(Prompt="word " * 400), "context"),
     (dict(UseTokenizerTemplate=True, Messages=[pb.Message(role="user", content="x")],
