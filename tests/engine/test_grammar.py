@@ -18,28 +18,21 @@ from hypothesis import strategies as st
 from backend.engine import SamplingParams
 from backend.engine.structured import GrammarError, Grammars, advance, apply_masks, masks
 from backend.model.generate import _step
-from tests.engine.test_engine import EOS, alone, assert_pools_full, collect, make_engine, with_graphs, workload
+from tests.engine.test_engine import EOS, alone, assert_pools_full, collect, make_engine, workload
+from tests.engine import test_engine
 
 VOCAB = 256
 SPECIAL = list(range(250, 256))
 WORDS = ["yes", "no", "maybe", "yesterday", "nope"]
 GBNF = 'root ::= "yes" | "no" | "maybe" | "yesterday" | "nope"'
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+engine = test_engine.engine  # the engine fixture: eager, and with CPU stand-ins for the decode graphs
 
 
 @pytest.fixture(scope="module")
 def grammars():
     token_bytes = [bytes([i]) for i in range(250)] + [f"<s{i}>".encode() for i in SPECIAL]
     return Grammars(token_bytes, SPECIAL, [EOS], None, lambda text: [b for b in text.encode() if b < 250])
-
-
-@pytest.fixture(scope="module", params=["eager", "graphs"])
-def engine(tiny_dir, request):
-    eng = make_engine(tiny_dir)
-    if request.param == "graphs":
-        with_graphs(eng)
-    yield eng
-    eng.shutdown()
 
 
 def text_of(ids):
