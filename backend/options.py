@@ -30,6 +30,9 @@ ENGINE_KEYS = {
     "seed": (int, "default sampling seed of requests that set none"),
     "num_slots": (int, "KDA state slots incl. the null slot (default: max_num_seqs + 1)"),
     "num_blocks": (int, "MLA pages incl. the null page (default: sized from gpu_memory_utilization)"),
+    "prefix_cache_slots": (int, "prefix caching: prompts kept for reuse by later prompts that extend them (each holds "
+                                "a KDA state slot, ~42 MB for Kimi-Linear, and its MLA pages); 0 = off (default)"),
+    "prefix_cache_min_tokens": (int, "prefix caching: shortest prompt worth keeping (default 64)"),
     "max_graph_batch_size": (int, "largest decode batch captured in a CUDA graph (default: max_num_seqs)"),
     "random_weights": (bool, "benchmarks only: random weights from config.json, no safetensors needed"),
     "tp_size": (int, "tensor-parallel world size, all nodes together (= TensorParallelSize)"),
@@ -226,6 +229,9 @@ def build_load_spec(request, launch_cwd: str | None = None) -> LoadSpec:
                 "num_blocks", "max_graph_batch_size", "tp_size", "nnodes"):
         if key in spec.engine and spec.engine[key] <= 0:
             raise OptionsError(f"{key} must be a positive integer, got {spec.engine[key]}")
+    for key in ("prefix_cache_slots", "prefix_cache_min_tokens"):
+        if key in spec.engine and spec.engine[key] < (key == "prefix_cache_min_tokens"):
+            raise OptionsError(f"{key} must be >= {int(key == 'prefix_cache_min_tokens')}, got {spec.engine[key]}")
     if spec.engine.get("max_prefill_tokens_with_decode", 0) < 0:
         raise OptionsError(f"max_prefill_tokens_with_decode must be >= 0 (0 = no cap), got "
                            f"{spec.engine['max_prefill_tokens_with_decode']}")

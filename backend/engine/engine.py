@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from backend.engine.memory import BlockPool, StatePool
+from backend.engine.prefix_cache import PrefixCache
 from backend.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from backend.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -43,6 +44,11 @@ class EngineConfig:
     block_size: int = 64
     num_blocks: int = 0  # MLA pages incl. the null page; 0 = from gpu_memory_utilization (CUDA) or max_num_seqs
     num_slots: int = 0  # KDA slots incl. the null slot; 0 = max_num_seqs + 1
+    # prefix caching (backend/engine/prefix_cache.py): prompts of >= prefix_cache_min_tokens tokens are snapshotted
+    # into up to prefix_cache_slots extra KDA state slots (each one layer-set of states: ~42 MB for Kimi-Linear in
+    # bf16) and their MLA pages kept, so a later prompt that extends one (multi-turn chat) starts after it; 0 = off
+    prefix_cache_slots: int = 0
+    prefix_cache_min_tokens: int = 64
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"  # auto (or None) = the checkpoint's on CUDA, float32 on CPU
     device: str = "auto"  # auto (or None) = cuda if available
@@ -73,12 +79,14 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "num_blocks", "num_slots", "max_graph_batch_size",
-                     "max_prefill_tokens_with_decode"):
+                     "max_prefill_tokens_with_decode", "prefix_cache_slots"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence needs a token each step")
+        if self.prefix_cache_min_tokens < 1:
+            raise ValueError(f"prefix_cache_min_tokens must be >= 1, got {self.prefix_cache_min_tokens}")
         if self.num_blocks == 1 or self.num_slots == 1:
             raise ValueError("num_blocks and num_slots count the null page/slot: use 0 (auto) or >= 2")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -174,14 +182,18 @@ class LLMEngine:
         # the settings in effect, "auto" values resolved by the runner
         self.cfg = replace(cfg, dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device),
                            max_model_len=runner.max_model_len, max_num_seqs=runner.max_num_seqs,
-                           num_blocks=runner.num_blocks, num_slots=runner.num_slots)
+                           num_blocks=runner.num_blocks, num_slots=runner.num_slots - runner.prefix_cache_slots,
+                           prefix_cache_slots=runner.prefix_cache_slots)
         self.runner = runner
         self.vocab_size = runner.vocab_size
         self.max_model_len = runner.max_model_len
         eos = cfg.eos_token_ids or runner.config.eos_token_ids
-        self.scheduler = Scheduler(BlockPool(runner.num_blocks, runner.block_size), StatePool(runner.num_slots),
-                                   runner.max_num_seqs, cfg.max_num_batched_tokens, runner.max_model_len, eos,
-                                   cfg.max_prefill_tokens_with_decode)
+        blocks, states = BlockPool(runner.num_blocks, runner.block_size), StatePool(runner.num_slots)
+        cache = None
+        if runner.prefix_cache_slots:
+            cache = PrefixCache(blocks, states, runner.prefix_cache_slots, cfg.prefix_cache_min_tokens)
+        self.scheduler = Scheduler(blocks, states, runner.max_num_seqs, cfg.max_num_batched_tokens,
+                                   runner.max_model_len, eos, cfg.max_prefill_tokens_with_decode, cache)
         self._rng = random.Random(cfg.seed)
         self._lock = threading.Condition()
         self._inbox: list = []
@@ -255,6 +267,10 @@ class LLMEngine:
             free_slots=s.states.num_free, num_slots=s.states.capacity, max_num_seqs=s.max_num_seqs,
             max_model_len=s.max_model_len, kv_capacity_tokens=s.blocks.capacity * s.blocks.block_size,
             preemptions=s.num_preemptions, tokens_per_s=sum(n for _, n in recent) / span if span > 0 else 0.0,
+            prefix_cache_entries=len(s.cache) if s.cache is not None else 0,
+            prefix_cache_hits=s.cache.hits if s.cache is not None else 0,
+            prefix_cache_hit_tokens=s.cache.hit_tokens if s.cache is not None else 0,
+            prefix_cache_evictions=s.cache.evictions if s.cache is not None else 0,
             **self._totals)
 
     def fail(self, msg: str) -> None:
@@ -436,6 +452,8 @@ class LLMEngine:
                 s.request.pending_logprobs.append(lp)
 
     def _fail(self, out: SchedulerOutput, e: Exception):
+        if out.snapshots:
+            self.scheduler.abandon(out)
         for s in out.seqs:
             req = s.request
             if not req.is_finished:

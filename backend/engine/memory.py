@@ -37,6 +37,12 @@ class BlockPool:
             self.ref_count[i] = 1
         return ids
 
+    def share(self, ids) -> None:
+        """One more holder of these allocated pages (a prefix cache entry, a request reusing it)."""
+        for i in ids:
+            assert i != 0 and self.ref_count[i] > 0, f"page {i} shared but not allocated"
+            self.ref_count[i] += 1
+
     def free(self, ids) -> None:
         # reverse order: a request's tail pages go back first
         for i in reversed(ids):

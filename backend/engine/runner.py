@@ -109,8 +109,13 @@ class ModelRunner:
         self.dtype = model.dtype
         self.config = self.model.config
         self.vocab_size = self.config.vocab_size
-        self.num_slots = cfg.num_slots or cfg.max_num_seqs + 1
-        self.max_num_seqs = min(cfg.max_num_seqs, self.num_slots - 1)
+        # prefix cache snapshots take state slots of their own, on top of the sequences' (not with tensor parallel:
+        # the followers would need its copies)
+        self.prefix_cache_slots = cfg.prefix_cache_slots if group is None else 0
+        if cfg.prefix_cache_slots and group is not None:
+            log.warning("prefix_cache_slots is not supported with tensor parallel yet: prefix caching is off")
+        self.num_slots = (cfg.num_slots or cfg.max_num_seqs + 1) + self.prefix_cache_slots
+        self.max_num_seqs = min(cfg.max_num_seqs, self.num_slots - 1 - self.prefix_cache_slots)
         self.num_blocks = cfg.num_blocks or self._auto_num_blocks(cfg)
         if group is not None:
             # rank 0's scheduler hands out pages that every rank must have
@@ -236,6 +241,7 @@ class ModelRunner:
         if self.can_launch(out):
             return self.collect(self.launch(out))
         try:
+            self._copy(out.copies)
             if out.is_decode_only and self.graphs and n <= max(self.graphs):
                 rows = [i for i, s in enumerate(out.seqs) if s.sample]
                 logits = self._replay(out)[_pinned(rows, torch.int64, self.device)]
@@ -243,6 +249,7 @@ class ModelRunner:
                 batch = self.prepare(out)
                 hidden = self.model(batch, self.cache)
                 logits = self.model.compute_logits(hidden, batch.logits_index)
+            self._copy(self._snapshot_copies(out))
         except Exception as e:
             raise self._step_error(e) from e
         if not reqs:
@@ -257,9 +264,32 @@ class ModelRunner:
         return self.group.fail(f"tensor-parallel step failed on rank 0: {type(e).__name__}: {e}")
 
     def can_launch(self, out: SchedulerOutput) -> bool:
-        """A decode-only step that a graph replays and whose every sequence samples: `launch` runs it."""
+        """A decode-only step that a graph replays and whose every sequence samples (and no prefix-cache copies):
+        `launch` runs it."""
         return (out.is_decode_only and bool(self.graphs) and len(out.seqs) <= max(self.graphs)
-                and all(s.sample for s in out.seqs))
+                and all(s.sample for s in out.seqs) and not out.copies and not out.snapshots)
+
+    # prefix cache (backend/engine/prefix_cache.py): state slots and MLA pages copied on the device
+    def _snapshot_copies(self, out: SchedulerOutput) -> list:
+        """A snapshot of each prompt `out` completes: its KDA state and its last, partial page."""
+        copies = []
+        for req, slot, page in out.snapshots:
+            copies.append(("slot", req.state_slot, slot))
+            if page:
+                copies.append(("page", req.block_ids[len(req.prompt_token_ids) // self.block_size], page))
+        return copies
+
+    def _copy(self, copies: list) -> None:
+        """("slot", src, dst): every KDA layer's conv and recurrent state; ("page", src, dst): every MLA layer's
+        latent page. One index_copy_ per tensor and kind."""
+        for kind, tensors in (("slot", self.cache.conv_state + self.cache.rec_state), ("page", self.cache.latent)):
+            pairs = [(a, b) for k, a, b in copies if k == kind]
+            if not pairs:
+                continue
+            src = torch.tensor([a for a, _ in pairs], dtype=torch.int64, device=self.device)
+            dst = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=self.device)
+            for t in tensors:
+                t.index_copy_(0, dst, t.index_select(0, src))
 
     @torch.no_grad()
     def launch(self, out: SchedulerOutput, feed: "Launched" = None) -> "Launched":

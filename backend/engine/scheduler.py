@@ -9,12 +9,18 @@ recomputed as part of its prompt).
 Decode stalls are bounded: while any running request decodes, the prefill chunks of a step together get at most
 `max_prefill_tokens_with_decode` tokens (0 = no cap), so a decode step never waits behind a full-budget prefill;
 with nothing decoding, prefill gets the whole budget.
+
+With a PrefixCache (backend/engine/prefix_cache.py), admission starts a request after the longest cached prompt its
+tokens begin with (SchedulerOutput.copies: the snapshot's state slot and partial page, copied before the forward),
+the step that completes a prompt also snapshots it (SchedulerOutput.snapshots, copied after the forward, registered
+by update), and cache entries are evicted for pages or slots before any request is preempted.
 """
 
 from collections import deque
 from dataclasses import dataclass, field
 
 from backend.engine.memory import BlockPool, StatePool
+from backend.engine.prefix_cache import PrefixCache
 from backend.engine.request import Request, RequestStatus
 from backend.engine.structured import advance, finished
 
@@ -37,6 +43,8 @@ class SchedulerOutput:
     num_decodes: int = 0
     num_tokens: int = 0
     preempted: list = field(default_factory=list)
+    copies: list = field(default_factory=list)  # ("slot" | "page", src, dst): prefix cache hits, before the forward
+    snapshots: list = field(default_factory=list)  # (request, slot, page): prompts to cache, after the forward
 
     @property
     def is_empty(self) -> bool:
@@ -54,7 +62,8 @@ def _decodes(req: Request) -> bool:
 
 class Scheduler:
     def __init__(self, block_pool: BlockPool, state_pool: StatePool, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids=(), max_prefill_tokens_with_decode: int = 0):
+                 max_model_len: int, eos_token_ids=(), max_prefill_tokens_with_decode: int = 0,
+                 prefix_cache: PrefixCache = None):
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1 and max_prefill_tokens_with_decode >= 0
         assert max_num_seqs <= state_pool.capacity, "more sequences than KDA state slots"
         assert max_model_len <= block_pool.capacity * block_pool.block_size, "max_model_len exceeds the page pool"
@@ -65,6 +74,7 @@ class Scheduler:
         self.max_prefill_tokens_with_decode = max_prefill_tokens_with_decode
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.cache = prefix_cache
         self.waiting: deque = deque()
         self.running: list = []
         self.num_preemptions = 0
@@ -105,7 +115,7 @@ class Scheduler:
         prefill_budget = budget
         if self.max_prefill_tokens_with_decode and any(map(_decodes, self.running)):
             prefill_budget = self.max_prefill_tokens_with_decode
-        decodes, prefills, preempted = [], [], []
+        decodes, prefills, preempted, copies, snapshots = [], [], [], [], []
         bs = self.blocks.block_size
         i = 0
         # running requests, oldest first
@@ -134,6 +144,7 @@ class Scheduler:
                 break
             s = self._take(req, n)
             (decodes if s.is_decode else prefills).append(s)
+            self._maybe_snapshot(s, snapshots)
             budget -= n
             if not _decodes(req):
                 prefill_budget -= n
@@ -142,19 +153,28 @@ class Scheduler:
         while (not preempted and self.waiting and min(budget, prefill_budget) > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
+            # the longest cached prompt this request begins with (at least one token must be left to compute)
+            hit = self.cache.lookup(req.all_token_ids, req.num_tokens - 1) if self.cache is not None else None
+            shared = hit.full_pages if hit is not None else []
             # the whole known sequence must fit in free pages, not just the first chunk: avoids admit-then-preempt
-            if not self.states.can_allocate() or not self.blocks.can_allocate(self.blocks.blocks_for(req.num_tokens)):
+            need = self.blocks.blocks_for(req.num_tokens) - len(shared)
+            if (not self.states.can_allocate() and (self.cache is None or len(self.cache) <= (hit is not None))) \
+                    or not self._free_pages(need, hit, only_if_enough=True) or not self._free_slot(hit):
                 break
             self.waiting.popleft()
             req.state_slot = self.states.allocate()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if hit is not None:
+                copies += self._start_after(req, hit)
             n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget, prefill_budget))
             s = self._take(req, n)
             (decodes if s.is_decode else prefills).append(s)
+            self._maybe_snapshot(s, snapshots)
             budget -= n
             prefill_budget -= n
-        return SchedulerOutput(decodes + prefills, len(decodes), self.max_num_batched_tokens - budget, preempted)
+        return SchedulerOutput(decodes + prefills, len(decodes), self.max_num_batched_tokens - budget, preempted,
+                               copies, snapshots)
 
     def schedule_next(self, prev: SchedulerOutput):
         """The step after `prev` while `prev` is still on the device (not `update`d): every running request decodes
@@ -179,17 +199,22 @@ class Scheduler:
         free = self.blocks.num_free - len(need)
         if free < 0:
             return None
-        # schedule() would admit the first waiting request (unless a request stops at prev: admitted a step later)
-        if (self.waiting and n < self.max_num_seqs and self.max_num_batched_tokens > n and self.states.can_allocate()
-                and self.blocks.blocks_for(self.waiting[0].num_tokens) <= free):
+        # schedule() would admit the first waiting request (unless a request stops at prev: admitted a step later),
+        # evicting cached prompts for it if need be
+        cached = len(self.cache) if self.cache is not None else 0
+        if (self.waiting and n < self.max_num_seqs and self.max_num_batched_tokens > n
+                and (self.states.can_allocate() or cached)
+                and self.blocks.blocks_for(self.waiting[0].num_tokens) <= free + (
+                    self.cache.reclaimable() if cached else 0)):
             return None
         for req in need:
             req.block_ids += self.blocks.allocate(1)
         return SchedulerOutput([ScheduledSeq(s.request, s.start + 1, 1, True) for s in prev.seqs], n, n)
 
     def _fit(self, req: Request, n: int) -> int:
-        """Largest m <= n whose pages can be allocated for `req` now."""
+        """Largest m <= n whose pages can be allocated for `req` now (cached prompts are evicted for them first)."""
         bs = self.blocks.block_size
+        self._free_pages(self.blocks.blocks_for(req.num_computed_tokens + n) - len(req.block_ids))
         room = (len(req.block_ids) + self.blocks.num_free) * bs - req.num_computed_tokens
         return max(0, min(n, room))
 
@@ -198,6 +223,64 @@ class Scheduler:
         if need > 0:
             req.block_ids += self.blocks.allocate(need)
         return ScheduledSeq(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens)
+
+    # prefix cache
+    def _free_pages(self, n: int, keep=None, only_if_enough: bool = False) -> bool:
+        """Evicts cached prompts (never `keep`) until n pages are free -> whether they are. only_if_enough: evict
+        nothing when even every entry would not free enough (a waiting request that cannot be admitted anyway)."""
+        if only_if_enough and not self.blocks.can_allocate(n) and (
+                self.cache is None or self.blocks.num_free + self.cache.reclaimable(keep) < n):
+            return False
+        while not self.blocks.can_allocate(n):
+            if self.cache is None or not self.cache.evict(keep):
+                return False
+        return True
+
+    def _free_slot(self, keep=None) -> bool:
+        while not self.states.can_allocate():
+            if self.cache is None or not self.cache.evict(keep):
+                return False
+        return True
+
+    def _start_after(self, req: Request, hit) -> list:
+        """req (just given its slot) starts after the cached prompt `hit` -> the copies that set it up."""
+        self.blocks.share(hit.full_pages)
+        req.block_ids = list(hit.full_pages)
+        copies = [("slot", hit.slot, req.state_slot)]
+        if hit.partial_page:  # copy-on-write: req writes its next tokens into this page
+            page = self.blocks.allocate(1)[0]
+            req.block_ids.append(page)
+            copies.append(("page", hit.partial_page, page))
+        req.num_computed_tokens = len(hit.tokens)
+        self.cache.hits += 1
+        self.cache.hit_tokens += len(hit.tokens)
+        return copies
+
+    def _maybe_snapshot(self, s: ScheduledSeq, snapshots: list) -> None:
+        """s completes its request's prompt for the first time: snapshot it, if the cache wants it and has room."""
+        req = s.request
+        p = len(req.prompt_token_ids)
+        if (self.cache is None or not s.sample or req.output_token_ids or s.start + s.num_new_tokens != p
+                or not self.cache.wants(req.prompt_token_ids)):
+            return
+        got = self.cache.reserve(partial=p % self.blocks.block_size != 0)
+        if got is not None:
+            snapshots.append((req, *got))
+
+    def _register(self, out: SchedulerOutput) -> None:
+        """update(): the snapshots of `out` are taken (the runner copied them after the forward): cache them."""
+        for req, slot, page in out.snapshots:
+            if req.status is RequestStatus.FINISHED or not req.block_ids:  # its pages went back meanwhile
+                self.cache.unreserve(slot, page)
+            else:
+                self.cache.insert(req.prompt_token_ids, slot, page, req.block_ids)
+        out.snapshots = []
+
+    def abandon(self, out: SchedulerOutput) -> None:
+        """A failed step: the snapshots it reserved are not taken."""
+        for _, slot, page in out.snapshots:
+            self.cache.unreserve(slot, page)
+        out.snapshots = []
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
@@ -220,6 +303,8 @@ class Scheduler:
 
         Returns the requests that got a token or finished. A request that finished after `out` was scheduled (a
         step launched before the previous one was collected: the previous token was a stop token) is left as is."""
+        if out.snapshots:  # before any request below finishes and gives back pages the cache shares
+            self._register(out)
         touched, j = [], 0
         for s in out.seqs:
             req = s.request

@@ -328,6 +328,26 @@ def test_cancel_frees_engine_request(loaded):
     assert loaded.stub.Predict(pb.PredictOptions(Prompt="hi", Tokens=2)).tokens >= 1
 
 
+def test_prefix_cache_multi_turn(srv, ckpt, reference):
+    """options prefix_cache_slots: the second turn of a chat starts after the first turn's cached prompt (GetMetrics
+    counts the hit) and its text is the from-scratch greedy text; Free then gives every page and slot back."""
+    tok, greedy = reference
+    r = srv.stub.LoadModel(load_opts(ckpt, Options=["max_num_seqs:8", "dtype:float32", "prefix_cache_slots:4",
+                                                    "prefix_cache_min_tokens:8"]), timeout=300)
+    assert r.success, r.message
+    turn1 = [{"role": "user", "content": "Tell me about the weather in Paris in spring."}]
+    chat = lambda msgs: pb.PredictOptions(UseTokenizerTemplate=True, Tokens=N, Temperature=0,  # noqa: E731
+                                          Messages=[pb.Message(**m) for m in msgs])
+    a1 = srv.stub.Predict(chat(turn1)).message.decode()
+    turn2 = turn1 + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And in autumn?"}]
+    a2 = srv.stub.Predict(chat(turn2)).message.decode()
+    stats = json.loads(srv.stub.GetMetrics(pb.MetricsRequest()).prompt_json_for_slot)
+    assert stats["prefix_cache_hits"] == 1 and stats["prefix_cache_hit_tokens"] > 10, stats
+    prompt2 = tok.apply_chat_template(turn2, add_generation_prompt=True)
+    assert a2 == greedy(prompt2)[1]
+    assert srv.stub.Free(pb.HealthMessage()).success
+
+
 def test_free_then_predict_is_failed_precondition(loaded):
     r = loaded.stub.Free(pb.HealthMessage())
     assert r.success
