@@ -4,6 +4,7 @@
     python bench/e2e.py                         # 27 layers, decode batch 1/8/64, prefill 1k/8k/32k
     python bench/e2e.py --layers 8 --prefill 1024,8192 --decode-batches 1,8
     python bench/e2e.py --profile               # + kernel/host breakdown of decode b1, b64 and one 8k prefill chunk
+    python bench/e2e.py --multi-turn 8192,32768  # + next-turn TTFT with prefix caching vs from scratch
     python bench/e2e.py --decode-batches 1,8 --prefill 1024,8192 --hf-dir .hf/kimi-linear
                                                 # first HF transformers + fla (official remote code) on the same
                                                 # weights (bench/hf_baseline.py), then ours; printed side by side
@@ -269,7 +270,27 @@ def bench_decode(engine: LLMEngine, batch: int, context: int, steps: int, params
 
 def bench_prefill(engine: LLMEngine, n: int, seed: int) -> float:
     """-> seconds from submission to the first token of one n-token prompt (chunked by max_num_batched_tokens)."""
-    stream = engine.add_request(prompt(n, engine.vocab_size, seed), SamplingParams(max_tokens=1, temperature=0.0))
+    return ttft(engine, prompt(n, engine.vocab_size, seed))
+
+
+def bench_turn(engine: LLMEngine, history: int, new: int, seed: int) -> tuple:
+    """-> seconds to the first token of a (history + new)-token prompt (from scratch, then after the history-token
+    prompt, the previous turn, was cached)."""
+    hist, tail = prompt(history, engine.vocab_size, seed), prompt(new, engine.vocab_size, seed + 1)
+    engine.scheduler.cache.clear()
+    cold = ttft(engine, hist + tail)
+    engine.scheduler.cache.clear()
+    ttft(engine, hist)  # the previous turn: its prompt is cached
+    hits = engine.stats()["prefix_cache_hits"]
+    warm = ttft(engine, hist + tail)
+    assert engine.stats()["prefix_cache_hits"] == hits + 1, "the next turn did not start after the cached prompt"
+    engine.scheduler.cache.clear()
+    return cold, warm
+
+
+def ttft(engine: LLMEngine, ids: list) -> float:
+    """-> seconds from submission to the first token of one prompt (chunked by max_num_batched_tokens)."""
+    stream = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0))
     sync()
     t = time.perf_counter()
     while engine.scheduler.has_unfinished or engine._inbox:
@@ -671,6 +692,10 @@ def main():
     ap.add_argument("--decode-context", type=int, default=1024, help="prompt tokens before decoding")
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--prefill", default="1024,8192,32768")
+    ap.add_argument("--multi-turn", default="", help="history lengths H: time to first token of a next chat turn "
+                    "(H history tokens + --turn-tokens new ones) from scratch and after the H-token prompt was cached "
+                    "(prefix_cache_slots, backend/engine/prefix_cache.py)")
+    ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true")
@@ -689,6 +714,7 @@ def main():
     args = ap.parse_args()
     args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
+    args.multi_turn = [int(x) for x in args.multi_turn.split(",") if x]
     args.hf_batches = ([b for b in args.decode_batches if b <= 8] if args.hf_batches is None else
                        [int(x) for x in args.hf_batches.split(",") if x])
     if args.hf_dir:  # before anything imports transformers, tokenizers or fla: the baseline brings its own
@@ -724,14 +750,15 @@ def main():
     hf_rows = run_hf(args, model, cfg_dict, dev, dtype) if args.hf_dir else []
 
     max_bs = max(args.decode_batches)
-    max_len = max(args.prefill + [args.decode_context + args.decode_steps + 64,
+    max_len = max(args.prefill + [h + args.turn_tokens + 8 for h in args.multi_turn] + [
+                                  args.decode_context + args.decode_steps + 64,
                                   args.decode_context + PROFILE_MAX_TOKENS + 8]) + 64
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_bs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=64, gpu_memory_utilization=args.gpu_memory_utilization, device=dev.type,
                         dtype=str(dtype).removeprefix("torch."), enforce_eager=args.enforce_eager,
                         # no prefill cap while decoding: the decode figures time a full batch in steady decode, and
                         # with the cap the first of 64 prompts would reach max_tokens before the last is admitted
-                        max_prefill_tokens_with_decode=0)
+                        max_prefill_tokens_with_decode=0, prefix_cache_slots=2 if args.multi_turn else 0)
     t = time.perf_counter()
     runner = ModelRunner("", ecfg, model=model)
     engine = LLMEngine(runner, ecfg, start=False)
@@ -765,6 +792,14 @@ def main():
         sol = peak / roof.prefill_flops(n) * n
         rows.append((f"prefill {n} (chunks of {args.max_num_batched_tokens})", n / dt, "tok/s", sol))
         print(f"  prefill {n}: {dt * 1e3:.0f} ms, {n / dt:.0f} tok/s")
+    for i, h in enumerate(args.multi_turn):
+        n = args.turn_tokens
+        cold, warm = bench_turn(engine, h, n, seed=50 + i)
+        sol = (roof.prefill_flops(h + n) - roof.prefill_flops(h)) / peak  # the new tokens' FLOPs after h cached
+        name = f"next turn TTFT, {h} cached + {n} new"
+        rows.append((name, 1.0 / warm, "turn/s", 1.0 / sol))
+        print(f"  {name}: {warm * 1e3:.1f} ms with the prefix cache, {cold * 1e3:.1f} ms from scratch "
+              f"({cold / warm:.1f}x); speed of light of the new tokens {sol * 1e3:.2f} ms")
     if args.profile:
         run_profile(engine, args, roof, peak)
     graphs = bool(runner.graphs)
