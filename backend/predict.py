@@ -110,6 +110,22 @@ def prompt_ids(request, tok) -> list:
     return ids
 
 
+def cache_points(ids: list, tok) -> tuple:
+    """Where the prompt's last chat message starts (just after its second-to-last <|im_end|>): what comes before it
+    (a system prompt and tools on a first turn; the conversation so far on later ones) is shared by other requests,
+    so the prefix cache keeps it too. () for a prompt without two messages."""
+    end = tok.token_to_id("<|im_end|>")
+    if end is None:
+        return ()
+    rev = ids[::-1]
+    try:
+        last = rev.index(end)
+        before = rev.index(end, last + 1)
+    except ValueError:
+        return ()
+    return (len(ids) - before,)
+
+
 def _finite(name, v):
     if not math.isfinite(v):
         raise BadRequest(f"{name} must be a finite number, got {v}")

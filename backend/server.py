@@ -368,8 +368,8 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         return loaded
 
     def _build(self, request, loaded):
-        """-> (prompt ids, SamplingParams, stops) or raises BadRequest/ValueError."""
-        from backend.predict import BadRequest, prompt_ids, sampling_params
+        """-> (prompt ids, SamplingParams, stops, prefix cache points) or raises BadRequest/ValueError."""
+        from backend.predict import BadRequest, cache_points, prompt_ids, sampling_params
         from backend.tokenizer import TemplateError, TokenizerError
 
         try:
@@ -388,7 +388,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             # LocalAI configs often set max_tokens == context_size: generate until the context is full (as
             # llama.cpp does) instead of refusing the request
             params.max_tokens = loaded.max_model_len - len(ids)
-        return ids, params, stops
+        return ids, params, stops, cache_points(ids, loaded.tok)
 
     async def _generate(self, request, context):
         """Async generator of ("delta", content, tool_deltas) then one ("final", info)."""
@@ -398,7 +398,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         error = None
         try:
             # in a thread: a slow chat template (bounded by its limits) or a long prompt never stalls the event loop
-            ids, params, stops = await asyncio.to_thread(self._build, request, loaded)
+            ids, params, stops, points = await asyncio.to_thread(self._build, request, loaded)
         except (BadRequest, ValueError, TypeError) as e:
             error = str(e)
         if error is not None:
@@ -412,7 +412,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         if engine_error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{engine_error}; LoadModel restarts the model")
         try:
-            stream = loaded.engine.add_request(ids, params)
+            stream = loaded.engine.add_request(ids, params, cache_points=points)
         except ValueError as e:
             error = (grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Exception as e:  # noqa: BLE001

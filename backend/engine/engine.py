@@ -221,8 +221,10 @@ class LLMEngine:
         return cls(ModelRunner(model_dir, cfg), cfg)
 
     # API (any thread)
-    def add_request(self, prompt_ids, params: SamplingParams = None, request_id: str = None) -> RequestStream:
-        """Raises ValueError for bad parameters or a request that can never fit."""
+    def add_request(self, prompt_ids, params: SamplingParams = None, request_id: str = None,
+                    cache_points=()) -> RequestStream:
+        """Raises ValueError for bad parameters or a request that can never fit. cache_points: prompt positions
+        where the prefix cache (if on) also keeps the prompt so far (where a chat's last message starts)."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
@@ -230,7 +232,7 @@ class LLMEngine:
         with self._lock:
             if self.error is not None:
                 raise EngineFailed(self.error)
-            req = Request(prompt_ids, params, request_id, seed=self._rng.getrandbits(63))
+            req = Request(prompt_ids, params, request_id, seed=self._rng.getrandbits(63), cache_points=cache_points)
             if req.request_id in self._streams:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
             self.scheduler.check(req)

@@ -110,9 +110,10 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "seed", "num_computed_tokens",
                  "state_slot", "block_ids", "status", "finish_reason", "error", "arrival_time", "first_token_time",
-                 "num_preemptions", "pending_logprobs", "num_sent_tokens", "matcher")
+                 "num_preemptions", "pending_logprobs", "num_sent_tokens", "matcher", "cache_points")
 
-    def __init__(self, prompt_token_ids, params: SamplingParams, request_id: Optional[str] = None, seed: int = 0):
+    def __init__(self, prompt_token_ids, params: SamplingParams, request_id: Optional[str] = None, seed: int = 0,
+                 cache_points=()):
         self.request_id = request_id if request_id is not None else f"req-{next(_ids)}"
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list = []
@@ -133,6 +134,9 @@ class Request:
         # the grammar's state after output_token_ids (llguidance LLMatcher; kept across preemption, since the output
         # tokens are); None without a grammar
         self.matcher = params.grammar.matcher() if params.grammar is not None else None
+        # prompt positions (besides its end) where a prefix cache should snapshot, e.g. where the last chat message
+        # starts: later conversations share what comes before it
+        self.cache_points = tuple(sorted({int(p) for p in cache_points if 0 < int(p) < len(self.prompt_token_ids)}))
 
     @property
     def num_prompt_tokens(self) -> int:

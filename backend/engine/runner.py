@@ -271,12 +271,12 @@ class ModelRunner:
 
     # prefix cache (backend/engine/prefix_cache.py): state slots and MLA pages copied on the device
     def _snapshot_copies(self, out: SchedulerOutput) -> list:
-        """A snapshot of each prompt `out` completes: its KDA state and its last, partial page."""
+        """A snapshot of each prompt (or prompt prefix) `out` completes: its KDA state and its last, partial page."""
         copies = []
-        for req, slot, page in out.snapshots:
+        for req, slot, page, end in out.snapshots:
             copies.append(("slot", req.state_slot, slot))
             if page:
-                copies.append(("page", req.block_ids[len(req.prompt_token_ids) // self.block_size], page))
+                copies.append(("page", req.block_ids[end // self.block_size], page))
         return copies
 
     def _copy(self, copies: list) -> None:

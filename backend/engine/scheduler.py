@@ -44,7 +44,7 @@ class SchedulerOutput:
     num_tokens: int = 0
     preempted: list = field(default_factory=list)
     copies: list = field(default_factory=list)  # ("slot" | "page", src, dst): prefix cache hits, before the forward
-    snapshots: list = field(default_factory=list)  # (request, slot, page): prompts to cache, after the forward
+    snapshots: list = field(default_factory=list)  # (request, slot, page, length): prompts to cache, after the forward
 
     @property
     def is_empty(self) -> bool:
@@ -132,14 +132,14 @@ class Scheduler:
             if limit == 0:  # a prefill over the cap: it waits for a later step, the decodes after it still run
                 i += 1
                 continue
-            n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, limit))
+            n = self._fit(req, self._cap(req, min(req.num_tokens - req.num_computed_tokens, limit)))
             while n == 0:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
-                n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, limit))
+                n = self._fit(req, self._cap(req, min(req.num_tokens - req.num_computed_tokens, limit)))
             if n == 0:
                 break
             s = self._take(req, n)
@@ -167,7 +167,7 @@ class Scheduler:
             self.running.append(req)
             if hit is not None:
                 copies += self._start_after(req, hit)
-            n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget, prefill_budget))
+            n = self._fit(req, self._cap(req, min(req.num_tokens - req.num_computed_tokens, budget, prefill_budget)))
             s = self._take(req, n)
             (decodes if s.is_decode else prefills).append(s)
             self._maybe_snapshot(s, snapshots)
@@ -256,29 +256,41 @@ class Scheduler:
         self.cache.hit_tokens += len(hit.tokens)
         return copies
 
+    def _cap(self, req: Request, n: int) -> int:
+        """A prefill chunk ends at the request's next cache point that the cache wants (so it can be snapshotted)."""
+        if self.cache is not None and req.cache_points:
+            a = req.num_computed_tokens
+            for p in req.cache_points:
+                if a < p < a + n and self.cache.wants(req.prompt_token_ids[:p]):
+                    return p - a
+        return n
+
     def _maybe_snapshot(self, s: ScheduledSeq, snapshots: list) -> None:
-        """s completes its request's prompt for the first time: snapshot it, if the cache wants it and has room."""
+        """s ends at its request's prompt end (the first time: before any output) or at one of its cache points:
+        snapshot the prompt so far, if the cache wants it and has room."""
         req = s.request
-        p = len(req.prompt_token_ids)
-        if (self.cache is None or not s.sample or req.output_token_ids or s.start + s.num_new_tokens != p
-                or not self.cache.wants(req.prompt_token_ids)):
+        end, p = s.start + s.num_new_tokens, len(req.prompt_token_ids)
+        if self.cache is None or end > p or not (end in req.cache_points or (
+                end == p and s.sample and not req.output_token_ids)):
             return
-        got = self.cache.reserve(partial=p % self.blocks.block_size != 0)
+        if not self.cache.wants(req.prompt_token_ids[:end]):
+            return
+        got = self.cache.reserve(partial=end % self.blocks.block_size != 0)
         if got is not None:
-            snapshots.append((req, *got))
+            snapshots.append((req, *got, end))
 
     def _register(self, out: SchedulerOutput) -> None:
         """update(): the snapshots of `out` are taken (the runner copied them after the forward): cache them."""
-        for req, slot, page in out.snapshots:
+        for req, slot, page, end in out.snapshots:
             if req.status is RequestStatus.FINISHED or not req.block_ids:  # its pages went back meanwhile
                 self.cache.unreserve(slot, page)
             else:
-                self.cache.insert(req.prompt_token_ids, slot, page, req.block_ids)
+                self.cache.insert(req.prompt_token_ids[:end], slot, page, req.block_ids)
         out.snapshots = []
 
     def abandon(self, out: SchedulerOutput) -> None:
         """A failed step: the snapshots it reserved are not taken."""
-        for _, slot, page in out.snapshots:
+        for _, slot, page, _ in out.snapshots:
             self.cache.unreserve(slot, page)
         out.snapshots = []
 

@@ -90,6 +90,26 @@ def test_hit_with_one_token_left(engine, monkeypatch):
     clear_cache(engine)
 
 
+def test_cache_point_shares_a_system_prompt(engine):
+    """cache_points: the prefill chunk ends where the last message starts and that prefix is kept too, so a new
+    conversation with the same system prompt starts after it; without a point only whole prompts are kept."""
+    rng = random.Random(12)
+    system = prompt_of(rng, 29)
+    first = system + prompt_of(rng, 11)
+    hits = engine.stats()["prefix_cache_hits"]
+    out = collect(engine.add_request(first, SamplingParams(max_tokens=4, **GREEDY), cache_points=(len(system),)))[0]
+    assert out == ref(engine, first, 4) and engine.stats()["prefix_cache_entries"] == 2
+    s0 = engine.stats()
+    for i in range(3):
+        other = system + prompt_of(rng, 7 + i)
+        got = collect(engine.add_request(other, SamplingParams(max_tokens=5, **GREEDY), cache_points=(len(system),)))
+        assert got[0] == ref(engine, other, 5)
+    s1 = engine.stats()
+    assert s1["prefix_cache_hits"] == s0["prefix_cache_hits"] + 3 == hits + 3
+    assert s1["prefix_cache_hit_tokens"] == s0["prefix_cache_hit_tokens"] + 3 * len(system)
+    clear_cache(engine)
+
+
 def test_same_prompt_again_and_short_prompts(engine):
     rng = random.Random(5)
     p = prompt_of(rng, 30)

@@ -121,7 +121,8 @@ class FakeEngine:
         self.shut = False
         self.error = None  # LLMEngine.error: set when a tensor-parallel rank died
 
-    def add_request(self, prompt_ids, params):
+    def add_request(self, prompt_ids, params, cache_points=()):
+        self.cache_points = cache_points
         if self.raise_on_add is not None:
             raise self.raise_on_add
         rid = f"fake-{len(self.requests)}"

@@ -329,22 +329,33 @@ def test_cancel_frees_engine_request(loaded):
 
 
 def test_prefix_cache_multi_turn(srv, ckpt, reference):
-    """options prefix_cache_slots: the second turn of a chat starts after the first turn's cached prompt (GetMetrics
-    counts the hit) and its text is the from-scratch greedy text; Free then gives every page and slot back."""
+    """options prefix_cache_slots: the second turn of a chat starts after the first turn's cached prompt, a new
+    conversation with the same system prompt after that system prompt (GetMetrics counts the hits); the texts are
+    the from-scratch greedy texts."""
     tok, greedy = reference
     r = srv.stub.LoadModel(load_opts(ckpt, Options=["max_num_seqs:8", "dtype:float32", "prefix_cache_slots:4",
                                                     "prefix_cache_min_tokens:8"]), timeout=300)
     assert r.success, r.message
-    turn1 = [{"role": "user", "content": "Tell me about the weather in Paris in spring."}]
+    system = {"role": "system", "content": "You are a weather assistant. Answer briefly and precisely."}
+    turn1 = [system, {"role": "user", "content": "Tell me about the weather in Paris in spring."}]
     chat = lambda msgs: pb.PredictOptions(UseTokenizerTemplate=True, Tokens=N, Temperature=0,  # noqa: E731
                                           Messages=[pb.Message(**m) for m in msgs])
+    metrics = lambda: json.loads(srv.stub.GetMetrics(pb.MetricsRequest()).prompt_json_for_slot)  # noqa: E731
     a1 = srv.stub.Predict(chat(turn1)).message.decode()
+    assert metrics()["prefix_cache_entries"] == 2  # the prompt, and the system part before the last message
     turn2 = turn1 + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And in autumn?"}]
     a2 = srv.stub.Predict(chat(turn2)).message.decode()
-    stats = json.loads(srv.stub.GetMetrics(pb.MetricsRequest()).prompt_json_for_slot)
-    assert stats["prefix_cache_hits"] == 1 and stats["prefix_cache_hit_tokens"] > 10, stats
-    prompt2 = tok.apply_chat_template(turn2, add_generation_prompt=True)
-    assert a2 == greedy(prompt2)[1]
+    prompt1 = tok.encode(tok.apply_chat_template(turn1, add_generation_prompt=True))
+    stats = metrics()
+    assert stats["prefix_cache_hits"] == 1 and stats["prefix_cache_hit_tokens"] == len(prompt1), stats
+    assert a2 == greedy(tok.apply_chat_template(turn2, add_generation_prompt=True))[1]
+    other = [system, {"role": "user", "content": "Is it windy in Lyon?"}]  # a new conversation, same system prompt
+    a3 = srv.stub.Predict(chat(other)).message.decode()
+    assert a3 == greedy(tok.apply_chat_template(other, add_generation_prompt=True))[1]
+    stats = metrics()
+    sys_tokens = stats["prefix_cache_hit_tokens"] - len(prompt1)
+    assert stats["prefix_cache_hits"] == 2 and 10 < sys_tokens < len(prompt1), stats
+    assert prompt1[sys_tokens - 1] == tok.token_to_id("<|im_end|>")  # it ended where the system message does
     assert srv.stub.Free(pb.HealthMessage()).success
 
 
