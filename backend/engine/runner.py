@@ -286,8 +286,8 @@ class ModelRunner:
             pairs = [(a, b) for k, a, b in copies if k == kind]
             if not pairs:
                 continue
-            src = torch.tensor([a for a, _ in pairs], dtype=torch.int64, device=self.device)
-            dst = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=self.device)
+            idx = _pinned([a for a, _ in pairs] + [b for _, b in pairs], torch.int64, self.device)  # no host sync
+            src, dst = idx[:len(pairs)], idx[len(pairs):]
             for t in tensors:
                 t.index_copy_(0, dst, t.index_select(0, src))
 
