@@ -111,19 +111,14 @@ def prompt_ids(request, tok) -> list:
 
 
 def cache_points(ids: list, tok) -> tuple:
-    """Where the prompt's last chat message starts (just after its second-to-last <|im_end|>): what comes before it
-    (a system prompt and tools on a first turn; the conversation so far on later ones) is shared by other requests,
-    so the prefix cache keeps it too. () for a prompt without two messages."""
-    end = tok.token_to_id("<|im_end|>")
-    if end is None:
+    """Where a chat prompt's first user message starts: what comes before it (the tool declarations and the system
+    prompt) is what new conversations share, so the prefix cache keeps it too (later turns extend whole prompts,
+    which it keeps anyway). () for a prompt without a user message or with nothing before it."""
+    user = tok.token_to_id("<|im_user|>")
+    if user is None or user not in ids:
         return ()
-    rev = ids[::-1]
-    try:
-        last = rev.index(end)
-        before = rev.index(end, last + 1)
-    except ValueError:
-        return ()
-    return (len(ids) - before,)
+    p = ids.index(user)
+    return (p,) if p > 0 else ()
 
 
 def _finite(name, v):

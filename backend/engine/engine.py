@@ -224,7 +224,7 @@ class LLMEngine:
     def add_request(self, prompt_ids, params: SamplingParams = None, request_id: str = None,
                     cache_points=()) -> RequestStream:
         """Raises ValueError for bad parameters or a request that can never fit. cache_points: prompt positions
-        where the prefix cache (if on) also keeps the prompt so far (where a chat's last message starts)."""
+        where the prefix cache (if on) also keeps the prompt so far (where a chat's first user message starts)."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):

@@ -134,8 +134,8 @@ class Request:
         # the grammar's state after output_token_ids (llguidance LLMatcher; kept across preemption, since the output
         # tokens are); None without a grammar
         self.matcher = params.grammar.matcher() if params.grammar is not None else None
-        # prompt positions (besides its end) where a prefix cache should snapshot, e.g. where the last chat message
-        # starts: later conversations share what comes before it
+        # prompt positions (besides its end) where a prefix cache should snapshot, e.g. where a chat's first user
+        # message starts: new conversations share what comes before it
         self.cache_points = tuple(sorted({int(p) for p in cache_points if 0 < int(p) < len(self.prompt_token_ids)}))
 
     @property

@@ -333,7 +333,7 @@ def test_prefix_cache_multi_turn(srv, ckpt, reference):
     conversation with the same system prompt after that system prompt (GetMetrics counts the hits); the texts are
     the from-scratch greedy texts."""
     tok, greedy = reference
-    r = srv.stub.LoadModel(load_opts(ckpt, Options=["max_num_seqs:8", "dtype:float32", "prefix_cache_slots:4",
+    r = srv.stub.LoadModel(load_opts(ckpt, Options=["max_num_seqs:8", "dtype:float32", "prefix_cache_slots:8",
                                                     "prefix_cache_min_tokens:8"]), timeout=300)
     assert r.success, r.message
     system = {"role": "system", "content": "You are a weather assistant. Answer briefly and precisely."}
@@ -342,7 +342,7 @@ def test_prefix_cache_multi_turn(srv, ckpt, reference):
                                           Messages=[pb.Message(**m) for m in msgs])
     metrics = lambda: json.loads(srv.stub.GetMetrics(pb.MetricsRequest()).prompt_json_for_slot)  # noqa: E731
     a1 = srv.stub.Predict(chat(turn1)).message.decode()
-    assert metrics()["prefix_cache_entries"] == 2  # the prompt, and the system part before the last message
+    assert metrics()["prefix_cache_entries"] == 2  # the prompt, and the system part before the first user message
     turn2 = turn1 + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And in autumn?"}]
     a2 = srv.stub.Predict(chat(turn2)).message.decode()
     prompt1 = tok.encode(tok.apply_chat_template(turn1, add_generation_prompt=True))
@@ -355,7 +355,12 @@ def test_prefix_cache_multi_turn(srv, ckpt, reference):
     stats = metrics()
     sys_tokens = stats["prefix_cache_hit_tokens"] - len(prompt1)
     assert stats["prefix_cache_hits"] == 2 and 10 < sys_tokens < len(prompt1), stats
-    assert prompt1[sys_tokens - 1] == tok.token_to_id("<|im_end|>")  # it ended where the system message does
+    assert prompt1[sys_tokens] == tok.token_to_id("<|im_user|>")  # it ended where the user message starts
+    stats0 = stats
+    turn3 = turn2 + [{"role": "assistant", "content": a2}, {"role": "user", "content": "Thanks."}]
+    srv.stub.Predict(chat(turn3))
+    stats = metrics()  # turn 3 starts after turn 2's prompt; the system part is cached already: one entry more
+    assert stats["prefix_cache_hits"] == 3 and stats["prefix_cache_entries"] == stats0["prefix_cache_entries"] + 1
     assert srv.stub.Free(pb.HealthMessage()).success
 
 
