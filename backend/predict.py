@@ -7,9 +7,12 @@ LocalAI semantics (proto3: 0 / "" / false mean "not set"):
 """
 
 import json
+import logging
 import math
 
 from backend.engine.request import MAX_TOP_LOGPROBS, SamplingParams
+
+log = logging.getLogger("kimi-linear")
 
 
 class BadRequest(ValueError):
@@ -57,15 +60,68 @@ def _tools(request):
         return None
     if not isinstance(tools, list):
         raise BadRequest("Tools must be a JSON array of OpenAI tool objects")
-    choice = request.ToolChoice.strip()
-    if choice:
-        try:
-            parsed = json.loads(choice)
-        except json.JSONDecodeError:
-            parsed = choice  # LocalAI may send a bare string
-        if parsed == "none":
-            return None
+    if _tool_choice(request) == "none":
+        return None
     return tools or None
+
+
+def _tool_choice(request):
+    """ToolChoice -> "auto" | "none" | "required" | {"type": "function", "function": {"name": ...}} (or as sent)."""
+    choice = request.ToolChoice.strip()
+    if not choice:
+        return "auto"
+    try:
+        return json.loads(choice)
+    except json.JSONDecodeError:
+        return choice  # LocalAI may send a bare string
+
+
+# Kimi-K2 tool-call markup (backend/toolcalls.py); in a grammar these are the special tokens, by name
+_TOOL_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                 "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+# arguments: bounded whitespace (as structured.JSON_DEFAULTS) and keywords llguidance does not implement ignored
+_ARGS_GUIDANCE = {"whitespace_pattern": r"( |\n[ \t]{0,20})?", "lenient": True}
+
+
+def tool_choice_grammar(request, tok):
+    """ToolChoice "required" or a named function (OpenAI semantics, with Tools rendered by the chat template) -> a
+    Lark grammar (llguidance) of the Kimi tool-call section the answer must then be: one or more calls of the
+    declared functions ("required"), or exactly one call of the named one, each function's arguments constrained by
+    its JSON schema. None when nothing is forced ("auto", "none", no tools, or a tokenizer without the markup)."""
+    choice = _tool_choice(request)
+    tools = _tools(request) if request.UseTokenizerTemplate else None
+    if not tools or choice in ("auto", "none"):
+        return None
+    funcs = [t.get("function", t) for t in tools if isinstance(t, dict)]
+    funcs = [f for f in funcs if isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]]
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if not isinstance(name, str) or not name:
+            raise BadRequest('ToolChoice must be "auto", "none", "required" or {"type": "function", "function": '
+                             '{"name": ...}}')
+        funcs = [f for f in funcs if f["name"] == name]
+        if not funcs:
+            raise BadRequest(f"ToolChoice names the function '{name}', which is not in Tools")
+        calls = "call"
+    elif choice == "required":
+        if not funcs:
+            raise BadRequest('ToolChoice is "required" but Tools declares no function')
+        calls = "call+"
+    else:
+        raise BadRequest(f'ToolChoice must be "auto", "none", "required" or a function, got {choice!r}')
+    if any(tok.token_to_id(m) is None for m in _TOOL_MARKERS):
+        log.warning("ToolChoice %r not enforced: the tokenizer lacks the Kimi tool-call tokens", choice)
+        return None
+    b, e, cb, ab, ce = _TOOL_MARKERS
+    rules = [f"start: {b} {calls} {e}", f"call: {cb} ({' | '.join(f'fn_{i}' for i in range(len(funcs)))}) {ce}"]
+    for i, f in enumerate(funcs):
+        params = f.get("parameters")
+        schema = dict(params) if isinstance(params, dict) else {}
+        schema.setdefault("type", "object")  # OpenAI function arguments are a JSON object, even if the schema omits it
+        schema["x-guidance"] = {**_ARGS_GUIDANCE, **(schema.get("x-guidance") or {})}
+        rules.append(f'fn_{i}: {json.dumps("functions." + f["name"] + ":")} /[0-9]{{1,3}}/ {ab} args_{i}')
+        rules.append(f"args_{i}: %json {json.dumps(schema)}")
+    return "%llguidance {}\n" + "\n".join(rules) + "\n"
 
 
 def _template_kwargs(request) -> dict:

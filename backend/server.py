@@ -369,7 +369,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
 
     def _build(self, request, loaded):
         """-> (prompt ids, SamplingParams, stops, prefix cache points) or raises BadRequest/ValueError."""
-        from backend.predict import BadRequest, cache_points, prompt_ids, sampling_params
+        from backend.predict import BadRequest, cache_points, prompt_ids, sampling_params, tool_choice_grammar
         from backend.tokenizer import TemplateError, TokenizerError
 
         try:
@@ -380,6 +380,11 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
                                         loaded.spec.engine.get("seed"))
         if request.Grammar:  # GBNF (what LocalAI sends for response_format and grammar function calling), Lark, or
             params.grammar = loaded.grammar(request.Grammar)   # a JSON schema; invalid -> INVALID_ARGUMENT
+        elif (forced := tool_choice_grammar(request, loaded.tok)) is not None:  # ToolChoice required / a function
+            try:
+                params.grammar = loaded.grammar(forced)
+            except ValueError as e:
+                raise BadRequest(f"ToolChoice cannot be enforced with these Tools: {e}") from None
         params.validate(loaded.vocab_size)
         if loaded.max_model_len and len(ids) >= loaded.max_model_len:
             raise BadRequest(f"the prompt has {len(ids)} tokens but the context is {loaded.max_model_len} tokens "

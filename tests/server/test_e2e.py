@@ -285,6 +285,37 @@ def test_grammar_constrains_output(loaded):
     assert loaded.stub.Health(pb.HealthMessage()).message == b"OK"
 
 
+def test_tool_choice_forces_a_valid_call(srv, ckpt):
+    """ToolChoice "required" / a named function: the tiny random model answers with tool calls (ChatDelta.tool_calls,
+    no markup in the text) whose arguments satisfy the function's schema."""
+    # the tiny tokenizer spends about a token per character of the tool declarations: a longer context
+    r = srv.stub.LoadModel(load_opts(ckpt, ContextSize=1024), timeout=300)
+    assert r.success, r.message
+    weather = {"type": "function", "function": {"name": "w", "parameters": {
+        "type": "object", "properties": {"u": {"enum": ["c", "f"]}, "d": {"type": "integer", "maximum": 7}},
+        "required": ["u", "d"], "additionalProperties": False}}}
+    clock = {"type": "function", "function": {"name": "t", "parameters": {
+        "properties": {"z": {"type": "boolean"}}, "required": ["z"], "additionalProperties": False}}}
+    for choice, names in (('"required"', {"w", "t"}), ('{"type": "function", "function": {"name": "t"}}', {"t"})):
+        for seed in (1, 2):
+            r = srv.stub.Predict(pb.PredictOptions(
+                UseTokenizerTemplate=True, Messages=[pb.Message(role="user", content="Weather?")],
+                Tools=json.dumps([weather, clock]), ToolChoice=choice, Tokens=600, Temperature=1.0, Seed=seed))
+            calls = r.chat_deltas[0].tool_calls
+            assert r.tokens < 600  # the grammar ended the answer (after the call section), not the token limit
+            assert calls and "<|tool" not in r.message.decode() and not r.message.decode().strip(), r
+            for c in calls:
+                assert c.name in names
+                args = json.loads(c.arguments)
+                if c.name == "w":
+                    assert args["u"] in ("c", "f") and args["d"] <= 7 and set(args) == {"u", "d"}
+                else:
+                    assert set(args) == {"z"} and isinstance(args["z"], bool)
+            if choice != '"required"':
+                assert len(calls) == 1
+    assert srv.stub.LoadModel(load_opts(ckpt), timeout=300).success  # back to the module's settings
+
+
 def test_concurrent_streams_match_solo(loaded):
     prompts = [f"Request number {i}: tell me about item {i * 7}" for i in range(8)]
     solo = [loaded.stub.Predict(pb.PredictOptions(Prompt=p, Tokens=N, Temperature=0)).message.decode()

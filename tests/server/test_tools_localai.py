@@ -123,3 +123,59 @@ def test_streamed_and_unary_replies_carry_calls_in_chat_deltas(aio, tok, chunk):
     assert r.message.decode() == "I will look it up."
     assert [(t.index, t.id, t.name, t.arguments) for t in r.chat_deltas[0].tool_calls] == [
         (i, c["id"], c["name"], c["arguments"]) for i, c in sorted(calls.items())]
+
+
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"enum": ["CET", "UTC"]}}, "required": ["tz"], "additionalProperties": False}}}
+
+
+def _accepts(grammar, tok, text):
+    m = grammar.matcher()
+    return all(m.consume_token(t) for t in tok.encode(text)) and m.is_accepting()
+
+
+def test_tool_choice_grammar(tok):
+    """ToolChoice "required" / a named function -> a grammar of Kimi's tool-call section whose calls are declared
+    functions with schema-valid arguments; nothing forced for auto / none / no tools / a raw prompt."""
+    from backend.engine.structured import Grammars
+    from backend.predict import BadRequest, tool_choice_grammar
+
+    msgs = [pb.Message(role="user", content="time?")]
+    req = lambda choice, tools=(WEATHER, TIME), **kw: pb.PredictOptions(  # noqa: E731
+        UseTokenizerTemplate=True, Messages=msgs, Tools=json.dumps(list(tools)), ToolChoice=choice, **kw)
+    for choice in ("", '"auto"', '"none"', "auto", "none"):
+        assert tool_choice_grammar(req(choice), tok) is None
+    assert tool_choice_grammar(req('"required"', tools=()), tok) is None
+    assert tool_choice_grammar(pb.PredictOptions(Prompt="x", Tools=json.dumps([WEATHER]), ToolChoice='"required"'),
+                               tok) is None
+    grammars = Grammars.from_tokenizer(tok, tok.vocab_size)
+    any_call = grammars.compile(tool_choice_grammar(req('"required"'), tok))
+    named = grammars.compile(tool_choice_grammar(req('{"type": "function", "function": {"name": "get_time"}}'), tok))
+    sec = "<|tool_calls_section_begin|>{}<|tool_calls_section_end|>"
+    call = "<|tool_call_begin|>functions.{}:{}<|tool_call_argument_begin|>{}<|tool_call_end|>"
+    weather, cet = call.format("get_weather", 0, '{"city": "Paris"}'), call.format("get_time", 1, '{"tz": "CET"}')
+    assert _accepts(any_call, tok, sec.format(weather)) and _accepts(any_call, tok, sec.format(weather + cet))
+    assert _accepts(named, tok, sec.format(cet))
+    assert not _accepts(named, tok, sec.format(weather))                          # another function
+    assert not _accepts(named, tok, sec.format(cet + cet))                        # one call only
+    assert not _accepts(named, tok, sec.format(call.format("get_time", 0, '{"tz": "PST"}')))  # not in the enum
+    assert not _accepts(any_call, tok, "Let me check." + sec.format(weather))     # no text before the calls
+    assert not _accepts(any_call, tok, sec.format(call.format("get_weather", 0, '{"town": "Paris"}')))  # required
+    for bad, needle in (('{"type": "function", "function": {"name": "nope"}}', "not in Tools"),
+                        ('{"type": "function"}', "ToolChoice must be"), ('"sometimes"', "ToolChoice must be")):
+        with pytest.raises(BadRequest, match=needle):
+            tool_choice_grammar(req(bad), tok)
+
+
+def test_tool_choice_reaches_the_engine_as_a_grammar(aio, tok):
+    eng = FakeEngine(lambda prompt, params: tok.encode(CALL_TEXT) + [tok.eos_token_ids[0]])
+    aio.install(eng, tok)
+    base = dict(UseTokenizerTemplate=True, Tools=json.dumps([WEATHER]), Messages=[pb.Message(role="user", content="?")])
+    aio.stub.Predict(pb.PredictOptions(ToolChoice='"required"', **base))
+    assert eng.requests[-1][2].grammar is not None
+    aio.stub.Predict(pb.PredictOptions(ToolChoice='"auto"', **base))
+    assert eng.requests[-1][2].grammar is None
+    import grpc
+    with pytest.raises(grpc.RpcError) as ei:
+        aio.stub.Predict(pb.PredictOptions(ToolChoice='{"type": "function", "function": {"name": "x"}}', **base))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not in Tools" in ei.value.details()
