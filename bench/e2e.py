@@ -5,6 +5,7 @@
     python bench/e2e.py --layers 8 --prefill 1024,8192 --decode-batches 1,8
     python bench/e2e.py --profile               # + kernel/host breakdown of decode b1, b64 and one 8k prefill chunk
     python bench/e2e.py --multi-turn 8192,32768  # + next-turn TTFT with prefix caching vs from scratch
+    python bench/e2e.py --grammar               # + decode under a JSON grammar (llguidance masks) vs unconstrained
     python bench/e2e.py --decode-batches 1,8 --prefill 1024,8192 --hf-dir .hf/kimi-linear
                                                 # first HF transformers + fla (official remote code) on the same
                                                 # weights (bench/hf_baseline.py), then ours; printed side by side
@@ -271,6 +272,36 @@ def bench_decode(engine: LLMEngine, batch: int, context: int, steps: int, params
 def bench_prefill(engine: LLMEngine, n: int, seed: int) -> float:
     """-> seconds from submission to the first token of one n-token prompt (chunked by max_num_batched_tokens)."""
     return ttft(engine, prompt(n, engine.vocab_size, seed))
+
+
+# LocalAI's JSON grammar (functions.JSONBNF) with an array of at least 500 values at the root: a decode of a few
+# hundred steps never completes it (nor may it end with EOS)
+OPEN_JSON = r"""root   ::= "[" ws value ("," ws value){499,} "]" ws
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F]) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]*)) ("." [0-9]+)? ([eE] [-+]? [0-9]+)? ws
+ws ::= ([ \t\n] ws)?"""
+
+
+def synthetic_grammars(vocab: int):
+    """A byte-level vocabulary of `vocab` ids (the 256 bytes, random multi-byte pieces, 256 special ids at the end;
+    the random weights have no tokenizer) -> backend.engine.structured.Grammars for it."""
+    import random
+
+    from backend.engine.structured import Grammars
+
+    rng = random.Random(0)
+    n_special = 256 if vocab > 1024 else 8
+    alpha = 'etaoinshrdlucmfwypvbgkjqxzETAOIN0123456789 _-.,:;"{}[]()\n\t/'
+    toks = {bytes([i]) for i in range(256)}
+    while len(toks) < vocab - n_special:
+        toks.add("".join(rng.choice(alpha) for _ in range(rng.choice([2, 3, 3, 4, 5, 6, 8]))).encode())
+    tb = sorted(toks, key=lambda t: (len(t), t))[:vocab - n_special]
+    tb += [f"<|s{i}|>".encode() for i in range(n_special)]
+    base = vocab - n_special
+    return Grammars(tb, range(base, vocab), [base + 1], None, lambda t: list(t.encode()))
 
 
 def bench_turn(engine: LLMEngine, history: int, new: int, seed: int) -> tuple:
@@ -696,6 +727,9 @@ def main():
                     "(H history tokens + --turn-tokens new ones) from scratch and after the H-token prompt was cached "
                     "(prefix_cache_slots, backend/engine/prefix_cache.py)")
     ap.add_argument("--turn-tokens", type=int, default=256)
+    ap.add_argument("--grammar", action="store_true", help="also decode (greedy, each batch) under a JSON grammar "
+                    "that never completes, over a synthetic vocabulary of the model's size: the cost of the masks "
+                    "(host) and of the unpipelined steps, beside the unconstrained figure of the same batch")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true")
@@ -785,6 +819,17 @@ def main():
               f"(routing as measured; {uni['t'] * 1e3:.2f} ms with uniform routing)\n"
               f"    SOL: {roof.describe(sol, args.bw, peak)}")
 
+    if args.grammar:
+        g = synthetic_grammars(engine.vocab_size).compile(OPEN_JSON)
+        plain = {name: v for name, v, _, _ in rows}
+        for b in args.decode_batches:
+            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_steps + 32, grammar=g)
+            sps, _ = bench_decode(engine, b, args.decode_context, args.decode_steps, params, args.tap)
+            base = plain.get(f"decode b{b} ctx{args.decode_context} greedy")
+            name = f"decode b{b} ctx{args.decode_context} greedy, JSON grammar"
+            rows.append((name, b * sps, "tok/s", base))
+            print(f"  {name}: {1e3 / sps:.3f} ms/step, {b * sps:.1f} tok/s"
+                  + (f" ({100 * b * sps / base:.1f}% of the unconstrained {base:.1f} tok/s)" if base else ""))
     if args.prefill:
         bench_prefill(engine, min(args.prefill), seed=99)  # warmup: extend kernels compile
     for i, n in enumerate(args.prefill):

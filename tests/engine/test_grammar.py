@@ -160,7 +160,12 @@ def test_localai_grammars_on_a_large_vocabulary():
         assert m.is_accepting()
 
 
-def test_masks_against_the_reference_language(grammars):
+@pytest.mark.parametrize("pool", [False, True])
+def test_masks_against_the_reference_language(grammars, pool, monkeypatch):
+    import backend.engine.structured as structured
+
+    if pool:  # llguidance's thread pool instead of the loop
+        monkeypatch.setattr(structured, "PARALLEL_MASKS", 1)
     g = grammars.compile(GBNF)
     ms = [g.matcher() for _ in range(3)]
     assert ms[1].consume_token(ord("y")) and ms[2].consume_token(ord("n")) and ms[2].consume_token(ord("o"))
