@@ -94,11 +94,11 @@ def tool_choice_grammar(request, tok):
         return None
     funcs = [t.get("function", t) for t in tools if isinstance(t, dict)]
     funcs = [f for f in funcs if isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]]
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
-        if not isinstance(name, str) or not name:
-            raise BadRequest('ToolChoice must be "auto", "none", "required" or {"type": "function", "function": '
-                             '{"name": ...}}')
+    name = None
+    if isinstance(choice, dict):  # chat completions: {"type": "function", "function": {"name"}}; responses: flat
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
+    if isinstance(name, str) and name:
         funcs = [f for f in funcs if f["name"] == name]
         if not funcs:
             raise BadRequest(f"ToolChoice names the function '{name}', which is not in Tools")
@@ -107,8 +107,9 @@ def tool_choice_grammar(request, tok):
         if not funcs:
             raise BadRequest('ToolChoice is "required" but Tools declares no function')
         calls = "call+"
-    else:
-        raise BadRequest(f'ToolChoice must be "auto", "none", "required" or a function, got {choice!r}')
+    else:  # a shape this backend does not know: the model stays free, as before ToolChoice was enforced
+        log.warning("ToolChoice %r not understood (auto, none, required or a function): not enforced", choice)
+        return None
     if any(tok.token_to_id(m) is None for m in _TOOL_MARKERS):
         log.warning("ToolChoice %r not enforced: the tokenizer lacks the Kimi tool-call tokens", choice)
         return None
