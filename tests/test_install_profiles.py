@@ -195,3 +195,30 @@ def test_cublas12_pins_resolve():
     # download.pytorch.org serves PEP 691 too; the local version (+cu128) is what pip picks from that channel
     fn = resolve(index, "torch", p["torch"] + "+cu128", python, arch)
     assert fn, f"no torch=={p['torch']}+cu128 wheel for cp312 {arch} at {index}"
+
+
+def base_requirement(project):
+    """requirements.txt's line for `project` -> packaging Requirement."""
+    from packaging.requirements import Requirement
+
+    for line in read("requirements.txt").splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line and Requirement(line).name.lower() == project:
+            return Requirement(line)
+    raise AssertionError(f"{project} is not in requirements.txt")
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_compiled_base_requirements_have_wheels(profile):
+    """Base requirements with compiled code and no sdist fallback worth building on the image (llguidance: Rust) have
+    a wheel within their version range for each profile's target (cp312; x86_64, aarch64 for GB10)."""
+    from packaging.utils import parse_wheel_filename
+    from packaging.version import Version
+
+    _, _, arch, python = PROFILES[profile]
+    want = _target_tags(python, arch)
+    for project in ("llguidance", "grpcio"):
+        req = base_requirement(project)
+        ok = [fn for fn in _simple_files(PYPI, project) if fn.endswith(".whl")
+              and Version(str(parse_wheel_filename(fn)[1])) in req.specifier and parse_wheel_filename(fn)[3] & want]
+        assert ok, f"{profile}: no {req} wheel on PyPI for cp{python.replace('.', '')} {arch}"
