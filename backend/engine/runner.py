@@ -23,7 +23,7 @@ from backend.engine.scheduler import SchedulerOutput
 from backend.model import parallel
 from backend.model.batch import ForwardBatch
 from backend.model.loader import load_model
-from backend.model.parallel import EAGER, PING, REPLAY, STOP, TP, RankFailure
+from backend.model.parallel import COPY, EAGER, PING, REPLAY, STOP, TP, RankFailure
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +109,8 @@ class ModelRunner:
         self.dtype = model.dtype
         self.config = self.model.config
         self.vocab_size = self.config.vocab_size
-        # prefix cache snapshots take state slots of their own, on top of the sequences' (not with tensor parallel:
-        # the followers would need its copies)
-        self.prefix_cache_slots = cfg.prefix_cache_slots if group is None else 0
-        if cfg.prefix_cache_slots and group is not None:
-            log.warning("prefix_cache_slots is not supported with tensor parallel yet: prefix caching is off")
+        # prefix cache snapshots take state slots of their own, on top of the sequences'
+        self.prefix_cache_slots = cfg.prefix_cache_slots
         self.num_slots = (cfg.num_slots or cfg.max_num_seqs + 1) + self.prefix_cache_slots
         self.max_num_seqs = min(cfg.max_num_seqs, self.num_slots - 1 - self.prefix_cache_slots)
         self.num_blocks = cfg.num_blocks or self._auto_num_blocks(cfg)
@@ -281,15 +278,28 @@ class ModelRunner:
 
     def _copy(self, copies: list) -> None:
         """("slot", src, dst): every KDA layer's conv and recurrent state; ("page", src, dst): every MLA layer's
-        latent page. One index_copy_ per tensor and kind."""
-        for kind, tensors in (("slot", self.cache.conv_state + self.cache.rec_state), ("page", self.cache.latent)):
+        latent page. Tensor parallel: the followers get the same list first (their shards of the same slots/pages)."""
+        if not copies:
+            return
+        flat, counts = [], []
+        for kind in ("slot", "page"):  # [slot srcs | slot dsts | page srcs | page dsts]
             pairs = [(a, b) for k, a, b in copies if k == kind]
-            if not pairs:
-                continue
-            idx = _pinned([a for a, _ in pairs] + [b for _, b in pairs], torch.int64, self.device)  # no host sync
-            src, dst = idx[:len(pairs)], idx[len(pairs):]
-            for t in tensors:
-                t.index_copy_(0, dst, t.index_select(0, src))
+            flat += [a for a, _ in pairs] + [b for _, b in pairs]
+            counts.append(len(pairs))
+        if self.group is not None:
+            self._apply_copies(self.group.send(COPY, counts, flat), *counts)
+        else:
+            self._apply_copies(_pinned(flat, torch.int64, self.device), *counts)  # no host sync
+
+    def _apply_copies(self, flat: torch.Tensor, n_slot: int, n_page: int) -> None:
+        """flat: [2 n_slot + 2 n_page] i64 on the device (see _copy). One index_copy_ per tensor."""
+        o = 0
+        for n, tensors in ((n_slot, self.cache.conv_state + self.cache.rec_state), (n_page, self.cache.latent)):
+            if n:
+                src, dst = flat[o:o + n], flat[o + n:o + 2 * n]
+                for t in tensors:
+                    t.index_copy_(0, dst, t.index_select(0, src))
+            o += 2 * n
 
     @torch.no_grad()
     def launch(self, out: SchedulerOutput, feed: "Launched" = None) -> "Launched":
@@ -486,6 +496,8 @@ class ModelRunner:
             if kind == EAGER:
                 batch = self._batch_from(payload, meta)
                 self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)
+            elif kind == COPY:
+                self._apply_copies(payload, *meta[:2])
             elif kind == REPLAY:
                 bs, w = meta[:2]
                 self._fill_graph(bs, w, payload[:2 * bs], payload[2 * bs:].to(torch.int32))

@@ -38,7 +38,7 @@ LIVENESS_S = float(os.environ.get("KIMI_TP_LIVENESS_S", "15"))
 PING_S = 5.0
 TIMEOUT_S = float(os.environ.get("KIMI_TP_TIMEOUT_S", "300"))  # collectives (gloo / NCCL watchdog)
 # message kinds; header = [kind, payload length, meta...]
-STOP, PING, EAGER, REPLAY = 0, 1, 2, 3
+STOP, PING, EAGER, REPLAY, COPY = 0, 1, 2, 3, 4  # COPY: prefix-cache state slot / page copies (engine/runner.py)
 HEADER = 8
 FIRST = 4096  # int64s of a step's first broadcast (header + payload); larger steps send the rest in a second one
 

@@ -84,3 +84,27 @@ def test_indivisible_world_is_refused_before_launch(tp_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide KDA heads"):
         make_engine(tp_dir, 3)
     assert not dist.is_initialized()
+
+
+def test_prefix_cache_copies_reach_the_follower(tp_dir):
+    """Prefix caching with tensor parallel: the snapshot / restore copies go to the follower (COPY messages) before
+    and after the forward that needs them; a next turn that starts after a cached prompt gives the one-process
+    tokens."""
+    def engine(tp_size):
+        return LLMEngine.from_config(tp_dir, EngineConfig(
+            block_size=8, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96, device="cpu", tp_size=tp_size,
+            prefix_cache_slots=2, prefix_cache_min_tokens=4))
+
+    turn1 = list(range(40, 75))
+    results = []
+    for tp_size in (1, 2):
+        eng = engine(tp_size)
+        try:
+            out1 = eng.generate([turn1], SamplingParams(max_tokens=6, **GREEDY))[0]
+            turn2 = turn1 + out1 + [5, 6, 7]
+            out2 = eng.generate([turn2], SamplingParams(max_tokens=12, **GREEDY))[0]
+            assert eng.stats()["prefix_cache_hits"] == 1
+            results.append((out1, out2))
+        finally:
+            eng.shutdown()
+    assert results[0] == results[1]
