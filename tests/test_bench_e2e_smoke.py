@@ -17,7 +17,8 @@ def test_e2e_smoke_small():
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     for row in ("| decode b64 ctx1024 greedy |", "| prefill 128", "| next turn TTFT, 200 cached + 40 new |",
-                "| decode b64 ctx1024 greedy, JSON grammar |"):
+                "| decode b64 ctx1024 greedy, JSON grammar |",
+                "| decode b64 ctx1024 greedy, 1 row with a JSON grammar |"):
         assert row in p.stdout, p.stdout[-3000:]
 
 
