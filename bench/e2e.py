@@ -41,6 +41,7 @@ from backend.engine.runner import ModelRunner  # noqa: E402
 from backend.model import kimi_linear  # noqa: E402
 from backend.model.kimi_linear import KimiDeltaAttention, KimiLinearForCausalLM  # noqa: E402
 from backend.model.random_weights import random_model  # noqa: E402
+from tools.synthetic_vocab import synthetic_grammars  # noqa: E402
 
 OFFICIAL = {
     "architectures": ["KimiLinearForCausalLM"], "bos_token_id": 163584, "dtype": "bfloat16", "eos_token_id": 163586,
@@ -284,25 +285,6 @@ array  ::= "[" ws ( value ("," ws value)* )? "]" ws
 string ::= "\"" ( [^"\\] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F]) )* "\"" ws
 number ::= ("-"? ([0-9] | [1-9] [0-9]*)) ("." [0-9]+)? ([eE] [-+]? [0-9]+)? ws
 ws ::= ([ \t\n] ws)?"""
-
-
-def synthetic_grammars(vocab: int):
-    """A byte-level vocabulary of `vocab` ids (the 256 bytes, random multi-byte pieces, 256 special ids at the end;
-    the random weights have no tokenizer) -> backend.engine.structured.Grammars for it."""
-    import random
-
-    from backend.engine.structured import Grammars
-
-    rng = random.Random(0)
-    n_special = 256 if vocab > 1024 else 8
-    alpha = 'etaoinshrdlucmfwypvbgkjqxzETAOIN0123456789 _-.,:;"{}[]()\n\t/'
-    toks = {bytes([i]) for i in range(256)}
-    while len(toks) < vocab - n_special:
-        toks.add("".join(rng.choice(alpha) for _ in range(rng.choice([2, 3, 3, 4, 5, 6, 8]))).encode())
-    tb = sorted(toks, key=lambda t: (len(t), t))[:vocab - n_special]
-    tb += [f"<|s{i}|>".encode() for i in range(n_special)]
-    base = vocab - n_special
-    return Grammars(tb, range(base, vocab), [base + 1], None, lambda t: list(t.encode()))
 
 
 def bench_turn(engine: LLMEngine, history: int, new: int, seed: int) -> tuple:
@@ -821,7 +803,7 @@ def main():
               f"    SOL: {roof.describe(sol, args.bw, peak)}")
 
     if args.grammar:
-        g = synthetic_grammars(engine.vocab_size).compile(OPEN_JSON)
+        g = synthetic_grammars(engine.vocab_size).compile(OPEN_JSON)  # no tokenizer with random weights
         plain = {name: v for name, v, _, _ in rows}
         for b in args.decode_batches:
             params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_steps + 32, grammar=g)

@@ -46,6 +46,17 @@ def workload(n=16, seed=0):
     return [([rng.randrange(250) for _ in range(rng.randint(1, 60))], rng.randint(1, 8)) for _ in range(n)]
 
 
+def staggered(engine, requests, every=4, pause=0.05):
+    """Adds (prompt ids, SamplingParams) requests, pausing after each `every`-th so that later ones join while
+    earlier ones decode -> their streams."""
+    streams = []
+    for i, (p, sp) in enumerate(requests):
+        streams.append(engine.add_request(p, sp))
+        if i % every == every - 1:
+            time.sleep(pause)
+    return streams
+
+
 def alone(engine, work):
     return [greedy_generate(engine.runner.model, p, m) for p, m in work]
 
@@ -76,11 +87,7 @@ def assert_pools_full(engine):
 def test_continuous_batching_matches_alone(engine):
     work = workload(16)
     ref = alone(engine, work)
-    streams = []
-    for i, (p, m) in enumerate(work):  # staggered arrivals: some join mid-decode of others
-        streams.append(engine.add_request(p, SamplingParams(max_tokens=m, **GREEDY)))
-        if i % 4 == 3:
-            time.sleep(0.05)
+    streams = staggered(engine, [(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in work])
     results = [collect(s) for s in streams]
     for (toks, last), r, (p, m) in zip(results, ref, work):
         assert toks == r
@@ -318,11 +325,7 @@ def test_gpu_engine_matches_alone(tiny_dir, enforce_eager):
         assert bool(eng.runner.graphs) != enforce_eager
         work = workload(16)
         ref = alone(eng, work)
-        streams = []
-        for i, (p, m) in enumerate(work):
-            streams.append(eng.add_request(p, SamplingParams(max_tokens=m, **GREEDY)))
-            if i % 4 == 3:
-                time.sleep(0.02)
+        streams = staggered(eng, [(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in work], pause=0.02)
         assert [collect(s)[0] for s in streams] == ref
         assert_pools_full(eng)
     finally:

@@ -8,7 +8,6 @@ greedily straight through the model API."""
 import json
 import random
 import re
-import time
 
 import pytest
 import torch
@@ -18,8 +17,9 @@ from hypothesis import strategies as st
 from backend.engine import SamplingParams
 from backend.engine.structured import GrammarError, Grammars, advance, apply_masks, masks
 from backend.model.generate import _step
-from tests.engine.test_engine import EOS, alone, assert_pools_full, collect, make_engine, workload
+from tests.engine.test_engine import EOS, alone, assert_pools_full, collect, make_engine, staggered, workload
 from tests.engine import test_engine
+from tools.synthetic_vocab import synthetic_grammars
 
 VOCAB = 256
 SPECIAL = list(range(250, 256))
@@ -142,14 +142,7 @@ def test_localai_grammars_on_a_large_vocabulary():
     """On a 163,840-token vocabulary (Kimi's size; random multi-byte tokens) LocalAI's JSON grammars keep valid
     masks all along a document: without the lifting, JSONBNF's string body is parsed per character and llguidance
     gives up after '{"' (too many Earley items)."""
-    rng = random.Random(0)
-    alpha = 'etaoinshrdlucmfwypvbgkjqxzETAOIN0123456789 _-.,:;"{}[]()\n\t/\\'
-    toks = {bytes([i]) for i in range(256)}
-    toks.update((" " * n).encode() for n in range(2, 65))
-    while len(toks) < 163584:
-        toks.add(("".join(rng.choice(alpha) for _ in range(rng.choice([2, 3, 3, 4, 5, 6, 8, 12])))).encode())
-    tb = sorted(toks, key=lambda b: (len(b), b)) + [f"<|s{i}|>".encode() for i in range(256)]
-    big = Grammars(tb, range(163584, 163840), [163585], None, lambda t: list(t.encode()))
+    big = synthetic_grammars(163840)
     for gbnf in (JSONBNF, SCHEMA_GBNF):
         m = big.compile(gbnf).matcher()
         ids = big.tokenizer().tokenize_str(DOC)
@@ -233,15 +226,11 @@ def check_mixed(engine, grammars):
     work = workload(12, seed=3)
     free_ref = alone(engine, work)
     con_ref = [constrained_greedy_ref(engine.runner.model, p, WORDS, 16) for p, _ in work]
-    streams = []
-    for i, (p, m) in enumerate(work):
-        con = i % 3 == 0
-        sp = SamplingParams(max_tokens=16 if con else m, grammar=g if con else None, **GREEDY)
-        streams.append((con, engine.add_request(p, sp)))
-        if i % 4 == 3:
-            time.sleep(0.03)
-    for (con, s), fr, cr in zip(streams, free_ref, con_ref):
-        assert collect(s)[0] == (cr if con else fr)
+    con = [i % 3 == 0 for i in range(len(work))]
+    streams = staggered(engine, [(p, SamplingParams(max_tokens=16 if c else m, grammar=g if c else None, **GREEDY))
+                                 for (p, m), c in zip(work, con)], pause=0.03)
+    for c, s, fr, cr in zip(con, streams, free_ref, con_ref):
+        assert collect(s)[0] == (cr if c else fr)
     assert_pools_full(engine)
 
 

@@ -12,7 +12,7 @@ from backend.engine import SamplingParams
 from backend.engine.memory import BlockPool, StatePool
 from backend.engine.prefix_cache import PrefixCache
 from backend.model.generate import greedy_generate
-from tests.engine.test_engine import collect, make_engine, wait_idle, with_graphs
+from tests.engine.test_engine import collect, make_engine, staggered, wait_idle, with_graphs
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 BS = 16
@@ -135,11 +135,7 @@ def test_shared_system_prompt_concurrent_requests(engine):
             for i in range(12)]
     want = [ref(engine, p, m) for p, m in work]
     hits0 = engine.stats()["prefix_cache_hits"]
-    streams = []
-    for i, (p, m) in enumerate(work):
-        streams.append(engine.add_request(p, SamplingParams(max_tokens=m, **GREEDY)))
-        if i % 3 == 2:
-            time.sleep(0.03)
+    streams = staggered(engine, [(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in work], every=3, pause=0.03)
     assert [collect(s)[0] for s in streams] == want
     s = engine.stats()
     assert s["prefix_cache_hits"] - hits0 >= 6 and s["prefix_cache_entries"] == 4
