@@ -11,6 +11,8 @@ import logging
 import math
 
 from backend.engine.request import MAX_TOP_LOGPROBS, SamplingParams
+from backend.engine.structured import JSON_DEFAULTS
+from backend.toolcalls import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGINS, SECTION_ENDS
 
 log = logging.getLogger("kimi-linear")
 
@@ -77,10 +79,9 @@ def _tool_choice(request):
 
 
 # Kimi-K2 tool-call markup (backend/toolcalls.py); in a grammar these are the special tokens, by name
-_TOOL_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-                 "<|tool_call_argument_begin|>", "<|tool_call_end|>")
-# arguments: bounded whitespace (as structured.JSON_DEFAULTS) and keywords llguidance does not implement ignored
-_ARGS_GUIDANCE = {"whitespace_pattern": r"( |\n[ \t]{0,20})?", "lenient": True}
+_TOOL_MARKERS = (SECTION_BEGINS[0], SECTION_ENDS[0], CALL_BEGIN, ARG_BEGIN, CALL_END)
+# arguments: bounded whitespace (as for any JSON schema) and keywords llguidance does not implement ignored
+_ARGS_GUIDANCE = {**JSON_DEFAULTS, "lenient": True}
 
 
 def tool_choice_grammar(request, tok):
