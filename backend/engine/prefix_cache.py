@@ -27,6 +27,11 @@ class Entry:
     full_pages: list  # its first len(tokens) // block_size MLA pages (shared, one reference held here)
     partial_page: int  # a copy of the page holding the last len(tokens) % block_size tokens (owned), 0 = none
 
+    @property
+    def pages(self) -> list:
+        """Every page this entry holds a reference on."""
+        return self.full_pages + ([self.partial_page] if self.partial_page else [])
+
 
 class PrefixCache:
     def __init__(self, blocks: BlockPool, states: StatePool, max_entries: int, min_tokens: int):
@@ -68,12 +73,12 @@ class PrefixCache:
     def wants(self, tokens: list) -> bool:
         return len(tokens) >= self.min_tokens and not self.has(tokens)
 
-    def reserve(self, partial: bool, keep: Optional[Entry] = None) -> Optional[tuple]:
-        """A slot (and a page if `partial`) for a new snapshot, evicting old entries (never `keep`) if needed ->
-        (slot, page), or None when they cannot be had."""
+    def reserve(self, partial: bool) -> Optional[tuple]:
+        """A slot (and a page if `partial`) for a new snapshot, evicting old entries if needed -> (slot, page), or
+        None when they cannot be had."""
         while len(self._entries) >= self.max_entries or not self.states.can_allocate() \
                 or (partial and not self.blocks.can_allocate(1)):
-            if not self.evict(keep):
+            if not self.evict():
                 return None
         return self.states.allocate(), (self.blocks.allocate(1)[0] if partial else 0)
 
@@ -91,12 +96,20 @@ class PrefixCache:
         self._entries[eid] = Entry(list(tokens), slot, full, page)
         self._by_last.setdefault((len(tokens), tokens[-1]), []).append(eid)
 
+    def take(self, hit: Entry) -> list:
+        """A request starts after `hit` (a lookup() result) -> its block table so far: hit's full pages, one more
+        reference taken on each (the partial page the caller copies into a page of the request's own)."""
+        self.blocks.share(hit.full_pages)
+        self.hits += 1
+        self.hit_tokens += len(hit.tokens)
+        return list(hit.full_pages)
+
     def reclaimable(self, keep: Optional[Entry] = None) -> int:
         """Pages that evicting every entry but `keep` would free (those no request holds)."""
         held = {}
         for e in self._entries.values():
             if e is not keep:
-                for p in e.full_pages + ([e.partial_page] if e.partial_page else []):
+                for p in e.pages:
                     held[p] = held.get(p, 0) + 1
         return sum(self.blocks.ref_count[p] == n for p, n in held.items())
 
@@ -112,7 +125,7 @@ class PrefixCache:
         ids.remove(eid)
         if not ids:
             del self._by_last[(len(e.tokens), e.tokens[-1])]
-        self.blocks.free(e.full_pages + ([e.partial_page] if e.partial_page else []))
+        self.blocks.free(e.pages)
         self.states.free(e.slot)
         self.evictions += 1
         return True

@@ -244,16 +244,13 @@ class Scheduler:
 
     def _start_after(self, req: Request, hit) -> list:
         """req (just given its slot) starts after the cached prompt `hit` -> the copies that set it up."""
-        self.blocks.share(hit.full_pages)
-        req.block_ids = list(hit.full_pages)
+        req.block_ids = self.cache.take(hit)
         copies = [("slot", hit.slot, req.state_slot)]
         if hit.partial_page:  # copy-on-write: req writes its next tokens into this page
             page = self.blocks.allocate(1)[0]
             req.block_ids.append(page)
             copies.append(("page", hit.partial_page, page))
         req.num_computed_tokens = len(hit.tokens)
-        self.cache.hits += 1
-        self.cache.hit_tokens += len(hit.tokens)
         return copies
 
     def _cap(self, req: Request, n: int) -> int:
