@@ -226,15 +226,12 @@ def build_load_spec(request, launch_cwd: str | None = None) -> LoadSpec:
     if gmu is not None and not 0.0 < gmu <= 1.0:
         raise OptionsError(f"gpu_memory_utilization must be in (0, 1], got {gmu}")
     for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_slots",
-                "num_blocks", "max_graph_batch_size", "tp_size", "nnodes"):
+                "num_blocks", "max_graph_batch_size", "tp_size", "nnodes", "prefix_cache_min_tokens"):
         if key in spec.engine and spec.engine[key] <= 0:
             raise OptionsError(f"{key} must be a positive integer, got {spec.engine[key]}")
-    for key in ("prefix_cache_slots", "prefix_cache_min_tokens"):
-        if key in spec.engine and spec.engine[key] < (key == "prefix_cache_min_tokens"):
-            raise OptionsError(f"{key} must be >= {int(key == 'prefix_cache_min_tokens')}, got {spec.engine[key]}")
-    if spec.engine.get("max_prefill_tokens_with_decode", 0) < 0:
-        raise OptionsError(f"max_prefill_tokens_with_decode must be >= 0 (0 = no cap), got "
-                           f"{spec.engine['max_prefill_tokens_with_decode']}")
+    for key, zero in (("max_prefill_tokens_with_decode", "no cap"), ("prefix_cache_slots", "off")):
+        if spec.engine.get(key, 0) < 0:
+            raise OptionsError(f"{key} must be >= 0 (0 = {zero}), got {spec.engine[key]}")
     _check_parallel(spec.engine)
     if spec.tool_parser not in TOOL_PARSERS:
         raise OptionsError(f"tool_parser '{spec.tool_parser}' is not supported ({', '.join(TOOL_PARSERS)})")

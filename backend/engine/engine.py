@@ -75,7 +75,7 @@ class EngineConfig:
             self.dtype = "auto"
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "prefix_cache_min_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "num_blocks", "num_slots", "max_graph_batch_size",
@@ -85,8 +85,6 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence needs a token each step")
-        if self.prefix_cache_min_tokens < 1:
-            raise ValueError(f"prefix_cache_min_tokens must be >= 1, got {self.prefix_cache_min_tokens}")
         if self.num_blocks == 1 or self.num_slots == 1:
             raise ValueError("num_blocks and num_slots count the null page/slot: use 0 (auto) or >= 2")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
