@@ -71,12 +71,25 @@ def test_fields_options_engine_args_precedence(model_dir):
     (dict(Options=["block_size:0"]), "block_size"),
     (dict(Options=["max_prefill_tokens_with_decode:-1"]), "max_prefill_tokens_with_decode must be >= 0"),
     (dict(EngineArgs='{"max_prefill_tokens_with_decode": "lots"}'), "expected int"),
+    (dict(Options=["prefix_cache_slots:-1"]), "prefix_cache_slots must be >= 0"),
+    (dict(Options=["prefix_cache_min_tokens:0"]), "prefix_cache_min_tokens must be a positive integer"),
     (dict(DType="int4"), "dtype"),
     (dict(Options=["tool_parser:hermes"]), "tool_parser"),
 ])
 def test_bad_load_options(model_dir, kw, needle):
     with pytest.raises(OptionsError, match=needle):
         spec(model_dir, **kw)
+
+
+def test_prefix_cache_options_reach_engine_config(model_dir):
+    from backend.engine import EngineConfig
+
+    s = spec(model_dir, Options=["prefix_cache_slots:8", "prefix_cache_min_tokens:32"])
+    c = engine_config(EngineConfig, s.engine)
+    assert (c.prefix_cache_slots, c.prefix_cache_min_tokens) == (8, 32)
+    for bad in (dict(prefix_cache_slots=-1), dict(prefix_cache_min_tokens=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineConfig(device="cpu", **bad)
 
 
 def test_prefill_cap_option_reaches_engine_config(model_dir):
