@@ -278,3 +278,50 @@ def logprob_entry(tok, entry) -> dict:
 
 def logprobs_json(entries: list) -> bytes:
     return json.dumps({"content": entries}, ensure_ascii=False).encode("utf-8")
+
+
+# ------------------------------------------------------------------------------------------------ Score
+
+
+def score_inputs(request, tok, max_model_len: int = 0) -> tuple:
+    """ScoreRequest -> (prompt ids, [candidate ids], prefix cache points).
+
+    The prompt and each candidate are tokenized on their own (a candidate's tokens do not depend on the prompt), so
+    `num_tokens` is the candidate's own count. An empty prompt is the BOS token: the first candidate token then has
+    a context. The cache points are where the prompt's stable part ends (stable_prefix_len, in bytes of the prompt)
+    and the prompt less its last token (the scoring of a candidate's first token starts from that position's state,
+    so candidates after the first start there)."""
+    if request.prompt:
+        prompt = tok.encode(request.prompt)
+    elif tok.bos_token_id is not None:
+        prompt = [tok.bos_token_id]
+    else:
+        raise BadRequest("empty prompt and the tokenizer has no BOS token to score the candidates after")
+    if not prompt:
+        raise BadRequest("the prompt encodes to no tokens")
+    cands = [tok.encode(c) if c else [] for c in request.candidates]
+    if max_model_len:
+        for i, c in enumerate(cands):
+            if len(prompt) + len(c) > max_model_len:
+                raise BadRequest(f"candidate {i}: prompt ({len(prompt)} tokens) + candidate ({len(c)} tokens) "
+                                 f"exceeds the context ({max_model_len} tokens)")
+    points = {len(prompt) - 1}
+    if request.stable_prefix_len > 0 and request.prompt:
+        stable = request.prompt.encode("utf-8")[:request.stable_prefix_len].decode("utf-8", errors="ignore")
+        head = tok.encode(stable) if stable else []
+        k = 0  # the stable text's tokens that the whole prompt's tokens begin with
+        while k < min(len(head), len(prompt)) and head[k] == prompt[k]:
+            k += 1
+        points.add(k)
+    return prompt, cands, tuple(sorted(p for p in points if p > 0))
+
+
+def candidate_score(tok, ids: list, scores: list, length_normalize: bool, token_logprobs: bool) -> dict:
+    """One candidate's token ids and their log-probabilities -> CandidateScore fields."""
+    total = float(sum(scores))
+    out = {"log_prob": total, "num_tokens": len(ids)}
+    if length_normalize:
+        out["length_normalized_log_prob"] = total / len(ids) if ids else 0.0
+    if token_logprobs:
+        out["tokens"] = [{"token": _token_info(tok, t)[0], "log_prob": float(lp)} for t, lp in zip(ids, scores)]
+    return out

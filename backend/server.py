@@ -550,6 +550,73 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
                                 f"token ids outside the vocabulary (size {loaded.tok.vocab_size}): {bad[:8]}")
         return backend_pb2.DetokenizeResponse(content=loaded.tok.decode(list(request.tokens)))
 
+    async def Score(self, request, context):
+        """log P(candidate | prompt) of each candidate: scoring requests in the engine (SamplingParams.score_from),
+        batched with whatever else runs. With the prefix cache on, the first candidate caches the prompt and the
+        others start after it (the prompt is computed once); without it, each candidate computes the prompt."""
+        from backend.predict import BadRequest, candidate_score, score_inputs
+        from backend.tokenizer import TokenizerError
+
+        loaded = await self._require_model(request, context)
+        error = None
+        try:
+            prompt, cands, points = await asyncio.to_thread(score_inputs, request, loaded.tok, loaded.max_model_len)
+        except (BadRequest, TokenizerError, ValueError, TypeError) as e:
+            error = str(e)
+        if error is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        # no await from here to `self._active += 1` (as in _generate)
+        if self._draining or self._loaded is not loaded:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is being replaced or was freed "
+                                "(LoadModel/Free in progress): retry when Status is READY")
+        if loaded.engine.error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{loaded.engine.error}; LoadModel restarts the model")
+        self._active += 1
+        streams = []
+        try:
+            scores = await self._score_all(loaded, prompt, cands, points, streams, context)
+        finally:
+            self._active -= 1
+            for s in streams:  # a cancelled or failed call leaves nothing running
+                if not s.done:
+                    loaded.engine.abort(s.request_id)
+        self._throughput.total_prompt += sum(len(prompt) + len(c) for c in cands)
+        return backend_pb2.ScoreResponse(candidates=[
+            backend_pb2.CandidateScore(**candidate_score(loaded.tok, c, s, request.length_normalize,
+                                                         request.include_token_logprobs))
+            for c, s in zip(cands, scores)])
+
+    async def _score_all(self, loaded, prompt, cands, points, streams, context) -> list:
+        """-> each candidate's token log-probabilities. The first candidate runs alone when the prefix cache can
+        then hand the prompt to the others."""
+        from backend.engine import SamplingParams
+
+        engine, P = loaded.engine, len(prompt)
+        first = 1 if engine.cfg.prefix_cache_slots and len(cands) > 1 else len(cands)
+        results = []
+        for group in (cands[:first], cands[first:]):
+            batch = []
+            for c in group:
+                try:
+                    batch.append(engine.add_request(prompt + c, SamplingParams(score_from=P), cache_points=points))
+                except ValueError as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                except Exception as e:  # noqa: BLE001 - a shut-down or failed engine
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"{type(e).__name__}: {e}")
+            streams += batch
+            for s in batch:
+                last = None
+                async for out in s:
+                    last = out
+                if last is None or last.finish_reason == "error":
+                    await context.abort(grpc.StatusCode.INTERNAL,
+                                        f"scoring failed: {last.error if last is not None else 'no output'}")
+                if last.finish_reason != "stop":
+                    await context.abort(grpc.StatusCode.ABORTED, f"scoring aborted: the model was freed or "
+                                        f"replaced while it ran ({last.error or last.finish_reason})")
+                results.append(last.scores)
+        return results
+
     async def GetMetrics(self, request, context):
         import json
 

@@ -149,6 +149,11 @@ class RequestStream:
             raise StopIteration
         return self._take(self._q.get())
 
+    @property
+    def done(self) -> bool:
+        """The final output was taken."""
+        return self._done
+
     def abort(self) -> None:
         self._engine.abort(self.request_id)
 
@@ -381,7 +386,7 @@ class LLMEngine:
             if pipelined:
                 p = _InFlight(out, self.runner.launch(out))
             else:
-                ids, logprobs = self.runner.execute(out)
+                ids, logprobs, scores = self.runner.execute(out)
         except Exception as e:
             # a tensor-parallel rank failure has already called fail() (runner.group.on_failure)
             log.exception("step failed for %d requests", len(out.seqs))
@@ -390,7 +395,7 @@ class LLMEngine:
         if pipelined:
             self._settle(p)
         else:
-            self._apply(out, ids, logprobs)
+            self._apply(out, ids, logprobs, scores)
 
     def _count_step(self):
         self._executed += 1
@@ -412,30 +417,31 @@ class LLMEngine:
                     log.exception("step failed for %d requests", len(out.seqs))
                     failed = (out, e)
         try:
-            ids, logprobs = self.runner.collect(p.launched)
+            ids, logprobs, scores = self.runner.collect(p.launched)
         except Exception as e:
             log.exception("step failed for %d requests", len(p.out.seqs))
             self._fail(p.out, e)
         else:
-            self._apply(p.out, ids, logprobs)
+            self._apply(p.out, ids, logprobs, scores)
         if failed is not None:
             self._fail(*failed)
         self._inflight = nxt
         return nxt is not None or failed is not None
 
-    def _apply(self, out: SchedulerOutput, ids: list, logprobs: list):
-        """A step's sampled tokens -> requests (update) -> streams."""
+    def _apply(self, out: SchedulerOutput, ids: list, logprobs: list, scores: list = ()):
+        """A step's sampled tokens (and scoring requests' log-probabilities) -> requests (update) -> streams."""
         try:
             self._attach_logprobs(out, logprobs)
-            touched = self.scheduler.update(out, ids)
+            touched = self.scheduler.update(out, ids, scores)
         except Exception as e:
             log.exception("step failed for %d requests", len(out.seqs))
             self._fail(out, e)
             return
         self._totals["steps"] += 1
-        self._totals["output_tokens"] += len(touched)
+        made = sum(r.scores is None for r in touched)  # a scoring request's finish makes no token
+        self._totals["output_tokens"] += made
         now = time.monotonic()
-        self._recent.append((now, len(touched)))
+        self._recent.append((now, made))
         while len(self._recent) > 1000:
             self._recent.popleft()
         wake = {}
@@ -474,7 +480,8 @@ class LLMEngine:
         first, finished = req.first_token_time, req.status is RequestStatus.FINISHED
         out = RequestOutput(
             req.request_id, toks[sent:], lps, finished, req.finish_reason, req.error, len(req.prompt_token_ids), m,
-            (first if first is not None else now) - req.arrival_time, now - first if first is not None else 0.0)
+            (first if first is not None else now) - req.arrival_time, now - first if first is not None else 0.0,
+            req.scores if finished and req.finish_reason == "stop" else None)
         if finished:
             stream = self._streams.pop(req.request_id, None)
         else:

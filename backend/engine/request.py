@@ -27,6 +27,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20 alternatives per token (needs logprobs)
     grammar: Optional[object] = None  # backend.engine.structured.Grammar: every token must extend its language
+    # scoring (the Score RPC): generate nothing; the final output holds log P(prompt[i] | prompt[:i]) for every
+    # i >= score_from (raw logits: no temperature, bias or filters), in RequestOutput.scores. None = generate
+    score_from: Optional[int] = None
 
     def validate(self, vocab_size: int) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -60,6 +63,9 @@ class SamplingParams:
         if self.grammar is not None and self.grammar.vocab_size != vocab_size:
             raise ValueError(f"the grammar was compiled for {self.grammar.vocab_size} token ids, the model has "
                              f"{vocab_size}")
+        if self.score_from is not None and (not isinstance(self.score_from, int) or self.score_from < 1):
+            raise ValueError(f"score_from must be an integer >= 1 (the first token has no context), got "
+                             f"{self.score_from!r}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
 
@@ -100,6 +106,7 @@ class RequestOutput:
     num_output_tokens: int = 0  # total so far
     prompt_time_s: float = 0.0  # arrival -> first token
     gen_time_s: float = 0.0  # first token -> this output
+    scores: Optional[list] = None  # scoring requests, final output: log P(prompt[i] | prompt[:i]), i >= score_from
 
 
 _ids = itertools.count()
@@ -110,7 +117,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "seed", "num_computed_tokens",
                  "state_slot", "block_ids", "status", "finish_reason", "error", "arrival_time", "first_token_time",
-                 "num_preemptions", "pending_logprobs", "num_sent_tokens", "matcher", "cache_points")
+                 "num_preemptions", "pending_logprobs", "num_sent_tokens", "matcher", "cache_points", "scores")
 
     def __init__(self, prompt_token_ids, params: SamplingParams, request_id: Optional[str] = None, seed: int = 0,
                  cache_points=()):
@@ -137,6 +144,22 @@ class Request:
         # prompt positions (besides its end) where a prefix cache should snapshot, e.g. where a chat's first user
         # message starts: new conversations share what comes before it
         self.cache_points = tuple(sorted({int(p) for p in cache_points if 0 < int(p) < len(self.prompt_token_ids)}))
+        # scoring: the log-probability of prompt token score_from + i at [i] once computed (None before); positions
+        # recomputed after a preemption write the same entries again
+        sf = params.score_from
+        self.scores = [None] * (len(self.prompt_token_ids) - sf) if sf is not None else None
+
+    @property
+    def is_scoring(self) -> bool:
+        return self.scores is not None
+
+    def score_rows(self, a: int, n: int) -> tuple:
+        """Positions in the chunk [a, a + n) whose logits score a prompt token (position p scores token p + 1):
+        -> (lo, hi), empty when lo == hi; (0, 0) for a request that generates."""
+        if self.scores is None:
+            return 0, 0
+        lo, hi = max(a, self.params.score_from - 1), min(a + n, len(self.prompt_token_ids) - 1)
+        return (lo, hi) if lo < hi else (0, 0)
 
     @property
     def num_prompt_tokens(self) -> int:

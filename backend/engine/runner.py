@@ -19,7 +19,7 @@ import torch
 
 from backend.config import ModelConfig
 from backend.engine.sampler import SamplerOutput, SamplingMetadata, sample
-from backend.engine.scheduler import SchedulerOutput
+from backend.engine.scheduler import MAX_SCORE_ROWS, SchedulerOutput
 from backend.model import parallel
 from backend.model.batch import ForwardBatch
 from backend.model.loader import load_model
@@ -183,14 +183,15 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del cache, batch
         torch.cuda.empty_cache()
-        # sampling on max_num_seqs rows: logits, sort and noise buffers
-        return peak + 8 * self.max_num_seqs * self.vocab_size * 4
+        # sampling on max_num_seqs rows: logits, sort and noise buffers; scoring rows: logits in the lm_head's dtype
+        # and fp32, and the log-softmax temporaries
+        return peak + (8 * self.max_num_seqs + 3 * MAX_SCORE_ROWS) * self.vocab_size * 4
 
     # batch building
     def prepare(self, out: SchedulerOutput, width: int = 0) -> ForwardBatch:
         """Host lists -> one int64 and one int32 transfer -> ForwardBatch views. width: block-table columns."""
         bs = self.block_size
-        ids, slot_mapping, logits_index = [], [], []
+        ids, slot_mapping, logits_index, score_index = [], [], [], []
         cu, seq_lens, slots, has_init, table = [0], [], [], [], []
         width = width or max(len(s.request.block_ids) for s in out.seqs)
         for s in out.seqs:
@@ -198,6 +199,8 @@ class ModelRunner:
             ids += _tokens(r, a, n)
             blocks = r.block_ids
             slot_mapping += [blocks[p // bs] * bs + p % bs for p in range(a, a + n)]
+            if s.score_hi > s.score_lo:  # scoring rows: after every sampled row (execute splits them there)
+                score_index += range(cu[-1] + s.score_lo - a, cu[-1] + s.score_hi - a)
             cu.append(cu[-1] + n)
             if s.sample:
                 logits_index.append(cu[-1] - 1)
@@ -207,7 +210,7 @@ class ModelRunner:
             table += blocks + [0] * (width - len(blocks))
         nd, N, T = out.num_decodes, len(out.seqs), len(ids)
         pcu = [c - cu[nd] for c in cu[nd:]]
-        l64, l32 = ids + slot_mapping + logits_index, cu + pcu + seq_lens + slots + has_init + table
+        l64, l32 = ids + slot_mapping + logits_index + score_index, cu + pcu + seq_lens + slots + has_init + table
         meta = (nd, N, T, width, max(s.num_new_tokens for s in out.seqs), len(l64))
         if self.group is None:
             return self._batch(_pinned(l64, torch.int64, self.device), _pinned(l32, torch.int32, self.device), *meta)
@@ -232,7 +235,8 @@ class ModelRunner:
     # execution
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> tuple:
-        """-> (token ids, logprob entries) for the scheduled sequences that sample, in order; one host sync."""
+        """-> (token ids, logprob entries, scores): the first two for the scheduled sequences that sample, in order;
+        scores: the log-probabilities of the scoring rows (ScheduledSeq.score_lo/hi), seq by seq. One host sync."""
         reqs = [s.request for s in out.seqs if s.sample]
         n = len(out.seqs)
         if self.can_launch(out):
@@ -240,19 +244,39 @@ class ModelRunner:
         try:
             self._copy(out.copies)
             if out.is_decode_only and self.graphs and n <= max(self.graphs):
-                rows = [i for i, s in enumerate(out.seqs) if s.sample]
+                # a decode-shaped lane's logits are its one position's: a scoring row if it has one
+                rows = ([i for i, s in enumerate(out.seqs) if s.sample]
+                        + [i for i, s in enumerate(out.seqs) if s.score_hi > s.score_lo])
                 logits = self._replay(out)[_pinned(rows, torch.int64, self.device)]
             else:
                 batch = self.prepare(out)
                 hidden = self.model(batch, self.cache)
                 logits = self.model.compute_logits(hidden, batch.logits_index)
             self._copy(self._snapshot_copies(out))
+            scores = self._score(out, logits[len(reqs):])
         except Exception as e:
             raise self._step_error(e) from e
         if not reqs:
-            return [], []
+            return [], [], scores.tolist()
         md = SamplingMetadata.build(reqs, self.vocab_size, self.device)
-        return sample(logits, md).to_host(md)
+        ids, logprobs = sample(logits[:len(reqs)], md).to_host(md)
+        return ids, logprobs, scores.tolist()
+
+    def _score(self, out: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor:
+        """logits [R, V] fp32 of the scoring rows (at most MAX_SCORE_ROWS) -> [R] fp32 log P(next prompt token),
+        on the device; row blocks bound the log-softmax temporaries."""
+        if not logits.shape[0]:
+            return logits.new_empty(0)
+        targets = []
+        for s in out.seqs:
+            if s.score_hi > s.score_lo:
+                targets += _tokens(s.request, s.score_lo + 1, s.score_hi - s.score_lo)
+        targets = _pinned(targets, torch.int64, self.device)
+        res = torch.empty(logits.shape[0], dtype=torch.float32, device=self.device)
+        for i in range(0, logits.shape[0], 64):
+            x = logits[i:i + 64]
+            res[i:i + 64] = x.gather(1, targets[i:i + 64, None])[:, 0] - torch.logsumexp(x, dim=-1)
+        return res
 
     def _step_error(self, e: Exception) -> Exception:
         # tensor parallel: the ranks are out of step after a failed forward; nothing can run any more
@@ -319,9 +343,9 @@ class ModelRunner:
 
     @staticmethod
     def collect(launched: "Launched") -> tuple:
-        """-> (token ids, logprob entries) of a launched step; waits for its device->host copy only (a step launched
-        after it may still run)."""
-        return launched.sampled.to_host(launched.md, launched.copy)
+        """-> (token ids, logprob entries, scores: none) of a launched step; waits for its device->host copy only (a
+        step launched after it may still run)."""
+        return (*launched.sampled.to_host(launched.md, launched.copy), [])
 
     # CUDA graphs
     def _capture_graphs(self, max_bs: int):

@@ -14,6 +14,10 @@ With a PrefixCache (backend/engine/prefix_cache.py), admission starts a request 
 tokens begin with (SchedulerOutput.copies: the snapshot's state slot and partial page, copied before the forward),
 the step that completes a prompt also snapshots it (SchedulerOutput.snapshots, copied after the forward, registered
 by update), and cache entries are evicted for pages or slots before any request is preempted.
+
+Scoring requests (SamplingParams.score_from, the Score RPC) sample nothing: their chunks carry the positions whose
+logits score the prompt's next token (ScheduledSeq.score_lo/hi; at most MAX_SCORE_ROWS such logits rows a step, which
+bounds the step's logits memory), and they finish ("stop") once their prompt is computed.
 """
 
 from collections import deque
@@ -24,6 +28,8 @@ from backend.engine.prefix_cache import PrefixCache
 from backend.engine.request import Request, RequestStatus
 from backend.engine.structured import advance, finished
 
+MAX_SCORE_ROWS = 128  # scoring logits rows [rows, vocab] fp32 per step: 84 MB for Kimi-Linear's 163,840 ids
+
 
 @dataclass(slots=True)
 class ScheduledSeq:
@@ -31,6 +37,9 @@ class ScheduledSeq:
     start: int  # tokens already in the caches (num_computed_tokens before this step)
     num_new_tokens: int
     sample: bool  # this chunk reaches the end of the known tokens: a new token is sampled
+    # scoring requests: positions [score_lo, score_hi) of this chunk whose logits score the next prompt token
+    score_lo: int = 0
+    score_hi: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -78,6 +87,7 @@ class Scheduler:
         self.waiting: deque = deque()
         self.running: list = []
         self.num_preemptions = 0
+        self._score_rows = MAX_SCORE_ROWS  # scoring rows the step being scheduled has left
 
     @property
     def has_unfinished(self) -> bool:
@@ -88,6 +98,12 @@ class Scheduler:
         n, m = req.num_prompt_tokens, req.params.max_tokens
         if n == 0:
             raise ValueError("the prompt is empty")
+        if req.is_scoring:
+            if req.params.score_from > n:
+                raise ValueError(f"score_from ({req.params.score_from}) is past the prompt ({n} tokens)")
+            if n > self.max_model_len:
+                raise ValueError(f"the text to score has {n} tokens; max_model_len is {self.max_model_len}")
+            return
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; max_model_len is {self.max_model_len} "
                              f"(prompt + at least one new token must fit)")
@@ -117,20 +133,22 @@ class Scheduler:
             prefill_budget = self.max_prefill_tokens_with_decode
         decodes, prefills, preempted, copies, snapshots = [], [], [], [], []
         bs = self.blocks.block_size
+        self._score_rows = MAX_SCORE_ROWS
         i = 0
         # running requests, oldest first
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             nc = req.num_computed_tokens
-            if nc and len(req.prompt_token_ids) + len(req.output_token_ids) == nc + 1 and nc < len(req.block_ids) * bs:
+            if (nc and len(req.prompt_token_ids) + len(req.output_token_ids) == nc + 1 and nc < len(req.block_ids) * bs
+                    and req.scores is None):
                 # the common case, a decode with room in its last page: what the general path below gives
                 decodes.append(ScheduledSeq(req, nc, 1, True))
                 budget -= 1
                 i += 1
                 continue
             limit = budget if _decodes(req) else min(budget, prefill_budget)
-            if limit == 0:  # a prefill over the cap: it waits for a later step, the decodes after it still run
-                i += 1
+            if limit == 0 or (req.scores is not None and self._cap(req, 1) == 0):
+                i += 1  # a prefill over the cap (or scoring rows over theirs) waits; the ones after it still run
                 continue
             n = self._fit(req, self._cap(req, min(req.num_tokens - req.num_computed_tokens, limit)))
             while n == 0:
@@ -154,7 +172,10 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             # the longest cached prompt this request begins with (at least one token must be left to compute)
-            hit = self.cache.lookup(req.all_token_ids, req.num_tokens - 1) if self.cache is not None else None
+            last = req.num_tokens - 1 if req.scores is None else req.params.score_from - 1  # scoring: from there
+            hit = self.cache.lookup(req.all_token_ids, last) if self.cache is not None else None
+            if req.scores is not None and self._score_cap(req, len(hit.tokens) if hit is not None else 0, 1) == 0:
+                break  # no scoring rows left this step
             shared = hit.full_pages if hit is not None else []
             # the whole known sequence must fit in free pages, not just the first chunk: avoids admit-then-preempt
             need = self.blocks.blocks_for(req.num_tokens) - len(shared)
@@ -219,10 +240,20 @@ class Scheduler:
         return max(0, min(n, room))
 
     def _take(self, req: Request, n: int) -> ScheduledSeq:
-        need = self.blocks.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+        a = req.num_computed_tokens
+        need = self.blocks.blocks_for(a + n) - len(req.block_ids)
         if need > 0:
             req.block_ids += self.blocks.allocate(need)
-        return ScheduledSeq(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens)
+        if req.scores is None:
+            return ScheduledSeq(req, a, n, a + n == req.num_tokens)
+        lo, hi = req.score_rows(a, n)
+        self._score_rows -= hi - lo
+        return ScheduledSeq(req, a, n, False, lo, hi)
+
+    def _score_cap(self, req: Request, a: int, n: int) -> int:
+        """A scoring request's chunk [a, a + n) cut to the scoring rows this step has left (0: none left for it)."""
+        lo, hi = req.score_rows(a, n)
+        return min(n, lo + self._score_rows - a) if hi - lo > self._score_rows else n
 
     # prefix cache
     def _free_pages(self, n: int, keep=None, only_if_enough: bool = False) -> bool:
@@ -254,7 +285,10 @@ class Scheduler:
         return copies
 
     def _cap(self, req: Request, n: int) -> int:
-        """A prefill chunk ends at the request's next cache point that the cache wants (so it can be snapshotted)."""
+        """A prefill chunk ends at the request's next cache point that the cache wants (so it can be snapshotted),
+        and a scoring request's where this step's scoring rows run out."""
+        if req.scores is not None:
+            n = self._score_cap(req, req.num_computed_tokens, n)
         if self.cache is not None and req.cache_points:
             a = req.num_computed_tokens
             for p in req.cache_points:
@@ -307,20 +341,25 @@ class Scheduler:
             self.states.free(req.state_slot)
             req.state_slot = 0
 
-    def update(self, out: SchedulerOutput, sampled: list) -> list:
-        """Advances the scheduled requests by one step; `sampled` holds one token per seq with `sample` set.
+    def update(self, out: SchedulerOutput, sampled: list, scores=()) -> list:
+        """Advances the scheduled requests by one step; `sampled` holds one token per seq with `sample` set, `scores`
+        the log-probabilities of the scoring rows (ScheduledSeq.score_lo/hi), seq by seq.
 
         Returns the requests that got a token or finished. A request that finished after `out` was scheduled (a
         step launched before the previous one was collected: the previous token was a stop token) is left as is."""
         if out.snapshots:  # before any request below finishes and gives back pages the cache shares
             self._register(out)
-        touched, j = [], 0
+        touched, j, k = [], 0, 0
         for s in out.seqs:
             req = s.request
             if req.status is RequestStatus.FINISHED:  # finished while this step was in flight: its token is dropped
                 j += s.sample
+                k += s.score_hi - s.score_lo
                 continue
             req.num_computed_tokens += s.num_new_tokens
+            if req.scores is not None:
+                k = self._scored(req, s, scores, k, touched)
+                continue
             if not s.sample:
                 continue
             token = sampled[j]
@@ -335,7 +374,19 @@ class Scheduler:
             if reason is not None:
                 self.finish(req, reason)
         assert j == len(sampled), f"{len(sampled)} sampled tokens for {j} sampling sequences"
+        assert k == len(scores), f"{len(scores)} scores for {k} scoring rows"
         return touched
+
+    def _scored(self, req: Request, s: ScheduledSeq, scores, k: int, touched: list) -> int:
+        """A scoring request's step: its rows' values from scores[k:]; it finishes with its prompt. -> the next k."""
+        m = s.score_hi - s.score_lo
+        if m:
+            i = s.score_lo + 1 - req.params.score_from
+            req.scores[i:i + m] = scores[k:k + m]
+        if req.num_computed_tokens == req.num_tokens:
+            self.finish(req, "stop")
+            touched.append(req)
+        return k + m
 
     def _stop_reason(self, req: Request, token: int):
         p = req.params

@@ -108,3 +108,22 @@ def test_prefix_cache_copies_reach_the_follower(tp_dir):
         finally:
             eng.shutdown()
     assert results[0] == results[1]
+
+
+def test_scoring_rows_reach_the_follower(tp_dir, reference):
+    """Scoring requests (the Score RPC) beside generating ones with tensor parallel: the scoring rows ride in the
+    broadcast logits index, so both ranks run the same vocab-parallel lm_head; scores equal one process's."""
+    texts = [list(range(40, 75)), [3, 17, 42, 99, 7]]
+    scores = []
+    for tp_size in (1, 2):
+        eng = make_engine(tp_dir, tp_size)
+        try:
+            streams = [eng.add_request(t, SamplingParams(score_from=2)) for t in texts]
+            gen = eng.generate(PROMPTS, SamplingParams(max_tokens=16, **GREEDY))
+            scores.append([[o for o in s][-1].scores for s in streams])
+        finally:
+            eng.shutdown()
+        assert gen == reference
+    assert all(len(s) == len(t) - 2 for s, t in zip(scores[0], texts))
+    for one, two in zip(*scores):
+        assert two == pytest.approx(one, abs=1e-4)

@@ -395,6 +395,95 @@ def test_prefix_cache_multi_turn(srv, ckpt, reference):
     assert srv.stub.Free(pb.HealthMessage()).success
 
 
+def ref_logprobs(ckpt, ids, start):
+    """log P(ids[i] | ids[:i]) for i >= start, from the independent reference model (tests/reference_model.py)."""
+    import torch
+
+    from tests.reference_model import reference_logits
+
+    lp = torch.log_softmax(reference_logits(str(ckpt / "tiny-kimi"), ids), dim=-1)
+    return [float(lp[i - 1, ids[i]]) for i in range(start, len(ids))]
+
+
+def check_scores(tok, ckpt, prompt_ids, cands, reply, normalize=True, per_token=True):
+    assert len(reply.candidates) == len(cands)
+    for c, row in zip(cands, reply.candidates):
+        cid = tok.encode(c) if c else []
+        ref = ref_logprobs(ckpt, prompt_ids + cid, len(prompt_ids))
+        assert row.num_tokens == len(cid)
+        assert row.log_prob == pytest.approx(sum(ref), abs=1e-3)
+        if normalize:
+            assert row.length_normalized_log_prob == pytest.approx(sum(ref) / len(cid) if cid else 0.0, abs=1e-3)
+        if per_token:
+            assert [t.log_prob for t in row.tokens] == pytest.approx(ref, abs=2e-4)
+            assert "".join(t.token for t in row.tokens) == tok.decode(cid)
+        else:
+            assert not row.tokens and row.length_normalized_log_prob == 0.0
+
+
+def test_score_matches_reference(loaded, ckpt, reference):
+    """Score: each candidate's log-probability given the prompt, token by token, against the reference model; an
+    empty candidate scores 0; an empty prompt scores after BOS; bad input is INVALID_ARGUMENT."""
+    tok, _ = reference
+    prompt, cands = "The capital of France is", [" Paris", " Lyon, then Marseille.", "", " Paris"]
+    r = loaded.stub.Score(pb.ScoreRequest(prompt=prompt, candidates=cands, include_token_logprobs=True,
+                                          length_normalize=True), timeout=60)
+    check_scores(tok, ckpt, tok.encode(prompt), cands, r)
+    assert r.candidates[0].log_prob == r.candidates[3].log_prob
+    r = loaded.stub.Score(pb.ScoreRequest(prompt="", candidates=["Once upon a time"]), timeout=60)
+    check_scores(tok, ckpt, [tok.bos_token_id], ["Once upon a time"], r, normalize=False, per_token=False)
+    assert not loaded.stub.Score(pb.ScoreRequest(prompt="x", candidates=[]), timeout=60).candidates
+    with pytest.raises(grpc.RpcError) as ei:
+        loaded.stub.Score(pb.ScoreRequest(prompt="x", candidates=["y" * 2000]), timeout=60)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in ei.value.details()
+    with pytest.raises(grpc.RpcError) as ei:
+        loaded.stub.Score(pb.ScoreRequest(prompt="x", candidates=["y"], ModelIdentity="other"), timeout=60)
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+    assert loaded.stub.Predict(req(), timeout=60).message  # the server still serves
+
+
+def test_score_cancelled_frees_everything(loaded):
+    """A Score call whose client gives up (deadline) aborts its candidates: the pools come back full."""
+    metrics = lambda: json.loads(loaded.stub.GetMetrics(pb.MetricsRequest()).prompt_json_for_slot)  # noqa: E731
+    with pytest.raises(grpc.RpcError) as ei:
+        loaded.stub.Score(pb.ScoreRequest(prompt="Once upon a time", candidates=[" and then" * 25] * 8), timeout=0.05)
+    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = metrics()
+        if m["running"] == m["waiting"] == 0 and m["free_blocks"] == m["num_blocks"]:
+            break
+        time.sleep(0.05)
+    assert m["running"] == m["waiting"] == 0 and m["free_blocks"] == m["num_blocks"], m
+    assert m["aborted"] > 0, m
+
+
+def test_score_reuses_the_prompt_with_the_prefix_cache(srv, ckpt, reference):
+    """With the prefix cache, the first candidate caches the prompt and the others start after it; the next call
+    with the same stable prefix (stable_prefix_len) starts after that; the scores are the reference's."""
+    tok, _ = reference
+    r = srv.stub.LoadModel(load_opts(ckpt, Options=["max_num_seqs:8", "dtype:float32", "prefix_cache_slots:8",
+                                                    "prefix_cache_min_tokens:4"]), timeout=300)
+    assert r.success, r.message
+    metrics = lambda: json.loads(srv.stub.GetMetrics(pb.MetricsRequest()).prompt_json_for_slot)  # noqa: E731
+    stable = "Classify the ticket as billing, outage or other. Ticket: "
+    cands = [" billing", " outage", " other"]
+    prompts = [stable + "my invoice is wrong", stable + "the site is down again"]
+    for i, prompt in enumerate(prompts):
+        r = srv.stub.Score(pb.ScoreRequest(prompt=prompt, candidates=cands, include_token_logprobs=True,
+                                           stable_prefix_len=len(stable.encode())), timeout=60)
+        check_scores(tok, ckpt, tok.encode(prompt), cands, r, normalize=False)
+        stats = metrics()
+        ids = tok.encode(prompt)
+        if i == 0:  # candidates 2 and 3 start after the prompt less its last token
+            assert stats["prefix_cache_hits"] == 2 and stats["prefix_cache_hit_tokens"] == 2 * (len(ids) - 1)
+    stable_ids = tok.encode(stable)
+    k = next(i for i, (a, b) in enumerate(zip(stable_ids + [-1], ids)) if a != b)  # the stable tokens both share
+    hit = stats["prefix_cache_hit_tokens"] - 2 * (len(tok.encode(prompts[0])) - 1)
+    assert stats["prefix_cache_hits"] == 5 and hit == k + 2 * (len(ids) - 1), stats
+    assert srv.stub.Free(pb.HealthMessage()).success
+
+
 def test_free_then_predict_is_failed_precondition(loaded):
     r = loaded.stub.Free(pb.HealthMessage())
     assert r.success
