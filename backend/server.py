@@ -367,6 +367,29 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
                                 f"this backend serves '{loaded.spec.model_name}'")
         return loaded
 
+    async def _admit(self, request, context, build):
+        """-> (the loaded model, build(loaded) run in a thread: a slow chat template or a long prompt never stalls
+        the event loop). Aborts the call: INVALID_ARGUMENT when build raises a bad-request error, UNAVAILABLE while a
+        LoadModel/Free replaces the model or after the engine failed. Nothing awaits after these checks, so the
+        caller's `self._active += 1` is seen by any LoadModel/Free that starts later."""
+        from backend.predict import BadRequest
+        from backend.tokenizer import TokenizerError
+
+        loaded = await self._require_model(request, context)
+        error = None
+        try:
+            built = await asyncio.to_thread(build, loaded)
+        except (BadRequest, TokenizerError, ValueError, TypeError) as e:
+            error = str(e)
+        if error is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        if self._draining or self._loaded is not loaded:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is being replaced or was freed "
+                                "(LoadModel/Free in progress): retry when Status is READY")
+        if loaded.engine.error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{loaded.engine.error}; LoadModel restarts the model")
+        return loaded, built
+
     def _build(self, request, loaded):
         """-> (prompt ids, SamplingParams, stops, prefix cache points) or raises BadRequest/ValueError."""
         from backend.predict import BadRequest, cache_points, prompt_ids, sampling_params, tool_choice_grammar
@@ -397,25 +420,13 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
 
     async def _generate(self, request, context):
         """Async generator of ("delta", content, tool_deltas) then one ("final", info)."""
-        from backend.predict import BadRequest, logprob_entry
+        from backend.predict import logprob_entry
 
-        loaded = await self._require_model(request, context)
-        error = None
-        try:
-            # in a thread: a slow chat template (bounded by its limits) or a long prompt never stalls the event loop
-            ids, params, stops, points = await asyncio.to_thread(self._build, request, loaded)
-        except (BadRequest, ValueError, TypeError) as e:
-            error = str(e)
-        if error is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        loaded, (ids, params, stops, points) = await self._admit(
+            request, context, lambda loaded: self._build(request, loaded))
         # no await from here to `self._active += 1`: a LoadModel/Free either sees this request or it sees them
-        if self._draining or self._loaded is not loaded:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is being replaced or was freed "
-                                "(LoadModel/Free in progress): retry when Status is READY")
         pipe = _Pipeline(loaded.tok, stops, loaded.spec.tool_parser != "none")
-        engine_error = loaded.engine.error
-        if engine_error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{engine_error}; LoadModel restarts the model")
+        error = None
         try:
             stream = loaded.engine.add_request(ids, params, cache_points=points)
         except ValueError as e:
@@ -554,24 +565,11 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         """log P(candidate | prompt) of each candidate: scoring requests in the engine (SamplingParams.score_from),
         batched with whatever else runs. With the prefix cache on, the first candidate caches the prompt and the
         others start after it (the prompt is computed once); without it, each candidate computes the prompt."""
-        from backend.predict import BadRequest, candidate_score, score_inputs
-        from backend.tokenizer import TokenizerError
+        from backend.predict import candidate_score, score_inputs
 
-        loaded = await self._require_model(request, context)
-        error = None
-        try:
-            prompt, cands, points = await asyncio.to_thread(score_inputs, request, loaded.tok, loaded.max_model_len)
-        except (BadRequest, TokenizerError, ValueError, TypeError) as e:
-            error = str(e)
-        if error is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        # no await from here to `self._active += 1` (as in _generate)
-        if self._draining or self._loaded is not loaded:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is being replaced or was freed "
-                                "(LoadModel/Free in progress): retry when Status is READY")
-        if loaded.engine.error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{loaded.engine.error}; LoadModel restarts the model")
-        self._active += 1
+        loaded, (prompt, cands, points) = await self._admit(
+            request, context, lambda loaded: score_inputs(request, loaded.tok, loaded.max_model_len))
+        self._active += 1  # no await since _admit's checks
         streams = []
         try:
             scores = await self._score_all(loaded, prompt, cands, points, streams, context)
