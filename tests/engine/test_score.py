@@ -41,7 +41,7 @@ def mixed_work(seed):
     return work
 
 
-def check_mixed(engine, tiny_dir, seed):
+def check_mixed(engine, tiny_dir, seed, tol=2e-4):
     work = mixed_work(seed)
     reqs = [(ids, SamplingParams(score_from=sf) if sf else SamplingParams(max_tokens=m, **GREEDY))
             for ids, sf, m in work]
@@ -52,7 +52,7 @@ def check_mixed(engine, tiny_dir, seed):
             assert toks == greedy_generate(engine.runner.model, ids, m) and last.scores is None
         else:
             assert toks == [] and last.finish_reason == "stop" and last.num_output_tokens == 0
-            assert last.scores == pytest.approx(ref_scores(tiny_dir, ids, sf), abs=2e-4)
+            assert last.scores == pytest.approx(ref_scores(tiny_dir, ids, sf), abs=tol)
     assert_pools_full(engine)
 
 
@@ -69,20 +69,26 @@ def test_scores_match_reference_among_generating_requests(engine, tiny_dir):
     check_mixed(engine, tiny_dir, seed=0)
 
 
-def test_scoring_rows_cap_cuts_chunks(engine, tiny_dir, monkeypatch):
-    """3 scoring rows a step: every scoring chunk is cut (also decode-shaped 1-token chunks), values unchanged."""
-    monkeypatch.setattr(scheduler_mod, "MAX_SCORE_ROWS", 3)
-    seen = []
+@pytest.mark.parametrize("cap", [3, 1])
+def test_scoring_rows_cap_cuts_chunks(engine, tiny_dir, monkeypatch, cap):
+    """A few scoring rows a step: every scoring chunk is cut, values unchanged. At 1 row, scoring requests run
+    1-token chunks that make decode-only steps (the graph path: a lane's logits are its scoring row)."""
+    monkeypatch.setattr(scheduler_mod, "MAX_SCORE_ROWS", cap)
+    rows, graph_rows = [], []
     real = engine.runner.execute
 
     def spy(out):
-        rows = sum(s.score_hi - s.score_lo for s in out.seqs)
-        seen.append(rows)
+        n = sum(s.score_hi - s.score_lo for s in out.seqs)
+        rows.append(n)
+        if n and out.is_decode_only:
+            graph_rows.append(n)
         return real(out)
 
     monkeypatch.setattr(engine.runner, "execute", spy)
     check_mixed(engine, tiny_dir, seed=1)
-    assert max(seen) == 3
+    assert max(rows) == cap
+    if cap == 1:
+        assert graph_rows
 
 
 def test_output_token_count_leaves_scoring_out(engine):
@@ -149,3 +155,18 @@ def test_bad_score_from_is_refused(engine, tiny_dir):
     ids = [i % 250 for i in range(128)]
     assert scored(engine, ids, 120) == pytest.approx(ref_scores(tiny_dir, ids, 120), abs=2e-4)
     assert_pools_full(engine)
+
+
+@pytest.mark.gpu
+def test_gpu_scores(tiny_dir, monkeypatch):
+    """On CUDA with the Triton kernels and decode graphs: scoring requests among generating ones, also with one
+    scoring row a step (1-token scoring chunks: decode-only steps replay a graph), against the fp64 reference."""
+    eng = make_engine(tiny_dir, max_num_seqs=8, num_blocks=128, device="cuda", dtype="float32")
+    try:
+        assert eng.runner.graphs
+        check_mixed(eng, tiny_dir, seed=0, tol=2e-3)
+        monkeypatch.setattr(scheduler_mod, "MAX_SCORE_ROWS", 1)
+        check_mixed(eng, tiny_dir, seed=1, tol=2e-3)
+    finally:
+        eng.shutdown()
+        torch.cuda.empty_cache()
