@@ -302,6 +302,35 @@ def bench_turn(engine: LLMEngine, history: int, new: int, seed: int) -> tuple:
     return cold, warm
 
 
+def bench_score(engine: LLMEngine, n: int, cands: int, length: int, seed: int) -> tuple:
+    """The Score RPC's engine work: `cands` candidates of `length` tokens after one n-token prompt. -> seconds with
+    the prompt shared (the server's order: the first candidate caches the prompt less its last token, the others
+    start there) and with every candidate computing the prompt (no prefix cache)."""
+    p = prompt(n, engine.vocab_size, seed)
+    texts = [p + prompt(length, engine.vocab_size, seed + 1 + i) for i in range(cands)]
+    params = SamplingParams(score_from=n)
+
+    def run(groups, points):
+        sync()
+        t = time.perf_counter()
+        for group in groups:
+            streams = [engine.add_request(x, params, cache_points=points) for x in group]
+            while engine.scheduler.has_unfinished or engine._inbox:
+                engine.step()
+            assert all(list(s)[-1].finish_reason == "stop" for s in streams)
+        sync()
+        return time.perf_counter() - t
+
+    engine.scheduler.cache.clear()
+    hits = engine.stats()["prefix_cache_hits"]
+    shared = run([texts[:1], texts[1:]], (n - 1,))
+    assert engine.stats()["prefix_cache_hits"] == hits + cands - 1, "the candidates did not share the prompt"
+    engine.scheduler.cache.clear()
+    alone = run([texts], ())
+    engine.scheduler.cache.clear()
+    return shared, alone
+
+
 def ttft(engine: LLMEngine, ids: list) -> float:
     """-> seconds from submission to the first token of one prompt (chunked by max_num_batched_tokens)."""
     stream = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0))
@@ -710,6 +739,10 @@ def main():
                     "(H history tokens + --turn-tokens new ones) from scratch and after the H-token prompt was cached "
                     "(prefix_cache_slots, backend/engine/prefix_cache.py)")
     ap.add_argument("--turn-tokens", type=int, default=256)
+    ap.add_argument("--score", default="", help="prompt lengths: the Score RPC's engine work, --score-candidates "
+                    "candidates of --score-tokens tokens after each prompt (shared through the prefix cache, and not)")
+    ap.add_argument("--score-candidates", type=int, default=8)
+    ap.add_argument("--score-tokens", type=int, default=8)
     ap.add_argument("--grammar", action="store_true", help="also decode (greedy, each batch) under a JSON grammar "
                     "that never completes, over a synthetic vocabulary of the model's size: the cost of the masks "
                     "(host) and of the unpipelined steps, beside the unconstrained figure of the same batch")
@@ -732,6 +765,7 @@ def main():
     args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
     args.multi_turn = [int(x) for x in args.multi_turn.split(",") if x]
+    args.score = [int(x) for x in args.score.split(",") if x]
     args.hf_batches = ([b for b in args.decode_batches if b <= 8] if args.hf_batches is None else
                        [int(x) for x in args.hf_batches.split(",") if x])
     if args.hf_dir:  # before anything imports transformers, tokenizers or fla: the baseline brings its own
@@ -767,7 +801,8 @@ def main():
     hf_rows = run_hf(args, model, cfg_dict, dev, dtype) if args.hf_dir else []
 
     max_bs = max(args.decode_batches)
-    max_len = max(args.prefill + [h + args.turn_tokens + 8 for h in args.multi_turn] + [
+    max_len = max(args.prefill + [h + args.turn_tokens + 8 for h in args.multi_turn]
+                  + [n + args.score_tokens for n in args.score] + [
                                   args.decode_context + args.decode_steps + 64,
                                   args.decode_context + PROFILE_MAX_TOKENS + 8]) + 64
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_bs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -775,7 +810,8 @@ def main():
                         dtype=str(dtype).removeprefix("torch."), enforce_eager=args.enforce_eager,
                         # no prefill cap while decoding: the decode figures time a full batch in steady decode, and
                         # with the cap the first of 64 prompts would reach max_tokens before the last is admitted
-                        max_prefill_tokens_with_decode=0, prefix_cache_slots=2 if args.multi_turn else 0)
+                        max_prefill_tokens_with_decode=0,
+                        prefix_cache_slots=2 if args.multi_turn or args.score else 0)
     t = time.perf_counter()
     runner = ModelRunner("", ecfg, model=model)
     engine = LLMEngine(runner, ecfg, start=False)
@@ -837,6 +873,14 @@ def main():
         rows.append((name, 1.0 / warm, "turn/s", 1.0 / sol))
         print(f"  {name}: {warm * 1e3:.1f} ms with the prefix cache, {cold * 1e3:.1f} ms from scratch "
               f"({cold / warm:.1f}x); speed of light of the new tokens {sol * 1e3:.2f} ms")
+    for i, n in enumerate(args.score):
+        c, m = args.score_candidates, args.score_tokens
+        shared, alone = bench_score(engine, n, c, m, seed=70 + i)
+        sol = (roof.prefill_flops(n) + c * (roof.prefill_flops(n + m) - roof.prefill_flops(n))) / peak
+        name = f"Score, {n}-token prompt, {c} candidates x {m} tokens"
+        rows.append((name, 1.0 / shared, "call/s", 1.0 / sol))
+        print(f"  {name}: {shared * 1e3:.1f} ms with the prompt shared, {alone * 1e3:.1f} ms with each candidate "
+              f"computing it ({alone / shared:.1f}x); speed of light (prompt once) {sol * 1e3:.2f} ms")
     if args.profile:
         run_profile(engine, args, roof, peak)
     graphs = bool(runner.graphs)
