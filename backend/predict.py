@@ -283,37 +283,43 @@ def logprobs_json(entries: list) -> bytes:
 # ------------------------------------------------------------------------------------------------ Score
 
 
-def score_inputs(request, tok, max_model_len: int = 0) -> tuple:
-    """ScoreRequest -> (prompt ids, [candidate ids], prefix cache points).
+def score_inputs(request, tok, max_model_len: int = 0) -> list:
+    """ScoreRequest -> per candidate (token ids, score_from, prefix cache points): score ids[score_from:].
 
-    The prompt and each candidate are tokenized on their own (a candidate's tokens do not depend on the prompt), so
-    `num_tokens` is the candidate's own count. An empty prompt is the BOS token: the first candidate token then has
-    a context. The cache points are where the prompt's stable part ends (stable_prefix_len, in bytes of the prompt)
-    and the prompt less its last token (the scoring of a candidate's first token starts from that position's state,
-    so candidates after the first start there)."""
-    if request.prompt:
-        prompt = tok.encode(request.prompt)
-    elif tok.bos_token_id is not None:
-        prompt = [tok.bos_token_id]
-    else:
-        raise BadRequest("empty prompt and the tokenizer has no BOS token to score the candidates after")
-    if not prompt:
-        raise BadRequest("the prompt encodes to no tokens")
-    cands = [tok.encode(c) if c else [] for c in request.candidates]
-    if max_model_len:
-        for i, c in enumerate(cands):
-            if len(prompt) + len(c) > max_model_len:
-                raise BadRequest(f"candidate {i}: prompt ({len(prompt)} tokens) + candidate ({len(c)} tokens) "
-                                 f"exceeds the context ({max_model_len} tokens)")
-    points = {len(prompt) - 1}
-    if request.stable_prefix_len > 0 and request.prompt:
+    As LocalAI's vLLM backend does, each candidate is tokenized joined to the prompt (a BPE merge across the
+    boundary gives the tokens the model would see), and its tokens are those after the first position where the
+    joined tokens leave the prompt's. An empty prompt (or a candidate that merges into the prompt's first token) is
+    preceded by BOS, so that every candidate token has a context. The cache points are where the prompt's stable
+    part ends (stable_prefix_len, in bytes of the prompt) and one token before the candidate (a candidate's scoring
+    starts from that position's state: later candidates with the same prompt start there)."""
+    prompt = tok.encode(request.prompt) if request.prompt else []
+    k = 0  # the stable text's tokens that the whole prompt's tokens begin with
+    if request.stable_prefix_len > 0 and prompt:
         stable = request.prompt.encode("utf-8")[:request.stable_prefix_len].decode("utf-8", errors="ignore")
-        head = tok.encode(stable) if stable else []
-        k = 0  # the stable text's tokens that the whole prompt's tokens begin with
-        while k < min(len(head), len(prompt)) and head[k] == prompt[k]:
-            k += 1
-        points.add(k)
-    return prompt, cands, tuple(sorted(p for p in points if p > 0))
+        k = _common_prefix(tok.encode(stable) if stable else [], prompt)
+    out = []
+    for i, c in enumerate(request.candidates):
+        ids = tok.encode(request.prompt + c) if c else list(prompt)
+        d = _common_prefix(ids, prompt)
+        if d == 0 and ids:
+            if tok.bos_token_id is None:
+                raise BadRequest(f"candidate {i} has no context to be scored after (an empty prompt, or one that "
+                                 "merges into the candidate's first token) and the tokenizer has no BOS token")
+            ids, d, sk = [tok.bos_token_id] + ids, 1, 0
+        else:
+            sk = k if k <= d else 0
+        if max_model_len and len(ids) > max_model_len:
+            raise BadRequest(f"candidate {i}: prompt + candidate are {len(ids)} tokens; the context is "
+                             f"{max_model_len} tokens")
+        out.append((ids, d, tuple(sorted({p for p in (d - 1, sk) if p > 0}))))
+    return out
+
+
+def _common_prefix(a: list, b: list) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def candidate_score(tok, ids: list, scores: list, length_normalize: bool, token_logprobs: bool) -> dict:

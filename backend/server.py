@@ -562,47 +562,49 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         return backend_pb2.DetokenizeResponse(content=loaded.tok.decode(list(request.tokens)))
 
     async def Score(self, request, context):
-        """log P(candidate | prompt) of each candidate: scoring requests in the engine (SamplingParams.score_from),
-        batched with whatever else runs. With the prefix cache on, the first candidate caches the prompt and the
-        others start after it (the prompt is computed once); without it, each candidate computes the prompt."""
+        """log P(candidate | prompt) of each candidate (backend/predict.py score_inputs): scoring requests in the
+        engine (SamplingParams.score_from), batched with whatever else runs. With the prefix cache on, the first
+        candidate caches the prompt and the others start after it (the prompt is computed once); without it, each
+        candidate computes the prompt."""
         from backend.predict import candidate_score, score_inputs
 
-        loaded, (prompt, cands, points) = await self._admit(
+        loaded, work = await self._admit(
             request, context, lambda loaded: score_inputs(request, loaded.tok, loaded.max_model_len))
         self._active += 1  # no await since _admit's checks
         streams = []
         try:
-            scores = await self._score_all(loaded, prompt, cands, points, streams, context)
+            scores = await self._score_all(loaded, work, streams, context)
         finally:
             self._active -= 1
             for s in streams:  # a cancelled or failed call leaves nothing running
                 if not s.done:
                     loaded.engine.abort(s.request_id)
-        self._throughput.total_prompt += sum(len(prompt) + len(c) for c in cands)
+        self._throughput.total_prompt += sum(len(ids) for ids, _, _ in work)
         return backend_pb2.ScoreResponse(candidates=[
-            backend_pb2.CandidateScore(**candidate_score(loaded.tok, c, s, request.length_normalize,
+            backend_pb2.CandidateScore(**candidate_score(loaded.tok, ids[sf:], s, request.length_normalize,
                                                          request.include_token_logprobs))
-            for c, s in zip(cands, scores)])
+            for (ids, sf, _), s in zip(work, scores)])
 
-    async def _score_all(self, loaded, prompt, cands, points, streams, context) -> list:
-        """-> each candidate's token log-probabilities. The first candidate runs alone when the prefix cache can
-        then hand the prompt to the others."""
+    async def _score_all(self, loaded, work, streams, context) -> list:
+        """-> each candidate's token log-probabilities ([] for one without tokens: nothing runs). The first candidate
+        runs alone when the prefix cache can then hand the prompt to the others."""
         from backend.engine import SamplingParams
 
-        engine, P = loaded.engine, len(prompt)
-        first = 1 if engine.cfg.prefix_cache_slots and len(cands) > 1 else len(cands)
-        results = []
-        for group in (cands[:first], cands[first:]):
+        engine, results = loaded.engine, [[] for _ in work]
+        todo = [i for i, (ids, sf, _) in enumerate(work) if sf < len(ids)]
+        first = 1 if engine.cfg.prefix_cache_slots and len(todo) > 1 else len(todo)
+        for group in (todo[:first], todo[first:]):
             batch = []
-            for c in group:
+            for i in group:
+                ids, sf, points = work[i]
                 try:
-                    batch.append(engine.add_request(prompt + c, SamplingParams(score_from=P), cache_points=points))
+                    batch.append(engine.add_request(ids, SamplingParams(score_from=sf), cache_points=points))
                 except ValueError as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 except Exception as e:  # noqa: BLE001 - a shut-down or failed engine
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"{type(e).__name__}: {e}")
             streams += batch
-            for s in batch:
+            for i, s in zip(group, batch):
                 last = None
                 async for out in s:
                     last = out
@@ -612,7 +614,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
                 if last.finish_reason != "stop":
                     await context.abort(grpc.StatusCode.ABORTED, f"scoring aborted: the model was freed or "
                                         f"replaced while it ran ({last.error or last.finish_reason})")
-                results.append(last.scores)
+                results[i] = last.scores
         return results
 
     async def GetMetrics(self, request, context):

@@ -405,18 +405,26 @@ def ref_logprobs(ckpt, ids, start):
     return [float(lp[i - 1, ids[i]]) for i in range(start, len(ids))]
 
 
-def check_scores(tok, ckpt, prompt_ids, cands, reply, normalize=True, per_token=True):
+def joint(tok, prompt, cand):
+    """The candidate's tokens as the Score RPC takes them: the prompt + candidate text tokenized together, from where
+    they leave the prompt's tokens (BOS first for an empty prompt) -> (ids, start)."""
+    p, ids = tok.encode(prompt) if prompt else [], tok.encode(prompt + cand)
+    d = next((i for i, (a, b) in enumerate(zip(p, ids)) if a != b), min(len(p), len(ids)))
+    return ([tok.bos_token_id] + ids, 1) if d == 0 else (ids, d)
+
+
+def check_scores(tok, ckpt, prompt, cands, reply, normalize=True, per_token=True):
     assert len(reply.candidates) == len(cands)
     for c, row in zip(cands, reply.candidates):
-        cid = tok.encode(c) if c else []
-        ref = ref_logprobs(ckpt, prompt_ids + cid, len(prompt_ids))
-        assert row.num_tokens == len(cid)
+        ids, d = joint(tok, prompt, c)
+        ref = ref_logprobs(ckpt, ids, d) if d < len(ids) else []
+        assert row.num_tokens == len(ids) - d
         assert row.log_prob == pytest.approx(sum(ref), abs=1e-3)
         if normalize:
-            assert row.length_normalized_log_prob == pytest.approx(sum(ref) / len(cid) if cid else 0.0, abs=1e-3)
+            assert row.length_normalized_log_prob == pytest.approx(sum(ref) / len(ref) if ref else 0.0, abs=1e-3)
         if per_token:
             assert [t.log_prob for t in row.tokens] == pytest.approx(ref, abs=2e-4)
-            assert "".join(t.token for t in row.tokens) == tok.decode(cid)
+            assert "".join(t.token for t in row.tokens) == tok.decode(ids[d:])
         else:
             assert not row.tokens and row.length_normalized_log_prob == 0.0
 
@@ -428,10 +436,15 @@ def test_score_matches_reference(loaded, ckpt, reference):
     prompt, cands = "The capital of France is", [" Paris", " Lyon, then Marseille.", "", " Paris"]
     r = loaded.stub.Score(pb.ScoreRequest(prompt=prompt, candidates=cands, include_token_logprobs=True,
                                           length_normalize=True), timeout=60)
-    check_scores(tok, ckpt, tok.encode(prompt), cands, r)
+    check_scores(tok, ckpt, prompt, cands, r)
     assert r.candidates[0].log_prob == r.candidates[3].log_prob
+    # a candidate that merges with the prompt's last token is scored from where the joined tokens part
+    r = loaded.stub.Score(pb.ScoreRequest(prompt="Once upon a ", candidates=["time", " time"],
+                                          include_token_logprobs=True), timeout=60)
+    check_scores(tok, ckpt, "Once upon a ", ["time", " time"], r, normalize=False)
+    assert joint(tok, "Once upon a ", "time")[1] == len(tok.encode("Once upon a ")) - 1  # " " + "t" merge
     r = loaded.stub.Score(pb.ScoreRequest(prompt="", candidates=["Once upon a time"]), timeout=60)
-    check_scores(tok, ckpt, [tok.bos_token_id], ["Once upon a time"], r, normalize=False, per_token=False)
+    check_scores(tok, ckpt, "", ["Once upon a time"], r, normalize=False, per_token=False)
     assert not loaded.stub.Score(pb.ScoreRequest(prompt="x", candidates=[]), timeout=60).candidates
     with pytest.raises(grpc.RpcError) as ei:
         loaded.stub.Score(pb.ScoreRequest(prompt="x", candidates=["y" * 2000]), timeout=60)
@@ -472,7 +485,7 @@ def test_score_reuses_the_prompt_with_the_prefix_cache(srv, ckpt, reference):
     for i, prompt in enumerate(prompts):
         r = srv.stub.Score(pb.ScoreRequest(prompt=prompt, candidates=cands, include_token_logprobs=True,
                                            stable_prefix_len=len(stable.encode())), timeout=60)
-        check_scores(tok, ckpt, tok.encode(prompt), cands, r, normalize=False)
+        check_scores(tok, ckpt, prompt, cands, r, normalize=False)
         stats = metrics()
         ids = tok.encode(prompt)
         if i == 0:  # candidates 2 and 3 start after the prompt less its last token
