@@ -34,7 +34,7 @@ Launches:
    for akk vs 0.69 ms for the level-anchored one at T=16k; ``PREP_FUSED`` (no prep launch and no fp32 G scratch:
    akk and wu recomputing the gate cumsum from z per K tile, the diagonal block on CUDA cores), 3.993 ms at T=16k
    (akk 2.535, wu 0.885) vs 2.222 ms for the default.)
-2. State and output, two launches:
+2. State and output, two launches (one with HPASS_OUT):
    2a. ``_kda_hpass_kernel`` -- one program per (V tile, sequence, head), BV = 16 at B=1 (auto: the largest of
        64/32/16 giving >= 2 programs per SM): the sequential pass with the fp32 state in registers and only
        two dots per chunk (HPASS_PREFETCH=1 loads the next chunk's u / gl one iteration ahead):
@@ -45,8 +45,9 @@ Launches:
        the final state is written back there (fla layout [S, H, K, V], fp32). No other slot is touched.
    2b. ``_kda_out_kernel`` -- one program per (chunk, head, V tile), fully parallel (no sequential dependency):
            o = qg @ h_c + Aqk @ vn
-   HPASS_OUT=1 (A/B, not timed yet): 2a computes 2b's o in its loop (four dots per chunk, two of them off the
-   serial chain); h_c and vn are not stored and 2b is not launched.
+   HPASS_OUT=1 (the default with bf16 / fp16 operands where a block may take >= 160 KB of shared memory, e.g. the
+   H200): 2a computes 2b's o in its loop (four dots per chunk, two of them off the serial chain); h_c and vn are
+   not stored and 2b is not launched.
    (Removed: the older fused state+output kernel ``_kda_state_kernel``, one sequential program per (V tile,
    sequence, head) doing all four dots per chunk; the split above replaced it as the default on the H200.)
 
@@ -87,12 +88,13 @@ HPASS_NUM_WARPS = None   # None: 4 for BV <= 32, 8 for BV = 64
 HPASS_NUM_STAGES = 3       # H200 12-03: hpass 0.508 -> 0.376 ms at T=16k (with HPASS_PREFETCH), one chunk in flight
 HPASS_PREFETCH = 1       # 1: load u / gl of the next chunk one iteration ahead (off the serial chain; offline
                          # sm_90, Triton 3.6: 82 regs at BV=16, 136 at BV=32, no spills)
-# HPASS_OUT = 1 (A/B, NOT TIMED YET): the state pass also computes the output (o = qg h_c + Aqk vn in its loop, see
-# _kda_hpass_kernel), so h_c [NT, H, K, V] and vn are neither written nor read back and the output launch goes away
-# (T=16k, bf16: ~0.8 GB less traffic of ~4.1 GB; the output launch was 0.191 ms, the state pass 0.365 ms on the H200,
-# 12-04). Costs the state pass two more dots per chunk (off its serial chain) and qg / Aqk loads (L2 re-reads per V
-# tile). Only where a block may take >= 160 KB of shared memory (3 stages carry qg / Aqk too); a GB10 keeps the split.
-HPASS_OUT = 0
+# HPASS_OUT = 1 (default since H200 12-05, session 19: T=16k 2.062 -> 1.868 ms, 1.11x fla-core; varlen 16x1k 1.989 ->
+# 1.872 ms; the same output and state bits): the state pass also computes the output (o = qg h_c + Aqk vn in its loop,
+# see _kda_hpass_kernel), so h_c [NT, H, K, V] and vn are neither written nor read back and the output launch (0.191
+# ms) goes away; the state pass stays 0.36 ms (164 regs, 180 KB smem at BV 32). Costs it two more dots per chunk (off
+# its serial chain) and qg / Aqk loads (L2 re-reads per V tile). Only with bf16 / fp16 operands where a block may take
+# >= 160 KB of shared memory (3 stages carry qg / Aqk too): fp32 operands and a GB10 keep the split. 0: the split.
+HPASS_OUT = 1
 OUT_BV = 64
 OUT_NUM_WARPS = 4
 OUT_NUM_STAGES = 2
@@ -1027,7 +1029,9 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         launches["wu"] = wu
 
     big_smem = max_shared_mem(dev) >= 160 * 1024
-    fuse_out = bool(HPASS_OUT) and big_smem
+    # fp32 operands (fp32 inputs) double the state pass's tiles: past a CUDA block's shared memory with the output in
+    # it (the interpreter has no such limit: its fp32 tests cover the fused path)
+    fuse_out = bool(HPASS_OUT) and big_smem and (sdt.itemsize == 2 or dev.type != "cuda")
     # per-chunk start states h_c [NT, H, K, V] and vn [NT*H*BT, V], both in the MMA operand dtype (not with fuse_out:
     # the state pass writes o itself; its h_out / vn_out arguments are then unused)
     hs = w if fuse_out else torch.empty(max(NT, 1) * H * K, V, dtype=sdt, device=dev)
