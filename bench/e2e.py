@@ -154,6 +154,14 @@ class Roofline:
                 f"{d['flops'] / 1e12:.3f} TFLOP -> {d['t_flops'] * 1e3:.3f} ms at {peak / 1e12:.0f} TFLOP/s; "
                 f"SOL {d['t'] * 1e3:.3f} ms ({'bytes' if d['t_bytes'] >= d['t_flops'] else 'FLOPs'})")
 
+    def pass_sol(self, tokens: int, flops: float, keys: int, seqs: int, bw: float, peak: float) -> float:
+        """Seconds, at least, for one forward over `tokens` tokens of `seqs` sequences doing `flops`: the FLOPs, or
+        the bytes (the dense weights, the experts those tokens hit under uniform routing (at a few hundred tokens:
+        nearly all of them), `keys` cached latents read, the sequences' KDA states read and written)."""
+        nbytes = (self.dense_bytes + self.num_moe * self.expected_unique(tokens) * self.expert_bytes
+                  + keys * self.latent_bytes_per_token + seqs * 2 * self.slot_bytes)
+        return max(flops / peak, nbytes / bw)
+
     def prefill_flops(self, n: int) -> float:
         c = self.cfg
         h, lat, r = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
@@ -800,7 +808,8 @@ def main():
           f"{n_params / 1e9:.1f} B parameters, built in {time.perf_counter() - t:.0f} s")
     hf_rows = run_hf(args, model, cfg_dict, dev, dtype) if args.hf_dir else []
 
-    max_bs = max(args.decode_batches)
+    # Score's candidates run side by side: one sequence each
+    max_bs = max(args.decode_batches + ([args.score_candidates] if args.score else []))
     max_len = max(args.prefill + [h + args.turn_tokens + 8 for h in args.multi_turn]
                   + [n + args.score_tokens for n in args.score] + [
                                   args.decode_context + args.decode_steps + 64,
@@ -867,20 +876,25 @@ def main():
         print(f"  prefill {n}: {dt * 1e3:.0f} ms, {n / dt:.0f} tok/s")
     for i, h in enumerate(args.multi_turn):
         n = args.turn_tokens
+        bench_turn(engine, h, n, seed=50 + i)  # warmup: the shapes' kernels compile (the first pass timed seconds)
         cold, warm = bench_turn(engine, h, n, seed=50 + i)
-        sol = (roof.prefill_flops(h + n) - roof.prefill_flops(h)) / peak  # the new tokens' FLOPs after h cached
+        # the new tokens' FLOPs after h cached, or the bytes of one pass over the weights their experts need
+        sol = roof.pass_sol(n, roof.prefill_flops(h + n) - roof.prefill_flops(h), h, 1, args.bw, peak)
         name = f"next turn TTFT, {h} cached + {n} new"
         rows.append((name, 1.0 / warm, "turn/s", 1.0 / sol))
         print(f"  {name}: {warm * 1e3:.1f} ms with the prefix cache, {cold * 1e3:.1f} ms from scratch "
-              f"({cold / warm:.1f}x); speed of light of the new tokens {sol * 1e3:.2f} ms")
+              f"({cold / warm:.1f}x); speed of light of the new tokens {sol * 1e3:.2f} ms (FLOPs or one weight pass)")
     for i, n in enumerate(args.score):
         c, m = args.score_candidates, args.score_tokens
+        bench_score(engine, n, c, m, seed=70 + i)  # warmup, as for the turns
         shared, alone = bench_score(engine, n, c, m, seed=70 + i)
-        sol = (roof.prefill_flops(n) + c * (roof.prefill_flops(n + m) - roof.prefill_flops(n))) / peak
+        # the prompt once and every candidate after it, in one pass over the weights at best
+        flops = roof.prefill_flops(n) + c * (roof.prefill_flops(n + m) - roof.prefill_flops(n))
+        sol = roof.pass_sol(n + c * m, flops, c * n, c, args.bw, peak)
         name = f"Score, {n}-token prompt, {c} candidates x {m} tokens"
         rows.append((name, 1.0 / shared, "call/s", 1.0 / sol))
         print(f"  {name}: {shared * 1e3:.1f} ms with the prompt shared, {alone * 1e3:.1f} ms with each candidate "
-              f"computing it ({alone / shared:.1f}x); speed of light (prompt once) {sol * 1e3:.2f} ms")
+              f"computing it ({alone / shared:.1f}x); speed of light (prompt once, one weight pass) {sol * 1e3:.2f} ms")
     if args.profile:
         run_profile(engine, args, roof, peak)
     graphs = bool(runner.graphs)
