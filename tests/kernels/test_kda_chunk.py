@@ -367,8 +367,10 @@ VARIANTS = {
     "akk-branched": dict(AKK_UNCOND=0, AKK_MAXNREG=None),
     # wu's w tiles in a K loop, then its u tiles in a V loop (the default: one loop, loads one tile ahead)
     "wu-two-loops": dict(WU_LOOP=0, WU_MAXNREG=None),
-    # the output computed in the state pass (no h_c / vn round trip, no output launch)
+    # the output computed in the state pass (no h_c / vn round trip, no output launch; the default since 12-05 where
+    # it fits) and the split it replaced (state pass, then the output launch)
     "hpass-out": dict(HPASS_OUT=1),
+    "hpass-split": dict(HPASS_OUT=0),
     "hpass-out-no-prefetch": dict(HPASS_OUT=1, HPASS_PREFETCH=0),
     # akk as two launches (off-diagonal pass; levels + inverse)
     "akk-parts2": dict(AKK_PARTS=2),
