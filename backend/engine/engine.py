@@ -428,7 +428,7 @@ class LLMEngine:
         self._inflight = nxt
         return nxt is not None or failed is not None
 
-    def _apply(self, out: SchedulerOutput, ids: list, logprobs: list, scores: list = ()):
+    def _apply(self, out: SchedulerOutput, ids: list, logprobs: list, scores: list):
         """A step's sampled tokens (and scoring requests' log-probabilities) -> requests (update) -> streams."""
         try:
             self._attach_logprobs(out, logprobs)

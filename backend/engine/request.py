@@ -149,10 +149,6 @@ class Request:
         sf = params.score_from
         self.scores = [None] * (len(self.prompt_token_ids) - sf) if sf is not None else None
 
-    @property
-    def is_scoring(self) -> bool:
-        return self.scores is not None
-
     def score_rows(self, a: int, n: int) -> tuple:
         """Positions in the chunk [a, a + n) whose logits score a prompt token (position p scores token p + 1):
         -> (lo, hi), empty when lo == hi; (0, 0) for a request that generates."""

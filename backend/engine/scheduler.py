@@ -98,7 +98,7 @@ class Scheduler:
         n, m = req.num_prompt_tokens, req.params.max_tokens
         if n == 0:
             raise ValueError("the prompt is empty")
-        if req.is_scoring:
+        if req.scores is not None:  # scoring: nothing is generated
             if req.params.score_from > n:
                 raise ValueError(f"score_from ({req.params.score_from}) is past the prompt ({n} tokens)")
             if n > self.max_model_len:
@@ -147,7 +147,7 @@ class Scheduler:
                 i += 1
                 continue
             limit = budget if _decodes(req) else min(budget, prefill_budget)
-            if limit == 0 or (req.scores is not None and self._cap(req, 1) == 0):
+            if limit == 0 or (req.scores is not None and self._score_cap(req, req.num_computed_tokens, 1) == 0):
                 i += 1  # a prefill over the cap (or scoring rows over theirs) waits; the ones after it still run
                 continue
             n = self._fit(req, self._cap(req, min(req.num_tokens - req.num_computed_tokens, limit)))
