@@ -656,7 +656,7 @@ def profile_decode(engine: LLMEngine, batch: int, args, params: SamplingParams, 
 
 
 def profile_prefill(engine: LLMEngine, args):
-    n = min(8192, args.max_num_batched_tokens)
+    n = min(args.profile_prefill, args.max_num_batched_tokens)
     print(f"\n=== profile: one {n}-token prefill chunk (always eager) ===")
     bench_prefill(engine, n, seed=123)  # warmup (compiles/autotunes if the benchmark did not run this size)
     wall = bench_prefill(engine, n, seed=124) * 1e6
@@ -671,9 +671,10 @@ def profile_prefill(engine: LLMEngine, args):
 def run_profile(engine: LLMEngine, args, roof, peak):
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(temperature=0.6, top_p=0.95, min_p=0.01, ignore_eos=True)
-    lo, hi = min(args.decode_batches), max(args.decode_batches)
-    for batch, params, name in ((lo, greedy, f"b{lo} greedy"), (hi, greedy, f"b{hi} greedy"),
-                                (hi, sampled, f"b{hi} T0.6 top_p0.95 min_p0.01")):
+    lo, hi = min(args.decode_batches, default=0), max(args.decode_batches, default=0)
+    cases = ((lo, greedy, f"b{lo} greedy"), (hi, greedy, f"b{hi} greedy"),
+             (hi, sampled, f"b{hi} T0.6 top_p0.95 min_p0.01")) if args.decode_batches else ()
+    for batch, params, name in cases:
         try:
             profile_decode(engine, batch, args, params, name, roof, peak, top=12 if params is sampled else 25)
         except Exception:
@@ -752,8 +753,9 @@ def main():
     ap.add_argument("--score-candidates", type=int, default=8)
     ap.add_argument("--score-tokens", type=int, default=8)
     ap.add_argument("--grammar", action="store_true", help="also decode (greedy, each batch) under a JSON grammar "
-                    "that never completes, over a synthetic vocabulary of the model's size: the cost of the masks "
-                    "(host) and of the unpipelined steps, beside the unconstrained figure of the same batch")
+                    "that never completes, over a synthetic vocabulary of the model's size, and under a repetition "
+                    "penalty: the cost of sampling that reads the tokens (host masks, the sampling queued after the "
+                    "previous step's tokens), beside the unconstrained figure of the same batch")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true")
@@ -768,6 +770,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="after the benchmarks: kernel and host breakdown of "
                     "decode at the smallest and largest batch (greedy, and sampled at the largest) and of one 8k "
                     "prefill chunk")
+    ap.add_argument("--profile-prefill", type=int, default=8192, help="--profile's prefill chunk size (tokens; "
+                    "capped by --max-num-batched-tokens)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: runs every code path (testing this file)")
     args = ap.parse_args()
     args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
@@ -809,7 +813,7 @@ def main():
     hf_rows = run_hf(args, model, cfg_dict, dev, dtype) if args.hf_dir else []
 
     # Score's candidates run side by side: one sequence each
-    max_bs = max(args.decode_batches + ([args.score_candidates] if args.score else []))
+    max_bs = max(args.decode_batches + ([args.score_candidates] if args.score else []), default=1)
     max_len = max(args.prefill + [h + args.turn_tokens + 8 for h in args.multi_turn]
                   + [n + args.score_tokens for n in args.score] + [
                                   args.decode_context + args.decode_steps + 64,
@@ -858,7 +862,16 @@ def main():
             rows.append((name, b * sps, "tok/s", base))
             print(f"  {name}: {1e3 / sps:.3f} ms/step, {b * sps:.1f} tok/s"
                   + (f" ({100 * b * sps / base:.1f}% of the unconstrained {base:.1f} tok/s)" if base else ""))
-        if max_bs > 1:  # one constrained request among free ones: its steps are not pipelined for anyone
+        for b in args.decode_batches:  # penalties read the tokens too (no host masks)
+            params_p = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_steps + 32,
+                                      repetition_penalty=1.1)
+            sps, _ = bench_decode(engine, b, args.decode_context, args.decode_steps, params_p, args.tap)
+            base = plain.get(f"decode b{b} ctx{args.decode_context} greedy")
+            name = f"decode b{b} ctx{args.decode_context} greedy, repetition_penalty 1.1"
+            rows.append((name, b * sps, "tok/s", base))
+            print(f"  {name}: {1e3 / sps:.3f} ms/step, {b * sps:.1f} tok/s"
+                  + (f" ({100 * b * sps / base:.1f}% of the unconstrained {base:.1f} tok/s)" if base else ""))
+        if max_bs > 1:  # one constrained request among free ones: every row's sampling waits for its mask
             free = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_steps + 32)
             sps, _ = bench_decode(engine, max_bs, args.decode_context, args.decode_steps,
                                   [params] + [free] * (max_bs - 1), args.tap)

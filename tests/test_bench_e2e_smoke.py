@@ -19,6 +19,7 @@ def test_e2e_smoke_small():
     for row in ("| decode b64 ctx1024 greedy |", "| prefill 128", "| next turn TTFT, 200 cached + 40 new |",
                 "| decode b64 ctx1024 greedy, JSON grammar |",
                 "| decode b64 ctx1024 greedy, 1 row with a JSON grammar |",
+                "| decode b64 ctx1024 greedy, repetition_penalty 1.1 |",
                 "| Score, 150-token prompt, 4 candidates x 8 tokens |"):
         assert row in p.stdout, p.stdout[-3000:]
 

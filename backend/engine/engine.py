@@ -364,7 +364,8 @@ class LLMEngine:
         N's tokens collected, applied and emitted; N+1 is collected by the next call. The tokens are the same as
         step by step: a request's step N+1 depends only on its own token N, and update() drops N+1's token of a
         request that N's token stopped. Anything else (inbox, waiting requests, a request finishing by length, no
-        free page, penalties that read the tokens, tensor parallel) first collects the step in flight."""
+        free page, tensor parallel) first collects the step in flight. A step whose sampling reads the tokens
+        (penalties, a grammar) is launched in two parts around that collection (_settle)."""
         p, self._inflight = self._inflight, None
         if p is not None and self._settle(p):
             return
@@ -404,15 +405,22 @@ class LLMEngine:
 
     def _settle(self, p: _InFlight) -> bool:
         """Launches the step after `p` if nothing changes the batch (it stays in flight), then collects `p`.
-        -> whether the next step was launched."""
-        nxt = failed = None
-        if (not self._inbox and not self._stop and self.error is None and self.runner.can_launch(p.out)
-                and not any(s.request.params.needs_history for s in p.out.seqs)):
+        -> whether the next step was launched.
+
+        When a request samples with its history (penalties, a grammar), the next step's sampling must see `p`'s
+        tokens on the host: only its forward is queued before `p` is collected; its sampling (and the grammar masks,
+        computed on the host while that forward runs) is queued after `p`'s tokens are applied."""
+        nxt = failed = logits = None
+        if not self._inbox and not self._stop and self.error is None and self.runner.can_launch(p.out):
             out = self.scheduler.schedule_next(p.out)
             if out is not None:
+                history = any(s.request.params.needs_history for s in out.seqs)
                 try:
                     self._count_step()
-                    nxt = _InFlight(out, self.runner.launch(out, feed=p.launched))
+                    if history:
+                        logits = self.runner.forward(out, feed=p.launched)
+                    else:
+                        nxt = _InFlight(out, self.runner.launch(out, feed=p.launched))
                 except Exception as e:
                     log.exception("step failed for %d requests", len(out.seqs))
                     failed = (out, e)
@@ -423,6 +431,12 @@ class LLMEngine:
             self._fail(p.out, e)
         else:
             self._apply(p.out, ids, logprobs, scores)
+        if logits is not None:
+            try:
+                nxt = _InFlight(out, self.runner.sample_launch(out, logits))
+            except Exception as e:
+                log.exception("step failed for %d requests", len(out.seqs))
+                failed = (out, e)
         if failed is not None:
             self._fail(*failed)
         self._inflight = nxt

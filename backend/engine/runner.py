@@ -332,12 +332,22 @@ class ModelRunner:
         feed: the launched step just before, not collected yet, over the same sequences in the same order (this
         step's input token of each is the token that one samples: it is copied on the device, never via the host).
         Its sampling takes each request's output index as one past the known tokens."""
-        reqs = [s.request for s in out.seqs]
+        return self.sample_launch(out, self.forward(out, feed), pending=int(feed is not None))
+
+    @torch.no_grad()
+    def forward(self, out: SchedulerOutput, feed: "Launched" = None) -> torch.Tensor:
+        """Queues the graph replay of a `can_launch` step (feed: as in `launch`) -> its logits [n, V], a view of the
+        graphs' static buffer: sample it (`sample_launch`) before the next replay is queued."""
         try:
-            logits = self._replay(out, None if feed is None else feed.sampled.token_ids)
+            return self._replay(out, None if feed is None else feed.sampled.token_ids)
         except Exception as e:
             raise self._step_error(e) from e
-        md = SamplingMetadata.build(reqs, self.vocab_size, self.device, pending=int(feed is not None))
+
+    @torch.no_grad()
+    def sample_launch(self, out: SchedulerOutput, logits: torch.Tensor, pending: int = 0) -> "Launched":
+        """Queues the sampling of `forward`'s logits and the copy of its tokens to the host. pending: as in
+        SamplingMetadata.build (penalties and grammars need 0: every earlier token applied to the requests)."""
+        md = SamplingMetadata.build([s.request for s in out.seqs], self.vocab_size, self.device, pending=pending)
         sampled = sample(logits, md)
         return Launched(sampled, md, sampled.copy_to_host())
 

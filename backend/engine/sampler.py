@@ -172,7 +172,9 @@ class SamplingMetadata:
             i = _to_device([[p.top_k if p.top_k > 0 else vocab_size for p in ps], [r.seed % (1 << 63) for r in reqs],
                             [len(r.output_token_ids) + pending for r in reqs], [int(g) for g in greedy]], torch.int64, device)
         idx = lambda rows, cols: (_to_device(rows, torch.int64, device), _to_device(cols, torch.int64, device))  # noqa
-        g_rows = [m for m, r in enumerate(reqs) if r.matcher is not None]
+        # a request that the previous token finished (its row of a step launched before that token was applied)
+        # samples a token that is dropped: its stopped matcher is not asked
+        g_rows = [m for m, r in enumerate(reqs) if r.matcher is not None and not r.is_finished]
         grammar = None
         if g_rows:  # host work (llguidance) while the step's forward runs on the device
             words = masks([reqs[m].matcher for m in g_rows], vocab_size)

@@ -101,13 +101,13 @@ def test_continuous_batching_matches_alone(engine):
 def count_fed(eng):
     """runner.fed counts the steps launched with the previous step's tokens fed on the device (pipelined)."""
     r = eng.runner
-    real, r.fed = r.launch, 0
+    real, r.fed = r.forward, 0
 
-    def launch(out, feed=None):
+    def forward(out, feed=None):  # launch's forward, or the first half of a step whose sampling reads the tokens
         r.fed += feed is not None
         return real(out, feed)
 
-    r.launch = launch
+    r.forward = forward
     return eng
 
 

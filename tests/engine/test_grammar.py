@@ -203,10 +203,36 @@ def test_mixed_batch_is_invariant(engine, grammars):
     check_mixed(engine, grammars)
 
 
+def test_steps_that_read_the_tokens_are_pipelined(tiny_dir, grammars):
+    """With decode graphs, a step whose sampling reads the tokens (a grammar, penalties) queues its forward before
+    the previous step's tokens are collected (fed on the device) and samples after they are applied: the tokens
+    equal the reference's and the step-by-step engine's, also for requests that finish while the next step is in
+    flight (words of different lengths; their dropped rows are sampled without asking the stopped matcher)."""
+    eager, eng = make_engine(tiny_dir), test_engine.with_graphs(make_engine(tiny_dir))
+    try:
+        g = grammars.compile(GBNF)
+        work = workload(6, seed=13)
+        ref = [constrained_greedy_ref(eng.runner.model, p, WORDS, 16) for p, _ in work]
+        streams = [eng.add_request(p, SamplingParams(max_tokens=16, grammar=g, **GREEDY)) for p, _ in work]
+        assert [collect(s)[0] for s in streams] == ref
+        fed = eng.runner.fed
+        assert fed > 0
+        params = [SamplingParams(max_tokens=12, temperature=1.2, seed=i, repetition_penalty=1.3,
+                                 presence_penalty=0.5, frequency_penalty=0.2, ignore_eos=True,
+                                 grammar=g if i % 2 else None) for i in range(len(work))]
+        want = [collect(s)[0] for s in [eager.add_request(p, sp) for (p, _), sp in zip(work, params)]]
+        got = [collect(s)[0] for s in [eng.add_request(p, sp) for (p, _), sp in zip(work, params)]]
+        assert got == want and eng.runner.fed > fed
+        assert_pools_full(eng)
+    finally:
+        eager.shutdown()
+        eng.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager", [False, True])
 def test_gpu_grammar_engine(tiny_dir, grammars, eager):
-    """On CUDA (decode graphs, pipelining for the steps without a grammar row; or eager): the same exactness."""
+    """On CUDA (decode graphs and pipelined steps; or eager): the same exactness."""
     eng = make_engine(tiny_dir, max_num_seqs=8, num_blocks=128, device="cuda", dtype="float32", enforce_eager=eager)
     try:
         assert bool(eng.runner.graphs) != eager
