@@ -567,13 +567,16 @@ class HostPhases:
                 f"{wait:.0f} + scheduler.update {g('update', 0):.0f} + inbox/emit/other {rest:.0f}")
 
 
-def profile_steps(engine: LLMEngine, steps: int, modules: bool, smoke: bool) -> list:
+def profile_steps(engine: LLMEngine, steps: int, modules: bool, smoke: bool, lead: bool = True) -> list:
+    """torch.profiler over `steps` engine steps -> kernel_instances. lead: one step first, unprofiled (decode: the
+    step in flight launches before the profiler starts, else 6 steps' kernels / 5)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     labels = Labels(engine, modules)
     try:
-        engine.step()  # the step in flight now launches before the profiler starts (else 6 steps' kernels / 5)
+        if lead:
+            engine.step()
         sync()
         with profile(activities=acts) as prof:
             for _ in range(steps):
@@ -661,7 +664,7 @@ def profile_prefill(engine: LLMEngine, args):
     bench_prefill(engine, n, seed=123)  # warmup (compiles/autotunes if the benchmark did not run this size)
     wall = bench_prefill(engine, n, seed=124) * 1e6
     stream = engine.add_request(prompt(n, engine.vocab_size, 125), SamplingParams(max_tokens=1, temperature=0.0))
-    inst = profile_steps(engine, 1, modules=True, smoke=args.smoke)  # admission + the whole prompt in one step
+    inst = profile_steps(engine, 1, modules=True, smoke=args.smoke, lead=False)  # admission + the prompt: one step
     while engine.scheduler.has_unfinished:
         engine.step()
     assert list(stream)[-1].finished
@@ -673,7 +676,7 @@ def run_profile(engine: LLMEngine, args, roof, peak):
     sampled = SamplingParams(temperature=0.6, top_p=0.95, min_p=0.01, ignore_eos=True)
     lo, hi = min(args.decode_batches, default=0), max(args.decode_batches, default=0)
     cases = ((lo, greedy, f"b{lo} greedy"), (hi, greedy, f"b{hi} greedy"),
-             (hi, sampled, f"b{hi} T0.6 top_p0.95 min_p0.01")) if args.decode_batches else ()
+             (hi, sampled, f"b{hi} T0.6 top_p0.95 min_p0.01")) if args.decode_batches and args.profile_decode else ()
     for batch, params, name in cases:
         try:
             profile_decode(engine, batch, args, params, name, roof, peak, top=12 if params is sampled else 25)
@@ -770,6 +773,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="after the benchmarks: kernel and host breakdown of "
                     "decode at the smallest and largest batch (greedy, and sampled at the largest) and of one 8k "
                     "prefill chunk")
+    ap.add_argument("--no-profile-decode", dest="profile_decode", action="store_false", help="--profile: the "
+                    "prefill chunk only")
     ap.add_argument("--profile-prefill", type=int, default=8192, help="--profile's prefill chunk size (tokens; "
                     "capped by --max-num-batched-tokens)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: runs every code path (testing this file)")

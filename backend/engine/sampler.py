@@ -251,7 +251,9 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         logits.index_put_((rows, cols), vals, accumulate=True)
     if md.rep_index is not None:
         seen = torch.zeros_like(logits, dtype=torch.bool)
-        seen[md.rep_index] = True
+        # a device value: `seen[idx] = True` copies the Python scalar from pageable memory, which syncs the stream (the
+        # sampling queued behind a step's forward then waits for it: +0.7 ms per b1 step on the H200)
+        seen.index_put_(md.rep_index, seen.new_ones(()))
         pen = md.rep_penalty[:, None]
         logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
     if md.out_index is not None:
