@@ -117,7 +117,8 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "seed", "num_computed_tokens",
                  "state_slot", "block_ids", "status", "finish_reason", "error", "arrival_time", "first_token_time",
-                 "num_preemptions", "pending_logprobs", "num_sent_tokens", "matcher", "cache_points", "scores")
+                 "num_preemptions", "pending_logprobs", "num_sent_tokens", "matcher", "cache_points", "scores",
+                 "_prompt_unique")
 
     def __init__(self, prompt_token_ids, params: SamplingParams, request_id: Optional[str] = None, seed: int = 0,
                  cache_points=()):
@@ -148,6 +149,7 @@ class Request:
         # recomputed after a preemption write the same entries again
         sf = params.score_from
         self.scores = [None] * (len(self.prompt_token_ids) - sf) if sf is not None else None
+        self._prompt_unique = None  # prompt_ids_unique(), made at the first step that needs it
 
     def score_rows(self, a: int, n: int) -> tuple:
         """Positions in the chunk [a, a + n) whose logits score a prompt token (position p scores token p + 1):
@@ -156,6 +158,14 @@ class Request:
             return 0, 0
         lo, hi = max(a, self.params.score_from - 1), min(a + n, len(self.prompt_token_ids) - 1)
         return (lo, hi) if lo < hi else (0, 0)
+
+    def prompt_ids_unique(self):
+        """The prompt's distinct token ids, int64 numpy (the repetition penalty's share of each step's host work:
+        made once, not per step)."""
+        if self._prompt_unique is None:
+            import numpy as np
+            self._prompt_unique = np.unique(np.asarray(self.prompt_token_ids, dtype=np.int64))
+        return self._prompt_unique
 
     @property
     def num_prompt_tokens(self) -> int:

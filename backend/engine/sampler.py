@@ -151,20 +151,22 @@ class SamplingMetadata:
             "penalties and grammars need the previous tokens on the host"
         rep_rows, rep_cols, out_rows, out_cols, b_rows, b_cols, b_vals = [], [], [], [], [], [], []
         for m, (r, p) in enumerate(zip(reqs, ps)):
-            if p.repetition_penalty != 1.0:
-                toks = set(r.prompt_token_ids)
-                toks.update(r.output_token_ids)
-                rep_rows += [m] * len(toks)
-                rep_cols += toks
+            if p.repetition_penalty != 1.0:  # prompt ids (deduplicated once per request) + output ids (repeats ok)
+                seen = np.concatenate([r.prompt_ids_unique(), np.asarray(r.output_token_ids, dtype=np.int64)])
+                rep_rows.append(np.full(len(seen), m, dtype=np.int64))
+                rep_cols.append(seen)
             if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-                out_rows += [m] * len(r.output_token_ids)
-                out_cols += r.output_token_ids
+                out_rows.append(np.full(len(r.output_token_ids), m, dtype=np.int64))
+                out_cols.append(np.asarray(r.output_token_ids, dtype=np.int64))
             if p.logit_bias:
                 b_rows += [m] * len(p.logit_bias)
                 b_cols += p.logit_bias.keys()
                 b_vals += p.logit_bias.values()
+        rep_rows, rep_cols, out_rows, out_cols = (np.concatenate(x) if x else []
+                                                  for x in (rep_rows, rep_cols, out_rows, out_cols))
         f = i = None
-        if not all_greedy or rep_rows or out_rows:
+        rep, out = len(rep_rows) > 0, len(out_rows) > 0
+        if not all_greedy or rep or out:
             f = _to_device([[1.0 if p.greedy else p.temperature for p in ps], [p.top_p for p in ps],
                             [p.min_p for p in ps], [p.repetition_penalty for p in ps],
                             [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps]], torch.float32, device)
@@ -186,9 +188,9 @@ class SamplingMetadata:
             top_k=i[0] if use(lambda p: p.top_k > 0) else None, top_p=f[1] if use(lambda p: p.top_p < 1.0) else None,
             min_p=f[2] if use(lambda p: p.min_p > 0.0) else None, seeds=i[1] if i is not None else None,
             steps=i[2] if i is not None else None,
-            rep_penalty=f[3] if rep_rows else None, rep_index=idx(rep_rows, rep_cols) if rep_rows else None,
-            presence=f[4] if out_rows else None, frequency=f[5] if out_rows else None,
-            out_index=idx(out_rows, out_cols) if out_rows else None,
+            rep_penalty=f[3] if rep else None, rep_index=idx(rep_rows, rep_cols) if rep else None,
+            presence=f[4] if out else None, frequency=f[5] if out else None,
+            out_index=idx(out_rows, out_cols) if out else None,
             bias=(*idx(b_rows, b_cols), _to_device(b_vals, torch.float32, device)) if b_rows else None,
             grammar=grammar,
             num_top_logprobs=max((p.top_logprobs for p in ps if p.wants_logprobs), default=-1),
