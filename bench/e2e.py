@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from backend.config import ModelConfig  # noqa: E402
 from backend.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from backend.engine import structured  # noqa: E402
 from backend.engine.request import SamplingParams  # noqa: E402
 from backend.engine.runner import ModelRunner  # noqa: E402
 from backend.model import kimi_linear  # noqa: E402
@@ -759,6 +760,8 @@ def main():
                     "that never completes, over a synthetic vocabulary of the model's size, and under a repetition "
                     "penalty: the cost of sampling that reads the tokens (host masks, the sampling queued after the "
                     "previous step's tokens), beside the unconstrained figure of the same batch")
+    ap.add_argument("--grammar-threads", default="", help="--grammar: also the largest batch with these counts of "
+                    "llguidance mask threads (default rule: backend.engine.structured.mask_threads())")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true")
@@ -781,6 +784,7 @@ def main():
     args = ap.parse_args()
     args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
+    args.grammar_threads = [int(x) for x in args.grammar_threads.split(",") if x]
     args.multi_turn = [int(x) for x in args.multi_turn.split(",") if x]
     args.score = [int(x) for x in args.score.split(",") if x]
     args.hf_batches = ([b for b in args.decode_batches if b <= 8] if args.hf_batches is None else
@@ -876,6 +880,15 @@ def main():
             rows.append((name, b * sps, "tok/s", base))
             print(f"  {name}: {1e3 / sps:.3f} ms/step, {b * sps:.1f} tok/s"
                   + (f" ({100 * b * sps / base:.1f}% of the unconstrained {base:.1f} tok/s)" if base else ""))
+        for n in args.grammar_threads:  # llguidance's mask pool at the largest batch
+            structured.MASK_THREADS = n
+            structured._EXEC.clear()
+            sps, _ = bench_decode(engine, max_bs, args.decode_context, args.decode_steps, params, args.tap)
+            base = plain.get(f"decode b{max_bs} ctx{args.decode_context} greedy")
+            name = f"decode b{max_bs} ctx{args.decode_context} greedy, JSON grammar, {n} mask threads"
+            rows.append((name, max_bs * sps, "tok/s", base))
+            print(f"  {name}: {1e3 / sps:.3f} ms/step" + (f" ({100 * max_bs * sps / base:.1f}% of all free)"
+                                                          if base else ""))
         if max_bs > 1:  # one constrained request among free ones: every row's sampling waits for its mask
             free = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_steps + 32)
             sps, _ = bench_decode(engine, max_bs, args.decode_context, args.decode_steps,

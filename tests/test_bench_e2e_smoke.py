@@ -13,13 +13,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_e2e_smoke_small():
     cmd = [sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--smoke", "--decode-batches", "64",
            "--decode-context", "1024", "--decode-steps", "4", "--prefill", "128", "--multi-turn", "200",
-           "--turn-tokens", "40", "--grammar", "--score", "150", "--score-candidates", "4"]
+           "--turn-tokens", "40", "--grammar", "--grammar-threads", "2", "--score", "150", "--score-candidates", "4"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     for row in ("| decode b64 ctx1024 greedy |", "| prefill 128", "| next turn TTFT, 200 cached + 40 new |",
                 "| decode b64 ctx1024 greedy, JSON grammar |",
                 "| decode b64 ctx1024 greedy, 1 row with a JSON grammar |",
                 "| decode b64 ctx1024 greedy, repetition_penalty 1.1 |",
+                "| decode b64 ctx1024 greedy, JSON grammar, 2 mask threads |",
                 "| Score, 150-token prompt, 4 candidates x 8 tokens |"):
         assert row in p.stdout, p.stdout[-3000:]
 

@@ -272,11 +272,19 @@ def masks(matchers: list, vocab_size: int) -> torch.Tensor:
 
 
 _EXEC = []
+# llguidance's mask threads (more than PARALLEL_MASKS rows). 0: the rule below, a bounded pool, since the host also
+# runs the engine loop, the gRPC server and the tokenizer. The masks of a step are computed while its forward runs
+# (engine._settle); past the forward's time they make the step longer. KIMI_GRAMMAR_THREADS=N
+MASK_THREADS = int(os.environ.get("KIMI_GRAMMAR_THREADS", "0"))
+
+
+def mask_threads() -> int:
+    return MASK_THREADS or max(2, min(8, (os.cpu_count() or 4) // 2))
 
 
 def _executor():
-    if not _EXEC:  # a bounded pool: the host also runs the engine loop, the gRPC server and the tokenizer
-        _EXEC.append(_llguidance().LLExecutor(num_threads=max(2, min(8, (os.cpu_count() or 4) // 2))))
+    if not _EXEC:
+        _EXEC.append(_llguidance().LLExecutor(num_threads=mask_threads()))
     return _EXEC[0]
 
 
