@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -163,7 +165,6 @@ class Request:
         """The prompt's distinct token ids, int64 numpy (the repetition penalty's share of each step's host work:
         made once, not per step)."""
         if self._prompt_unique is None:
-            import numpy as np
             self._prompt_unique = np.unique(np.asarray(self.prompt_token_ids, dtype=np.int64))
         return self._prompt_unique
 
