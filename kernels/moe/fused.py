@@ -86,6 +86,13 @@ DECODE_L2_BLOCKS = int(os.environ.get("KIMI_MOE_L2_BLOCKS", "0"))
 # bench/ablate.py --set "kernels.moe.fused.DECODE_L2_AHEAD1=4;kernels.moe.fused.DECODE_L2_AHEAD2=4"
 _AHEAD = (os.environ.get("KIMI_MOE_L2_AHEAD", "0,0") + ",0").split(",")
 DECODE_L2_AHEAD1, DECODE_L2_AHEAD2 = int(_AHEAD[0] or 0), int(_AHEAD[1] or 0)
+# One-token N tile widths (A/B, NOT TIMED YET in the model, session 20): GEMM1's BN1 / GEMM2's BN2 before the balanced
+# tile counts (0: the table's 32 / 64 -> 44 tiles per expert, 396 programs = 3 per SM). A pure-read kernel over the
+# same 9 experts (H200, session 20: .snap/stream_ceiling.py) read w13's 85 MB at 3.67 TB/s with 396 programs and 3.89
+# with 792 (6 per SM), w2's 42 MB at 3.20 / 3.43; BN1 16 / BN2 32 give 88 tiles per expert = 792 programs.
+# bench/ablate.py --set "kernels.moe.fused.DECODE_T1_BN1=16;kernels.moe.fused.DECODE_T1_BN2=32"
+DECODE_T1_BN1 = 0
+DECODE_T1_BN2 = 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -492,6 +499,8 @@ def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms
         cfg = MoEConfig(64, 64, 128, 64, 4, 3)
     else:
         cfg = MoEConfig(128, 64, 128, 64, 8, 3)
+    if top_k is not None and M == top_k and (DECODE_T1_BN1 or DECODE_T1_BN2):
+        cfg = replace(cfg, BN1=DECODE_T1_BN1 or cfg.BN1, BN2=DECODE_T1_BN2 or cfg.BN2)
     if top_k is not None and M <= BALANCE_MAX_M and cfg.BM == 16:
         blocks = expected_blocks(M, E, top_k)
         hbm1 = max(1, blocks - DECODE_L2_BLOCKS) if M == top_k else blocks  # GEMM1 blocks streamed from HBM
