@@ -415,10 +415,6 @@ QUICK_VARIANTS = [
     ("akk-parts2-unc", dict(AKK_PARTS=2, AKK_PARTS_MAXNREG=(None, None))),
     # prep's register cap (offline sm_90, Triton 3.9: 127 regs uncapped = 4 CTAs / SM; 112 no spill, still 4;
     # 96: 64 B stack, 5 / SM; 80: 256 B, 6 / SM)
-    # akk as one 4- / 8-warp program per (chunk, head), [64, 64] level dots (wgmma; AKK_CHUNK, session 17): offline
-    # sm_90 BK 16 / 4 warps 255 regs, 2 CTAs / SM; ~2x the default akk's instructions per chunk-head (see chunk.py)
-    ("akk-chunk", dict(AKK_CHUNK=1)),
-    ("akk-chunk-w8", dict(AKK_CHUNK=1, AKK_CHUNK_WARPS=8)),
     # wu's gated k operand written by prep in bf16 (WU_KBG, session 17): wu reads 16 instead of 48 KB per chunk-head;
     # offline sm_90 prep 127 -> 136 regs uncapped (3 CTAs / SM), 120 at the cap 128 (4, no spill); wu 168 -> 153
     ("wu-kbg", dict(WU_KBG=1, PREP_MAXNREG=128)),

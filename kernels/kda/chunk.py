@@ -141,16 +141,8 @@ AKK_UNCOND = 1
 # uncapped). See _kda_akk_lv_kernel.
 AKK_PARTS = 1
 AKK_PARTS_MAXNREG = (None, None)
-# AKK_CHUNK = 1 (A/B, NOT TIMED YET, session 17): akk as one program per (chunk, head) with [64, 64] level dots
-# (_kda_akk_chunk_kernel) instead of one-warp programs per 16-row sub-chunk; BK / warps / register cap below.
-# Offline sm_90 (Triton 3.9; levels as a runtime loop: unrolled, 4 warps spilled 700+ B): BK 16 / 4 warps 255 regs
-# no spill (2 CTAs / SM), 8 warps 199; BK 32 / 8 warps 223. Expected to be issue-bound: ~66k warp-instructions per
-# chunk-head at BK 16 / 4 warps (SASS loop sizes x trip counts) against ~32k for the default akk (four one-warp
-# programs, ~45% of the issue rate) -- timed to find out.
-AKK_CHUNK = 0
-AKK_CHUNK_BK = 16
-AKK_CHUNK_WARPS = 4
-AKK_CHUNK_MAXNREG = None
+# (AKK_CHUNK, akk as one program per (chunk, head) with [64, 64] level dots, measured 3.4x slower on its stage on the
+# H200 in session 20, 2.212 vs 0.652 ms at T=16k, and was removed.)
 WU_BK = 32
 WU_BV = 32
 WU_NUM_WARPS = 4
@@ -555,75 +547,6 @@ def _block_diag_inverse(lmat, r, BC: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _kda_akk_chunk_kernel(
-    q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out,
-    stride_q, stride_k,
-    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """Intra launch 2 as one program per (chunk, head) (AKK_CHUNK=1, A/B): the same outputs as _kda_akk_lv_kernel
-    (Aqk; X = block inverses Di on the BC-diagonal blocks, beta-scaled Dkk below them) from [BT, BT] tensor-core
-    dots, every exponent <= 0. Pair (r, s), s < r, belongs to level hb = the highest bit in which r and s differ
-    (hb = BT/2, ..., 1); its anchor n = the first row of r's half of the aligned 2 hb-block (s < n <= r), and
-        (x_r exp2(G_r - G_n)) . (kn_s exp2(G_n - G_s)),  both factors <= 1,
-    one exp2 tile e = exp2(-|G - G_n(row)|) per level and K tile serving both sides (the off-diagonal BC-blocks are
-    levels BT/2 .. BC, the diagonal blocks' pairs levels BC/2 .. 1). Each level: [BT, BK] x [BK, BT] dots over K
-    (M = BT = 64 rows: wgmma on sm_90, instead of one-warp [16, x] tiles), then its pairs are selected. The
-    diagonal-block inverses: _block_diag_inverse over all four blocks at once."""
-    tl.static_assert((BT == 64) & (BC == 16))
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    if i_c >= tl.load(chunk_offsets + n_seq):
-        return
-    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
-    nv = eos - t0
-    cblk = (i_c.to(tl.int64) * H + i_h) * BT
-    r = tl.arange(0, BT)
-    rmask = r < nv
-    pq = q + t0 * stride_q + i_h * K
-    pk = k + t0 * stride_k + i_h * K
-    pg = g_in + cblk * K
-    prs = rs_in + cblk * 4
-    rq = tl.load(prs + r * 4)
-    rk = tl.load(prs + r * 4 + 1)
-    beta = tl.load(prs + r * 4 + 2)
-    d_kk = tl.zeros([BT, BT], dtype=tl.float32)
-    d_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    dq0 = tl.zeros([BT], dtype=tl.float32)
-    for lv in range(6):                                 # hb = 32, 16, 8, 4, 2, 1 (BT = 64); a runtime loop
-        hb = (BT // 2) >> lv
-        a = (r & ~(2 * hb - 1)) | hb                    # anchor row of each row
-        lk = tl.zeros([BT, BT], dtype=tl.float32)
-        lq = tl.zeros([BT, BT], dtype=tl.float32)
-        for kb in range(0, K, BK):
-            c = kb + tl.arange(0, BK)
-            cm = c < K
-            qr, kr, Gr = _akk_rows(pq, pk, pg, r, rmask, rq, rk, c, cm, stride_q, stride_k, K)
-            dq0 += tl.where(lv == 0, tl.sum(qr * kr, 1), 0.0)
-            Ga = tl.load(pg + a[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
-            e = tl.exp2(-tl.abs(Gr - Ga))
-            ke = kr * e
-            ct = tl.trans(ke)                                                          # [BK, BT]
-            lk = tl.dot(ke, ct, lk, input_precision=PREC)
-            lq = tl.dot(qr * e, ct, lq, input_precision=PREC)
-        up = (r & hb) != 0
-        sel = (((r[:, None] ^ r[None, :]) < 2 * hb) & up[:, None]) & (~up)[None, :]
-        d_kk = tl.where(sel, lk, d_kk)
-        d_qk = tl.where(sel, lq, d_qk)
-    d_qk = tl.where(r[:, None] == r[None, :], dq0[:, None], d_qk)
-    pa = a_out + cblk * BT
-    px = x_out + cblk * BT
-    o = r[:, None] * BT + r[None, :]
-    tl.store(pa + o, d_qk.to(pa.dtype.element_ty))
-    # X: the block-diagonal (I + L_ii)^-1 (L = diag(beta) StrictTril(Dkk)) on the BC-blocks, beta Dkk below them
-    rb = r // BC
-    lmat = tl.where(r[:, None] > r[None, :], d_kk * beta[:, None], 0.0)
-    di = _block_diag_inverse(lmat, r, BC, PREC)
-    x = tl.where(rb[:, None] == rb[None, :], di, tl.where(rb[:, None] > rb[None, :], d_kk * beta[:, None], 0.0))
-    tl.store(px + o, x)
-
-
-@triton.jit
 def _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i, stride_k, stride_v, i_h, K: tl.constexpr, V: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, KBG: tl.constexpr = 0):
     """Tile i of wu's one loop: k [BT, BK] (columns i*BK..), its gate G [BT, BK] fp32 and v [BT, BV] (columns
@@ -910,10 +833,6 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                     LOOP=int(WU_LOOP), KBG=int(bool(WU_KBG) and bool(WU_LOOP))),
                dict(num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG))),
     })
-    specs["akk_chunk"] = (_kda_akk_chunk_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32",
-                                                      stride_q="i32", stride_k="i32"),
-                          dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_CHUNK_BK), PREC=prec),
-                          dict(num_warps=AKK_CHUNK_WARPS, **_maxnreg(AKK_CHUNK_MAXNREG)))
     specs = {n: specs[n] for n in which}
     out = {}
     for name, (fn, types, consts, opts) in specs.items():
@@ -1000,12 +919,6 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             )
 
         def akk():
-            if AKK_CHUNK:
-                return _kda_akk_chunk_kernel[(NT, H)](
-                    q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
-                    PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_CHUNK_BK), PREC=prec,
-                    num_warps=AKK_CHUNK_WARPS, **_maxnreg(AKK_CHUNK_MAXNREG),
-                )
             parts = AKK_PARTS if AKK_LV_SPLITK else 1
             for part in range(parts):    # PARTS 2: the off-diagonal launch, then the levels + inverse launch
                 kern = _kda_akk_lv_kernel[(BT // BC * NT, H)](

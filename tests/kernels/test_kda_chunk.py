@@ -269,20 +269,6 @@ def test_tiling_fp32(monkeypatch, prefetch, vfast, hout):
     check(*res, [2, 1], FP32_TOL)
 
 
-@pytest.mark.parametrize("bk", [16, 32])
-def test_akk_chunk_tiling_fp32(monkeypatch, bk):
-    """AKK_CHUNK (one program per chunk-head, [64, 64] level dots) over several K tiles (K = 64, BK 16 / 32), strong
-    gates, varlen with partial chunks, vs the fp64 recurrence."""
-    import kernels.kda.chunk as chunk_mod
-
-    monkeypatch.setattr(chunk_mod, "AKK_CHUNK", 1)
-    monkeypatch.setattr(chunk_mod, "AKK_CHUNK_BK", bk)
-    T = 150
-    inp = make_inputs(T, H=1, K=64, V=32, strong_gate=True)
-    res = run_pair(inp, [0, 37, 101, T], [2, 1, 3], [True, False, True])
-    check(*res, [2, 1, 3], FP32_TOL)
-
-
 def test_hpass_bv_rule():
     """The state pass's V tile: 64 / 32 with >= 2 programs per SM, else 32 with ~one per SM, else 16 (132 SMs)."""
     from kernels.kda.chunk import hpass_bv
@@ -319,7 +305,6 @@ def test_sm90_offline_compile_no_spills():
             "'akk_parts2_0': (setattr(c, 'AKK_PARTS', 2), setattr(c, 'AKK_LV_SPLITK', 1), "
             "setattr(c, 'AKK_PARTS_MAXNREG', (128, 144)), c.compile_report(which=('akk',), akk_part=0))[-1], "
             "'akk_parts2_1': c.compile_report(which=('akk',), akk_part=1), "
-            "'akk_chunk': c.compile_report(which=('akk_chunk',)), "
             "'wu_kbg': (setattr(c, 'WU_KBG', 1), setattr(c, 'WU_LOOP', 1), setattr(c, 'WU_MAXNREG', 168), "
             "c.compile_report(which=('prep', 'wu')))[-1]}))")
     rep = run_offline(code, 400)
@@ -374,9 +359,6 @@ VARIANTS = {
     "hpass-out-no-prefetch": dict(HPASS_OUT=1, HPASS_PREFETCH=0),
     # akk as two launches (off-diagonal pass; levels + inverse)
     "akk-parts2": dict(AKK_PARTS=2),
-    # akk as one program per (chunk, head) with [64, 64] level dots
-    "akk-chunk": dict(AKK_CHUNK=1),
-    "akk-chunk-bk32": dict(AKK_CHUNK=1, AKK_CHUNK_BK=32),
     # wu's gated k operand written by prep (fp32 here: the same expression, so the same values)
     "wu-kbg": dict(WU_KBG=1),
     # the session-17 candidates together (bench/kda_prefill.py s17-combo)
@@ -443,7 +425,6 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "wu-uncapped": dict(WU_MAXNREG=None),
     "akk-parts2-r128-144": dict(AKK_PARTS=2, AKK_PARTS_MAXNREG=(128, 144)),
     "prep-r96": dict(PREP_MAXNREG=96),
-    "akk-chunk-w8": dict(AKK_CHUNK=1, AKK_CHUNK_WARPS=8),
     "wu-kbg": dict(WU_KBG=1),
 })
 
