@@ -49,6 +49,8 @@ from kernels.moe.router import dot_acc, dot_mode
 # Largest M = T*k aligned by the single-program Triton align kernel; above it the torch path is used.
 # KIMI_MOE_ALIGN=torch forces the torch path for every M (fallback switch).
 ALIGN_SMALL_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") == "torch" else 2048
+# Above it: the chunked Triton align (_moe_align_chunked) unless KIMI_MOE_ALIGN=torch
+ALIGN_CHUNKED = os.environ.get("KIMI_MOE_ALIGN", "") != "torch"
 # Largest M for which each GEMM program derives its block's rows from the ids itself (no align launch; decode b1-b3).
 # KIMI_MOE_ALIGN=kernel (or torch) turns it off: every M goes through moe_align (A/B switch).
 ALIGN_IN_GEMM_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") in ("torch", "kernel") else 32
@@ -134,6 +136,81 @@ def _moe_align_small_kernel(
     tl.store(expert_ids_ptr + pos // BM, se, mask=sv & (pos % BM == 0))
 
 
+# Large M (prefill): three launches instead of ~40 torch kernels (a radix sort among them; H200 session 20: a 1k-token
+# prefill step launched ~2,000 kernels, ~1,000 of them this alignment, and idled 47% of its wall time on the host).
+# Chunks of ALIGN_CHUNK ids: (1) per-chunk expert histograms (and the sentinel fill), (2) one program turns them into
+# each chunk's destination offsets per expert, the padded block -> expert table and the padded total, (3) each chunk
+# sorts its (expert, index) keys and scatters its rows. Stable like the torch path (experts ascending, flat order
+# within an expert); the same output bits.
+ALIGN_CHUNK = 1024
+ALIGN_MAX_CHUNKS = 256   # the plan program holds [chunks, experts] counts; above it the torch path
+
+
+@triton.jit
+def _moe_align_hist_kernel(ids_ptr, counts_ptr, sorted_ptr, M, E, max_padded, fill_per,
+                           C: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr):
+    c = tl.program_id(0)
+    offs = c * C + tl.arange(0, C)
+    e = tl.load(ids_ptr + offs, mask=offs < M, other=E).to(tl.int32)
+    eo = tl.arange(0, BLOCK_E)
+    tl.store(counts_ptr + c * BLOCK_E + eo, tl.where(eo < E, tl.histogram(e, BLOCK_E), 0))
+    for start in range(c * fill_per, tl.minimum((c + 1) * fill_per, max_padded), FILL):  # sentinel M everywhere
+        o = start + tl.arange(0, FILL)
+        tl.store(sorted_ptr + o, tl.zeros((FILL,), dtype=tl.int32) + M, mask=o < max_padded)
+
+
+@triton.jit
+def _moe_align_plan_kernel(counts_ptr, offset_ptr, expert_ids_ptr, npost_ptr, NC, E, max_blocks,
+                           NCP: tl.constexpr, BLOCK_E: tl.constexpr, BM: tl.constexpr, TB: tl.constexpr):
+    rc = tl.arange(0, NCP)
+    eo = tl.arange(0, BLOCK_E)
+    cnt = tl.load(counts_ptr + rc[:, None] * BLOCK_E + eo[None, :], mask=(rc < NC)[:, None], other=0)  # [NCP, BE]
+    tot = tl.sum(cnt, axis=0)
+    padded = (tot + BM - 1) // BM * BM
+    pend = tl.cumsum(padded, axis=0)
+    before = tl.cumsum(cnt, axis=0) - cnt          # rows of expert e in the chunks before c
+    local = tl.cumsum(cnt, axis=1) - cnt           # rows of the experts before e within chunk c
+    # row j of expert e in chunk c (position p = local + j in the chunk's sorted order) goes to
+    # pstart[e] + before[c, e] + j = offset[c, e] + p
+    tl.store(offset_ptr + rc[:, None] * BLOCK_E + eo[None, :], (pend - padded)[None, :] + before - local,
+             mask=(rc < NC)[:, None])
+    total = tl.sum(padded, axis=0)
+    tl.store(npost_ptr, total)
+    for b0 in range(0, max_blocks, TB):            # block b -> its expert (0 past the padded total, as the torch path)
+        b = b0 + tl.arange(0, TB)
+        ex = tl.sum(((pend[None, :] <= (b * BM)[:, None]) & (eo < E)[None, :]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + b, tl.where(b * BM < total, ex, 0), mask=b < max_blocks)
+
+
+@triton.jit
+def _moe_align_scatter_kernel(ids_ptr, offset_ptr, sorted_ptr, M, E, C: tl.constexpr, BLOCK_E: tl.constexpr):
+    c = tl.program_id(0)
+    i = tl.arange(0, C)
+    e = tl.load(ids_ptr + c * C + i, mask=c * C + i < M, other=E).to(tl.int32)
+    keys = tl.sort(e * C + i)                      # the chunk's rows by (expert, index)
+    se = keys // C
+    sv = se < E
+    off = tl.load(offset_ptr + c * BLOCK_E + se, mask=sv, other=0)
+    tl.store(sorted_ptr + off + i, c * C + keys % C, mask=sv)
+
+
+def _moe_align_chunked(flat: torch.Tensor, E: int, block_m: int, max_padded: int, max_blocks: int):
+    dev, M, C = flat.device, flat.numel(), ALIGN_CHUNK
+    NC = cdiv(M, C)
+    BLOCK_E = max(16, next_pow2(E + 1))
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    counts = torch.empty(NC, BLOCK_E, dtype=torch.int32, device=dev)
+    offset = torch.empty(NC, BLOCK_E, dtype=torch.int32, device=dev)
+    _moe_align_hist_kernel[(NC,)](flat, counts, sorted_ids, M, E, max_padded, cdiv(max_padded, NC),
+                                  C=C, BLOCK_E=BLOCK_E, FILL=1024, num_warps=4)
+    _moe_align_plan_kernel[(1,)](counts, offset, expert_ids, num_post, NC, E, max_blocks,
+                                 NCP=max(16, next_pow2(NC)), BLOCK_E=BLOCK_E, BM=block_m, TB=32, num_warps=8)
+    _moe_align_scatter_kernel[(NC,)](flat, offset, sorted_ids, M, E, C=C, BLOCK_E=BLOCK_E, num_warps=4)
+    return sorted_ids, expert_ids, num_post
+
+
 def max_padded_size(M: int, E: int, block_m: int) -> int:
     n = M + min(M, E) * (block_m - 1)
     return cdiv(n, block_m) * block_m
@@ -159,7 +236,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
             BLOCK=BLOCK, BLOCK_E=BLOCK_E, BM=block_m, FILL=1024, num_warps=8 if BLOCK >= 1024 else 4,
         )
         return sorted_ids, expert_ids, num_post
-    # large M: capturable torch ops (no .item(), no boolean indexing)
+    if ALIGN_CHUNKED and cdiv(M, ALIGN_CHUNK) <= ALIGN_MAX_CHUNKS:
+        return _moe_align_chunked(flat.contiguous(), E, block_m, max_padded, max_blocks)
+    # torch ops (capturable: no .item(), no boolean indexing)
     flat = flat.to(torch.int64)
     se, order = torch.sort(flat, stable=True)
     counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
