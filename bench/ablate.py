@@ -193,7 +193,8 @@ class Patched:
 
 
 def measure(engine: LLMEngine, runner: ModelRunner, args, params) -> tuple:
-    """Recapture the graphs, start fresh requests, -> (ms per engine step, ms per graph replay)."""
+    """Recapture the graphs, start fresh requests, -> (ms per engine step, ms per graph replay, ms to the first token
+    of an --prefill-token prompt: the median of 3 after an untimed one; 0 without --prefill)."""
     if not args.smoke:
         torch.cuda.synchronize()
         runner._capture_graphs(args.batch)
@@ -201,7 +202,11 @@ def measure(engine: LLMEngine, runner: ModelRunner, args, params) -> tuple:
     step = e2e.time_steps(engine, args.steps)
     fwd = 0.0 if args.smoke else e2e.graph_forward_us(runner, args.batch)
     e2e.stop_decode(engine, streams)
-    return step * 1e3, fwd / 1e3
+    pre = 0.0
+    if args.prefill:
+        ids = e2e.prompt(args.prefill, engine.vocab_size, 7)
+        pre = sorted(e2e.ttft(engine, ids) for _ in range(4))[1:][1] * 1e3
+    return step * 1e3, fwd / 1e3, pre
 
 
 def export_timeline(runner: ModelRunner, batch: int, path: str, reps: int = 3):
@@ -240,6 +245,8 @@ def main():
                     help="a case that sets module constants (read per call) instead of an ablation; repeatable")
     ap.add_argument("--timeline", default="", metavar="PATH", help="also export a chrome trace of the unablated "
                     "decode graph's replays (GPU), and one per --set case (PATH with .setN before the extension)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N", help="also time, per case, the first token of an "
+                    "N-token prompt (eager prefill; e.g. --set cases of prefill-path switches)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager: runs every stand-in (testing)")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n and n != "none"] if args.only else list(ABLATIONS)
@@ -252,7 +259,8 @@ def main():
     else:
         dev, dtype, cfg = torch.device("cuda"), torch.bfloat16, ModelConfig.from_dict(e2e.config_dict(27))
     model = random_model(cfg, dev, dtype)
-    ecfg = EngineConfig(max_model_len=args.max_model_len or args.context + 64 * args.steps, max_num_seqs=args.batch,
+    ecfg = EngineConfig(max_model_len=args.max_model_len or max(args.context + 64 * args.steps, args.prefill + 8),
+                        max_num_seqs=args.batch,
                         max_num_batched_tokens=8192, block_size=64, gpu_memory_utilization=0.9, device=dev.type,
                         dtype=str(dtype).removeprefix("torch."), max_prefill_tokens_with_decode=0,
                         max_graph_batch_size=args.batch, enforce_eager=args.smoke)
@@ -263,30 +271,33 @@ def main():
           f"context {args.context}, {args.steps} steps per figure; stand-ins launch nothing (garbage math)")
     if args.all_on:
         Switched(_all_on()).__enter__()
-    base_step, base_fwd = measure(engine, runner, args, params)
+    base_step, base_fwd, base_pre = measure(engine, runner, args, params)
+    pre_col = lambda ms: f" {ms:10.2f}" if args.prefill else ""  # noqa: E731
     if args.timeline and not args.smoke:
         streams = e2e.start_decode(engine, args.batch, args.context, params)   # inputs as in a real step
         export_timeline(runner, args.batch, args.timeline)
         e2e.stop_decode(engine, streams)
-    print(f"{'ablation':26s} {'step ms':>8s} {'saved us':>9s} {'graph ms':>9s} {'saved us':>9s}")
-    print(f"{'(none)':26s} {base_step:8.3f} {'':9s} {base_fwd:9.3f}")
+    print(f"{'ablation':26s} {'step ms':>8s} {'saved us':>9s} {'graph ms':>9s} {'saved us':>9s}"
+          + (f" {'prefill ms':>10s}" if args.prefill else ""))
+    print(f"{'(none)':26s} {base_step:8.3f} {'':9s} {base_fwd:9.3f} {'':9s}" + pre_col(base_pre))
     cases = [(name, Switched(p)) for name, p in _switches().items()] if args.ab else \
         [(name, Patched(ABLATIONS[name])) for name in names]
     for i, (name, ctx) in enumerate(cases + sets):
         with ctx:
-            step, fwd = measure(engine, runner, args, params)
+            step, fwd, pre = measure(engine, runner, args, params)
             if args.timeline and i >= len(cases) and not args.smoke:   # --set case i: its own trace, PATH.setI.json
                 streams = e2e.start_decode(engine, args.batch, args.context, params)
                 export_timeline(runner, args.batch, _case_path(args.timeline, i - len(cases) + 1))
                 e2e.stop_decode(engine, streams)
-        line = f"{name:26s} {step:8.3f} {1e3 * (base_step - step):9.1f} {fwd:9.3f} {1e3 * (base_fwd - fwd):9.1f}"
+        line = (f"{name:26s} {step:8.3f} {1e3 * (base_step - step):9.1f} {fwd:9.3f} {1e3 * (base_fwd - fwd):9.1f}"
+                + pre_col(pre))
         if name in LINEAR_GROUPS:   # the group's weight bytes over the time it costs in the graph
             nbytes = linear_bytes(model, LINEAR_GROUPS[name])
             saved = base_fwd - fwd
             line += f"   {nbytes / 1e6:8.1f} MB" + (f" {nbytes / (saved * 1e-3) / 1e12:5.2f} TB/s" if saved > 0 else "")
         print(line)
-    step, fwd = measure(engine, runner, args, params)
-    print(f"{'(none, again)':26s} {step:8.3f} {'':9s} {fwd:9.3f}")
+    step, fwd, pre = measure(engine, runner, args, params)
+    print(f"{'(none, again)':26s} {step:8.3f} {'':9s} {fwd:9.3f} {'':9s}" + pre_col(pre))
     engine.shutdown()
 
 

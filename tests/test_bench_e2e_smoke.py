@@ -29,7 +29,7 @@ def test_ablate_smoke():
     """bench/ablate.py --smoke: every stand-in (kernel-group ablations, the projection groups) and a --set case run;
     an unknown --set attribute or ablation name is refused."""
     ablate = os.path.join(ROOT, "bench", "ablate.py")
-    cmd = [sys.executable, ablate, "--smoke", "--steps", "2", "--context", "16",
+    cmd = [sys.executable, ablate, "--smoke", "--steps", "2", "--context", "16", "--prefill", "24",
            "--set", "kernels.gemv.PDL_L2_MB=8;kernels.gemv.PDL_MAX_LINES=16"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -49,8 +49,9 @@ from kernels.moe.router import dot_acc, dot_mode
 # Largest M = T*k aligned by the single-program Triton align kernel; above it the torch path is used.
 # KIMI_MOE_ALIGN=torch forces the torch path for every M (fallback switch).
 ALIGN_SMALL_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") == "torch" else 2048
-# Above it: the chunked Triton align (_moe_align_chunked) unless KIMI_MOE_ALIGN=torch
-ALIGN_CHUNKED = os.environ.get("KIMI_MOE_ALIGN", "") != "torch"
+# Above it: the chunked Triton align (_moe_align_chunked; A/B, NOT RUN ON A GPU YET, session 20: opt-in with
+# KIMI_MOE_ALIGN=chunked or bench/ablate.py --prefill 1024 --set kernels.moe.fused.ALIGN_CHUNKED=True), else torch ops
+ALIGN_CHUNKED = os.environ.get("KIMI_MOE_ALIGN", "") == "chunked"
 # Largest M for which each GEMM program derives its block's rows from the ids itself (no align launch; decode b1-b3).
 # KIMI_MOE_ALIGN=kernel (or torch) turns it off: every M goes through moe_align (A/B switch).
 ALIGN_IN_GEMM_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") in ("torch", "kernel") else 32
@@ -136,7 +137,7 @@ def _moe_align_small_kernel(
     tl.store(expert_ids_ptr + pos // BM, se, mask=sv & (pos % BM == 0))
 
 
-# Large M (prefill): three launches instead of ~40 torch kernels (a radix sort among them; H200 session 20: a 1k-token
+# Large M (prefill), ALIGN_CHUNKED: three launches instead of ~40 torch kernels (a radix sort among them; H200 session 20: a 1k-token
 # prefill step launched ~2,000 kernels, ~1,000 of them this alignment, and idled 47% of its wall time on the host).
 # Chunks of ALIGN_CHUNK ids: (1) per-chunk expert histograms (and the sentinel fill), (2) one program turns them into
 # each chunk's destination offsets per expert, the padded block -> expert table and the padded total, (3) each chunk

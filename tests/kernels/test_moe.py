@@ -247,6 +247,7 @@ def test_align_chunked_equals_torch_path(M, E, BM, chunk, monkeypatch):
     ids = ids[torch.randperm(M, generator=g)].to(DEV)
     monkeypatch.setattr(fm, "ALIGN_SMALL_MAX", 0)
     monkeypatch.setattr(fm, "ALIGN_CHUNK", chunk)
+    monkeypatch.setattr(fm, "ALIGN_CHUNKED", True)
     got = fm.moe_align(ids, E, BM)
     monkeypatch.setattr(fm, "ALIGN_CHUNKED", False)
     want = fm.moe_align(ids, E, BM)
