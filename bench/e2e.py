@@ -863,41 +863,29 @@ def main():
     if args.grammar:
         g = synthetic_grammars(engine.vocab_size).compile(OPEN_JSON)  # no tokenizer with random weights
         plain = {name: v for name, v, _, _ in rows}
-        for b in args.decode_batches:
-            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_steps + 32, grammar=g)
+
+        def against_free(b, params, label):  # decode b sequences with `params` (one or per row) vs unconstrained
             sps, _ = bench_decode(engine, b, args.decode_context, args.decode_steps, params, args.tap)
             base = plain.get(f"decode b{b} ctx{args.decode_context} greedy")
-            name = f"decode b{b} ctx{args.decode_context} greedy, JSON grammar"
+            name = f"decode b{b} ctx{args.decode_context} greedy, {label}"
             rows.append((name, b * sps, "tok/s", base))
             print(f"  {name}: {1e3 / sps:.3f} ms/step, {b * sps:.1f} tok/s"
                   + (f" ({100 * b * sps / base:.1f}% of the unconstrained {base:.1f} tok/s)" if base else ""))
+
+        steps = args.decode_steps + 32
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps, grammar=g)
+        for b in args.decode_batches:
+            against_free(b, params, "JSON grammar")
         for b in args.decode_batches:  # penalties read the tokens too (no host masks)
-            params_p = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_steps + 32,
-                                      repetition_penalty=1.1)
-            sps, _ = bench_decode(engine, b, args.decode_context, args.decode_steps, params_p, args.tap)
-            base = plain.get(f"decode b{b} ctx{args.decode_context} greedy")
-            name = f"decode b{b} ctx{args.decode_context} greedy, repetition_penalty 1.1"
-            rows.append((name, b * sps, "tok/s", base))
-            print(f"  {name}: {1e3 / sps:.3f} ms/step, {b * sps:.1f} tok/s"
-                  + (f" ({100 * b * sps / base:.1f}% of the unconstrained {base:.1f} tok/s)" if base else ""))
+            against_free(b, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps,
+                                           repetition_penalty=1.1), "repetition_penalty 1.1")
         for n in args.grammar_threads:  # llguidance's mask pool at the largest batch
             structured.MASK_THREADS = n
             structured._EXEC.clear()
-            sps, _ = bench_decode(engine, max_bs, args.decode_context, args.decode_steps, params, args.tap)
-            base = plain.get(f"decode b{max_bs} ctx{args.decode_context} greedy")
-            name = f"decode b{max_bs} ctx{args.decode_context} greedy, JSON grammar, {n} mask threads"
-            rows.append((name, max_bs * sps, "tok/s", base))
-            print(f"  {name}: {1e3 / sps:.3f} ms/step" + (f" ({100 * max_bs * sps / base:.1f}% of all free)"
-                                                          if base else ""))
+            against_free(max_bs, params, f"JSON grammar, {n} mask threads")
         if max_bs > 1:  # one constrained request among free ones: every row's sampling waits for its mask
-            free = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_steps + 32)
-            sps, _ = bench_decode(engine, max_bs, args.decode_context, args.decode_steps,
-                                  [params] + [free] * (max_bs - 1), args.tap)
-            base = plain.get(f"decode b{max_bs} ctx{args.decode_context} greedy")
-            name = f"decode b{max_bs} ctx{args.decode_context} greedy, 1 row with a JSON grammar"
-            rows.append((name, max_bs * sps, "tok/s", base))
-            print(f"  {name}: {1e3 / sps:.3f} ms/step" + (f" ({100 * max_bs * sps / base:.1f}% of all free)"
-                                                          if base else ""))
+            free = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps)
+            against_free(max_bs, [params] + [free] * (max_bs - 1), "1 row with a JSON grammar")
     if args.prefill:
         bench_prefill(engine, min(args.prefill), seed=99)  # warmup: extend kernels compile
     for i, n in enumerate(args.prefill):
