@@ -441,6 +441,10 @@ def print_kernels(title: str, inst: list, steps: int, wall_us: float = None, top
     print(f"    top {top} kernels: {'us/step':>9s} {'calls/step':>10s} {'us/call':>8s}  category       name")
     for (name, c), (d, cnt, _) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"    {'':11s} {d / steps:9.1f} {cnt / steps:10.1f} {d / cnt:8.1f}  {c[:14]:14s} {name[:90]}")
+    if modules:  # eager: where the launch count goes (each launch costs host time whatever its length)
+        print(f"    top {top} by launches: {'calls/step':>10s} {'us/step':>9s}  category       name")
+        for (name, c), (d, cnt, _) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+            print(f"    {'':16s} {cnt / steps:10.1f} {d / steps:9.1f}  {c[:14]:14s} {name[:90]}")
 
 
 class Labels:

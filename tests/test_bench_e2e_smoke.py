@@ -25,6 +25,18 @@ def test_e2e_smoke_small():
         assert row in p.stdout, p.stdout[-3000:]
 
 
+def test_e2e_profile_smoke():
+    """--profile on the CPU: the decode case and the prefill step report their activities (the prefill case once
+    profiled an empty step: its unprofiled lead step had run the prompt)."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--smoke", "--decode-batches", "1",
+           "--decode-steps", "2", "--prefill", "", "--profile", "--profile-prefill", "32"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    line = next(x for x in p.stdout.splitlines() if "the 32-token step]" in x)
+    assert int(line.split("]")[1].split()[0]) > 100, line  # device activities (CPU: aten ops) in that step
+    assert "by launches" in p.stdout and "=== profile: decode b1 greedy" in p.stdout
+
+
 def test_ablate_smoke():
     """bench/ablate.py --smoke: every stand-in (kernel-group ablations, the projection groups) and a --set case run;
     an unknown --set attribute or ablation name is refused."""
