@@ -54,6 +54,9 @@ class EngineConfig:
     device: str = "auto"  # auto (or None) = cuda if available
     enforce_eager: bool = False
     max_graph_batch_size: int = 0  # 0 = max_num_seqs
+    # CUDA graphs for prefill-only steps of < this many tokens and <= 4 sequences (backend/engine/prefill_graphs.py;
+    # buckets 256..4096); 0 = off (opt-in until timed on a GPU)
+    prefill_graph_tokens: int = 0
     seed: int = 0  # seeds of requests that bring none
     eos_token_ids: tuple = ()  # () = config.json's
     router_biased_weights: bool = False  # ModelConfig option (HF remote-code router aliasing)
@@ -79,7 +82,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "num_blocks", "num_slots", "max_graph_batch_size",
-                     "max_prefill_tokens_with_decode", "prefix_cache_slots"):
+                     "max_prefill_tokens_with_decode", "prefix_cache_slots", "prefill_graph_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from backend.config import ModelConfig
+from backend.engine.prefill_graphs import PrefillGraphs, graph_sizes
 from backend.engine.sampler import SamplerOutput, SamplingMetadata, sample
 from backend.engine.scheduler import MAX_SCORE_ROWS, SchedulerOutput
 from backend.model import parallel
@@ -66,6 +67,19 @@ def _tokens(r, a: int, n: int) -> list:
     if a >= p:
         return r.output_token_ids[a - p:a - p + n]
     return r.prompt_token_ids[a:] + r.output_token_ids[:a + n - p]
+
+
+def _logits_rows(out: SchedulerOutput) -> list:
+    """Rows of the packed batch whose logits a step needs: each sampling sequence's last token (in order), then
+    every scoring row (ScheduledSeq.score_lo/hi), which execute splits off after the sampled ones."""
+    sampled, scored, t = [], [], 0
+    for s in out.seqs:
+        if s.score_hi > s.score_lo:
+            scored += range(t + s.score_lo - s.start, t + s.score_hi - s.start)
+        t += s.num_new_tokens
+        if s.sample:
+            sampled.append(t - 1)
+    return sampled + scored
 
 
 class ModelRunner:
@@ -138,6 +152,16 @@ class ModelRunner:
         self._sizes = (None, [])  # (graphs, smallest graph batch size >= n for each n)
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self._capture_graphs(min(cfg.max_graph_batch_size or self.max_num_seqs, self.max_num_seqs))
+        self.prefill_graphs = None
+        if self._prefill_graph_tokens(cfg):
+            self.prefill_graphs = PrefillGraphs(self, self._prefill_graph_tokens(cfg))
+            self.prefill_graphs.capture()
+
+    def _prefill_graph_tokens(self, cfg) -> int:
+        """Largest prefill graph bucket wanted: cfg.prefill_graph_tokens on one CUDA device with graphs, else 0."""
+        ok = self.device.type == "cuda" and not cfg.enforce_eager and self.group is None
+        t = min(getattr(cfg, "prefill_graph_tokens", 0), cfg.max_num_batched_tokens) if ok else 0
+        return t if graph_sizes(t) else 0
 
     # memory sizing
     def slot_bytes(self) -> int:
@@ -158,6 +182,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         peak = self._profile_activations(cfg)
+        if self._prefill_graph_tokens(cfg):   # the prefill graphs' pool stays allocated beside an eager step's peak
+            peak += self._forward_peak(max(graph_sizes(self._prefill_graph_tokens(cfg)), default=0))
         budget = total * cfg.gpu_memory_utilization - (total - free) - peak - self.num_slots * self.slot_bytes()
         num_blocks = int(budget // self.page_bytes())
         log.info("memory: %.1f GiB total, %.1f GiB free after weights, activation peak %.2f GiB, %d KDA slots "
@@ -169,10 +195,16 @@ class ModelRunner:
         return num_blocks
 
     def _profile_activations(self, cfg) -> int:
-        """Peak activation memory of a max_num_batched_tokens prefill (nano-vllm's warmup)."""
+        """Peak activation memory of a max_num_batched_tokens prefill (nano-vllm's warmup) and of the sampling."""
         n = cfg.max_num_batched_tokens
         if cfg.max_model_len:
             n = min(n, cfg.max_model_len)
+        # sampling on max_num_seqs rows: logits, sort and noise buffers; scoring rows: logits in the lm_head's dtype
+        # and fp32, and the log-softmax temporaries
+        return self._forward_peak(n) + (8 * self.max_num_seqs + 3 * MAX_SCORE_ROWS) * self.vocab_size * 4
+
+    def _forward_peak(self, n: int) -> int:
+        """Peak activation memory of an n-token prefill forward."""
         pages = -(-n // self.block_size)
         cache = self.model.allocate_cache(2, pages + 1, self.block_size)
         batch = ForwardBatch.build([([0] * n, 0, 1, list(range(1, pages + 1)))], 0, self.block_size, self.device)
@@ -183,15 +215,13 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del cache, batch
         torch.cuda.empty_cache()
-        # sampling on max_num_seqs rows: logits, sort and noise buffers; scoring rows: logits in the lm_head's dtype
-        # and fp32, and the log-softmax temporaries
-        return peak + (8 * self.max_num_seqs + 3 * MAX_SCORE_ROWS) * self.vocab_size * 4
+        return peak
 
     # batch building
     def prepare(self, out: SchedulerOutput, width: int = 0) -> ForwardBatch:
         """Host lists -> one int64 and one int32 transfer -> ForwardBatch views. width: block-table columns."""
         bs = self.block_size
-        ids, slot_mapping, logits_index, score_index = [], [], [], []
+        ids, slot_mapping = [], []
         cu, seq_lens, slots, has_init, table = [0], [], [], [], []
         width = width or max(len(s.request.block_ids) for s in out.seqs)
         for s in out.seqs:
@@ -199,18 +229,14 @@ class ModelRunner:
             ids += _tokens(r, a, n)
             blocks = r.block_ids
             slot_mapping += [blocks[p // bs] * bs + p % bs for p in range(a, a + n)]
-            if s.score_hi > s.score_lo:  # scoring rows: after every sampled row (execute splits them there)
-                score_index += range(cu[-1] + s.score_lo - a, cu[-1] + s.score_hi - a)
             cu.append(cu[-1] + n)
-            if s.sample:
-                logits_index.append(cu[-1] - 1)
             seq_lens.append(a + n)
             slots.append(r.state_slot)
             has_init.append(int(a > 0))
             table += blocks + [0] * (width - len(blocks))
         nd, N, T = out.num_decodes, len(out.seqs), len(ids)
         pcu = [c - cu[nd] for c in cu[nd:]]
-        l64, l32 = ids + slot_mapping + logits_index + score_index, cu + pcu + seq_lens + slots + has_init + table
+        l64, l32 = ids + slot_mapping + _logits_rows(out), cu + pcu + seq_lens + slots + has_init + table
         meta = (nd, N, T, width, max(s.num_new_tokens for s in out.seqs), len(l64))
         if self.group is None:
             return self._batch(_pinned(l64, torch.int64, self.device), _pinned(l32, torch.int32, self.device), *meta)
@@ -248,6 +274,9 @@ class ModelRunner:
                 rows = ([i for i, s in enumerate(out.seqs) if s.sample]
                         + [i for i, s in enumerate(out.seqs) if s.score_hi > s.score_lo])
                 logits = self._replay(out)[_pinned(rows, torch.int64, self.device)]
+            elif self.prefill_graphs is not None and self.prefill_graphs.can_run(out):
+                hidden = self.prefill_graphs.run(out, _tokens)
+                logits = self.model.compute_logits(hidden, _pinned(_logits_rows(out), torch.int64, self.device))
             else:
                 batch = self.prepare(out)
                 hidden = self.model(batch, self.cache)

@@ -1,0 +1,146 @@
+"""CUDA graphs for small prefill-only steps (opt-in: EngineConfig.prefill_graph_tokens > 0).
+
+Why: an eager 1,024-token prefill step launches ~2,000 kernels and the H200 idled 47% of it waiting for the host
+(BENCHMARKS.md, twentieth round). Every prefill kernel's grid depends only on the token count T and the number of
+sequences P (KDA chunk grids use the upper bound cdiv(T, 64) + P, MLA extend takes max_query_len = T, the MoE grids
+follow T * k), so a step is replayable once T and P are fixed.
+
+A graph is keyed by (T bucket, n): n real prefill sequences (1..max_seqs) plus one padding sequence that takes the
+T bucket - T (>= 1) remaining tokens: token id 0, KDA state slot 0 (the null slot, no initial state), a block-table
+row of the null page, slot mapping -1 (no latent stored). It writes only the null slot; its keys read the null page.
+The graph runs the model to the hidden states; the logits of the sampled and scoring rows are gathered outside it.
+Decode rows are not handled here (mixed steps stay eager).
+
+The inputs live in three static device buffers (int64 ids | slot mapping, int32 metadata, uint8 initial-state flags)
+filled from pinned host copies by three H2D copies per step; every graph reads views of them.
+"""
+import logging
+import time
+
+import numpy as np
+import torch
+
+from backend.model.batch import ForwardBatch
+
+log = logging.getLogger("kimi-linear")
+
+SIZES = (256, 512, 1024, 2048, 4096)  # T buckets; a step of T tokens takes the smallest bucket > T
+MAX_SEQS = 4                           # real prefill sequences a graphed step may hold
+
+
+def graph_sizes(max_tokens: int) -> list:
+    return [s for s in SIZES if s <= max_tokens]
+
+
+class PrefillGraphs:
+    """Owned by a ModelRunner (single GPU). `capture` records the graphs; `can_run` / `run` serve a step."""
+
+    def __init__(self, runner, max_tokens: int, max_seqs: int = MAX_SEQS):
+        self.runner, self.sizes, self.max_seqs = runner, graph_sizes(max_tokens), max_seqs
+        assert self.sizes, f"prefill_graph_tokens {max_tokens} is below the smallest bucket {SIZES[0]}"
+        dev, S, T, mb = runner.device, max_seqs + 1, self.sizes[-1], runner.max_blocks_per_seq
+        self.mb = mb
+        # int32 layout: cu [S + 1] | seq_lens [S] | slots [S] | table [S, mb]
+        self.n32 = (S + 1) + 2 * S + S * mb
+        self.i64 = torch.zeros(2 * T, dtype=torch.int64, device=dev)
+        self.i32 = torch.zeros(self.n32, dtype=torch.int32, device=dev)
+        self.u8 = torch.zeros(S, dtype=torch.uint8, device=dev)
+        pin = dev.type == "cuda"
+        # two pinned host copies, alternating: the previous step's H2D copies may still be in flight
+        self.hosts = [(torch.zeros(2 * T, dtype=torch.int64, pin_memory=pin),
+                       torch.zeros(self.n32, dtype=torch.int32, pin_memory=pin),
+                       torch.zeros(S, dtype=torch.uint8, pin_memory=pin)) for _ in range(2)]
+        self.flip = 0
+        self.graphs = {}  # (T bucket, n) -> (graph with replay(), hidden [T bucket, D] it writes)
+
+    # static inputs
+    def batch(self, tb: int, n: int) -> ForwardBatch:
+        """The static ForwardBatch of bucket tb with n real sequences (views of the device buffers)."""
+        S, mb, p = self.max_seqs + 1, self.mb, n + 1
+        o_len, o_slot, o_tab = S + 1, 2 * S + 1, 3 * S + 1
+        cu = self.i32[:p + 1]
+        return ForwardBatch(
+            input_ids=self.i64[:tb], num_decodes=0, cu_seqlens=cu, prefill_cu_seqlens=cu,
+            seq_lens=self.i32[o_len:o_len + p], state_slots=self.i32[o_slot:o_slot + p],
+            has_initial_state=self.u8[:p].view(torch.bool),
+            block_table=self.i32[o_tab:o_tab + S * mb].view(S, mb)[:p],
+            slot_mapping=self.i64[self.sizes[-1]:self.sizes[-1] + tb],
+            logits_index=self.i64[:0], max_query_len=tb)
+
+    def _fill(self, tb: int, seqs: list) -> None:
+        """seqs: [(token ids, first position, state slot, has initial state, block ids)] of the real sequences, in
+        order (no block ids: nothing stored, the null page); the padding sequence takes the rest of the bucket.
+        Three H2D copies."""
+        h64, h32, h8 = self.hosts[self.flip]
+        self.flip ^= 1
+        a64, a32, a8 = h64.numpy(), h32.numpy(), h8.numpy()
+        S, T, mb, bs = self.max_seqs + 1, self.sizes[-1], self.mb, self.runner.block_size
+        o_len, o_slot, o_tab = S + 1, 2 * S + 1, 3 * S + 1
+        ids, slot_map, t = a64[:T], a64[T:], 0
+        a32[:] = 0
+        a8[:] = 0
+        for i, (toks, start, slot, init, blocks) in enumerate(seqs):
+            n = len(toks)
+            ids[t:t + n] = toks
+            if blocks:
+                pos = np.arange(start, start + n)
+                slot_map[t:t + n] = np.asarray(blocks, dtype=np.int64)[pos // bs] * bs + pos % bs
+                a32[o_tab + i * mb:o_tab + i * mb + len(blocks)] = blocks
+            else:  # capture's at-rest sequences: nothing stored, the null page
+                slot_map[t:t + n] = -1
+            t += n
+            a32[i + 1] = t
+            a32[o_len + i] = start + n
+            a32[o_slot + i] = slot
+            a8[i] = init
+        p = len(seqs)                       # the padding sequence: tokens t .. tb - 1
+        ids[t:tb] = 0
+        slot_map[t:tb] = -1
+        a32[p + 1] = tb
+        a32[o_len + p] = tb - t
+        nb = 2 * T if tb == T else T + tb   # ids [0, tb) and slot mapping [T, T + tb)
+        self.i64[:nb].copy_(h64[:nb], non_blocking=True)
+        self.i32.copy_(h32, non_blocking=True)
+        self.u8.copy_(h8, non_blocking=True)
+
+    # capture and replay
+    def capture(self) -> None:
+        """Every (bucket, n) graph, largest first (the smaller ones reuse the pool). Warm-up run outside each capture
+        (Triton compiles there); at rest every sequence is a one-token padding sequence."""
+        r, t0 = self.runner, time.monotonic()
+        pool = torch.cuda.graph_pool_handle()
+        for tb in reversed(self.sizes):
+            for n in range(self.max_seqs, 0, -1):
+                self._fill(tb, [([0], 0, 0, False, [])] * n)
+                batch = self.batch(tb, n)
+                r.model(batch, r.cache)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    hidden = r.model(batch, r.cache)
+                pool = graph.pool()
+                self.graphs[(tb, n)] = (graph, hidden)
+        torch.cuda.synchronize(r.device)
+        log.info("captured %d prefill CUDA graphs (buckets %s tokens, 1-%d sequences) in %.1f s", len(self.graphs),
+                 self.sizes, self.max_seqs, time.monotonic() - t0)
+
+    def bucket(self, num_tokens: int) -> int:
+        """The smallest bucket > num_tokens (the padding sequence needs a token), or 0."""
+        return next((s for s in self.sizes if s > num_tokens), 0)
+
+    def can_run(self, out) -> bool:
+        """A prefill-only step of 1..max_seqs sequences and fewer tokens than the largest bucket."""
+        return (out.num_decodes == 0 and 1 <= len(out.seqs) <= self.max_seqs
+                and self.bucket(sum(s.num_new_tokens for s in out.seqs)) > 0)
+
+    def run(self, out, tokens) -> torch.Tensor:
+        """Fills the inputs of a `can_run` step and replays -> hidden [T bucket, D] (the real tokens first, packed in
+        out.seqs order as the eager batch packs them). tokens(request, start, n): the step's input ids."""
+        seqs = []
+        for s in out.seqs:
+            r = s.request
+            seqs.append((tokens(r, s.start, s.num_new_tokens), s.start, r.state_slot, s.start > 0, r.block_ids))
+        tb = self.bucket(sum(len(x[0]) for x in seqs))
+        self._fill(tb, seqs)
+        graph, hidden = self.graphs[(tb, len(seqs))]
+        graph.replay()
+        return hidden

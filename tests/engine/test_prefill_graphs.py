@@ -1,0 +1,129 @@
+"""Prefill CUDA graphs (backend/engine/prefill_graphs.py) with CPU stand-ins: a stand-in replay runs the model
+eagerly on the static padded batch (the bucket's padding sequence included) and writes the graph's hidden buffer,
+so the padding, the static buffers and the runner's logits gather are exercised as on the GPU; and once through the
+Triton kernels under the interpreter (the padding sequence in the KDA / MLA / MoE kernels)."""
+import pytest
+import torch
+
+from backend.engine import SamplingParams
+from backend.engine.prefill_graphs import PrefillGraphs
+from tests.engine.test_engine import GREEDY, alone, assert_pools_full, collect, make_engine, staggered, workload
+
+
+class EagerPrefillGraph:
+    def __init__(self, pg, tb, n, hidden):
+        self.pg, self.tb, self.n, self.hidden = pg, tb, n, hidden
+
+    def replay(self):
+        r = self.pg.runner
+        self.pg.replays += 1
+        self.hidden.copy_(r.model(self.pg.batch(self.tb, self.n), r.cache))
+
+
+def with_prefill_graphs(eng, max_tokens=512, max_seqs=3):
+    r = eng.runner
+    pg = PrefillGraphs(r, max_tokens, max_seqs)
+    pg.replays = 0
+    d = r.config.hidden_size
+    for tb in pg.sizes:
+        for n in range(1, max_seqs + 1):
+            g = EagerPrefillGraph(pg, tb, n, torch.zeros(tb, d, dtype=r.dtype))
+            pg.graphs[(tb, n)] = (g, g.hidden)
+    r.prefill_graphs = pg
+    return eng
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dir):
+    kw = dict(max_num_batched_tokens=300, max_model_len=400, num_blocks=200)
+    eager, eng = make_engine(tiny_dir, **kw), with_prefill_graphs(make_engine(tiny_dir, **kw))
+    yield eager, eng
+    eager.shutdown()
+    eng.shutdown()
+
+
+def test_graphed_prefill_matches_alone(engines):
+    """Staggered greedy requests: the prompts' steps replay the padded graphs (up to 3 prompts and < 512 tokens a
+    step); each request's tokens equal the model's alone; the pools come back full."""
+    _, eng = engines
+    work = workload(12, seed=21)
+    ref = alone(eng, work)
+    before = eng.runner.prefill_graphs.replays
+    streams = staggered(eng, [(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in work], every=3)
+    assert [collect(s)[0] for s in streams] == ref
+    assert eng.runner.prefill_graphs.replays > before
+    assert_pools_full(eng)
+
+
+def test_graphed_prefill_equals_eager_engine(engines):
+    """Seeded sampling, logprobs and Score requests (scoring rows gathered from the graph's hidden states) give what
+    the eager engine gives; long prompts (chunked at 300 tokens: the first chunk is >= the 256 bucket, so the next
+    one, 512) and a prompt continuing on cached state (has_initial_state) included."""
+    eager, eng = engines
+    prompts = [list(range(3, 40)), [7] * 250, list(range(1, 250)) * 1 + [5] * 60, [9, 8, 7]]
+    params = [SamplingParams(max_tokens=6, temperature=0.8, seed=i, logprobs=True, top_logprobs=2)
+              for i in range(len(prompts))]
+    want = [collect(eager.add_request(p, sp)) for p, sp in zip(prompts, params)]
+    got = [collect(s) for s in [eng.add_request(p, sp) for p, sp in zip(prompts, params)]]
+    for (gt, gl), (wt, wl) in zip(got, want):
+        assert gt == wt
+    score = SamplingParams(score_from=2)
+    ws = list(eager.add_request(prompts[0], score))[-1].scores
+    gs = list(eng.add_request(prompts[0], score))[-1].scores
+    assert len(gs) == len(ws) and max(abs(a - b) for a, b in zip(gs, ws)) < 1e-4
+    assert_pools_full(eng)
+
+
+def test_bucket_rule(engines):
+    _, eng = engines
+    pg = eng.runner.prefill_graphs
+    assert pg.sizes == [256, 512]
+    assert pg.bucket(1) == 256 and pg.bucket(255) == 256 and pg.bucket(256) == 512 and pg.bucket(511) == 512
+    assert pg.bucket(512) == 0
+
+
+def test_padded_step_through_the_triton_kernels(tiny_dir, monkeypatch):
+    """The same under the Triton interpreter (kernels._dispatch forced to Triton on CPU tensors): two prompts in one
+    graphed step, padded to the 256 bucket (the padding sequence runs the KDA chunk, conv, MLA extend and MoE kernels
+    on the null slot and page), give the eager engine's tokens."""
+    import kernels._dispatch as d
+
+    monkeypatch.setattr(d, "_FORCE", "triton")
+    kw = dict(max_num_batched_tokens=300, max_model_len=300, num_blocks=40)
+    eager, eng = make_engine(tiny_dir, **kw), with_prefill_graphs(make_engine(tiny_dir, **kw), 256, 2)
+    try:
+        prompts = [list(range(3, 70)), [11, 12, 13] * 9]
+        sp = SamplingParams(max_tokens=3, **GREEDY)
+        want = [collect(s)[0] for s in [eager.add_request(p, sp) for p in prompts]]
+        got = [collect(s)[0] for s in [eng.add_request(p, sp) for p in prompts]]
+        assert got == want and eng.runner.prefill_graphs.replays >= 1
+        assert_pools_full(eng)
+    finally:
+        eager.shutdown()
+        eng.shutdown()
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_graphs(tiny_dir):
+    """The captured graphs on CUDA (prefill_graph_tokens=512: buckets 256 and 512, 1-4 prompts) give the eager
+    engine's tokens for staggered requests, Score included; steps above the buckets stay eager."""
+    kw = dict(max_num_seqs=8, num_blocks=256, max_num_batched_tokens=600, max_model_len=700, device="cuda",
+              dtype="float32")
+    eager = make_engine(tiny_dir, enforce_eager=True, **kw)
+    eng = make_engine(tiny_dir, prefill_graph_tokens=512, **kw)
+    try:
+        pg = eng.runner.prefill_graphs
+        assert pg is not None and sorted(pg.graphs) == [(t, n) for t in (256, 512) for n in (1, 2, 3, 4)]
+        work = workload(12, seed=5) + [([3] * 450, 4), (list(range(1, 250)) * 2, 3)]
+        want = [collect(s)[0] for s in [eager.add_request(p, SamplingParams(max_tokens=m, **GREEDY))
+                                        for p, m in work]]
+        got = [collect(s)[0] for s in staggered(eng, [(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in work])]
+        assert got == want
+        ws = list(eager.add_request(list(range(3, 40)), SamplingParams(score_from=1)))[-1].scores
+        gs = list(eng.add_request(list(range(3, 40)), SamplingParams(score_from=1)))[-1].scores
+        assert max(abs(a - b) for a, b in zip(gs, ws)) < 1e-4
+        assert_pools_full(eng)
+    finally:
+        eager.shutdown()
+        eng.shutdown()
+        torch.cuda.empty_cache()
