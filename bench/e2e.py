@@ -766,6 +766,9 @@ def main():
                     "previous step's tokens), beside the unconstrained figure of the same batch")
     ap.add_argument("--grammar-threads", default="", help="--grammar: also the largest batch with these counts of "
                     "llguidance mask threads (default rule: backend.engine.structured.mask_threads())")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=0, help="EngineConfig.prefill_graph_tokens (CUDA "
+                    "graphs for prefill-only steps below it); each --prefill size is then timed eager and graphed, "
+                    "interleaved, in this process")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true")
@@ -837,7 +840,8 @@ def main():
                         # no prefill cap while decoding: the decode figures time a full batch in steady decode, and
                         # with the cap the first of 64 prompts would reach max_tokens before the last is admitted
                         max_prefill_tokens_with_decode=0,
-                        prefix_cache_slots=2 if args.multi_turn or args.score else 0)
+                        prefix_cache_slots=2 if args.multi_turn or args.score else 0,
+                        prefill_graph_tokens=args.prefill_graph_tokens)
     t = time.perf_counter()
     runner = ModelRunner("", ecfg, model=model)
     engine = LLMEngine(runner, ecfg, start=False)
@@ -892,11 +896,16 @@ def main():
             against_free(max_bs, [params] + [free] * (max_bs - 1), "1 row with a JSON grammar")
     if args.prefill:
         bench_prefill(engine, min(args.prefill), seed=99)  # warmup: extend kernels compile
+    graphs = runner.prefill_graphs
     for i, n in enumerate(args.prefill):
-        dt = bench_prefill(engine, n, seed=i)
         sol = peak / roof.prefill_flops(n) * n
-        rows.append((f"prefill {n} (chunks of {args.max_num_batched_tokens})", n / dt, "tok/s", sol))
-        print(f"  prefill {n}: {dt * 1e3:.0f} ms, {n / dt:.0f} tok/s")
+        for pg in ([None, graphs, None, graphs] if graphs is not None else [None]):  # eager / graphs interleaved
+            runner.prefill_graphs = pg
+            dt = bench_prefill(engine, n, seed=i)
+            how = "" if graphs is None else (", prefill graphs" if pg is not None else ", eager")
+            rows.append((f"prefill {n} (chunks of {args.max_num_batched_tokens}{how})", n / dt, "tok/s", sol))
+            print(f"  prefill {n}{how}: {dt * 1e3:.1f} ms, {n / dt:.0f} tok/s")
+    runner.prefill_graphs = graphs
     for i, h in enumerate(args.multi_turn):
         n = args.turn_tokens
         bench_turn(engine, h, n, seed=50 + i)  # warmup: the shapes' kernels compile (the first pass timed seconds)

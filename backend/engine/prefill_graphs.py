@@ -36,9 +36,14 @@ class PrefillGraphs:
     """Owned by a ModelRunner (single GPU). `capture` records the graphs; `can_run` / `run` serve a step."""
 
     def __init__(self, runner, max_tokens: int, max_seqs: int = MAX_SEQS):
-        self.runner, self.sizes, self.max_seqs = runner, graph_sizes(max_tokens), max_seqs
-        assert self.sizes, f"prefill_graph_tokens {max_tokens} is below the smallest bucket {SIZES[0]}"
-        dev, S, T, mb = runner.device, max_seqs + 1, self.sizes[-1], runner.max_blocks_per_seq
+        mb = runner.max_blocks_per_seq
+        # the padding sequence (up to a bucket - 1 tokens) reads its keys through one block-table row
+        self.runner, self.sizes = runner, [s for s in graph_sizes(max_tokens) if s - 1 <= mb * runner.block_size]
+        self.max_seqs = max_seqs
+        self.graphs = {}  # (T bucket, n) -> (graph with replay(), hidden [T bucket, D] it writes)
+        if not self.sizes:
+            return
+        dev, S, T = runner.device, max_seqs + 1, self.sizes[-1]
         self.mb = mb
         # int32 layout: cu [S + 1] | seq_lens [S] | slots [S] | table [S, mb]
         self.n32 = (S + 1) + 2 * S + S * mb
@@ -51,7 +56,6 @@ class PrefillGraphs:
                        torch.zeros(self.n32, dtype=torch.int32, pin_memory=pin),
                        torch.zeros(S, dtype=torch.uint8, pin_memory=pin)) for _ in range(2)]
         self.flip = 0
-        self.graphs = {}  # (T bucket, n) -> (graph with replay(), hidden [T bucket, D] it writes)
 
     # static inputs
     def batch(self, tb: int, n: int) -> ForwardBatch:

@@ -154,8 +154,13 @@ class ModelRunner:
             self._capture_graphs(min(cfg.max_graph_batch_size or self.max_num_seqs, self.max_num_seqs))
         self.prefill_graphs = None
         if self._prefill_graph_tokens(cfg):
-            self.prefill_graphs = PrefillGraphs(self, self._prefill_graph_tokens(cfg))
-            self.prefill_graphs.capture()
+            pg = PrefillGraphs(self, self._prefill_graph_tokens(cfg))
+            if pg.sizes:
+                pg.capture()
+                self.prefill_graphs = pg
+            else:
+                log.warning("prefill_graph_tokens: no bucket fits max_model_len %d; prefill graphs off",
+                            self.max_model_len)
 
     def _prefill_graph_tokens(self, cfg) -> int:
         """Largest prefill graph bucket wanted: cfg.prefill_graph_tokens on one CUDA device with graphs, else 0."""

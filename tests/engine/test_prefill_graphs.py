@@ -35,7 +35,7 @@ def with_prefill_graphs(eng, max_tokens=512, max_seqs=3):
 
 @pytest.fixture(scope="module")
 def engines(tiny_dir):
-    kw = dict(max_num_batched_tokens=300, max_model_len=400, num_blocks=200)
+    kw = dict(max_num_batched_tokens=300, max_model_len=600, num_blocks=200)
     eager, eng = make_engine(tiny_dir, **kw), with_prefill_graphs(make_engine(tiny_dir, **kw))
     yield eager, eng
     eager.shutdown()
@@ -75,11 +75,16 @@ def test_graphed_prefill_equals_eager_engine(engines):
 
 
 def test_bucket_rule(engines):
+    """A step takes the smallest bucket above its token count (the padding sequence needs a token); buckets whose
+    padding could exceed one block-table row (max_model_len) are not made."""
     _, eng = engines
     pg = eng.runner.prefill_graphs
     assert pg.sizes == [256, 512]
     assert pg.bucket(1) == 256 and pg.bucket(255) == 256 and pg.bucket(256) == 512 and pg.bucket(511) == 512
     assert pg.bucket(512) == 0
+    r = eng.runner   # max_model_len 600, pages of 16: a row covers 608 keys
+    assert r.max_blocks_per_seq * r.block_size == 608
+    assert PrefillGraphs(r, 4096).sizes == [256, 512] and PrefillGraphs(r, 200).sizes == []
 
 
 def test_padded_step_through_the_triton_kernels(tiny_dir, monkeypatch):
