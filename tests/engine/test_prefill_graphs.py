@@ -109,9 +109,14 @@ def test_padded_step_through_the_triton_kernels(tiny_dir, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_prefill_graphs(tiny_dir):
+def test_gpu_prefill_graphs(tiny_dir, monkeypatch):
     """The captured graphs on CUDA (prefill_graph_tokens=512: buckets 256 and 512, 1-4 prompts) give the eager
-    engine's tokens for staggered requests, Score included; steps above the buckets stay eager."""
+    engine's tokens for staggered requests, Score included; steps above the buckets stay eager. Every prefill part
+    attends in the expanded MLA form here (on CUDA a bucket of >= 256 tokens always would, an eager step below 256
+    would not), so both engines run the same math."""
+    import backend.model.kimi_linear as km
+
+    monkeypatch.setitem(km.MLA_EXPANDED_MIN_TOKENS, "cuda", 1)
     kw = dict(max_num_seqs=8, num_blocks=256, max_num_batched_tokens=600, max_model_len=700, device="cuda",
               dtype="float32")
     eager = make_engine(tiny_dir, enforce_eager=True, **kw)
