@@ -102,8 +102,7 @@ class PrefillGraphs:
         slot_map[t:tb] = -1
         a32[p + 1] = tb
         a32[o_len + p] = tb - t
-        nb = 2 * T if tb == T else T + tb   # ids [0, tb) and slot mapping [T, T + tb)
-        self.i64[:nb].copy_(h64[:nb], non_blocking=True)
+        self.i64[:T + tb].copy_(h64[:T + tb], non_blocking=True)  # ids [0, tb) (and stale beyond) | slot mapping
         self.i32.copy_(h32, non_blocking=True)
         self.u8.copy_(h8, non_blocking=True)
 
