@@ -135,13 +135,13 @@ class PrefillGraphs:
         return (out.num_decodes == 0 and 1 <= len(out.seqs) <= self.max_seqs
                 and self.bucket(sum(s.num_new_tokens for s in out.seqs)) > 0)
 
-    def run(self, out, tokens) -> torch.Tensor:
+    def run(self, out) -> torch.Tensor:
         """Fills the inputs of a `can_run` step and replays -> hidden [T bucket, D] (the real tokens first, packed in
-        out.seqs order as the eager batch packs them). tokens(request, start, n): the step's input ids."""
+        out.seqs order as the eager batch packs them)."""
         seqs = []
         for s in out.seqs:
             r = s.request
-            seqs.append((tokens(r, s.start, s.num_new_tokens), s.start, r.state_slot, s.start > 0, r.block_ids))
+            seqs.append((r.tokens(s.start, s.num_new_tokens), s.start, r.state_slot, s.start > 0, r.block_ids))
         tb = self.bucket(sum(len(x[0]) for x in seqs))
         self._fill(tb, seqs)
         graph, hidden = self.graphs[(tb, len(seqs))]

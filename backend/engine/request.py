@@ -180,6 +180,15 @@ class Request:
     def all_token_ids(self) -> list:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens(self, a: int, n: int) -> list:
+        """Tokens [a, a + n) of prompt + output without copying the whole sequence."""
+        p = len(self.prompt_token_ids)
+        if a + n <= p:
+            return self.prompt_token_ids[a:a + n]
+        if a >= p:
+            return self.output_token_ids[a - p:a - p + n]
+        return self.prompt_token_ids[a:] + self.output_token_ids[:a + n - p]
+
     def token_id(self, i: int) -> int:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]

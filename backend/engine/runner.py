@@ -59,16 +59,6 @@ def _pinned(data, dtype, device) -> torch.Tensor:
 _UNKNOWN = object()  # a graph lane whose block-table row is not known (after a failed replay)
 
 
-def _tokens(r, a: int, n: int) -> list:
-    """r's tokens [a, a + n) without copying the whole sequence."""
-    p = r.num_prompt_tokens
-    if a + n <= p:
-        return r.prompt_token_ids[a:a + n]
-    if a >= p:
-        return r.output_token_ids[a - p:a - p + n]
-    return r.prompt_token_ids[a:] + r.output_token_ids[:a + n - p]
-
-
 def _logits_rows(out: SchedulerOutput) -> list:
     """Rows of the packed batch whose logits a step needs: each sampling sequence's last token (in order), then
     every scoring row (ScheduledSeq.score_lo/hi), which execute splits off after the sampled ones."""
@@ -153,8 +143,9 @@ class ModelRunner:
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self._capture_graphs(min(cfg.max_graph_batch_size or self.max_num_seqs, self.max_num_seqs))
         self.prefill_graphs = None
-        if self._prefill_graph_tokens(cfg):
-            pg = PrefillGraphs(self, self._prefill_graph_tokens(cfg))
+        pg_tokens = self._prefill_graph_tokens(cfg)
+        if pg_tokens:
+            pg = PrefillGraphs(self, pg_tokens)
             if pg.sizes:
                 pg.capture()
                 self.prefill_graphs = pg
@@ -187,8 +178,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         peak = self._profile_activations(cfg)
-        if self._prefill_graph_tokens(cfg):   # the prefill graphs' pool stays allocated beside an eager step's peak
-            peak += self._forward_peak(max(graph_sizes(self._prefill_graph_tokens(cfg)), default=0))
+        pg_tokens = self._prefill_graph_tokens(cfg)
+        if pg_tokens:   # the prefill graphs' pool (largest bucket) stays allocated beside an eager step's peak
+            peak += self._forward_peak(graph_sizes(pg_tokens)[-1])
         budget = total * cfg.gpu_memory_utilization - (total - free) - peak - self.num_slots * self.slot_bytes()
         num_blocks = int(budget // self.page_bytes())
         log.info("memory: %.1f GiB total, %.1f GiB free after weights, activation peak %.2f GiB, %d KDA slots "
@@ -231,7 +223,7 @@ class ModelRunner:
         width = width or max(len(s.request.block_ids) for s in out.seqs)
         for s in out.seqs:
             r, a, n = s.request, s.start, s.num_new_tokens
-            ids += _tokens(r, a, n)
+            ids += r.tokens(a, n)
             blocks = r.block_ids
             slot_mapping += [blocks[p // bs] * bs + p % bs for p in range(a, a + n)]
             cu.append(cu[-1] + n)
@@ -280,7 +272,7 @@ class ModelRunner:
                         + [i for i, s in enumerate(out.seqs) if s.score_hi > s.score_lo])
                 logits = self._replay(out)[_pinned(rows, torch.int64, self.device)]
             elif self.prefill_graphs is not None and self.prefill_graphs.can_run(out):
-                hidden = self.prefill_graphs.run(out, _tokens)
+                hidden = self.prefill_graphs.run(out)
                 logits = self.model.compute_logits(hidden, _pinned(_logits_rows(out), torch.int64, self.device))
             else:
                 batch = self.prepare(out)
@@ -304,7 +296,7 @@ class ModelRunner:
         targets = []
         for s in out.seqs:
             if s.score_hi > s.score_lo:
-                targets += _tokens(s.request, s.score_lo + 1, s.score_hi - s.score_lo)
+                targets += s.request.tokens(s.score_lo + 1, s.score_hi - s.score_lo)
         targets = _pinned(targets, torch.int64, self.device)
         res = torch.empty(logits.shape[0], dtype=torch.float32, device=self.device)
         for i in range(0, logits.shape[0], 64):

@@ -254,7 +254,8 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.rep_index is not None:
         seen = torch.zeros_like(logits, dtype=torch.bool)
         # a device value: `seen[idx] = True` copies the Python scalar from pageable memory, which syncs the stream (the
-        # sampling queued behind a step's forward then waits for it: +0.7 ms per b1 step on the H200)
+        # sampling queued behind a step's forward then waits for it). H200: with a penalty the b1 step was 0.7 ms
+        # slower than without before this and the numpy lists above, 0.04 ms after
         seen.index_put_(md.rep_index, seen.new_ones(()))
         pen = md.rep_penalty[:, None]
         logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)

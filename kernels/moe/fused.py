@@ -137,8 +137,9 @@ def _moe_align_small_kernel(
     tl.store(expert_ids_ptr + pos // BM, se, mask=sv & (pos % BM == 0))
 
 
-# Large M (prefill), ALIGN_CHUNKED: three launches instead of ~40 torch kernels (a radix sort among them; H200 session 20: a 1k-token
-# prefill step launched ~2,000 kernels, ~1,000 of them this alignment, and idled 47% of its wall time on the host).
+# Large M (prefill), ALIGN_CHUNKED: three launches instead of ~40 torch kernels (a radix sort among them; H200
+# session 20: a 1k-token prefill step launched ~2,000 kernels, ~1,000 of them this alignment, and idled 47% of its
+# wall time on the host).
 # Chunks of ALIGN_CHUNK ids: (1) per-chunk expert histograms (and the sentinel fill), (2) one program turns them into
 # each chunk's destination offsets per expert, the padded block -> expert table and the padded total, (3) each chunk
 # sorts its (expert, index) keys and scatters its rows. Stable like the torch path (experts ascending, flat order

@@ -373,3 +373,14 @@ def test_schedule_next_is_schedule_after_update(seed):
         s.update(prev, toks)
         check_invariants(s)
     assert chained > 20 and refused > 5
+
+
+def test_request_token_ranges():
+    """Request.tokens(a, n): ranges inside the prompt, inside the output and across the boundary (a preempted
+    request's recompute), equal to slices of prompt + output."""
+    r = Request([1, 2, 3, 4], SamplingParams(max_tokens=8))
+    r.output_token_ids += [5, 6, 7]
+    whole = r.prompt_token_ids + r.output_token_ids
+    for a in range(len(whole)):
+        for n in range(len(whole) - a + 1):
+            assert r.tokens(a, n) == whole[a:a + n], (a, n)
