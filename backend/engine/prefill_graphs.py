@@ -11,6 +11,11 @@ row of the null page, slot mapping -1 (no latent stored). It writes only the nul
 The graph runs the model to the hidden states; the logits of the sampled and scoring rows are gathered outside it.
 Decode rows are not handled here (mixed steps stay eager).
 
+Only steps of fresh sequences (nothing cached before the chunk: a prompt's first chunk) are graphed: then the step's
+keys are exactly its T bucket tokens, which sizes the expanded MLA's key gather (kernels.mla.mla_prefill) as a
+constant of the graph. A chunk after cached tokens (a long prompt's later chunks, a prefix-cache hit) has a
+data-dependent key count and runs eagerly.
+
 The inputs live in three static device buffers (int64 ids | slot mapping, int32 metadata, uint8 initial-state flags)
 filled from pinned host copies by three H2D copies per step; every graph reads views of them.
 """
@@ -69,7 +74,7 @@ class PrefillGraphs:
             has_initial_state=self.u8[:p].view(torch.bool),
             block_table=self.i32[o_tab:o_tab + S * mb].view(S, mb)[:p],
             slot_mapping=self.i64[self.sizes[-1]:self.sizes[-1] + tb],
-            logits_index=self.i64[:0], max_query_len=tb)
+            logits_index=self.i64[:0], max_query_len=tb, prefill_keys=tb)
 
     def _fill(self, tb: int, seqs: list) -> None:
         """seqs: [(token ids, first position, state slot, has initial state, block ids)] of the real sequences, in
@@ -131,8 +136,9 @@ class PrefillGraphs:
         return next((s for s in self.sizes if s > num_tokens), 0)
 
     def can_run(self, out) -> bool:
-        """A prefill-only step of 1..max_seqs sequences and fewer tokens than the largest bucket."""
+        """A prefill-only step of 1..max_seqs fresh sequences and fewer tokens than the largest bucket."""
         return (out.num_decodes == 0 and 1 <= len(out.seqs) <= self.max_seqs
+                and all(s.start == 0 for s in out.seqs)
                 and self.bucket(sum(s.num_new_tokens for s in out.seqs)) > 0)
 
     def run(self, out) -> torch.Tensor:

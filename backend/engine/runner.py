@@ -234,7 +234,7 @@ class ModelRunner:
         nd, N, T = out.num_decodes, len(out.seqs), len(ids)
         pcu = [c - cu[nd] for c in cu[nd:]]
         l64, l32 = ids + slot_mapping + _logits_rows(out), cu + pcu + seq_lens + slots + has_init + table
-        meta = (nd, N, T, width, max(s.num_new_tokens for s in out.seqs), len(l64))
+        meta = (nd, N, T, width, max(s.num_new_tokens for s in out.seqs), len(l64), sum(seq_lens[nd:]))
         if self.group is None:
             return self._batch(_pinned(l64, torch.int64, self.device), _pinned(l32, torch.int32, self.device), *meta)
         return self._batch_from(self.group.send(EAGER, meta, l64 + l32), meta)
@@ -242,10 +242,10 @@ class ModelRunner:
     def _batch_from(self, payload: torch.Tensor, meta) -> ForwardBatch:
         """Tensor parallel: one broadcast int64 payload -> ForwardBatch."""
         n64 = meta[5]
-        return self._batch(payload[:n64], payload[n64:].to(torch.int32), *meta)
+        return self._batch(payload[:n64], payload[n64:].to(torch.int32), *meta[:7])
 
     @staticmethod
-    def _batch(i64, i32, nd, N, T, width, max_query_len, n64=0) -> ForwardBatch:
+    def _batch(i64, i32, nd, N, T, width, max_query_len, n64=0, prefill_keys=-1) -> ForwardBatch:
         o = [0]
         for k in (N + 1, N - nd + 1, N, N, N, N * width):
             o.append(o[-1] + k)
@@ -253,7 +253,7 @@ class ModelRunner:
             input_ids=i64[:T], num_decodes=nd, cu_seqlens=i32[o[0]:o[1]], prefill_cu_seqlens=i32[o[1]:o[2]],
             seq_lens=i32[o[2]:o[3]], state_slots=i32[o[3]:o[4]], has_initial_state=i32[o[4]:o[5]] != 0,
             block_table=i32[o[5]:o[6]].view(N, width), slot_mapping=i64[T:2 * T], logits_index=i64[2 * T:],
-            max_query_len=max_query_len)
+            max_query_len=max_query_len, prefill_keys=prefill_keys)
 
     # execution
     @torch.no_grad()

@@ -17,6 +17,9 @@ class ForwardBatch:
     slot_mapping: torch.Tensor        # [T] i64, page * BS + offset, -1 = skip
     logits_index: torch.Tensor        # [M] i64, tokens whose logits are computed
     max_query_len: int
+    prefill_keys: int = -1            # keys of the prefill sequences after this step (sum of their seq_lens; host
+                                      # int: sizes the expanded MLA's gather without a sync), -1 = unknown
+    meta: object = None               # set by the model per forward: metadata shared by its layers (StepMeta)
 
     @property
     def num_prefills(self) -> int:
@@ -57,7 +60,8 @@ class ForwardBatch:
             state_slots=i32([s[2] for s in seqs]),
             has_initial_state=torch.tensor([s[1] > 0 for s in seqs], dtype=torch.bool, device=device),
             block_table=i32(table), slot_mapping=i64(slots), logits_index=i64(logits_positions),
-            max_query_len=max(lens),
+            max_query_len=max(lens), prefill_keys=sum(cached + n for (_, cached, _, _), n in
+                                                      list(zip(seqs, lens))[num_decodes:]),
         )
 
 

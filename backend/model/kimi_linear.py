@@ -17,8 +17,8 @@ from backend.model.batch import ForwardBatch, KimiCache
 from backend.model.parallel import TP, all_gather_last, all_reduce, folds_shared_expert
 from kernels._dispatch import use_triton
 from kernels.gemv import gemv_triton, skinny_bmm_nt, skinny_linear, skinny_linear_takes
-from kernels.kda import kda_decode, kda_prefill
-from kernels.mla import mla_decode, mla_decode_prep, mla_extend, mla_prefill, store_latent
+from kernels.kda import KDAPrefillMeta, kda_decode, kda_prefill, kda_prefill_meta
+from kernels.mla import key_offsets, mla_decode, mla_decode_prep, mla_extend, mla_prefill, store_latent
 from kernels.moe import fused_moe, fused_moe_add_norm, moe_router, moe_router_add_norm
 from kernels.moe.fused import fused_moe_uncombined_triton
 from kernels.norm import add_rmsnorm, combine_add_rmsnorm, rmsnorm, rmsnorm_head
@@ -81,6 +81,18 @@ def _fuse_combine_norm_enabled() -> bool:
     runs combine + residual add + RMSNorm in one kernel (kernels.norm.combine_add_rmsnorm; the same bits as the two
     launches)."""
     return os.environ.get("KIMI_FUSE_COMBINE_NORM", "1") != "0"
+
+
+def mla_expands(prefill_tokens: int, device: torch.device) -> bool:
+    """Whether a step's prefill part attends in the expanded MLA form (MLA_EXPANDED_MIN_TOKENS)."""
+    min_tokens = MLA_EXPANDED_MIN_TOKENS.get(device.type)
+    return min_tokens is not None and prefill_tokens >= min_tokens
+
+
+class StepMeta(NamedTuple):
+    """Per-forward metadata of the prefill rows, shared by the layers (KimiModel.step_meta; Triton path)."""
+    kda: KDAPrefillMeta | None                 # the KDA prefill's varlen metadata (6 launches, once)
+    mla_key_offsets: torch.Tensor | None       # [P+1] i32 key prefix sums, when the MLA prefill is expanded
 
 
 class RMSNorm(nn.Module):
@@ -172,7 +184,7 @@ class KimiDeltaAttention(nn.Module):
             z, r = zr.unbind(0)                                                  # [T - nd, HK] forget, output gates
             outs.append(kda_prefill(qkv[nd:], self.conv_weight, z, b[nd:], self.A_log, self.dt_bias, r, w, self.eps,
                                     conv, rec, batch.prefill_cu_seqlens, batch.state_slots[nd:],
-                                    batch.has_initial_state[nd:]))
+                                    batch.has_initial_state[nd:], meta=batch.meta and batch.meta.kda))
         return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 
 
@@ -225,10 +237,9 @@ class KimiMLA(nn.Module):
     def _attend_absorbed(self, q_nope, q_pe, latent_cache, batch: ForwardBatch) -> torch.Tensor:
         w_uk, w_uv = self._w_uk_uv()
         nd, T = batch.num_decodes, q_nope.shape[0]
-        min_tokens = MLA_EXPANDED_MIN_TOKENS.get(q_nope.device.type)
-        expand = min_tokens is not None and T - nd >= min_tokens      # prefill part in expanded form
+        expand = mla_expands(T - nd, q_nope.device)                   # prefill part in expanded form
         n_lat = nd if expand else T
-        q_lat = torch.einsum("thn,hnl->thl", q_nope[:n_lat], w_uk)      # [n_lat, H, L]
+        q_lat = torch.einsum("thn,hnl->thl", q_nope[:n_lat], w_uk) if n_lat else None   # [n_lat, H, L]
         outs = []
         if nd:
             outs.append(mla_decode(q_lat[:nd], q_pe[:nd], latent_cache, batch.block_table[:nd],
@@ -242,7 +253,9 @@ class KimiMLA(nn.Module):
         if expand:
             outs.append(mla_prefill(q_nope[nd:], q_pe[nd:], latent_cache, batch.block_table[nd:],
                                     batch.prefill_cu_seqlens, batch.seq_lens[nd:], self.kv_b_proj.weight,
-                                    self.scale, batch.max_query_len))
+                                    self.scale, batch.max_query_len,
+                                    total_keys=batch.prefill_keys if batch.prefill_keys >= 0 else None,
+                                    cu_seqlens_k=batch.meta and batch.meta.mla_key_offsets))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _attend_expanded(self, q_nope, q_pe, latent_cache, batch: ForwardBatch) -> torch.Tensor:
@@ -406,7 +419,19 @@ class KimiModel(nn.Module):
         # vocab parallel: rank r holds rows [r*V/W, (r+1)*V/W)
         self.embed_tokens = nn.Embedding(cfg.vocab_size // tp.world, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, tp) for i in range(cfg.num_hidden_layers))
+        self.has_kda, self.has_mla = bool(cfg.kda_layers), bool(cfg.mla_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def step_meta(self, batch: ForwardBatch) -> StepMeta | None:
+        """The prefill rows' metadata every KDA / MLA layer needs, computed once per forward (always here, never
+        cached on a reused batch: a CUDA graph capture must record it)."""
+        nd, T = batch.num_decodes, batch.input_ids.shape[0]
+        if nd == T or not use_triton(batch.input_ids):
+            return None
+        kda = kda_prefill_meta(batch.prefill_cu_seqlens, batch.has_initial_state[nd:]) if self.has_kda else None
+        mla = (key_offsets(batch.seq_lens[nd:]) if self.has_mla and mla_expands(T - nd, batch.input_ids.device)
+               else None)
+        return StepMeta(kda, mla)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world == 1:
@@ -418,6 +443,7 @@ class KimiModel(nn.Module):
         return all_reduce(h, self.tp)
 
     def forward(self, batch: ForwardBatch, cache: KimiCache) -> torch.Tensor:
+        batch.meta = self.step_meta(batch)
         out, residual = self.embed(batch.input_ids), None
         for layer in self.layers:
             out, residual = layer(out, residual, batch, cache)

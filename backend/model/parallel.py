@@ -39,7 +39,7 @@ PING_S = 5.0
 TIMEOUT_S = float(os.environ.get("KIMI_TP_TIMEOUT_S", "300"))  # collectives (gloo / NCCL watchdog)
 # message kinds; header = [kind, payload length, meta...]
 STOP, PING, EAGER, REPLAY, COPY = 0, 1, 2, 3, 4  # COPY: prefix-cache state slot / page copies (engine/runner.py)
-HEADER = 8
+HEADER = 10  # kind, payload length, up to 8 meta ints
 FIRST = 4096  # int64s of a step's first broadcast (header + payload); larger steps send the rest in a second one
 
 
@@ -151,6 +151,7 @@ class Group:
             # a follower is known dead: a collective could only wait for its timeout
             raise RankFailure(self.error)
         n = len(ints)
+        assert len(meta) <= HEADER - 2, "meta does not fit the header"
         head = [kind, n, *meta] + [0] * (HEADER - 2 - len(meta))
         msg = torch.tensor(head + list(ints[:FIRST - HEADER]), dtype=torch.int64)
         self._buf[:msg.numel()].copy_(msg)

@@ -16,7 +16,7 @@ On CUDA (or KIMI_KERNELS=triton) the Triton kernels run, otherwise the torch ref
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -30,13 +30,13 @@ from kernels.kda.ref import (
     kda_varlen_ref,
     l2norm_ref,
 )
-from kernels.kda.chunk import chunk_kda_fwd
+from kernels.kda.chunk import chunk_kda_fwd, chunk_offsets_of
 from kernels.kda.recurrent import kda_decode_triton
 from kernels.gemv import gemv_ref
 from kernels.norm import gated_rmsnorm_ref, gated_rmsnorm_triton
 
 __all__ = [
-    "kda_prefill", "kda_decode", "kda_prefill_ref", "kda_decode_ref", "kda_prefill_triton", "kda_decode_triton",
+    "kda_prefill", "kda_prefill_meta", "KDAPrefillMeta", "kda_decode", "kda_prefill_ref", "kda_decode_ref", "kda_prefill_triton", "kda_decode_triton",
     "kda_gate_ref", "l2norm_ref", "kda_recurrent_ref", "kda_chunk_ref", "kda_varlen_ref", "kda_core_ref",
 ]
 
@@ -74,27 +74,45 @@ def kda_prefill_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_st
     return gated_rmsnorm_ref(o, r.reshape(T, H, V), o_norm_w, eps).reshape(T, H * V)
 
 
+class KDAPrefillMeta(NamedTuple):
+    """A step's varlen metadata for the Triton prefill, the same for every KDA layer: computed once per step
+    (kda_prefill_meta), it saves each layer six small launches."""
+    has_initial_state: torch.Tensor   # [P] i8
+    chunk_offsets: torch.Tensor       # [P+1] i32: 64-token chunks before each sequence (kernels/kda/chunk.py)
+
+
+def kda_prefill_meta(cu_seqlens: torch.Tensor, has_initial_state: torch.Tensor) -> KDAPrefillMeta:
+    return KDAPrefillMeta(has_initial_state.to(torch.int8), chunk_offsets_of(cu_seqlens))
+
+
 def kda_prefill(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
-                cu_seqlens, state_slots, has_initial_state: Optional[torch.Tensor] = None):
+                cu_seqlens, state_slots, has_initial_state: Optional[torch.Tensor] = None,
+                meta: Optional[KDAPrefillMeta] = None):
+    """meta (Triton path; ignored by the reference): kda_prefill_meta(cu_seqlens, has_initial_state)."""
     if not use_triton(qkv):
         return kda_prefill_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
                                cu_seqlens, state_slots, has_initial_state)
     return kda_prefill_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
-                              cu_seqlens, state_slots, has_initial_state)
+                              cu_seqlens, state_slots, has_initial_state, meta=meta)
 
 
 def kda_prefill_triton(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_state, rec_state,
                        cu_seqlens, state_slots, has_initial_state: Optional[torch.Tensor] = None,
-                       out: Optional[torch.Tensor] = None):
+                       out: Optional[torch.Tensor] = None, meta: Optional[KDAPrefillMeta] = None):
     """Triton path: conv kernels -> chunk_kda_fwd (kernels/kda/chunk.py) -> gated RMSNorm kernel.
-    `out` [T, H*V] (optional) is fully written; tokens outside [cu[0], cu[-1]) get zeros."""
+    `out` [T, H*V] (optional) is fully written; tokens outside [cu[0], cu[-1]) get zeros. meta: see kda_prefill
+    (it replaces has_initial_state)."""
     H, K, V = _dims(z, b, r)
     T = qkv.shape[0]
-    if has_initial_state is None:
-        has_initial_state = torch.ones(state_slots.shape[0], dtype=torch.bool, device=qkv.device)
-    y = short_conv_prefill_triton(qkv, conv_w, conv_state, cu_seqlens, state_slots, has_initial_state)  # [T, C]
+    if meta is None:
+        if has_initial_state is None:
+            has_initial_state = torch.ones(state_slots.shape[0], dtype=torch.bool, device=qkv.device)
+        meta = kda_prefill_meta(cu_seqlens, has_initial_state)
+    hi = meta.has_initial_state
+    y = short_conv_prefill_triton(qkv, conv_w, conv_state, cu_seqlens, state_slots, hi)  # [T, C]
     q, k, v = _split_qkv(y, H, K, V)                     # strided views: chunk_kda_fwd takes a token stride
-    o = chunk_kda_fwd(q, k, v, z, A_log, dt_bias, b, K ** -0.5, rec_state, cu_seqlens, state_slots, has_initial_state)
+    o = chunk_kda_fwd(q, k, v, z, A_log, dt_bias, b, K ** -0.5, rec_state, cu_seqlens, state_slots, hi,
+                      chunk_offsets=meta.chunk_offsets)
     y = gated_rmsnorm_triton(o, r.reshape(T, H, V), o_norm_w, eps, out=out)
     return y.reshape(T, H * V)
 

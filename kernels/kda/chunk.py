@@ -869,16 +869,24 @@ def _is_pow2(x: int) -> bool:
     return x >= 16 and (x & (x - 1)) == 0
 
 
+def chunk_offsets_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens [P+1] i32 (device) -> chunk_offsets [P+1] i32: the BT-token chunks before each sequence, built on
+    the device (no host sync; 5 launches, so a step computes it once for all its KDA layers)."""
+    offsets = torch.zeros(cu_seqlens.shape[0], dtype=torch.int32, device=cu_seqlens.device)
+    torch.cumsum(torch.div(cu_seqlens[1:] - cu_seqlens[:-1] + (BT - 1), BT, rounding_mode="floor"), 0,
+                 out=offsets[1:])
+    return offsets
+
+
 def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o, P, T, H, K, V, cu_seqlens_cpu,
-          buffers=None):
+          buffers=None, chunk_offsets=None):
     """Allocate the scratch and return the launches in order as {stage name: zero-argument callable} (the bench
     times the stages one by one). ``buffers`` (a dict) receives the intra outputs qg, kg, w, u, a, gl (tests)."""
     dev = q.device
     # varlen metadata on device (no host sync): chunk_offsets[n] = chunks before sequence n; the chunk-parallel
     # grids use the upper bound cdiv(T, BT) + P (exact when cu_seqlens_cpu is given); surplus programs exit at once
-    chunk_offsets = torch.zeros(P + 1, dtype=torch.int32, device=dev)
-    torch.cumsum(torch.div(cu_dev[1:] - cu_dev[:-1] + (BT - 1), BT, rounding_mode="floor"), 0,
-                 out=chunk_offsets[1:])
+    if chunk_offsets is None:
+        chunk_offsets = chunk_offsets_of(cu_dev)
     if cu_seqlens_cpu is not None:
         cu = [int(x) for x in cu_seqlens_cpu]
         NT = sum((cu[i + 1] - cu[i] + BT - 1) // BT for i in range(P))
@@ -994,6 +1002,7 @@ def chunk_kda_plan(
     out: Optional[torch.Tensor] = None,
     cu_seqlens_cpu: Optional[Sequence[int]] = None,
     buffers: Optional[dict] = None,
+    chunk_offsets: Optional[torch.Tensor] = None,
 ):
     """Validate and allocate for ``chunk_kda_fwd``; returns (o, {stage: launch}) without launching anything
     (running the launches in order is the op; the bench times them one by one).
@@ -1003,7 +1012,8 @@ def chunk_kda_plan(
     rec_state [S, H, K, V] fp32 pool; cu_seqlens [P+1] int32; state_slots [P] int32;
     has_initial_state [P] bool (None = all True). Returns o [T, H, V] in v.dtype (tokens outside
     [cu[0], cu[-1]) are zero). ``out`` may be given to write in place. No host sync: varlen metadata is built
-    on the device; the optional host copy ``cu_seqlens_cpu`` only sizes the chunk grid exactly.
+    on the device; the optional host copy ``cu_seqlens_cpu`` only sizes the chunk grid exactly. ``chunk_offsets``
+    (optional, ``chunk_offsets_of(cu_seqlens)``): the same metadata computed once for several calls.
     """
     T, H, K = q.shape
     V = v.shape[-1]
@@ -1037,7 +1047,7 @@ def chunk_kda_plan(
     if P <= 0:
         return o.zero_(), {}
     return o, _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o, P, T, H, K, V,
-                    cu_seqlens_cpu, buffers)
+                    cu_seqlens_cpu, buffers, chunk_offsets)
 
 
 def chunk_kda_fwd(
@@ -1055,11 +1065,13 @@ def chunk_kda_fwd(
     has_initial_state: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     cu_seqlens_cpu: Optional[Sequence[int]] = None,
+    chunk_offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """KDA prefill over packed varlen sequences, state read from / written to the slot pool in place; returns o.
     Arguments: see ``chunk_kda_plan``."""
     o, launches = chunk_kda_plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_seqlens, state_slots,
-                                 has_initial_state, out=out, cu_seqlens_cpu=cu_seqlens_cpu)
+                                 has_initial_state, out=out, cu_seqlens_cpu=cu_seqlens_cpu,
+                                 chunk_offsets=chunk_offsets)
     for fn in launches.values():
         fn()
     return o

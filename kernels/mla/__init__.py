@@ -15,7 +15,9 @@ gather_latent(cache, block_table [P, MB] i32, cu_seqlens_k [P+1] i32, total=None
 mla_prefill_expanded(q [T, H, nope+R], k_nope [S, H, nope], k_pe [S, R], v [S, H, V], cu_seqlens_q [P+1] i32,
                      cu_seqlens_k [P+1] i32, scale, max_query_len=None, out=None, q_pe=None) -> [T, H, V]
 mla_prefill(q_nope [T, H, nope], q_pe [T, H, R], cache, block_table, cu_seqlens, seq_lens, kv_b_weight
-            [H*(nope+V), L], scale, max_query_len=None) -> [T, H, V]   (gather + kv_b_proj + mla_prefill_expanded)
+            [H*(nope+V), L], scale, max_query_len=None, total_keys=None, cu_seqlens_k=None) -> [T, H, V]
+            (gather + kv_b_proj + mla_prefill_expanded; total_keys = seq_lens.sum() as a host int: no sync;
+            cu_seqlens_k = key_offsets(seq_lens), computed once per step by the model)
 
 CUDA tensors run Triton, CPU tensors the torch reference unless KIMI_KERNELS=triton (kernels/_dispatch.py).
 """
@@ -38,6 +40,7 @@ __all__ = [
     "gather_latent",
     "mla_prefill_expanded",
     "mla_prefill",
+    "key_offsets",
     "gather_latent_batch_ref",
     "mla_prefill_expanded_ref",
     "store_latent_ref",
@@ -148,19 +151,27 @@ def mla_prefill_expanded(q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, scale, 
 PREFILL_KV_BYTES = 2 << 30
 
 
-def mla_prefill(q_nope, q_pe, cache, block_table, cu_seqlens, seq_lens, kv_b_weight, scale, max_query_len=None):
+def key_offsets(seq_lens: torch.Tensor) -> torch.Tensor:
+    """seq_lens [P] i32 -> cu_seqlens_k [P+1] i32 (on the device: no sync; a step computes it once for its layers)."""
+    cu_k = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+    torch.cumsum(seq_lens, 0, out=cu_k[1:])
+    return cu_k
+
+
+def mla_prefill(q_nope, q_pe, cache, block_table, cu_seqlens, seq_lens, kv_b_weight, scale, max_query_len=None,
+                total_keys=None, cu_seqlens_k=None):
     """Prefill chunks in expanded form, straight from the paged latent cache (new tokens already stored):
     gather each sequence's ``seq_lens[p]`` latent rows, up-project them with ``kv_b_weight`` ([H*(nope+V), L],
     kv_b_proj's weight: per head k_nope | v), attend causally. Same semantics as mla_extend followed by the W_UV
-    product. One host sync (the total key count sizes the gather). Transient memory: the gathered latent plus
+    product. ``total_keys`` (host int) = seq_lens.sum(): it sizes the gather; without it it is read from the device
+    (one host sync, not allowed in a CUDA graph capture). ``cu_seqlens_k``: key_offsets(seq_lens), if known. Transient memory: the gathered latent plus
     S_total * H * (nope + V) elements (16 KiB per key at H=32, bf16), capped at PREFILL_KV_BYTES by running the heads
     in groups (one GEMM + one kernel launch per group)."""
     T, H, DN = q_nope.shape
     HD, L = kv_b_weight.shape
     per_head = HD // H
-    cu_k = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
-    torch.cumsum(seq_lens, 0, out=cu_k[1:])
-    total = int(cu_k[-1])
+    cu_k = key_offsets(seq_lens) if cu_seqlens_k is None else cu_seqlens_k
+    total = int(cu_k[-1]) if total_keys is None else int(total_keys)
     lat = gather_latent(cache, block_table, cu_k, total=total)          # [S, L+R]
     head_bytes = max(1, total * per_head * kv_b_weight.element_size())
     g = max([d for d in range(1, H + 1) if H % d == 0 and d * head_bytes <= PREFILL_KV_BYTES] or [1])

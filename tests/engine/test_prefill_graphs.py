@@ -8,22 +8,28 @@ import torch
 from backend.engine import SamplingParams
 from backend.engine.prefill_graphs import PrefillGraphs
 from tests.engine.test_engine import GREEDY, alone, assert_pools_full, collect, make_engine, staggered, workload
+from tools.launches import LaunchCounter
 
 
 class EagerPrefillGraph:
+    """replay() runs the model on the static batch, counting the host syncs a capture would have failed on."""
+
     def __init__(self, pg, tb, n, hidden):
         self.pg, self.tb, self.n, self.hidden = pg, tb, n, hidden
 
     def replay(self):
         r = self.pg.runner
         self.pg.replays += 1
-        self.hidden.copy_(r.model(self.pg.batch(self.tb, self.n), r.cache))
+        with LaunchCounter() as c:
+            hidden = r.model(self.pg.batch(self.tb, self.n), r.cache)
+        self.pg.syncs += sum(c.syncs.values())
+        self.hidden.copy_(hidden)
 
 
 def with_prefill_graphs(eng, max_tokens=512, max_seqs=3):
     r = eng.runner
     pg = PrefillGraphs(r, max_tokens, max_seqs)
-    pg.replays = 0
+    pg.replays = pg.syncs = 0
     d = r.config.hidden_size
     for tb in pg.sizes:
         for n in range(1, max_seqs + 1):
@@ -57,8 +63,8 @@ def test_graphed_prefill_matches_alone(engines):
 
 def test_graphed_prefill_equals_eager_engine(engines):
     """Seeded sampling, logprobs and Score requests (scoring rows gathered from the graph's hidden states) give what
-    the eager engine gives; long prompts (chunked at 300 tokens: the first chunk is >= the 256 bucket, so the next
-    one, 512) and a prompt continuing on cached state (has_initial_state) included."""
+    the eager engine gives; long prompts included (chunked at 300 tokens: the first chunk is >= the 256 bucket, so
+    the next one, 512; the chunk after it continues on cached state and runs eagerly)."""
     eager, eng = engines
     prompts = [list(range(3, 40)), [7] * 250, list(range(1, 250)) * 1 + [5] * 60, [9, 8, 7]]
     params = [SamplingParams(max_tokens=6, temperature=0.8, seed=i, logprobs=True, top_logprobs=2)
@@ -71,6 +77,17 @@ def test_graphed_prefill_equals_eager_engine(engines):
     ws = list(eager.add_request(prompts[0], score))[-1].scores
     gs = list(eng.add_request(prompts[0], score))[-1].scores
     assert len(gs) == len(ws) and max(abs(a - b) for a, b in zip(gs, ws)) < 1e-4
+    assert_pools_full(eng)
+
+
+def test_only_fresh_steps_are_graphed(engines):
+    """A chunk after cached tokens (its keys outnumber its bucket: the expanded MLA's gather could not be a constant
+    of the graph) runs eagerly: a 450-token prompt at a 300-token budget replays one graph, for its first chunk."""
+    _, eng = engines
+    pg = eng.runner.prefill_graphs
+    before = pg.replays
+    toks, _ = collect(eng.add_request(list(range(1, 226)) * 2, SamplingParams(max_tokens=2, **GREEDY)))
+    assert len(toks) == 2 and pg.replays == before + 1
     assert_pools_full(eng)
 
 
@@ -87,13 +104,19 @@ def test_bucket_rule(engines):
     assert PrefillGraphs(r, 4096).sizes == [256, 512] and PrefillGraphs(r, 200).sizes == []
 
 
-def test_padded_step_through_the_triton_kernels(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("mla", ["absorbed", "expanded"])
+def test_padded_step_through_the_triton_kernels(tiny_dir, monkeypatch, mla):
     """The same under the Triton interpreter (kernels._dispatch forced to Triton on CPU tensors): two prompts in one
-    graphed step, padded to the 256 bucket (the padding sequence runs the KDA chunk, conv, MLA extend and MoE kernels
-    on the null slot and page), give the eager engine's tokens."""
+    graphed step, padded to the 256 bucket (the padding sequence runs the KDA chunk, conv, MLA and MoE kernels on
+    the null slot and page), give the eager engine's tokens; the MLA in both forms (CUDA runs the expanded one for
+    a bucket: its key gather sized by the bucket, ForwardBatch.prefill_keys). The graphed step never syncs (a
+    capture would fail on it)."""
     import kernels._dispatch as d
+    from backend.model import kimi_linear
 
     monkeypatch.setattr(d, "_FORCE", "triton")
+    if mla == "expanded":
+        monkeypatch.setitem(kimi_linear.MLA_EXPANDED_MIN_TOKENS, "cpu", 1)
     kw = dict(max_num_batched_tokens=300, max_model_len=300, num_blocks=40)
     eager, eng = make_engine(tiny_dir, **kw), with_prefill_graphs(make_engine(tiny_dir, **kw), 256, 2)
     try:
@@ -102,6 +125,7 @@ def test_padded_step_through_the_triton_kernels(tiny_dir, monkeypatch):
         want = [collect(s)[0] for s in [eager.add_request(p, sp) for p in prompts]]
         got = [collect(s)[0] for s in [eng.add_request(p, sp) for p in prompts]]
         assert got == want and eng.runner.prefill_graphs.replays >= 1
+        assert eng.runner.prefill_graphs.syncs == 0
         assert_pools_full(eng)
     finally:
         eager.shutdown()
