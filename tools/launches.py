@@ -164,18 +164,18 @@ def build_engine(device: str, layers: str, max_tokens: int):
     from backend.engine import EngineConfig, LLMEngine
     from tools.tiny_checkpoint import write_tiny_checkpoint
 
-    d = write_tiny_checkpoint(tempfile.mkdtemp(prefix="launches_"), tokenizer=None, seed=1, dtype="float32",
-                              layers=layers)
+    d = write_tiny_checkpoint(tempfile.mkdtemp(prefix="launches_"), tokenizer=None, seed=1, layers=layers,
+                              dtype="float32" if device == "cpu" else "bfloat16")   # CUDA: the served dtype
     cfg = EngineConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=max_tokens + 64,
                        max_model_len=max_tokens + 64, device=device, enforce_eager=True,
                        **({} if device == "cpu" else dict(num_blocks=256)))
     return LLMEngine.from_config(d, cfg)
 
 
-def count_steps(eng, prompts, decode_rows: int):
+def count_steps(eng, prompts, decode_rows: int, warmup: bool = True):
     """-> (prefill counter, decode counter or None): one step running `prompts` together (after the same step once
-    untimed, so Triton's first-call work is not counted), then, with `decode_rows` sequences decoding, one eager
-    decode step."""
+    uncounted with `warmup`, so Triton's first-call work is not counted), then, with `decode_rows` sequences
+    decoding, one eager decode step."""
     from backend.engine import SamplingParams
 
     runner = eng.runner
@@ -197,14 +197,15 @@ def count_steps(eng, prompts, decode_rows: int):
 
     runner.execute = execute
     try:
-        run(prompts, 1)                      # warm-up (JIT / first calls), not counted
+        if warmup:
+            run(prompts, 1)                  # JIT / first calls, not counted
         results.append(None)
         run([list(p) for p in prompts], 1)   # counted: the last step it runs is the prefill step
         prefill = results[-1][1]
         dec = None
         if decode_rows:
             results[-1] = None
-            run([[5 + i, 6, 7] for i in range(decode_rows)], 3)   # the last counted step: decode of every row
+            run([[5 + i, 6, 7] for i in range(decode_rows)], 2)   # the last counted step: decode of every row
             dec = results[-1][1]
     finally:
         runner.execute = orig
@@ -219,6 +220,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=100, help="tokens per prompt")
     ap.add_argument("--decode", type=int, default=4, help="sequences in the counted decode step (0: none)")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--no-warmup", action="store_true", help="count the first step too (the interpreter compiles "
+                    "nothing: this halves the CPU run)")
     args = ap.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -234,7 +237,7 @@ def main(argv=None):
     eng = build_engine(args.device, args.layers, args.prompts * args.tokens)
     try:
         prompts = [[(7 * i + j) % 250 + 1 for j in range(args.tokens)] for i in range(args.prompts)]
-        pre, dec = count_steps(eng, prompts, args.decode)
+        pre, dec = count_steps(eng, prompts, args.decode, warmup=not args.no_warmup)
         print(pre.report(f"prefill step: {args.prompts} x {args.tokens} tokens, {len(args.layers)} layers",
                          args.layers, args.top))
         if dec is not None:

@@ -22,10 +22,9 @@ filled from pinned host copies by three H2D copies per step; every graph reads v
 import logging
 import time
 
-import numpy as np
 import torch
 
-from backend.model.batch import ForwardBatch
+from backend.model.batch import ForwardBatch, cache_slots
 
 log = logging.getLogger("kimi-linear")
 
@@ -92,8 +91,7 @@ class PrefillGraphs:
             n = len(toks)
             ids[t:t + n] = toks
             if blocks:
-                pos = np.arange(start, start + n)
-                slot_map[t:t + n] = np.asarray(blocks, dtype=np.int64)[pos // bs] * bs + pos % bs
+                slot_map[t:t + n] = cache_slots(blocks, start, n, bs)
                 a32[o_tab + i * mb:o_tab + i * mb + len(blocks)] = blocks
             else:  # capture's at-rest sequences: nothing stored, the null page
                 slot_map[t:t + n] = -1

@@ -22,7 +22,7 @@ from backend.engine.prefill_graphs import PrefillGraphs, graph_sizes
 from backend.engine.sampler import SamplerOutput, SamplingMetadata, sample
 from backend.engine.scheduler import MAX_SCORE_ROWS, SchedulerOutput
 from backend.model import parallel
-from backend.model.batch import ForwardBatch
+from backend.model.batch import ForwardBatch, cache_slots
 from backend.model.loader import load_model
 from backend.model.parallel import COPY, EAGER, PING, REPLAY, STOP, TP, RankFailure
 
@@ -225,7 +225,7 @@ class ModelRunner:
             r, a, n = s.request, s.start, s.num_new_tokens
             ids += r.tokens(a, n)
             blocks = r.block_ids
-            slot_mapping += [blocks[p // bs] * bs + p % bs for p in range(a, a + n)]
+            slot_mapping += cache_slots(blocks, a, n, bs)
             cu.append(cu[-1] + n)
             seq_lens.append(a + n)
             slots.append(r.state_slot)

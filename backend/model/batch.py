@@ -4,6 +4,12 @@ from dataclasses import dataclass
 import torch
 
 
+def cache_slots(blocks, start: int, n: int, block_size: int) -> list:
+    """MLA cache slots (page * block_size + offset) of positions [start, start + n) of a sequence with pages
+    `blocks` (the batch's slot_mapping)."""
+    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+
+
 @dataclass(slots=True)
 class ForwardBatch:
     input_ids: torch.Tensor           # [T] i64; the num_decodes decode tokens first, then packed prefill chunks
@@ -41,7 +47,7 @@ class ForwardBatch:
         slots = []
         for ids, cached, _, blocks in seqs:
             assert cached + len(ids) <= len(blocks) * block_size, "not enough pages for the sequence"
-            slots += [blocks[p // block_size] * block_size + p % block_size for p in range(cached, cached + len(ids))]
+            slots += cache_slots(blocks, cached, len(ids), block_size)
         max_blocks = max(len(s[3]) for s in seqs)
         table = [list(s[3]) + [0] * (max_blocks - len(s[3])) for s in seqs]
         if logits_positions is None:

@@ -104,19 +104,17 @@ def test_bucket_rule(engines):
     assert PrefillGraphs(r, 4096).sizes == [256, 512] and PrefillGraphs(r, 200).sizes == []
 
 
-@pytest.mark.parametrize("mla", ["absorbed", "expanded"])
-def test_padded_step_through_the_triton_kernels(tiny_dir, monkeypatch, mla):
+def test_padded_step_through_the_triton_kernels(tiny_dir, monkeypatch):
     """The same under the Triton interpreter (kernels._dispatch forced to Triton on CPU tensors): two prompts in one
     graphed step, padded to the 256 bucket (the padding sequence runs the KDA chunk, conv, MLA and MoE kernels on
-    the null slot and page), give the eager engine's tokens; the MLA in both forms (CUDA runs the expanded one for
-    a bucket: its key gather sized by the bucket, ForwardBatch.prefill_keys). The graphed step never syncs (a
-    capture would fail on it)."""
+    the null slot and page), give the eager engine's tokens. The MLA runs the expanded form, as CUDA does for every
+    bucket (its key gather sized by the bucket: ForwardBatch.prefill_keys). The graphed step never syncs (a capture
+    would fail on it)."""
     import kernels._dispatch as d
     from backend.model import kimi_linear
 
     monkeypatch.setattr(d, "_FORCE", "triton")
-    if mla == "expanded":
-        monkeypatch.setitem(kimi_linear.MLA_EXPANDED_MIN_TOKENS, "cpu", 1)
+    monkeypatch.setitem(kimi_linear.MLA_EXPANDED_MIN_TOKENS, "cpu", 1)
     kw = dict(max_num_batched_tokens=300, max_model_len=300, num_blocks=40)
     eager, eng = make_engine(tiny_dir, **kw), with_prefill_graphs(make_engine(tiny_dir, **kw), 256, 2)
     try:
