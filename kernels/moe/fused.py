@@ -145,7 +145,7 @@ def _moe_align_small_kernel(
 # sorts its (expert, index) keys and scatters its rows. Stable like the torch path (experts ascending, flat order
 # within an expert); the same output bits.
 ALIGN_CHUNK = 1024
-ALIGN_MAX_CHUNKS = 256   # the plan program holds [chunks, experts] counts; above it the torch path
+ALIGN_MAX_CHUNKS = 256   # the plan program loops over the chunks (one program); above it the torch path
 
 
 @triton.jit
@@ -163,19 +163,29 @@ def _moe_align_hist_kernel(ids_ptr, counts_ptr, sorted_ptr, M, E, max_padded, fi
 
 @triton.jit
 def _moe_align_plan_kernel(counts_ptr, offset_ptr, expert_ids_ptr, npost_ptr, NC, E, max_blocks,
-                           NCP: tl.constexpr, BLOCK_E: tl.constexpr, BM: tl.constexpr, TB: tl.constexpr):
-    rc = tl.arange(0, NCP)
+                           CB: tl.constexpr, BLOCK_E: tl.constexpr, BM: tl.constexpr, TB: tl.constexpr):
+    # counts [NC, BLOCK_E] in blocks of CB chunks (a [CB, BLOCK_E] tile at a time: any chunk count fits the registers
+    # and shared memory of every target, GB10's 99 KB included)
     eo = tl.arange(0, BLOCK_E)
-    cnt = tl.load(counts_ptr + rc[:, None] * BLOCK_E + eo[None, :], mask=(rc < NC)[:, None], other=0)  # [NCP, BE]
-    tot = tl.sum(cnt, axis=0)
+    tot = tl.zeros((BLOCK_E,), tl.int32)
+    for c0 in range(0, NC, CB):                    # pass 1: rows per expert
+        rc = c0 + tl.arange(0, CB)
+        tot += tl.sum(tl.load(counts_ptr + rc[:, None] * BLOCK_E + eo[None, :], mask=(rc < NC)[:, None], other=0),
+                      axis=0)
     padded = (tot + BM - 1) // BM * BM
     pend = tl.cumsum(padded, axis=0)
-    before = tl.cumsum(cnt, axis=0) - cnt          # rows of expert e in the chunks before c
-    local = tl.cumsum(cnt, axis=1) - cnt           # rows of the experts before e within chunk c
-    # row j of expert e in chunk c (position p = local + j in the chunk's sorted order) goes to
-    # pstart[e] + before[c, e] + j = offset[c, e] + p
-    tl.store(offset_ptr + rc[:, None] * BLOCK_E + eo[None, :], (pend - padded)[None, :] + before - local,
-             mask=(rc < NC)[:, None])
+    pstart = pend - padded
+    carry = tl.zeros((BLOCK_E,), tl.int32)          # rows of expert e in the chunks before this block
+    for c0 in range(0, NC, CB):                    # pass 2: each chunk's destination offsets per expert
+        rc = c0 + tl.arange(0, CB)
+        cmask = (rc < NC)[:, None]
+        cnt = tl.load(counts_ptr + rc[:, None] * BLOCK_E + eo[None, :], mask=cmask, other=0)   # [CB, BLOCK_E]
+        before = carry[None, :] + tl.cumsum(cnt, axis=0) - cnt
+        local = tl.cumsum(cnt, axis=1) - cnt       # rows of the experts before e within chunk c
+        # row j of expert e in chunk c (position p = local + j in the chunk's sorted order) goes to
+        # pstart[e] + before[c, e] + j = offset[c, e] + p
+        tl.store(offset_ptr + rc[:, None] * BLOCK_E + eo[None, :], pstart[None, :] + before - local, mask=cmask)
+        carry += tl.sum(cnt, axis=0)
     total = tl.sum(padded, axis=0)
     tl.store(npost_ptr, total)
     for b0 in range(0, max_blocks, TB):            # block b -> its expert (0 past the padded total, as the torch path)
@@ -208,7 +218,7 @@ def _moe_align_chunked(flat: torch.Tensor, E: int, block_m: int, max_padded: int
     _moe_align_hist_kernel[(NC,)](flat, counts, sorted_ids, M, E, max_padded, cdiv(max_padded, NC),
                                   C=C, BLOCK_E=BLOCK_E, FILL=1024, num_warps=4)
     _moe_align_plan_kernel[(1,)](counts, offset, expert_ids, num_post, NC, E, max_blocks,
-                                 NCP=max(16, next_pow2(NC)), BLOCK_E=BLOCK_E, BM=block_m, TB=32, num_warps=8)
+                                 CB=8, BLOCK_E=BLOCK_E, BM=block_m, TB=16, num_warps=8)
     _moe_align_scatter_kernel[(NC,)](flat, offset, sorted_ids, M, E, C=C, BLOCK_E=BLOCK_E, num_warps=4)
     return sorted_ids, expert_ids, num_post
 

@@ -42,7 +42,8 @@ EXPECTED = {
     "router T=2048": {"_router_logits_kernel", "_router_topk_kernel"},
     "moe T=1": {"_moe_gemm1_kernel", "_moe_gemm2_kernel"},
     "moe T=8": {"_moe_gemm1_kernel", "_moe_gemm2_kernel"},
-    "moe T=64": {"_moe_gemm1_kernel", "_moe_gemm2_kernel"},
+    "moe T=64": {"_moe_align_small_kernel", "_moe_gemm1_kernel", "_moe_gemm2_kernel"},
+    "moe align chunked T=4096": {"_moe_align_hist_kernel", "_moe_align_plan_kernel", "_moe_align_scatter_kernel"},
     "moe T=512": {"_moe_gemm1_kernel", "_moe_gemm2_kernel"},
     "moe T=4096": {"_moe_gemm1_kernel", "_moe_gemm2_kernel"},
     "moe combine": {"_moe_combine_kernel"},
@@ -149,6 +150,19 @@ def _scenarios(torch):
         ids = torch.cat([torch.randint(0, E, (T, TOPK), dtype=i32), torch.full((T, 1), E, dtype=i32)], 1)
         return lambda: fused_moe_uncombined_triton(x, w13, w2, torch.full((T, TOPK + 1), 0.1), ids)
 
+    def align_chunked(T):
+        import kernels.moe.fused as fused
+
+        ids = torch.randint(0, E + 1, (T, TOPK + 1), dtype=i32)
+
+        def run():
+            old, fused.ALIGN_CHUNKED = fused.ALIGN_CHUNKED, True      # opt-in on CUDA (KIMI_MOE_ALIGN=chunked)
+            try:
+                fused.moe_align(ids, E + 1, 64)
+            finally:
+                fused.ALIGN_CHUNKED = old
+        return run
+
     def combine():
         T = 8
         return lambda: moe_combine(torch.zeros(T * (TOPK + 1), D, dtype=bf), torch.zeros(T, TOPK + 1),
@@ -198,7 +212,7 @@ def _scenarios(torch):
         "mla extend": mla_ext(), "mla prefill": mla_pre(), "mla cache": mla_cache(), "norms": norms(),
         "router T=1": router(1), "router T=16": router(16), "router T=64": router(64), "router T=2048": router(2048),
         "moe T=1": moe(1), "moe T=8": moe(8), "moe T=64": moe(64), "moe T=512": moe(512), "moe T=4096": moe(4096),
-        "moe combine": combine(),
+        "moe align chunked T=4096": align_chunked(4096), "moe combine": combine(),
         "gemv M=1": gemv(1), "gemv M=16": gemv(16), "sampler": sampler(),
     }
 
