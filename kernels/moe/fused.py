@@ -47,7 +47,9 @@ from kernels._tensors import H200_SMEM, cdiv, max_shared_mem, next_pow2, num_sms
 from kernels.moe.router import dot_acc, dot_mode
 
 # Largest M = T*k aligned by the single-program Triton align kernel; above it the torch path is used.
-# KIMI_MOE_ALIGN=torch forces the torch path for every M (fallback switch).
+# KIMI_MOE_ALIGN=torch forces the torch path for every M (fallback switch). Up to 8192 compiles without spills on
+# sm_90 / sm_121 (16 warps from 4096 lanes); raising it (a 256-token next turn is M = 2304: ~40 torch launches per
+# layer) is an A/B for the H200: bench/ablate.py --prefill 512 --set kernels.moe.fused.ALIGN_SMALL_MAX=8192.
 ALIGN_SMALL_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") == "torch" else 2048
 # Above it: the chunked Triton align (_moe_align_chunked; A/B, NOT RUN ON A GPU YET, session 20: opt-in with
 # KIMI_MOE_ALIGN=chunked or bench/ablate.py --prefill 1024 --set kernels.moe.fused.ALIGN_CHUNKED=True), else torch ops
@@ -245,7 +247,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         scratch = torch.empty(2 * BLOCK_E, dtype=torch.int32, device=dev)
         _moe_align_small_kernel[(1,)](
             flat.contiguous(), sorted_ids, expert_ids, num_post, scratch, M, E, max_padded,
-            BLOCK=BLOCK, BLOCK_E=BLOCK_E, BM=block_m, FILL=1024, num_warps=8 if BLOCK >= 1024 else 4,
+            BLOCK=BLOCK, BLOCK_E=BLOCK_E, BM=block_m, FILL=1024,
+            num_warps=16 if BLOCK >= 4096 else (8 if BLOCK >= 1024 else 4),   # 4096 / 8192 lanes: 58 / 110 regs
         )
         return sorted_ids, expert_ids, num_post
     if ALIGN_CHUNKED and cdiv(M, ALIGN_CHUNK) <= ALIGN_MAX_CHUNKS:

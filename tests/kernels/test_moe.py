@@ -215,10 +215,13 @@ def test_align(T, k, E, BM):
 
 
 @needs_triton
-def test_align_torch_path_matches_kernel(monkeypatch):
+@pytest.mark.parametrize("T,k,E,BM", [(40, 3, 8, 16), (569, 9, 257, 64)])
+def test_align_torch_path_matches_kernel(monkeypatch, T, k, E, BM):
+    """The single-program align kernel gives the torch path's arrays; (569, 9, 257): M = 5121 at Kimi's 257 stacked
+    experts, the kernel's 8192-lane, 16-warp form (ALIGN_SMALL_MAX raised to 8192, an A/B knob)."""
     import kernels.moe.fused as fm
 
-    T, k, E, BM = 40, 3, 8, 16
+    monkeypatch.setattr(fm, "ALIGN_SMALL_MAX", 8192)
     ids = torch.randint(0, E, (T, k), device=DEV, dtype=torch.int32)
     ids[:, 0] = 2  # a heavy expert
     a = fm.moe_align(ids, E, BM)
@@ -233,8 +236,8 @@ def test_align_torch_path_matches_kernel(monkeypatch):
 @needs_triton
 @pytest.mark.parametrize("M,E,BM,chunk", [(700, 8, 16, 64), (3000, 256, 16, 1024), (1000, 257, 64, 128),
                                           (129, 5, 32, 64), (64, 8, 16, 64),
-                                          pytest.param(65536, 257, 128, 1024, marks=pytest.mark.skipif(
-                                              not HAS_CUDA, reason="an 8k-token chunk: CUDA only"))])
+                                          pytest.param(73728, 257, 128, 1024, marks=pytest.mark.skipif(
+                                              not HAS_CUDA, reason="an 8k-token step (x 9 ids): CUDA only"))])
 def test_align_chunked_equals_torch_path(M, E, BM, chunk, monkeypatch):
     """The chunked Triton align (large M: histograms, plan, per-chunk sort + scatter) gives the torch path's arrays
     bit for bit, sentinels and the block -> expert table past the padded total included; skewed ids, a partial last
