@@ -36,7 +36,8 @@ from kernels.gemv import gemv_ref
 from kernels.norm import gated_rmsnorm_ref, gated_rmsnorm_triton
 
 __all__ = [
-    "kda_prefill", "kda_prefill_meta", "KDAPrefillMeta", "kda_decode", "kda_prefill_ref", "kda_decode_ref", "kda_prefill_triton", "kda_decode_triton",
+    "kda_prefill", "kda_prefill_meta", "KDAPrefillMeta", "kda_decode", "kda_prefill_ref", "kda_decode_ref",
+    "kda_prefill_triton", "kda_decode_triton",
     "kda_gate_ref", "l2norm_ref", "kda_recurrent_ref", "kda_chunk_ref", "kda_varlen_ref", "kda_core_ref",
 ]
 
@@ -76,7 +77,7 @@ def kda_prefill_ref(qkv, conv_w, z, b, A_log, dt_bias, r, o_norm_w, eps, conv_st
 
 class KDAPrefillMeta(NamedTuple):
     """A step's varlen metadata for the Triton prefill, the same for every KDA layer: computed once per step
-    (kda_prefill_meta), it saves each layer six small launches."""
+    (kda_prefill_meta), it saves each layer seven small launches (six once per step)."""
     has_initial_state: torch.Tensor   # [P] i8
     chunk_offsets: torch.Tensor       # [P+1] i32: 64-token chunks before each sequence (kernels/kda/chunk.py)
 
