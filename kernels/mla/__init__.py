@@ -164,9 +164,9 @@ def mla_prefill(q_nope, q_pe, cache, block_table, cu_seqlens, seq_lens, kv_b_wei
     gather each sequence's ``seq_lens[p]`` latent rows, up-project them with ``kv_b_weight`` ([H*(nope+V), L],
     kv_b_proj's weight: per head k_nope | v), attend causally. Same semantics as mla_extend followed by the W_UV
     product. ``total_keys`` (host int) = seq_lens.sum(): it sizes the gather; without it it is read from the device
-    (one host sync, not allowed in a CUDA graph capture). ``cu_seqlens_k``: key_offsets(seq_lens), if known. Transient memory: the gathered latent plus
-    S_total * H * (nope + V) elements (16 KiB per key at H=32, bf16), capped at PREFILL_KV_BYTES by running the heads
-    in groups (one GEMM + one kernel launch per group)."""
+    (one host sync, not allowed in a CUDA graph capture). ``cu_seqlens_k``: key_offsets(seq_lens), if known.
+    Transient memory: the gathered latent plus S_total * H * (nope + V) elements (16 KiB per key at H=32, bf16),
+    capped at PREFILL_KV_BYTES by running the heads in groups (one GEMM + one kernel launch per group)."""
     T, H, DN = q_nope.shape
     HD, L = kv_b_weight.shape
     per_head = HD // H
