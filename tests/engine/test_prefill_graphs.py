@@ -130,6 +130,47 @@ def test_padded_step_through_the_triton_kernels(tiny_dir, monkeypatch):
         eng.shutdown()
 
 
+def test_capture_code_runs(tiny_dir, monkeypatch):
+    """PrefillGraphs.capture itself (the stand-ins above replace it) with torch.cuda's graph primitives stood in on
+    the CPU: one warm-up and one captured forward per (bucket, sequences) graph, largest first, each graph keeping
+    the hidden states its forward returned; the pool is handed on from graph to graph."""
+    import contextlib
+
+    calls = []
+
+    class FakeGraph:
+        def pool(self):
+            return ("pool", id(self))
+
+    @contextlib.contextmanager
+    def graph(g, pool):
+        calls.append(("capture", pool))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", 0))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    eng = make_engine(tiny_dir, max_num_batched_tokens=300, max_model_len=600, num_blocks=200)
+    try:
+        r = eng.runner
+        forward = r.model.forward
+        monkeypatch.setattr(r.model, "forward", lambda b, c: calls.append(("forward", b.input_ids.shape[0],
+                                                                           b.prefill_keys)) or forward(b, c))
+        pg = PrefillGraphs(r, 512, 2)
+        pg.capture()
+        assert list(pg.graphs) == [(512, 2), (512, 1), (256, 2), (256, 1)]
+        fwd = [c for c in calls if c[0] == "forward"]
+        assert fwd == [("forward", tb, tb) for tb in (512, 512, 512, 512, 256, 256, 256, 256)]
+        pools = [c[1] for c in calls if c[0] == "capture"]
+        assert pools[0] == ("pool", 0) and all(p[1] != 0 for p in pools[1:])
+        for (tb, _), (_, hidden) in pg.graphs.items():
+            assert hidden.shape == (tb, r.config.hidden_size)
+        assert_pools_full(eng)
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.gpu
 def test_gpu_prefill_graphs(tiny_dir, monkeypatch):
     """The captured graphs on CUDA (prefill_graph_tokens=512: buckets 256 and 512, 1-4 prompts) give the eager
