@@ -186,7 +186,7 @@ def count_steps(eng, prompts, decode_rows: int, warmup: bool = True):
             return orig(out)
         with LaunchCounter(runner.model) as c:
             r = orig(out)
-        results[-1] = (out, c)
+        results[-1] = c
         return r
 
     def run(ps, max_tokens):
@@ -201,12 +201,12 @@ def count_steps(eng, prompts, decode_rows: int, warmup: bool = True):
             run(prompts, 1)                  # JIT / first calls, not counted
         results.append(None)
         run([list(p) for p in prompts], 1)   # counted: the last step it runs is the prefill step
-        prefill = results[-1][1]
+        prefill = results[-1]
         dec = None
         if decode_rows:
             results[-1] = None
             run([[5 + i, 6, 7] for i in range(decode_rows)], 2)   # the last counted step: decode of every row
-            dec = results[-1][1]
+            dec = results[-1]
     finally:
         runner.execute = orig
     return prefill, dec

@@ -16,8 +16,9 @@ keys are exactly its T bucket tokens, which sizes the expanded MLA's key gather 
 constant of the graph. A chunk after cached tokens (a long prompt's later chunks, a prefix-cache hit) has a
 data-dependent key count and runs eagerly.
 
-The inputs live in three static device buffers (int64 ids | slot mapping, int32 metadata, uint8 initial-state flags)
-filled from pinned host copies by three H2D copies per step; every graph reads views of them.
+The inputs live in two static device buffers (int64 ids | slot mapping, int32 metadata) filled from pinned host
+copies by two H2D copies per step; every graph reads views of them (and of a constant all-false initial-state flag:
+every sequence is fresh).
 """
 import logging
 import time
@@ -53,12 +54,11 @@ class PrefillGraphs:
         self.n32 = (S + 1) + 2 * S + S * mb
         self.i64 = torch.zeros(2 * T, dtype=torch.int64, device=dev)
         self.i32 = torch.zeros(self.n32, dtype=torch.int32, device=dev)
-        self.u8 = torch.zeros(S, dtype=torch.uint8, device=dev)
+        self.fresh = torch.zeros(S, dtype=torch.bool, device=dev)   # has_initial_state: never
         pin = dev.type == "cuda"
         # two pinned host copies, alternating: the previous step's H2D copies may still be in flight
         self.hosts = [(torch.zeros(2 * T, dtype=torch.int64, pin_memory=pin),
-                       torch.zeros(self.n32, dtype=torch.int32, pin_memory=pin),
-                       torch.zeros(S, dtype=torch.uint8, pin_memory=pin)) for _ in range(2)]
+                       torch.zeros(self.n32, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
         self.flip = 0
 
     # static inputs
@@ -70,36 +70,34 @@ class PrefillGraphs:
         return ForwardBatch(
             input_ids=self.i64[:tb], num_decodes=0, cu_seqlens=cu, prefill_cu_seqlens=cu,
             seq_lens=self.i32[o_len:o_len + p], state_slots=self.i32[o_slot:o_slot + p],
-            has_initial_state=self.u8[:p].view(torch.bool),
+            has_initial_state=self.fresh[:p],
             block_table=self.i32[o_tab:o_tab + S * mb].view(S, mb)[:p],
             slot_mapping=self.i64[self.sizes[-1]:self.sizes[-1] + tb],
             logits_index=self.i64[:0], max_query_len=tb, prefill_keys=tb)
 
     def _fill(self, tb: int, seqs: list) -> None:
-        """seqs: [(token ids, first position, state slot, has initial state, block ids)] of the real sequences, in
-        order (no block ids: nothing stored, the null page); the padding sequence takes the rest of the bucket.
-        Three H2D copies."""
-        h64, h32, h8 = self.hosts[self.flip]
+        """seqs: [(token ids, state slot, block ids)] of the real sequences (fresh: from position 0), in order (no
+        block ids: nothing stored, the null page); the padding sequence takes the rest of the bucket. Two H2D
+        copies."""
+        h64, h32 = self.hosts[self.flip]
         self.flip ^= 1
-        a64, a32, a8 = h64.numpy(), h32.numpy(), h8.numpy()
+        a64, a32 = h64.numpy(), h32.numpy()
         S, T, mb, bs = self.max_seqs + 1, self.sizes[-1], self.mb, self.runner.block_size
         o_len, o_slot, o_tab = S + 1, 2 * S + 1, 3 * S + 1
         ids, slot_map, t = a64[:T], a64[T:], 0
         a32[:] = 0
-        a8[:] = 0
-        for i, (toks, start, slot, init, blocks) in enumerate(seqs):
+        for i, (toks, slot, blocks) in enumerate(seqs):
             n = len(toks)
             ids[t:t + n] = toks
             if blocks:
-                slot_map[t:t + n] = cache_slots(blocks, start, n, bs)
+                slot_map[t:t + n] = cache_slots(blocks, 0, n, bs)
                 a32[o_tab + i * mb:o_tab + i * mb + len(blocks)] = blocks
             else:  # capture's at-rest sequences: nothing stored, the null page
                 slot_map[t:t + n] = -1
             t += n
             a32[i + 1] = t
-            a32[o_len + i] = start + n
+            a32[o_len + i] = n
             a32[o_slot + i] = slot
-            a8[i] = init
         p = len(seqs)                       # the padding sequence: tokens t .. tb - 1
         ids[t:tb] = 0
         slot_map[t:tb] = -1
@@ -107,7 +105,6 @@ class PrefillGraphs:
         a32[o_len + p] = tb - t
         self.i64[:T + tb].copy_(h64[:T + tb], non_blocking=True)  # ids [0, tb) (and stale beyond) | slot mapping
         self.i32.copy_(h32, non_blocking=True)
-        self.u8.copy_(h8, non_blocking=True)
 
     # capture and replay
     def capture(self) -> None:
@@ -117,7 +114,7 @@ class PrefillGraphs:
         pool = torch.cuda.graph_pool_handle()
         for tb in reversed(self.sizes):
             for n in range(self.max_seqs, 0, -1):
-                self._fill(tb, [([0], 0, 0, False, [])] * n)
+                self._fill(tb, [([0], 0, [])] * n)
                 batch = self.batch(tb, n)
                 r.model(batch, r.cache)
                 graph = torch.cuda.CUDAGraph()
@@ -142,10 +139,7 @@ class PrefillGraphs:
     def run(self, out) -> torch.Tensor:
         """Fills the inputs of a `can_run` step and replays -> hidden [T bucket, D] (the real tokens first, packed in
         out.seqs order as the eager batch packs them)."""
-        seqs = []
-        for s in out.seqs:
-            r = s.request
-            seqs.append((r.tokens(s.start, s.num_new_tokens), s.start, r.state_slot, s.start > 0, r.block_ids))
+        seqs = [(s.request.tokens(0, s.num_new_tokens), s.request.state_slot, s.request.block_ids) for s in out.seqs]
         tb = self.bucket(sum(len(x[0]) for x in seqs))
         self._fill(tb, seqs)
         graph, hidden = self.graphs[(tb, len(seqs))]

@@ -41,6 +41,7 @@ class ForwardBatch:
         assert all(len(s[0]) == 1 for s in seqs[:num_decodes]), "decode sequences carry one token"
         assert all(len(s[0]) >= 1 for s in seqs), "every sequence carries a token"
         lens = [len(ids) for ids, _, _, _ in seqs]
+        seq_lens = [cached + n for (_, cached, _, _), n in zip(seqs, lens)]
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
@@ -62,12 +63,11 @@ class ForwardBatch:
         return cls(
             input_ids=i64([t for ids, _, _, _ in seqs for t in ids]), num_decodes=num_decodes,
             cu_seqlens=i32(cu), prefill_cu_seqlens=i32([c - cu[num_decodes] for c in cu[num_decodes:]]),
-            seq_lens=i32([cached + n for (_, cached, _, _), n in zip(seqs, lens)]),
+            seq_lens=i32(seq_lens),
             state_slots=i32([s[2] for s in seqs]),
             has_initial_state=torch.tensor([s[1] > 0 for s in seqs], dtype=torch.bool, device=device),
             block_table=i32(table), slot_mapping=i64(slots), logits_index=i64(logits_positions),
-            max_query_len=max(lens), prefill_keys=sum(cached + n for (_, cached, _, _), n in
-                                                      list(zip(seqs, lens))[num_decodes:]),
+            max_query_len=max(lens), prefill_keys=sum(seq_lens[num_decodes:]),
         )
 
 
