@@ -574,8 +574,28 @@ def balanced_tiles(N: int, BN: int, blocks: int, sms: int) -> int:
     return best if (best != lo or N % BN) else 0
 
 
+_CONFIGS: dict = {}
+
+
+def _switches() -> tuple:
+    """The module switches get_config reads (they are read per call: tests and bench/ablate.py --set change them)."""
+    return (DECODE_T1_BN1, DECODE_T1_BN2, BALANCE_MAX_M, DECODE_L2_BLOCKS, DECODE_PDL, DECODE_PDL_T1, DECODE_PREFETCH,
+            DECODE_PREFETCH_K, DECODE_DIRECT, DECODE_EVICT, DECODE_PDL1, DECODE_L2_AHEAD1, DECODE_L2_AHEAD2)
+
+
 def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms: int = 132,
                N1: int = 1024, N2: int = 2304, smem: int = H200_SMEM) -> MoEConfig:
+    """_config, memoised on its arguments and the switches: it costs ~10-35 us of dataclass replaces per call, paid
+    by every eager MoE layer (prefill and mixed steps: ~26 x 10 us of host time per step on the critical path)."""
+    key = (M, E, dtype, top_k, sms, N1, N2, smem, _switches())
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = _CONFIGS[key] = _config(M, E, dtype, top_k, sms, N1, N2, smem)
+    return cfg
+
+
+def _config(M: int, E: int, dtype: torch.dtype, top_k: int | None, sms: int, N1: int, N2: int,
+            smem: int) -> MoEConfig:
     """Tiles for H200 by the number of assignments M = T*k. Decode: BLOCK_M 16 (tl.dot minimum), narrow N tiles so
     that the few selected experts' weights are streamed by many SMs; prefill: 128x128-class tensor-core tiles.
     With top_k (decode, M <= BALANCE_MAX_M): N tile counts balanced over `sms` SMs for the expected number of row
