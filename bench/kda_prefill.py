@@ -422,11 +422,18 @@ QUICK_VARIANTS = [
     ("s17-combo", dict(HPASS_OUT=1, AKK_PARTS=2, AKK_PARTS_MAXNREG=(128, 144), WU_KBG=1, PREP_MAXNREG=128)),
     ("prep-r96", dict(PREP_MAXNREG=96)),
     ("prep-r80", dict(PREP_MAXNREG=80)),
+    # session 22 (offline sm_90, Triton 3.9): the state pass forms vn = M (beta v - kb h_c) from wu's inverse M, so
+    # wu writes M (8 KB per chunk-head) instead of w and u (32 KB) and nothing reads them back; one more [64, 64] x
+    # [64, BV] dot per chunk on the state pass's chain. hpass BV 32 166 regs / 204 KB smem (3 stages; was 164 / 180),
+    # wu (inverse only) 126 regs, no spill; prep with kb 136 regs (3 CTAs / SM; 128 cap: 4)
+    ("hpass-vn", dict(HPASS_VN=1)),
+    ("hpass-vn-r128", dict(HPASS_VN=1, PREP_MAXNREG=128)),
+    ("hpass-vn-s2", dict(HPASS_VN=1, HPASS_NUM_STAGES=2)),
 ]
 
 
 def quick(warmup=5, rep=20, only=None):
-    """One short H200 run: at T=16k every QUICK_VARIANTS entry (or those named in ``only``, in list order; total
+    """One short H200 run: at T=16k every QUICK_VARIANTS entry (or those named in ``only``, in that order; total
     and per-stage ms, ratio to fla-core, rel-rms of o and the final state vs the default and vs fla), then varlen
     16 x 1k for the same variants (none named: the default only) and fla. A FAILED line
     (e.g. a compile error on this Triton) leaves the other lines intact. Compiles dominate: on 2026-12-02 fla + 3
@@ -448,9 +455,12 @@ def quick(warmup=5, rep=20, only=None):
             if fms:
                 print(f"{case}: fla-core {fms:.3f} ms", flush=True)
             ref = None
-            for name, cfg in QUICK_VARIANTS:
-                if which and name not in which:
+            table = dict(QUICK_VARIANTS)
+            for name in which or table:          # in the order named (the first one is the reference)
+                if name not in table:
+                    print(f"{case} {name:20s} unknown variant (QUICK_VARIANTS)", flush=True)
                     continue
+                cfg = table[name]
                 for n, val in saved.items():
                     setattr(ck, n, cfg.get(n, val))
                 try:
