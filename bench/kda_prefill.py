@@ -422,13 +422,9 @@ QUICK_VARIANTS = [
     ("s17-combo", dict(HPASS_OUT=1, AKK_PARTS=2, AKK_PARTS_MAXNREG=(128, 144), WU_KBG=1, PREP_MAXNREG=128)),
     ("prep-r96", dict(PREP_MAXNREG=96)),
     ("prep-r80", dict(PREP_MAXNREG=80)),
-    # session 22 (offline sm_90, Triton 3.9): the state pass forms vn = M (beta v - kb h_c) from wu's inverse M, so
-    # wu writes M (8 KB per chunk-head) instead of w and u (32 KB) and nothing reads them back; one more [64, 64] x
-    # [64, BV] dot per chunk on the state pass's chain. hpass BV 32 166 regs / 204 KB smem (3 stages; was 164 / 180),
-    # wu (inverse only) 126 regs, no spill; prep with kb 136 regs (3 CTAs / SM; 128 cap: 4)
-    ("hpass-vn", dict(HPASS_VN=1)),
-    ("hpass-vn-r128", dict(HPASS_VN=1, PREP_MAXNREG=128)),
-    ("hpass-vn-s2", dict(HPASS_VN=1, HPASS_NUM_STAGES=2)),
+    # (session 22, HPASS_VN: the state pass formed vn = M (beta v - kb h_c) from wu's inverse M, wu writing only M;
+    # H100 12-05 at T=16k: 2.255 vs 2.147 ms, wu 0.422 -> 0.157 but hpass 0.405 -> 0.613 (the M dot on the chain)
+    # and prep 0.549 -> 0.711 (writing kb); removed, BENCHMARKS.md twenty-second round)
 ]
 
 

@@ -155,12 +155,6 @@ WU_LOOP = 1
 # the MMA operand dtype (bf16 for bf16 inputs, fla's precision for it; fp32 inputs: the same bits), so wu reads kb
 # (16 KB per chunk-head) instead of k and the fp32 G (48 KB) and forms no exp2: ~134 MB less traffic at T=16k.
 WU_KBG = 0
-# HPASS_VN = 1 (A/B, NOT TIMED YET, session 22): the state pass forms vn = M (beta v - kb h_c) itself (M = wu's
-# inverse, stored [rows, BT]; kb = prep's beta kn exp2(G)), so wu writes only M (8 KB per chunk-head in bf16) instead
-# of w and u (32 KB), which the state pass no longer reads back: at T=16k ~0.4 GB less traffic and wu's two dots per
-# tile gone; the state pass gains one [BT, BT] x [BT, BV] dot per chunk on its chain and reads kb, M and v instead of
-# w and u. M in the MMA operand dtype (bf16 for bf16 inputs, as fla's A for w / u).
-HPASS_VN = 0
 WU_MAXNREG = 168         # register cap for wu (LOOP 0: 150 regs uncapped, 3 CTAs / SM; 128: 4, 16 B spill offline)
 # FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep (fla's choice) instead of libdevice's
 # accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop body 2134 -> see --quick). No
@@ -578,7 +572,6 @@ def _kda_wu_kernel(
     stride_k, stride_v,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0, KBG: tl.constexpr = 0,
-    MINV: tl.constexpr = 0,
 ):
     """Intra launch 3, grid (chunk, head): M = (I + L)^-1 = sum_j (-N)^j Di with N = Di L_off (strictly block-lower,
     N^(BT/BC) = 0), from x_in (Di on the diagonal blocks, L_off below); then w = M (beta kn exp2(G)), u = M (beta v)
@@ -590,8 +583,7 @@ def _kda_wu_kernel(
     0.325 ms -- but wrong with M converted once before the loop and an illegal address with M converted per tile,
     Triton 3.6, 12-04: removed.)
     KBG=1 (WU_KBG, LOOP 1 only): k is prep's kb = beta kn exp2(G) (bf16 for bf16 inputs, as fla's operand) and g_in
-    is not read: w = M kb.
-    MINV=1 (HPASS_VN): only M, stored to w_out as [rows, BT] in w_out's dtype (the state pass forms vn from it)."""
+    is not read: w = M kb."""
     tl.static_assert((KBG == 0) | (LOOP == 1))
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -603,7 +595,7 @@ def _kda_wu_kernel(
     tok = t0 + rows
     cblk = (i_c.to(tl.int64) * H + i_h) * BT
     rb = rows // BC
-    if (LOOP == 1) and (MINV == 0):
+    if LOOP == 1:
         nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, 0, stride_k, stride_v, i_h, K, V, BK, BV, KBG)
     x = tl.load(x_in + (cblk + rows)[:, None] * BT + rows[None, :])
     di = tl.where(rb[:, None] == rb[None, :], x, 0.0)          # block-diagonal inverse (the 'where' drops the
@@ -614,9 +606,7 @@ def _kda_wu_kernel(
         m = di - tl.dot(nmat, m, input_precision=PREC)
     rk = tl.load(rs_in + (cblk + rows) * 4 + 1)
     beta = tl.load(rs_in + (cblk + rows) * 4 + 2)
-    if MINV:
-        tl.store(w_out + (cblk + rows)[:, None] * BT + rows[None, :], m.to(w_out.dtype.element_ty))
-    elif LOOP == 1:
+    if LOOP == 1:
         NI: tl.constexpr = max((K + BK - 1) // BK, (V + BV - 1) // BV)
         for i in range(NI):
             bk, G, bv = nk, ng, nv
@@ -672,17 +662,6 @@ def _zero_outside(o, bos, eos, i_n, n_seq, n_tok, stride_o, i_h, vv, BT: tl.cons
 
 
 @triton.jit
-def _hpass_bv_rows(v_in, rs_in, t0, eos, r0, rows, vv, stride_v, i_h, V: tl.constexpr):
-    """beta v [BT, BV] fp32 of the chunk starting at token t0 (chunk row r0): rows at or past eos (the sequence's
-    end, or a chunk past its last) are zeros."""
-    rm = rows < eos - t0
-    bv = tl.load(v_in + (t0 + rows).to(tl.int64)[:, None] * stride_v + i_h * V + vv[None, :], mask=rm[:, None],
-                 other=0.0).to(tl.float32)
-    beta = tl.load(rs_in + (r0 + rows) * 4 + 2, mask=rm, other=0.0)
-    return bv * beta[:, None]
-
-
-@triton.jit
 def _kda_hpass_kernel(
     kg_in, w_in, u_in, gl_in, h_out, vn_out, o, rec_state,
     cu_seqlens, chunk_offsets, state_slots, has_initial_state, n_seq, n_tok,
@@ -690,7 +669,6 @@ def _kda_hpass_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MM: tl.constexpr, PREFETCH: tl.constexpr = 0,
     qg_in=None, a_in=None, OUT: tl.constexpr = 0,
-    v_in=None, m_in=None, rs_in=None, stride_v=0, VN: tl.constexpr = 0,
 ):
     """Split path, launch 2: the sequential state pass only. Per chunk: store h_c (the state at the chunk start,
     in the MMA operand dtype) and vn = u - w h_c, then h = exp2(gl) h + kg^T vn. Two dots per chunk.
@@ -698,11 +676,7 @@ def _kda_hpass_kernel(
     serial chain) are loaded one chunk ahead by hand.
     OUT=1 (HPASS_OUT): the output kernel's work in the same loop, o = qg h_c + Aqk vn (the same operands and
     expression as _kda_out_kernel), written to o; h_c and vn are not stored (h_out / vn_out unused) and there is no
-    output launch. Two more dots per chunk, off the recurrence's chain (qg h_c needs only h_c, Aqk vn only vn).
-    VN=1 (HPASS_VN): w_in is prep's kb = beta kn exp2(G) [rows, K] and there is no u: vn = M (beta v - kb h_c), with
-    M [rows, BT] (m_in, wu's MINV launch), v the layer's v (v_in, token rows) and beta (rs_in column 2). Equal to
-    u - w h_c (w = M kb, u = M beta v) by associativity, so wu writes only M and no w / u round trip is made; one more
-    [BT, BT] x [BT, BV] dot per chunk, on the chain."""
+    output launch. Two more dots per chunk, off the recurrence's chain (qg h_c needs only h_c, Aqk vn only vn)."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_h = tl.program_id(2)
@@ -726,10 +700,7 @@ def _kda_hpass_kernel(
     dt = w_in.dtype.element_ty
     if PREFETCH:
         ch = c0 * H + i_h
-        if VN:
-            nx_u = _hpass_bv_rows(v_in, rs_in, bos, eos, ch * BT, rows, vv, stride_v, i_h, V)
-        else:
-            nx_u = tl.load(u_in + ch * BT * V + o_bv, mask=tl.zeros([BT, BV], dtype=tl.int32) < nt, other=0.0)
+        nx_u = tl.load(u_in + ch * BT * V + o_bv, mask=tl.zeros([BT, BV], dtype=tl.int32) < nt, other=0.0)
         nx_gl = tl.load(gl_in + ch * K + kk, mask=tl.zeros([K], dtype=tl.int32) < nt, other=0.0)
 
     for it in range(nt):
@@ -745,27 +716,17 @@ def _kda_hpass_kernel(
             b_u = nx_u.to(tl.float32)
             b_gl = nx_gl
             # chunk it + 1 of this sequence, if any
-            if VN:
-                nx_u = _hpass_bv_rows(v_in, rs_in, bos + (it + 1) * BT, eos, r0 + H * BT, rows, vv, stride_v, i_h, V)
-            else:
-                nx_u = tl.load(u_in + (r0 + H * BT) * V + o_bv,
-                               mask=(tl.zeros([BT, BV], dtype=tl.int32) + it + 1) < nt, other=0.0)
+            nx_u = tl.load(u_in + (r0 + H * BT) * V + o_bv,
+                           mask=(tl.zeros([BT, BV], dtype=tl.int32) + it + 1) < nt, other=0.0)
             nx_gl = tl.load(gl_in + (ch + H) * K + kk, mask=(tl.zeros([K], dtype=tl.int32) + it + 1) < nt,
                             other=0.0)
         else:
-            if VN:
-                b_u = _hpass_bv_rows(v_in, rs_in, bos + it * BT, eos, r0, rows, vv, stride_v, i_h, V)
-            else:
-                b_u = tl.load(u_in + r0 * V + o_bv).to(tl.float32)
+            b_u = tl.load(u_in + r0 * V + o_bv).to(tl.float32)
             b_gl = tl.load(gl_in + ch * K + kk)
         hb = h.to(dt)
         if not OUT:
             tl.store(h_out + ch * K * V + o_kv, hb.to(h_out.dtype.element_ty))
-        if VN:   # b_u = beta v, b_w = kb: vn = M (beta v - kb h_c)
-            b_m = tl.load(m_in + r0 * BT + rows[:, None] * BT + rows[None, :])
-            vn = _mm(b_m, (b_u - _mm(b_w, hb, PREC, MM)).to(dt), PREC, MM)
-        else:
-            vn = b_u - _mm(b_w, hb, PREC, MM)
+        vn = b_u - _mm(b_w, hb, PREC, MM)
         vnb = vn.to(dt)
         if OUT:
             b_o = _mm(b_qg, hb, PREC, MM) + _mm(b_a, vnb, PREC, MM)
@@ -837,10 +798,9 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "hpass": (_kda_hpass_kernel,
                   dict(kg_in=sd, w_in=sd, u_in=sd, gl_in="*fp32", h_out=sd, vn_out=sd, o=lp, rec_state="*fp32",
                        cu_seqlens="*i32", chunk_offsets="*i32", state_slots="*i32", has_initial_state="*i8",
-                       n_seq="i32", n_tok="i32", stride_o="i32", stride_s="i32", qg_in=sd, a_in=sd,
-                       **(dict(v_in=lp, m_in=sd, rs_in="*fp32", stride_v="i32") if HPASS_VN else {})),
+                       n_seq="i32", n_tok="i32", stride_o="i32", stride_s="i32", qg_in=sd, a_in=sd),
                   dict(H=H, K=K, V=V, BT=BT, BV=min(V, hpass_bv or 16), PREC=prec, MM=mm,
-                       PREFETCH=int(HPASS_PREFETCH), OUT=int(HPASS_OUT), VN=int(bool(HPASS_VN))),
+                       PREFETCH=int(HPASS_PREFETCH), OUT=int(HPASS_OUT)),
                   dict(num_warps=HPASS_NUM_WARPS or (8 if (hpass_bv or 16) >= 64 else 4),
                        num_stages=HPASS_NUM_STAGES)),
         "out": (_kda_out_kernel,
@@ -859,7 +819,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                       kb_out=sd),
                  dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT),
                       NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES,
-                      KBG=int((bool(WU_KBG) and bool(WU_LOOP)) or bool(HPASS_VN))),
+                      KBG=int(bool(WU_KBG) and bool(WU_LOOP))),
                  dict(num_warps=PREP_NUM_WARPS, **_maxnreg(PREP_MAXNREG))),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
@@ -870,8 +830,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                    LOOP=int(WU_LOOP), KBG=int(bool(WU_KBG) and bool(WU_LOOP) and not HPASS_VN),
-                    MINV=int(bool(HPASS_VN))),
+                    LOOP=int(WU_LOOP), KBG=int(bool(WU_KBG) and bool(WU_LOOP))),
                dict(num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG))),
     })
     specs = {n: specs[n] for n in which}
@@ -938,20 +897,14 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     prec = "ieee" if fp32 else "tf32"
     mm = 0 if fp32 else (2 if _interpreting() else 1)
     n_rows = max(NT, 1) * H * BT
-    vn_mode = bool(HPASS_VN)    # the state pass forms vn from M: no w / u (wu writes M [rows, BT] instead)
     qg = torch.empty(n_rows, K, dtype=sdt, device=dev)
     kg = torch.empty(n_rows, K, dtype=sdt, device=dev)
+    w = torch.empty(n_rows, K, dtype=sdt, device=dev)
+    u = torch.empty(n_rows, V, dtype=sdt, device=dev)
     a = torch.empty(n_rows, BT, dtype=sdt, device=dev)
     gl = torch.empty(max(NT, 1) * H, K, dtype=torch.float32, device=dev)
-    if vn_mode:
-        w = u = None
-        mi = torch.empty(n_rows, BT, dtype=sdt, device=dev)
-    else:
-        w = torch.empty(n_rows, K, dtype=sdt, device=dev)
-        u = torch.empty(n_rows, V, dtype=sdt, device=dev)
     if buffers is not None:
-        buffers.update(qg=qg, kg=kg, a=a, gl=gl, **(dict(m=mi) if vn_mode else dict(w=w, u=u)))
-    kb = rs = None
+        buffers.update(qg=qg, kg=kg, w=w, u=u, a=a, gl=gl)
     PB = max(16, next_pow2(P))
     nsm = num_sms(dev, cpu=1)
     launches = {}
@@ -960,7 +913,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         # (block inverses + beta-scaled off-diagonal Dkk)
         g2 = torch.empty(n_rows, K, dtype=torch.float32, device=dev)
         rs = torch.empty(n_rows, 4, dtype=torch.float32, device=dev)
-        kbg = (bool(WU_KBG) and bool(WU_LOOP)) or vn_mode
+        kbg = bool(WU_KBG) and bool(WU_LOOP)
         kb = torch.empty(n_rows, K, dtype=sdt, device=dev) if kbg else None     # wu's gated k operand (WU_KBG)
         xs = torch.empty(n_rows, BT, dtype=torch.float32, device=dev)
 
@@ -986,10 +939,9 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
 
         def wu():
             return _kda_wu_kernel[(NT, H)](
-                kb if kbg else k, v, g2, rs, xs, chunk_offsets, cu_dev, P, mi if vn_mode else w,
-                mi if vn_mode else u, k.stride(0), v.stride(0),
+                kb if kbg else k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                LOOP=int(WU_LOOP), KBG=int(kbg and not vn_mode), MINV=int(vn_mode),
+                LOOP=int(WU_LOOP), KBG=int(kbg),
                 num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG),
             )
 
@@ -1003,8 +955,8 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     fuse_out = bool(HPASS_OUT) and big_smem and (sdt.itemsize == 2 or dev.type != "cuda")
     # per-chunk start states h_c [NT, H, K, V] and vn [NT*H*BT, V], both in the MMA operand dtype (not with fuse_out:
     # the state pass writes o itself; its h_out / vn_out arguments are then unused)
-    hs = qg if fuse_out else torch.empty(max(NT, 1) * H * K, V, dtype=sdt, device=dev)
-    vn = qg if fuse_out else torch.empty(n_rows, V, dtype=sdt, device=dev)
+    hs = w if fuse_out else torch.empty(max(NT, 1) * H * K, V, dtype=sdt, device=dev)
+    vn = u if fuse_out else torch.empty(n_rows, V, dtype=sdt, device=dev)
     hbv = min(V, HPASS_BV or (64 if _interpreting() else hpass_bv(V, P, H, nsm)))
     obv = min(V, OUT_BV)
     # 3 stages need up to 128 KB of smem per block (BV 64; 102 / 108 KB at BV 16 / 32): a GB10 (sm_121, 99 KB per
@@ -1012,13 +964,12 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     h_stages = HPASS_NUM_STAGES if big_smem else min(HPASS_NUM_STAGES, 2)
 
     def hpass():
-        vn_args = dict(v_in=v, m_in=mi, rs_in=rs, stride_v=v.stride(0), VN=1) if vn_mode and NT > 0 else {}
         return _kda_hpass_kernel[(cdiv(V, hbv), P, H)](
-            kg, kb if vn_args else (w if w is not None else qg), u if u is not None else qg, gl, hs, vn, o, rec_state,
+            kg, w, u, gl, hs, vn, o, rec_state,
             cu_dev, chunk_offsets, slots, hi, P, T,
             o.stride(0), rec_state.stride(0),
             H=H, K=K, V=V, BT=BT, BV=hbv, PREC=prec, MM=mm, PREFETCH=int(HPASS_PREFETCH),
-            qg_in=qg, a_in=a, OUT=int(fuse_out), **vn_args,
+            qg_in=qg, a_in=a, OUT=int(fuse_out),
             num_warps=HPASS_NUM_WARPS or (8 if hbv >= 64 else 4), num_stages=h_stages,
         )
 

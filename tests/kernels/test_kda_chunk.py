@@ -248,17 +248,15 @@ def test_gpu_fp32_and_split():
     assert rel_rms(pool_b[2], pool_a[2]) <= 1e-4
 
 
-@pytest.mark.parametrize("prefetch,vfast,hout,vn", [(1, 1, 0, 0), (0, 0, 0, 0), (1, 0, 1, 0), (1, 0, 1, 1),
-                                                    (0, 1, 0, 1)])
-def test_tiling_fp32(monkeypatch, prefetch, vfast, hout, vn):
+@pytest.mark.parametrize("prefetch,vfast,hout", [(1, 1, 0), (0, 0, 0), (1, 0, 1)])
+def test_tiling_fp32(monkeypatch, prefetch, vfast, hout):
     """Several K tiles in the intra kernels and several V tiles in every kernel (as at K = V = 128 on the GPU),
     for the default intra launches (akk in two K passes); the state pass with and without HPASS_PREFETCH, both
-    output grid orders, the output inside the state pass (HPASS_OUT), and vn formed there from M (HPASS_VN)."""
+    output grid orders, and the output inside the state pass (HPASS_OUT)."""
     import kernels.kda.chunk as chunk_mod
 
     monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", prefetch)
     monkeypatch.setattr(chunk_mod, "HPASS_OUT", hout)
-    monkeypatch.setattr(chunk_mod, "HPASS_VN", vn)
     monkeypatch.setattr(chunk_mod, "AKK_LV_SPLITK", 1)                # (the variants test runs it unsplit)
     monkeypatch.setattr(chunk_mod, "OUT_VFAST", vfast)                # (2 V tiles of 32 in the output grid)
     for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV"):
@@ -303,8 +301,6 @@ def test_sm90_offline_compile_no_spills():
             "'wu_two_loops': (setattr(c, 'WU_LOOP', 0), setattr(c, 'WU_MAXNREG', None), "
             "c.compile_report(which=('wu',)))[-1], "
             "'hpass_out_bv32': (setattr(c, 'HPASS_OUT', 1), c.compile_report(hpass_bv=32, which=('hpass',)))[-1], "
-            "'hpass_vn_bv32': (setattr(c, 'HPASS_VN', 1), c.compile_report(hpass_bv=32, which=('hpass', 'wu')), "
-            "setattr(c, 'HPASS_VN', 0))[1], "
             "'hpass_out_bv64': c.compile_report(hpass_bv=64, which=('hpass',)), "
             "'akk_parts2_0': (setattr(c, 'AKK_PARTS', 2), setattr(c, 'AKK_LV_SPLITK', 1), "
             "setattr(c, 'AKK_PARTS_MAXNREG', (128, 144)), c.compile_report(which=('akk',), akk_part=0))[-1], "
@@ -367,10 +363,6 @@ VARIANTS = {
     "wu-kbg": dict(WU_KBG=1),
     # the session-17 candidates together (bench/kda_prefill.py s17-combo)
     "s17-combo": dict(HPASS_OUT=1, AKK_PARTS=2, WU_KBG=1),
-    # the state pass forms vn = M (beta v - kb h_c) from wu's inverse M (no w / u), with the output in it and split
-    "hpass-vn": dict(HPASS_VN=1),
-    "hpass-vn-split": dict(HPASS_VN=1, HPASS_OUT=0),
-    "hpass-vn-no-prefetch": dict(HPASS_VN=1, HPASS_PREFETCH=0),
 }
 
 
@@ -409,8 +401,7 @@ def test_variants_match_default_fp32(variant, strong_gate, monkeypatch):
                 f()
             res[name] = (o, pool, bufs)
     (o0, p0, b0), (o1, p1, b1) = res["default"], res[variant]
-    assert set(b0) - set(b1) <= {"w", "u"} and set(b1) - set(b0) <= {"m"}    # HPASS_VN: M instead of w and u
-    for name, ref in ((n, r) for n, r in b0.items() if n in b1):
+    for name, ref in b0.items():
         assert torch.isfinite(b1[name]).all(), name
         assert rel_rms(b1[name], ref) <= 1e-5, (name, rel_rms(b1[name], ref))
     assert rel_rms(o1, o0) <= 1e-5 and rel_rms(p1[1:P + 1], p0[1:P + 1]) <= 1e-5
