@@ -194,7 +194,7 @@ class Patched:
 
 def measure(engine: LLMEngine, runner: ModelRunner, args, params) -> tuple:
     """Recapture the graphs, start fresh requests, -> (ms per engine step, ms per graph replay, ms to the first token
-    of an --prefill-token prompt: the median of 3 after an untimed one; 0 without --prefill)."""
+    of each --prefill-token prompt: the median of 3 after an untimed one, a list)."""
     if not args.smoke:
         torch.cuda.synchronize()
         runner._capture_graphs(args.batch)
@@ -202,10 +202,10 @@ def measure(engine: LLMEngine, runner: ModelRunner, args, params) -> tuple:
     step = e2e.time_steps(engine, args.steps)
     fwd = 0.0 if args.smoke else e2e.graph_forward_us(runner, args.batch)
     e2e.stop_decode(engine, streams)
-    pre = 0.0
-    if args.prefill:
-        ids = e2e.prompt(args.prefill, engine.vocab_size, 7)
-        pre = sorted([e2e.ttft(engine, ids) for _ in range(4)][1:])[1] * 1e3
+    pre = []
+    for n in args.prefill:
+        ids = e2e.prompt(n, engine.vocab_size, 7)
+        pre.append(sorted([e2e.ttft(engine, ids) for _ in range(4)][1:])[1] * 1e3)
     return step * 1e3, fwd / 1e3, pre
 
 
@@ -245,10 +245,11 @@ def main():
                     help="a case that sets module constants (read per call) instead of an ablation; repeatable")
     ap.add_argument("--timeline", default="", metavar="PATH", help="also export a chrome trace of the unablated "
                     "decode graph's replays (GPU), and one per --set case (PATH with .setN before the extension)")
-    ap.add_argument("--prefill", type=int, default=0, metavar="N", help="also time, per case, the first token of an "
-                    "N-token prompt (eager prefill; e.g. --set cases of prefill-path switches)")
+    ap.add_argument("--prefill", default="", metavar="N[,N...]", help="also time, per case, the first token of an "
+                    "N-token prompt for each N (ms; eager prefill; e.g. --set cases of prefill-path switches)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager: runs every stand-in (testing)")
     args = ap.parse_args()
+    args.prefill = [int(n) for n in args.prefill.split(",") if n]
     names = [n for n in args.only.split(",") if n and n != "none"] if args.only else list(ABLATIONS)
     unknown = [n for n in names if n not in ABLATIONS]
     if unknown:
@@ -259,7 +260,8 @@ def main():
     else:
         dev, dtype, cfg = torch.device("cuda"), torch.bfloat16, ModelConfig.from_dict(e2e.config_dict(27))
     model = random_model(cfg, dev, dtype)
-    ecfg = EngineConfig(max_model_len=args.max_model_len or max(args.context + 64 * args.steps, args.prefill + 8),
+    ecfg = EngineConfig(max_model_len=args.max_model_len or max(args.context + 64 * args.steps,
+                                                                 max(args.prefill, default=0) + 8),
                         max_num_seqs=args.batch,
                         max_num_batched_tokens=8192, block_size=64, gpu_memory_utilization=0.9, device=dev.type,
                         dtype=str(dtype).removeprefix("torch."), max_prefill_tokens_with_decode=0,
@@ -272,13 +274,13 @@ def main():
     if args.all_on:
         Switched(_all_on()).__enter__()
     base_step, base_fwd, base_pre = measure(engine, runner, args, params)
-    pre_col = lambda ms: f" {ms:10.2f}" if args.prefill else ""  # noqa: E731
+    pre_col = lambda ms: "".join(f" {m:10.2f}" for m in ms)  # noqa: E731
     if args.timeline and not args.smoke:
         streams = e2e.start_decode(engine, args.batch, args.context, params)   # inputs as in a real step
         export_timeline(runner, args.batch, args.timeline)
         e2e.stop_decode(engine, streams)
     print(f"{'ablation':26s} {'step ms':>8s} {'saved us':>9s} {'graph ms':>9s} {'saved us':>9s}"
-          + (f" {'prefill ms':>10s}" if args.prefill else ""))
+          + "".join(f" {f'prefill {n}':>10s}" for n in args.prefill))
     print(f"{'(none)':26s} {base_step:8.3f} {'':9s} {base_fwd:9.3f} {'':9s}" + pre_col(base_pre))
     cases = [(name, Switched(p)) for name, p in _switches().items()] if args.ab else \
         [(name, Patched(ABLATIONS[name])) for name in names]

@@ -41,11 +41,12 @@ def test_ablate_smoke():
     """bench/ablate.py --smoke: every stand-in (kernel-group ablations, the projection groups) and a --set case run;
     an unknown --set attribute or ablation name is refused."""
     ablate = os.path.join(ROOT, "bench", "ablate.py")
-    cmd = [sys.executable, ablate, "--smoke", "--steps", "2", "--context", "16", "--prefill", "24",
+    cmd = [sys.executable, ablate, "--smoke", "--steps", "2", "--context", "16", "--prefill", "24,40",
            "--set", "kernels.gemv.PDL_L2_MB=8;kernels.gemv.PDL_MAX_LINES=16"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    for row in ("(none) ", "router ", "lin_o ", "lin_lm_head ", "moe ", "kernels.gemv.PDL_L2_MB=8", "(none, again)"):
+    for row in ("(none) ", "router ", "lin_o ", "lin_lm_head ", "moe ", "kernels.gemv.PDL_L2_MB=8", "(none, again)",
+                "prefill 24 prefill 40"):
         assert row in p.stdout, p.stdout[-3000:]
     for bad in (["--set", "kernels.gemv.NO_SUCH=1"], ["--only", "no_such_group"]):
         p = subprocess.run([sys.executable, ablate, "--smoke", *bad], cwd=ROOT, capture_output=True, text=True,
