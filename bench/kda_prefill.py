@@ -425,6 +425,12 @@ QUICK_VARIANTS = [
     # (session 22, HPASS_VN: the state pass formed vn = M (beta v - kb h_c) from wu's inverse M, wu writing only M;
     # H100 12-05 at T=16k: 2.255 vs 2.147 ms, wu 0.422 -> 0.157 but hpass 0.405 -> 0.613 (the M dot on the chain)
     # and prep 0.549 -> 0.711 (writing kb); removed, BENCHMARKS.md twenty-second round)
+    # session 22 (offline sm_90, Triton 3.9): the state pass on the transposed state h^T (HPASS_T), vn and h_c the
+    # dots' left operands (registers) instead of smem round trips on the chain; BV 32: mma.sync, 212 regs, 120 KB;
+    # BV 64: wgmma, 254 regs, 170 KB
+    ("hpass-t", dict(HPASS_T=1)),
+    ("hpass-t-bv64", dict(HPASS_T=1, HPASS_BV=64)),
+    ("hpass-t-bv16", dict(HPASS_T=1, HPASS_BV=16)),
 ]
 
 

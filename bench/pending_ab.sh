@@ -8,9 +8,14 @@
 #   2. bench/ablate.py at batch 1: the b1 step with the one-token MoE tile widths DECODE_T1_BN1=16 / BN2=32 (792
 #      programs instead of 396), and the first-token time of 512 / 1024 / 8192-token prompts with each align path
 #   3. the prefill CUDA graphs (EngineConfig.prefill_graph_tokens) and the fused-MoE graph tests on the device
-# Adopt a switch only where both of its cases beat both controls. Usage: bash bench/pending_ab.sh [total seconds]
+#   4. (kda) the KDA state pass on the transposed state (kernels.kda.chunk.HPASS_T) at BV 32 / 64 / 16 against the
+#      default and fla-core (bench/kda_prefill.py --quick; each variant checked against the default's output), then
+#      its GPU test at Kimi shapes
+# Adopt a switch only where both of its cases beat both controls.
+# Usage: bash bench/pending_ab.sh [moe|kda] [total seconds]   (moe: 1-3, ~9 min; kda: 4, ~5 min)
 set -u
-total=${1:-540}
+what=${1:-moe}
+total=${2:-540}
 OUT=${OUT:-$PWD/.out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -26,6 +31,14 @@ SM="kernels.moe.fused.ALIGN_SMALL_MAX=8192"
 T1="kernels.moe.fused.DECODE_T1_BN1=16;kernels.moe.fused.DECODE_T1_BN2=32"
 t0=$(date +%s)
 left() { echo $(( total - ($(date +%s) - t0) )); }
+if [ "$what" = kda ]; then
+  timeout "$(left)" python3 bench/kda_prefill.py --quick --variants default,hpass-t,hpass-t-bv64,hpass-t-bv16 \
+    > "$OUT/kda_quick.log" 2>&1; echo "kda quick rc $? at $(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"
+  [ "$(left)" -gt 60 ] && timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=120 \
+    tests/kernels/test_kda_chunk.py -k "hpass-t" > "$OUT/kda_tests.log" 2>&1
+  for f in kda_quick kda_tests; do [ -f "$OUT/$f.log" ] && { echo "=== $f"; tail -c 5000 "$OUT/$f.log"; }; done
+  exit 0
+fi
 timeout 90 python3 -m pytest -q -p no:cacheprovider --timeout=85 tests/kernels/test_moe.py -k align \
   > "$OUT/align_tests.log" 2>&1; echo "align tests rc $? at $(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"
 timeout 240 python3 bench/ablate.py --only none --steps 24 --prefill 512,1024,8192 --set "$C" --set "$T1" \

@@ -95,6 +95,14 @@ HPASS_PREFETCH = 1       # 1: load u / gl of the next chunk one iteration ahead 
 # its serial chain) and qg / Aqk loads (L2 re-reads per V tile). Only with bf16 / fp16 operands where a block may take
 # >= 160 KB of shared memory (3 stages carry qg / Aqk too): fp32 operands and a GB10 keep the split. 0: the split.
 HPASS_OUT = 1
+# HPASS_T = 1 (A/B, NOT TIMED YET, session 22; with HPASS_OUT): the state pass on the transposed state h^T [BV, K]
+# (_kda_hpass_t_kernel), so vn and h_c are left operands of their dots and can stay in registers instead of being
+# stored to shared memory, fenced and re-read on every serial step. BV is then the MMA's M. Offline sm_90 (Triton
+# 3.9, 3 stages; loop per chunk): BV 32 / 4 warps mma.sync (HMMA 112, LDSM 54, STSM 8, 8 barriers), 212 regs, 120
+# KB, no spill (2 warps: 255 regs + 216 B stack); BV 64 / 4 warps wgmma (HGMMA 24, 19 barriers), 254 regs, 170 KB;
+# the current pass at BV 32: HGMMA 28, STSM 6, 9 barriers, 164 regs, 180 KB. HPASS_T_WARPS (None: 4).
+HPASS_T = 0
+HPASS_T_WARPS = None
 OUT_BV = 64
 OUT_NUM_WARPS = 4
 OUT_NUM_STAGES = 2
@@ -742,6 +750,68 @@ def _kda_hpass_kernel(
 
 
 @triton.jit
+def _kda_hpass_t_kernel(
+    kg_in, w_in, u_in, gl_in, qg_in, a_in, o, rec_state,
+    cu_seqlens, chunk_offsets, state_slots, has_initial_state, n_seq, n_tok,
+    stride_o, stride_s,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MM: tl.constexpr,
+):
+    """HPASS_T: the state pass with the output (HPASS_OUT's work) on the transposed state h^T [BV, K], so that the
+    two operands the recurrence produces are the LEFT operands of its dots and can stay in registers (the MMA
+    accumulator -> A-operand conversion FlashAttention uses for P V), never stored to shared memory on the serial
+    chain: vn^T = u^T - h_c^T w^T, h^T = exp2(gl) h^T + vn^T kg, o^T = h_c^T qg^T + vn^T Aqk^T. The right operands
+    (w^T, kg, qg^T, Aqk^T) are loads, pipelined. The same roundings as _kda_hpass_kernel (h_c and vn in the operand
+    dtype), so the same values up to accumulation order. u and gl are loaded one chunk ahead (as PREFETCH=1).
+    BV is the MMA's M (4 warps: at BV 32 Triton runs mma.sync, at 64 wgmma)."""
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_h = tl.program_id(2)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    slot = tl.load(state_slots + i_n).to(tl.int64)
+    h0i = tl.load(has_initial_state + i_n).to(tl.int32)
+    nt = ((eos - bos + BT - 1) // BT).to(tl.int32)
+
+    kk = tl.arange(0, K)
+    vv = i_v * BV + tl.arange(0, BV)
+    rows = tl.arange(0, BT)
+    o_vk = vv[:, None] + kk[None, :] * V                  # h^T [BV, K] in the pool's [K, V]
+    o_kbt = kk[:, None] + rows[None, :] * K               # [K, BT] view of a [BT, K] row block
+    o_vbt = vv[:, None] + rows[None, :] * V               # [BV, BT] view of a [BT, V] row block
+    p_h = rec_state + slot * stride_s + i_h * K * V
+    ht = tl.load(p_h + o_vk).to(tl.float32)
+    ht = tl.where(h0i != 0, ht, 0.0)
+    dt = w_in.dtype.element_ty
+    ch = c0 * H + i_h
+    nx_u = tl.load(u_in + ch * BT * V + o_vbt, mask=tl.zeros([BV, BT], dtype=tl.int32) < nt, other=0.0)
+    nx_gl = tl.load(gl_in + ch * K + kk, mask=tl.zeros([K], dtype=tl.int32) < nt, other=0.0)
+    for it in range(nt):
+        ch = (c0 + it) * H + i_h
+        r0 = ch * BT
+        b_wt = tl.load(w_in + r0 * K + o_kbt)                                     # w^T [K, BT]
+        b_kg = tl.load(kg_in + r0 * K + rows[:, None] * K + kk[None, :])           # kg [BT, K]
+        b_qgt = tl.load(qg_in + r0 * K + o_kbt)                                   # qg^T [K, BT]
+        b_at = tl.load(a_in + r0 * BT + rows[None, :] * BT + rows[:, None])       # Aqk^T [BT, BT]
+        b_ut = nx_u.to(tl.float32)
+        b_gl = nx_gl
+        nx_u = tl.load(u_in + (r0 + H * BT) * V + o_vbt,
+                       mask=(tl.zeros([BV, BT], dtype=tl.int32) + it + 1) < nt, other=0.0)
+        nx_gl = tl.load(gl_in + (ch + H) * K + kk, mask=(tl.zeros([K], dtype=tl.int32) + it + 1) < nt, other=0.0)
+        hb = ht.to(dt)
+        vnb = (b_ut - _mm(hb, b_wt, PREC, MM)).to(dt)                            # vn^T [BV, BT]
+        b_ot = _mm(hb, b_qgt, PREC, MM) + _mm(vnb, b_at, PREC, MM)               # o^T [BV, BT]
+        t0 = bos + it * BT
+        tl.store(o + t0 * stride_o + i_h * V + (rows[None, :] * stride_o + vv[:, None]),
+                 b_ot.to(o.dtype.element_ty), mask=(rows < eos - t0)[None, :])
+        ht = ht * tl.exp2(b_gl)[None, :] + _mm(vnb, b_kg, PREC, MM)
+
+    tl.store(p_h + o_vk, ht.to(rec_state.dtype.element_ty))
+    _zero_outside(o, bos, eos, i_n, n_seq, n_tok, stride_o, i_h, vv, BT, BV, V)
+
+
+@triton.jit
 def _kda_out_kernel(
     qg_in, a_in, h_in, vn_in, o, chunk_offsets, cu_seqlens, n_seq, stride_o,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -803,6 +873,12 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                        PREFETCH=int(HPASS_PREFETCH), OUT=int(HPASS_OUT)),
                   dict(num_warps=HPASS_NUM_WARPS or (8 if (hpass_bv or 16) >= 64 else 4),
                        num_stages=HPASS_NUM_STAGES)),
+        "hpass_t": (_kda_hpass_t_kernel,
+                    dict(kg_in=sd, w_in=sd, u_in=sd, gl_in="*fp32", qg_in=sd, a_in=sd, o=lp, rec_state="*fp32",
+                         cu_seqlens="*i32", chunk_offsets="*i32", state_slots="*i32", has_initial_state="*i8",
+                         n_seq="i32", n_tok="i32", stride_o="i32", stride_s="i32"),
+                    dict(H=H, K=K, V=V, BT=BT, BV=min(V, hpass_bv or 16), PREC=prec, MM=mm),
+                    dict(num_warps=HPASS_T_WARPS or 4, num_stages=HPASS_NUM_STAGES)),
         "out": (_kda_out_kernel,
                 dict(qg_in=sd, a_in=sd, h_in=sd, vn_in=sd, o=lp, chunk_offsets="*i32", cu_seqlens="*i32",
                      n_seq="i32", stride_o="i32"),
@@ -963,7 +1039,18 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
     # block) takes 2 (70 / 76 / 96 KB)
     h_stages = HPASS_NUM_STAGES if big_smem else min(HPASS_NUM_STAGES, 2)
 
+    def hpass_t():
+        return _kda_hpass_t_kernel[(cdiv(V, hbv), P, H)](
+            kg, w, u, gl, qg, a, o, rec_state,
+            cu_dev, chunk_offsets, slots, hi, P, T,
+            o.stride(0), rec_state.stride(0),
+            H=H, K=K, V=V, BT=BT, BV=hbv, PREC=prec, MM=mm,
+            num_warps=HPASS_T_WARPS or 4, num_stages=h_stages,
+        )
+
     def hpass():
+        if fuse_out and HPASS_T:
+            return hpass_t()
         return _kda_hpass_kernel[(cdiv(V, hbv), P, H)](
             kg, w, u, gl, hs, vn, o, rec_state,
             cu_dev, chunk_offsets, slots, hi, P, T,

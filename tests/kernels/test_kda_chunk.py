@@ -248,15 +248,17 @@ def test_gpu_fp32_and_split():
     assert rel_rms(pool_b[2], pool_a[2]) <= 1e-4
 
 
-@pytest.mark.parametrize("prefetch,vfast,hout", [(1, 1, 0), (0, 0, 0), (1, 0, 1)])
-def test_tiling_fp32(monkeypatch, prefetch, vfast, hout):
+@pytest.mark.parametrize("prefetch,vfast,hout,htr", [(1, 1, 0, 0), (0, 0, 0, 0), (1, 0, 1, 0), (1, 0, 1, 1)])
+def test_tiling_fp32(monkeypatch, prefetch, vfast, hout, htr):
     """Several K tiles in the intra kernels and several V tiles in every kernel (as at K = V = 128 on the GPU),
     for the default intra launches (akk in two K passes); the state pass with and without HPASS_PREFETCH, both
-    output grid orders, and the output inside the state pass (HPASS_OUT)."""
+    output grid orders, the output inside the state pass (HPASS_OUT), and that pass on the transposed state
+    (HPASS_T)."""
     import kernels.kda.chunk as chunk_mod
 
     monkeypatch.setattr(chunk_mod, "HPASS_PREFETCH", prefetch)
     monkeypatch.setattr(chunk_mod, "HPASS_OUT", hout)
+    monkeypatch.setattr(chunk_mod, "HPASS_T", htr)
     monkeypatch.setattr(chunk_mod, "AKK_LV_SPLITK", 1)                # (the variants test runs it unsplit)
     monkeypatch.setattr(chunk_mod, "OUT_VFAST", vfast)                # (2 V tiles of 32 in the output grid)
     for name in ("PREP_BK", "AKK_BK", "WU_BK", "WU_BV"):
@@ -302,6 +304,8 @@ def test_sm90_offline_compile_no_spills():
             "c.compile_report(which=('wu',)))[-1], "
             "'hpass_out_bv32': (setattr(c, 'HPASS_OUT', 1), c.compile_report(hpass_bv=32, which=('hpass',)))[-1], "
             "'hpass_out_bv64': c.compile_report(hpass_bv=64, which=('hpass',)), "
+            "'hpass_t': {**c.compile_report(hpass_bv=32, which=('hpass_t',)), "
+            "'hpass_t64': c.compile_report(hpass_bv=64, which=('hpass_t',))['hpass_t']}, "
             "'akk_parts2_0': (setattr(c, 'AKK_PARTS', 2), setattr(c, 'AKK_LV_SPLITK', 1), "
             "setattr(c, 'AKK_PARTS_MAXNREG', (128, 144)), c.compile_report(which=('akk',), akk_part=0))[-1], "
             "'akk_parts2_1': c.compile_report(which=('akk',), akk_part=1), "
@@ -363,6 +367,8 @@ VARIANTS = {
     "wu-kbg": dict(WU_KBG=1),
     # the session-17 candidates together (bench/kda_prefill.py s17-combo)
     "s17-combo": dict(HPASS_OUT=1, AKK_PARTS=2, WU_KBG=1),
+    # the state pass with the output on the transposed state (vn and h_c as the dots' left operands)
+    "hpass-t": dict(HPASS_OUT=1, HPASS_T=1),
 }
 
 
