@@ -590,6 +590,8 @@ def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms
     key = (M, E, dtype, top_k, sms, N1, N2, smem, _switches())
     cfg = _CONFIGS.get(key)
     if cfg is None:
+        if len(_CONFIGS) >= 8192:      # one entry per step size seen (prefill chunks vary): bounded, ~4 MB at most
+            _CONFIGS.clear()
         cfg = _CONFIGS[key] = _config(M, E, dtype, top_k, sms, N1, N2, smem)
     return cfg
 

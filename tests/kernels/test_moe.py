@@ -823,3 +823,17 @@ def test_pdl_config_host_path():
     assert rms_ratio(exp, fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)) <= _tol(torch.bfloat16)
     for pf in (0, 48):
         assert torch.equal(fused_moe_triton(x, w13, w2, w, ids, config=replace(cfg, pdl=True, prefetch2=pf)), exp)
+
+
+def test_get_config_memo(monkeypatch):
+    """get_config is memoised (the same object again) and its table stays bounded; a switch change is a new key
+    (test_decode_one_token_tile_widths)."""
+    import kernels.moe.fused as fm
+
+    monkeypatch.setattr(fm, "_CONFIGS", {})
+    a = fm.get_config(9 * 700, 257, torch.bfloat16, 9, 132)
+    assert fm.get_config(9 * 700, 257, torch.bfloat16, 9, 132) is a
+    for T in range(1, 9000):
+        fm.get_config(9 * T, 257, torch.bfloat16, 9, 132)
+    assert 0 < len(fm._CONFIGS) <= 8192
+    assert fm.get_config(9 * 700, 257, torch.bfloat16, 9, 132) == a
