@@ -670,6 +670,17 @@ def _zero_outside(o, bos, eos, i_n, n_seq, n_tok, stride_o, i_h, vv, BT: tl.cons
 
 
 @triton.jit
+def _hpass_sequence(cu_seqlens, chunk_offsets, state_slots, has_initial_state, i_n, BT: tl.constexpr):
+    """Sequence i_n of a state pass: (bos, eos, its first chunk, its state slot, initial-state flag, chunk count)."""
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    slot = tl.load(state_slots + i_n).to(tl.int64)
+    h0i = tl.load(has_initial_state + i_n).to(tl.int32)
+    return bos, eos, c0, slot, h0i, ((eos - bos + BT - 1) // BT).to(tl.int32)
+
+
+@triton.jit
 def _kda_hpass_kernel(
     kg_in, w_in, u_in, gl_in, h_out, vn_out, o, rec_state,
     cu_seqlens, chunk_offsets, state_slots, has_initial_state, n_seq, n_tok,
@@ -688,12 +699,7 @@ def _kda_hpass_kernel(
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_h = tl.program_id(2)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    slot = tl.load(state_slots + i_n).to(tl.int64)
-    h0i = tl.load(has_initial_state + i_n).to(tl.int32)
-    nt = ((eos - bos + BT - 1) // BT).to(tl.int32)
+    bos, eos, c0, slot, h0i, nt = _hpass_sequence(cu_seqlens, chunk_offsets, state_slots, has_initial_state, i_n, BT)
 
     kk = tl.arange(0, K)
     vv = i_v * BV + tl.arange(0, BV)
@@ -767,12 +773,7 @@ def _kda_hpass_t_kernel(
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_h = tl.program_id(2)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    slot = tl.load(state_slots + i_n).to(tl.int64)
-    h0i = tl.load(has_initial_state + i_n).to(tl.int32)
-    nt = ((eos - bos + BT - 1) // BT).to(tl.int32)
+    bos, eos, c0, slot, h0i, nt = _hpass_sequence(cu_seqlens, chunk_offsets, state_slots, has_initial_state, i_n, BT)
 
     kk = tl.arange(0, K)
     vv = i_v * BV + tl.arange(0, BV)
