@@ -51,9 +51,13 @@ from kernels.moe.router import dot_acc, dot_mode
 # sm_90 / sm_121 (16 warps from 4096 lanes); raising it (a 256-token next turn is M = 2304: ~40 torch launches per
 # layer) is an A/B for the H200: bench/ablate.py --prefill 512 --set kernels.moe.fused.ALIGN_SMALL_MAX=8192.
 ALIGN_SMALL_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") == "torch" else 2048
-# Above it: the chunked Triton align (_moe_align_chunked; A/B, NOT RUN ON A GPU YET, session 20: opt-in with
-# KIMI_MOE_ALIGN=chunked or bench/ablate.py --prefill 1024 --set kernels.moe.fused.ALIGN_CHUNKED=True), else torch ops
-ALIGN_CHUNKED = os.environ.get("KIMI_MOE_ALIGN", "") == "chunked"
+# Above it: the chunked Triton align (_moe_align_chunked) on CUDA tensors, the default since session 23 (None: CUDA
+# only; the Triton interpreter runs it ~50,000x slower than torch's CPU ops, 172 s for 65,536 ids; True: every device,
+# as the tests set it); KIMI_MOE_ALIGN=torch (or ALIGN_CHUNKED=False) keeps torch ops. H200 12-05 (bench/ablate.py --prefill 512,1024,8192, two cases each against
+# interleaved controls in one process): the 8192-token first token 132.5 / 133.4 ms vs 135.0-137.0 for the torch path;
+# 512 / 1024-token figures moved 28-77 ms between identical cases (not readable); decode unchanged (2.200 / 2.201 vs
+# 2.203 / 2.206 ms eager). Equal to the torch path bit for bit on the H200 (tests/kernels/test_moe.py -k align).
+ALIGN_CHUNKED = False if os.environ.get("KIMI_MOE_ALIGN", "") == "torch" else None
 # Largest M for which each GEMM program derives its block's rows from the ids itself (no align launch; decode b1-b3).
 # KIMI_MOE_ALIGN=kernel (or torch) turns it off: every M goes through moe_align (A/B switch).
 ALIGN_IN_GEMM_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") in ("torch", "kernel") else 32
@@ -251,7 +255,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
             num_warps=16 if BLOCK >= 4096 else (8 if BLOCK >= 1024 else 4),   # 4096 / 8192 lanes: 58 / 110 regs
         )
         return sorted_ids, expert_ids, num_post
-    if ALIGN_CHUNKED and cdiv(M, ALIGN_CHUNK) <= ALIGN_MAX_CHUNKS:
+    chunked = flat.is_cuda if ALIGN_CHUNKED is None else ALIGN_CHUNKED
+    if chunked and cdiv(M, ALIGN_CHUNK) <= ALIGN_MAX_CHUNKS:
         return _moe_align_chunked(flat.contiguous(), E, block_m, max_padded, max_blocks)
     # torch ops (capturable: no .item(), no boolean indexing)
     flat = flat.to(torch.int64)

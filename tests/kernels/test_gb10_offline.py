@@ -156,7 +156,7 @@ def _scenarios(torch):
         ids = torch.randint(0, E + 1, (T, TOPK + 1), dtype=i32)
 
         def run():
-            old, fused.ALIGN_CHUNKED = fused.ALIGN_CHUNKED, True      # opt-in on CUDA (KIMI_MOE_ALIGN=chunked)
+            old, fused.ALIGN_CHUNKED = fused.ALIGN_CHUNKED, True   # (the CUDA default: None)
             try:
                 fused.moe_align(ids, E + 1, 64)
             finally:

@@ -233,6 +233,23 @@ def test_align_torch_path_matches_kernel(monkeypatch, T, k, E, BM):
     assert torch.equal(a[2], b[2]) and torch.equal(a[0][:n], b[0][:n]) and torch.equal(a[1][: n // BM], b[1][: n // BM])
 
 
+def test_align_chunked_default_on_cuda_only(monkeypatch):
+    """ALIGN_CHUNKED's default (None): prefill-size steps take the chunked Triton align on CUDA tensors and torch ops
+    elsewhere (the interpreter would take minutes per step); KIMI_MOE_ALIGN=torch's False keeps torch ops on CUDA."""
+    import kernels.moe.fused as fm
+
+    calls = []
+    real = fm._moe_align_chunked
+    monkeypatch.setattr(fm, "_moe_align_chunked", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(fm, "ALIGN_SMALL_MAX", 0)
+    ids = torch.randint(0, 8, (3000, 1), dtype=torch.int32, device=DEV)
+    for setting, want in ((None, DEV == "cuda"), (False, False)):
+        calls.clear()
+        monkeypatch.setattr(fm, "ALIGN_CHUNKED", setting)
+        _check_align(ids, 8, 16, *fm.moe_align(ids, 8, 16))
+        assert bool(calls) == want, (setting, DEV)
+
+
 @needs_triton
 @pytest.mark.parametrize("M,E,BM,chunk", [(700, 8, 16, 64), (3000, 256, 16, 1024), (1000, 257, 64, 128),
                                           (129, 5, 32, 64), (64, 8, 16, 64),
