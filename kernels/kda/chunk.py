@@ -47,7 +47,8 @@ Launches:
            o = qg @ h_c + Aqk @ vn
    HPASS_OUT=1 (the default with bf16 / fp16 operands where a block may take >= 160 KB of shared memory, e.g. the
    H200): 2a computes 2b's o in its loop (four dots per chunk, two of them off the serial chain); h_c and vn are
-   not stored and 2b is not launched.
+   not stored and 2b is not launched. Where the V tile is 64 (many sequences) and a block may take 176 KB, that pass
+   runs on the transposed state h^T (``_kda_hpass_t_kernel``, HPASS_T).
    (Removed: the older fused state+output kernel ``_kda_state_kernel``, one sequential program per (V tile,
    sequence, head) doing all four dots per chunk; the split above replaced it as the default on the H200.)
 
@@ -95,13 +96,17 @@ HPASS_PREFETCH = 1       # 1: load u / gl of the next chunk one iteration ahead 
 # its serial chain) and qg / Aqk loads (L2 re-reads per V tile). Only with bf16 / fp16 operands where a block may take
 # >= 160 KB of shared memory (3 stages carry qg / Aqk too): fp32 operands and a GB10 keep the split. 0: the split.
 HPASS_OUT = 1
-# HPASS_T = 1 (A/B, NOT TIMED YET, session 22; with HPASS_OUT): the state pass on the transposed state h^T [BV, K]
-# (_kda_hpass_t_kernel), so vn and h_c are left operands of their dots and can stay in registers instead of being
-# stored to shared memory, fenced and re-read on every serial step. BV is then the MMA's M. Offline sm_90 (Triton
-# 3.9, 3 stages; loop per chunk): BV 32 / 4 warps mma.sync (HMMA 112, LDSM 54, STSM 8, 8 barriers), 212 regs, 120
-# KB, no spill (2 warps: 255 regs + 216 B stack); BV 64 / 4 warps wgmma (HGMMA 24, 19 barriers), 254 regs, 170 KB;
-# the current pass at BV 32: HGMMA 28, STSM 6, 9 barriers, 164 regs, 180 KB. HPASS_T_WARPS (None: 4).
-HPASS_T = 0
+# HPASS_T: the state pass on the transposed state h^T [BV, K] (_kda_hpass_t_kernel; with HPASS_OUT), so vn and h_c
+# are left operands of their dots and stay in registers instead of being stored to shared memory, fenced and re-read
+# on every serial step. BV is then the MMA's M. Offline sm_90 (Triton 3.9, 3 stages; loop per chunk): BV 32 / 4 warps
+# mma.sync (HMMA 112, LDSM 54, STSM 8, 8 barriers), 212 regs, 120 KB, no spill; BV 64 / 4 warps wgmma (HGMMA 24, 19
+# barriers), 254 regs, 170 KB; the current pass at BV 32: HGMMA 28, STSM 6, 9 barriers, 164 regs, 180 KB.
+# H200 12-05 (session 23, `bench/kda_prefill.py --quick`, same process): varlen 16 x 1k (the rule's BV 64) hpass
+# 0.286 ms vs 0.366 (total 1.800 vs 1.880 ms); T = 16k, one sequence (BV 32) 0.384 vs 0.359, at BV 64 0.405, at BV
+# 16 0.610. So 2 (the default): the transposed pass where the state pass's V tile is 64 and a block may take
+# HPASS_T_SMEM; 1: always; 0: never. HPASS_T_WARPS (None: 4).
+HPASS_T = 2
+HPASS_T_SMEM = 176 * 1024   # BV 64 at 3 stages takes 170 KB (an A100's 163 KB would not fit it)
 HPASS_T_WARPS = None
 OUT_BV = 64
 OUT_NUM_WARPS = 4
@@ -1049,8 +1054,10 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             num_warps=HPASS_T_WARPS or 4, num_stages=h_stages,
         )
 
+    use_t = fuse_out and (HPASS_T == 1 or (HPASS_T == 2 and hbv == 64 and max_shared_mem(dev) >= HPASS_T_SMEM))
+
     def hpass():
-        if fuse_out and HPASS_T:
+        if use_t:
             return hpass_t()
         return _kda_hpass_kernel[(cdiv(V, hbv), P, H)](
             kg, w, u, gl, hs, vn, o, rec_state,
