@@ -1,7 +1,8 @@
 """bench/e2e.py --smoke on the CPU at small sizes: the H200 benchmark's code paths (engine build, steady decode of a
-full batch, prefill timing, the speed-of-light table) still run after engine or model changes. 64 sequences of 1024
-prompt tokens exceed the scheduler's prefill cap while earlier ones decode, the case that once broke the decode
-timing ('a request finished during the measurement')."""
+full batch, prefill timing, the speed-of-light table) still run after engine or model changes. 64 sequences of 256
+prompt tokens take 8 steps of 2048 tokens to admit while earlier ones decode, the case that once broke the decode
+timing ('a request finished during the measurement'; 1024-token prompts and 8192-token steps as on the GPU took 2-5
+minutes of CI here, the same paths)."""
 import json
 import os
 import subprocess
@@ -12,15 +13,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_e2e_smoke_small():
     cmd = [sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--smoke", "--decode-batches", "64",
-           "--decode-context", "1024", "--decode-steps", "4", "--prefill", "128", "--multi-turn", "200",
+           "--decode-context", "256", "--max-num-batched-tokens", "2048", "--decode-steps", "4", "--prefill", "128", "--multi-turn", "200",
            "--turn-tokens", "40", "--grammar", "--grammar-threads", "2", "--score", "150", "--score-candidates", "4"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    for row in ("| decode b64 ctx1024 greedy |", "| prefill 128", "| next turn TTFT, 200 cached + 40 new |",
-                "| decode b64 ctx1024 greedy, JSON grammar |",
-                "| decode b64 ctx1024 greedy, 1 row with a JSON grammar |",
-                "| decode b64 ctx1024 greedy, repetition_penalty 1.1 |",
-                "| decode b64 ctx1024 greedy, JSON grammar, 2 mask threads |",
+    for row in ("| decode b64 ctx256 greedy |", "| prefill 128", "| next turn TTFT, 200 cached + 40 new |",
+                "| decode b64 ctx256 greedy, JSON grammar |",
+                "| decode b64 ctx256 greedy, 1 row with a JSON grammar |",
+                "| decode b64 ctx256 greedy, repetition_penalty 1.1 |",
+                "| decode b64 ctx256 greedy, JSON grammar, 2 mask threads |",
                 "| Score, 150-token prompt, 4 candidates x 8 tokens |"):
         assert row in p.stdout, p.stdout[-3000:]
 
