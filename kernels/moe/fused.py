@@ -95,13 +95,9 @@ DECODE_L2_BLOCKS = int(os.environ.get("KIMI_MOE_L2_BLOCKS", "0"))
 # bench/ablate.py --set "kernels.moe.fused.DECODE_L2_AHEAD1=4;kernels.moe.fused.DECODE_L2_AHEAD2=4"
 _AHEAD = (os.environ.get("KIMI_MOE_L2_AHEAD", "0,0") + ",0").split(",")
 DECODE_L2_AHEAD1, DECODE_L2_AHEAD2 = int(_AHEAD[0] or 0), int(_AHEAD[1] or 0)
-# One-token N tile widths (A/B, NOT TIMED YET in the model, session 20): GEMM1's BN1 / GEMM2's BN2 before the balanced
-# tile counts (0: the table's 32 / 64 -> 44 tiles per expert, 396 programs = 3 per SM). A pure-read kernel over the
-# same 9 experts (H200, session 20: .snap/stream_ceiling.py) read w13's 85 MB at 3.67 TB/s with 396 programs and 3.89
-# with 792 (6 per SM), w2's 42 MB at 3.20 / 3.43; BN1 16 / BN2 32 give 88 tiles per expert = 792 programs.
-# bench/ablate.py --set "kernels.moe.fused.DECODE_T1_BN1=16;kernels.moe.fused.DECODE_T1_BN2=32"
-DECODE_T1_BN1 = 0
-DECODE_T1_BN2 = 0
+# (Removed in session 23: one-token N tile widths BN1 16 / BN2 32, 88 tiles per expert = 792 programs instead of 396,
+# after a pure-read kernel over the 9 experts had read w13 at 3.89 vs 3.67 TB/s with 792 programs. In the model, H200
+# bench/ablate.py --batch 1, two cases against interleaved controls: 2.509 / 2.508 ms per step vs 2.206 / 2.203.)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -584,7 +580,7 @@ _CONFIGS: dict = {}
 
 def _switches() -> tuple:
     """The module switches get_config reads (they are read per call: tests and bench/ablate.py --set change them)."""
-    return (DECODE_T1_BN1, DECODE_T1_BN2, BALANCE_MAX_M, DECODE_L2_BLOCKS, DECODE_PDL, DECODE_PDL_T1, DECODE_PREFETCH,
+    return (BALANCE_MAX_M, DECODE_L2_BLOCKS, DECODE_PDL, DECODE_PDL_T1, DECODE_PREFETCH,
             DECODE_PREFETCH_K, DECODE_DIRECT, DECODE_EVICT, DECODE_PDL1, DECODE_L2_AHEAD1, DECODE_L2_AHEAD2)
 
 
@@ -620,8 +616,6 @@ def _config(M: int, E: int, dtype: torch.dtype, top_k: int | None, sms: int, N1:
         cfg = MoEConfig(64, 64, 128, 64, 4, 3)
     else:
         cfg = MoEConfig(128, 64, 128, 64, 8, 3)
-    if top_k is not None and M == top_k and (DECODE_T1_BN1 or DECODE_T1_BN2):
-        cfg = replace(cfg, BN1=DECODE_T1_BN1 or cfg.BN1, BN2=DECODE_T1_BN2 or cfg.BN2)
     if top_k is not None and M <= BALANCE_MAX_M and cfg.BM == 16:
         blocks = expected_blocks(M, E, top_k)
         hbm1 = max(1, blocks - DECODE_L2_BLOCKS) if M == top_k else blocks  # GEMM1 blocks streamed from HBM

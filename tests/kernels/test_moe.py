@@ -499,23 +499,6 @@ def test_decode_defaults(monkeypatch):
     assert not (c1.direct or c1.pdl) and c1.num_stages == 4 and c1.stages2 == 0
 
 
-def test_decode_one_token_tile_widths(monkeypatch):
-    """DECODE_T1_BN1 / _BN2 narrow the one-token N tiles before the balanced counts (792 programs at Kimi's sizes);
-    other token counts keep the table's tiles."""
-    import kernels.moe.fused as fm
-
-    base = fm.get_config(9, 257, torch.bfloat16, 9, 132, 1024, 2304)
-    assert (base.BN1, base.BN2, base.nt1, base.nt2) == (32, 64, 44, 44)
-    monkeypatch.setattr(fm, "DECODE_T1_BN1", 16)
-    monkeypatch.setattr(fm, "DECODE_T1_BN2", 32)
-    c1 = fm.get_config(9, 257, torch.bfloat16, 9, 132, 1024, 2304)
-    assert (c1.BN1, c1.BN2, c1.nt1, c1.nt2) == (16, 32, 88, 88) and c1.direct == base.direct
-    c8 = fm.get_config(72, 257, torch.bfloat16, 9, 132, 1024, 2304)
-    monkeypatch.setattr(fm, "DECODE_T1_BN1", 0)
-    monkeypatch.setattr(fm, "DECODE_T1_BN2", 0)
-    assert c8 == fm.get_config(72, 257, torch.bfloat16, 9, 132, 1024, 2304)
-
-
 def _gemm_cfgs():
     from kernels.moe.fused import MoEConfig
 
@@ -843,8 +826,8 @@ def test_pdl_config_host_path():
 
 
 def test_get_config_memo(monkeypatch):
-    """get_config is memoised (the same object again) and its table stays bounded; a switch change is a new key
-    (test_decode_one_token_tile_widths)."""
+    """get_config is memoised (the same object again) and its table stays bounded; a switch it reads is part of the
+    key (a --set A/B or a test's monkeypatch takes effect)."""
     import kernels.moe.fused as fm
 
     monkeypatch.setattr(fm, "_CONFIGS", {})
@@ -854,3 +837,6 @@ def test_get_config_memo(monkeypatch):
         fm.get_config(9 * T, 257, torch.bfloat16, 9, 132)
     assert 0 < len(fm._CONFIGS) <= 8192
     assert fm.get_config(9 * 700, 257, torch.bfloat16, 9, 132) == a
+    one = fm.get_config(9, 257, torch.bfloat16, 9, 132)
+    monkeypatch.setattr(fm, "DECODE_DIRECT", not fm.DECODE_DIRECT)
+    assert fm.get_config(9, 257, torch.bfloat16, 9, 132).direct != one.direct
