@@ -8,7 +8,9 @@ Pipeline (no host sync anywhere; every size comes from tensor shapes, so it is C
    (the expert of each BLOCK_M block) and ``num_post [1] i32`` (padded total; blocks at or past it exit at once).
    ``max_padded = roundup(M + min(M, E) * (BLOCK_M - 1), BLOCK_M)`` bounds the padded total from shapes only.
    Small M: one Triton program (stable sort of the keys ``expert*BLOCK + i`` with ``tl.sort``, ``tl.histogram``).
-   Large M: a handful of capturable torch ops (stable ``torch.sort``, scatter_add, cumsum, scatter).
+   Large M on CUDA: three Triton launches over chunks of ids (``_moe_align_chunked``: histograms, plan, per-chunk
+   sort + scatter); elsewhere (the interpreter) a handful of capturable torch ops (stable ``torch.sort``,
+   scatter_add, cumsum, scatter), the same output bits.
    Within an expert, assignments keep their flat order (stable), so the result is deterministic.
    Decode (M <= ALIGN_IN_GEMM_MAX): no align launch; every GEMM program computes its own block's rows and expert
    from the M ids (``_block_rows_from_ids``: histogram, cumsum, rank within the expert), the same layout.
