@@ -55,8 +55,9 @@ from kernels.moe.router import dot_acc, dot_mode
 ALIGN_SMALL_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") == "torch" else 2048
 # Above it: the chunked Triton align (_moe_align_chunked) on CUDA tensors, the default since session 23 (None: CUDA
 # only; the Triton interpreter runs it ~50,000x slower than torch's CPU ops, 172 s for 65,536 ids; True: every device,
-# as the tests set it); KIMI_MOE_ALIGN=torch (or ALIGN_CHUNKED=False) keeps torch ops. H200 12-05 (bench/ablate.py --prefill 512,1024,8192, two cases each against
-# interleaved controls in one process): the 8192-token first token 132.5 / 133.4 ms vs 135.0-137.0 for the torch path;
+# as the tests set it); KIMI_MOE_ALIGN=torch (or ALIGN_CHUNKED=False) keeps torch ops. H200 12-05 (bench/ablate.py
+# --prefill 512,1024,8192, two cases each against interleaved controls in one process): the 8192-token first token
+# 132.5 / 133.4 ms vs 135.0-137.0 for the torch path;
 # 512 / 1024-token figures moved 28-77 ms between identical cases (not readable); decode unchanged (2.200 / 2.201 vs
 # 2.203 / 2.206 ms eager). Equal to the torch path bit for bit on the H200 (tests/kernels/test_moe.py -k align).
 ALIGN_CHUNKED = False if os.environ.get("KIMI_MOE_ALIGN", "") == "torch" else None
