@@ -106,7 +106,7 @@ HPASS_OUT = 1
 # 16 0.610. So 2 (the default): the transposed pass where the state pass's V tile is 64 and a block may take
 # HPASS_T_SMEM; 1: always; 0: never. HPASS_T_WARPS (None: 4).
 HPASS_T = 2
-HPASS_T_SMEM = 176 * 1024   # BV 64 at 3 stages: 170 KB on sm_90 (sm_80: 128 KB but 136 B of spill; A100s keep the other)
+HPASS_T_SMEM = 176 * 1024   # BV 64 at 3 stages: 170 KB on sm_90 (sm_80: 128 KB but a 136 B spill; A100s keep the other)
 HPASS_T_WARPS = None
 OUT_BV = 64
 OUT_NUM_WARPS = 4
