@@ -233,6 +233,10 @@ def main(argv=None):
     cuda_min = kimi_linear.MLA_EXPANDED_MIN_TOKENS.get("cuda")
     if cuda_min is not None:
         kimi_linear.MLA_EXPANDED_MIN_TOKENS[args.device] = cuda_min
+    import kernels.moe.fused as fused
+
+    if fused.ALIGN_CHUNKED is None:   # CUDA's MoE align for large steps (the CPU default keeps torch ops)
+        fused.ALIGN_CHUNKED = True
     torch.manual_seed(0)
     eng = build_engine(args.device, args.layers, args.prompts * args.tokens)
     try:

@@ -367,8 +367,8 @@ VARIANTS = {
     "wu-kbg": dict(WU_KBG=1),
     # the session-17 candidates together (bench/kda_prefill.py s17-combo)
     "s17-combo": dict(HPASS_OUT=1, AKK_PARTS=2, WU_KBG=1),
-    # the state pass with the output on the transposed state (vn and h_c as the dots' left operands): always (the
-    # interpreter's default takes it too: BV 64) and never (the GPU's pass at BV 32 / 16)
+    # the state pass with the output on the transposed state (vn and h_c as the dots' left operands): always, and
+    # never (the default takes it only at a V tile of 64: V >= 64 here, many sequences on the GPU)
     "hpass-t": dict(HPASS_OUT=1, HPASS_T=1),
     "hpass-nt": dict(HPASS_OUT=1, HPASS_T=0),
 }
