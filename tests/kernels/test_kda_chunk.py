@@ -271,6 +271,28 @@ def test_tiling_fp32(monkeypatch, prefetch, vfast, hout, htr):
     check(*res, [2, 1], FP32_TOL)
 
 
+@pytest.mark.parametrize("setting,V,want_t", [(2, 64, True), (2, 32, False), (0, 64, False), (1, 32, True)])
+def test_hpass_t_rule(monkeypatch, setting, V, want_t):
+    """HPASS_T=2 (the default) takes the transposed state pass exactly where the pass's V tile is 64 (the
+    interpreter's tile: min(V, 64)); 1 always, 0 never. Either way the result is the fp64 recurrence's."""
+    import kernels.kda.chunk as chunk_mod
+
+    launched = []
+    real = chunk_mod._kda_hpass_t_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(chunk_mod, "_kda_hpass_t_kernel", Spy())
+    monkeypatch.setattr(chunk_mod, "HPASS_T", setting)
+    inp = make_inputs(70, H=1, K=16, V=V)
+    r = run_pair(inp, [0, 70], [1], [True], S=3)
+    assert bool(launched) == want_t
+    check(*r, [1], FP32_TOL)
+
+
 def test_hpass_bv_rule():
     """The state pass's V tile: 64 / 32 with >= 2 programs per SM, else 32 with ~one per SM, else 16 (132 SMs)."""
     from kernels.kda.chunk import hpass_bv
