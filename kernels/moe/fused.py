@@ -58,7 +58,8 @@ ALIGN_SMALL_MAX = 0 if os.environ.get("KIMI_MOE_ALIGN", "") == "torch" else 2048
 # as the tests set it); KIMI_MOE_ALIGN=torch (or ALIGN_CHUNKED=False) keeps torch ops. H200 12-05 (bench/ablate.py
 # --prefill 512,1024,8192, two cases each against interleaved controls in one process): the 8192-token first token
 # 132.5 / 133.4 ms vs 135.0-137.0 for the torch path; 512 / 1024-token figures moved 28-77 ms between identical cases
-# (not readable); decode unchanged (2.200 / 2.201 vs 2.203 / 2.206 ms eager). Equal to the torch path bit for bit on the H200 (tests/kernels/test_moe.py -k align).
+# (not readable); decode unchanged (2.200 / 2.201 vs 2.203 / 2.206 ms eager). Equal to the torch path bit for bit on
+# the H200 (tests/kernels/test_moe.py -k align).
 ALIGN_CHUNKED = False if os.environ.get("KIMI_MOE_ALIGN", "") == "torch" else None
 # Largest M for which each GEMM program derives its block's rows from the ids itself (no align launch; decode b1-b3).
 # KIMI_MOE_ALIGN=kernel (or torch) turns it off: every M goes through moe_align (A/B switch).
