@@ -433,6 +433,12 @@ QUICK_VARIANTS = [
     ("hpass-t", dict(HPASS_T=1)),
     ("hpass-t-bv64", dict(HPASS_T=1, HPASS_BV=64)),
     ("hpass-t-bv16", dict(HPASS_T=1, HPASS_BV=16)),
+    # session 24 (Nsight Compute, H100, T=16k: prep 547 us, 600 MB read for 403 MB of q, k, z at 25% occupancy; akk
+    # 746 us, 37% issue, 12 one-warp CTAs / SM by registers), H200 --quick: the late norms (prep summing the norms in
+    # its output loop, qg / kg unnormalised, folded back in by wu / akk / the state pass) 1.995 ms against 1.880
+    # (prep 0.507 vs 0.470, hpass 0.433 vs 0.361), at prep 96 regs 2.027; the branched akk capped at 128 regs
+    # ('akk-b-r128', still below) 2.044 (akk 0.821 vs 0.653, 32 B of spills). The late norms were removed.
+    ("akk-b-r128", dict(AKK_UNCOND=0, AKK_MAXNREG=128)),
 ]
 
 

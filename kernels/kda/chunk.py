@@ -129,6 +129,12 @@ PREP_MAXNREG = None
 # that loop is not pipelined, LDG -> reduce -> next; prep is latency-bound, 0.52 ms at T=16k against ~0.22 ms for its
 # ~0.92 GB at 4.3 TB/s and ~0.15 ms of issue). 127 regs, 4 CTAs / SM. 0: the K loop (variant prep-norm-loop).
 PREP_NORM1 = 1
+# (Session 24, late norms: prep summing the norms in its output loop so q / k are read once, qg / kg stored
+# unnormalised and the norms folded back in by wu (M's rows times rk), akk (Aqk's columns times |k|) and the state
+# pass (the qg product times rq). Nsight Compute on an H100 had shown prep reading 600 MB from DRAM for its 403 MB of
+# q, k, z -- the loop's re-read of q / k mostly misses L2 -- at 25% occupancy, 2.07 TB/s. H200, bench/kda_prefill.py
+# --quick: prep 0.507 ms against 0.470 (capped at 128 regs; 0.538 at 96), the state pass 0.433 against 0.361 (its
+# per-chunk rq load sits in the loop), T=16k 1.995 against 1.880 ms. Not kept; BENCHMARKS.md twenty-fourth round.)
 PREP_STAGES = None       # pipeline depth of prep's output K loop (None: the launch's num_stages, Triton's default 3)
 # akk = _kda_akk_lv_kernel (level-anchored tensor-core dots for the diagonal blocks; its [16, x] tiles are
 # replicated in every warp at 2 or 4 warps, so 1 warp). H200 12-03: akk 1.583 -> 0.691 ms at T=16k vs the removed
