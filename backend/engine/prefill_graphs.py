@@ -6,8 +6,11 @@ sequences P (KDA chunk grids use the upper bound cdiv(T, 64) + P, MLA extend tak
 follow T * k), so a step is replayable once T and P are fixed.
 
 A graph is keyed by (T bucket, n): n real prefill sequences (1..max_seqs) plus one padding sequence that takes the
-T bucket - T (>= 1) remaining tokens: token id 0, KDA state slot 0 (the null slot, no initial state), a block-table
+T bucket - T (>= 0) remaining tokens: token id 0, KDA state slot 0 (the null slot, no initial state), a block-table
 row of the null page, slot mapping -1 (no latent stored). It writes only the null slot; its keys read the null page.
+A step of exactly a bucket's tokens (a 1,024-token prompt, a first chunk of max_num_batched_tokens) takes that
+bucket with an empty padding sequence (every kernel takes empty sequences) instead of the next bucket's twice the
+work: H200 (BENCHMARKS.md, twenty-fourth round), a 1,024-token prompt in the 2,048 bucket took 37.7 ms, eagerly 27.6.
 The graph runs the model to the hidden states; the logits of the sampled and scoring rows are gathered outside it.
 Decode rows are not handled here (mixed steps stay eager).
 
@@ -29,7 +32,7 @@ from backend.model.batch import ForwardBatch, cache_slots
 
 log = logging.getLogger("kimi-linear")
 
-SIZES = (256, 512, 1024, 2048, 4096)  # T buckets; a step of T tokens takes the smallest bucket > T
+SIZES = (256, 512, 1024, 2048, 4096)  # T buckets; a step of T tokens takes the smallest bucket >= T
 MAX_SEQS = 4                           # real prefill sequences a graphed step may hold
 
 
@@ -127,11 +130,11 @@ class PrefillGraphs:
                  self.sizes, self.max_seqs, time.monotonic() - t0)
 
     def bucket(self, num_tokens: int) -> int:
-        """The smallest bucket > num_tokens (the padding sequence needs a token), or 0."""
-        return next((s for s in self.sizes if s > num_tokens), 0)
+        """The smallest bucket >= num_tokens (the padding sequence may be empty), or 0."""
+        return next((s for s in self.sizes if s >= num_tokens), 0)
 
     def can_run(self, out) -> bool:
-        """A prefill-only step of 1..max_seqs fresh sequences and fewer tokens than the largest bucket."""
+        """A prefill-only step of 1..max_seqs fresh sequences and at most the largest bucket's tokens."""
         return (out.num_decodes == 0 and 1 <= len(out.seqs) <= self.max_seqs
                 and all(s.start == 0 for s in out.seqs)
                 and self.bucket(sum(s.num_new_tokens for s in out.seqs)) > 0)

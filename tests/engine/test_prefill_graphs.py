@@ -92,13 +92,13 @@ def test_only_fresh_steps_are_graphed(engines):
 
 
 def test_bucket_rule(engines):
-    """A step takes the smallest bucket above its token count (the padding sequence needs a token); buckets whose
-    padding could exceed one block-table row (max_model_len) are not made."""
+    """A step takes the smallest bucket at or above its token count (an exact fit runs with an empty padding
+    sequence); buckets whose padding could exceed one block-table row (max_model_len) are not made."""
     _, eng = engines
     pg = eng.runner.prefill_graphs
     assert pg.sizes == [256, 512]
-    assert pg.bucket(1) == 256 and pg.bucket(255) == 256 and pg.bucket(256) == 512 and pg.bucket(511) == 512
-    assert pg.bucket(512) == 0
+    assert pg.bucket(1) == 256 and pg.bucket(256) == 256 and pg.bucket(257) == 512 and pg.bucket(512) == 512
+    assert pg.bucket(513) == 0
     r = eng.runner   # max_model_len 600, pages of 16: a row covers 608 keys
     assert r.max_blocks_per_seq * r.block_size == 608
     assert PrefillGraphs(r, 4096).sizes == [256, 512] and PrefillGraphs(r, 200).sizes == []
@@ -107,9 +107,9 @@ def test_bucket_rule(engines):
 def test_padded_step_through_the_triton_kernels(tiny_dir, monkeypatch):
     """The same under the Triton interpreter (kernels._dispatch forced to Triton on CPU tensors): two prompts in one
     graphed step, padded to the 256 bucket (the padding sequence runs the KDA chunk, conv, MLA and MoE kernels on
-    the null slot and page), give the eager engine's tokens. The MLA runs the expanded form, as CUDA does for every
-    bucket (its key gather sized by the bucket: ForwardBatch.prefill_keys). The graphed step never syncs (a capture
-    would fail on it)."""
+    the null slot and page), then a prompt of exactly 256 tokens (the bucket with an EMPTY padding sequence), give
+    the eager engine's tokens. The MLA runs the expanded form, as CUDA does for every bucket (its key gather sized by
+    the bucket: ForwardBatch.prefill_keys). The graphed steps never sync (a capture would fail on it)."""
     import kernels._dispatch as d
     from backend.model import kimi_linear
 
@@ -118,11 +118,18 @@ def test_padded_step_through_the_triton_kernels(tiny_dir, monkeypatch):
     kw = dict(max_num_batched_tokens=300, max_model_len=300, num_blocks=40)
     eager, eng = make_engine(tiny_dir, **kw), with_prefill_graphs(make_engine(tiny_dir, **kw), 256, 2)
     try:
+        pg = eng.runner.prefill_graphs
+        fills, fill = [], pg._fill
+        pg._fill = lambda tb, seqs: fills.append((tb, sum(len(x[0]) for x in seqs))) or fill(tb, seqs)
         prompts = [list(range(3, 70)), [11, 12, 13] * 9]
         sp = SamplingParams(max_tokens=3, **GREEDY)
         want = [collect(s)[0] for s in [eager.add_request(p, sp) for p in prompts]]
         got = [collect(s)[0] for s in [eng.add_request(p, sp) for p in prompts]]
-        assert got == want and eng.runner.prefill_graphs.replays >= 1
+        exact = [(i * 7) % 97 + 3 for i in range(256)]
+        want.append(collect(eager.add_request(exact, sp))[0])
+        got.append(collect(eng.add_request(exact, sp))[0])
+        assert got == want and pg.replays >= 2
+        assert (256, 256) in fills and any(t < tb for tb, t in fills), fills   # the exact fit, and a padded step
         assert eng.runner.prefill_graphs.syncs == 0
         assert_pools_full(eng)
     finally:
@@ -174,7 +181,8 @@ def test_capture_code_runs(tiny_dir, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_prefill_graphs(tiny_dir, monkeypatch):
     """The captured graphs on CUDA (prefill_graph_tokens=512: buckets 256 and 512, 1-4 prompts) give the eager
-    engine's tokens for staggered requests, Score included; steps above the buckets stay eager. Every prefill part
+    engine's tokens for staggered requests, exact fits (empty padding sequences) and Score; steps above the buckets
+    stay eager. Every prefill part
     attends in the expanded MLA form here (on CUDA a bucket of >= 256 tokens always would, an eager step below 256
     would not), so both engines run the same math."""
     import backend.model.kimi_linear as km
@@ -194,6 +202,13 @@ def test_gpu_prefill_graphs(tiny_dir, monkeypatch):
                                         for p, m in work]]
         got = [collect(s)[0] for s in staggered(eng, [(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in work])]
         assert got == want and runs, runs          # some steps replayed a graph
+        fills, fill = [], pg._fill
+        pg._fill = lambda tb, seqs: fills.append((tb, sum(len(x[0]) for x in seqs))) or fill(tb, seqs)
+        for n in (256, 512):                       # exact fits: the bucket itself, with an empty padding sequence
+            p = [(i * 13) % 251 + 2 for i in range(n)]
+            sp = SamplingParams(max_tokens=4, **GREEDY)
+            assert collect(eng.add_request(p, sp))[0] == collect(eager.add_request(p, sp))[0]
+        assert fills == [(256, 256), (512, 512)], fills
         ws = list(eager.add_request(list(range(3, 40)), SamplingParams(score_from=1)))[-1].scores
         gs = list(eng.add_request(list(range(3, 40)), SamplingParams(score_from=1)))[-1].scores
         assert max(abs(a - b) for a, b in zip(gs, ws)) < 1e-4
