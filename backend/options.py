@@ -34,8 +34,9 @@ ENGINE_KEYS = {
                                 "a KDA state slot, ~42 MB for Kimi-Linear, and its MLA pages); 0 = off (default)"),
     "prefix_cache_min_tokens": (int, "prefix caching: shortest prompt worth keeping (default 64)"),
     "max_graph_batch_size": (int, "largest decode batch captured in a CUDA graph (default: max_num_seqs)"),
-    "prefill_graph_tokens": (int, "CUDA graphs for prefill-only steps below this many tokens (buckets 256..4096, up "
-                                  "to 4 prompts; each bucket's activations stay allocated); 0 = off (default)"),
+    "prefill_graph_tokens": (int, "CUDA graphs for prefill-only steps of up to this many tokens (buckets 256..4096, "
+                                  "up to 4 fresh prompts; the largest bucket's activations stay allocated); 0 = off "
+                                  "(default 4096)"),
     "random_weights": (bool, "benchmarks only: random weights from config.json, no safetensors needed"),
     "tp_size": (int, "tensor-parallel world size, all nodes together (= TensorParallelSize)"),
     "master_addr": (str, "multi-node: node 0's address that the other nodes reach (default 127.0.0.1)"),

@@ -150,8 +150,8 @@ class ModelRunner:
                 pg.capture()
                 self.prefill_graphs = pg
             else:
-                log.warning("prefill_graph_tokens: no bucket fits max_model_len %d; prefill graphs off",
-                            self.max_model_len)
+                log.info("prefill_graph_tokens: no bucket fits max_model_len %d; prefill graphs off",
+                         self.max_model_len)
 
     def _prefill_graph_tokens(self, cfg) -> int:
         """Largest prefill graph bucket wanted: cfg.prefill_graph_tokens on one CUDA device with graphs, else 0."""
