@@ -1,4 +1,4 @@
-"""CUDA graphs for small prefill-only steps (opt-in: EngineConfig.prefill_graph_tokens > 0).
+"""CUDA graphs for small prefill-only steps (EngineConfig.prefill_graph_tokens, default 4096; 0 = off).
 
 Why: an eager 1,024-token prefill step launches ~2,000 kernels and the H200 idled 47% of it waiting for the host
 (BENCHMARKS.md, twentieth round). Every prefill kernel's grid depends only on the token count T and the number of
