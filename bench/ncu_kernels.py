@@ -7,6 +7,7 @@ Each case warms up (compiles) outside the profiled range, then runs ONE call bet
   mla64x8k     kernels.mla.decode.mla_decode_triton, B = 64, S = 8k (issue 5: stage 1 + merge)
   mla1x128k    the same at B = 1, S = 128k
   mla*-fi      FlashInfer's fa3 MLA decode on the same pages (needs flashinfer; bench/wheels.sh)
+  decode-b1    one batch-1 decode step of the full-size model at context 1k (issue 6; H200 only: 91.5 GiB)
 Usage (H200): bash bench/ncu.sh [cases]   (the wrapper: sections, stall reasons, one report per case under $OUT)
               python bench/ncu_kernels.py CASE   (alone: runs the case once, unprofiled)
 """
@@ -48,7 +49,29 @@ def _mla(B: int, S: int, fi: bool):
     return lambda: mla_decode_triton(q, qp, pool.cache, bt, sl, bm.SCALE, out=out)
 
 
+def _decode_b1():
+    """The full-size 27-layer model (random bf16 weights made on the device, as bench/e2e.py; needs an H200), one
+    greedy sequence 1,024 tokens in: the profiled call is one pipelined decode engine step (its graph's kernels as
+    nodes, plus the sampling and copies around the replay)."""
+    import e2e
+    from backend.config import ModelConfig
+    from backend.engine.engine import EngineConfig, LLMEngine
+    from backend.engine.request import SamplingParams
+    from backend.engine.runner import ModelRunner
+    from backend.model.random_weights import random_model
+
+    dev = torch.device("cuda")
+    cfg = ModelConfig.from_dict(e2e.config_dict(27))
+    model = random_model(cfg, dev, torch.bfloat16)
+    ecfg = EngineConfig(max_model_len=2048, max_num_seqs=1, max_num_batched_tokens=2048, block_size=64, device="cuda",
+                        dtype="bfloat16", max_prefill_tokens_with_decode=0, prefill_graph_tokens=0)
+    engine = LLMEngine(ModelRunner("", ecfg, model=model), ecfg, start=False)
+    e2e.start_decode(engine, 1, 1024, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=512))
+    return engine.step
+
+
 CASES = {
+    "decode-b1": _decode_b1,
     "kda16k": lambda: _kda(False),
     "kda16k-fla": lambda: _kda(True),
     "mla64x8k": lambda: _mla(64, 8192, False),
