@@ -1,12 +1,13 @@
 """H200 benchmark: per-request sampling filters + race (kernels/sampling.py filtered_race) vs the sampler's torch path
 (apply_filters: full sort of [M, V] + softmax / cumsum / scatter, then softmax + the Triton race_argmax).
 
-    python bench/sampling.py [--m 1,8,64] [--sweep] [--smoke] [--greedy-only]
+    python bench/sampling.py [--m 1,8,64] [--sweep] [--smoke] [--greedy-only | --sampled-only]
 
 V = 163840 (Kimi), temperature 0.6, top_p 0.95, min_p 0.01 (the e2e profile's settings), + top_k 50, + min_p off
 (top_p alone: more candidates than the workspace holds, the kernel's slow "full mode"). Logits N(0, s^2) with
 s = 1 (flat: ~6 % of the vocabulary survives min_p) and s = 4 (peaked). Columns per case and M:
   torch us / ours us   one call inside a CUDA graph (GPU time; median of replays)
+  nucleus us           ours with the nucleus check first (kernels/sampling.py NUCLEUS; its agreement after ours)
   eager us             sample() as the engine calls it (eager, outside the graph): wall us per call over 50 calls,
                        i.e. launch-bound when the GPU side is short (torch path: ~40 launches, ours: ~3)
   agree                chosen tokens equal to the torch path's, over 8 seed batches (must be 100 %: only float
@@ -102,8 +103,8 @@ def eager_sample_us(logits, md, fast: bool, smoke: bool) -> float:
 
 def bench(ms, V, smoke, dev, sweep=False):
     print(f"V={V}; us per call (graph = GPU time; eager = sample() wall time per call, 50 calls)")
-    print(f"{'case':22s} {'s':>3s} {'M':>3s} | {'torch us':>9s} {'ours us':>8s} {'x':>6s} | {'eager torch':>11s} "
-          f"{'eager ours':>10s} | agree")
+    print(f"{'case':22s} {'s':>3s} {'M':>3s} | {'torch us':>9s} {'ours us':>8s} {'x':>6s} {'nucleus us':>10s} | "
+          f"{'eager torch':>11s} {'eager ours':>10s} | agree (ours, nucleus)")
     for name, kw in CASES.items():
         for scale in ((4.0,) if smoke else (1.0, 4.0)):
             for M in ms:
@@ -112,17 +113,21 @@ def bench(ms, V, smoke, dev, sweep=False):
                 logits = torch.randn(M, V, device=dev) * scale
                 t_ref = time_us([lambda: torch_path(logits, md)], smoke, replays=10)
                 t_ours = time_us([lambda: fast_path(logits, md)], smoke, replays=10)
+                t_nuc = time_us([lambda: fast_path(logits, md, nucleus=True)], smoke, replays=10)
                 e_ref = eager_sample_us(logits, md, False, smoke)
                 e_ours = eager_sample_us(logits, md, True, smoke)
-                same = total = 0
+                same = same_n = total = 0
                 for r in range(1 if smoke else 8):
                     md2 = SimpleNamespace(**{f: getattr(md, f) for f in ("temperature", "greedy", "min_p", "top_k",
                                                                          "top_p", "steps")})
                     md2.seeds = torch.randint(0, 2**62, (M,), device=dev)
-                    same += int((torch_path(logits, md2) == fast_path(logits, md2)).sum())
+                    want = torch_path(logits, md2)
+                    same += int((want == fast_path(logits, md2)).sum())
+                    same_n += int((want == fast_path(logits, md2, nucleus=True)).sum())
                     total += M
-                print(f"{name:22s} {scale:3.0f} {M:3d} | {t_ref:9.1f} {t_ours:8.1f} {t_ref / t_ours:6.1f} | "
-                      f"{e_ref:11.1f} {e_ours:10.1f} | {same}/{total}{'' if same == total else '  MISMATCH'}")
+                bad = '' if same == total and same_n == total else '  MISMATCH'
+                print(f"{name:22s} {scale:3.0f} {M:3d} | {t_ref:9.1f} {t_ours:8.1f} {t_ref / t_ours:6.1f} "
+                      f"{t_nuc:10.1f} | {e_ref:11.1f} {e_ours:10.1f} | {same}/{total}, {same_n}/{total}{bad}")
                 if sweep and name == next(iter(CASES)):   # the e2e case only (each config compiles anew)
                     cells = []
                     for blk, w in SWEEP:
@@ -138,6 +143,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--greedy-only", action="store_true")
+    ap.add_argument("--sampled-only", action="store_true", help="skip the greedy table")
     a = ap.parse_args()
     if a.smoke:
         bench_greedy([2], 1000, True, "cpu")
@@ -145,7 +151,8 @@ def main():
         return
     print(torch.cuda.get_device_name(), "| triton", __import__("triton").__version__)
     ms = [int(m) for m in a.m.split(",")]
-    bench_greedy(ms, 163840, False, "cuda")
+    if not a.sampled_only:
+        bench_greedy(ms, 163840, False, "cuda")
     if not a.greedy_only:
         bench(ms, 163840, False, "cuda", a.sweep)
 

@@ -47,6 +47,11 @@ from triton.language.extra import libdevice
 
 from kernels._tensors import next_pow2, workspace
 
+# NUCLEUS = 1 (A/B, NOT TIMED YET, session 24; KIMI_SAMPLER_NUCLEUS=1): the nucleus check (three (row, block) launches,
+# see _nuc_accept) settles most rows before the row kernel, which then runs only the rest. Why: one program per row
+# takes 266 us for one flat Kimi row on the H200 (BENCHMARKS.md, sixth round: M = 1, logit scale 1; the sampled b1
+# decode step is 2.48 ms against 2.22 greedy, twenty-fourth round), as the whole row's passes run on one SM.
+NUCLEUS = os.environ.get("KIMI_SAMPLER_NUCLEUS", "0") == "1"
 GCAP = 16384      # candidates kept in the workspace per row (64 rows: 8 MB)
 RCAP = 1024       # bracket size resolved in registers (sorted)
 NT = 16           # thresholds per search pass: the key bracket shrinks 16x per pass
@@ -235,14 +240,160 @@ def _select(xrow, g_row, gi_row, r_row, n, t, cut, m, compact, lo, hi, c_lo, c_h
     return tau
 
 
+# --- the nucleus check (NUCLEUS): three launches of (row, block) programs before the row kernel, so that a row's
+# passes over the vocabulary run on NB blocks instead of one program. The race winner w over the min-p survivors
+# {x >= cut} (argmax exp(x - m) / E, first max, as the row kernel) is the winner over the final kept set whenever w
+# is kept, because the kept set lies inside the survivors. w is kept iff mass(x > x_w) < top_p S (S the survivors'
+# mass; the row kernel's rule, ties kept together) and count(x > x_w) < top_k; so the row kernel is left only the
+# rows where that fails (a row's chance is about 1 - top_p) or is within NUC_MARGIN of the boundary (the two kernels
+# sum the masses in different orders), and rows with top-k AND top-p active (top-p's S is then the top-k set's).
+# Partials, per row and block (NBP columns each): [max raw | S | n | q | w | A | C], fp32 / int32 bits.
+NUC_BLOCK = 2048
+NUC_MARGIN_F = 1e-4
+# accept only if A < top_p S (1 - NUC_MARGIN): fp32 sums of <= V terms, in either order, differ by far less (~log2(V)
+# ulps per tree, ~V / BLOCK ulps across tiles)
+NUC_MARGIN = tl.constexpr(NUC_MARGIN_F)
+NUC_PARTS_N = 7
+NUC_PARTS = tl.constexpr(NUC_PARTS_N)
+
+
+@triton.jit
+def _nuc_greedy(greedy_ptr, row, HAS_GREEDY: tl.constexpr):
+    g = False
+    if HAS_GREEDY:
+        g = tl.load(greedy_ptr + row) != 0
+    return g
+
+
+@triton.jit
+def _nuc_max_kernel(x_ptr, stride_x, V, greedy_ptr, nuc_ptr, NBP: tl.constexpr, HAS_GREEDY: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Launch 1 of the nucleus check, program (row, block): the block's max of the raw logits."""
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    if _nuc_greedy(greedy_ptr, row, HAS_GREEDY):
+        return
+    rowl = row.to(tl.int64)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    raw = tl.load(x_ptr + rowl * stride_x + offs, mask=offs < V, other=float("-inf"))
+    tl.store(nuc_ptr + rowl * NUC_PARTS * NBP + blk, tl.max(raw, axis=0))
+
+
+@triton.jit
+def _nuc_row_scalars(x_ptr, stride_x, V, t_ptr, minp_ptr, nuc_ptr, row, rowl, blk, NB, NBP: tl.constexpr,
+                     HAS_MINP: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """(m, cut, block offsets, x = raw / t of the block, ok = min-p survivors) as the row kernel forms them."""
+    j = tl.arange(0, NBP)
+    t = tl.load(t_ptr + row)
+    base = nuc_ptr + rowl * NUC_PARTS * NBP
+    m = tl.math.div_rn(tl.max(tl.load(base + j, mask=j < NB, other=float("-inf")), axis=0), t)
+    cut = tl.full([], float("-inf"), tl.float32)
+    if HAS_MINP:
+        cut = m + _log(tl.load(minp_ptr + row), LIBDEVICE)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.math.div_rn(tl.load(x_ptr + rowl * stride_x + offs, mask=offs < V, other=float("-inf")), t)
+    ok = (offs < V) & (x >= cut) & (x > float("-inf"))
+    return m, t, offs, x, ok
+
+
+@triton.jit
+def _nuc_race_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, seeds_ptr, steps_ptr, nuc_ptr, NB,
+                     NBP: tl.constexpr, HAS_GREEDY: tl.constexpr, HAS_MINP: tl.constexpr, BLOCK: tl.constexpr,
+                     SERIES_TERMS: tl.constexpr, SERIES_MAX: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Launch 2, program (row, block): over the block's min-p survivors, S = sum exp(x - m), their count, and the race
+    (best exp(x - m) / E, its token: the first of equal keys; -1 when the block has none)."""
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    if _nuc_greedy(greedy_ptr, row, HAS_GREEDY):
+        return
+    rowl = row.to(tl.int64)
+    m, t, offs, x, ok = _nuc_row_scalars(x_ptr, stride_x, V, t_ptr, minp_ptr, nuc_ptr, row, rowl, blk, NB, NBP,
+                                         HAS_MINP, BLOCK, LIBDEVICE)
+    e = tl.exp(x - m)
+    base = nuc_ptr + rowl * NUC_PARTS * NBP + blk
+    tl.store(base + NBP, tl.sum(tl.where(ok, e, 0.0), axis=0))
+    tl.store((base + 2 * NBP).to(tl.pointer_type(tl.int32), bitcast=True), tl.sum(ok.to(tl.int32), axis=0))
+    best = tl.full([], -1.0, tl.float32)
+    best_id = tl.full([], 0, tl.int32)
+    if tl.max(ok.to(tl.int32), axis=0) > 0:
+        hk = _race_row_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
+        q = tl.where(ok, tl.math.div_rn(e, _race_exp1(hk, offs, SERIES_TERMS, SERIES_MAX)), -1.0)
+        best = tl.max(q, axis=0)
+        best_id = blk * BLOCK + tl.argmax(q, axis=0)
+    tl.store(base + 3 * NBP, best)
+    tl.store((base + 4 * NBP).to(tl.pointer_type(tl.int32), bitcast=True), best_id)
+
+
+@triton.jit
+def _nuc_winner(nuc_ptr, rowl, NB, NBP: tl.constexpr):
+    """(best key, token w) of the row: the first block holding the largest key (blocks ascend in token order)."""
+    j = tl.arange(0, NBP)
+    base = nuc_ptr + rowl * NUC_PARTS * NBP
+    q = tl.load(base + 3 * NBP + j, mask=j < NB, other=-2.0)
+    qm = tl.max(q, axis=0)
+    jb = tl.min(tl.where(q == qm, j, NBP), axis=0)
+    w = tl.load((base + 4 * NBP + jb).to(tl.pointer_type(tl.int32), bitcast=True))
+    return qm, w
+
+
+@triton.jit
+def _nuc_above_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, nuc_ptr, NB, NBP: tl.constexpr,
+                      HAS_GREEDY: tl.constexpr, HAS_MINP: tl.constexpr, BLOCK: tl.constexpr,
+                      LIBDEVICE: tl.constexpr):
+    """Launch 3, program (row, block): the block's mass and count of survivors strictly better than the winner w."""
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    if _nuc_greedy(greedy_ptr, row, HAS_GREEDY):
+        return
+    rowl = row.to(tl.int64)
+    m, t, offs, x, ok = _nuc_row_scalars(x_ptr, stride_x, V, t_ptr, minp_ptr, nuc_ptr, row, rowl, blk, NB, NBP,
+                                         HAS_MINP, BLOCK, LIBDEVICE)
+    qm, w = _nuc_winner(nuc_ptr, rowl, NB, NBP)
+    xw = tl.math.div_rn(tl.load(x_ptr + rowl * stride_x + w), t)
+    above = ok & (x > xw)
+    base = nuc_ptr + rowl * NUC_PARTS * NBP + blk
+    tl.store(base + 5 * NBP, tl.sum(tl.where(above, tl.exp(x - m), 0.0), axis=0))
+    tl.store((base + 6 * NBP).to(tl.pointer_type(tl.int32), bitcast=True), tl.sum(above.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _nuc_accept(nuc_ptr, rowl, NB, NBP: tl.constexpr, V, topk_ptr, topp_ptr, row, HAS_TOPK: tl.constexpr,
+                HAS_TOPP: tl.constexpr):
+    """The row kernel's nucleus check -> (w is the answer, w): a survivor exists, w is inside top-k (count above <
+    k) and top-p (mass above < top_p S, by a margin), and not both filters are active."""
+    j = tl.arange(0, NBP)
+    base = nuc_ptr + rowl * NUC_PARTS * NBP
+    jm = j < NB
+    qm, w = _nuc_winner(nuc_ptr, rowl, NB, NBP)
+    acc = qm >= 0.0
+    ib = base.to(tl.pointer_type(tl.int32), bitcast=True)
+    n_all = tl.sum(tl.load(ib + 2 * NBP + j, mask=jm, other=0), axis=0)
+    c_above = tl.sum(tl.load(ib + 6 * NBP + j, mask=jm, other=0), axis=0)
+    kk = n_all
+    if HAS_TOPK:
+        kk = tl.minimum(tl.load(topk_ptr + row), V).to(tl.int32)
+        acc = acc & (c_above < kk)
+    if HAS_TOPP:
+        p = tl.load(topp_ptr + row)
+        if p < 1.0:
+            s_all = tl.sum(tl.load(base + NBP + j, mask=jm, other=0.0), axis=0)
+            a_above = tl.sum(tl.load(base + 5 * NBP + j, mask=jm, other=0.0), axis=0)
+            # top-p acts on the top-k set when top-k drops something (kk < n_all): the row kernel decides then
+            acc = acc & (a_above < p * s_all * (1.0 - NUC_MARGIN)) & (kk >= n_all)
+    return acc, w
+
+
 @triton.jit
 def _filtered_race_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, topk_ptr, topp_ptr, seeds_ptr, steps_ptr,
                           g_ptr, gi_ptr, r_ptr, out_ptr, stride_g, stride_r, GCAP,
                           HAS_GREEDY: tl.constexpr, HAS_MINP: tl.constexpr, HAS_TOPK: tl.constexpr,
                           HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr,
                           NT: tl.constexpr, RCAP: tl.constexpr, SERIES_TERMS: tl.constexpr,
-                          SERIES_MAX: tl.constexpr, LIBDEVICE: tl.constexpr, KS: tl.constexpr):
-    """Program = one row of logits [M, V] -> out[row] (the race winner; 0 for greedy rows, which sample() replaces)."""
+                          SERIES_MAX: tl.constexpr, LIBDEVICE: tl.constexpr, KS: tl.constexpr,
+                          nuc_ptr=None, NB=0, NBP: tl.constexpr = 1, NUC: tl.constexpr = 0):
+    """Program = one row of logits [M, V] -> out[row] (the race winner; 0 for greedy rows, which sample() replaces).
+    NUC: the nucleus check first (_nuc_accept, the partials of the three launches before); a row it settles only
+    stores that winner."""
     row = tl.program_id(0)
     rowl = row.to(tl.int64)
     xrow = x_ptr + rowl * stride_x
@@ -252,6 +403,14 @@ def _filtered_race_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, topk_
     nv = V
     if HAS_GREEDY:
         nv = tl.where(tl.load(greedy_ptr + row) != 0, 0, V)   # greedy rows: empty, every loop runs 0 times
+    settled = False
+    if NUC:
+        if nv > 0:
+            acc, w = _nuc_accept(nuc_ptr, rowl, NB, NBP, V, topk_ptr, topp_ptr, row, HAS_TOPK, HAS_TOPP)
+            if acc:
+                tl.store(out_ptr + row, w.to(tl.int64))
+                settled = True
+                nv = 0                                  # every loop below runs 0 times
     t = tl.load(t_ptr + row)
     ar = tl.arange(0, BLOCK)
 
@@ -351,18 +510,20 @@ def _filtered_race_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, topk_
             upd = qm > best
             best_id = tl.where(upd, qi, best_id)
             best = tl.where(upd, qm, best)
-    tl.store(out_ptr + row, best_id.to(tl.int64))
+    if not settled:
+        tl.store(out_ptr + row, best_id.to(tl.int64))
 
 
 def filtered_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
                   greedy=None, min_p=None, top_k=None, top_p=None, gcap: int = GCAP, rcap: int = RCAP,
-                  nt: int = NT, block: int = BLOCK, num_warps: int = 8) -> torch.Tensor:
+                  nt: int = NT, block: int = BLOCK, num_warps: int = 8, nucleus=None) -> torch.Tensor:
     """race_argmax(softmax(apply_filters(logits / temperature)), seeds, steps) in one launch (see the module doc).
 
     logits [M, V] fp32 (unit stride), temperature [M] f32 (> 0), seeds / steps [M] i64, greedy [M] bool or None
     (True rows are skipped: their output is 0), min_p [M] f32 / top_k [M] i64 (V or more = off) / top_p [M] f32 or
     None (the SamplingMetadata fields) -> [M] i64 token ids. gcap / rcap / nt (tests): smaller G, R, fan-out;
-    block / num_warps: the row-pass tile and warps (bench/sampling.py --sweep)."""
+    block / num_warps: the row-pass tile and warps (bench/sampling.py --sweep). nucleus: the nucleus check first
+    (None: NUCLEUS)."""
     assert gcap <= GCAP and rcap <= RCAP and block % KS == 0
     M, V = logits.shape
     if logits.stride(-1) != 1:
@@ -370,11 +531,39 @@ def filtered_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     g, gi, r = _workspace(M, logits.device)
     out = torch.empty(M, dtype=torch.int64, device=logits.device)
     dummy = temperature
+    nuc = NUCLEUS if nucleus is None else nucleus
+    nb = triton.cdiv(V, NUC_BLOCK)
+    nbp = next_pow2(nb)
+    parts = None
+    if nuc:
+        parts = _nucleus_partials(logits, temperature, seeds, steps, greedy, min_p, nb, nbp)
     _filtered_race_kernel[(M,)](
         logits, logits.stride(0), V, temperature, greedy if greedy is not None else dummy,
         min_p if min_p is not None else dummy, top_k if top_k is not None else seeds,
         top_p if top_p is not None else dummy, seeds, steps, g, gi, r, out, g.stride(0), r.stride(0), gcap,
         HAS_GREEDY=greedy is not None, HAS_MINP=min_p is not None, HAS_TOPK=top_k is not None,
         HAS_TOPP=top_p is not None, BLOCK=block, SB=SB, RB=RB, NT=nt, RCAP=rcap, SERIES_TERMS=SERIES_TERMS,
-        SERIES_MAX=SERIES_MAX, LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1", KS=KS, num_warps=num_warps)
+        SERIES_MAX=SERIES_MAX, LIBDEVICE=_libdevice(), KS=KS, num_warps=num_warps,
+        nuc_ptr=parts if nuc else dummy, NB=nb, NBP=nbp, NUC=int(bool(nuc)))
     return out
+
+
+def _libdevice() -> bool:
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _nucleus_partials(logits, temperature, seeds, steps, greedy, min_p, nb: int, nbp: int) -> torch.Tensor:
+    """The nucleus check's three (row, block) launches -> their partials [M, NUC_PARTS * nbp] (fp32 / int32 bits)."""
+    M, V = logits.shape
+    parts = torch.empty(M, NUC_PARTS_N * nbp, dtype=torch.float32, device=logits.device)
+    g = greedy if greedy is not None else temperature
+    mp = min_p if min_p is not None else temperature
+    common = dict(HAS_GREEDY=greedy is not None, BLOCK=NUC_BLOCK, num_warps=4)
+    grid = (M, nb)
+    _nuc_max_kernel[grid](logits, logits.stride(0), V, g, parts, NBP=nbp, **common)
+    _nuc_race_kernel[grid](logits, logits.stride(0), V, temperature, g, mp, seeds, steps, parts, nb, NBP=nbp,
+                           HAS_MINP=min_p is not None, SERIES_TERMS=SERIES_TERMS, SERIES_MAX=SERIES_MAX,
+                           LIBDEVICE=_libdevice(), **common)
+    _nuc_above_kernel[grid](logits, logits.stride(0), V, temperature, g, mp, parts, nb, NBP=nbp,
+                            HAS_MINP=min_p is not None, LIBDEVICE=_libdevice(), **common)
+    return parts

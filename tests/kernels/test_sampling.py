@@ -42,13 +42,13 @@ def row_params(M, V, gen, which=("min_p", "top_k", "top_p")):
     return out
 
 
-def check(logits, prm, nseeds, caps=None, device="cpu"):
+def check(logits, prm, nseeds, caps=None, device="cpu", nucleus=False):
     M = logits.shape[0]
     for r in range(nseeds):
         seeds = torch.randint(0, 2**62, (M,), device=device)
         steps = torch.randint(0, 10**6, (M,), device=device)
         got = filtered_race(logits, prm["temp"], seeds, steps, None, prm.get("min_p"), prm.get("top_k"),
-                            prm.get("top_p"), **(caps or {}))
+                            prm.get("top_p"), nucleus=nucleus, **(caps or {}))
         want = ref_tokens(logits, prm["temp"], seeds, steps, prm.get("min_p"), prm.get("top_k"), prm.get("top_p"))
         assert torch.equal(got, want), (r, got.tolist(), want.tolist())
 
@@ -70,9 +70,70 @@ def test_matches_torch_path(M, V, caps, which):
     check(logits, prm, nseeds={1: 3, 3: 4}.get(M, 2), caps=CAPS[caps])
 
 
+NUC_CASES = [(3, 1000, "tiny", w) for w in [("min_p",), ("top_k",), ("top_p",), ("top_k", "top_p"), ALL]] + [
+    (17, 4099, "tiny", ALL), (5, 3000, "mid", ("min_p", "top_p"))]
+
+
 @requires_triton
-@pytest.mark.parametrize("caps", ["tiny", "default"])
-def test_edge_rows(caps):
+@pytest.mark.parametrize("M,V,caps,which", NUC_CASES)
+def test_nucleus_matches_torch_path(M, V, caps, which, monkeypatch):
+    """The nucleus check (NUCLEUS: three (row, block) launches settle the rows whose min-p race winner is inside
+    top-k / top-p; the row kernel the rest) gives the torch path's tokens; 256-token blocks, so rows span 4-17."""
+    import kernels.sampling as K
+
+    monkeypatch.setattr(K, "NUC_BLOCK", 256)
+    gen = torch.Generator().manual_seed(M * 7919 + V + len(which) + 1)
+    logits = torch.randn(M, V, generator=gen) * 2.0
+    prm = row_params(M, V, gen, which)
+    check(logits, prm, nseeds={3: 4}.get(M, 2), caps=CAPS[caps], nucleus=True)
+
+
+def _nucleus_settles(logits, prm, seeds, steps, monkeypatch):
+    """The rows the nucleus check settles (the accept rule of _nuc_accept, read from the partials) and their w."""
+    import kernels.sampling as K
+
+    M, V = logits.shape
+    nb = -(-V // K.NUC_BLOCK)
+    nbp = 1 << (nb - 1).bit_length()
+    parts = K._nucleus_partials(logits, prm["temp"], seeds, steps, None, prm.get("min_p"), nb, nbp)
+    f = parts.view(M, K.NUC_PARTS_N, nbp)[:, :, :nb]
+    i = f.view(torch.int32)
+    q, ids = f[:, 3], i[:, 4]
+    w = ids.gather(1, (q == q.max(1, keepdim=True).values).float().argmax(1, keepdim=True))[:, 0]
+    ok = q.max(1).values >= 0
+    n_all, c_above = i[:, 2].sum(1), i[:, 6].sum(1)
+    kk = torch.clamp(prm["top_k"], max=V) if "top_k" in prm else n_all
+    ok &= c_above < kk
+    if "top_p" in prm:
+        p = prm["top_p"]
+        ok &= (p >= 1) | ((f[:, 5].sum(1) < p * f[:, 1].sum(1) * (1 - K.NUC_MARGIN_F)) & (kk >= n_all))
+    return ok, w
+
+
+@requires_triton
+def test_nucleus_settles_most_rows(monkeypatch):
+    """With min-p and top-p 0.95 on flat logits the check settles most rows (about top_p of them), each with the
+    torch path's token; min-p alone settles every row."""
+    import kernels.sampling as K
+
+    monkeypatch.setattr(K, "NUC_BLOCK", 256)
+    M, V = 24, 2000
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(M, V, generator=gen)
+    seeds, steps = torch.arange(M) * 77 + 5, torch.arange(M) + 100
+    for prm, least in (({"temp": torch.full((M,), 0.6), "min_p": torch.full((M,), 0.01)}, M),
+                       ({"temp": torch.full((M,), 0.6), "min_p": torch.full((M,), 0.01),
+                         "top_p": torch.full((M,), 0.95)}, M // 2)):
+        ok, w = _nucleus_settles(logits, prm, seeds, steps, monkeypatch)
+        want = ref_tokens(logits, prm["temp"], seeds, steps, prm.get("min_p"), None, prm.get("top_p"))
+        got = filtered_race(logits, prm["temp"], seeds, steps, None, prm.get("min_p"), None, prm.get("top_p"),
+                            nucleus=True)
+        assert int(ok.sum()) >= least and torch.equal(w[ok], want[ok]) and torch.equal(got, want)
+
+
+@requires_triton
+@pytest.mark.parametrize("caps,nucleus", [("tiny", False), ("default", False), ("tiny", True)])
+def test_edge_rows(caps, nucleus):
     """One token with all the mass, -inf logits (a few, most, all), min_p = 1, top_k = 1, top_p tiny, top_k > V."""
     V = 1000
     gen = torch.Generator().manual_seed(5)
@@ -88,7 +149,7 @@ def test_edge_rows(caps):
     for r in range(4 if caps == "tiny" else 1):   # default caps: the interpreter's tl.sort of 1024 is slow
         seeds, steps = torch.arange(8) * 1000 + r, torch.full((8,), r)
         got = filtered_race(logits, prm["temp"], seeds, steps, None, prm["min_p"], prm["top_k"], prm["top_p"],
-                            **CAPS[caps])
+                            nucleus=nucleus, **CAPS[caps])
         want = ref_tokens(logits, prm["temp"], seeds, steps, prm["min_p"], prm["top_k"], prm["top_p"])
         assert torch.equal(got, want), (r, got.tolist(), want.tolist())
         assert got[0] == 123 and got[3] == 0 and got[6] == logits[6].argmax() and got[2] < 10
