@@ -766,7 +766,8 @@ def main():
                     "previous step's tokens), beside the unconstrained figure of the same batch")
     ap.add_argument("--grammar-threads", default="", help="--grammar: also the largest batch with these counts of "
                     "llguidance mask threads (default rule: backend.engine.structured.mask_threads())")
-    ap.add_argument("--prefill-graph-tokens", type=int, default=EngineConfig.prefill_graph_tokens,
+    ap.add_argument("--prefill-graph-tokens", type=int,
+                    default={f.name: f.default for f in dataclasses.fields(EngineConfig)}["prefill_graph_tokens"],
                     help="EngineConfig.prefill_graph_tokens (CUDA graphs for prefill-only steps of up to it; default "
                     "the engine's, 0 = off); with graphs, each --prefill size is timed eager and graphed, "
                     "interleaved, in this process")

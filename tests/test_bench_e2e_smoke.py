@@ -77,9 +77,9 @@ def test_timeline_sweep(tmp_path):
 
 def test_sampling_bench_smoke():
     """bench/sampling.py --smoke (interpreter, V = 1000): the greedy table (torch.argmax vs kernels/argmax.py, equal
-    ids) and every sampled case (the filtered race agreeing with the torch path) run."""
+    ids) and every sampled case (the filtered race, and with the nucleus check, agreeing with the torch path) run."""
     cmd = [sys.executable, os.path.join(ROOT, "bench", "sampling.py"), "--smoke"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "greedy argmax, V=1000" in p.stdout and "| yes |" in p.stdout, p.stdout[-3000:]
-    assert p.stdout.count("2/2") == 3 and "MISMATCH" not in p.stdout, p.stdout[-3000:]
+    assert p.stdout.count("2/2, 2/2") == 3 and "MISMATCH" not in p.stdout, p.stdout[-3000:]   # ours, nucleus
