@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels._tensors import next_pow2, workspace
+from kernels._tensors import cdiv, next_pow2, workspace
 
 # NUCLEUS = 1 (A/B, NOT TIMED YET, session 24; KIMI_SAMPLER_NUCLEUS=1): the nucleus check (three (row, block) launches,
 # see _nuc_accept) settles most rows before the row kernel, which then runs only the rest. Why: one program per row
@@ -532,7 +532,7 @@ def filtered_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     out = torch.empty(M, dtype=torch.int64, device=logits.device)
     dummy = temperature
     nuc = NUCLEUS if nucleus is None else nucleus
-    nb = triton.cdiv(V, NUC_BLOCK)
+    nb = cdiv(V, NUC_BLOCK)
     nbp = next_pow2(nb)
     parts = None
     if nuc:
