@@ -258,73 +258,6 @@ NUC_PARTS = tl.constexpr(NUC_PARTS_N)
 
 
 @triton.jit
-def _nuc_greedy(greedy_ptr, row, HAS_GREEDY: tl.constexpr):
-    g = False
-    if HAS_GREEDY:
-        g = tl.load(greedy_ptr + row) != 0
-    return g
-
-
-@triton.jit
-def _nuc_max_kernel(x_ptr, stride_x, V, greedy_ptr, nuc_ptr, NBP: tl.constexpr, HAS_GREEDY: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    """Launch 1 of the nucleus check, program (row, block): the block's max of the raw logits."""
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
-    if _nuc_greedy(greedy_ptr, row, HAS_GREEDY):
-        return
-    rowl = row.to(tl.int64)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    raw = tl.load(x_ptr + rowl * stride_x + offs, mask=offs < V, other=float("-inf"))
-    tl.store(nuc_ptr + rowl * NUC_PARTS * NBP + blk, tl.max(raw, axis=0))
-
-
-@triton.jit
-def _nuc_row_scalars(x_ptr, stride_x, V, t_ptr, minp_ptr, nuc_ptr, row, rowl, blk, NB, NBP: tl.constexpr,
-                     HAS_MINP: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """(m, cut, block offsets, x = raw / t of the block, ok = min-p survivors) as the row kernel forms them."""
-    j = tl.arange(0, NBP)
-    t = tl.load(t_ptr + row)
-    base = nuc_ptr + rowl * NUC_PARTS * NBP
-    m = tl.math.div_rn(tl.max(tl.load(base + j, mask=j < NB, other=float("-inf")), axis=0), t)
-    cut = tl.full([], float("-inf"), tl.float32)
-    if HAS_MINP:
-        cut = m + _log(tl.load(minp_ptr + row), LIBDEVICE)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.math.div_rn(tl.load(x_ptr + rowl * stride_x + offs, mask=offs < V, other=float("-inf")), t)
-    ok = (offs < V) & (x >= cut) & (x > float("-inf"))
-    return m, t, offs, x, ok
-
-
-@triton.jit
-def _nuc_race_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, seeds_ptr, steps_ptr, nuc_ptr, NB,
-                     NBP: tl.constexpr, HAS_GREEDY: tl.constexpr, HAS_MINP: tl.constexpr, BLOCK: tl.constexpr,
-                     SERIES_TERMS: tl.constexpr, SERIES_MAX: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """Launch 2, program (row, block): over the block's min-p survivors, S = sum exp(x - m), their count, and the race
-    (best exp(x - m) / E, its token: the first of equal keys; -1 when the block has none)."""
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
-    if _nuc_greedy(greedy_ptr, row, HAS_GREEDY):
-        return
-    rowl = row.to(tl.int64)
-    m, t, offs, x, ok = _nuc_row_scalars(x_ptr, stride_x, V, t_ptr, minp_ptr, nuc_ptr, row, rowl, blk, NB, NBP,
-                                         HAS_MINP, BLOCK, LIBDEVICE)
-    e = tl.exp(x - m)
-    base = nuc_ptr + rowl * NUC_PARTS * NBP + blk
-    tl.store(base + NBP, tl.sum(tl.where(ok, e, 0.0), axis=0))
-    tl.store((base + 2 * NBP).to(tl.pointer_type(tl.int32), bitcast=True), tl.sum(ok.to(tl.int32), axis=0))
-    best = tl.full([], -1.0, tl.float32)
-    best_id = tl.full([], 0, tl.int32)
-    if tl.max(ok.to(tl.int32), axis=0) > 0:
-        hk = _race_row_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
-        q = tl.where(ok, tl.math.div_rn(e, _race_exp1(hk, offs, SERIES_TERMS, SERIES_MAX)), -1.0)
-        best = tl.max(q, axis=0)
-        best_id = blk * BLOCK + tl.argmax(q, axis=0)
-    tl.store(base + 3 * NBP, best)
-    tl.store((base + 4 * NBP).to(tl.pointer_type(tl.int32), bitcast=True), best_id)
-
-
-@triton.jit
 def _nuc_winner(nuc_ptr, rowl, NB, NBP: tl.constexpr):
     """(best key, token w) of the row: the first block holding the largest key (blocks ascend in token order)."""
     j = tl.arange(0, NBP)
@@ -337,23 +270,53 @@ def _nuc_winner(nuc_ptr, rowl, NB, NBP: tl.constexpr):
 
 
 @triton.jit
-def _nuc_above_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, nuc_ptr, NB, NBP: tl.constexpr,
-                      HAS_GREEDY: tl.constexpr, HAS_MINP: tl.constexpr, BLOCK: tl.constexpr,
+def _nuc_block_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, seeds_ptr, steps_ptr, nuc_ptr, NB,
+                      NBP: tl.constexpr, PHASE: tl.constexpr, HAS_GREEDY: tl.constexpr, HAS_MINP: tl.constexpr,
+                      BLOCK: tl.constexpr, SERIES_TERMS: tl.constexpr, SERIES_MAX: tl.constexpr,
                       LIBDEVICE: tl.constexpr):
-    """Launch 3, program (row, block): the block's mass and count of survivors strictly better than the winner w."""
+    """The nucleus check's launches, program (row, block); greedy rows do nothing. PHASE 0: the block's max of the
+    raw logits. PHASE 1: over the block's min-p survivors (x = raw / t >= cut, m and cut as the row kernel forms
+    them), S = sum exp(x - m), their count, and the race (best exp(x - m) / E, its token: the first of equal keys; -1
+    when the block has none). PHASE 2: the mass and count of survivors strictly better than the row's winner w."""
     row = tl.program_id(0)
     blk = tl.program_id(1)
-    if _nuc_greedy(greedy_ptr, row, HAS_GREEDY):
-        return
+    if HAS_GREEDY:
+        if tl.load(greedy_ptr + row) != 0:
+            return
     rowl = row.to(tl.int64)
-    m, t, offs, x, ok = _nuc_row_scalars(x_ptr, stride_x, V, t_ptr, minp_ptr, nuc_ptr, row, rowl, blk, NB, NBP,
-                                         HAS_MINP, BLOCK, LIBDEVICE)
-    qm, w = _nuc_winner(nuc_ptr, rowl, NB, NBP)
-    xw = tl.math.div_rn(tl.load(x_ptr + rowl * stride_x + w), t)
-    above = ok & (x > xw)
-    base = nuc_ptr + rowl * NUC_PARTS * NBP + blk
-    tl.store(base + 5 * NBP, tl.sum(tl.where(above, tl.exp(x - m), 0.0), axis=0))
-    tl.store((base + 6 * NBP).to(tl.pointer_type(tl.int32), bitcast=True), tl.sum(above.to(tl.int32), axis=0))
+    base = nuc_ptr + rowl * NUC_PARTS * NBP
+    ibase = base.to(tl.pointer_type(tl.int32), bitcast=True)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    raw = tl.load(x_ptr + rowl * stride_x + offs, mask=offs < V, other=float("-inf"))
+    if PHASE == 0:
+        tl.store(base + blk, tl.max(raw, axis=0))
+        return
+    j = tl.arange(0, NBP)
+    t = tl.load(t_ptr + row)
+    m = tl.math.div_rn(tl.max(tl.load(base + j, mask=j < NB, other=float("-inf")), axis=0), t)
+    cut = tl.full([], float("-inf"), tl.float32)
+    if HAS_MINP:
+        cut = m + _log(tl.load(minp_ptr + row), LIBDEVICE)
+    x = tl.math.div_rn(raw, t)
+    ok = (offs < V) & (x >= cut) & (x > float("-inf"))
+    e = tl.exp(x - m)
+    if PHASE == 1:
+        tl.store(base + NBP + blk, tl.sum(tl.where(ok, e, 0.0), axis=0))
+        tl.store(ibase + 2 * NBP + blk, tl.sum(ok.to(tl.int32), axis=0))
+        best = tl.full([], -1.0, tl.float32)
+        best_id = tl.full([], 0, tl.int32)
+        if tl.max(ok.to(tl.int32), axis=0) > 0:
+            hk = _race_row_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
+            q = tl.where(ok, tl.math.div_rn(e, _race_exp1(hk, offs, SERIES_TERMS, SERIES_MAX)), -1.0)
+            best = tl.max(q, axis=0)
+            best_id = blk * BLOCK + tl.argmax(q, axis=0)
+        tl.store(base + 3 * NBP + blk, best)
+        tl.store(ibase + 4 * NBP + blk, best_id)
+    else:
+        qm, w = _nuc_winner(nuc_ptr, rowl, NB, NBP)
+        above = ok & (x > tl.math.div_rn(tl.load(x_ptr + rowl * stride_x + w), t))
+        tl.store(base + 5 * NBP + blk, tl.sum(tl.where(above, e, 0.0), axis=0))
+        tl.store(ibase + 6 * NBP + blk, tl.sum(above.to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -534,9 +497,7 @@ def filtered_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     nuc = NUCLEUS if nucleus is None else nucleus
     nb = cdiv(V, NUC_BLOCK)
     nbp = next_pow2(nb)
-    parts = None
-    if nuc:
-        parts = _nucleus_partials(logits, temperature, seeds, steps, greedy, min_p, nb, nbp)
+    parts = _nucleus_partials(logits, temperature, seeds, steps, greedy, min_p, nb, nbp) if nuc else dummy
     _filtered_race_kernel[(M,)](
         logits, logits.stride(0), V, temperature, greedy if greedy is not None else dummy,
         min_p if min_p is not None else dummy, top_k if top_k is not None else seeds,
@@ -544,7 +505,7 @@ def filtered_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
         HAS_GREEDY=greedy is not None, HAS_MINP=min_p is not None, HAS_TOPK=top_k is not None,
         HAS_TOPP=top_p is not None, BLOCK=block, SB=SB, RB=RB, NT=nt, RCAP=rcap, SERIES_TERMS=SERIES_TERMS,
         SERIES_MAX=SERIES_MAX, LIBDEVICE=_libdevice(), KS=KS, num_warps=num_warps,
-        nuc_ptr=parts if nuc else dummy, NB=nb, NBP=nbp, NUC=int(bool(nuc)))
+        nuc_ptr=parts, NB=nb, NBP=nbp, NUC=int(bool(nuc)))
     return out
 
 
@@ -553,17 +514,15 @@ def _libdevice() -> bool:
 
 
 def _nucleus_partials(logits, temperature, seeds, steps, greedy, min_p, nb: int, nbp: int) -> torch.Tensor:
-    """The nucleus check's three (row, block) launches -> their partials [M, NUC_PARTS * nbp] (fp32 / int32 bits)."""
+    """The nucleus check's three (row, block) launches (_nuc_block_kernel's phases) -> their partials
+    [M, NUC_PARTS * nbp] (fp32 / int32 bits)."""
     M, V = logits.shape
     parts = torch.empty(M, NUC_PARTS_N * nbp, dtype=torch.float32, device=logits.device)
     g = greedy if greedy is not None else temperature
     mp = min_p if min_p is not None else temperature
-    common = dict(HAS_GREEDY=greedy is not None, BLOCK=NUC_BLOCK, num_warps=4)
-    grid = (M, nb)
-    _nuc_max_kernel[grid](logits, logits.stride(0), V, g, parts, NBP=nbp, **common)
-    _nuc_race_kernel[grid](logits, logits.stride(0), V, temperature, g, mp, seeds, steps, parts, nb, NBP=nbp,
-                           HAS_MINP=min_p is not None, SERIES_TERMS=SERIES_TERMS, SERIES_MAX=SERIES_MAX,
-                           LIBDEVICE=_libdevice(), **common)
-    _nuc_above_kernel[grid](logits, logits.stride(0), V, temperature, g, mp, parts, nb, NBP=nbp,
-                            HAS_MINP=min_p is not None, LIBDEVICE=_libdevice(), **common)
+    for phase in range(3):
+        _nuc_block_kernel[(M, nb)](
+            logits, logits.stride(0), V, temperature, g, mp, seeds, steps, parts, nb, NBP=nbp, PHASE=phase,
+            HAS_GREEDY=greedy is not None, HAS_MINP=min_p is not None, BLOCK=NUC_BLOCK, SERIES_TERMS=SERIES_TERMS,
+            SERIES_MAX=SERIES_MAX, LIBDEVICE=_libdevice(), num_warps=4)
     return parts

@@ -111,6 +111,36 @@ def _nucleus_settles(logits, prm, seeds, steps, monkeypatch):
 
 
 @requires_triton
+def test_nucleus_settled_rows_skip_the_row_kernel(monkeypatch):
+    """The row kernel stores the partials' winner for the rows the accept rule settles and runs only the others: with
+    every block's winner id in the partials replaced by a sentinel, exactly the settled rows return the sentinel and
+    the rest the torch path's token (fails if the kernel never settles a row, or settles others than the rule)."""
+    import kernels.sampling as K
+
+    monkeypatch.setattr(K, "NUC_BLOCK", 256)
+    M, V, sentinel = 24, 2000, 1999
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(M, V, generator=gen)
+    seeds, steps = torch.arange(M) * 31 + 2, torch.arange(M) + 7
+    # top_p 0.3 .. 0.95: a row is left to the row kernel with a chance of about 1 - top_p, so both kinds occur
+    prm = {"temp": torch.full((M,), 0.6), "min_p": torch.full((M,), 0.01), "top_p": torch.linspace(0.3, 0.95, M)}
+    ok, _ = _nucleus_settles(logits, prm, seeds, steps, monkeypatch)
+    real = K._nucleus_partials
+
+    def poisoned(*a):
+        parts = real(*a)
+        nbp = parts.shape[1] // K.NUC_PARTS_N
+        parts.view(M, K.NUC_PARTS_N, nbp)[:, 4].view(torch.int32).fill_(sentinel)
+        return parts
+    monkeypatch.setattr(K, "_nucleus_partials", poisoned)
+    got = filtered_race(logits, prm["temp"], seeds, steps, None, prm["min_p"], None, prm["top_p"], nucleus=True)
+    want = ref_tokens(logits, prm["temp"], seeds, steps, prm["min_p"], None, prm["top_p"])
+    assert ok.any() and not ok.all(), ok.tolist()
+    assert (got[ok] == sentinel).all() and torch.equal(got[~ok], want[~ok]), (ok.tolist(), got.tolist())
+    assert not (want[ok] == sentinel).any()
+
+
+@requires_triton
 def test_nucleus_settles_most_rows(monkeypatch):
     """With min-p and top-p 0.95 on flat logits the check settles most rows (about top_p of them), each with the
     torch path's token; min-p alone settles every row."""
