@@ -26,6 +26,13 @@ class EagerPrefillGraph:
         self.hidden.copy_(hidden)
 
 
+def record_fills(pg) -> list:
+    """(bucket, real tokens) of every step pg fills from now on."""
+    fills, fill = [], pg._fill
+    pg._fill = lambda tb, seqs: fills.append((tb, sum(len(x[0]) for x in seqs))) or fill(tb, seqs)
+    return fills
+
+
 def with_prefill_graphs(eng, max_tokens=512, max_seqs=3):
     r = eng.runner
     pg = PrefillGraphs(r, max_tokens, max_seqs)
@@ -119,8 +126,7 @@ def test_padded_step_through_the_triton_kernels(tiny_dir, monkeypatch):
     eager, eng = make_engine(tiny_dir, **kw), with_prefill_graphs(make_engine(tiny_dir, **kw), 256, 2)
     try:
         pg = eng.runner.prefill_graphs
-        fills, fill = [], pg._fill
-        pg._fill = lambda tb, seqs: fills.append((tb, sum(len(x[0]) for x in seqs))) or fill(tb, seqs)
+        fills = record_fills(pg)
         prompts = [list(range(3, 70)), [11, 12, 13] * 9]
         sp = SamplingParams(max_tokens=3, **GREEDY)
         want = [collect(s)[0] for s in [eager.add_request(p, sp) for p in prompts]]
@@ -182,9 +188,8 @@ def test_capture_code_runs(tiny_dir, monkeypatch):
 def test_gpu_prefill_graphs(tiny_dir, monkeypatch):
     """The captured graphs on CUDA (prefill_graph_tokens=512: buckets 256 and 512, 1-4 prompts) give the eager
     engine's tokens for staggered requests, exact fits (empty padding sequences) and Score; steps above the buckets
-    stay eager. Every prefill part
-    attends in the expanded MLA form here (on CUDA a bucket of >= 256 tokens always would, an eager step below 256
-    would not), so both engines run the same math."""
+    stay eager. Every prefill part attends in the expanded MLA form here (on CUDA a bucket of >= 256 tokens always
+    would, an eager step below 256 would not), so both engines run the same math."""
     import backend.model.kimi_linear as km
 
     monkeypatch.setitem(km.MLA_EXPANDED_MIN_TOKENS, "cuda", 1)
@@ -202,8 +207,7 @@ def test_gpu_prefill_graphs(tiny_dir, monkeypatch):
                                         for p, m in work]]
         got = [collect(s)[0] for s in staggered(eng, [(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in work])]
         assert got == want and runs, runs          # some steps replayed a graph
-        fills, fill = [], pg._fill
-        pg._fill = lambda tb, seqs: fills.append((tb, sum(len(x[0]) for x in seqs))) or fill(tb, seqs)
+        fills = record_fills(pg)
         for n in (256, 512):                       # exact fits: the bucket itself, with an empty padding sequence
             p = [(i * 13) % 251 + 2 for i in range(n)]
             sp = SamplingParams(max_tokens=4, **GREEDY)
