@@ -223,11 +223,13 @@ def test_sample_dispatch_with_greedy_rows(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("nucleus", [False, True])
 @pytest.mark.parametrize("scale", [1.0, 4.0])
-def test_gpu_kimi_vocab(scale):
-    """V = 163840, M = 64, the compiled kernel vs the torch path on the GPU (Triton race kernel, as the engine runs
-    it): bench/sampling.py's settings and mixed per-row parameters. A differing token is allowed only as a float
-    near-tie (at most 1 of 512 rows; see the module doc of kernels/sampling.py)."""
+def test_gpu_kimi_vocab(scale, nucleus):
+    """V = 163840, M = 64, the compiled kernel (with and without the nucleus check) vs the torch path on the GPU
+    (Triton race kernel, as the engine runs it): bench/sampling.py's settings and mixed per-row parameters. A
+    differing token is allowed only as a float near-tie (at most 1 of 512 rows; see the module doc of
+    kernels/sampling.py)."""
     dev = torch.device("cuda")
     M, V = 64, 163840
     gen = torch.Generator(device=dev).manual_seed(int(scale))
@@ -244,7 +246,7 @@ def test_gpu_kimi_vocab(scale):
             seeds = torch.randint(0, 2**62, (M,), device=dev)
             steps = torch.randint(0, 10**6, (M,), device=dev)
             got = filtered_race(logits, prm["temp"], seeds, steps, None, prm.get("min_p"), prm.get("top_k"),
-                                prm.get("top_p"))
+                                prm.get("top_p"), nucleus=nucleus)
             want = ref_tokens(logits, prm["temp"], seeds, steps, prm.get("min_p"), prm.get("top_k"),
                               prm.get("top_p"), race=S.race_argmax)
             bad += int((got != want).sum())
