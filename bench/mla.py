@@ -6,7 +6,7 @@
     python bench/mla.py --ptxas         # no GPU needed: compile for sm_90 offline, print smem / regs / spills
     python bench/mla.py --ptxas --only decode   # + the main-loop SASS counts of each stage-1 build (ldmatrix, MMA, ...)
     python bench/mla.py --decode-only --sweep-decode   # decode variants (decode.DECODE_VARIANTS) next to FlashInfer
-    python bench/mla.py --decode-only --sweep-decode --no-flashinfer --variants "base,h64 n32"  # < 100 s
+    python bench/mla.py --decode-only --sweep-decode --no-flashinfer --variants "base,w4 n32"  # < 100 s
 
 Decode: B in {1, 8, 64, 128} x S in {1k, 8k, 64k, 128k}; effective bandwidth = cache bytes read (1152 B per key) /
 time, beside the device copy bandwidth measured in this run, a dense torch implementation (gather + matmul) and
@@ -386,7 +386,7 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=
     q = torch.randn(B, H, L, device="cuda").to(DT)
     qp = torch.randn(B, H, R, device="cuda").to(DT)
     out = torch.empty(B, H, L, dtype=DT, device="cuda")
-    for name in [n for n in ("base", "h64 n32", "keys_m", "keys_m p16", "keys_m tma") if n in variants] or names[:1]:
+    for name in [n for n in ("base", "ls n64 w4", "ls n64 w4 p16") if n in variants] or names[:1]:
         line = f"{name:<16}"
         for ns in (66, 132, 198, 264, 396):
             try:
@@ -481,7 +481,8 @@ def b1_chain(pool, sms, uv_sweep=True):
 
 def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90, maxnreg=None, loop=False):
     """Compile one kernel for sm_<arch> without a GPU (kernels/_offline.py: Triton's bundled ptxas); print smem /
-    regs / spills, the MMA kind, cp.async count and smem ring stages; loop: also sass_loop_stats of the main loop
+    regs / spills, the MMA kind, cp.async count, smem ring stages and the PTX fingerprint (the same across a refactor
+    that must not change code); loop: also sass_loop_stats of the main loop
     (ldmatrix x4 loads per tile were what separated the decode variants). cuobjdump failures print "?"."""
     from kernels._offline import CuobjdumpError, compile_offline
 
@@ -499,7 +500,7 @@ def ptx_build(fn, ptrs, consts, num_warps, num_stages, label, arch=90, maxnreg=N
     except CuobjdumpError:
         res = "?"
     print(f"{label:<60} smem {b.smem / 1024:6.1f} KB  {res:<22} {b.mma:<8} cp.async {ptx.count('cp.async.cg')} "
-          f"tile buffers {bufs}", flush=True)
+          f"tile buffers {bufs}  ptx {b.fingerprint}", flush=True)
     if loop:
         try:
             st = b.loop
@@ -552,20 +553,10 @@ def ptxas_report(arch=90, only=None):
             build(
                 dec._mla_decode_stage1,
                 dict(q_ptr=dts, qpe_ptr=dts, cache_ptr=dts, bt_ptr="*i32", seqlen_ptr="*i32", out_ptr=dts,
-                     opart_ptr="*bf16" if c.get("part16") else "*fp32", lse_ptr="*fp32",
-                     **(dict(cnt_ptr="*i32") if c.get("fused_merge") else {}),
-                     **(dict(c_desc=f"tensordesc<bf16[{c['block_n']}, {L}]>",
-                             k_desc=f"tensordesc<bf16[{c['block_n']}, {R}]>") if c.get("tma") else {})),
+                     opart_ptr="*bf16" if c.get("part16") else "*fp32", lse_ptr="*fp32"),
                 dict(L=L, R=R, BLOCK_L=L, BLOCK_R=R, BS=BS, BLOCK_N=c["block_n"], BLOCK_H=c["block_h"], BLOCK_B=128,
-                     MIN_TILES=4, DIRECT=False, IEEE=ieee, UPCAST=False, KEYS_M=c.get("keys_m", False),
-                     PAGE_TILE=c.get("page_tile", False), WARP_SPEC=c.get("warp_spec", False),
-                     PREFETCH=int(c.get("prefetch", 0)), LSPLIT=c.get("lsplit", False),
-                     CARRY_PAGE=dec.carry_page(c, c.get("page_tile", False)),  # as mla_decode_triton
-                     L2_AHEAD=dec.l2_ahead(c, c.get("page_tile", False), True), EPL=64, LANES=32 * c["num_warps"],
-                     **(dict(FUSED=True, MERGE_S=16, MERGE_L=16 if c.get("part16") else 8,
-                             MERGE_STAGES=4 if c.get("part16") else 5) if c.get("fused_merge")
-                        else dict(FUSED=False, cnt_ptr=None, MERGE_S=8, MERGE_L=32, MERGE_STAGES=2)),
-                     **(dict(TMA=True) if c.get("tma") else dict(TMA=False, c_desc=None, k_desc=None))),
+                     MIN_TILES=4, DIRECT=False, IEEE=ieee, UPCAST=False, PAGE_TILE=c.get("page_tile", False),
+                     LSPLIT=c.get("lsplit", False)),
                 c["num_warps"], c["num_stages"],
                 f"decode {dtn} " + (repr(c.get("label")) if "label" in c else str(c)), c.get("maxnreg"),
             )
@@ -608,10 +599,7 @@ def ptxas_report(arch=90, only=None):
                   dict(q_ptr=dts, qpe_ptr=dts, cache_ptr=dts, bt_ptr="*i32", seqlen_ptr="*i32", out_ptr=dts,
                        opart_ptr="*fp32", lse_ptr="*fp32"),
                   dict(L=L, R=R, BLOCK_L=L, BLOCK_R=R, BS=BS, BLOCK_N=c["block_n"], BLOCK_H=c["block_h"], BLOCK_B=128,
-                       MIN_TILES=1, DIRECT=False, IEEE=False, UPCAST=False, KEYS_M=False, PAGE_TILE=True,
-                       WARP_SPEC=False, PREFETCH=0, LSPLIT=True, CARRY_PAGE=dec.carry_page(c, True),
-                       FUSED=False, cnt_ptr=None, MERGE_S=8, MERGE_L=32, MERGE_STAGES=2, TMA=False, c_desc=None,
-                       k_desc=None, GDC=True),
+                       MIN_TILES=1, DIRECT=False, IEEE=False, UPCAST=False, PAGE_TILE=True, LSPLIT=True, GDC=True),
                   c["num_warps"], c["num_stages"], "absorb: decode stage 1 default (GDC)", c.get("maxnreg"))
 
 
@@ -635,8 +623,7 @@ def main():
     ap.add_argument("--split-sweep", action="store_true", help="with --sweep-decode: split counts at B=1 S=128k too")
     ap.add_argument("--b1-chain", action="store_true", help="only the unfused vs fused decode chain of one MLA layer "
                     "(mla_decode_prep + mla_decode(w_uv=)) at B 1/8, S 1k/8k, CUDA graphs")
-    ap.add_argument("--variants", help="with --sweep-decode: comma-separated DECODE_VARIANTS names (default: all but "
-                    "decode.GPU_BROKEN, wrong or an illegal address on the H200)")
+    ap.add_argument("--variants", help="with --sweep-decode: comma-separated DECODE_VARIANTS names (default: all)")
     args = ap.parse_args()
     if args.ptxas:
         ptxas_report(only=args.only)
@@ -647,9 +634,9 @@ def main():
     if args.b1_chain:
         b1_chain(Pool(8 * 8192 + 1024), dev.multi_processor_count)
         return
-    # '+' stands for a space in variant names ("h64+n32"): bench/h200.sh passes ARGS_mla word-split, unquoted
+    # '+' stands for a space in variant names ("w4+n32"): bench/h200.sh passes ARGS_mla word-split, unquoted
     names = ([n.strip().replace("+", " ") for n in args.variants.split(",")] if args.variants
-             else [n for n in dec.DECODE_VARIANTS if n not in dec.GPU_BROKEN])
+             else list(dec.DECODE_VARIANTS))
     unknown = [n for n in names if n not in dec.DECODE_VARIANTS]
     assert not unknown, f"unknown variants {unknown}; known: {list(dec.DECODE_VARIANTS)}"
     wrong = check_small(variants=names if args.sweep_decode or args.check_only else None,

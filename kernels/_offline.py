@@ -2,10 +2,11 @@
 
 ``compile_offline(fn, signature, constexprs, num_warps=..., arch=90)`` runs ``triton.compile(ASTSource(...),
 target=GPUTarget("cuda", arch, 32))`` (Triton's bundled ptxas; no GPU, and not under TRITON_INTERPRET, which
-replaces the JIT functions) and returns an ``OfflineKernel``: the compiled kernel, its shared memory, the registers /
-stack / local bytes of ``cuobjdump -res-usage`` (Triton's bundled cuobjdump), the MMA kind of the PTX, the TTGIR ring
-buffers of the pipelined loads and the SASS (``cuobjdump -sass``). The cuobjdump parts are read on first use, so a
-missing or failing cuobjdump raises ``CuobjdumpError`` only where they are asked for (message names cuobjdump).
+replaces the JIT functions) and returns an ``OfflineKernel``: the compiled kernel, its shared memory, the registers
+/ stack / local bytes of ``cuobjdump -res-usage`` (Triton's bundled cuobjdump), the MMA kind of the PTX, the TTGIR
+ring buffers of the pipelined loads and the SASS (``cuobjdump -sass``), and a fingerprint of its PTX
+(ptx_fingerprint: equal across pure refactors). The cuobjdump parts are read on first use, so a missing or failing
+cuobjdump raises ``CuobjdumpError`` only where they are asked for (message names cuobjdump).
 
 ``sass_loop_stats(sass)`` counts the instruction classes of the main loop body: the address range of the backward
 branch (``BRA`` to a lower address) with the largest span. Used by the compile reports of kernels/gemv.py,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import inspect
 import os
 import re
@@ -118,6 +120,11 @@ class OfflineKernel:
         """Local memory bytes per thread."""
         return self._res("LOCAL")
 
+    @property
+    def fingerprint(self) -> str:
+        """ptx_fingerprint of the PTX: equal for builds that differ only in source lines (a refactor's check)."""
+        return ptx_fingerprint(self.ptx)
+
     @functools.cached_property
     def sass(self) -> str:
         """``cuobjdump -sass`` of the cubin."""
@@ -127,6 +134,22 @@ class OfflineKernel:
     def loop(self) -> dict:
         """sass_loop_stats of ``sass``."""
         return sass_loop_stats(self.sass)
+
+
+def ptx_fingerprint(ptx: str) -> str:
+    """16 hex digits of the SHA-1 of ``ptx`` without what moves with the source text: the debug sections, .loc /
+    .file lines, comments and blank lines (instructions, registers and the kernel's parameters remain)."""
+    keep, debug = [], False
+    for line in ptx.splitlines():
+        s = line.strip()
+        if s.startswith(".section") and "debug" in s:
+            debug = True
+        if debug:
+            debug = s != "}"
+            continue
+        if s and not s.startswith((".loc", ".file", "//")):
+            keep.append(re.sub(r"\s+//.*", "", line))
+    return hashlib.sha1("\n".join(keep).encode()).hexdigest()[:16]
 
 
 def compile_offline(fn, signature: dict, constexprs: Optional[dict] = None, *, num_warps: Optional[int] = None,

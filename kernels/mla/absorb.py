@@ -18,8 +18,8 @@ becomes
 * _uv_kernel (called by decode.mla_decode_triton when w_uv is given): grid (H, V / BLOCK_V, NG): program (h, vb, g)
   holds w_uv[h][vb-block, :] (weights: before the wait, V chunks of <= VC rows each), then for the sequences
   n = g, g + NG, ... merges head h's split partials over all L columns (the stage-2 math: LSE weights over the
-  sequence's non-empty units, _unit_plan) -- or reads the latent row stage 1 wrote (MERGE=False: num_splits 1 and
-  fused-merge configs) -- rounds the merged latent to the output dtype (the chain's out_lat) and multiplies:
+  sequence's non-empty units, _unit_plan) -- or reads the latent row stage 1 wrote (MERGE=False: num_splits 1) --
+  rounds the merged latent to the output dtype (the chain's out_lat) and multiplies:
   out[n, h, vb-block] = w_uv[h][vb-block] @ o (fp32). Every (h, vb) program re-merges the head's partials (L2
   reads, ne x L x 4 B each); uv_config trades that against the weight spread.
 Torch references: mla_decode_prep_ref, mla_decode_uv_ref (the CPU path of kernels.mla).
@@ -201,7 +201,7 @@ def _uv_kernel(
         if MERGE:
             o = _merge_head(opart_ptr, lse_ptr, n, h, offs_b, tiles, nsp, slen, first, s_wu, s_wh, s_lu, offs_l, lmask,
                             BLOCK_S, BLOCK_L)
-        else:  # the latent row stage 1 wrote (num_splits 1 / fused merge)
+        else:  # the latent row stage 1 wrote (num_splits 1)
             o = tl.load(lat_ptr + n * s_ln + h * s_lh + offs_l, mask=lmask, other=0.0)
         o = o.to(odt).to(tl.float32)  # the chain's out_lat rounding
         for c in tl.static_range(0, BLOCK_V, VC):
