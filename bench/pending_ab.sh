@@ -1,44 +1,55 @@
 #!/usr/bin/env bash
-# The switches that are built and tested but not yet timed on a GPU, as one device-tool call (~6 min on an H200;
-# carry [".whl"], built by `bash bench/wheels.sh`). Logs go to $OUT (or ./.out).
-#   moe:    the single-program MoE align raised to 8192 ids (kernels.moe.fused.ALIGN_SMALL_MAX; 2048 by default:
-#           above it the chunked align's three launches) in bench/ablate.py, each case three times interleaved with a
-#           no-op control in ONE process (separate processes differ by more than these gains), first-token times of
-#           512 / 1024 / 2048-token prompts. Session 23 (H200) read these at 512 / 1024 tokens as 28-77 ms for
-#           identical cases, so three pairs; adopt only where every case beats every control.
-#   graphs: the prefill CUDA graphs (EngineConfig.prefill_graph_tokens, opt-in): bench/e2e.py's prefill rows with and
-#           without them, then the same two again (two processes each way; their GPU test passed in session 23)
-# Usage: bash bench/pending_ab.sh [moe|graphs|all] [total seconds]
+# What is built and tested here but not yet run on a GPU, as one device-tool call (~8 min on an H200; carry [".whl"],
+# built by `bash bench/wheels.sh`; bench/e2e.py needs an H200: pass needs_h200). Logs go to $OUT (or ./.out).
+#   tests:   the GPU tests of what changed since the last device run: the sampler's nucleus check
+#            (tests/kernels/test_sampling.py, Kimi's vocabulary included) and the MLA decode after its losing variants
+#            were removed (tests/kernels/test_mla_decode.py, test_mla_fused_decode.py; offline PTX unchanged).
+#   nucleus: KIMI_SAMPLER_NUCLEUS=1 (kernels/sampling.py NUCLEUS: three (row, block) launches settle most sampled rows
+#            before the one-program-per-row kernel), first bench/sampling.py --sampled-only (graph us of ours, ours
+#            with the check, torch; token agreement), then bench/e2e.py at batch 1 and 64 (greedy + T0.6 top_p 0.95
+#            min_p 0.01 rows) with and without it, interleaved, two processes each way. Adopt (default on) only if both
+#            sampled rows gain in both pairs and the greedy rows stay within the spread.
+#   ncu:     bash bench/ncu.sh decode-b1 mla64x8k mla64x8k-fi on the H200 (the b1 step's kernels' DRAM efficiency;
+#            MLA at B=64 S=8k where it matters, issue 5: 0.82x FlashInfer there against 0.915x on the H100).
+# Usage: bash bench/pending_ab.sh [tests|nucleus|ncu|all] [total seconds]
 set -u
 what=${1:-all}
-total=${2:-540}
+total=${2:-560}
 OUT=${OUT:-$PWD/.out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  if [ -f .whl/flashinfer-trim.tar.xz ]; then tar -xJf .whl/flashinfer-trim.tar.xz -C /tmp/site; fi
 fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-git log -1 --format='commit %h' 2>/dev/null | tee -a "$OUT/gpu.txt"
-C="kernels.gemv.PDL_L2_MB=4"     # no-op control (the default value)
-SM="kernels.moe.fused.ALIGN_SMALL_MAX=8192"
 t0=$(date +%s)
 left() { echo $(( total - ($(date +%s) - t0) )); }
 step() { echo "$1 rc $2 at $(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"; }
-if [ "$what" = moe ] || [ "$what" = all ]; then
-  timeout "$(left)" python3 bench/ablate.py --only none --steps 8 --prefill 512,1024,2048 --set "$C" --set "$SM" \
-    --set "$C" --set "$SM" --set "$C" --set "$SM" > "$OUT/ablate.log" 2>&1; step ablate $?
+has() { [ "$what" = "$1" ] || [ "$what" = all ]; }
+if has tests; then
+  timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=150 \
+    tests/kernels/test_sampling.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_fused_decode.py \
+    > "$OUT/gpu_tests.log" 2>&1; step "gpu tests" $?
 fi
-if [ "$what" = graphs ] || [ "$what" = all ]; then
+if has nucleus; then
+  timeout "$(( $(left) < 90 ? $(left) : 90 ))" python3 bench/sampling.py --m 1,8,64 --sampled-only \
+    > "$OUT/sampling.log" 2>&1; step sampling $?
   for i in 1 2; do
-    for g in 0 4096; do
-      [ "$(left)" -gt 60 ] || break
-      timeout "$(left)" python3 bench/e2e.py --decode-batches "" --prefill 256,512,1024,2048 \
-        --prefill-graph-tokens $g > "$OUT/e2e_graphs${g}_$i.log" 2>&1; step "e2e graphs=$g #$i" $?
+    for n in 0 1; do
+      [ "$(left)" -gt 70 ] || break
+      KIMI_SAMPLER_NUCLEUS=$n timeout "$(left)" python3 bench/e2e.py --decode-batches 1,64 --prefill "" \
+        --hf-batches "" > "$OUT/e2e_nucleus${n}_$i.log" 2>&1; step "e2e nucleus=$n #$i" $?
     done
   done
 fi
-[ -f "$OUT/ablate.log" ] && { echo "=== ablate"; tail -c 3000 "$OUT/ablate.log"; }
-for f in "$OUT"/e2e_graphs*.log; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| prefill|Error|error" "$f"; }; done
+if has ncu && [ "$(left)" -gt 120 ]; then
+  OUT="$OUT" timeout "$(left)" bash bench/ncu.sh decode-b1 mla64x8k mla64x8k-fi > "$OUT/ncu.log" 2>&1
+  step ncu $?
+fi
+[ -f "$OUT/gpu_tests.log" ] && { echo "=== gpu tests"; tail -n 5 "$OUT/gpu_tests.log"; }
+[ -f "$OUT/sampling.log" ] && { echo "=== sampling"; tail -c 2500 "$OUT/sampling.log"; }
+for f in "$OUT"/e2e_nucleus*.log; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| decode|Error|error" "$f"; }; done
+[ -f "$OUT/ncu_summary.txt" ] && { echo "=== ncu"; grep -E "^===|rc |Duration|DRAM Throughput" "$OUT/ncu_summary.txt" | head -60; }
 cat "$OUT/steps.txt"
