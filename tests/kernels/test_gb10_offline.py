@@ -8,7 +8,8 @@ argument specialization for a GPUTarget("cuda", ARCH)) and launches nothing. Eac
 offline with Triton's bundled ptxas (CUDA 13.4 in Triton 3.9; target sm_121a, the GB10's: Triton emits sm_<cap>a
 for cap >= 90; sm_120a gives the same shared memory / registers for every kernel here) and cuobjdump reports its
 registers. Triton 3.9 lowers tl.dot to mma.sync on sm_12x (its cap >= 100 pipeline, no wgmma / tcgen05 there).
-Run as a script for the report: `python tests/kernels/test_gb10_offline.py [arch]` (no TRITON_INTERPRET)."""
+Run as a script for the report: `python tests/kernels/test_gb10_offline.py [arch]` (no TRITON_INTERPRET); with `--h200`
+instead, one PTX fingerprint per launch at the H200's configs (fingerprints(): a refactor's "no kernel changed" check)."""
 import json
 import os
 import sys
@@ -284,15 +285,16 @@ def _compile_one(i):
     ptx = k.ptx
     return dict(regs=k.regs, stack=k.stack, smem=k.smem, warps=opts.num_warps, stages=opts.num_stages,
                 pdl=bool(opts.launch_pdl), gdc="griddepcontrol.wait" in ptx, mma=k.mma if k.mma != "fma" else "-",
-                target=re.search(r"\.target (\S+)", ptx).group(1))
+                target=re.search(r"\.target (\S+)", ptx).group(1), ptx=k.fingerprint)
 
 
-def report(arch: int = ARCH, scenarios=None) -> dict:
-    """-> {"launches": [{kernel, scenario, regs, stack, smem, ...} or {..., error}], "errors": {scenario: ...},
-    "kernels": {scenario: [kernel names]}}. Compiles in a fork pool (one process per core)."""
+def report(arch: int = ARCH, scenarios=None, smem: int = GB10_SMEM, sms: int = GB10_SMS) -> dict:
+    """-> {"launches": [{kernel, scenario, regs, stack, smem, ..., ptx (kernels._offline.ptx_fingerprint)} or
+    {..., error}], "errors": {scenario: ...}, "kernels": {scenario: [kernel names]}}. Compiles in a fork pool (one
+    process per core). smem / sms: what kernels._tensors reports for the device (GB10 by default)."""
     import multiprocessing as mp
 
-    launches, errors = record(arch, scenarios=scenarios)
+    launches, errors = record(arch, smem, sms, scenarios=scenarios)
     _ITEMS[:] = [(arch, v) for v in launches.values()]
     with mp.get_context("fork").Pool(max(1, min(8, os.cpu_count() or 1))) as pool:
         res = pool.map(_compile_one, range(len(_ITEMS)), chunksize=1)
@@ -402,6 +404,22 @@ def test_gpu_small_smem_configs_match(monkeypatch):
     assert any(isinstance(p, fused.MoEConfig) and p.BN1 == 64 and p.num_stages == 3 and p.stages2 == 4 for p in picks)
 
 
+def fingerprints(arch: int = 90) -> list:
+    """The scenarios as an H200 runs them (sm_<arch>, 227 KB shared memory, 132 SMs): one line per recorded launch,
+    "scenario | kernel | ptx fingerprint regs stack smem", sorted. Two trees' lists are equal when a refactor left
+    every compiled kernel as it was."""
+    from kernels._tensors import H200_SMEM
+
+    rep = report(arch, smem=H200_SMEM, sms=132)
+    return sorted(f"{x['scenario']} | {x['kernel']} | " + (x["error"] if "error" in x else
+                  f"ptx {x['ptx']} regs {x['regs']} stack {x['stack']} smem {x['smem']}") for x in rep["launches"])
+
+
 if __name__ == "__main__":
+    # python tests/kernels/test_gb10_offline.py [arch]   -> the GB10 report (JSON)
+    # python tests/kernels/test_gb10_offline.py --h200   -> fingerprints() lines (refactor check)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if sys.argv[1:2] == ["--h200"]:
+        print("\n".join(fingerprints()))
+        sys.exit(0)
     print(json.dumps(report(int(sys.argv[1]) if len(sys.argv) > 1 else ARCH)))
