@@ -100,7 +100,6 @@ def describe(c: GemvConfig, k_split: int) -> str:
     flags = ("" if c.fused or c.split == 1 else " 2launch") + ("" if c.evict else " noevict") + (" cg" if c.cg else "")
     flags += (" pf" if c.prefetch and not c.dot else "") + (" tma" if c.tma and c.dot else "")
     flags += " ragged" if c.ragged else ""
-    flags += f" a{c.l2_ahead}" if c.l2_ahead else ""
     return (f"{'dot' if c.dot else 'fma'} BN{c.BN} BK{c.BK} w{c.num_warps} s{c.num_stages} split{c.split}"
             f"(k{k_split}){flags}")
 
@@ -205,27 +204,6 @@ def sweep(shapes, ms, device, smoke, bw, tma=False, ragged=False):
         print(f"  M={M:2d} per step: torch {tr:8.1f} us, best of ours/torch per shape {to:8.1f} us")
 
 
-def ahead_ab(shapes, ms, device, smoke, bw, aheads, rounds=3):
-    """--l2-ahead: each shape's own config with the in-loop L2 look-ahead GemvConfig.l2_ahead in `aheads` (0 = none),
-    the cases interleaved `rounds` times (graph us, L2 flushed by the W copies), then the median per look-ahead."""
-    for name, B, N, K, _ in shapes:
-        for M in ms:
-            case = Case(B, N, K, M, device, smoke)
-            c, k_split = gemv_config(M, N, K, B, device)
-            times = {a: [] for a in aheads}
-            for _ in range(rounds):
-                for a in aheads:
-                    cfg = replace(c, l2_ahead=a)
-                    if not times[a]:
-                        case.check(cfg)
-                    times[a].append(time_us(case.ours_fns(cfg), smoke, replays=10))
-            med = {a: sorted(t)[len(t) // 2] for a, t in times.items()}
-            print(f"{name} M={M} ({case.wbytes / 1e6:.1f} MB, {describe(c, k_split)}): " + ", ".join(
-                f"ahead {a}: {med[a]:.2f} us {tbs(case.wbytes, med[a]):.2f} TB/s ({'/'.join(f'{t:.2f}' for t in times[a])})"
-                for a in aheads), flush=True)
-            del case
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,4,16", help="rows (decode batch sizes), each <= 16")
@@ -234,8 +212,6 @@ def main():
     ap.add_argument("--tma", action="store_true", help="sweep the TMA variants only (run it separately: see TMA_SWEEP)")
     ap.add_argument("--ragged", action="store_true", help="sweep the ragged-tile variants (and the default) only")
     ap.add_argument("--shapes", default="", help="comma-separated prefixes of shape names (default: all)")
-    ap.add_argument("--l2-ahead", default="", help="comma-separated in-loop L2 look-aheads (K steps; 0 = none) of "
-                    "each shape's own config, interleaved (GemvConfig.l2_ahead)")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
@@ -247,9 +223,6 @@ def main():
     if device == "cuda":
         print(f"# {torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
     print(f"# device copy bandwidth {bw / 1e12:.2f} TB/s (2 x bytes / t, same run)")
-    if args.l2_ahead:
-        ahead_ab(shapes, ms, device, args.smoke, bw, [int(a) for a in args.l2_ahead.split(",")])
-        return
     if args.tma or args.ragged:
         sweep(shapes, ms, device, args.smoke, bw, tma=args.tma, ragged=args.ragged)
         return

@@ -105,23 +105,6 @@ def prefetch_span_l2(ptr, n_lines, pid, nprog, LINE: tl.constexpr, BLOCK: tl.con
 L2_LINE_BYTES = 128
 
 
-@triton.jit
-def prefetch_k_slice_l2(rows, kp, k_hi, n_ok, BK: tl.constexpr, EPL: tl.constexpr):
-    """In-loop L2 look-ahead of a weight stream (L2_AHEAD, l2_ahead_kwargs): hints (prefetch_l2, one per 128-byte line
-    of EPL elements) for the K slice [kp, kp + BK) of the rows `rows` ([BN] pointers at K = 0), where n_ok and inside
-    [.., k_hi); nothing past k_hi."""
-    j = tl.arange(0, BK // EPL) * EPL
-    prefetch_l2(rows[:, None] + kp + j[None, :], n_ok[:, None] & (kp + j < k_hi)[None, :])
-
-
-def l2_ahead_kwargs(steps: int, w, BK: int) -> dict:
-    """Launch kwargs L2_AHEAD / EPL of a kernel's in-loop look-ahead (prefetch_k_slice_l2) over weight w in K steps
-    of BK elements: `steps` ahead on a CUDA tensor with K steps of whole 128-byte lines; {} otherwise (0 steps, or the
-    interpreter, which has no prefetch instruction)."""
-    es = w.element_size()
-    if steps <= 0 or INTERPRET or not w.is_cuda or (BK * es) % L2_LINE_BYTES:
-        return {}
-    return dict(L2_AHEAD=int(steps), EPL=L2_LINE_BYTES // es)
 
 
 def l2_span_args(spans, dummy) -> dict:

@@ -36,8 +36,7 @@ import triton.language as tl
 
 from kernels._dispatch import use_triton
 from kernels._jit import INTERPRET, cast_to
-from kernels._pdl import (L2_LINE_BYTES, gdc_enter, l2_ahead_kwargs, pdl_launch, pdl_on, prefetch_k_slice_l2,
-                          prefetch_l2)
+from kernels._pdl import L2_LINE_BYTES, gdc_enter, pdl_launch, pdl_on, prefetch_l2
 from kernels._tensors import arrival_counters, cdiv, max_shared_mem, next_pow2, num_sms
 
 GEMV_MAX_M = 16
@@ -47,11 +46,8 @@ GEMV_MAX_M = 16
 # the still-running previous kernel's own HBM stream
 PDL_L2_MB = float(os.environ.get("KIMI_PDL_L2_MB", "4"))
 PDL_MAX_LINES = 64
-# In-loop L2 look-ahead of the dot path (NOT TIMED YET, session 17): each K step also hints W's K slice this many
-# steps ahead into L2, so more of a program's slab is in flight than the num_stages - 1 tiles of Triton's pipeliner
-# (b1 in the graph, H200 12-04: in_proj 58 MB at 3.74 TB/s, o_proj 19 MB at 2.8 TB/s). 0: none (KIMI_GEMV_L2_AHEAD;
-# per shape: SHAPE_OVERRIDES {(B, N, K): {'l2_ahead': n}}).
-L2_AHEAD = int(os.environ.get("KIMI_GEMV_L2_AHEAD", "0"))
+# (Removed in session 25: in-loop L2 hints of W's K slice n steps ahead on the dot path, KIMI_GEMV_L2_AHEAD; H200,
+# session 19, BENCHMARKS.md: the b1 step 24-90 us slower in the graph. Last present in cb00f87.)
 
 
 # --------------------------------------------------------------------------------------------------- reference
@@ -64,23 +60,16 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _dot_tile(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
               BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-              W_EVICT: tl.constexpr, W_CACHE: tl.constexpr, w_desc, w_row0, TMA: tl.constexpr,
-              L2_AHEAD: tl.constexpr = 0, EPL: tl.constexpr = 64):
+              W_EVICT: tl.constexpr, W_CACHE: tl.constexpr, w_desc, w_row0, TMA: tl.constexpr):
     # -> fp32 [BM, BN] = x[:, k_lo:k_hi] @ W[n-tile, k_lo:k_hi]^T as tl.dot(W [BN, BK], x^T [BK, BM]) ("swap AB":
     # W is the MMA's big operand, x padded to BM >= 16 columns by masked loads).
     # TMA: W boxes [BN, BK] from w_desc over W viewed as [B * N, K] at rows w_row0.. (rows past this batch's N are
     # the next batch's or zero fill: their outputs are masked; K past the end is zero fill; splits end on BK steps)
-    # L2_AHEAD > 0 (pointer loads, GPU only): each step also hints W's K slice L2_AHEAD steps ahead into L2 (one
-    # prefetch.global.L2 per 128-byte line of EPL elements), beyond the num_stages - 1 tiles in flight
     offs_k = tl.arange(0, BK)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]                         # [BN, BK]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]                                      # [BM, BK]
     acc = tl.zeros((offs_n.shape[0], offs_m.shape[0]), dtype=tl.float32)                               # [BN, BM]
-    if L2_AHEAD > 0:
-        pf_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     for k0 in range(k_lo, k_hi, BK):
-        if L2_AHEAD > 0:
-            prefetch_k_slice_l2(pf_rows, k0 + L2_AHEAD * BK, k_hi, n_mask, BK, EPL)
         if EVEN_K:      # K and k_split are multiples of BK: no mask along K keeps the loads 16-byte vectors
             if TMA:
                 w = w_desc.load([w_row0, k0])
@@ -188,7 +177,7 @@ def _gemv_kernel(
     w_desc=None, TMA: tl.constexpr = False,
     GDC: tl.constexpr = False, PF_N: tl.constexpr = 0, PF_L: tl.constexpr = 1, PF_STEP: tl.constexpr = 64,
     RAGGED: tl.constexpr = False, NT=1,
-    GLU: tl.constexpr = False, INTERP: tl.constexpr = False, L2_AHEAD: tl.constexpr = 0, EPL: tl.constexpr = 64,
+    GLU: tl.constexpr = False, INTERP: tl.constexpr = False,
 ):
     # grid (cdiv(N, BN), S, B): program (n, s, b) reads W[b, n*BN:+BN, s*k_split:+k_split] once (streamed: W_EVICT
     # / W_CACHE hints keep it from evicting x, partials and other kernels' data from L2) and
@@ -218,11 +207,11 @@ def _gemv_kernel(
             _prefetch_w_head(wb, offs_n + N, n_mask, stride_wn, k_lo, k_hi, PF_N, PF_L, PF_STEP)
         gdc_enter(GDC)
     out = _w_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi, BK, EVEN_K, DOT, PREC,
-                  UPCAST, W_EVICT, W_CACHE, w_desc, (pid_b * N + pid_n * BN).to(tl.int32), TMA, R, PREFETCH,
-                  L2_AHEAD, EPL)  # [BM, BN]
+                  UPCAST, W_EVICT, W_CACHE, w_desc, (pid_b * N + pid_n * BN).to(tl.int32), TMA, R,
+                  PREFETCH)  # [BM, BN]
     if GLU:     # W = [gate | up] rows: y = silu(x . gate_n) * (x . up_n), rounded as torch's bf16 silu and product
         up = _w_tile(xb, wb, offs_m, offs_n + N, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi, BK, EVEN_K, DOT,
-                     PREC, UPCAST, W_EVICT, W_CACHE, w_desc, 0, False, R, PREFETCH, L2_AHEAD, EPL)
+                     PREC, UPCAST, W_EVICT, W_CACHE, w_desc, 0, False, R, PREFETCH)
         XT: tl.constexpr = x_ptr.dtype.element_ty
         g = cast_to(out, XT, INTERP).to(tl.float32)
         act = cast_to(g / (1.0 + tl.exp(-g)), XT, INTERP).to(tl.float32)
@@ -249,12 +238,11 @@ def _gemv_kernel(
 @triton.jit
 def _w_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi, BK: tl.constexpr,
             EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, W_EVICT: tl.constexpr,
-            W_CACHE: tl.constexpr, w_desc, row0, TMA: tl.constexpr, R: tl.constexpr, PREFETCH: tl.constexpr,
-            L2_AHEAD: tl.constexpr = 0, EPL: tl.constexpr = 64):
-    # fp32 [BM, BN] = x[:, k_lo:k_hi] @ W[offs_n, k_lo:k_hi]^T by the tl.dot or the FMA path (L2_AHEAD: dot only)
+            W_CACHE: tl.constexpr, w_desc, row0, TMA: tl.constexpr, R: tl.constexpr, PREFETCH: tl.constexpr):
+    # fp32 [BM, BN] = x[:, k_lo:k_hi] @ W[offs_n, k_lo:k_hi]^T by the tl.dot or the FMA path
     if DOT:
         return _dot_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
-                         BK, EVEN_K, PREC, UPCAST, W_EVICT, W_CACHE, w_desc, row0, TMA, L2_AHEAD, EPL)
+                         BK, EVEN_K, PREC, UPCAST, W_EVICT, W_CACHE, w_desc, row0, TMA)
     else:
         return _fma_tile(xb, wb, offs_m, offs_n, m_mask, n_mask, stride_xm, stride_wn, k_lo, k_hi,
                          BK, R, EVEN_K, PREFETCH, W_EVICT, W_CACHE)
@@ -289,7 +277,6 @@ class GemvConfig:
     tma: bool = False               # dot: W by TMA boxes (host TensorDescriptor) where W's layout allows
     l2_mb: Optional[float] = None   # PDL: W MB prefetched into L2 before the wait (None: PDL_L2_MB)
     ragged: bool = False            # N in even tiles of <= BN rows filling whole waves of SMs (_ragged_tiles)
-    l2_ahead: Optional[int] = None  # dot, pointer loads: in-loop L2 hints this many K steps ahead (None: L2_AHEAD)
 
 
 FMA_R = 8                # FMA path: contiguous K elements per thread and load (8 bf16 = 16 bytes)
@@ -403,14 +390,6 @@ def _tma_ok(wb: torch.Tensor) -> bool:
             and wb.data_ptr() % 16 == 0 and K * es >= 16)
 
 
-def _ahead_kw(c: GemvConfig, wb: torch.Tensor, tma: bool) -> dict:
-    """L2_AHEAD / EPL of a launch: the config's look-ahead (None: the module's L2_AHEAD) on the dot path with pointer
-    loads of whole 128-byte lines per K step, GPU only (the interpreter has no prefetch instruction)."""
-    if not c.dot or tma:
-        return {}
-    return l2_ahead_kwargs(L2_AHEAD if c.l2_ahead is None else c.l2_ahead, wb, c.BK)
-
-
 def _pdl_prefetch(B: int, N: int, S: int, k_split: int, es: int, mb: Optional[float] = None) -> dict:
     """PDL-only constexprs: L2 lines prefetched per W row and K split before the wait (`mb` MB, default PDL_L2_MB,
     over the grid's B * N * S row slabs, at most the slab's k_split columns and PDL_MAX_LINES), their power-of-2 tile
@@ -474,7 +453,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, cfg: Optional[GemvConfig] = No
         BM=bm, BN=c.BN, BK=c.BK, EVEN_K=even_k, DOT=c.dot, PREC=prec, UPCAST=upcast, SPLIT=split_mode,
         W_EVICT="evict_first" if c.evict and not c.cg else "", W_CACHE=".cg" if c.cg else "", R=min(FMA_R, c.BK),
         PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages, RAGGED=c.ragged, NT=nt, GLU=glu,
-        INTERP=glu and INTERPRET, **tma, **_ahead_kw(c, wb, bool(tma)),
+        INTERP=glu and INTERPRET, **tma,
         **(pdl_launch(pdl, **_pdl_prefetch(B, wb.shape[1], S, k_split, wb.element_size(), c.l2_mb)) if pdl_on(pdl)
            else {}))
     if split_mode == 1:

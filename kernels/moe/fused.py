@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from kernels._jit import INTERPRET, cast_to
-from kernels._pdl import gdc_launch_dependents, gdc_wait, l2_ahead_kwargs, prefetch_k_slice_l2
+from kernels._pdl import gdc_launch_dependents, gdc_wait
 from kernels._tensors import H200_SMEM, cdiv, max_shared_mem, next_pow2, num_sms
 from kernels.moe.router import dot_acc, dot_mode
 
@@ -91,13 +91,8 @@ DECODE_PREFETCH_K = int(os.environ.get("KIMI_MOE_PREFETCH_K", "0"))
 # ablate.py --batch 1 --set kernels.moe.fused.DECODE_L2_BLOCKS=1, interleaved controls): b1 step 2.234 vs 2.232-2.233,
 # and 2.213 vs 2.212-2.214 with the ragged gemv tiles: a tie, so 0 stays
 DECODE_L2_BLOCKS = int(os.environ.get("KIMI_MOE_L2_BLOCKS", "0"))
-# Decode (BLOCK_M 16) GEMM1 / GEMM2 in-loop L2 hints (NOT TIMED YET, session 17): each K step also hints the weight
-# rows' K slice this many steps ahead into L2 (prefetch.global.L2, one per 128-byte line: BK 128 -> 2 per row), so
-# more of each program's stream is in flight than the num_stages - 1 tiles of Triton's pipeliner (b1: GEMM1 3 stages
-# of 18 K steps, 3.6 TB/s; GEMM2 4 stages of 8, 3.4 TB/s on the H200). 0: none. KIMI_MOE_L2_AHEAD="a1,a2".
-# bench/ablate.py --set "kernels.moe.fused.DECODE_L2_AHEAD1=4;kernels.moe.fused.DECODE_L2_AHEAD2=4"
-_AHEAD = (os.environ.get("KIMI_MOE_L2_AHEAD", "0,0") + ",0").split(",")
-DECODE_L2_AHEAD1, DECODE_L2_AHEAD2 = int(_AHEAD[0] or 0), int(_AHEAD[1] or 0)
+# (Removed in session 25: decode GEMM1 / GEMM2 in-loop L2 hints of the weight rows' K slice n steps ahead,
+# KIMI_MOE_L2_AHEAD; H200, session 19, BENCHMARKS.md: the b1 step 176-210 us slower. Last present in cb00f87.)
 # (Removed in session 23: one-token N tile widths BN1 16 / BN2 32, 88 tiles per expert = 792 programs instead of 396,
 # after a pure-read kernel over the 9 experts had read w13 at 3.89 vs 3.67 TB/s with 792 programs. In the model, H200
 # bench/ablate.py --batch 1, two cases against interleaved controls: 2.509 / 2.508 ms per step vs 2.206 / 2.203.)
@@ -346,7 +341,6 @@ def _moe_gemm1_kernel(
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
     MODE: tl.constexpr, INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, RAGGED: tl.constexpr,
     GDC: tl.constexpr = False, W_EVICT: tl.constexpr = "", WAIT: tl.constexpr = False, SHARED_PF: tl.constexpr = False,
-    L2_AHEAD: tl.constexpr = 0, EPL: tl.constexpr = 64,
 ):
     """inter[idx, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, N + n]) for the rows idx of one block.
     GDC: signal at once that a PDL-launched GEMM2 may start its CTAs as this kernel's CTAs retire (its pre-wait part
@@ -356,8 +350,6 @@ def _moe_gemm1_kernel(
     rows into L2 (speculative: the model's shared expert, appended last by the router; useless, not wrong, else).
     W_EVICT: the weight loads' L2 eviction policy ("evict_first": streamed once,
     so they leave L2 to what is read again, e.g. GEMM2 weights prefetched by a PDL GEMM2).
-    L2_AHEAD > 0 (GPU only): the K step at k0 also hints the gate and up rows' K slice L2_AHEAD steps ahead into L2
-    (EPL elements per 128-byte line), beyond the num_stages - 1 tiles Triton's pipeliner keeps in flight.
     IDS_BLOCK > 0: the block's rows come from the ids (_block_rows_from_ids), not from moe_align's outputs; < 0: one
     block per assignment (direct, see _block_rows).
     Grid: (blocks * NT,); NT and RAGGED as in _block_rows."""
@@ -393,12 +385,7 @@ def _moe_gemm1_kernel(
     u_ptrs = g_ptrs + N * stride_wn
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    if L2_AHEAD > 0:
-        g_rows = w_ptr + e * stride_we + offs_n.to(tl.int64) * stride_wn
     for k0 in range(0, K, BK):
-        if L2_AHEAD > 0:
-            prefetch_k_slice_l2(g_rows, k0 + L2_AHEAD * BK, K, n_ok, BK, EPL)
-            prefetch_k_slice_l2(g_rows + N * stride_wn, k0 + L2_AHEAD * BK, K, n_ok, BK, EPL)
         if EVEN_K:  # no K mask: keeps the contiguous K loads vectorised
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy=W_EVICT)
@@ -425,8 +412,7 @@ def _moe_gemm2_kernel(
     M, N, K, stride_am, stride_we, stride_wn, stride_os, stride_om, ids_ptr, E, NT, k_steps,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     INTERP: tl.constexpr, IDS_BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, RAGGED: tl.constexpr,
-    GDC: tl.constexpr = False, PREFETCH: tl.constexpr = 0, W_EVICT: tl.constexpr = "", L2_AHEAD: tl.constexpr = 0,
-    EPL: tl.constexpr = 64,
+    GDC: tl.constexpr = False, PREFETCH: tl.constexpr = 0, W_EVICT: tl.constexpr = "",
 ):
     """out[s, idx, n] = inter[idx, Ks] . w2[e, n, Ks] for the rows idx of one block and the K range
     Ks = [s * k_steps * BK, (s + 1) * k_steps * BK) of split s = program_id(1) (one split: the whole K, out = y in
@@ -434,20 +420,20 @@ def _moe_gemm2_kernel(
     Grid: (blocks * NT, S); IDS_BLOCK, NT and RAGGED as in _moe_gemm1_kernel.
     GDC (launched with PDL after GEMM1): the rows, expert and weight addresses (and with PREFETCH > 0 an L2 prefetch
     of the first PREFETCH K elements of each of this tile's weight rows: no dependence on GEMM1) before waiting for
-    GEMM1's inter; then signal the (PDL-launched) combine. W_EVICT and L2_AHEAD as in _moe_gemm1_kernel."""
+    GEMM1's inter; then signal the (PDL-launched) combine. W_EVICT as in _moe_gemm1_kernel."""
     pid_m, n_lo, n_hi, idx, e, npost = _block_rows(sorted_ptr, expert_ids_ptr, npost_ptr, ids_ptr, M, N, E, NT,
                                                    BM, BN, RAGGED, IDS_BLOCK, BLOCK_E)
     if pid_m * BM >= npost:
         return
     _gemm2_tile(a_ptr, w_ptr, out_ptr, M, K, stride_am, stride_we, stride_wn, stride_os, stride_om, k_steps,
-                n_lo, n_hi, idx, e, BM, BN, BK, EVEN_K, MODE, INTERP, GDC, PREFETCH, W_EVICT, L2_AHEAD, EPL)
+                n_lo, n_hi, idx, e, BM, BN, BK, EVEN_K, MODE, INTERP, GDC, PREFETCH, W_EVICT)
 
 
 @triton.jit
 def _gemm2_tile(a_ptr, w_ptr, out_ptr, M, K, stride_am, stride_we, stride_wn, stride_os, stride_om, k_steps,
                 n_lo, n_hi, idx, e, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                 MODE: tl.constexpr, INTERP: tl.constexpr, GDC: tl.constexpr, PREFETCH: tl.constexpr,
-                W_EVICT: tl.constexpr, L2_AHEAD: tl.constexpr = 0, EPL: tl.constexpr = 64):
+                W_EVICT: tl.constexpr):
     # one live block's tile of _moe_gemm2_kernel (its docstring): PDL wait, K loop, store
     pid_s = tl.program_id(1)
     k_lo = pid_s * k_steps * BK                 # a multiple of BK: the K loads stay aligned
@@ -468,11 +454,7 @@ def _gemm2_tile(a_ptr, w_ptr, out_ptr, M, K, stride_am, stride_we, stride_wn, st
     a_ptrs = a_ptr + row[:, None] * stride_am + k_lo + offs_k[None, :]
     b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + k_lo + offs_k[:, None]  # [BK, BN]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if L2_AHEAD > 0:
-        w_rows = w_ptr + e * stride_we + offs_n.to(tl.int64) * stride_wn
     for k0 in range(k_lo, k_hi, BK):
-        if L2_AHEAD > 0:
-            prefetch_k_slice_l2(w_rows, k0 + L2_AHEAD * BK, k_hi, n_ok, BK, EPL)
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0, eviction_policy=W_EVICT)
@@ -547,16 +529,13 @@ class MoEConfig:
     evict: bool = False   # weight loads of both GEMMs evict_first in L2 (streamed once)
     ids_rows: int = 0     # largest M whose GEMM programs derive their rows from the ids (0: ALIGN_IN_GEMM_MAX)
     pdl1: bool = False    # GEMM1 launched with PDL (gains only if the router signals early; direct: prefetches E - 1)
-    ahead1: int = 0       # GEMM1 / GEMM2 in-loop L2 hints this many K steps ahead (L2_AHEAD; 0: none)
-    ahead2: int = 0
 
     def short(self) -> str:
         s = f"{self.BM},{self.BN1},{self.BN2},{self.BK},{self.num_warps},{self.num_stages}"
         extra = [f"{k}={v}" for k, v in (("nt1", self.nt1), ("nt2", self.nt2), ("split2", self.split2),
                                           ("BK2", self.BK2), ("warps2", self.warps2), ("stages2", self.stages2),
                                           ("direct", self.direct), ("pdl", self.pdl), ("prefetch2", self.prefetch2),
-                                          ("evict", self.evict), ("ids_rows", self.ids_rows), ("pdl1", self.pdl1),
-                                          ("ahead1", self.ahead1), ("ahead2", self.ahead2))
+                                          ("evict", self.evict), ("ids_rows", self.ids_rows), ("pdl1", self.pdl1))
                  if v != MoEConfig.__dataclass_fields__[k].default]
         return s + ("," + ",".join(extra) if extra else "")
 
@@ -584,7 +563,7 @@ _CONFIGS: dict = {}
 def _switches() -> tuple:
     """The module switches get_config reads (they are read per call: tests and bench/ablate.py --set change them)."""
     return (BALANCE_MAX_M, DECODE_L2_BLOCKS, DECODE_PDL, DECODE_PDL_T1, DECODE_PREFETCH,
-            DECODE_PREFETCH_K, DECODE_DIRECT, DECODE_EVICT, DECODE_PDL1, DECODE_L2_AHEAD1, DECODE_L2_AHEAD2)
+            DECODE_PREFETCH_K, DECODE_DIRECT, DECODE_EVICT, DECODE_PDL1)
 
 
 def get_config(M: int, E: int, dtype: torch.dtype, top_k: int | None = None, sms: int = 132,
@@ -628,7 +607,7 @@ def _config(M: int, E: int, dtype: torch.dtype, top_k: int | None, sms: int, N1:
         pdl = DECODE_PDL or (one and DECODE_PDL_T1)
         pf2 = min(DECODE_PREFETCH_K or N1, N1) if pdl and DECODE_PREFETCH else 0    # elements, a multiple of 16
         cfg = replace(cfg, direct=DECODE_DIRECT and one, pdl=pdl, prefetch2=pf2,
-                      evict=DECODE_EVICT, pdl1=DECODE_PDL1, ahead1=DECODE_L2_AHEAD1, ahead2=DECODE_L2_AHEAD2)
+                      evict=DECODE_EVICT, pdl1=DECODE_PDL1)
         if one and DECODE_DIRECT:
             cfg = replace(cfg, num_stages=3, stages2=cfg.num_stages)        # GEMM1 3 stages, GEMM2 keeps 4
     if dtype == torch.float32:  # fp32 operands: halve the pipeline depth to fit shared memory
@@ -739,7 +718,7 @@ def moe_gemm1(x: torch.Tensor, w13: torch.Tensor, rows: MoERows, cfg: MoEConfig,
         TOP_K=top_k, BM=rows.BM, BN=BN, BK=BK, EVEN_K=D % BK == 0, MODE=dot_mode(x.dtype), INTERP=INTERPRET,
         IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, launch=False),
         **_gdc1(cfg.pdl1, rows.ids_block < 0 and _bulk_ok(w13, D)),
-        W_EVICT="evict_first" if cfg.evict else "", **l2_ahead_kwargs(cfg.ahead1, w13, BK),
+        W_EVICT="evict_first" if cfg.evict else "",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return inter
@@ -764,7 +743,7 @@ def moe_gemm2(inter: torch.Tensor, w2: torch.Tensor, rows: MoERows, cfg: MoEConf
         M, D, inter_dim, inter.stride(0), w2.stride(0), w2.stride(1), M * D, D, rows.ids, rows.E, NT, k_steps,
         BM=rows.BM, BN=BN, BK=BK, EVEN_K=inter_dim % BK == 0, MODE=dot_mode(inter.dtype), INTERP=INTERPRET,
         IDS_BLOCK=rows.ids_block, BLOCK_E=rows.block_e, RAGGED=ragged, **_gdc(cfg.pdl, PREFETCH=cfg.prefetch2 if _bulk_ok(w2, inter_dim) else 0),
-        W_EVICT="evict_first" if cfg.evict else "", **l2_ahead_kwargs(cfg.ahead2, w2, BK),
+        W_EVICT="evict_first" if cfg.evict else "",
         num_warps=cfg.warps2 or cfg.num_warps, num_stages=cfg.stages2 or cfg.num_stages,
     )
     return y

@@ -198,39 +198,6 @@ def test_gemv_ragged_kimi_gpu(M, N, K, what, cfg):
     assert_close(what + " ragged", gemv_triton(x, w, cfg), gemv_ref(x, w), bf16_tol())
 
 
-def test_l2_ahead_kwargs(monkeypatch):
-    """The in-loop L2 look-ahead (kernels.gemv.L2_AHEAD, or a config's l2_ahead) reaches the launch only on the GPU,
-    for the dot path with pointer loads and K steps of whole 128-byte lines."""
-    import kernels._pdl as pdl
-    from kernels.gemv import _ahead_kw
-
-    w = torch.empty(1, 64, 256, dtype=torch.bfloat16)
-    dot = GemvConfig(BN=64, BK=128, dot=True)
-    monkeypatch.setattr(kernels.gemv, "L2_AHEAD", 4)
-    assert _ahead_kw(dot, w, False) == {}                                   # CPU tensor / interpreter
-    monkeypatch.setattr(pdl, "INTERPRET", False)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    assert _ahead_kw(dot, w, False) == dict(L2_AHEAD=4, EPL=64)
-    assert _ahead_kw(replace(dot, l2_ahead=6), w, False) == dict(L2_AHEAD=6, EPL=64)
-    assert _ahead_kw(replace(dot, l2_ahead=0), w, False) == {}
-    assert _ahead_kw(replace(dot, dot=False), w, False) == {} and _ahead_kw(dot, w, True) == {}
-    assert _ahead_kw(replace(dot, BK=32), w, False) == {}                   # 64-byte K steps
-    monkeypatch.setattr(kernels.gemv, "L2_AHEAD", 0)
-    assert _ahead_kw(dot, w, False) == {}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 4])
-@pytest.mark.parametrize("N,K,what", KIMI, ids=[k[2] for k in KIMI])
-def test_gemv_l2_ahead_same_bits_gpu(M, N, K, what):
-    """In-loop L2 hints (2, 6 and 40 K steps ahead: past the end too) change no bit, split configs included."""
-    x, w = _xw(M, N, K, torch.bfloat16)
-    c, _ = gemv_config(M, N, K, 1, DEV)
-    want = gemv_triton(x, w, c)
-    for a in (2, 6, 40):
-        assert torch.equal(gemv_triton(x, w, replace(c, l2_ahead=a)), want), (what, a)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 4])
 def test_gemv_glu_dense_mlp_gpu(M):

@@ -457,29 +457,6 @@ def test_decode_switches(monkeypatch):
     assert fm.get_config(9, 257, torch.bfloat16, 9, 132).prefetch2 == 0
 
 
-def test_decode_l2_ahead(monkeypatch):
-    """DECODE_L2_AHEAD1 / 2 (KIMI_MOE_L2_AHEAD): the in-loop L2 look-ahead of each GEMM on BLOCK_M-16 decode configs only
-    (none by default); the launch passes it on the GPU only, for K tiles of whole 128-byte lines."""
-    import kernels.moe.fused as fm
-
-    c1 = fm.get_config(9, 257, torch.bfloat16, 9, 132)
-    assert (c1.ahead1, c1.ahead2) == (0, 0)
-    monkeypatch.setattr(fm, "DECODE_L2_AHEAD1", 4)
-    monkeypatch.setattr(fm, "DECODE_L2_AHEAD2", 3)
-    c1, c8 = fm.get_config(9, 257, torch.bfloat16, 9, 132), fm.get_config(72, 257, torch.bfloat16, 9, 132)
-    assert (c1.ahead1, c1.ahead2) == (c8.ahead1, c8.ahead2) == (4, 3) and "ahead1=4" in c1.short()
-    pre = fm.get_config(8192 * 9, 257, torch.bfloat16, 9, 132)
-    assert (pre.ahead1, pre.ahead2) == (0, 0)
-    import kernels._pdl as pdl
-
-    w = torch.empty(2, 4, 256, dtype=torch.bfloat16)
-    ahead = pdl.l2_ahead_kwargs                                             # what moe_gemm1 / moe_gemm2 pass
-    assert ahead(4, w, 128) == {}                                           # CPU tensor / interpreter: no hints
-    monkeypatch.setattr(pdl, "INTERPRET", False)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    assert ahead(4, w, 128) == dict(L2_AHEAD=4, EPL=64) and ahead(4, w, 32) == {} and ahead(0, w, 128) == {}
-
-
 def test_decode_defaults(monkeypatch):
     """Defaults (no env): one token gets the H200-measured chain (direct rows, GEMM1 3 stages, GEMM2 4, PDL without
     prefetch); T = 8 keeps the plain config; KIMI_MOE_PDL=0 / KIMI_MOE_DIRECT=0 (flags off) restore the old T = 1."""
@@ -740,27 +717,6 @@ def test_kimi_decode_configs_gpu(T):
         assert rms_ratio(out, ref32) <= 5e-3, cfg
         assert torch.equal(out, fused_moe_triton(x, w13, w2, w, ids, config=cfg)), cfg
     assert torch.equal(fused_moe_triton(x, w13, w2, w, ids), fused_moe(x, w13, w2, w, ids))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 8, 64])
-def test_kimi_l2_ahead_same_bits_gpu(T):
-    """In-loop L2 hints (ahead1 / ahead2, past the end of K too: 2, 4 and 20 steps) change no bit of the output, with
-    and without PDL and direct rows."""
-    from dataclasses import replace
-
-    from kernels.moe.fused import fused_moe_triton, get_config
-
-    D, I, E, k = KIMI["D"], KIMI["I"], KIMI["E"] + 1, KIMI["k"] + 1
-    x, w13, w2, w, _ = make_moe(T, D, I, E, k, torch.bfloat16, "cuda")
-    ids = torch.cat([torch.stack([torch.randperm(E - 1, device="cuda")[:k - 1] for _ in range(T)]),
-                     torch.full((T, 1), E - 1, device="cuda")], 1).to(torch.int32)
-    base = get_config(T * k, E, torch.bfloat16, k)
-    for cfg in (base, replace(base, pdl=False, direct=False)):
-        exp = fused_moe_triton(x, w13, w2, w, ids, config=cfg)
-        for a1, a2 in ((2, 2), (4, 4), (20, 20), (4, 0), (0, 4)):
-            c = replace(cfg, ahead1=a1, ahead2=a2)
-            assert torch.equal(fused_moe_triton(x, w13, w2, w, ids, config=c), exp), c
 
 
 @pytest.mark.gpu
