@@ -407,19 +407,10 @@ QUICK_VARIANTS = [
     ("hpass-out-s2", dict(HPASS_OUT=1, HPASS_NUM_STAGES=2)),
     ("hpass-out-bv16", dict(HPASS_OUT=1, HPASS_BV=16)),
     ("hpass-out-bv64", dict(HPASS_OUT=1, HPASS_BV=64)),
-    # session 17 (offline sm_90, Triton 3.9): akk as two launches (AKK_PARTS=2): the off-diagonal pass 134 regs
-    # uncapped / 128 without spill, the levels + inverse 168 / 144 without spill (one launch: 168 regs + 24 B stack,
-    # 12 one-warp CTAs / SM); at (128, 144): 16 / 14 CTAs per SM (13 / 12 KB smem each: 16 is also the smem limit)
-    ("akk-parts2", dict(AKK_PARTS=2, AKK_PARTS_MAXNREG=(128, 144))),
-    ("akk-parts2-r128", dict(AKK_PARTS=2, AKK_PARTS_MAXNREG=(128, 128))),
-    ("akk-parts2-unc", dict(AKK_PARTS=2, AKK_PARTS_MAXNREG=(None, None))),
+    # (session 17's akk as two launches, AKK_PARTS, and prep writing wu's gated k, WU_KBG: slower in sessions 19 and
+    # 22, removed in session 25)
     # prep's register cap (offline sm_90, Triton 3.9: 127 regs uncapped = 4 CTAs / SM; 112 no spill, still 4;
     # 96: 64 B stack, 5 / SM; 80: 256 B, 6 / SM)
-    # wu's gated k operand written by prep in bf16 (WU_KBG, session 17): wu reads 16 instead of 48 KB per chunk-head;
-    # offline sm_90 prep 127 -> 136 regs uncapped (3 CTAs / SM), 120 at the cap 128 (4, no spill); wu 168 -> 153
-    ("wu-kbg", dict(WU_KBG=1, PREP_MAXNREG=128)),
-    # the session-17 candidates together (additivity)
-    ("s17-combo", dict(HPASS_OUT=1, AKK_PARTS=2, AKK_PARTS_MAXNREG=(128, 144), WU_KBG=1, PREP_MAXNREG=128)),
     ("prep-r96", dict(PREP_MAXNREG=96)),
     ("prep-r80", dict(PREP_MAXNREG=80)),
     # (session 22, HPASS_VN: the state pass formed vn = M (beta v - kb h_c) from wu's inverse M, wu writing only M;

@@ -121,8 +121,9 @@ OUT_VFAST = 1            # V tile fastest in the output grid (the 2nd V tile's q
 # smem, no spills.
 PREP_BK = 16             # with CUMSUM_DOT (H200 12-03: prep 0.559 -> 0.522 ms at T=16k)
 PREP_NUM_WARPS = 4
-# ptxas register cap for prep (A/B, NOT TIMED YET, session 17): 127 regs uncapped = 4 four-warp CTAs / SM; 96 -> 5,
-# 80 -> 6 (offline sm_90 spills: see bench/kda_prefill.py QUICK_VARIANTS). None: uncapped.
+# ptxas register cap for prep (A/B): 127 regs uncapped = 4 four-warp CTAs / SM; 96 -> 5, 80 -> 6 (offline sm_90
+# spills: see bench/kda_prefill.py QUICK_VARIANTS). 96 lost on the H200 (session 19: T=16k 2.098 vs 2.062 ms) and the
+# H100 (session 22). None: uncapped.
 PREP_MAXNREG = None
 # PREP_NORM1 = 1 (default since H200 12-04, session 11: prep 0.521 -> 0.454 ms, T=16k 2.227 -> 2.162 ms): the q / k
 # row norms from one [BT, K] load each instead of K / PREP_BK dependent load round trips (offline sm_90, Triton 3.9:
@@ -155,11 +156,9 @@ AKK_LV_SPLITK = 1        # 1 = two passes over K (off-diagonal blocks, then the 
 # K tile); unconditional they become a cp.async ring (LDGSTS), and the loop body shrinks 549 -> 429 instructions.
 # 0: the branched pass (variant akk-branched, 162 regs uncapped).
 AKK_UNCOND = 1
-# AKK_PARTS = 2 (A/B, NOT TIMED YET, session 17; with AKK_LV_SPLITK): the off-diagonal pass and the levels + inverse
-# as separate one-warp programs (grid x 2), each with half the accumulators; AKK_PARTS_MAXNREG caps them (None:
-# uncapped). See _kda_akk_lv_kernel.
-AKK_PARTS = 1
-AKK_PARTS_MAXNREG = (None, None)
+# (AKK_PARTS = 2, akk as two one-warp launches, the off-diagonal pass and the levels + inverse, each with half the
+# accumulators: slower on the H200 in session 19, T=16k 2.107 vs 2.062 ms, and on the H100 in session 22, akk 0.808 vs
+# 0.754 ms; removed in session 25, last present in cb00f87.)
 # (AKK_CHUNK, akk as one program per (chunk, head) with [64, 64] level dots, measured 3.4x slower on its stage on the
 # H200 in session 20, 2.212 vs 0.652 ms at T=16k, and was removed.)
 WU_BK = 32
@@ -170,10 +169,9 @@ WU_NUM_WARPS = 4
 # (LOOP 0, the variant wu-two-loops: a K loop, then a V loop, each starting with a load waited for after the chain
 # / the previous loop). Uncapped 189 regs (2 CTAs / SM on the H200: 0.408 ms); capped at 168: 3 / SM, 8 B stack.
 WU_LOOP = 1
-# WU_KBG = 1 (A/B, NOT TIMED YET, session 17; WU_LOOP 1): prep also writes wu's operand kb = beta kn exp2(G) in
-# the MMA operand dtype (bf16 for bf16 inputs, fla's precision for it; fp32 inputs: the same bits), so wu reads kb
-# (16 KB per chunk-head) instead of k and the fp32 G (48 KB) and forms no exp2: ~134 MB less traffic at T=16k.
-WU_KBG = 0
+# (WU_KBG = 1, prep also writing wu's operand kb = beta kn exp2(G) so that wu reads neither k nor the fp32 G: prep's
+# extra write cost more than wu saved, H200 session 19 T=16k 2.179 vs 2.062 ms, H100 session 22 2.239 vs 2.147;
+# removed in session 25, last present in cb00f87.)
 WU_MAXNREG = 168         # register cap for wu (LOOP 0: 150 regs uncapped, 3 CTAs / SM; 128: 4, 16 B spill offline)
 # FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep (fla's choice) instead of libdevice's
 # accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop body 2134 -> see --quick). No
@@ -259,7 +257,6 @@ def _kda_prep_kernel(
     stride_q, stride_k, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr = 0,
     CS: tl.constexpr = 0, NORM1: tl.constexpr = 0, KP: tl.constexpr = 0, STAGES: tl.constexpr = None,
-    kb_out=None, KBG: tl.constexpr = 0,
 ):
     """Intra launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
     contract outputs qg, kg, gl and the scratch G [rows, K] fp32 and rs [rows, 4] fp32 = (rq, rk, beta, -)
@@ -315,9 +312,6 @@ def _kda_prep_kernel(
         tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :])
         tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - G, 0.0)))
                  .to(kg_out.dtype.element_ty), mask=cm[None, :])
-        if KBG:   # wu's operand beta kn exp2(G), in the MMA operand dtype (WU_KBG; the same fp32 expression as wu's)
-            tl.store(kb_out + o_k, (bk * (rk * beta)[:, None] * tl.exp2(G)).to(kb_out.dtype.element_ty),
-                     mask=cm[None, :])
 
 
 @triton.jit
@@ -410,8 +404,7 @@ def _kda_akk_lv_kernel(
     q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out,
     stride_q, stride_k,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, SPLITK: tl.constexpr = 0, UNCOND: tl.constexpr = 0, PARTS: tl.constexpr = 1,
-    PART: tl.constexpr = 0,
+    PREC: tl.constexpr, SPLITK: tl.constexpr = 0, UNCOND: tl.constexpr = 0,
 ):
     """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head), meant for num_warps=1: the rows
     R = [i BC, (i+1) BC) of
@@ -428,12 +421,8 @@ def _kda_akk_lv_kernel(
     Then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted (fp32). x_out [rows, BT] fp32: columns
     < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di (columns above are not written).
     (Offline sm_90, Triton 3.6: at 2 or 4 warps these [16, x] tiles are replicated in every warp (the dot-operand
-    layouts), so 1 warp does the same work with a quarter of the issue slots.)
-    PARTS=2 (AKK_PARTS; needs SPLITK): two launches, PART 0 the off-diagonal pass and its stores only, PART 1 the
-    levels, the diagonal blocks and the inverse: each compiled kernel holds half the accumulators (fewer registers,
-    more one-warp programs per SM) at the price of loading the sub-chunk's q / k / G rows twice."""
+    layouts), so 1 warp does the same work with a quarter of the issue slots.)"""
     tl.static_assert((BT == 64) & (BC == 16))           # 3 off-diagonal column blocks, 4 levels
-    tl.static_assert((PARTS == 1) | ((PARTS == 2) & (SPLITK == 1)))
     i_b = tl.program_id(0) % (BT // BC)
     i_c = tl.program_id(0) // (BT // BC)
     i_h = tl.program_id(1)
@@ -463,11 +452,6 @@ def _kda_akk_lv_kernel(
     o2q = tl.zeros([BC, BC], dtype=tl.float32)
     l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)    # diagonal-block levels hb = 8, 4, 2, 1
     dq0 = tl.zeros([BC], dtype=tl.float32)               # diagonal s = r of Aqk
-    if PARTS == 2:
-        if PART == 1:
-            _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K, BT, BC,
-                                BK, PREC, True)
-            return
     # SPLITK=1: two passes over K (off-diagonal blocks, then the levels): fewer live accumulators (registers)
     for kb in range(0, K, BK):
         c = kb + tl.arange(0, BK)
@@ -502,27 +486,23 @@ def _kda_akk_lv_kernel(
     _akk_store_off(pa, px, rr, i_b, 1, o1k, o1q, beta, BT, BC)
     _akk_store_off(pa, px, rr, i_b, 2, o2k, o2q, beta, BT, BC)
     _akk_store_off(pa, px, rr, i_b, 3, o2k, o2q, beta, BT, BC)     # (block 3 is never < i: zeros)
-    if PARTS == 2:
-        return
     if SPLITK:
         _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K, BT, BC,
-                            BK, PREC, False)
+                            BK, PREC)
     else:
         _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC)
 
 
 @triton.jit
 def _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K: tl.constexpr,
-                        BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, DQ0: tl.constexpr):
+                        BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """akk (SPLITK): the levels' own pass over K, then the diagonal blocks and the inverse (_akk_diag_inverse).
-    dq0: the s = r terms of Aqk from the off-diagonal pass, or (DQ0, PARTS=2) summed in this pass (the same order)."""
+    dq0: the s = r terms of Aqk from the off-diagonal pass."""
     l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)
     for kb in range(0, K, BK):
         c = kb + tl.arange(0, BK)
         cm = c < K
         qr, kr, Gr = _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K)
-        if DQ0:
-            dq0 += tl.sum(qr * kr, 1)
         l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_four_levels(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, l4k, l4q, l2k,
                                                                   l2q, l1k, l1q, K, BC, PREC)
     _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC)
@@ -567,19 +547,14 @@ def _block_diag_inverse(lmat, r, BC: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i, stride_k, stride_v, i_h, K: tl.constexpr, V: tl.constexpr,
-             BK: tl.constexpr, BV: tl.constexpr, KBG: tl.constexpr = 0):
+             BK: tl.constexpr, BV: tl.constexpr):
     """Tile i of wu's one loop: k [BT, BK] (columns i*BK..), its gate G [BT, BK] fp32 and v [BT, BV] (columns
-    i*BV..); zeros past K / V (a tile index past both loads nothing). KBG: k is prep's kb scratch [rows, K] (chunk
-    rows, already gated) and G is not loaded (zeros)."""
+    i*BV..); zeros past K / V (a tile index past both loads nothing)."""
     ck = i * BK + tl.arange(0, BK)
     cv = i * BV + tl.arange(0, BV)
-    if KBG:
-        bk = tl.load(k + (cblk + rows)[:, None] * K + ck[None, :], mask=(ck < K)[None, :], other=0.0)
-        G = tl.zeros([rows.shape[0], BK], dtype=tl.float32)
-    else:
-        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + ck[None, :], mask=rmask[:, None] & (ck < K)[None, :],
-                     other=0.0)
-        G = tl.load(g_in + (cblk + rows)[:, None] * K + ck[None, :], mask=(ck < K)[None, :], other=0.0)
+    bk = tl.load(k + tok[:, None] * stride_k + i_h * K + ck[None, :], mask=rmask[:, None] & (ck < K)[None, :],
+                 other=0.0)
+    G = tl.load(g_in + (cblk + rows)[:, None] * K + ck[None, :], mask=(ck < K)[None, :], other=0.0)
     bv = tl.load(v + tok[:, None] * stride_v + i_h * V + cv[None, :], mask=rmask[:, None] & (cv < V)[None, :],
                  other=0.0)
     return bk, G, bv
@@ -590,7 +565,7 @@ def _kda_wu_kernel(
     k, v, g_in, rs_in, x_in, chunk_offsets, cu_seqlens, n_seq, w_out, u_out,
     stride_k, stride_v,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0, KBG: tl.constexpr = 0,
+    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0,
 ):
     """Intra launch 3, grid (chunk, head): M = (I + L)^-1 = sum_j (-N)^j Di with N = Di L_off (strictly block-lower,
     N^(BT/BC) = 0), from x_in (Di on the diagonal blocks, L_off below); then w = M (beta kn exp2(G)), u = M (beta v)
@@ -600,10 +575,7 @@ def _kda_wu_kernel(
     loads issued (into registers) before this tile's dots and tile 0's before the inverse, so no load waits on the
     inverse chain or on a loop boundary. (bf16 dot operands there, fla's precision, were faster on the H200 -- wu
     0.325 ms -- but wrong with M converted once before the loop and an illegal address with M converted per tile,
-    Triton 3.6, 12-04: removed.)
-    KBG=1 (WU_KBG, LOOP 1 only): k is prep's kb = beta kn exp2(G) (bf16 for bf16 inputs, as fla's operand) and g_in
-    is not read: w = M kb."""
-    tl.static_assert((KBG == 0) | (LOOP == 1))
+    Triton 3.6, 12-04: removed.)"""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -615,7 +587,7 @@ def _kda_wu_kernel(
     cblk = (i_c.to(tl.int64) * H + i_h) * BT
     rb = rows // BC
     if LOOP == 1:
-        nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, 0, stride_k, stride_v, i_h, K, V, BK, BV, KBG)
+        nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, 0, stride_k, stride_v, i_h, K, V, BK, BV)
     x = tl.load(x_in + (cblk + rows)[:, None] * BT + rows[None, :])
     di = tl.where(rb[:, None] == rb[None, :], x, 0.0)          # block-diagonal inverse (the 'where' drops the
     lo = tl.where(rb[:, None] > rb[None, :], x, 0.0)           # never-written entries above the diagonal blocks)
@@ -629,14 +601,10 @@ def _kda_wu_kernel(
         NI: tl.constexpr = max((K + BK - 1) // BK, (V + BV - 1) // BV)
         for i in range(NI):
             bk, G, bv = nk, ng, nv
-            nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i + 1, stride_k, stride_v, i_h, K, V, BK, BV,
-                                  KBG)
+            nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i + 1, stride_k, stride_v, i_h, K, V, BK, BV)
             ck = i * BK + tl.arange(0, BK)
             cv = i * BV + tl.arange(0, BV)
-            if KBG:
-                wv = tl.dot(m, bk.to(tl.float32), input_precision=PREC)
-            else:
-                wv = tl.dot(m, bk.to(tl.float32) * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
+            wv = tl.dot(m, bk.to(tl.float32) * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
             uv = tl.dot(m, bv.to(tl.float32) * beta[:, None], input_precision=PREC)
             tl.store(w_out + (cblk + rows)[:, None] * K + ck[None, :], wv.to(w_out.dtype.element_ty),
                      mask=(ck < K)[None, :])
@@ -866,7 +834,7 @@ def _kda_out_kernel(
 
 def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16: bool = True,
                    hpass_bv: Optional[int] = None, out_bv: Optional[int] = None,
-                   which: Sequence[str] = ("hpass", "out", "prep", "akk", "wu"), akk_part: int = 0) -> dict:
+                   which: Sequence[str] = ("hpass", "out", "prep", "akk", "wu")) -> dict:
     """Compile the kernels offline for sm_<arch> (kernels/_offline.py; no GPU needed, Triton's bundled ptxas) at
     Kimi shapes and return {name: (registers, spill stack bytes, shared bytes)}. Run without TRITON_INTERPRET.
     hpass / out = the state pass and output kernels at (hpass_bv or 16, HPASS_NUM_WARPS) / (out_bv or OUT_BV,
@@ -903,22 +871,19 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "prep": (_kda_prep_kernel,
                  dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", g_out="*fp32",
-                      rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32",
-                      kb_out=sd),
+                      rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
                  dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT),
-                      NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES,
-                      KBG=int(bool(WU_KBG) and bool(WU_LOOP))),
+                      NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES),
                  dict(num_warps=PREP_NUM_WARPS, **_maxnreg(PREP_MAXNREG))),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                     UNCOND=int(AKK_UNCOND), PARTS=AKK_PARTS if AKK_LV_SPLITK else 1, PART=akk_part),
-                dict(num_warps=AKK_NUM_WARPS,
-                     **_maxnreg(AKK_PARTS_MAXNREG[akk_part] if AKK_PARTS == 2 and AKK_LV_SPLITK else AKK_MAXNREG))),
+                     UNCOND=int(AKK_UNCOND)),
+                dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                    LOOP=int(WU_LOOP), KBG=int(bool(WU_KBG) and bool(WU_LOOP))),
+                    LOOP=int(WU_LOOP)),
                dict(num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG))),
     })
     specs = {n: specs[n] for n in which}
@@ -1001,8 +966,6 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         # (block inverses + beta-scaled off-diagonal Dkk)
         g2 = torch.empty(n_rows, K, dtype=torch.float32, device=dev)
         rs = torch.empty(n_rows, 4, dtype=torch.float32, device=dev)
-        kbg = bool(WU_KBG) and bool(WU_LOOP)
-        kb = torch.empty(n_rows, K, dtype=sdt, device=dev) if kbg else None     # wu's gated k operand (WU_KBG)
         xs = torch.empty(n_rows, BT, dtype=torch.float32, device=dev)
 
         def prep():
@@ -1010,26 +973,22 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
                 q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
                 PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), CS=int(CUMSUM_DOT),
-                NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES, kb_out=kb, KBG=int(kbg),
+                NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES,
                 num_warps=PREP_NUM_WARPS, **_maxnreg(PREP_MAXNREG),
             )
 
         def akk():
-            parts = AKK_PARTS if AKK_LV_SPLITK else 1
-            for part in range(parts):    # PARTS 2: the off-diagonal launch, then the levels + inverse launch
-                kern = _kda_akk_lv_kernel[(BT // BC * NT, H)](
-                    q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
-                    PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                    UNCOND=int(AKK_UNCOND), PARTS=parts, PART=part, num_warps=AKK_NUM_WARPS,
-                    **_maxnreg(AKK_PARTS_MAXNREG[part] if parts == 2 else AKK_MAXNREG),
-                )
-            return kern
+            return _kda_akk_lv_kernel[(BT // BC * NT, H)](
+                q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
+                PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
+                UNCOND=int(AKK_UNCOND), num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
+            )
 
         def wu():
             return _kda_wu_kernel[(NT, H)](
-                kb if kbg else k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
+                k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                LOOP=int(WU_LOOP), KBG=int(kbg),
+                LOOP=int(WU_LOOP),
                 num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG),
             )
 

@@ -188,21 +188,6 @@ def test_bf16_small(strong_gate):
     check(*res, [1, 2], BF16_TOL if torch.cuda.is_available() else BF16_TOL_INTERP)
 
 
-@pytest.mark.parametrize("variant", ["wu-kbg"])
-def test_bf16_variant_small(variant, monkeypatch):
-    """Variants whose bf16 rounding differs from the default's (wu-kbg: wu's gated k operand stored in bf16 by prep)
-    vs the fp64 recurrence, two K tiles, strong gates."""
-    import kernels.kda.chunk as chunk_mod
-
-    for const, val in VARIANTS[variant].items():
-        monkeypatch.setattr(chunk_mod, const, val)
-    monkeypatch.setattr(chunk_mod, "WU_BK", 16)
-    T = 130
-    inp = make_inputs(T, K=32, dtype=torch.bfloat16, strong_gate=True)
-    res = run_pair(inp, [0, 7, T], [1, 2], [True, False])
-    check(*res, [1, 2], BF16_TOL if torch.cuda.is_available() else BF16_TOL_INTERP)
-
-
 # ------------------------------------------------------------------------------------------------ GPU (Kimi shapes)
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 130, 1000])
@@ -327,19 +312,14 @@ def test_sm90_offline_compile_no_spills():
             "'hpass_out_bv32': (setattr(c, 'HPASS_OUT', 1), c.compile_report(hpass_bv=32, which=('hpass',)))[-1], "
             "'hpass_out_bv64': c.compile_report(hpass_bv=64, which=('hpass',)), "
             "'hpass_t': {**c.compile_report(hpass_bv=32, which=('hpass_t',)), "
-            "'hpass_t64': c.compile_report(hpass_bv=64, which=('hpass_t',))['hpass_t']}, "
-            "'akk_parts2_0': (setattr(c, 'AKK_PARTS', 2), setattr(c, 'AKK_LV_SPLITK', 1), "
-            "setattr(c, 'AKK_PARTS_MAXNREG', (128, 144)), c.compile_report(which=('akk',), akk_part=0))[-1], "
-            "'akk_parts2_1': c.compile_report(which=('akk',), akk_part=1), "
-            "'wu_kbg': (setattr(c, 'WU_KBG', 1), setattr(c, 'WU_LOOP', 1), setattr(c, 'WU_MAXNREG', 168), "
-            "c.compile_report(which=('prep', 'wu')))[-1]}))")
+            "'hpass_t64': c.compile_report(hpass_bv=64, which=('hpass_t',))['hpass_t']}}))")
     rep = run_offline(code, 400)
     for cfg, kernels in rep.items():
         for name, (regs, stack, smem) in kernels.items():
             # the default akk (unconditional K pass capped at AKK_MAXNREG=168 regs for 12 CTAs / SM) keeps 24 B of
             # stack and the default wu (one loop, capped at WU_MAXNREG=168 for 3 CTAs / SM) 8 B; every other kernel
             # and configuration spills nothing
-            allowed = {("bv64", "akk"): 24, ("bv64", "wu"): 8, ("wu_kbg", "wu"): 8}.get((cfg, name), 0)
+            allowed = {("bv64", "akk"): 24, ("bv64", "wu"): 8}.get((cfg, name), 0)
             assert stack <= allowed, (cfg, name, regs, stack)
             assert smem <= 227 * 1024, (cfg, name, smem)
 
@@ -383,12 +363,6 @@ VARIANTS = {
     "hpass-out": dict(HPASS_OUT=1),
     "hpass-split": dict(HPASS_OUT=0),
     "hpass-out-no-prefetch": dict(HPASS_OUT=1, HPASS_PREFETCH=0),
-    # akk as two launches (off-diagonal pass; levels + inverse)
-    "akk-parts2": dict(AKK_PARTS=2),
-    # wu's gated k operand written by prep (fp32 here: the same expression, so the same values)
-    "wu-kbg": dict(WU_KBG=1),
-    # the session-17 candidates together (bench/kda_prefill.py s17-combo)
-    "s17-combo": dict(HPASS_OUT=1, AKK_PARTS=2, WU_KBG=1),
     # the state pass with the output on the transposed state (vn and h_c as the dots' left operands): always, and
     # never (the default takes it only at a V tile of 64: V >= 64 here, many sequences on the GPU)
     "hpass-t": dict(HPASS_OUT=1, HPASS_T=1),
@@ -453,9 +427,7 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "akk-uncapped": dict(AKK_MAXNREG=None),
     "wu-r128": dict(WU_LOOP=0, WU_MAXNREG=128),
     "wu-uncapped": dict(WU_MAXNREG=None),
-    "akk-parts2-r128-144": dict(AKK_PARTS=2, AKK_PARTS_MAXNREG=(128, 144)),
     "prep-r96": dict(PREP_MAXNREG=96),
-    "wu-kbg": dict(WU_KBG=1),
 })
 
 
