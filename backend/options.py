@@ -37,6 +37,8 @@ ENGINE_KEYS = {
     "prefill_graph_tokens": (int, "CUDA graphs for prefill-only steps of up to this many tokens (buckets 256..4096, "
                                   "up to 4 fresh prompts; the largest bucket's activations stay allocated); 0 = off "
                                   "(default 4096)"),
+    "warmup": (bool, "at load on CUDA, run a few requests (common sampling settings, long prompts) so that kernels "
+                     "compile before the first request (default true)"),
     "random_weights": (bool, "benchmarks only: random weights from config.json, no safetensors needed"),
     "tp_size": (int, "tensor-parallel world size, all nodes together (= TensorParallelSize)"),
     "master_addr": (str, "multi-node: node 0's address that the other nodes reach (default 127.0.0.1)"),

@@ -771,6 +771,8 @@ def main():
                     help="EngineConfig.prefill_graph_tokens (CUDA graphs for prefill-only steps of up to it; default "
                     "the engine's, 0 = off); with graphs, each --prefill size is timed eager and graphed, "
                     "interleaved, in this process")
+    ap.add_argument("--warmup", action="store_true", help="run the load-time warm-up twice and print its seconds "
+                    "(the first compiles what the Triton cache lacks; the second is the warm cost)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true")
@@ -850,6 +852,12 @@ def main():
     st = engine.stats()
     print(f"engine ready in {time.perf_counter() - t:.0f} s: {st['kv_capacity_tokens']} KV tokens, "
           f"{st['num_slots']} KDA slots, graphs {sorted(runner.graphs) or 'off'}")
+    if args.warmup:  # what LoadModel adds on CUDA (EngineConfig.warmup); cold: run with TRITON_CACHE_DIR empty
+        from backend.engine.warmup import groups, warmup
+
+        n = sum(len(g) for g in groups(engine))
+        for i in range(2):
+            print(f"warm-up ({n} requests, backend/engine/warmup.py) #{i + 1}: {warmup(engine):.2f} s", flush=True)
     roof = Roofline(model, runner)
     print(f"active parameters per token: {roof.active_params / 1e9:.2f} B; batch-1 weight bytes per token "
           f"{(roof.dense_bytes + roof.num_moe * (cfg.num_experts_per_token + roof.folded) * roof.expert_bytes) / 1e9:.2f} GB")

@@ -3,12 +3,14 @@
 # built by `bash bench/wheels.sh`; bench/e2e.py needs an H200: pass needs_h200). Logs go to $OUT (or ./.out).
 #   tests:   the GPU tests of what changed since the last device run: the sampler's nucleus check
 #            (tests/kernels/test_sampling.py, Kimi's vocabulary included) and the MLA decode after its losing variants
-#            were removed (tests/kernels/test_mla_decode.py, test_mla_fused_decode.py; offline PTX unchanged).
+#            were removed (tests/kernels/test_mla_decode.py, test_mla_fused_decode.py; offline PTX unchanged), and the
+#            load-time warm-up (tests/engine/test_warmup.py).
 #   nucleus: KIMI_SAMPLER_NUCLEUS=1 (kernels/sampling.py NUCLEUS: three (row, block) launches settle most sampled rows
 #            before the one-program-per-row kernel), first bench/sampling.py --sampled-only (graph us of ours, ours
 #            with the check, torch; token agreement), then bench/e2e.py at batch 1 and 64 (greedy + T0.6 top_p 0.95
 #            min_p 0.01 rows) with and without it, interleaved, two processes each way. Adopt (default on) only if both
-#            sampled rows gain in both pairs and the greedy rows stay within the spread.
+#            sampled rows gain in both pairs and the greedy rows stay within the spread. Each e2e run also times the
+#            load-time warm-up twice (--warmup: the first run's #1 compiles what the machine's Triton cache lacks).
 #   ncu:     bash bench/ncu.sh decode-b1 mla64x8k mla64x8k-fi on the H200 (the b1 step's kernels' DRAM efficiency;
 #            MLA at B=64 S=8k where it matters, issue 5: 0.82x FlashInfer there against 0.915x on the H100).
 # Usage: bash bench/pending_ab.sh [tests|nucleus|ncu|all] [total seconds]
@@ -31,6 +33,7 @@ has() { [ "$what" = "$1" ] || [ "$what" = all ]; }
 if has tests; then
   timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=150 \
     tests/kernels/test_sampling.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_fused_decode.py \
+    tests/engine/test_warmup.py \
     > "$OUT/gpu_tests.log" 2>&1; step "gpu tests" $?
 fi
 if has nucleus; then
@@ -40,7 +43,7 @@ if has nucleus; then
     for n in 0 1; do
       [ "$(left)" -gt 70 ] || break
       KIMI_SAMPLER_NUCLEUS=$n timeout "$(left)" python3 bench/e2e.py --decode-batches 1,64 --prefill "" \
-        --hf-batches "" > "$OUT/e2e_nucleus${n}_$i.log" 2>&1; step "e2e nucleus=$n #$i" $?
+        --hf-batches "" --warmup > "$OUT/e2e_nucleus${n}_$i.log" 2>&1; step "e2e nucleus=$n #$i" $?
     done
   done
 fi
@@ -50,6 +53,6 @@ if has ncu && [ "$(left)" -gt 120 ]; then
 fi
 [ -f "$OUT/gpu_tests.log" ] && { echo "=== gpu tests"; tail -n 5 "$OUT/gpu_tests.log"; }
 [ -f "$OUT/sampling.log" ] && { echo "=== sampling"; tail -c 2500 "$OUT/sampling.log"; }
-for f in "$OUT"/e2e_nucleus*.log; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| decode|Error|error" "$f"; }; done
+for f in "$OUT"/e2e_nucleus*.log; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| decode|warm-up|Error|error" "$f"; }; done
 [ -f "$OUT/ncu_summary.txt" ] && { echo "=== ncu"; grep -E "^===|rc |Duration|DRAM Throughput" "$OUT/ncu_summary.txt" | head -60; }
 cat "$OUT/steps.txt"

@@ -58,6 +58,10 @@ class EngineConfig:
     # prefill_graphs.py; buckets 256..4096, single GPU); 0 = off. H200 (BENCHMARKS.md, twenty-fourth round): TTFT of
     # a 256 / 512 / 1,024-token prompt 14.5 / 19 / 23.5 ms against 27-44 / 29-40 / 27-53 eagerly
     prefill_graph_tokens: int = 4096
+    # at load on CUDA: a few short requests (the common sampling settings) and long prompts through the engine before
+    # it serves, so that the Triton kernels of eager steps and of the sampler compile then, not on the first user
+    # requests (backend/engine/warmup.py)
+    warmup: bool = True
     seed: int = 0  # seeds of requests that bring none
     eos_token_ids: tuple = ()  # () = config.json's
     router_biased_weights: bool = False  # ModelConfig option (HF remote-code router aliasing)
@@ -185,7 +189,8 @@ class _InFlight:
 
 class LLMEngine:
     def __init__(self, runner, cfg: EngineConfig, start: bool = True):
-        """start=False: no engine thread; the caller drives `step()` (benchmarks, tests)."""
+        """start=False: no engine thread; the caller drives `step()` (benchmarks, tests). start=True on CUDA with
+        cfg.warmup: backend/engine/warmup.py runs first."""
         # the settings in effect, "auto" values resolved by the runner
         self.cfg = replace(cfg, dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device),
                            max_model_len=runner.max_model_len, max_num_seqs=runner.max_num_seqs,
@@ -218,6 +223,14 @@ class LLMEngine:
             self._idle_s = runner.group.ping_s
         self._thread = threading.Thread(target=self._loop, name="kimi-engine", daemon=True)
         if start:
+            if cfg.warmup and self.cfg.device.startswith("cuda"):
+                from backend.engine.warmup import warmup
+
+                try:
+                    warmup(self)
+                except BaseException:
+                    runner.close()      # tensor parallel: release the followers
+                    raise
             self._thread.start()
 
     @classmethod
