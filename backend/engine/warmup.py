@@ -50,12 +50,15 @@ def groups(engine) -> list:
     def params(**kw):
         return SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, seed=SEED, **kw)
 
-    out = [[(_prompt(min(SHORT, limit), vocab, i), params(**s))] for i, s in enumerate(SAMPLING)]
+    short = min(SHORT, limit)
+    out = [[(_prompt(short, vocab, i), params(**s))] for i, s in enumerate(SAMPLING)]
     long = min(budget + 333, limit)
-    if long > SHORT:
+    if long > 2 * short:
         out.append([(_prompt(long, vocab, 100), params(temperature=0.0))])
-        out.append([(_prompt(min(SHORT, limit), vocab, 101), params(temperature=0.0)),
-                    (_prompt(long - 40, vocab, 102), params(temperature=0.0))])
+        # the short prompt and the long one's first chunk fill the first step's budget; then the short one decodes
+        # beside the long one's later chunk
+        out.append([(_prompt(short, vocab, 101), params(temperature=0.0)),
+                    (_prompt(long - short, vocab, 102), params(temperature=0.0))])
     return out
 
 

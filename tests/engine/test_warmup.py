@@ -138,3 +138,17 @@ def test_gpu_warmup_at_load(tiny_dir):
             eng.shutdown()
             torch.cuda.empty_cache()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("max_model_len,budget", [(8, 32), (40, 32), (80, 32), (4096, 2048)])
+def test_warmup_groups_fit(tiny_dir, max_model_len, budget):
+    """Every warm-up prompt fits max_model_len with its new tokens and is not empty, whatever the limits."""
+    eng = _engine(tiny_dir, max_model_len=max_model_len, max_num_batched_tokens=budget)
+    try:
+        gs = wu.groups(eng)
+        assert len(gs) >= len(wu.SAMPLING)
+        for g in gs:
+            for prompt, sp in g:
+                assert 1 <= len(prompt) and len(prompt) + sp.max_tokens <= max_model_len, (len(prompt), sp)
+    finally:
+        eng.shutdown()
