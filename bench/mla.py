@@ -287,8 +287,8 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=
     """Each decode variant (decode.DECODE_VARIANTS) at each shape next to FlashInfer fa3: eager µs / TB/s (cache bytes
     only, L2 flushed, median), CUDA-graph µs, output vs FlashInfer
     (without it: vs a dense bf16 torch decode of the same pages). Each variant runs its own default schedule
-    (num_splits=None: the split heuristic with the variant's programs_per_sm). split_sweep: then split counts at B=1
-    S=128k. Rows print as they finish."""
+    (num_splits=None: the split heuristic with the variant's programs_per_sm). split_sweep: then split counts at every
+    shape (split_sweep_shape). Rows print as they finish."""
     variants = variants or dec.DECODE_VARIANTS
     res = {}  # (variant, B, S) -> seconds
     print("\n== decode variant sweep (eager, L2 flushed; µs / TB/s; graph µs) ==", flush=True)
@@ -380,19 +380,37 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=
 
     if not split_sweep:
         return
-    B, S = 1, max([s for b, s in shapes if b == 1] or [131072])
-    print(f"\n== B=1 S={S}: split count x variant (graph µs / TB/s) ==", flush=True)
+    for B, S in shapes:
+        split_sweep_shape(pool, nsm, variants, names, B, S)
+
+
+def split_candidates(B: int, S: int, default: int, nsm: int = 132) -> list:
+    """Split counts per sequence to time at B x S: around the default (its neighbours, half and double), and at B=1
+    fractions and multiples of the SM count; 1 (the direct path, no merge) always; distinct, <= MAX_SPLITS."""
+    if B == 1:
+        c = {nsm // 2, nsm, 3 * nsm // 2, 2 * nsm, 3 * nsm, default}
+    else:
+        c = {default - 1, default, default + 1, default // 2, 2 * default}
+    return sorted(x for x in c | {1} if 1 <= x <= dec.MAX_SPLITS)
+
+
+def split_sweep_shape(pool, nsm, variants, names, B, S):
+    """Graph µs / TB/s of the decode at B x S per split count (split_candidates; "*" marks the default): the merge's
+    fixed cost against the balance of the units (issue 5 at B >= 64, S = 8k)."""
     bt, sl = pool.tables(B, S)
     q = torch.randn(B, H, L, device="cuda").to(DT)
     qp = torch.randn(B, H, R, device="cuda").to(DT)
     out = torch.empty(B, H, L, dtype=DT, device="cuda")
+    print(f"\n== B={B} S={S}: split count x variant (graph µs / TB/s) ==", flush=True)
     for name in [n for n in ("base", "ls n64 w4", "ls n64 w4 p16") if n in variants] or names[:1]:
+        cfg = variants[name]
+        default = default_num_splits(B, bt.shape[1], BS, H, nsm, cfg.get("programs_per_sm", 1))
         line = f"{name:<16}"
-        for ns in (66, 132, 198, 264, 396):
+        for ns in split_candidates(B, S, default, nsm):
             try:
                 tg = bench_graph(lambda: mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, num_splits=ns, out=out,
-                                                           min_split_tokens=64, config=variants[name]))
-                line += f"  {ns}: {tg * 1e6:.1f} us {B * S * ROW_BYTES / tg / 1e12:.2f}"
+                                                           min_split_tokens=64, config=cfg))
+                line += f"  {ns}{'*' if ns == default else ''}: {tg * 1e6:.1f} us {B * S * ROW_BYTES / tg / 1e12:.2f}"
             except Exception as e:  # noqa: BLE001
                 line += f"  {ns}: {type(e).__name__}"
         print(line, flush=True)
@@ -620,7 +638,7 @@ def main():
                     + ",".join(f"{b}x{s}" for b, s in SWEEP_SHAPES) + ")")
     ap.add_argument("--check-only", action="store_true", help="only the device check of the decode default and "
                     "--variants (tiny GPU repro: wrong variants print WRONG)")
-    ap.add_argument("--split-sweep", action="store_true", help="with --sweep-decode: split counts at B=1 S=128k too")
+    ap.add_argument("--split-sweep", action="store_true", help="with --sweep-decode: split counts at every shape too")
     ap.add_argument("--b1-chain", action="store_true", help="only the unfused vs fused decode chain of one MLA layer "
                     "(mla_decode_prep + mla_decode(w_uv=)) at B 1/8, S 1k/8k, CUDA graphs")
     ap.add_argument("--variants", help="with --sweep-decode: comma-separated DECODE_VARIANTS names (default: all)")

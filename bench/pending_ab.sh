@@ -11,9 +11,12 @@
 #            min_p 0.01 rows) with and without it, interleaved, two processes each way. Adopt (default on) only if both
 #            sampled rows gain in both pairs and the greedy rows stay within the spread. Each e2e run also times the
 #            load-time warm-up twice (--warmup: the first run's #1 compiles what the machine's Triton cache lacks).
+#   splits:  bench/mla.py --decode-only --sweep-decode --split-sweep at B = 64 / 128, S = 8k beside FlashInfer (graph
+#            us per split count around the default: is the merge's fixed cost or the units' balance what is left of
+#            issue 5's 0.82x there?).
 #   ncu:     bash bench/ncu.sh decode-b1 mla64x8k mla64x8k-fi on the H200 (the b1 step's kernels' DRAM efficiency;
 #            MLA at B=64 S=8k where it matters, issue 5: 0.82x FlashInfer there against 0.915x on the H100).
-# Usage: bash bench/pending_ab.sh [tests|nucleus|ncu|all] [total seconds]
+# Usage: bash bench/pending_ab.sh [tests|nucleus|splits|ncu|all] [total seconds]
 set -u
 what=${1:-all}
 total=${2:-560}
@@ -47,6 +50,10 @@ if has nucleus; then
     done
   done
 fi
+if has splits && [ "$(left)" -gt 90 ]; then
+  timeout "$(( $(left) < 150 ? $(left) : 150 ))" python3 bench/mla.py --decode-only --sweep-decode --split-sweep \
+    --shapes 64x8192,128x8192,1x131072 --variants "ls+n64+w4" > "$OUT/mla_splits.log" 2>&1; step "mla splits" $?
+fi
 if has ncu && [ "$(left)" -gt 120 ]; then
   OUT="$OUT" timeout "$(left)" bash bench/ncu.sh decode-b1 mla64x8k mla64x8k-fi > "$OUT/ncu.log" 2>&1
   step ncu $?
@@ -54,5 +61,6 @@ fi
 [ -f "$OUT/gpu_tests.log" ] && { echo "=== gpu tests"; tail -n 5 "$OUT/gpu_tests.log"; }
 [ -f "$OUT/sampling.log" ] && { echo "=== sampling"; tail -c 2500 "$OUT/sampling.log"; }
 for f in "$OUT"/e2e_nucleus*.log; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| decode|warm-up|Error|error" "$f"; }; done
+[ -f "$OUT/mla_splits.log" ] && { echo "=== mla splits"; grep -E "^B=|^ls|^\\|" "$OUT/mla_splits.log" | tail -30; }
 [ -f "$OUT/ncu_summary.txt" ] && { echo "=== ncu"; grep -E "^===|rc |Duration|DRAM Throughput" "$OUT/ncu_summary.txt" | head -60; }
 cat "$OUT/steps.txt"
