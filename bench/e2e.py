@@ -751,6 +751,8 @@ def main():
     ap.add_argument("--decode-batches", default="1,8,64")
     ap.add_argument("--decode-context", type=int, default=1024, help="prompt tokens before decoding")
     ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--sampled-batches", default="", help="batches of the sampled decode rows (T0.6 top_p 0.95 min_p "
+                    "0.01; default: the largest decode batch only)")
     ap.add_argument("--prefill", default="1024,8192,32768")
     ap.add_argument("--multi-turn", default="", help="history lengths H: time to first token of a next chat turn "
                     "(H history tokens + --turn-tokens new ones) from scratch and after the H-token prompt was cached "
@@ -794,6 +796,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: runs every code path (testing this file)")
     args = ap.parse_args()
     args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
+    args.sampled_batches = [int(x) for x in args.sampled_batches.split(",") if x]
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
     args.grammar_threads = [int(x) for x in args.grammar_threads.split(",") if x]
     args.multi_turn = [int(x) for x in args.multi_turn.split(",") if x]
@@ -868,7 +871,8 @@ def main():
     sampled = SamplingParams(temperature=0.6, top_p=0.95, min_p=0.01, ignore_eos=True,
                              max_tokens=args.decode_steps + 32)
     runs = [(b, greedy, f"decode b{b} ctx{args.decode_context} greedy") for b in args.decode_batches]
-    runs.append((max_bs, sampled, f"decode b{max_bs} ctx{args.decode_context} T0.6 top_p0.95 min_p0.01"))
+    runs += [(b, sampled, f"decode b{b} ctx{args.decode_context} T0.6 top_p0.95 min_p0.01")
+             for b in (args.sampled_batches or [max_bs]) if b <= max_bs]
     for b, params, name in runs:
         sps, unique = bench_decode(engine, b, args.decode_context, args.decode_steps, params, args.tap)
         sol = roof.decode(b, ctx, args.bw, peak, unique)

@@ -45,8 +45,8 @@ if has nucleus; then
   for i in 1 2; do
     for n in 0 1; do
       [ "$(left)" -gt 70 ] || break
-      KIMI_SAMPLER_NUCLEUS=$n timeout "$(left)" python3 bench/e2e.py --decode-batches 1,64 --prefill "" \
-        --hf-batches "" --warmup > "$OUT/e2e_nucleus${n}_$i.log" 2>&1; step "e2e nucleus=$n #$i" $?
+      KIMI_SAMPLER_NUCLEUS=$n timeout "$(left)" python3 bench/e2e.py --decode-batches 1,64 --sampled-batches 1,64 \
+        --prefill "" --hf-batches "" --warmup > "$OUT/e2e_nucleus${n}_$i.log" 2>&1; step "e2e nucleus=$n #$i" $?
     done
   done
 fi
