@@ -112,30 +112,34 @@ def test_bucket_rule(engines):
 
 
 def test_padded_step_through_the_triton_kernels(tiny_dir, monkeypatch):
-    """The same under the Triton interpreter (kernels._dispatch forced to Triton on CPU tensors): two prompts in one
-    graphed step, padded to the 256 bucket (the padding sequence runs the KDA chunk, conv, MLA and MoE kernels on
-    the null slot and page), then a prompt of exactly 256 tokens (the bucket with an EMPTY padding sequence), give
-    the eager engine's tokens. The MLA runs the expanded form, as CUDA does for every bucket (its key gather sized by
-    the bucket: ForwardBatch.prefill_keys). The graphed steps never sync (a capture would fail on it)."""
+    """The same under the Triton interpreter (kernels._dispatch forced to Triton on CPU tensors), with buckets of 64
+    and 128 tokens (the interpreter's time; the real ones start at 256): two prompts in one graphed step, padded to
+    the 128 bucket (the padding sequence, a partial KDA chunk, runs the KDA chunk, conv, MLA and MoE kernels on the
+    null slot and page), then a prompt of exactly 64 tokens (the bucket with an EMPTY padding sequence), give the
+    eager engine's tokens. The MLA runs the expanded form, as CUDA does for every bucket (its key gather sized by the
+    bucket: ForwardBatch.prefill_keys). The graphed steps never sync (a capture would fail on it)."""
+    import backend.engine.prefill_graphs as pgm
     import kernels._dispatch as d
     from backend.model import kimi_linear
 
     monkeypatch.setattr(d, "_FORCE", "triton")
+    monkeypatch.setattr(pgm, "SIZES", (64, 128))
     monkeypatch.setitem(kimi_linear.MLA_EXPANDED_MIN_TOKENS, "cpu", 1)
     kw = dict(max_num_batched_tokens=300, max_model_len=300, num_blocks=40)
-    eager, eng = make_engine(tiny_dir, **kw), with_prefill_graphs(make_engine(tiny_dir, **kw), 256, 2)
+    eager, eng = make_engine(tiny_dir, **kw), with_prefill_graphs(make_engine(tiny_dir, **kw), 128, 2)
     try:
         pg = eng.runner.prefill_graphs
+        assert pg.sizes == [64, 128]
         fills = record_fills(pg)
         prompts = [list(range(3, 70)), [11, 12, 13] * 9]
         sp = SamplingParams(max_tokens=3, **GREEDY)
         want = [collect(s)[0] for s in [eager.add_request(p, sp) for p in prompts]]
         got = [collect(s)[0] for s in [eng.add_request(p, sp) for p in prompts]]
-        exact = [(i * 7) % 97 + 3 for i in range(256)]
+        exact = [(i * 7) % 97 + 3 for i in range(64)]
         want.append(collect(eager.add_request(exact, sp))[0])
         got.append(collect(eng.add_request(exact, sp))[0])
         assert got == want and pg.replays >= 2
-        assert (256, 256) in fills and any(t < tb for tb, t in fills), fills   # the exact fit, and a padded step
+        assert (64, 64) in fills and (128, 94) in fills, fills   # the exact fit, and the padded step
         assert eng.runner.prefill_graphs.syncs == 0
         assert_pools_full(eng)
     finally:
