@@ -836,7 +836,8 @@ def main():
     hf_rows = run_hf(args, model, cfg_dict, dev, dtype) if args.hf_dir else []
 
     # Score's candidates run side by side: one sequence each
-    max_bs = max(args.decode_batches + ([args.score_candidates] if args.score else []), default=1)
+    max_bs = max(args.decode_batches + args.sampled_batches + ([args.score_candidates] if args.score else []),
+                 default=1)
     max_len = max(args.prefill + [h + args.turn_tokens + 8 for h in args.multi_turn]
                   + [n + args.score_tokens for n in args.score] + [
                                   args.decode_context + args.decode_steps + 64,
@@ -872,7 +873,7 @@ def main():
                              max_tokens=args.decode_steps + 32)
     runs = [(b, greedy, f"decode b{b} ctx{args.decode_context} greedy") for b in args.decode_batches]
     runs += [(b, sampled, f"decode b{b} ctx{args.decode_context} T0.6 top_p0.95 min_p0.01")
-             for b in (args.sampled_batches or [max_bs]) if b <= max_bs]
+             for b in (args.sampled_batches or [max_bs])]
     for b, params, name in runs:
         sps, unique = bench_decode(engine, b, args.decode_context, args.decode_steps, params, args.tap)
         sol = roof.decode(b, ctx, args.bw, peak, unique)

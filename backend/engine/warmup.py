@@ -80,14 +80,15 @@ def warmup(engine) -> float:
     assert not engine._thread.is_alive(), "warm up before the engine thread starts"
     t0 = time.monotonic()
     rng_state = engine._rng.getstate()
+    todo = groups(engine)
     try:
-        for group in groups(engine):
+        for group in todo:
             _run_group(engine, group)
     finally:
         engine._rng.setstate(rng_state)
     _reset(engine)
     dt = time.monotonic() - t0
-    log.info("warm-up: %d requests in %.1f s", sum(len(g) for g in groups(engine)), dt)
+    log.info("warm-up: %d requests in %.1f s", sum(len(g) for g in todo), dt)
     return dt
 
 
