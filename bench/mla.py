@@ -384,8 +384,8 @@ def sweep_decode(pool, fi, nsm, variants=None, shapes=SWEEP_SHAPES, split_sweep=
         split_sweep_shape(pool, nsm, variants, names, B, S)
 
 
-def split_candidates(B: int, S: int, default: int, nsm: int = 132) -> list:
-    """Split counts per sequence to time at B x S: around the default (its neighbours, half and double), and at B=1
+def split_candidates(B: int, default: int, nsm: int = 132) -> list:
+    """Split counts per sequence to time at batch B: around the default (its neighbours, half and double), and at B=1
     fractions and multiples of the SM count; 1 (the direct path, no merge) always; distinct, <= MAX_SPLITS."""
     if B == 1:
         c = {nsm // 2, nsm, 3 * nsm // 2, 2 * nsm, 3 * nsm, default}
@@ -406,7 +406,7 @@ def split_sweep_shape(pool, nsm, variants, names, B, S):
         cfg = variants[name]
         default = default_num_splits(B, bt.shape[1], BS, H, nsm, cfg.get("programs_per_sm", 1))
         line = f"{name:<16}"
-        for ns in split_candidates(B, S, default, nsm):
+        for ns in split_candidates(B, default, nsm):
             try:
                 tg = bench_graph(lambda: mla_decode_triton(q, qp, pool.cache, bt, sl, SCALE, num_splits=ns, out=out,
                                                            min_split_tokens=64, config=cfg))
