@@ -14,7 +14,7 @@
 #   splits:  bench/mla.py --decode-only --sweep-decode --split-sweep at B = 64 / 128, S = 8k beside FlashInfer (graph
 #            us per split count around the default: is the merge's fixed cost or the units' balance what is left of
 #            issue 5's 0.82x there?).
-#   ncu:     bash bench/ncu.sh decode-b1 mla64x8k mla64x8k-fi on the H200 (the b1 step's kernels' DRAM efficiency;
+#   ncu:     bash bench/ncu.sh decode-b1 mla64x8k mla64x8k-fi mla1x128k mla1x128k-fi on the H200 (the b1 step's kernels' DRAM efficiency;
 #            MLA at B=64 S=8k where it matters, issue 5: 0.82x FlashInfer there against 0.915x on the H100).
 # Usage: bash bench/pending_ab.sh [tests|nucleus|splits|ncu|all] [total seconds]
 set -u
@@ -60,7 +60,7 @@ if has splits && [ "$(left)" -gt 90 ]; then
     --shapes 64x8192,128x8192,1x131072 --variants "ls+n64+w4" > "$OUT/mla_splits.log" 2>&1; step "mla splits" $?
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then
-  OUT="$OUT" timeout "$(left)" bash bench/ncu.sh decode-b1 mla64x8k mla64x8k-fi > "$OUT/ncu.log" 2>&1
+  OUT="$OUT" timeout "$(left)" bash bench/ncu.sh decode-b1 mla64x8k mla64x8k-fi mla1x128k mla1x128k-fi > "$OUT/ncu.log" 2>&1
   step ncu $?
 fi
 [ -f "$OUT/gpu_tests.log" ] && { echo "=== gpu tests"; tail -n 5 "$OUT/gpu_tests.log"; }
