@@ -14,8 +14,9 @@
 #   splits:  bench/mla.py --decode-only --sweep-decode --split-sweep at B = 64 / 128, S = 8k beside FlashInfer (graph
 #            us per split count around the default: is the merge's fixed cost or the units' balance what is left of
 #            issue 5's 0.82x there?).
-#   ncu:     bash bench/ncu.sh decode-b1 mla64x8k mla64x8k-fi mla1x128k mla1x128k-fi on the H200 (the b1 step's kernels' DRAM efficiency;
-#            MLA at B=64 S=8k where it matters, issue 5: 0.82x FlashInfer there against 0.915x on the H100).
+#   ncu:     bash bench/ncu.sh decode-b1 mla64x8k mla64x8k-fi mla1x128k mla1x128k-fi on the H200 (the b1 step's
+#            kernels' DRAM efficiency; MLA at B=64 S=8k where it matters, issue 5: 0.82x FlashInfer there against 0.915x
+#            on the H100; B=1 S=128k, the other target).
 # Usage: bash bench/pending_ab.sh [tests|nucleus|splits|ncu|all] [total seconds]
 set -u
 what=${1:-all}
