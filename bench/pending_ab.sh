@@ -17,7 +17,7 @@
 #   ncu:     bash bench/ncu.sh decode-b1 mla64x8k mla64x8k-fi mla1x128k mla1x128k-fi on the H200 (the b1 step's
 #            kernels' DRAM efficiency; MLA at B=64 S=8k where it matters, issue 5: 0.82x FlashInfer there against 0.915x
 #            on the H100; B=1 S=128k, the other target).
-# Usage: bash bench/pending_ab.sh [tests|nucleus|splits|ncu|all] [total seconds]
+# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|splits|ncu|short|all] [total seconds]
 set -u
 what=${1:-all}
 total=${2:-560}
@@ -38,16 +38,19 @@ echo "e2e layers $layers (GPU memory ${mem} MiB)" | tee -a "$OUT/gpu.txt"
 t0=$(date +%s)
 left() { echo $(( total - ($(date +%s) - t0) )); }
 step() { echo "$1 rc $2 at $(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"; }
-has() { [ "$what" = "$1" ] || [ "$what" = all ]; }
+# short (little device time left): the GPU tests, bench/sampling.py and the split sweep, no e2e and no ncu
+has() { [ "$what" = "$1" ] || [ "$what" = all ] || { [ "$what" = short ] && case $1 in tests|sampling|splits) true;; *) false;; esac; }; }
 if has tests; then
   timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=150 \
     tests/kernels/test_sampling.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_fused_decode.py \
     tests/engine/test_warmup.py \
     > "$OUT/gpu_tests.log" 2>&1; step "gpu tests" $?
 fi
-if has nucleus; then
+if has nucleus || has sampling; then
   timeout "$(( $(left) < 90 ? $(left) : 90 ))" python3 bench/sampling.py --m 1,8,64 --sampled-only \
     > "$OUT/sampling.log" 2>&1; step sampling $?
+fi
+if has nucleus; then
   for i in 1 2; do
     for n in 0 1; do
       [ "$(left)" -gt 70 ] || break
