@@ -213,13 +213,9 @@ def test_gpu_decode_graph(variant, lens):
 def test_bench_split_candidates():
     """bench/mla.py --split-sweep's split counts: around the default (half, neighbours, double) and 1, at B = 1 also
     fractions and multiples of the SM count, never above MAX_SPLITS."""
-    import importlib.util
-    import pathlib
+    from tests.bench_module import load_bench
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "mla.py"
-    spec = importlib.util.spec_from_file_location("bench_mla", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("mla")
     assert bench.split_candidates(64, 4) == [1, 2, 3, 4, 5, 8]
     assert bench.split_candidates(128, 2) == [1, 2, 3, 4]
     assert bench.split_candidates(1, 256, 132) == [1, 66, 132, 198, 256]

@@ -691,15 +691,11 @@ def test_kimi_fused_moe_cuda_graph(T):
 def test_kimi_decode_configs_gpu(T):
     """The --sweep-decode candidates at Kimi shapes (E = 257 with the folded shared expert): ragged balanced N tiles,
     BK 256, GEMM2 split-K; vs the fp32 reference, and bit-identical when run again."""
-    import importlib.util
-
     from kernels._tensors import num_sms
     from kernels.moe.fused import expected_blocks, fused_moe_triton
+    from tests.bench_module import load_bench
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_moe", os.path.join(os.path.dirname(__file__), "..", "..", "bench", "moe.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("moe")
     D, I, E, k = KIMI["D"], KIMI["I"], KIMI["E"] + 1, KIMI["k"] + 1
     x, w13, w2, _, _ = make_moe(T, D, I, E, k, torch.bfloat16, "cuda", ids=torch.zeros(T, k, dtype=torch.long))
     g = (torch.randn(E - 1, D, device="cuda") / D**0.5).to(torch.bfloat16)
