@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What is built and tested here but not yet run on a GPU, as one device-tool call (~8 min on an H200; carry [".whl"],
-# built by `bash bench/wheels.sh`; on an H100 bench/e2e.py runs 16 layers). Logs go to $OUT (or ./.out).
+# built by `bash bench/wheels.sh`; on an H100 bench/e2e.py runs 16 layers and ncu skips decode-b1). Logs: $OUT (or ./.out).
 #   tests:   the GPU tests of what changed since the last device run: the sampler's nucleus check
 #            (tests/kernels/test_sampling.py, Kimi's vocabulary included) and the MLA decode after its losing variants
 #            were removed (tests/kernels/test_mla_decode.py, test_mla_fused_decode.py; offline PTX unchanged), and the
@@ -28,25 +28,34 @@ if [ -d .whl ]; then
   if [ -f .whl/flashinfer-trim.tar.xz ]; then tar -xJf .whl/flashinfer-trim.tar.xz -C /tmp/site; fi
 fi
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+gpu=$(nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader,nounits | head -n 1)
+echo "$gpu" | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-# bench/e2e.py's 27 layers need ~91.5 GiB: on a smaller card (an H100) the nucleus A/B runs the first 16 layers (the
-# sampler's cost per step is the same; compare its µs per step, not the % of speed of light)
-mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-layers=27; [ "${mem:-0}" -lt 100000 ] && layers=16
+# The full-size model (bench/e2e.py's 27 layers, ncu's decode-b1) needs ~91.5 GiB. On a smaller card (an H100) the
+# nucleus A/B runs the first 16 layers (the sampler's cost per step is the same: compare its µs per step, not the % of
+# speed of light) and ncu leaves decode-b1 out.
+mem=$(echo "$gpu" | cut -d, -f2 | tr -d ' ')
+layers=27; b1=decode-b1
+if [ "${mem:-0}" -lt 100000 ]; then layers=16; b1=; fi
 echo "e2e layers $layers (GPU memory ${mem} MiB)" | tee -a "$OUT/gpu.txt"
 t0=$(date +%s)
 left() { echo $(( total - ($(date +%s) - t0) )); }
 step() { echo "$1 rc $2 at $(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"; }
-# short (little device time left): the GPU tests, bench/sampling.py and the split sweep, no e2e and no ncu
-has() { [ "$what" = "$1" ] || [ "$what" = all ] || { [ "$what" = short ] && case $1 in tests|sampling|splits) true;; *) false;; esac; }; }
+# the parts to run; short (little device time left): the GPU tests, bench/sampling.py and the split sweep
+case $what in
+  all) parts="tests sampling nucleus splits ncu" ;;
+  short) parts="tests sampling splits" ;;
+  nucleus) parts="sampling nucleus" ;;
+  *) parts=$what ;;
+esac
+has() { case " $parts " in *" $1 "*) true ;; *) false ;; esac; }
 if has tests; then
   timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=150 \
     tests/kernels/test_sampling.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_fused_decode.py \
     tests/engine/test_warmup.py \
     > "$OUT/gpu_tests.log" 2>&1; step "gpu tests" $?
 fi
-if has nucleus || has sampling; then
+if has sampling; then
   timeout "$(( $(left) < 90 ? $(left) : 90 ))" python3 bench/sampling.py --m 1,8,64 --sampled-only \
     > "$OUT/sampling.log" 2>&1; step sampling $?
 fi
@@ -54,8 +63,9 @@ if has nucleus; then
   for i in 1 2; do
     for n in 0 1; do
       [ "$(left)" -gt 70 ] || break
-      KIMI_SAMPLER_NUCLEUS=$n timeout "$(left)" python3 bench/e2e.py --layers "$layers" --decode-batches 1,64 --sampled-batches 1,64 \
-        --prefill "" --hf-batches "" --warmup > "$OUT/e2e_nucleus${n}_$i.log" 2>&1; step "e2e nucleus=$n #$i" $?
+      KIMI_SAMPLER_NUCLEUS=$n timeout "$(left)" python3 bench/e2e.py --layers "$layers" --decode-batches 1,64 \
+        --sampled-batches 1,64 --prefill "" --hf-batches "" --warmup > "$OUT/e2e_nucleus${n}_$i.log" 2>&1
+      step "e2e nucleus=$n #$i" $?
     done
   done
 fi
@@ -64,7 +74,8 @@ if has splits && [ "$(left)" -gt 90 ]; then
     --shapes 64x8192,128x8192,1x131072 --variants "ls+n64+w4" > "$OUT/mla_splits.log" 2>&1; step "mla splits" $?
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then
-  OUT="$OUT" timeout "$(left)" bash bench/ncu.sh decode-b1 mla64x8k mla64x8k-fi mla1x128k mla1x128k-fi > "$OUT/ncu.log" 2>&1
+  # shellcheck disable=SC2086
+  OUT="$OUT" timeout "$(left)" bash bench/ncu.sh $b1 mla64x8k mla64x8k-fi mla1x128k mla1x128k-fi > "$OUT/ncu.log" 2>&1
   step ncu $?
 fi
 [ -f "$OUT/gpu_tests.log" ] && { echo "=== gpu tests"; tail -n 5 "$OUT/gpu_tests.log"; }
