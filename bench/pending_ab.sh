@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What is built and tested here but not yet run on a GPU, as one device-tool call (~8 min on an H200; carry [".whl"],
-# built by `bash bench/wheels.sh`; on an H100 bench/e2e.py runs 16 layers and ncu skips decode-b1). Logs: $OUT (or ./.out).
+# built by `bash bench/wheels.sh`; on an H100 bench/e2e.py runs 16 layers and ncu skips decode-b1). Logs: $OUT.
+# (Logs go to ./.out without $OUT.)
 #   tests:   the GPU tests of what changed since the last device run: the sampler's nucleus check
 #            (tests/kernels/test_sampling.py, Kimi's vocabulary included) and the MLA decode after its losing variants
 #            were removed (tests/kernels/test_mla_decode.py, test_mla_fused_decode.py; offline PTX unchanged), and the
