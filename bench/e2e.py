@@ -181,6 +181,14 @@ def sync():
         torch.cuda.synchronize()
 
 
+# datasheet HBM bandwidth by card name (the speed of light's bytes / s); others (and the CPU smoke run) get the H200's
+HBM_BANDWIDTH = (("H200", 4.8e12), ("H100", 3.35e12), ("GB10", 0.273e12))
+
+
+def hbm_bandwidth(name: str) -> float:
+    return next((bw for key, bw in HBM_BANDWIDTH if key in name), 4.8e12)
+
+
 def matmul_peak(device) -> float:
     m = 8192 if device.type == "cuda" else 512
     a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
@@ -778,7 +786,8 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--bw", type=float, default=4.8e12, help="HBM bytes/s for the decode speed of light")
+    ap.add_argument("--bw", type=float, default=None,
+                    help="HBM bytes/s for the speed of light (default: the card's datasheet figure, hbm_bandwidth)")
     ap.add_argument("--hf-dir", default="", help="folder holding the official remote code (modeling_kimi.py, "
                     "configuration_kimi.py; e.g. .hf/kimi-linear): runs the HF transformers + fla baseline on the same "
                     "random weights first (bench/hf_baseline.py)")
@@ -825,6 +834,8 @@ def main():
     print(f"device: {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
 
     peak = matmul_peak(dev)
+    if args.bw is None:
+        args.bw = hbm_bandwidth(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "")
     print(f"measured bf16 matmul peak: {peak / 1e12:.0f} TFLOP/s; HBM bandwidth assumed {args.bw / 1e12:.1f} TB/s")
     args.tap = RouterTap()  # before the graphs are captured; counts nothing until switched on
     t = time.perf_counter()

@@ -2,16 +2,16 @@
 # What is built and tested here but not yet run on a GPU, as one device-tool call (~8 min on an H200; carry [".whl"],
 # built by `bash bench/wheels.sh`; on an H100 bench/e2e.py runs 16 layers and ncu skips decode-b1). Logs: $OUT.
 # (Logs go to ./.out without $OUT.)
-#   tests:   the GPU tests of what changed since the last device run: the sampler's nucleus check
-#            (tests/kernels/test_sampling.py, Kimi's vocabulary included) and the MLA decode after its losing variants
-#            were removed (tests/kernels/test_mla_decode.py, test_mla_fused_decode.py; offline PTX unchanged), and the
-#            load-time warm-up (tests/engine/test_warmup.py).
-#   nucleus: KIMI_SAMPLER_NUCLEUS=1 (kernels/sampling.py NUCLEUS: three (row, block) launches settle most sampled rows
-#            before the one-program-per-row kernel), first bench/sampling.py --sampled-only (graph us of ours, ours
-#            with the check, torch; token agreement), then bench/e2e.py at batch 1 and 64 (greedy + T0.6 top_p 0.95
-#            min_p 0.01 rows) with and without it, interleaved, two processes each way. Adopt (default on) only if both
-#            sampled rows gain in both pairs and the greedy rows stay within the spread. Each e2e run also times the
-#            load-time warm-up twice (--warmup: the first run's #1 compiles what the machine's Triton cache lacks).
+#   tests:   GPU tests: the sampler (tests/kernels/test_sampling.py, Kimi's vocabulary, with and without the nucleus
+#            check), the MLA decode (test_mla_decode.py, test_mla_fused_decode.py) and the load-time warm-up
+#            (tests/engine/test_warmup.py); `nucleus` mode runs test_sampling.py alone.
+#   nucleus: KIMI_SAMPLER_NUCLEUS=1 (kernels/sampling.py NUCLEUS: three (row, block) launches settle a sampled row when
+#            one of the min-p survivors' NUC_R = 4 best race keys is clearly inside top-p, before the one-program-per-
+#            row kernel), first bench/sampling.py --sampled-only (graph us of ours, ours with the check, torch; token
+#            agreement), then bench/e2e.py at batch 1 and 64 (greedy + T0.6 top_p 0.95 min_p 0.01 rows) with and
+#            without it, interleaved, two processes each way. Adopt (default on) only if both sampled rows gain in
+#            both pairs and the greedy rows stay within the spread. (The first form, one candidate, gained at b1 and
+#            not at b64 on the H100: BENCHMARKS.md, twenty-seventh round.)
 #   splits:  bench/mla.py --decode-only --sweep-decode --split-sweep at B = 64 / 128, S = 8k beside FlashInfer (graph
 #            us per split count around the default: is the merge's fixed cost or the units' balance what is left of
 #            issue 5's 0.82x there?).
@@ -46,18 +46,20 @@ step() { echo "$1 rc $2 at $(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"; 
 case $what in
   all) parts="tests sampling nucleus splits ncu" ;;
   short) parts="tests sampling splits" ;;
-  nucleus) parts="sampling nucleus" ;;
+  nucleus) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=150 ;;
   *) parts=$what ;;
 esac
+tests=${tests:-tests/kernels/test_sampling.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_fused_decode.py \
+  tests/engine/test_warmup.py}
+samp_s=${samp_s:-90}
 has() { case " $parts " in *" $1 "*) true ;; *) false ;; esac; }
 if has tests; then
+  # shellcheck disable=SC2086
   timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=150 \
-    tests/kernels/test_sampling.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_fused_decode.py \
-    tests/engine/test_warmup.py \
-    > "$OUT/gpu_tests.log" 2>&1; step "gpu tests" $?
+    $tests > "$OUT/gpu_tests.log" 2>&1; step "gpu tests" $?
 fi
 if has sampling; then
-  timeout "$(( $(left) < 90 ? $(left) : 90 ))" python3 bench/sampling.py --m 1,8,64 --sampled-only \
+  timeout "$(( $(left) < samp_s ? $(left) : samp_s ))" python3 bench/sampling.py --m 1,8,64 --sampled-only \
     > "$OUT/sampling.log" 2>&1; step sampling $?
 fi
 if has nucleus; then

@@ -47,10 +47,12 @@ from triton.language.extra import libdevice
 
 from kernels._tensors import cdiv, next_pow2, workspace
 
-# NUCLEUS = 1 (A/B, NOT TIMED YET, session 24; KIMI_SAMPLER_NUCLEUS=1): the nucleus check (three (row, block) launches,
-# see _nuc_accept) settles most rows before the row kernel, which then runs only the rest. Why: one program per row
-# takes 266 us for one flat Kimi row on the H200 (BENCHMARKS.md, sixth round: M = 1, logit scale 1; the sampled b1
-# decode step is 2.48 ms against 2.22 greedy, twenty-fourth round), as the whole row's passes run on one SM.
+# NUCLEUS = 1 (A/B, KIMI_SAMPLER_NUCLEUS=1): the nucleus check (three (row, block) launches, see _nuc_accept) settles
+# most rows before the row kernel, which then runs only the rest. Why: one program per row takes 266 us for one flat
+# Kimi row on the H200 (BENCHMARKS.md, sixth round: M = 1, logit scale 1), as the whole row's passes run on one SM, and
+# one slow row sets the launch's time. Its first form (one candidate, the min-p race winner) took the sampled b1 step
+# from 307 to 46 us of sampler on the H100 but left a row of almost every b64 step to the row kernel (twenty-seventh
+# round); the NUC_R-candidate walk is not timed yet.
 NUCLEUS = os.environ.get("KIMI_SAMPLER_NUCLEUS", "0") == "1"
 GCAP = 16384      # candidates kept in the workspace per row (64 rows: 8 MB)
 RCAP = 1024       # bracket size resolved in registers (sorted)
@@ -241,32 +243,51 @@ def _select(xrow, g_row, gi_row, r_row, n, t, cut, m, compact, lo, hi, c_lo, c_h
 
 
 # --- the nucleus check (NUCLEUS): three launches of (row, block) programs before the row kernel, so that a row's
-# passes over the vocabulary run on NB blocks instead of one program. The race winner w over the min-p survivors
-# {x >= cut} (argmax exp(x - m) / E, first max, as the row kernel) is the winner over the final kept set whenever w
-# is kept, because the kept set lies inside the survivors. w is kept iff mass(x > x_w) < top_p S (S the survivors'
-# mass; the row kernel's rule, ties kept together) and count(x > x_w) < top_k; so the row kernel is left only the
-# rows where that fails (a row's chance is about 1 - top_p) or is within NUC_MARGIN of the boundary (the two kernels
-# sum the masses in different orders), and rows with top-k AND top-p active (top-p's S is then the top-k set's).
-# Partials, per row and block (NBP columns each): [max raw | S | n | q | w | A | C], fp32 / int32 bits.
+# passes over the vocabulary run on NB blocks instead of one program. The race winner over the final kept set K is the
+# best race key q = exp(x - m) / E among K, and K lies inside the min-p survivors {x >= cut}. So walk the survivors'
+# NUC_R best keys c_0, c_1, ... (q descending, token ascending on equal q: the row kernel's first max): the first c_i
+# that is kept is the answer, because every token with a better key is an earlier c_j, all dropped. c is kept iff
+# mass(x > x_c) < top_p S (S the survivors' mass; the row kernel's rule, ties kept together) and count(x > x_c) < top_k.
+# The row kernel is left only the rows where all NUC_R are dropped (a row's chance is about (1 - top_p)^NUC_R), where
+# the walk meets a c_i within NUC_MARGIN of the top-p boundary (the kernels sum the masses in different orders), and
+# rows with top-k AND top-p active (top-p's S is then the top-k set's).
+# Partials, per row and block (NBP columns each): [max raw | S | n | q x R | token x R | A x R | C x R], fp32 / int32
+# bits; q / token: the block's R best keys (-1: none), A / C: mass / count of the survivors better than each c_i.
 NUC_BLOCK = 2048
+NUC_R_N = 4
+NUC_R = tl.constexpr(NUC_R_N)
 NUC_MARGIN_F = 1e-4
-# accept only if A < top_p S (1 - NUC_MARGIN): fp32 sums of <= V terms, in either order, differ by far less (~log2(V)
-# ulps per tree, ~V / BLOCK ulps across tiles)
+# kept only if A < top_p S (1 - NUC_MARGIN), dropped only if A >= top_p S (1 + NUC_MARGIN): fp32 sums of <= V terms,
+# in either order, differ by far less (~log2(V) ulps per tree, ~V / BLOCK ulps across tiles)
 NUC_MARGIN = tl.constexpr(NUC_MARGIN_F)
-NUC_PARTS_N = 7
+NUC_PARTS_N = 3 + 4 * NUC_R_N
 NUC_PARTS = tl.constexpr(NUC_PARTS_N)
+NUC_ROWS = {"q": 3, "id": 3 + NUC_R_N, "a": 3 + 2 * NUC_R_N, "c": 3 + 3 * NUC_R_N}   # first partial row of each
+NUC_Q, NUC_ID, NUC_A, NUC_C = (tl.constexpr(NUC_ROWS[k]) for k in ("q", "id", "a", "c"))
 
 
 @triton.jit
-def _nuc_winner(nuc_ptr, rowl, NB, NBP: tl.constexpr):
-    """(best key, token w) of the row: the first block holding the largest key (blocks ascend in token order)."""
+def _nuc_candidates(nuc_ptr, rowl, NB, NBP: tl.constexpr, R: tl.constexpr):
+    """The row's R best race keys over its blocks' partials -> (q [R], token [R]): q descending, the smaller token
+    first on equal q (q < 0: no such survivor). Each block's R best hold the row's R best."""
+    r = tl.arange(0, R)
     j = tl.arange(0, NBP)
     base = nuc_ptr + rowl * NUC_PARTS * NBP
-    q = tl.load(base + 3 * NBP + j, mask=j < NB, other=-2.0)
-    qm = tl.max(q, axis=0)
-    jb = tl.min(tl.where(q == qm, j, NBP), axis=0)
-    w = tl.load((base + 4 * NBP + jb).to(tl.pointer_type(tl.int32), bitcast=True))
-    return qm, w
+    ib = base.to(tl.pointer_type(tl.int32), bitcast=True)
+    o = r[:, None] * NBP + j[None, :]                                   # [R, NBP] position of each entry
+    m = (j < NB)[None, :] & (r >= 0)[:, None]
+    q = tl.load(base + NUC_Q * NBP + o, mask=m, other=-2.0)
+    tok = tl.load(ib + NUC_ID * NBP + o, mask=m, other=2147483647)
+    cq = tl.full([R], -1.0, tl.float32)
+    ct = tl.zeros([R], tl.int32)
+    for i in tl.static_range(R):
+        qm = tl.max(tl.max(q, axis=1), axis=0)
+        tm = tl.min(tl.min(tl.where(q == qm, tok, 2147483647), axis=1), axis=0)
+        pos = tl.min(tl.min(tl.where((q == qm) & (tok == tm), o, R * NBP), axis=1), axis=0)
+        cq = tl.where(r == i, qm, cq)
+        ct = tl.where(r == i, tm, ct)
+        q = tl.where(o == pos, -3.0, q)                                 # taken (by position: ids may repeat)
+    return cq, ct
 
 
 @triton.jit
@@ -276,8 +297,9 @@ def _nuc_block_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, seeds_ptr
                       LIBDEVICE: tl.constexpr):
     """The nucleus check's launches, program (row, block); greedy rows do nothing. PHASE 0: the block's max of the
     raw logits. PHASE 1: over the block's min-p survivors (x = raw / t >= cut, m and cut as the row kernel forms
-    them), S = sum exp(x - m), their count, and the race (best exp(x - m) / E, its token: the first of equal keys; -1
-    when the block has none). PHASE 2: the mass and count of survivors strictly better than the row's winner w."""
+    them), S = sum exp(x - m), their count, and the race: the NUC_R best keys exp(x - m) / E and their tokens (the
+    first of equal keys first; -1 when the block has no more survivors). PHASE 2: for each of the row's NUC_R best
+    keys c_i, the mass and count of the block's survivors strictly better than x_c."""
     row = tl.program_id(0)
     blk = tl.program_id(1)
     if HAS_GREEDY:
@@ -303,47 +325,60 @@ def _nuc_block_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, seeds_ptr
     if PHASE == 1:
         tl.store(base + NBP + blk, tl.sum(tl.where(ok, e, 0.0), axis=0))
         tl.store(ibase + 2 * NBP + blk, tl.sum(ok.to(tl.int32), axis=0))
-        best = tl.full([], -1.0, tl.float32)
-        best_id = tl.full([], 0, tl.int32)
+        q = tl.full([BLOCK], -1.0, tl.float32)
         if tl.max(ok.to(tl.int32), axis=0) > 0:
             hk = _race_row_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
             q = tl.where(ok, tl.math.div_rn(e, _race_exp1(hk, offs, SERIES_TERMS, SERIES_MAX)), -1.0)
-            best = tl.max(q, axis=0)
-            best_id = blk * BLOCK + tl.argmax(q, axis=0)
-        tl.store(base + 3 * NBP + blk, best)
-        tl.store(ibase + 4 * NBP + blk, best_id)
+        ar = tl.arange(0, BLOCK)
+        for i in tl.static_range(NUC_R):        # the block's NUC_R best keys, first max first (-1: none left)
+            bi = tl.argmax(q, axis=0)
+            tl.store(base + (NUC_Q + i) * NBP + blk, tl.max(q, axis=0))
+            tl.store(ibase + (NUC_ID + i) * NBP + blk, blk * BLOCK + bi)
+            q = tl.where(ar == bi, -3.0, q)
     else:
-        qm, w = _nuc_winner(nuc_ptr, rowl, NB, NBP)
-        above = ok & (x > tl.math.div_rn(tl.load(x_ptr + rowl * stride_x + w), t))
-        tl.store(base + 5 * NBP + blk, tl.sum(tl.where(above, e, 0.0), axis=0))
-        tl.store(ibase + 6 * NBP + blk, tl.sum(above.to(tl.int32), axis=0))
+        cq, ct = _nuc_candidates(nuc_ptr, rowl, NB, NBP, NUC_R)
+        xc = tl.math.div_rn(tl.load(x_ptr + rowl * stride_x + tl.where(cq >= 0.0, ct, 0)), t)   # [R]
+        above = ok[:, None] & (x[:, None] > xc[None, :])                                       # [BLOCK, R]
+        r = tl.arange(0, NUC_R)
+        tl.store(base + (NUC_A + r) * NBP + blk, tl.sum(tl.where(above, e[:, None], 0.0), axis=0))
+        tl.store(ibase + (NUC_C + r) * NBP + blk, tl.sum(above.to(tl.int32), axis=0))
 
 
 @triton.jit
 def _nuc_accept(nuc_ptr, rowl, NB, NBP: tl.constexpr, V, topk_ptr, topp_ptr, row, HAS_TOPK: tl.constexpr,
                 HAS_TOPP: tl.constexpr):
-    """The row kernel's nucleus check -> (w is the answer, w): a survivor exists, w is inside top-k (count above <
-    k) and top-p (mass above < top_p S, by a margin), and not both filters are active."""
+    """The row kernel's nucleus check -> (settled, token): the walk over the NUC_R best keys c_i (see above) stops at
+    the first c_i not clearly dropped; the row is settled if that c_i is clearly kept (inside top-k: count above < k;
+    inside top-p: mass above < top_p S, by the margin) and not both filters are active."""
     j = tl.arange(0, NBP)
+    r = tl.arange(0, NUC_R)
     base = nuc_ptr + rowl * NUC_PARTS * NBP
-    jm = j < NB
-    qm, w = _nuc_winner(nuc_ptr, rowl, NB, NBP)
-    acc = qm >= 0.0
     ib = base.to(tl.pointer_type(tl.int32), bitcast=True)
+    jm = j < NB
+    o = r[:, None] * NBP + j[None, :]
+    m2 = jm[None, :] & (r >= 0)[:, None]
+    cq, ct = _nuc_candidates(nuc_ptr, rowl, NB, NBP, NUC_R)
     n_all = tl.sum(tl.load(ib + 2 * NBP + j, mask=jm, other=0), axis=0)
-    c_above = tl.sum(tl.load(ib + 6 * NBP + j, mask=jm, other=0), axis=0)
+    c_above = tl.sum(tl.load(ib + NUC_C * NBP + o, mask=m2, other=0), axis=1)            # [R]
+    kept = cq >= 0.0
+    dropped = r < 0
     kk = n_all
     if HAS_TOPK:
         kk = tl.minimum(tl.load(topk_ptr + row), V).to(tl.int32)
-        acc = acc & (c_above < kk)
+        kept = kept & (c_above < kk)
+        dropped = dropped | (c_above >= kk)
     if HAS_TOPP:
         p = tl.load(topp_ptr + row)
         if p < 1.0:
             s_all = tl.sum(tl.load(base + NBP + j, mask=jm, other=0.0), axis=0)
-            a_above = tl.sum(tl.load(base + 5 * NBP + j, mask=jm, other=0.0), axis=0)
+            a_above = tl.sum(tl.load(base + NUC_A * NBP + o, mask=m2, other=0.0), axis=1)   # [R]
             # top-p acts on the top-k set when top-k drops something (kk < n_all): the row kernel decides then
-            acc = acc & (a_above < p * s_all * (1.0 - NUC_MARGIN)) & (kk >= n_all)
-    return acc, w
+            kept = kept & (a_above < p * s_all * (1.0 - NUC_MARGIN)) & (kk >= n_all)
+            dropped = dropped | (a_above >= p * s_all * (1.0 + NUC_MARGIN))
+    dropped = dropped & (cq >= 0.0)
+    first = tl.min(tl.where(dropped, NUC_R, r), axis=0)                                    # NUC_R: all dropped
+    acc = tl.sum(tl.where((r == first) & kept, 1, 0), axis=0) > 0
+    return acc, tl.sum(tl.where(r == first, ct, 0), axis=0)
 
 
 @triton.jit

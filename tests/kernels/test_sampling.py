@@ -89,32 +89,49 @@ def test_nucleus_matches_torch_path(M, V, caps, which, monkeypatch):
 
 
 def _nucleus_settles(logits, prm, seeds, steps, monkeypatch):
-    """The rows the nucleus check settles (the accept rule of _nuc_accept, read from the partials) and their w."""
+    """The rows the nucleus check settles and their tokens, read from the partials in torch: the row's NUC_R best race
+    keys (q descending, token ascending), walked in order to the first one not clearly dropped (_nuc_accept's rule)."""
     import kernels.sampling as K
 
     M, V = logits.shape
+    R = K.NUC_R_N
     nb = -(-V // K.NUC_BLOCK)
     nbp = 1 << (nb - 1).bit_length()
     parts = K._nucleus_partials(logits, prm["temp"], seeds, steps, None, prm.get("min_p"), nb, nbp)
     f = parts.view(M, K.NUC_PARTS_N, nbp)[:, :, :nb]
     i = f.view(torch.int32)
-    q, ids = f[:, 3], i[:, 4]
-    w = ids.gather(1, (q == q.max(1, keepdim=True).values).float().argmax(1, keepdim=True))[:, 0]
-    ok = q.max(1).values >= 0
-    n_all, c_above = i[:, 2].sum(1), i[:, 6].sum(1)
+    rq, rid, ra, rc = (K.NUC_ROWS[k] for k in ("q", "id", "a", "c"))
+    q = f[:, rq:rq + R].reshape(M, -1)
+    tok = i[:, rid:rid + R].reshape(M, -1)
+    n_all = i[:, 2].sum(1)
+    a_above = f[:, ra:ra + R].sum(2)                     # [M, R], in candidate order
+    c_above = i[:, rc:rc + R].sum(2)
+    s_all = f[:, 1].sum(1)
     kk = torch.clamp(prm["top_k"], max=V) if "top_k" in prm else n_all
-    ok &= c_above < kk
-    if "top_p" in prm:
-        p = prm["top_p"]
-        ok &= (p >= 1) | ((f[:, 5].sum(1) < p * f[:, 1].sum(1) * (1 - K.NUC_MARGIN_F)) & (kk >= n_all))
+    ok = torch.zeros(M, dtype=torch.bool)
+    w = torch.zeros(M, dtype=torch.int64)
+    for row in range(M):
+        cands = sorted(zip(q[row].tolist(), tok[row].tolist()), key=lambda e: (-e[0], e[1]))[:R]
+        for c, (qc, tc) in enumerate(cands):
+            if qc < 0:
+                break
+            kept, dropped = bool(c_above[row, c] < kk[row]), bool(c_above[row, c] >= kk[row])
+            if "top_p" in prm and prm["top_p"][row] < 1:
+                lim = float(prm["top_p"][row] * s_all[row])
+                kept &= bool(a_above[row, c] < lim * (1 - K.NUC_MARGIN_F)) and bool(kk[row] >= n_all[row])
+                dropped |= bool(a_above[row, c] >= lim * (1 + K.NUC_MARGIN_F))
+            if not dropped:
+                ok[row], w[row] = kept, tc
+                break
     return ok, w
 
 
 @requires_triton
 def test_nucleus_settled_rows_skip_the_row_kernel(monkeypatch):
-    """The row kernel stores the partials' winner for the rows the accept rule settles and runs only the others: with
-    every block's winner id in the partials replaced by a sentinel, exactly the settled rows return the sentinel and
-    the rest the torch path's token (fails if the kernel never settles a row, or settles others than the rule)."""
+    """The row kernel stores the partials' token for the rows the accept rule settles and runs only the others: with
+    every block's candidate tokens in the partials replaced by a sentinel, exactly the settled rows return the sentinel
+    and the rest the torch path's token (fails if the kernel never settles a row, or settles others than the rule).
+    Some rows are settled by a later candidate: the min-p race winner is outside top-p there."""
     import kernels.sampling as K
 
     monkeypatch.setattr(K, "NUC_BLOCK", 256)
@@ -122,15 +139,15 @@ def test_nucleus_settled_rows_skip_the_row_kernel(monkeypatch):
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(M, V, generator=gen)
     seeds, steps = torch.arange(M) * 31 + 2, torch.arange(M) + 7
-    # top_p 0.3 .. 0.95: a row is left to the row kernel with a chance of about 1 - top_p, so both kinds occur
-    prm = {"temp": torch.full((M,), 0.6), "min_p": torch.full((M,), 0.01), "top_p": torch.linspace(0.3, 0.95, M)}
+    # top_p 0.02 .. 0.95: a row is left to the row kernel with a chance of about (1 - top_p)^NUC_R, so both kinds occur
+    prm = {"temp": torch.full((M,), 0.6), "min_p": torch.full((M,), 0.01), "top_p": torch.linspace(0.02, 0.95, M)}
     ok, _ = _nucleus_settles(logits, prm, seeds, steps, monkeypatch)
     real = K._nucleus_partials
 
     def poisoned(*a):
         parts = real(*a)
         nbp = parts.shape[1] // K.NUC_PARTS_N
-        parts.view(M, K.NUC_PARTS_N, nbp)[:, 4].view(torch.int32).fill_(sentinel)
+        parts.view(M, K.NUC_PARTS_N, nbp)[:, K.NUC_ROWS["id"]:K.NUC_ROWS["a"]].view(torch.int32).fill_(sentinel)
         return parts
     monkeypatch.setattr(K, "_nucleus_partials", poisoned)
     got = filtered_race(logits, prm["temp"], seeds, steps, None, prm["min_p"], None, prm["top_p"], nucleus=True)
@@ -138,12 +155,14 @@ def test_nucleus_settled_rows_skip_the_row_kernel(monkeypatch):
     assert ok.any() and not ok.all(), ok.tolist()
     assert (got[ok] == sentinel).all() and torch.equal(got[~ok], want[~ok]), (ok.tolist(), got.tolist())
     assert not (want[ok] == sentinel).any()
+    first = ref_tokens(logits, prm["temp"], seeds, steps, prm["min_p"], None, None)   # the min-p race winner
+    assert (ok & (first != want)).any(), (ok.tolist(), first.tolist(), want.tolist())
 
 
 @requires_triton
 def test_nucleus_settles_most_rows(monkeypatch):
-    """With min-p and top-p 0.95 on flat logits the check settles most rows (about top_p of them), each with the
-    torch path's token; min-p alone settles every row."""
+    """With min-p and top-p 0.95 on flat logits the check settles every row here (a row is left over with a chance of
+    about 0.05^NUC_R), each with the torch path's token; min-p alone settles every row."""
     import kernels.sampling as K
 
     monkeypatch.setattr(K, "NUC_BLOCK", 256)
@@ -153,7 +172,7 @@ def test_nucleus_settles_most_rows(monkeypatch):
     seeds, steps = torch.arange(M) * 77 + 5, torch.arange(M) + 100
     for prm, least in (({"temp": torch.full((M,), 0.6), "min_p": torch.full((M,), 0.01)}, M),
                        ({"temp": torch.full((M,), 0.6), "min_p": torch.full((M,), 0.01),
-                         "top_p": torch.full((M,), 0.95)}, M // 2)):
+                         "top_p": torch.full((M,), 0.95)}, M)):
         ok, w = _nucleus_settles(logits, prm, seeds, steps, monkeypatch)
         want = ref_tokens(logits, prm["temp"], seeds, steps, prm.get("min_p"), None, prm.get("top_p"))
         got = filtered_race(logits, prm["temp"], seeds, steps, None, prm.get("min_p"), None, prm.get("top_p"),
