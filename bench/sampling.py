@@ -4,11 +4,13 @@
     python bench/sampling.py [--m 1,8,64] [--sweep] [--smoke] [--greedy-only | --sampled-only]
 
 V = 163840 (Kimi), temperature 0.6, top_p 0.95, min_p 0.01 (the e2e profile's settings), + top_k 50, + min_p off
-(top_p alone: more candidates than the workspace holds, the kernel's slow "full mode"). Logits N(0, s^2) with
-s = 1 (flat: ~6 % of the vocabulary survives min_p) and s = 4 (peaked). Columns per case and M:
-  torch us / ours us   one call inside a CUDA graph (GPU time; median of replays)
-  nucleus us           ours with the nucleus check first (kernels/sampling.py NUCLEUS; its agreement after ours)
-  eager us             sample() as the engine calls it (eager, outside the graph): wall us per call over 50 calls,
+(top_p alone: more candidates than the workspace holds, the row kernel's slow "full mode"), temperature alone.
+Logits N(0, s^2) with s = 1 (flat: ~6 % of the vocabulary survives min_p) and s = 4 (peaked). Columns per case and M:
+  torch us / ours us   one call inside a CUDA graph (GPU time; median of replays); ours: the row kernel alone
+  nucleus us           ours with the nucleus check first (kernels/sampling.py NUCLEUS, the default; its agreement
+                       after ours)
+  eager us             sample() as the engine calls it (eager, outside the graph; the kernel path only for the rows
+                       backend/engine/sampler.py _fast_ok sends there): wall us per call over 50 calls,
                        i.e. launch-bound when the GPU side is short (torch path: ~40 launches, ours: ~3)
   agree                chosen tokens equal to the torch path's, over 8 seed batches (must be 100 %: only float
                        near-ties may differ, ~1e-6 per row)
@@ -47,7 +49,8 @@ from _timing import time_us  # noqa: E402
 
 CASES = {"T0.6 p0.95 minp0.01": dict(temperature=0.6, top_p=0.95, min_p=0.01),
          "  + top_k 50": dict(temperature=0.6, top_p=0.95, min_p=0.01, top_k=50),
-         "T0.6 p0.95 (no min_p)": dict(temperature=0.6, top_p=0.95)}
+         "T0.6 p0.95 (no min_p)": dict(temperature=0.6, top_p=0.95),
+         "T1.0 (no filter)": dict(temperature=1.0)}
 
 
 SWEEP = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]
@@ -112,7 +115,7 @@ def bench(ms, V, smoke, dev, sweep=False):
                 md = S.SamplingMetadata.build(reqs, V, torch.device(dev))
                 logits = torch.randn(M, V, device=dev) * scale
                 t_ref = time_us([lambda: torch_path(logits, md)], smoke, replays=10)
-                t_ours = time_us([lambda: fast_path(logits, md)], smoke, replays=10)
+                t_ours = time_us([lambda: fast_path(logits, md, nucleus=False)], smoke, replays=10)
                 t_nuc = time_us([lambda: fast_path(logits, md, nucleus=True)], smoke, replays=10)
                 e_ref = eager_sample_us(logits, md, False, smoke)
                 e_ours = eager_sample_us(logits, md, True, smoke)
@@ -122,7 +125,7 @@ def bench(ms, V, smoke, dev, sweep=False):
                                                                          "top_p", "steps")})
                     md2.seeds = torch.randint(0, 2**62, (M,), device=dev)
                     want = torch_path(logits, md2)
-                    same += int((want == fast_path(logits, md2)).sum())
+                    same += int((want == fast_path(logits, md2, nucleus=False)).sum())
                     same_n += int((want == fast_path(logits, md2, nucleus=True)).sum())
                     total += M
                 bad = '' if same == total and same_n == total else '  MISMATCH'
@@ -131,8 +134,8 @@ def bench(ms, V, smoke, dev, sweep=False):
                 if sweep and name == next(iter(CASES)):   # the e2e case only (each config compiles anew)
                     cells = []
                     for blk, w in SWEEP:
-                        f = (lambda b=blk, nw=w: fast_path(logits, md, block=b, num_warps=nw))
-                        ok = torch.equal(f(), fast_path(logits, md))
+                        f = (lambda b=blk, nw=w: fast_path(logits, md, block=b, num_warps=nw, nucleus=False))
+                        ok = torch.equal(f(), fast_path(logits, md, nucleus=False))
                         cells.append(f"{blk}/w{w} {time_us([f], smoke, replays=10):.1f}{'' if ok else ' DIFF'}")
                     print("    sweep (block/warps us): " + ", ".join(cells))
 

@@ -47,13 +47,15 @@ from triton.language.extra import libdevice
 
 from kernels._tensors import cdiv, next_pow2, workspace
 
-# NUCLEUS = 1 (A/B, KIMI_SAMPLER_NUCLEUS=1): the nucleus check (three (row, block) launches, see _nuc_accept) settles
-# most rows before the row kernel, which then runs only the rest. Why: one program per row takes 266 us for one flat
-# Kimi row on the H200 (BENCHMARKS.md, sixth round: M = 1, logit scale 1), as the whole row's passes run on one SM, and
-# one slow row sets the launch's time. Its first form (one candidate, the min-p race winner) took the sampled b1 step
-# from 307 to 46 us of sampler on the H100 but left a row of almost every b64 step to the row kernel (twenty-seventh
-# round); the NUC_R-candidate walk is not timed yet.
-NUCLEUS = os.environ.get("KIMI_SAMPLER_NUCLEUS", "0") == "1"
+# NUCLEUS (default on; KIMI_SAMPLER_NUCLEUS=0: off): the nucleus check (three (row, block) launches, see _nuc_accept)
+# settles most rows before the row kernel, which then runs only the rest. Why: one program per row takes 266 us for one
+# flat Kimi row on the H200 (BENCHMARKS.md, sixth round: M = 1, logit scale 1), as the whole row's passes run on one SM,
+# and one slow row sets the launch's time. H100 A/B (twenty-seventh round, bench/e2e.py, 16 layers, T0.6 top-p 0.95
+# min-p 0.01): sampled b1 476 -> 547 tok/s, b64 6,235 -> 7,094 tok/s, greedy rows unchanged.
+NUCLEUS = os.environ.get("KIMI_SAMPLER_NUCLEUS", "1") == "1"
+# rows without min-p / top-k take the kernel path (backend/engine/sampler.py _fast_ok) with the check on when top_p is
+# at least this: a row left to the row kernel's full mode (ms on a flat row) has a chance of ~(1 - top_p)^4 <= 0.2%
+NUC_TOPP_MIN = 0.8
 GCAP = 16384      # candidates kept in the workspace per row (64 rows: 8 MB)
 RCAP = 1024       # bracket size resolved in registers (sorted)
 NT = 16           # thresholds per search pass: the key bracket shrinks 16x per pass

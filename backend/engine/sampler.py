@@ -20,7 +20,8 @@ from backend.engine.structured import apply_masks, masks
 from kernels._dispatch import use_triton
 from kernels._tensors import cdiv, next_pow2
 from kernels.argmax import argmax_rows
-from kernels.sampling import KS, SERIES_MAX, SERIES_TERMS, _race_kernel
+import kernels.sampling as _sampling
+from kernels.sampling import KS, NUC_TOPP_MIN, SERIES_MAX, SERIES_TERMS, _race_kernel
 
 _M32 = 0xFFFFFFFF
 LOGPROB_FLOOR = -9999.0
@@ -127,7 +128,7 @@ class SamplingMetadata:
     wants_logprobs: list  # [M] bool (host)
     top_counts: list  # [M] int (host): top_logprobs asked per row
     any_greedy: bool = True  # (host) some row is greedy: the plain argmax is needed
-    fast_filters: bool = False  # (host) every sampled row has min_p > 0 or top_k <= kernels.sampling.KS (_fast_ok)
+    fast_filters: bool = False  # (host) every sampled row is one the kernel path is faster on (_fast_ok)
 
     @property
     def changes_logits(self) -> bool:
@@ -297,9 +298,13 @@ _FAST_FILTERS = os.environ.get("KIMI_SAMPLER_FAST", "1") != "0"
 def _fast_ok(p) -> bool:
     """Rows the one-launch kernel is measured faster on (H200 12-03, bench/sampling.py, V 163840): with min_p > 0 or
     0 < top_k <= 256 its candidate set stays small (M=64: 156-184 us vs 1456-1523 torch at logit scale 4, 369 vs 1503
-    at scale 1); top-p alone on flat logits re-reads the row per search pass (3.2 ms vs 0.2-1.6 ms torch): torch path,
-    as for rows with no filter at all (no sort there)."""
-    return p.min_p > 0.0 or 0 < p.top_k <= KS  # KS: top-k up to this bounds the kernel's candidate set
+    at scale 1); top-p alone on flat logits re-reads the row per search pass (3.2 ms vs 0.2-1.6 ms torch).
+    With the nucleus check (kernels.sampling.NUCLEUS) rows without top-k take it too when top_p >= NUC_TOPP_MIN or
+    off: the check settles them unless the survivors' 4 best race keys all fall outside top-p, a chance of about
+    (1 - top_p)^4 (never without top-p); top-p 0.95 alone, H100 12-06: 24-156 us against 209-1815 torch."""
+    if p.min_p > 0.0 or 0 < p.top_k <= KS:  # KS: top-k up to this bounds the kernel's candidate set
+        return True
+    return _sampling.NUCLEUS and p.top_k <= 0 and p.top_p >= NUC_TOPP_MIN
 
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:

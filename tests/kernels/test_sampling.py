@@ -70,7 +70,7 @@ def test_matches_torch_path(M, V, caps, which):
     check(logits, prm, nseeds={1: 3, 3: 4}.get(M, 2), caps=CAPS[caps])
 
 
-NUC_CASES = [(3, 1000, "tiny", w) for w in [("min_p",), ("top_k",), ("top_p",), ("top_k", "top_p"), ALL]] + [
+NUC_CASES = [(3, 1000, "tiny", w) for w in [(), ("min_p",), ("top_k",), ("top_p",), ("top_k", "top_p"), ALL]] + [
     (17, 4099, "tiny", ALL), (5, 3000, "mid", ("min_p", "top_p"))]
 
 
@@ -207,8 +207,8 @@ def test_edge_rows(caps, nucleus):
 @requires_triton
 def test_sample_dispatch_with_greedy_rows(monkeypatch):
     """sample() with the fast path (as on CUDA) == sample() with the torch path, greedy rows mixed in. The fast path
-    is taken only when every sampled row has min_p > 0 or top_k <= 256 (a top-p-only or unfiltered row sends the
-    batch to the torch path: slower in the kernel on flat logits)."""
+    is taken only when every sampled row has min_p > 0 or top_k <= 256, or (with the nucleus check) no top-k and top_p
+    >= 0.8 or off; other rows send the batch to the torch path (slower in the kernel on flat logits)."""
     V = 1500
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(6, V, generator=gen) * 2
@@ -232,13 +232,23 @@ def test_sample_dispatch_with_greedy_rows(monkeypatch):
     got = S.sample(logits.clone(), md).token_ids
     assert called and torch.equal(got, want), (got.tolist(), want.tolist())
     assert got[0] == logits[0].argmax() and got[2] == logits[2].argmax()
-    for slow in (dict(temperature=0.8, top_p=0.7), dict(temperature=1.3), dict(temperature=1.0, top_k=300)):
-        r = Request([1, 2], SamplingParams(**slow), seed=7)
-        md = S.SamplingMetadata.build(reqs[:5] + [r], V, torch.device("cpu"))
-        assert not md.fast_filters
-        called.clear()
-        S.sample(logits.clone(), md)
-        assert not called, slow
+    for nuc in (True, False):
+        monkeypatch.setattr(K, "NUCLEUS", nuc)
+        # with the nucleus check: temperature only, and top-p >= NUC_TOPP_MIN without top-k, take the kernel too
+        fast = [dict(temperature=1.3), dict(temperature=0.8, top_p=0.9)] if nuc else []
+        slow = [dict(temperature=0.8, top_p=0.7), dict(temperature=1.0, top_k=300)]
+        slow += [] if nuc else [dict(temperature=1.3), dict(temperature=0.8, top_p=0.9)]
+        for kw, want_fast in [(k, True) for k in fast] + [(k, False) for k in slow]:
+            r = Request([1, 2], SamplingParams(**kw), seed=7)
+            md = S.SamplingMetadata.build(reqs[:5] + [r], V, torch.device("cpu"))
+            assert md.fast_filters == want_fast, (nuc, kw)
+            called.clear()
+            got = S.sample(logits.clone(), md).token_ids
+            assert bool(called) == want_fast, (nuc, kw)
+            monkeypatch.setattr(S, "_FAST_FILTERS", False)
+            ref = S.sample(logits.clone(), md).token_ids
+            monkeypatch.setattr(S, "_FAST_FILTERS", True)
+            assert torch.equal(got, ref), (nuc, kw, got.tolist(), ref.tolist())
 
 
 @pytest.mark.gpu
