@@ -18,7 +18,9 @@
 #   ncu:     bash bench/ncu.sh decode-b1 mla64x8k mla64x8k-fi mla1x128k mla1x128k-fi on the H200 (the b1 step's
 #            kernels' DRAM efficiency; MLA at B=64 S=8k where it matters, issue 5: 0.82x FlashInfer there against 0.915x
 #            on the H100; B=1 S=128k, the other target).
-# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|splits|ncu|short|all] [total seconds]
+#   e2e:     bench/e2e.py at batch 1 / 8 / 64 (greedy; T0.6 top_p 0.95 min_p 0.01 at 1 and 64) and an 8k prefill, the
+#            defaults as they are (issue 6's table; `h200` mode: e2e then ncu).
+# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|e2e|splits|ncu|short|h200|all] [total seconds]
 set -u
 what=${1:-all}
 total=${2:-560}
@@ -47,6 +49,7 @@ case $what in
   all) parts="tests sampling nucleus splits ncu" ;;
   short) parts="tests sampling splits" ;;
   nucleus) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=150 ;;
+  h200) parts="e2e ncu" ;;
   *) parts=$what ;;
 esac
 tests=${tests:-tests/kernels/test_sampling.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_fused_decode.py \
@@ -72,6 +75,10 @@ if has nucleus; then
     done
   done
 fi
+if has e2e; then
+  timeout "$(left)" python3 bench/e2e.py --layers "$layers" --decode-batches 1,8,64 --sampled-batches 1,64 \
+    --prefill 8192 --hf-batches "" --warmup > "$OUT/e2e.log" 2>&1; step e2e $?
+fi
 if has splits && [ "$(left)" -gt 90 ]; then
   timeout "$(( $(left) < 150 ? $(left) : 150 ))" python3 bench/mla.py --decode-only --sweep-decode --split-sweep \
     --shapes 64x8192,128x8192,1x131072 --variants "ls+n64+w4" > "$OUT/mla_splits.log" 2>&1; step "mla splits" $?
@@ -83,7 +90,7 @@ if has ncu && [ "$(left)" -gt 120 ]; then
 fi
 [ -f "$OUT/gpu_tests.log" ] && { echo "=== gpu tests"; tail -n 5 "$OUT/gpu_tests.log"; }
 [ -f "$OUT/sampling.log" ] && { echo "=== sampling"; tail -c 2500 "$OUT/sampling.log"; }
-for f in "$OUT"/e2e_nucleus*.log; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| decode|warm-up|Error|error" "$f"; }; done
+for f in "$OUT"/e2e*.log; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| decode|warm-up|Error|error" "$f"; }; done
 [ -f "$OUT/mla_splits.log" ] && { echo "=== mla splits"; grep -E "^B=|^ls|^\\|" "$OUT/mla_splits.log" | tail -30; }
 [ -f "$OUT/ncu_summary.txt" ] && { echo "=== ncu"; grep -E "^===|rc |Duration|DRAM Throughput" "$OUT/ncu_summary.txt" | head -60; }
 cat "$OUT/steps.txt"
