@@ -20,14 +20,16 @@ from backend.engine.request import SamplingParams
 log = logging.getLogger(__name__)
 
 # the sampling settings of the groups run alone (one prompt each): greedy (argmax), LocalAI's Kimi defaults
-# (temperature + top-p + min-p: the one-launch filtered race), top-k + top-p, all three filters, top-p alone (the
-# sort path), and logprobs (the log-softmax / top-k path)
+# (temperature + top-p + min-p: the filtered race), top-k + top-p, all three filters, top-p alone and temperature alone
+# (the filtered race with the nucleus check, the sort path without: kernels.sampling.NUCLEUS), and logprobs (the
+# log-softmax / top-k path). Each filter set is its own compiled variant of the sampling kernels.
 SAMPLING = (
     dict(temperature=0.0),
     dict(temperature=0.6, top_p=0.95, min_p=0.01),
     dict(temperature=0.7, top_k=40, top_p=0.9),
     dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05),
     dict(temperature=1.0, top_p=0.9),
+    dict(temperature=0.8),
     dict(temperature=0.0, logprobs=True, top_logprobs=5),
 )
 SHORT = 37         # prompt tokens of the sampling groups (an odd length; inside the smallest prefill graph)
