@@ -1,7 +1,7 @@
 """H200 benchmark: per-request sampling filters + race (kernels/sampling.py filtered_race) vs the sampler's torch path
 (apply_filters: full sort of [M, V] + softmax / cumsum / scatter, then softmax + the Triton race_argmax).
 
-    python bench/sampling.py [--m 1,8,64] [--sweep] [--smoke] [--greedy-only | --sampled-only]
+    python bench/sampling.py [--m 1,8,64] [--sweep] [--smoke] [--greedy-only | --sampled-only] [--cases A,B]
 
 V = 163840 (Kimi), temperature 0.6, top_p 0.95, min_p 0.01 (the e2e profile's settings), + top_k 50, + min_p off
 (top_p alone: more candidates than the workspace holds, the row kernel's slow "full mode"), temperature alone.
@@ -104,11 +104,13 @@ def eager_sample_us(logits, md, fast: bool, smoke: bool) -> float:
         S._FAST_FILTERS = saved
 
 
-def bench(ms, V, smoke, dev, sweep=False):
+def bench(ms, V, smoke, dev, sweep=False, only=""):
     print(f"V={V}; us per call (graph = GPU time; eager = sample() wall time per call, 50 calls)")
     print(f"{'case':22s} {'s':>3s} {'M':>3s} | {'torch us':>9s} {'ours us':>8s} {'x':>6s} {'nucleus us':>10s} | "
           f"{'eager torch':>11s} {'eager ours':>10s} | agree (ours, nucleus)")
     for name, kw in CASES.items():
+        if only and not any(w in name for w in only.split(",")):
+            continue
         for scale in ((4.0,) if smoke else (1.0, 4.0)):
             for M in ms:
                 reqs = [Request([1], SamplingParams(**kw), seed=1000 + i) for i in range(M)]
@@ -147,6 +149,8 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--greedy-only", action="store_true")
     ap.add_argument("--sampled-only", action="store_true", help="skip the greedy table")
+    ap.add_argument("--cases", default="", help="comma-separated parts of case names: only those cases (e.g. "
+                    "'no min_p,no filter')")
     a = ap.parse_args()
     if a.smoke:
         bench_greedy([2], 1000, True, "cpu")
@@ -157,7 +161,7 @@ def main():
     if not a.sampled_only:
         bench_greedy(ms, 163840, False, "cuda")
     if not a.greedy_only:
-        bench(ms, 163840, False, "cuda", a.sweep)
+        bench(ms, 163840, False, "cuda", a.sweep, a.cases)
 
 
 if __name__ == "__main__":
