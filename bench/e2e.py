@@ -831,11 +831,12 @@ def main():
     # with the HF baseline: expert weights from the biased router scores, as the HF remote code computes them
     # (its in-place `scores_for_choice +=` aliases `scores`); the same experts are picked either way
     cfg = ModelConfig.from_dict(cfg_dict, router_biased_weights=bool(args.hf_dir))
-    print(f"device: {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"device: {card}, torch {torch.__version__}")
 
     peak = matmul_peak(dev)
     if args.bw is None:
-        args.bw = hbm_bandwidth(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "")
+        args.bw = hbm_bandwidth(card)
     print(f"measured bf16 matmul peak: {peak / 1e12:.0f} TFLOP/s; HBM bandwidth assumed {args.bw / 1e12:.1f} TB/s")
     args.tap = RouterTap()  # before the graphs are captured; counts nothing until switched on
     t = time.perf_counter()

@@ -88,3 +88,14 @@ def test_sampling_bench_smoke():
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "greedy argmax, V=1000" in p.stdout and "| yes |" in p.stdout, p.stdout[-3000:]
     assert p.stdout.count("2/2, 2/2") == 4 and "MISMATCH" not in p.stdout, p.stdout[-3000:]   # 4 cases: ours, nucleus
+
+
+def test_e2e_speed_of_light_bandwidth_by_card():
+    """bench/e2e.py's default --bw: the card's datasheet HBM bandwidth (an H100 run was once rated at the H200's)."""
+    from tests.bench_module import load_bench
+
+    e2e = load_bench("e2e")
+    assert e2e.hbm_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert e2e.hbm_bandwidth("NVIDIA H200") == 4.8e12
+    assert e2e.hbm_bandwidth("NVIDIA GB10") == 0.273e12
+    assert e2e.hbm_bandwidth("cpu") == 4.8e12
