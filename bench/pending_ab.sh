@@ -19,7 +19,10 @@
 #            kernels' DRAM efficiency; MLA at B=64 S=8k where it matters, issue 5: 0.82x FlashInfer there against 0.915x
 #            on the H100; B=1 S=128k, the other target).
 #   e2e:     bench/e2e.py at batch 1 / 8 / 64 (greedy; T0.6 top_p 0.95 min_p 0.01 at 1 and 64) and an 8k prefill, the
-#            defaults as they are (issue 6's table; `h200` mode: e2e then ncu).
+#            defaults as they are (issue 6's table). `h200` mode: the sampler's GPU tests, bench/sampling.py on the
+#            cases not yet timed through sample() (top-p alone, temperature alone, LocalAI's generic top-k 40 + top-p
+#            0.95: the check's lower bound on the top-k set's mass), e2e, then ncu. Env samp_cases: bench/sampling.py
+#            --cases (empty: all).
 # Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|e2e|splits|ncu|short|h200|all] [total seconds]
 set -u
 what=${1:-all}
@@ -49,7 +52,8 @@ case $what in
   all) parts="tests sampling nucleus splits ncu" ;;
   short) parts="tests sampling splits" ;;
   nucleus) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=150 ;;
-  h200) parts="e2e ncu" ;;
+  h200) parts="tests sampling e2e ncu"; tests=${tests:-tests/kernels/test_sampling.py}; samp_s=${samp_s:-100}
+        samp_cases=${samp_cases:-no min_p,no filter,generic} ;;
   *) parts=$what ;;
 esac
 tests=${tests:-tests/kernels/test_sampling.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_fused_decode.py \
@@ -63,7 +67,7 @@ if has tests; then
 fi
 if has sampling; then
   timeout "$(( $(left) < samp_s ? $(left) : samp_s ))" python3 bench/sampling.py --m 1,8,64 --sampled-only \
-    > "$OUT/sampling.log" 2>&1; step sampling $?
+    --cases "${samp_cases:-}" > "$OUT/sampling.log" 2>&1; step sampling $?
 fi
 if has nucleus; then
   for i in 1 2; do

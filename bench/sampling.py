@@ -4,7 +4,9 @@
     python bench/sampling.py [--m 1,8,64] [--sweep] [--smoke] [--greedy-only | --sampled-only] [--cases A,B]
 
 V = 163840 (Kimi), temperature 0.6, top_p 0.95, min_p 0.01 (the e2e profile's settings), + top_k 50, + min_p off
-(top_p alone: more candidates than the workspace holds, the row kernel's slow "full mode"), temperature alone.
+(top_p alone: more candidates than the workspace holds, the row kernel's slow "full mode"), temperature alone, and
+LocalAI's generic defaults for a model not named *kimi* (T 0.9, top_k 40, top_p 0.95, no min_p: top-k drops survivors
+in every row, so the nucleus check settles a row only from its lower bound on the top-k set's mass).
 Logits N(0, s^2) with s = 1 (flat: ~6 % of the vocabulary survives min_p) and s = 4 (peaked). Columns per case and M:
   torch us / ours us   one call inside a CUDA graph (GPU time; median of replays); ours: the row kernel alone
   nucleus us           ours with the nucleus check first (kernels/sampling.py NUCLEUS, the default; its agreement
@@ -50,7 +52,8 @@ from _timing import time_us  # noqa: E402
 CASES = {"T0.6 p0.95 minp0.01": dict(temperature=0.6, top_p=0.95, min_p=0.01),
          "  + top_k 50": dict(temperature=0.6, top_p=0.95, min_p=0.01, top_k=50),
          "T0.6 p0.95 (no min_p)": dict(temperature=0.6, top_p=0.95),
-         "T1.0 (no filter)": dict(temperature=1.0)}
+         "T1.0 (no filter)": dict(temperature=1.0),
+         "T0.9 k40 p0.95 generic": dict(temperature=0.9, top_k=40, top_p=0.95)}
 
 
 SWEEP = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]

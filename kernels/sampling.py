@@ -250,11 +250,14 @@ def _select(xrow, g_row, gi_row, r_row, n, t, cut, m, compact, lo, hi, c_lo, c_h
 # NUC_R best keys c_0, c_1, ... (q descending, token ascending on equal q: the row kernel's first max): the first c_i
 # that is kept is the answer, because every token with a better key is an earlier c_j, all dropped. c is kept iff
 # mass(x > x_c) < top_p S (S the survivors' mass; the row kernel's rule, ties kept together) and count(x > x_c) < top_k.
-# The row kernel is left only the rows where all NUC_R are dropped (a row's chance is about (1 - top_p)^NUC_R), where
-# the walk meets a c_i within NUC_MARGIN of the top-p boundary (the kernels sum the masses in different orders), and
-# rows with top-k AND top-p active (top-p's S is then the top-k set's).
-# Partials, per row and block (NBP columns each): [max raw | S | n | q x R | token x R | A x R | C x R], fp32 / int32
-# bits; q / token: the block's R best keys (-1: none), A / C: mass / count of the survivors better than each c_i.
+# With top-k AND top-p, where top-k drops survivors, top-p's S is the top-k set's mass S_k: a lower bound from the
+# candidates decides "kept" (_nuc_topk_mass), S_all >= S_k decides "dropped".
+# The row kernel is left only the rows where all NUC_R are dropped (a row's chance is about (1 - top_p)^NUC_R, or, with
+# top-k dropping survivors, that none of them is inside top-k: flat rows), where the walk meets a c_i within NUC_MARGIN
+# of the top-p boundary (the kernels sum the masses in different orders) or between the bounds of S_k.
+# Partials, per row and block (NBP columns each): [max raw | S | n | q x R | token x R | A x R | C x R | e x R], fp32 /
+# int32 bits; q / token: the block's R best keys (-1: none), A / C: mass / count of the survivors better than each c_i,
+# e: exp(x_c - m) of each c_i (column 0 only, written by block 0).
 NUC_BLOCK = 2048
 NUC_R_N = 4
 NUC_R = tl.constexpr(NUC_R_N)
@@ -262,10 +265,10 @@ NUC_MARGIN_F = 1e-4
 # kept only if A < top_p S (1 - NUC_MARGIN), dropped only if A >= top_p S (1 + NUC_MARGIN): fp32 sums of <= V terms,
 # in either order, differ by far less (~log2(V) ulps per tree, ~V / BLOCK ulps across tiles)
 NUC_MARGIN = tl.constexpr(NUC_MARGIN_F)
-NUC_PARTS_N = 3 + 4 * NUC_R_N
+NUC_PARTS_N = 3 + 5 * NUC_R_N
 NUC_PARTS = tl.constexpr(NUC_PARTS_N)
-NUC_ROWS = {"q": 3, "id": 3 + NUC_R_N, "a": 3 + 2 * NUC_R_N, "c": 3 + 3 * NUC_R_N}   # first partial row of each
-NUC_Q, NUC_ID, NUC_A, NUC_C = (tl.constexpr(NUC_ROWS[k]) for k in ("q", "id", "a", "c"))
+NUC_ROWS = {"q": 3, "id": 3 + NUC_R_N, "a": 3 + 2 * NUC_R_N, "c": 3 + 3 * NUC_R_N, "e": 3 + 4 * NUC_R_N}   # first rows
+NUC_Q, NUC_ID, NUC_A, NUC_C, NUC_E = (tl.constexpr(NUC_ROWS[k]) for k in ("q", "id", "a", "c", "e"))
 
 
 @triton.jit
@@ -301,7 +304,7 @@ def _nuc_block_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, seeds_ptr
     raw logits. PHASE 1: over the block's min-p survivors (x = raw / t >= cut, m and cut as the row kernel forms
     them), S = sum exp(x - m), their count, and the race: the NUC_R best keys exp(x - m) / E and their tokens (the
     first of equal keys first; -1 when the block has no more survivors). PHASE 2: for each of the row's NUC_R best
-    keys c_i, the mass and count of the block's survivors strictly better than x_c."""
+    keys c_i, the mass and count of the block's survivors strictly better than x_c (block 0: also exp(x_c - m))."""
     row = tl.program_id(0)
     blk = tl.program_id(1)
     if HAS_GREEDY:
@@ -344,6 +347,17 @@ def _nuc_block_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, seeds_ptr
         r = tl.arange(0, NUC_R)
         tl.store(base + (NUC_A + r) * NBP + blk, tl.sum(tl.where(above, e[:, None], 0.0), axis=0))
         tl.store(ibase + (NUC_C + r) * NBP + blk, tl.sum(above.to(tl.int32), axis=0))
+        if blk == 0:
+            tl.store(base + (NUC_E + r) * NBP, tl.exp(xc - m))
+
+
+@triton.jit
+def _nuc_topk_mass(base, NBP: tl.constexpr, cq, c_above, a_above, kk):
+    """A lower bound on S_k, the mass of the top-k set that top-p acts on when top-k drops survivors: a candidate c
+    with count(x > x_c) < k is in the top-k set with every better token, so S_k >= A_c + exp(x_c - m); the largest
+    such sum (0 if no candidate is inside top-k)."""
+    e = tl.load(base + (NUC_E + tl.arange(0, NUC_R)) * NBP)                                    # [R] exp(x_c - m)
+    return tl.max(tl.where((cq >= 0.0) & (c_above < kk), a_above + e, 0.0), axis=0)
 
 
 @triton.jit
@@ -351,7 +365,7 @@ def _nuc_accept(nuc_ptr, rowl, NB, NBP: tl.constexpr, V, topk_ptr, topp_ptr, row
                 HAS_TOPP: tl.constexpr):
     """The row kernel's nucleus check -> (settled, token): the walk over the NUC_R best keys c_i (see above) stops at
     the first c_i not clearly dropped; the row is settled if that c_i is clearly kept (inside top-k: count above < k;
-    inside top-p: mass above < top_p S, by the margin) and not both filters are active."""
+    inside top-p: mass above < top_p S_k, by the margin, with S_k from below: see _nuc_topk_mass)."""
     j = tl.arange(0, NBP)
     r = tl.arange(0, NUC_R)
     base = nuc_ptr + rowl * NUC_PARTS * NBP
@@ -374,9 +388,12 @@ def _nuc_accept(nuc_ptr, rowl, NB, NBP: tl.constexpr, V, topk_ptr, topp_ptr, row
         if p < 1.0:
             s_all = tl.sum(tl.load(base + NBP + j, mask=jm, other=0.0), axis=0)
             a_above = tl.sum(tl.load(base + NUC_A * NBP + o, mask=m2, other=0.0), axis=1)   # [R]
-            # top-p acts on the top-k set when top-k drops something (kk < n_all): the row kernel decides then
-            kept = kept & (a_above < p * s_all * (1.0 - NUC_MARGIN)) & (kk >= n_all)
-            dropped = dropped | (a_above >= p * s_all * (1.0 + NUC_MARGIN))
+            s_k = s_all                  # the mass top-p acts on: the survivors', or the top-k set's (from below)
+            if HAS_TOPK:
+                if kk < n_all:
+                    s_k = _nuc_topk_mass(base, NBP, cq, c_above, a_above, kk)
+            kept = kept & (a_above < p * s_k * (1.0 - NUC_MARGIN))
+            dropped = dropped | (a_above >= p * s_all * (1.0 + NUC_MARGIN))   # S_k <= S_all
     dropped = dropped & (cq >= 0.0)
     first = tl.min(tl.where(dropped, NUC_R, r), axis=0)                                    # NUC_R: all dropped
     acc = tl.sum(tl.where((r == first) & kept, 1, 0), axis=0) > 0

@@ -108,39 +108,56 @@ def _nucleus_settles(logits, prm, seeds, steps, monkeypatch):
     c_above = i[:, rc:rc + R].sum(2)
     s_all = f[:, 1].sum(1)
     kk = torch.clamp(prm["top_k"], max=V) if "top_k" in prm else n_all
+    # S_k (top-p's mass when top-k drops survivors) from below: the best A_c + exp(x_c - m) of a candidate in top-k
+    e_c = f[:, K.NUC_ROWS["e"]:K.NUC_ROWS["e"] + R, 0]   # [M, R] exp(x_c - m), in candidate order
     ok = torch.zeros(M, dtype=torch.bool)
     w = torch.zeros(M, dtype=torch.int64)
     for row in range(M):
         cands = sorted(zip(q[row].tolist(), tok[row].tolist()), key=lambda e: (-e[0], e[1]))[:R]
+        inside = [(c_above[row, c] < kk[row]) & (qc >= 0) for c, (qc, _) in enumerate(cands)]
+        s_k = s_all[row] if kk[row] >= n_all[row] else max(
+            [float(a_above[row, c] + e_c[row, c]) for c in range(len(cands)) if inside[c]], default=0.0)
         for c, (qc, tc) in enumerate(cands):
             if qc < 0:
                 break
-            kept, dropped = bool(c_above[row, c] < kk[row]), bool(c_above[row, c] >= kk[row])
+            kept, dropped = bool(inside[c]), bool(c_above[row, c] >= kk[row])
             if "top_p" in prm and prm["top_p"][row] < 1:
-                lim = float(prm["top_p"][row] * s_all[row])
-                kept &= bool(a_above[row, c] < lim * (1 - K.NUC_MARGIN_F)) and bool(kk[row] >= n_all[row])
-                dropped |= bool(a_above[row, c] >= lim * (1 + K.NUC_MARGIN_F))
+                p = float(prm["top_p"][row])
+                kept &= bool(a_above[row, c] < p * s_k * (1 - K.NUC_MARGIN_F))
+                dropped |= bool(a_above[row, c] >= p * s_all[row] * (1 + K.NUC_MARGIN_F))
             if not dropped:
                 ok[row], w[row] = kept, tc
                 break
     return ok, w
 
 
+def _settled_case(case, M, V):
+    """(logits, params) of the poison test: min-p + top-p 0.02 .. 0.95 (a row is left to the row kernel with a chance
+    of about (1 - top_p)^NUC_R, so both kinds occur), or top-k 2 .. 60 + top-p without min-p on peaked logits (top-k
+    drops survivors in every row: top-p's mass is the top-k set's, bounded from below by the candidates)."""
+    gen = torch.Generator().manual_seed(4)
+    if case == "min_p top_p":
+        prm = {"temp": torch.full((M,), 0.6), "min_p": torch.full((M,), 0.01), "top_p": torch.linspace(0.02, 0.95, M)}
+        return torch.randn(M, V, generator=gen), prm
+    prm = {"temp": torch.full((M,), 0.8), "top_k": torch.linspace(2, 60, M).long(),
+           "top_p": torch.linspace(0.3, 0.95, M)}
+    return torch.randn(M, V, generator=gen) * 3.0, prm
+
+
 @requires_triton
-def test_nucleus_settled_rows_skip_the_row_kernel(monkeypatch):
+@pytest.mark.parametrize("case", ["min_p top_p", "top_k top_p"])
+def test_nucleus_settled_rows_skip_the_row_kernel(case, monkeypatch):
     """The row kernel stores the partials' token for the rows the accept rule settles and runs only the others: with
     every block's candidate tokens in the partials replaced by a sentinel, exactly the settled rows return the sentinel
     and the rest the torch path's token (fails if the kernel never settles a row, or settles others than the rule).
-    Some rows are settled by a later candidate: the min-p race winner is outside top-p there."""
+    min-p + top-p: some rows are settled by a later candidate (the min-p race winner is outside top-p there);
+    top-k + top-p: rows are settled although top-k drops survivors."""
     import kernels.sampling as K
 
     monkeypatch.setattr(K, "NUC_BLOCK", 256)
     M, V, sentinel = 24, 2000, 1999
-    gen = torch.Generator().manual_seed(4)
-    logits = torch.randn(M, V, generator=gen)
+    logits, prm = _settled_case(case, M, V)
     seeds, steps = torch.arange(M) * 31 + 2, torch.arange(M) + 7
-    # top_p 0.02 .. 0.95: a row is left to the row kernel with a chance of about (1 - top_p)^NUC_R, so both kinds occur
-    prm = {"temp": torch.full((M,), 0.6), "min_p": torch.full((M,), 0.01), "top_p": torch.linspace(0.02, 0.95, M)}
     ok, _ = _nucleus_settles(logits, prm, seeds, steps, monkeypatch)
     real = K._nucleus_partials
 
@@ -150,13 +167,18 @@ def test_nucleus_settled_rows_skip_the_row_kernel(monkeypatch):
         parts.view(M, K.NUC_PARTS_N, nbp)[:, K.NUC_ROWS["id"]:K.NUC_ROWS["a"]].view(torch.int32).fill_(sentinel)
         return parts
     monkeypatch.setattr(K, "_nucleus_partials", poisoned)
-    got = filtered_race(logits, prm["temp"], seeds, steps, None, prm["min_p"], None, prm["top_p"], nucleus=True)
-    want = ref_tokens(logits, prm["temp"], seeds, steps, prm["min_p"], None, prm["top_p"])
+    mp, tk = prm.get("min_p"), prm.get("top_k")
+    got = filtered_race(logits, prm["temp"], seeds, steps, None, mp, tk, prm["top_p"], nucleus=True)
+    want = ref_tokens(logits, prm["temp"], seeds, steps, mp, tk, prm["top_p"])
     assert ok.any() and not ok.all(), ok.tolist()
     assert (got[ok] == sentinel).all() and torch.equal(got[~ok], want[~ok]), (ok.tolist(), got.tolist())
     assert not (want[ok] == sentinel).any()
-    first = ref_tokens(logits, prm["temp"], seeds, steps, prm["min_p"], None, None)   # the min-p race winner
-    assert (ok & (first != want)).any(), (ok.tolist(), first.tolist(), want.tolist())
+    if case == "min_p top_p":
+        first = ref_tokens(logits, prm["temp"], seeds, steps, mp, None, None)   # the min-p race winner
+        assert (ok & (first != want)).any(), (ok.tolist(), first.tolist(), want.tolist())
+    else:   # settled rows whose top-p acted on a strict top-k set (k < V survivors) with a real cut
+        cut = ref_tokens(logits, prm["temp"], seeds, steps, None, tk, None) != want
+        assert int(ok.sum()) >= M // 2 and (ok & cut).any(), (ok.tolist(), cut.tolist())
 
 
 @requires_triton
