@@ -272,17 +272,30 @@ NUC_Q, NUC_ID, NUC_A, NUC_C, NUC_E = (tl.constexpr(NUC_ROWS[k]) for k in ("q", "
 
 
 @triton.jit
+def _nuc_bases(nuc_ptr, rowl, NBP: tl.constexpr):
+    """One row's partials: (fp32 base, the same as int32)."""
+    base = nuc_ptr + rowl * NUC_PARTS * NBP
+    return base, base.to(tl.pointer_type(tl.int32), bitcast=True)
+
+
+@triton.jit
+def _nuc_rows(ptr, FIRST: tl.constexpr, NB, NBP: tl.constexpr, R: tl.constexpr, other):
+    """Partial rows FIRST .. FIRST + R - 1 of one row ([R, NBP], ``other`` past the NB blocks; ptr: _nuc_bases)."""
+    r = tl.arange(0, R)
+    j = tl.arange(0, NBP)
+    return tl.load(ptr + FIRST * NBP + r[:, None] * NBP + j[None, :], mask=(j < NB)[None, :] & (r >= 0)[:, None],
+                   other=other)
+
+
+@triton.jit
 def _nuc_candidates(nuc_ptr, rowl, NB, NBP: tl.constexpr, R: tl.constexpr):
     """The row's R best race keys over its blocks' partials -> (q [R], token [R]): q descending, the smaller token
     first on equal q (q < 0: no such survivor). Each block's R best hold the row's R best."""
     r = tl.arange(0, R)
-    j = tl.arange(0, NBP)
-    base = nuc_ptr + rowl * NUC_PARTS * NBP
-    ib = base.to(tl.pointer_type(tl.int32), bitcast=True)
-    o = r[:, None] * NBP + j[None, :]                                   # [R, NBP] position of each entry
-    m = (j < NB)[None, :] & (r >= 0)[:, None]
-    q = tl.load(base + NUC_Q * NBP + o, mask=m, other=-2.0)
-    tok = tl.load(ib + NUC_ID * NBP + o, mask=m, other=2147483647)
+    base, ib = _nuc_bases(nuc_ptr, rowl, NBP)
+    o = r[:, None] * NBP + tl.arange(0, NBP)[None, :]                   # [R, NBP] position of each entry
+    q = _nuc_rows(base, NUC_Q, NB, NBP, R, -2.0)
+    tok = _nuc_rows(ib, NUC_ID, NB, NBP, R, 2147483647)
     cq = tl.full([R], -1.0, tl.float32)
     ct = tl.zeros([R], tl.int32)
     for i in tl.static_range(R):
@@ -311,16 +324,14 @@ def _nuc_block_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, seeds_ptr
         if tl.load(greedy_ptr + row) != 0:
             return
     rowl = row.to(tl.int64)
-    base = nuc_ptr + rowl * NUC_PARTS * NBP
-    ibase = base.to(tl.pointer_type(tl.int32), bitcast=True)
+    base, ibase = _nuc_bases(nuc_ptr, rowl, NBP)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     raw = tl.load(x_ptr + rowl * stride_x + offs, mask=offs < V, other=float("-inf"))
     if PHASE == 0:
         tl.store(base + blk, tl.max(raw, axis=0))
         return
-    j = tl.arange(0, NBP)
     t = tl.load(t_ptr + row)
-    m = tl.math.div_rn(tl.max(tl.load(base + j, mask=j < NB, other=float("-inf")), axis=0), t)
+    m = tl.math.div_rn(tl.max(_nuc_rows(base, 0, NB, NBP, 1, float("-inf"))), t)
     cut = tl.full([], float("-inf"), tl.float32)
     if HAS_MINP:
         cut = m + _log(tl.load(minp_ptr + row), LIBDEVICE)
@@ -366,16 +377,11 @@ def _nuc_accept(nuc_ptr, rowl, NB, NBP: tl.constexpr, V, topk_ptr, topp_ptr, row
     """The row kernel's nucleus check -> (settled, token): the walk over the NUC_R best keys c_i (see above) stops at
     the first c_i not clearly dropped; the row is settled if that c_i is clearly kept (inside top-k: count above < k;
     inside top-p: mass above < top_p S_k, by the margin, with S_k from below: see _nuc_topk_mass)."""
-    j = tl.arange(0, NBP)
     r = tl.arange(0, NUC_R)
-    base = nuc_ptr + rowl * NUC_PARTS * NBP
-    ib = base.to(tl.pointer_type(tl.int32), bitcast=True)
-    jm = j < NB
-    o = r[:, None] * NBP + j[None, :]
-    m2 = jm[None, :] & (r >= 0)[:, None]
+    base, ib = _nuc_bases(nuc_ptr, rowl, NBP)
     cq, ct = _nuc_candidates(nuc_ptr, rowl, NB, NBP, NUC_R)
-    n_all = tl.sum(tl.load(ib + 2 * NBP + j, mask=jm, other=0), axis=0)
-    c_above = tl.sum(tl.load(ib + NUC_C * NBP + o, mask=m2, other=0), axis=1)            # [R]
+    n_all = tl.sum(_nuc_rows(ib, 2, NB, NBP, 1, 0))
+    c_above = tl.sum(_nuc_rows(ib, NUC_C, NB, NBP, NUC_R, 0), axis=1)                    # [R]
     kept = cq >= 0.0
     dropped = r < 0
     kk = n_all
@@ -386,8 +392,8 @@ def _nuc_accept(nuc_ptr, rowl, NB, NBP: tl.constexpr, V, topk_ptr, topp_ptr, row
     if HAS_TOPP:
         p = tl.load(topp_ptr + row)
         if p < 1.0:
-            s_all = tl.sum(tl.load(base + NBP + j, mask=jm, other=0.0), axis=0)
-            a_above = tl.sum(tl.load(base + NUC_A * NBP + o, mask=m2, other=0.0), axis=1)   # [R]
+            s_all = tl.sum(_nuc_rows(base, 1, NB, NBP, 1, 0.0))
+            a_above = tl.sum(_nuc_rows(base, NUC_A, NB, NBP, NUC_R, 0.0), axis=1)          # [R]
             s_k = s_all                  # the mass top-p acts on: the survivors', or the top-k set's (from below)
             if HAS_TOPK:
                 if kk < n_all:
