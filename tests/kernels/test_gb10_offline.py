@@ -193,12 +193,13 @@ def _scenarios(torch):
 
         fns = [lambda: race_argmax(p, seeds, steps), lambda: argmax_rows(p)]
         try:                                               # the filtered race (kernels/sampling.py), where present
-            from kernels.sampling import filtered_race
+            from kernels.sampling import NUCLEUS, filtered_race
 
             t = torch.ones(M)
             fns.append(lambda: filtered_race(p, t, seeds, steps, torch.zeros(M, dtype=torch.bool), torch.zeros(M),
                                              torch.full((M,), 40, dtype=torch.int64), torch.full((M,), 0.9)))
-            EXPECTED["sampler"] = EXPECTED["sampler"] | {"_filtered_race_kernel"}
+            EXPECTED["sampler"] = EXPECTED["sampler"] | {"_filtered_race_kernel"} | (
+                {"_nuc_block_kernel"} if NUCLEUS else set())   # the nucleus check's (row, block) launches
         except ImportError:
             pass
         return lambda: [f() for f in fns]
