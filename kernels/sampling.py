@@ -250,14 +250,19 @@ def _select(xrow, g_row, gi_row, r_row, n, t, cut, m, compact, lo, hi, c_lo, c_h
 # NUC_R best keys c_0, c_1, ... (q descending, token ascending on equal q: the row kernel's first max): the first c_i
 # that is kept is the answer, because every token with a better key is an earlier c_j, all dropped. c is kept iff
 # mass(x > x_c) < top_p S (S the survivors' mass; the row kernel's rule, ties kept together) and count(x > x_c) < top_k.
-# With top-k AND top-p, where top-k drops survivors, top-p's S is the top-k set's mass S_k: a lower bound from the
-# candidates decides "kept" (_nuc_topk_mass), S_all >= S_k decides "dropped".
-# The row kernel is left only the rows where all NUC_R are dropped (a row's chance is about (1 - top_p)^NUC_R, or, with
-# top-k dropping survivors, that none of them is inside top-k: flat rows), where the walk meets a c_i within NUC_MARGIN
-# of the top-p boundary (the kernels sum the masses in different orders) or between the bounds of S_k.
-# Partials, per row and block (NBP columns each): [max raw | S | n | q x R | token x R | A x R | C x R | e x R], fp32 /
-# int32 bits; q / token: the block's R best keys (-1: none), A / C: mass / count of the survivors better than each c_i,
-# e: exp(x_c - m) of each c_i (column 0 only, written by block 0).
+# With top-k the candidates come from the survivors with x >= x_k, a lower bound on the k-th largest value (the k-th
+# largest of the blocks' NUC_T largest, _nuc_kth): the kept set lies inside them, so the walk stays exact and meets
+# top-k members first. top-p's S is then the top-k set's mass S_k: mass(x >= x_k) bounds it from above, and equals it
+# when x_k is exact (no block holds more than NUC_T values >= x_k: nearly always for k << NB NUC_T); otherwise a
+# candidate inside top-k bounds it from below (_nuc_topk_mass).
+# The row kernel is left only the rows where all NUC_R are dropped (a row's chance is about (1 - top_p)^NUC_R), where
+# the walk meets a c_i within NUC_MARGIN of the top-p boundary (the kernels sum the masses in different orders) or
+# between the bounds of an inexact S_k.
+# Partials, per row and block (NBP columns each): [max raw | S | n | q x R | token x R | A x R | C x R | e x R |
+# v x T | S_k | exact], fp32 / int32 bits; q / token: the block's R best keys (-1: none), A / C: mass / count of the
+# survivors better than each c_i, e: exp(x_c - m) of each c_i (column 0 only, written by block 0); with top-k: v, the
+# block's T largest raw logits, S_k: the mass of its survivors with x >= x_k (see _nuc_kth), exact (block 0): x_k is
+# the k-th largest value itself, so the sum of S_k is top-p's S.
 NUC_BLOCK = 2048
 NUC_R_N = 4
 NUC_R = tl.constexpr(NUC_R_N)
@@ -265,10 +270,14 @@ NUC_MARGIN_F = 1e-4
 # kept only if A < top_p S (1 - NUC_MARGIN), dropped only if A >= top_p S (1 + NUC_MARGIN): fp32 sums of <= V terms,
 # in either order, differ by far less (~log2(V) ulps per tree, ~V / BLOCK ulps across tiles)
 NUC_MARGIN = tl.constexpr(NUC_MARGIN_F)
-NUC_PARTS_N = 3 + 5 * NUC_R_N
+NUC_T_N = 8       # top-k rows: each block's NUC_T largest logits (the k-th largest of the row from them, k <= NB NUC_T)
+NUC_T = tl.constexpr(NUC_T_N)
+NUC_PARTS_N = 5 + 5 * NUC_R_N + NUC_T_N
 NUC_PARTS = tl.constexpr(NUC_PARTS_N)
-NUC_ROWS = {"q": 3, "id": 3 + NUC_R_N, "a": 3 + 2 * NUC_R_N, "c": 3 + 3 * NUC_R_N, "e": 3 + 4 * NUC_R_N}   # first rows
-NUC_Q, NUC_ID, NUC_A, NUC_C, NUC_E = (tl.constexpr(NUC_ROWS[k]) for k in ("q", "id", "a", "c", "e"))
+NUC_ROWS = {"q": 3, "id": 3 + NUC_R_N, "a": 3 + 2 * NUC_R_N, "c": 3 + 3 * NUC_R_N, "e": 3 + 4 * NUC_R_N,
+            "v": 3 + 5 * NUC_R_N, "sk": 3 + 5 * NUC_R_N + NUC_T_N, "x": 4 + 5 * NUC_R_N + NUC_T_N}   # first rows
+NUC_Q, NUC_ID, NUC_A, NUC_C, NUC_E, NUC_V, NUC_SK, NUC_X = (
+    tl.constexpr(NUC_ROWS[k]) for k in ("q", "id", "a", "c", "e", "v", "sk", "x"))
 
 
 @triton.jit
@@ -309,14 +318,33 @@ def _nuc_candidates(nuc_ptr, rowl, NB, NBP: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _nuc_block_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, seeds_ptr, steps_ptr, nuc_ptr, NB,
+def _nuc_kth(base, NB, NBP: tl.constexpr, V, topk_ptr, row, t):
+    """Top-k rows, from the blocks' NUC_T largest raw logits -> (x_k, exact): x_k = (the k-th largest of them) / t, a
+    lower bound on the row's k-th largest x (k of its tokens are >= it); exact when no block's NUC_T-th value reaches
+    it (every block's values >= x_k are all in its list), so x_k is the k-th largest x itself. -inf (and not exact)
+    when k > NB NUC_T or fewer than k values are finite."""
+    kk = tl.minimum(tl.load(topk_ptr + row), V).to(tl.int32)
+    vk = tl.full([], float("-inf"), tl.float32)
+    exact = vk > 0.0
+    if kk <= NB * NUC_T:
+        v = tl.reshape(_nuc_rows(base, NUC_V, NB, NBP, NUC_T, float("-inf")), [NUC_T * NBP])
+        srt = tl.sort(v, descending=True)
+        vk = tl.sum(tl.where(tl.arange(0, NUC_T * NBP) == kk - 1, srt, 0.0), axis=0)
+        last = _nuc_rows(base, NUC_V + NUC_T - 1, NB, NBP, 1, float("-inf"))          # each block's NUC_T-th
+        exact = (tl.max(last) < vk) & (vk > float("-inf"))
+    return tl.math.div_rn(vk, t), exact
+
+
+@triton.jit
+def _nuc_block_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, topk_ptr, seeds_ptr, steps_ptr, nuc_ptr, NB,
                       NBP: tl.constexpr, PHASE: tl.constexpr, HAS_GREEDY: tl.constexpr, HAS_MINP: tl.constexpr,
-                      BLOCK: tl.constexpr, SERIES_TERMS: tl.constexpr, SERIES_MAX: tl.constexpr,
-                      LIBDEVICE: tl.constexpr):
+                      HAS_TOPK: tl.constexpr, BLOCK: tl.constexpr, SERIES_TERMS: tl.constexpr,
+                      SERIES_MAX: tl.constexpr, LIBDEVICE: tl.constexpr):
     """The nucleus check's launches, program (row, block); greedy rows do nothing. PHASE 0: the block's max of the
-    raw logits. PHASE 1: over the block's min-p survivors (x = raw / t >= cut, m and cut as the row kernel forms
-    them), S = sum exp(x - m), their count, and the race: the NUC_R best keys exp(x - m) / E and their tokens (the
-    first of equal keys first; -1 when the block has no more survivors). PHASE 2: for each of the row's NUC_R best
+    raw logits (top-k: and its NUC_T largest). PHASE 1: over the block's min-p survivors (x = raw / t >= cut, m and
+    cut as the row kernel forms them), S = sum exp(x - m), their count, and the race: the NUC_R best keys
+    exp(x - m) / E and their tokens (the first of equal keys first; -1 when the block has no more survivors; top-k:
+    among the survivors with x >= x_k only, and their mass S_k). PHASE 2: for each of the row's NUC_R best
     keys c_i, the mass and count of the block's survivors strictly better than x_c (block 0: also exp(x_c - m))."""
     row = tl.program_id(0)
     blk = tl.program_id(1)
@@ -329,6 +357,11 @@ def _nuc_block_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, seeds_ptr
     raw = tl.load(x_ptr + rowl * stride_x + offs, mask=offs < V, other=float("-inf"))
     if PHASE == 0:
         tl.store(base + blk, tl.max(raw, axis=0))
+        if HAS_TOPK:                            # the block's NUC_T largest raw logits, descending
+            ar = tl.arange(0, BLOCK)
+            for i in tl.static_range(NUC_T):
+                tl.store(base + (NUC_V + i) * NBP + blk, tl.max(raw, axis=0))
+                raw = tl.where(ar == tl.argmax(raw, axis=0), float("-inf"), raw)
         return
     t = tl.load(t_ptr + row)
     m = tl.math.div_rn(tl.max(_nuc_rows(base, 0, NB, NBP, 1, float("-inf"))), t)
@@ -341,6 +374,12 @@ def _nuc_block_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, seeds_ptr
     if PHASE == 1:
         tl.store(base + NBP + blk, tl.sum(tl.where(ok, e, 0.0), axis=0))
         tl.store(ibase + 2 * NBP + blk, tl.sum(ok.to(tl.int32), axis=0))
+        if HAS_TOPK:   # the candidates' pool: survivors with x >= x_k (<= the k-th largest value), and its mass
+            xk, exact = _nuc_kth(base, NB, NBP, V, topk_ptr, row, t)
+            ok = ok & (x >= xk)
+            tl.store(base + NUC_SK * NBP + blk, tl.sum(tl.where(ok, e, 0.0), axis=0))
+            if blk == 0:
+                tl.store(ibase + NUC_X * NBP, exact.to(tl.int32))
         q = tl.full([BLOCK], -1.0, tl.float32)
         if tl.max(ok.to(tl.int32), axis=0) > 0:
             hk = _race_row_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
@@ -376,7 +415,8 @@ def _nuc_accept(nuc_ptr, rowl, NB, NBP: tl.constexpr, V, topk_ptr, topp_ptr, row
                 HAS_TOPP: tl.constexpr):
     """The row kernel's nucleus check -> (settled, token): the walk over the NUC_R best keys c_i (see above) stops at
     the first c_i not clearly dropped; the row is settled if that c_i is clearly kept (inside top-k: count above < k;
-    inside top-p: mass above < top_p S_k, by the margin, with S_k from below: see _nuc_topk_mass)."""
+    inside top-p: mass above < top_p S, by the margin; with top-k, S is the top-k set's mass S_k, exact or bounded:
+    see the section's comment)."""
     r = tl.arange(0, NUC_R)
     base, ib = _nuc_bases(nuc_ptr, rowl, NBP)
     cq, ct = _nuc_candidates(nuc_ptr, rowl, NB, NBP, NUC_R)
@@ -394,12 +434,16 @@ def _nuc_accept(nuc_ptr, rowl, NB, NBP: tl.constexpr, V, topk_ptr, topp_ptr, row
         if p < 1.0:
             s_all = tl.sum(_nuc_rows(base, 1, NB, NBP, 1, 0.0))
             a_above = tl.sum(_nuc_rows(base, NUC_A, NB, NBP, NUC_R, 0.0), axis=1)          # [R]
-            s_k = s_all                  # the mass top-p acts on: the survivors', or the top-k set's (from below)
+            s_lo = s_all                 # the mass top-p acts on (the survivors', or the top-k set's) lies in
+            s_hi = s_all                 # [s_lo, s_hi]
             if HAS_TOPK:
-                if kk < n_all:
-                    s_k = _nuc_topk_mass(base, NBP, cq, c_above, a_above, kk)
-            kept = kept & (a_above < p * s_k * (1.0 - NUC_MARGIN))
-            dropped = dropped | (a_above >= p * s_all * (1.0 + NUC_MARGIN))   # S_k <= S_all
+                s_hi = tl.sum(_nuc_rows(base, NUC_SK, NB, NBP, 1, 0.0))                      # mass(x >= x_k)
+                if tl.load(ib + NUC_X * NBP) != 0:
+                    s_lo = s_hi
+                elif kk < n_all:
+                    s_lo = _nuc_topk_mass(base, NBP, cq, c_above, a_above, kk)
+            kept = kept & (a_above < p * s_lo * (1.0 - NUC_MARGIN))
+            dropped = dropped | (a_above >= p * s_hi * (1.0 + NUC_MARGIN))
     dropped = dropped & (cq >= 0.0)
     first = tl.min(tl.where(dropped, NUC_R, r), axis=0)                                    # NUC_R: all dropped
     acc = tl.sum(tl.where((r == first) & kept, 1, 0), axis=0) > 0
@@ -557,7 +601,7 @@ def filtered_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     nuc = NUCLEUS if nucleus is None else nucleus
     nb = cdiv(V, NUC_BLOCK)
     nbp = next_pow2(nb)
-    parts = _nucleus_partials(logits, temperature, seeds, steps, greedy, min_p, nb, nbp) if nuc else dummy
+    parts = _nucleus_partials(logits, temperature, seeds, steps, greedy, min_p, nb, nbp, top_k) if nuc else dummy
     _filtered_race_kernel[(M,)](
         logits, logits.stride(0), V, temperature, greedy if greedy is not None else dummy,
         min_p if min_p is not None else dummy, top_k if top_k is not None else seeds,
@@ -573,7 +617,7 @@ def _libdevice() -> bool:
     return os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def _nucleus_partials(logits, temperature, seeds, steps, greedy, min_p, nb: int, nbp: int) -> torch.Tensor:
+def _nucleus_partials(logits, temperature, seeds, steps, greedy, min_p, nb: int, nbp: int, top_k=None) -> torch.Tensor:
     """The nucleus check's three (row, block) launches (_nuc_block_kernel's phases) -> their partials
     [M, NUC_PARTS * nbp] (fp32 / int32 bits)."""
     M, V = logits.shape
@@ -582,7 +626,8 @@ def _nucleus_partials(logits, temperature, seeds, steps, greedy, min_p, nb: int,
     mp = min_p if min_p is not None else temperature
     for phase in range(3):
         _nuc_block_kernel[(M, nb)](
-            logits, logits.stride(0), V, temperature, g, mp, seeds, steps, parts, nb, NBP=nbp, PHASE=phase,
-            HAS_GREEDY=greedy is not None, HAS_MINP=min_p is not None, BLOCK=NUC_BLOCK, SERIES_TERMS=SERIES_TERMS,
-            SERIES_MAX=SERIES_MAX, LIBDEVICE=_libdevice(), num_warps=4)
+            logits, logits.stride(0), V, temperature, g, mp, top_k if top_k is not None else seeds, seeds, steps,
+            parts, nb, NBP=nbp, PHASE=phase, HAS_GREEDY=greedy is not None, HAS_MINP=min_p is not None,
+            HAS_TOPK=top_k is not None, BLOCK=NUC_BLOCK, SERIES_TERMS=SERIES_TERMS, SERIES_MAX=SERIES_MAX,
+            LIBDEVICE=_libdevice(), num_warps=4)
     return parts

@@ -97,7 +97,7 @@ def _nucleus_settles(logits, prm, seeds, steps, monkeypatch):
     R = K.NUC_R_N
     nb = -(-V // K.NUC_BLOCK)
     nbp = 1 << (nb - 1).bit_length()
-    parts = K._nucleus_partials(logits, prm["temp"], seeds, steps, None, prm.get("min_p"), nb, nbp)
+    parts = K._nucleus_partials(logits, prm["temp"], seeds, steps, None, prm.get("min_p"), nb, nbp, prm.get("top_k"))
     f = parts.view(M, K.NUC_PARTS_N, nbp)[:, :, :nb]
     i = f.view(torch.int32)
     rq, rid, ra, rc = (K.NUC_ROWS[k] for k in ("q", "id", "a", "c"))
@@ -108,14 +108,17 @@ def _nucleus_settles(logits, prm, seeds, steps, monkeypatch):
     c_above = i[:, rc:rc + R].sum(2)
     s_all = f[:, 1].sum(1)
     kk = torch.clamp(prm["top_k"], max=V) if "top_k" in prm else n_all
-    # S_k (top-p's mass when top-k drops survivors) from below: the best A_c + exp(x_c - m) of a candidate in top-k
+    # top-p's S in [s_lo, s_hi]: with top-k, s_hi = mass(x >= x_k), s_lo = s_hi where x_k is exact, else the best
+    # A_c + exp(x_c - m) of a candidate inside top-k (S_all where top-k keeps every survivor)
     e_c = f[:, K.NUC_ROWS["e"]:K.NUC_ROWS["e"] + R, 0]   # [M, R] exp(x_c - m), in candidate order
+    s_hi = f[:, K.NUC_ROWS["sk"]].sum(1) if "top_k" in prm else s_all
+    exact = (i[:, K.NUC_ROWS["x"], 0] != 0) if "top_k" in prm else torch.ones(M, dtype=torch.bool)
     ok = torch.zeros(M, dtype=torch.bool)
     w = torch.zeros(M, dtype=torch.int64)
     for row in range(M):
         cands = sorted(zip(q[row].tolist(), tok[row].tolist()), key=lambda e: (-e[0], e[1]))[:R]
         inside = [(c_above[row, c] < kk[row]) & (qc >= 0) for c, (qc, _) in enumerate(cands)]
-        s_k = s_all[row] if kk[row] >= n_all[row] else max(
+        s_lo = float(s_hi[row]) if exact[row] else float(s_all[row]) if kk[row] >= n_all[row] else max(
             [float(a_above[row, c] + e_c[row, c]) for c in range(len(cands)) if inside[c]], default=0.0)
         for c, (qc, tc) in enumerate(cands):
             if qc < 0:
@@ -123,8 +126,8 @@ def _nucleus_settles(logits, prm, seeds, steps, monkeypatch):
             kept, dropped = bool(inside[c]), bool(c_above[row, c] >= kk[row])
             if "top_p" in prm and prm["top_p"][row] < 1:
                 p = float(prm["top_p"][row])
-                kept &= bool(a_above[row, c] < p * s_k * (1 - K.NUC_MARGIN_F))
-                dropped |= bool(a_above[row, c] >= p * s_all[row] * (1 + K.NUC_MARGIN_F))
+                kept &= bool(a_above[row, c] < p * s_lo * (1 - K.NUC_MARGIN_F))
+                dropped |= bool(a_above[row, c] >= p * s_hi[row] * (1 + K.NUC_MARGIN_F))
             if not dropped:
                 ok[row], w[row] = kept, tc
                 break
@@ -179,6 +182,51 @@ def test_nucleus_settled_rows_skip_the_row_kernel(case, monkeypatch):
     else:   # settled rows whose top-p acted on a strict top-k set (k < V survivors) with a real cut
         cut = ref_tokens(logits, prm["temp"], seeds, steps, None, tk, None) != want
         assert int(ok.sum()) >= M // 2 and (ok & cut).any(), (ok.tolist(), cut.tolist())
+
+
+@requires_triton
+def test_nucleus_topk_mass(monkeypatch):
+    """Top-k rows' partials: the candidates' pool bound x_k from the blocks' NUC_T largest logits. Where it is exact,
+    the S_k partials sum to the mass of the survivors' top-k set (ties kept: x >= the k-th largest; all survivors
+    when top-k keeps them all); otherwise to at least that mass. k = 1 and 5 are exact here, k > NB NUC_T is not
+    (x_k = -inf: the survivors' mass). Every candidate lies in the top-k set where exact."""
+    import kernels.sampling as K
+
+    monkeypatch.setattr(K, "NUC_BLOCK", 256)
+    V, T = 3000, K.NUC_T_N
+    nb = -(-V // 256)
+    nbp = 1 << (nb - 1).bit_length()
+    ks = [1, 5, 40, nb * T, nb * T + 1, V, 40, 3]
+    M = len(ks)
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(M, V, generator=gen) * 2.0
+    logits[6, :2990] = float("-inf")                     # 10 finite tokens: top-k 40 keeps them all
+    temp = torch.full((M,), 0.7)
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.05])
+    top_k = torch.tensor(ks)
+    seeds, steps = torch.arange(M) + 3, torch.arange(M) + 9
+    parts = K._nucleus_partials(logits, temp, seeds, steps, None, min_p, nb, nbp, top_k)
+    f = parts.view(M, K.NUC_PARTS_N, nbp)[:, :, :nb]
+    i = f.view(torch.int32)
+    exact = i[:, K.NUC_ROWS["x"], 0] != 0
+    s_hi = f[:, K.NUC_ROWS["sk"]].sum(1)
+    tok = i[:, K.NUC_ROWS["id"]:K.NUC_ROWS["id"] + K.NUC_R_N].reshape(M, -1)
+    q = f[:, K.NUC_ROWS["q"]:K.NUC_ROWS["q"] + K.NUC_R_N].reshape(M, -1)
+    x = logits / temp[:, None]
+    m = x.amax(1, keepdim=True)
+    surv = (x >= m + torch.log(min_p)[:, None]) & (x > float("-inf"))
+    for r in range(M):
+        xs = x[r][surv[r]].sort(descending=True).values
+        xk = xs[min(ks[r], len(xs)) - 1]
+        want = torch.exp(x[r][surv[r] & (x[r] >= xk)] - m[r]).sum()
+        assert float(s_hi[r]) >= float(want) * (1 - 1e-5), (r, float(s_hi[r]), float(want))
+        if exact[r]:
+            assert abs(float(s_hi[r]) - float(want)) <= 1e-5 * float(want), (r, float(s_hi[r]), float(want))
+            pool = tok[r][q[r] >= 0]
+            assert (x[r][pool] >= xk).all(), r
+    assert exact[[0, 1, 7]].all() and not exact[4], exact.tolist()
+    s_all = torch.exp(x[4][surv[4]] - m[4]).sum()
+    assert abs(float(s_hi[4]) - float(s_all)) <= 1e-5 * float(s_all)
 
 
 @requires_triton
