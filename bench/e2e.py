@@ -761,6 +761,8 @@ def main():
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--sampled-batches", default="", help="batches of the sampled decode rows (T0.6 top_p 0.95 min_p "
                     "0.01; default: the largest decode batch only)")
+    ap.add_argument("--sampled-generic", action="store_true", help="also the sampled batches with LocalAI's generic "
+                    "sampling defaults (T0.9 top_k 40 top_p 0.95, no min_p)")
     ap.add_argument("--prefill", default="1024,8192,32768")
     ap.add_argument("--multi-turn", default="", help="history lengths H: time to first token of a next chat turn "
                     "(H history tokens + --turn-tokens new ones) from scratch and after the H-token prompt was cached "
@@ -886,6 +888,11 @@ def main():
     runs = [(b, greedy, f"decode b{b} ctx{args.decode_context} greedy") for b in args.decode_batches]
     runs += [(b, sampled, f"decode b{b} ctx{args.decode_context} T0.6 top_p0.95 min_p0.01")
              for b in (args.sampled_batches or [max_bs])]
+    if args.sampled_generic:   # LocalAI's generic defaults (a model not named *kimi*): top-k with top-p, no min-p
+        generic = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, ignore_eos=True,
+                                 max_tokens=args.decode_steps + 32)
+        runs += [(b, generic, f"decode b{b} ctx{args.decode_context} T0.9 top_k40 top_p0.95")
+                 for b in (args.sampled_batches or [max_bs])]
     for b, params, name in runs:
         sps, unique = bench_decode(engine, b, args.decode_context, args.decode_steps, params, args.tap)
         sol = roof.decode(b, ctx, args.bw, peak, unique)

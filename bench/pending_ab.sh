@@ -23,7 +23,11 @@
 #            cases not yet timed through sample() (top-p alone, temperature alone, LocalAI's generic top-k 40 + top-p
 #            0.95: the check's lower bound on the top-k set's mass), e2e, then ncu. Env samp_cases: bench/sampling.py
 #            --cases (empty: all).
-# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|e2e|splits|ncu|short|h200|all] [total seconds]
+#   topk:    the nucleus check's top-k rows (each block's 8 largest logits bound the k-th largest value: the
+#            candidates come from the top-k set and top-p's S is exact): the sampler's GPU tests, bench/sampling.py
+#            on the top-k cases (with min-p; LocalAI's generic T0.9 top-k 40 top-p 0.95), then the nucleus e2e A/B
+#            with --sampled-generic, one pair (env pairs=).
+# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|short|h200|all] [total seconds]
 set -u
 what=${1:-all}
 total=${2:-560}
@@ -52,6 +56,8 @@ case $what in
   all) parts="tests sampling nucleus splits ncu" ;;
   short) parts="tests sampling splits" ;;
   nucleus) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=150 ;;
+  topk) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=${samp_s:-120}
+        samp_cases=${samp_cases:-top_k,generic}; e2e_extra="--sampled-generic"; pairs=${pairs:-1} ;;
   h200) parts="tests sampling e2e ncu"; tests=${tests:-tests/kernels/test_sampling.py}; samp_s=${samp_s:-100}
         samp_cases=${samp_cases:-no min_p,no filter,generic} ;;
   *) parts=$what ;;
@@ -70,11 +76,11 @@ if has sampling; then
     --cases "${samp_cases:-}" > "$OUT/sampling.log" 2>&1; step sampling $?
 fi
 if has nucleus; then
-  for i in 1 2; do
+  for i in $(seq 1 "${pairs:-2}"); do
     for n in 0 1; do
       [ "$(left)" -gt 70 ] || break
       KIMI_SAMPLER_NUCLEUS=$n timeout "$(left)" python3 bench/e2e.py --layers "$layers" --decode-batches 1,64 \
-        --sampled-batches 1,64 --prefill "" --hf-batches "" --warmup > "$OUT/e2e_nucleus${n}_$i.log" 2>&1
+        --sampled-batches 1,64 --prefill "" --hf-batches "" --warmup ${e2e_extra:-} > "$OUT/e2e_nucleus${n}_$i.log" 2>&1
       step "e2e nucleus=$n #$i" $?
     done
   done

@@ -16,7 +16,7 @@ def test_e2e_smoke_small():
     cmd = [sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--smoke", "--decode-batches", "64",
            "--decode-context", "256", "--max-num-batched-tokens", "2048", "--decode-steps", "4", "--prefill", "128", "--multi-turn", "200",
            "--turn-tokens", "40", "--grammar", "--grammar-threads", "2", "--score", "150", "--score-candidates", "4",
-           "--warmup", "--sampled-batches", "1,64"]
+           "--warmup", "--sampled-batches", "1,64", "--sampled-generic"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     for row in ("| decode b64 ctx256 greedy |", "| prefill 128", "| next turn TTFT, 200 cached + 40 new |",
@@ -29,6 +29,7 @@ def test_e2e_smoke_small():
     assert re.search(r"warm-up \(\d+ requests, backend/engine/warmup\.py\) #2:", p.stdout), p.stdout[-3000:]
     for b in (1, 64):   # --sampled-batches
         assert f"| decode b{b} ctx256 T0.6 top_p0.95 min_p0.01 |" in p.stdout, p.stdout[-3000:]
+        assert f"| decode b{b} ctx256 T0.9 top_k40 top_p0.95 |" in p.stdout, p.stdout[-3000:]   # --sampled-generic
 
 
 def test_e2e_profile_smoke():
