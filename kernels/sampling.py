@@ -251,7 +251,7 @@ def _select(xrow, g_row, gi_row, r_row, n, t, cut, m, compact, lo, hi, c_lo, c_h
 # that is kept is the answer, because every token with a better key is an earlier c_j, all dropped. c is kept iff
 # mass(x > x_c) < top_p S (S the survivors' mass; the row kernel's rule, ties kept together) and count(x > x_c) < top_k.
 # With top-k the candidates come from the survivors with x >= x_k, a lower bound on the k-th largest value (the k-th
-# largest of the blocks' NUC_T largest, _nuc_kth): the kept set lies inside them, so the walk stays exact and meets
+# largest of the blocks' NUC_T largest, _nuc_kth_kernel): the kept set lies inside them, so the walk stays exact and meets
 # top-k members first. top-p's S is then the top-k set's mass S_k: mass(x >= x_k) bounds it from above, and equals it
 # when x_k is exact (no block holds more than NUC_T values >= x_k: nearly always for k << NB NUC_T); otherwise a
 # candidate inside top-k bounds it from below (_nuc_topk_mass).
@@ -261,8 +261,8 @@ def _select(xrow, g_row, gi_row, r_row, n, t, cut, m, compact, lo, hi, c_lo, c_h
 # Partials, per row and block (NBP columns each): [max raw | S | n | q x R | token x R | A x R | C x R | e x R |
 # v x T | S_k | exact], fp32 / int32 bits; q / token: the block's R best keys (-1: none), A / C: mass / count of the
 # survivors better than each c_i, e: exp(x_c - m) of each c_i (column 0 only, written by block 0); with top-k: v, the
-# block's T largest raw logits, S_k: the mass of its survivors with x >= x_k (see _nuc_kth), exact (block 0): x_k is
-# the k-th largest value itself, so the sum of S_k is top-p's S.
+# block's T largest raw logits, S_k: the mass of its survivors with x >= x_k, x (column 0, 1): exact (x_k is the k-th
+# largest value itself, so the sum of S_k is top-p's S) and v_k (_nuc_kth_kernel).
 NUC_BLOCK = 2048
 NUC_R_N = 4
 NUC_R = tl.constexpr(NUC_R_N)
@@ -318,11 +318,18 @@ def _nuc_candidates(nuc_ptr, rowl, NB, NBP: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _nuc_kth(base, NB, NBP: tl.constexpr, V, topk_ptr, row, t):
-    """Top-k rows, from the blocks' NUC_T largest raw logits -> (x_k, exact): x_k = (the k-th largest of them) / t, a
-    lower bound on the row's k-th largest x (k of its tokens are >= it); exact when no block's NUC_T-th value reaches
-    it (every block's values >= x_k are all in its list), so x_k is the k-th largest x itself. -inf (and not exact)
-    when k > NB NUC_T or fewer than k values are finite."""
+def _nuc_kth_kernel(nuc_ptr, NB, NBP: tl.constexpr, V, greedy_ptr, topk_ptr, HAS_GREEDY: tl.constexpr):
+    """Top-k rows, between phases 0 and 1, one program per row: from the blocks' NUC_T largest raw logits, v_k = the
+    k-th largest of them, a lower bound on the row's k-th largest logit (k of its tokens are >= it); exact when no
+    block's NUC_T-th value reaches it (every block's values >= v_k are all in its list), so v_k is the k-th largest
+    itself. -inf (and not exact) when k > NB NUC_T or fewer than k values are finite. Stored in row NUC_X: column 0
+    exact (int32), column 1 v_k. (One program per row: each of the row's block programs sorting the lists was ~200 us
+    slower per M = 64 call on an H100.)"""
+    row = tl.program_id(0)
+    if HAS_GREEDY:
+        if tl.load(greedy_ptr + row) != 0:
+            return
+    base, ib = _nuc_bases(nuc_ptr, row.to(tl.int64), NBP)
     kk = tl.minimum(tl.load(topk_ptr + row), V).to(tl.int32)
     vk = tl.full([], float("-inf"), tl.float32)
     exact = vk > 0.0
@@ -332,11 +339,12 @@ def _nuc_kth(base, NB, NBP: tl.constexpr, V, topk_ptr, row, t):
         vk = tl.sum(tl.where(tl.arange(0, NUC_T * NBP) == kk - 1, srt, 0.0), axis=0)
         last = _nuc_rows(base, NUC_V + NUC_T - 1, NB, NBP, 1, float("-inf"))          # each block's NUC_T-th
         exact = (tl.max(last) < vk) & (vk > float("-inf"))
-    return tl.math.div_rn(vk, t), exact
+    tl.store(ib + NUC_X * NBP, exact.to(tl.int32))
+    tl.store(base + NUC_X * NBP + 1, vk)
 
 
 @triton.jit
-def _nuc_block_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, topk_ptr, seeds_ptr, steps_ptr, nuc_ptr, NB,
+def _nuc_block_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, seeds_ptr, steps_ptr, nuc_ptr, NB,
                       NBP: tl.constexpr, PHASE: tl.constexpr, HAS_GREEDY: tl.constexpr, HAS_MINP: tl.constexpr,
                       HAS_TOPK: tl.constexpr, BLOCK: tl.constexpr, SERIES_TERMS: tl.constexpr,
                       SERIES_MAX: tl.constexpr, LIBDEVICE: tl.constexpr):
@@ -375,11 +383,8 @@ def _nuc_block_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, topk_ptr,
         tl.store(base + NBP + blk, tl.sum(tl.where(ok, e, 0.0), axis=0))
         tl.store(ibase + 2 * NBP + blk, tl.sum(ok.to(tl.int32), axis=0))
         if HAS_TOPK:   # the candidates' pool: survivors with x >= x_k (<= the k-th largest value), and its mass
-            xk, exact = _nuc_kth(base, NB, NBP, V, topk_ptr, row, t)
-            ok = ok & (x >= xk)
+            ok = ok & (x >= tl.math.div_rn(tl.load(base + NUC_X * NBP + 1), t))   # x_k = v_k / t (_nuc_kth_kernel)
             tl.store(base + NUC_SK * NBP + blk, tl.sum(tl.where(ok, e, 0.0), axis=0))
-            if blk == 0:
-                tl.store(ibase + NUC_X * NBP, exact.to(tl.int32))
         q = tl.full([BLOCK], -1.0, tl.float32)
         if tl.max(ok.to(tl.int32), axis=0) > 0:
             hk = _race_row_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
@@ -599,8 +604,7 @@ def filtered_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     out = torch.empty(M, dtype=torch.int64, device=logits.device)
     dummy = temperature
     nuc = NUCLEUS if nucleus is None else nucleus
-    nb = cdiv(V, NUC_BLOCK)
-    nbp = next_pow2(nb)
+    nb, nbp = nuc_blocks(V)
     parts = _nucleus_partials(logits, temperature, seeds, steps, greedy, min_p, nb, nbp, top_k) if nuc else dummy
     _filtered_race_kernel[(M,)](
         logits, logits.stride(0), V, temperature, greedy if greedy is not None else dummy,
@@ -613,21 +617,30 @@ def filtered_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     return out
 
 
+def nuc_blocks(V: int) -> tuple:
+    """(NB, NBP) of the nucleus check for a row of V logits: blocks of NUC_BLOCK, the partial rows' width (a power of
+    two >= 2: row NUC_X holds two values)."""
+    nb = cdiv(V, NUC_BLOCK)
+    return nb, max(2, next_pow2(nb))
+
+
 def _libdevice() -> bool:
     return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def _nucleus_partials(logits, temperature, seeds, steps, greedy, min_p, nb: int, nbp: int, top_k=None) -> torch.Tensor:
-    """The nucleus check's three (row, block) launches (_nuc_block_kernel's phases) -> their partials
+    """The nucleus check's three (row, block) launches (_nuc_block_kernel's phases; top-k: _nuc_kth_kernel's row
+    launch between phases 0 and 1) -> their partials
     [M, NUC_PARTS * nbp] (fp32 / int32 bits)."""
     M, V = logits.shape
     parts = torch.empty(M, NUC_PARTS_N * nbp, dtype=torch.float32, device=logits.device)
     g = greedy if greedy is not None else temperature
     mp = min_p if min_p is not None else temperature
     for phase in range(3):
+        if phase == 1 and top_k is not None:
+            _nuc_kth_kernel[(M,)](parts, nb, nbp, V, g, top_k, HAS_GREEDY=greedy is not None, num_warps=4)
         _nuc_block_kernel[(M, nb)](
-            logits, logits.stride(0), V, temperature, g, mp, top_k if top_k is not None else seeds, seeds, steps,
-            parts, nb, NBP=nbp, PHASE=phase, HAS_GREEDY=greedy is not None, HAS_MINP=min_p is not None,
-            HAS_TOPK=top_k is not None, BLOCK=NUC_BLOCK, SERIES_TERMS=SERIES_TERMS, SERIES_MAX=SERIES_MAX,
-            LIBDEVICE=_libdevice(), num_warps=4)
+            logits, logits.stride(0), V, temperature, g, mp, seeds, steps, parts, nb, NBP=nbp, PHASE=phase,
+            HAS_GREEDY=greedy is not None, HAS_MINP=min_p is not None, HAS_TOPK=top_k is not None, BLOCK=NUC_BLOCK,
+            SERIES_TERMS=SERIES_TERMS, SERIES_MAX=SERIES_MAX, LIBDEVICE=_libdevice(), num_warps=4)
     return parts

@@ -95,8 +95,7 @@ def _nucleus_settles(logits, prm, seeds, steps, monkeypatch):
 
     M, V = logits.shape
     R = K.NUC_R_N
-    nb = -(-V // K.NUC_BLOCK)
-    nbp = 1 << (nb - 1).bit_length()
+    nb, nbp = K.nuc_blocks(V)
     parts = K._nucleus_partials(logits, prm["temp"], seeds, steps, None, prm.get("min_p"), nb, nbp, prm.get("top_k"))
     f = parts.view(M, K.NUC_PARTS_N, nbp)[:, :, :nb]
     i = f.view(torch.int32)
@@ -194,8 +193,7 @@ def test_nucleus_topk_mass(monkeypatch):
 
     monkeypatch.setattr(K, "NUC_BLOCK", 256)
     V, T = 3000, K.NUC_T_N
-    nb = -(-V // 256)
-    nbp = 1 << (nb - 1).bit_length()
+    nb, nbp = K.nuc_blocks(V)
     ks = [1, 5, 40, nb * T, nb * T + 1, V, 40, 3]
     M = len(ks)
     gen = torch.Generator().manual_seed(11)
