@@ -20,9 +20,10 @@
 #            on the H100; B=1 S=128k, the other target).
 #   e2e:     bench/e2e.py at batch 1 / 8 / 64 (greedy; T0.6 top_p 0.95 min_p 0.01 at 1 and 64) and an 8k prefill, the
 #            defaults as they are (issue 6's table). `h200` mode: the sampler's GPU tests, bench/sampling.py on the
-#            cases not yet timed through sample() (top-p alone, temperature alone, LocalAI's generic top-k 40 + top-p
-#            0.95: the check's lower bound on the top-k set's mass), e2e, then ncu. Env samp_cases: bench/sampling.py
-#            --cases (empty: all).
+#            top-k cases (LocalAI's generic top-k 40 + top-p 0.95; top-k 50 with min-p: H100 figures only so far),
+#            e2e with the generic rows too (--sampled-generic; greedy b64 once measured 10.2 ms per step in one
+#            check-on process against 8.7-8.9 in six others: BENCHMARKS.md, twenty-eighth round), then ncu.
+#            Env samp_cases: bench/sampling.py --cases (empty: all); e2e_extra: more bench/e2e.py arguments.
 #   topk:    the nucleus check's top-k rows (each block's 8 largest logits bound the k-th largest value: the
 #            candidates come from the top-k set and top-p's S is exact): the sampler's GPU tests, bench/sampling.py
 #            on the top-k cases (with min-p; LocalAI's generic T0.9 top-k 40 top-p 0.95), then the nucleus e2e A/B
@@ -59,7 +60,7 @@ case $what in
   topk) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=${samp_s:-120}
         samp_cases=${samp_cases:-top_k,generic}; e2e_extra="--sampled-generic"; pairs=${pairs:-1} ;;
   h200) parts="tests sampling e2e ncu"; tests=${tests:-tests/kernels/test_sampling.py}; samp_s=${samp_s:-100}
-        samp_cases=${samp_cases:-no min_p,no filter,generic} ;;
+        samp_cases=${samp_cases:-generic,top_k}; e2e_extra=${e2e_extra:---sampled-generic} ;;
   *) parts=$what ;;
 esac
 tests=${tests:-tests/kernels/test_sampling.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_fused_decode.py \
@@ -87,7 +88,7 @@ if has nucleus; then
 fi
 if has e2e; then
   timeout "$(left)" python3 bench/e2e.py --layers "$layers" --decode-batches 1,8,64 --sampled-batches 1,64 \
-    --prefill 8192 --hf-batches "" --warmup > "$OUT/e2e.log" 2>&1; step e2e $?
+    --prefill 8192 --hf-batches "" --warmup ${e2e_extra:-} > "$OUT/e2e.log" 2>&1; step e2e $?
 fi
 if has splits && [ "$(left)" -gt 90 ]; then
   timeout "$(( $(left) < 150 ? $(left) : 150 ))" python3 bench/mla.py --decode-only --sweep-decode --split-sweep \
