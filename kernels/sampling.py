@@ -635,7 +635,11 @@ def _nucleus_partials(logits, temperature, seeds, steps, greedy, min_p, nb: int,
     launch between phases 0 and 1) -> their partials
     [M, NUC_PARTS * nbp] (fp32 / int32 bits)."""
     M, V = logits.shape
-    parts = torch.empty(M, NUC_PARTS_N * nbp, dtype=torch.float32, device=logits.device)
+    width = NUC_PARTS_N * nbp
+    rows = next_pow2(max(M, 8))   # grown in powers of two, reused across calls (as _workspace)
+    buf = workspace("sampling_nucleus", logits.device, lambda b: b.numel() >= M * width,
+                    lambda _: torch.empty(rows * width, dtype=torch.float32, device=logits.device))
+    parts = buf[:M * width].view(M, width)
     g = greedy if greedy is not None else temperature
     mp = min_p if min_p is not None else temperature
     for phase in range(3):
