@@ -369,9 +369,10 @@ def _nuc_block_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, seeds_ptr
         tl.store(base + blk, tl.max(raw, axis=0))
         if HAS_TOPK:                            # the block's NUC_T largest raw logits, descending
             ar = tl.arange(0, BLOCK)
-            for i in tl.static_range(NUC_T):
-                tl.store(base + (NUC_V + i) * NBP + blk, tl.max(raw, axis=0))
-                raw = tl.where(ar == tl.argmax(raw, axis=0), float("-inf"), raw)
+            for i in tl.static_range(NUC_T):        # one reduction per round: the max and (one of) its positions
+                vm, im = tl.max(raw, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                tl.store(base + (NUC_V + i) * NBP + blk, vm)
+                raw = tl.where(ar == im, float("-inf"), raw)
         return
     t = tl.load(t_ptr + row)
     m = tl.math.div_rn(tl.max(_nuc_rows(base, 0, NB, NBP, 1, float("-inf"))), t)
