@@ -6,7 +6,7 @@
 V = 163840 (Kimi), temperature 0.6, top_p 0.95, min_p 0.01 (the e2e profile's settings), + top_k 50, + min_p off
 (top_p alone: more candidates than the workspace holds, the row kernel's slow "full mode"), temperature alone, and
 LocalAI's generic defaults for a model not named *kimi* (T 0.9, top_k 40, top_p 0.95, no min_p: top-k drops survivors
-in every row, so the nucleus check settles a row only from its lower bound on the top-k set's mass).
+in every row, so top-p acts on the top-k set's mass, which the nucleus check takes from each block's 8 largest logits).
 Logits N(0, s^2) with s = 1 (flat: ~6 % of the vocabulary survives min_p) and s = 4 (peaked). Columns per case and M:
   torch us / ours us   one call inside a CUDA graph (GPU time; median of replays); ours: the row kernel alone
   nucleus us           ours with the nucleus check first (kernels/sampling.py NUCLEUS, the default; its agreement

@@ -93,6 +93,12 @@ def _race_exp1(hk, idx, SERIES_TERMS: tl.constexpr, SERIES_MAX: tl.constexpr):
 
 
 @triton.jit
+def _row_topk(topk_ptr, row, V):
+    """The row's k (int32), capped at V (top_k >= V: off)."""
+    return tl.minimum(tl.load(topk_ptr + row), V).to(tl.int32)
+
+
+@triton.jit
 def _mix32_tl(x):
     # the steps of _mix32 on uint32: products wrap, i.e. the "& 0xFFFFFFFF" of the torch version
     x = x ^ (x >> 16)
@@ -332,9 +338,9 @@ def _nuc_kth_kernel(nuc_ptr, NB, NBP: tl.constexpr, V, greedy_ptr, topk_ptr, HAS
         if tl.load(greedy_ptr + row) != 0:
             return
     base, ib = _nuc_bases(nuc_ptr, row.to(tl.int64), NBP)
-    kk = tl.minimum(tl.load(topk_ptr + row), V).to(tl.int32)
+    kk = _row_topk(topk_ptr, row, V)
     vk = tl.full([], float("-inf"), tl.float32)
-    exact = vk > 0.0
+    exact = vk > 0.0                     # False (vk is -inf)
     if kk <= NB * NUC_T:
         v = tl.reshape(_nuc_rows(base, NUC_V, NB, NBP, NUC_T, float("-inf")), [NUC_T * NBP])
         srt = tl.sort(v, descending=True)
@@ -434,7 +440,7 @@ def _nuc_accept(nuc_ptr, rowl, NB, NBP: tl.constexpr, V, topk_ptr, topp_ptr, row
     dropped = r < 0
     kk = n_all
     if HAS_TOPK:
-        kk = tl.minimum(tl.load(topk_ptr + row), V).to(tl.int32)
+        kk = _row_topk(topk_ptr, row, V)
         kept = kept & (c_above < kk)
         dropped = dropped | (c_above >= kk)
     if HAS_TOPP:
@@ -504,7 +510,7 @@ def _filtered_race_kernel(x_ptr, stride_x, V, t_ptr, greedy_ptr, minp_ptr, topk_
     pre = cut
     kk = V
     if HAS_TOPK:
-        kk = tl.minimum(tl.load(topk_ptr + row), V).to(tl.int32)
+        kk = _row_topk(topk_ptr, row, V)
         if kk <= KS:
             gmax = tl.max(tl.reshape(mx, [KS, BLOCK // KS]), axis=1)                  # [KS] distinct elements
             srt = tl.sort(gmax, descending=True)

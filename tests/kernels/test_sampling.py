@@ -136,7 +136,8 @@ def _nucleus_settles(logits, prm, seeds, steps, monkeypatch):
 def _settled_case(case, M, V):
     """(logits, params) of the poison test: min-p + top-p 0.02 .. 0.95 (a row is left to the row kernel with a chance
     of about (1 - top_p)^NUC_R, so both kinds occur), or top-k 2 .. 60 + top-p without min-p on peaked logits (top-k
-    drops survivors in every row: top-p's mass is the top-k set's, bounded from below by the candidates)."""
+    drops survivors in every row: top-p's mass is the top-k set's, exact from the blocks' largest logits, or bounded
+    where a block holds more of the top-k set than it lists)."""
     gen = torch.Generator().manual_seed(4)
     if case == "min_p top_p":
         prm = {"temp": torch.full((M,), 0.6), "min_p": torch.full((M,), 0.01), "top_p": torch.linspace(0.02, 0.95, M)}
