@@ -28,11 +28,7 @@
 #            candidates come from the top-k set and top-p's S is exact): the sampler's GPU tests, bench/sampling.py
 #            on the top-k cases (with min-p; LocalAI's generic T0.9 top-k 40 top-p 0.95), then the nucleus e2e A/B
 #            with --sampled-generic, one pair (env pairs=).
-#   stagger: the MLA decode's first-wave phase offset (kernels/mla/decode.py _stagger: one of the two programs an SM
-#            holds sleeps before its first tile, so that one computes while the other loads): its GPU test (the same
-#            bits as the default), then bench/mla.py --sweep-decode of the default beside the stagger variants and
-#            FlashInfer at issue 5's shapes. Env stag_variants: the variant list ('+' for spaces).
-# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|stagger|short|h200|all] [total seconds]
+# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|short|h200|all] [total seconds]
 set -u
 what=${1:-all}
 total=${2:-560}
@@ -63,7 +59,6 @@ case $what in
   nucleus) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=150 ;;
   topk) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=${samp_s:-120}
         samp_cases=${samp_cases:-top_k,generic}; e2e_extra=${e2e_extra:---sampled-generic}; pairs=${pairs:-1} ;;
-  stagger) parts="tests stagger"; tests="tests/kernels/test_mla_decode.py -k stagger" ;;
   h200) parts="tests sampling e2e ncu"; tests=${tests:-tests/kernels/test_sampling.py}; samp_s=${samp_s:-100}
         samp_cases=${samp_cases:-generic,top_k}; e2e_extra=${e2e_extra:---sampled-generic} ;;
   *) parts=$what ;;
@@ -99,11 +94,6 @@ if has splits && [ "$(left)" -gt 90 ]; then
   timeout "$(( $(left) < 150 ? $(left) : 150 ))" python3 bench/mla.py --decode-only --sweep-decode --split-sweep \
     --shapes 64x8192,128x8192,1x131072 --variants "ls+n64+w4" > "$OUT/mla_splits.log" 2>&1; step "mla splits" $?
 fi
-if has stagger && [ "$(left)" -gt 90 ]; then
-  v=${stag_variants:-ls+n64+w4,ls+n64+w4+st1-1000,ls+n64+w4+st1-2000,ls+n64+w4+st2-1000,ls+n64+w4+st3-1000,ls+n64+w4+st3-2000}
-  timeout "$(left)" python3 bench/mla.py --decode-only --sweep-decode --shapes 1x131072,64x8192,128x8192,1x8192 \
-    --variants "$v" > "$OUT/mla_stagger.log" 2>&1; step "mla stagger" $?
-fi
 if has ncu && [ "$(left)" -gt 120 ]; then
   # shellcheck disable=SC2086
   OUT="$OUT" timeout "$(left)" bash bench/ncu.sh $b1 mla64x8k mla64x8k-fi mla1x128k mla1x128k-fi > "$OUT/ncu.log" 2>&1
@@ -112,7 +102,6 @@ fi
 [ -f "$OUT/gpu_tests.log" ] && { echo "=== gpu tests"; tail -n 5 "$OUT/gpu_tests.log"; }
 [ -f "$OUT/sampling.log" ] && { echo "=== sampling"; tail -c 2500 "$OUT/sampling.log"; }
 for f in "$OUT"/e2e*.log; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| (decode|prefill)|warm-up|Error|error" "$f"; }; done
-[ -f "$OUT/mla_stagger.log" ] && { echo "=== mla stagger"; grep -E "^B=|WRONG|rror" "$OUT/mla_stagger.log" | tail -40; }
 [ -f "$OUT/mla_splits.log" ] && { echo "=== mla splits"; grep -E "^B=|^ls|^\\|" "$OUT/mla_splits.log" | tail -30; }
 [ -f "$OUT/ncu_summary.txt" ] && { echo "=== ncu"; grep -E "^===|rc |Duration|DRAM Throughput" "$OUT/ncu_summary.txt" | head -60; }
 cat "$OUT/steps.txt"

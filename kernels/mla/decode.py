@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels._pdl import gdc_enter, pdl_launch, pdl_on, prefetch_l2
-from kernels._tensors import H200_SMEM, cdiv, max_shared_mem, next_pow2, num_sms, unit_last_stride, workspace
+from kernels._tensors import H200_SMEM, cdiv, max_shared_mem, next_pow2, num_sms, unit_last_stride
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 64  # smallest work unit (keys): one 64-key tile (256 before 12-02; config min_split_tokens=256)
@@ -62,8 +62,11 @@ EARLY_UNITS = 32          # at most this many units hint (x 74 KB per 64-key til
 # heads padded to 64 (FlashMLA's M=64, 'h64*'), TMA tile loads, register prefetch of the next tiles ('pf*'; two of
 # them wrong on the H200 under Triton 3.6), the block-table entry carried one iteration so Triton rings the tile
 # ('cp'), tl.range warp specialisation (a no-op without TMA loads), in-loop L2 hints of tile t + a ('a1'..'a3'), a
-# one-launch split decode whose last unit merges ('fm*', an acq_rel arrival counter per sequence). What bounds these kernels on the H200 is the shared-memory traffic of the dots
-# (ldmatrix re-reads of q and the tile), not the load/MMA overlap.
+# one-launch split decode whose last unit merges ('fm*', an acq_rel arrival counter per sequence), a phase offset
+# of the two programs an SM holds (one sleeps 0.5-4 us before its first tile, picked by pid or by arrival on its
+# %smid; H100 12-06, session 29: B = 64 / 128 at 8k unchanged to 0.5%, B = 1 128k graph 79.5-80.4 us against 81.3:
+# no gain worth a variant; code in bfde557). What bounds these kernels on the H200 is the shared-memory traffic of
+# the dots (ldmatrix re-reads of q and the tile), not the load/MMA overlap.
 #
 # Keys of a config: block_h, block_n, num_warps, num_stages; optional page_tile (one scalar block-table load per
 # tile, BS % BLOCK_N == 0), lsplit (_unit_lsplit), programs_per_sm (resident stage-1 programs per SM the split
@@ -91,9 +94,6 @@ DECODE_VARIANTS = {
     "ls n64 w4 p16": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                           programs_per_sm=2, part16=True),
 }
-# the default with the first wave's co-resident programs out of phase (_stagger): "ls n64 w4 st<mode>-<ns>"
-for _m, _ns in ((1, 500), (1, 1000), (1, 2000), (1, 4000), (2, 1000), (2, 2000), (3, 1000), (3, 2000)):
-    DECODE_VARIANTS[f"ls n64 w4 st{_m}-{_ns}"] = dict(DECODE_VARIANTS["ls n64 w4"], stagger=_m, stagger_ns=_ns)
 GPU_BLOCK_H = 32  # heads per program cap (the default split heuristic assumes it)
 # Every tl.dot operand dim (M, N, K) is padded to >= MIN_DOT: Triton's GPU lowering asserts K >= 16 (M, N >= 16 keeps
 # the MMA layouts valid too). The interpreter does not check this, so the wrappers assert it (_check_dots). Padding is
@@ -308,28 +308,6 @@ def _prefetch_unit_tiles(cache_ptr, bt_row, u, t_begin, t_end, seq_len, s_cp, s_
 
 
 @triton.jit
-def _stagger(stag_ptr, MODE: tl.constexpr, NS: tl.constexpr, NSM: tl.constexpr):
-    """Phase offset of co-resident stage-1 programs (bench A/B, config stagger / stagger_ns): the two programs an SM
-    holds start together, so they load their tiles at the same time and then compute at the same time (each tile is
-    single-buffered: DRAM idles while both compute, the tensor / shared-memory pipes while both wait). One of the two
-    sleeps NS ns before its first load, so that one computes while the other loads. Which one: MODE 1 the second
-    wave of the launch (linear pid in [NSM, 2 NSM): the block scheduler gives every SM one program before any gets a
-    second), 2 the odd pids of the first 2 NSM, 3 the odd arrivals on this SM (%smid, one atomic per program) among
-    the first 2 NSM pids."""
-    pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
-    if MODE == 1:
-        late = (pid >= NSM) & (pid < 2 * NSM)
-    elif MODE == 2:
-        late = (pid % 2 == 1) & (pid < 2 * NSM)
-    else:
-        smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        late = ((tl.atomic_add(stag_ptr + smid, 1) % 2) == 1) & (pid < 2 * NSM)
-    if late:
-        tl.inline_asm_elementwise("nanosleep.u32 $1; // $0", "=r,r", [pid * 0 + NS], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
 def _mla_decode_stage1(
     q_ptr,
     qpe_ptr,
@@ -374,10 +352,6 @@ def _mla_decode_stage1(
     EARLY_UNITS: tl.constexpr = 0,
     EPL: tl.constexpr = 64,  # cache elements per 128-byte line
     LP: tl.constexpr = 16,  # next_pow2(lines per cache row)
-    STAGGER: tl.constexpr = 0,  # first-wave phase offset (_stagger): 0 off, 1 pid >= NSM, 2 odd pid, 3 SM arrival
-    STAGGER_NS: tl.constexpr = 0,
-    NSM: tl.constexpr = 132,
-    stag_ptr=None,  # STAGGER 3: i32 arrival counts per SM id (never reset: only their parity is used)
 ):
     if EARLY_TILES == 0:  # (the host passes EARLY_TILES > 0 with GDC only)
         gdc_enter(GDC)
@@ -403,9 +377,6 @@ def _mla_decode_stage1(
             _prefetch_unit_tiles(cache_ptr, bt_ptr + n.to(tl.int64) * s_btn, u, t_begin, t_end, seq_len, s_cp, s_cr,
                                  BS, BLOCK_N, L + R, EPL, LP, EARLY_TILES, EARLY_UNITS)
         gdc_enter(GDC)
-    if STAGGER > 0:
-        if active:
-            _stagger(stag_ptr, STAGGER, STAGGER_NS, NSM)
     if LSPLIT:
         if active:
             _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_ptr + n.to(tl.int64) * s_btn, out_ptr, opart_ptr, lse_ptr, n, u,
@@ -713,12 +684,6 @@ def mla_decode_triton(
                         LP=next_pow2(cdiv(D, epl)))
     variant = dict(PAGE_TILE=bool(cfg.get("page_tile", False)) and BS % BLOCK_N == 0,
                    LSPLIT=bool(cfg.get("lsplit", False)))
-    if on_gpu and cfg.get("stagger"):  # bench A/B: first-wave phase offset (_stagger)
-        variant.update(STAGGER=int(cfg["stagger"]), STAGGER_NS=int(cfg.get("stagger_ns", 1000)),
-                       NSM=num_sms(q_lat.device))
-        if variant["STAGGER"] == 3:
-            variant["stag_ptr"] = workspace("mla_stagger", q_lat.device, lambda b: True,
-                                            lambda _: torch.zeros(1024, dtype=torch.int32, device=q_lat.device))
     _mla_decode_stage1[(n_units, cdiv(H, BLOCK_H))](
         q_lat,
         q_pe,

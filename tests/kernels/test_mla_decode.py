@@ -29,13 +29,9 @@ def _needs_triton():
         pytest.skip("Triton MLA kernels need CUDA or TRITON_INTERPRET=1")
 
 
-# the tile variants (the stagger variants add only a GPU-side sleep: the interpreter would run "ls n64 w4" again)
-TILE_VARIANTS = [v for v, c in DECODE_VARIANTS.items() if not c.get("stagger")]
-
-
 # Interpreter tiles: BLOCK_N 16 by default; block_n=32 with 16-token pages takes the per-row gather (page_tile needs
 # BS % BLOCK_N == 0), 64-token pages hold several 16-token tiles (page_tile offsets inside a page).
-@pytest.mark.parametrize("variant", TILE_VARIANTS)
+@pytest.mark.parametrize("variant", list(DECODE_VARIANTS))
 @pytest.mark.parametrize("bs,block_n", [(16, None), (64, None), (16, 32)])
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
@@ -151,7 +147,7 @@ def test_merge_units_uniform(b, s, bs):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("variant", TILE_VARIANTS)
+@pytest.mark.parametrize("variant", list(DECODE_VARIANTS))
 @pytest.mark.parametrize("num_splits", [None, 1, 8])
 def test_gpu_decode_variant_kimi(variant, num_splits):
     lens = [1, 63, 64, 65, 4097, 0, 1000]
@@ -164,34 +160,6 @@ def test_gpu_decode_variant_kimi(variant, num_splits):
                       config=DECODE_VARIANTS[variant])
     check_close(out, mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, 192 ** -0.5), torch.bfloat16)
     assert (out[5] == 0).all()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("mode", [1, 2, 3])
-@pytest.mark.parametrize("lens", [[131072], [8192] * 64, [1, 63, 0, 4097, 65]], ids=["b1_128k", "b64_8k", "mixed"])
-def test_gpu_decode_stagger_same_bits(mode, lens):
-    """The first wave's phase offset (kernels/mla/decode.py _stagger) only delays programs: the same bits as the
-    default, at the default split count, in a CUDA graph too (mode 3's per-SM counters keep counting across
-    replays)."""
-    cache, bt, sl = make_paged(lens, torch.bfloat16, bs=64, l=512, r=64, device="cuda")
-    N = len(lens)
-    q = torch.randn(N, 32, 512, device="cuda").bfloat16()
-    qp = torch.randn(N, 32, 64, device="cuda").bfloat16()
-    ref = mla_decode_triton(q, qp, cache, bt, sl, 192 ** -0.5, config=DECODE_VARIANTS["ls n64 w4"])
-    cfg = dict(DECODE_VARIANTS["ls n64 w4"], stagger=mode, stagger_ns=2000)
-    out = torch.full_like(ref, float("nan"))
-    mla_decode_triton(q, qp, cache, bt, sl, 192 ** -0.5, out=out, config=cfg)
-    assert torch.equal(out, ref)
-    g = torch.cuda.CUDAGraph()
-    out.fill_(float("nan"))
-    with torch.cuda.graph(g):
-        mla_decode_triton(q, qp, cache, bt, sl, 192 ** -0.5, out=out, config=cfg)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ref)
 
 
 @pytest.mark.gpu
