@@ -57,7 +57,7 @@ case $what in
   all) parts="tests sampling nucleus splits ncu" ;;
   short) parts="tests sampling splits" ;;
   nucleus) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=150 ;;
-  topk) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=${samp_s:-120}
+  topk) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=${samp_s:-200}
         samp_cases=${samp_cases:-top_k,generic}; e2e_extra=${e2e_extra:---sampled-generic}; pairs=${pairs:-1} ;;
   h200) parts="tests sampling e2e ncu"; tests=${tests:-tests/kernels/test_sampling.py}; samp_s=${samp_s:-100}
         samp_cases=${samp_cases:-generic,top_k}; e2e_extra=${e2e_extra:---sampled-generic} ;;

@@ -53,7 +53,8 @@ from kernels._tensors import cdiv, next_pow2, workspace
 # and one slow row sets the launch's time. H100 A/B (twenty-seventh round, bench/e2e.py, 16 layers, T0.6 top-p 0.95
 # min-p 0.01): sampled b1 476 -> 547 tok/s, b64 6,235 -> 7,094 tok/s, greedy rows unchanged. Top-k rows (twenty-eighth
 # round, H100, bench/sampling.py): LocalAI's generic T0.9 top-k 40 top-p 0.95 at M = 1 / 8 / 64 38.9 / 54.9 / 196.6 us
-# against 230.6 / 232.4 / 270.3 for the row kernel alone (flat logits).
+# against 230.6 / 232.4 / 270.3 for the row kernel alone (flat logits); end to end (twenty-ninth round, H100, 16
+# layers) the generic rows b1 501 -> 526 tok/s, b64 5,672 -> 7,225, the min-p rows b1 482 -> 555, b64 6,365 -> 7,250.
 NUCLEUS = os.environ.get("KIMI_SAMPLER_NUCLEUS", "1") == "1"
 # rows without min-p / top-k take the kernel path (backend/engine/sampler.py _fast_ok) with the check on when top_p is
 # at least this: a row left to the row kernel's full mode (ms on a flat row) has a chance of ~(1 - top_p)^4 <= 0.2%
