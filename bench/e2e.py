@@ -690,9 +690,12 @@ def run_profile(engine: LLMEngine, args, roof, peak):
     lo, hi = min(args.decode_batches, default=0), max(args.decode_batches, default=0)
     cases = ((lo, greedy, f"b{lo} greedy"), (hi, greedy, f"b{hi} greedy"),
              (hi, sampled, f"b{hi} T0.6 top_p0.95 min_p0.01")) if args.decode_batches and args.profile_decode else ()
+    if cases and args.sampled_generic:  # LocalAI's generic rows at the smallest batch (where their sampler shows most)
+        cases += ((lo, SamplingParams(temperature=0.9, top_k=40, top_p=0.95, ignore_eos=True),
+                   f"b{lo} T0.9 top_k40 top_p0.95"),)
     for batch, params, name in cases:
         try:
-            profile_decode(engine, batch, args, params, name, roof, peak, top=12 if params is sampled else 25)
+            profile_decode(engine, batch, args, params, name, roof, peak, top=25 if params is greedy else 12)
         except Exception:
             traceback.print_exc()
     try:
@@ -798,8 +801,8 @@ def main():
     ap.add_argument("--hf-batches", default=None, help="HF decode batches (default: --decode-batches up to 8)")
     ap.add_argument("--hf-decode-steps", type=int, default=32)
     ap.add_argument("--profile", action="store_true", help="after the benchmarks: kernel and host breakdown of "
-                    "decode at the smallest and largest batch (greedy, and sampled at the largest) and of one 8k "
-                    "prefill chunk")
+                    "decode at the smallest and largest batch (greedy, and sampled at the largest; with --sampled-generic "
+                    "the generic rows at the smallest) and of one 8k prefill chunk")
     ap.add_argument("--no-profile-decode", dest="profile_decode", action="store_false", help="--profile: the "
                     "prefill chunk only")
     ap.add_argument("--profile-prefill", type=int, default=8192, help="--profile's prefill chunk size (tokens; "

@@ -36,12 +36,14 @@ def test_e2e_profile_smoke():
     """--profile on the CPU: the decode case and the prefill step report their activities (the prefill case once
     profiled an empty step: its unprofiled lead step had run the prompt)."""
     cmd = [sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--smoke", "--decode-batches", "1",
-           "--decode-steps", "2", "--prefill", "", "--profile", "--profile-prefill", "32"]
+           "--decode-steps", "2", "--prefill", "", "--profile", "--profile-prefill", "32", "--sampled-generic"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     line = next(x for x in p.stdout.splitlines() if "the 32-token step]" in x)
     assert int(line.split("]")[1].split()[0]) > 100, line  # device activities (CPU: aten ops) in that step
     assert "by launches" in p.stdout and "=== profile: decode b1 greedy" in p.stdout
+    # --sampled-generic: LocalAI's generic rows profiled at the smallest batch too
+    assert "=== profile: decode b1 T0.9 top_k40 top_p0.95 (batch 1" in p.stdout, p.stdout[-3000:]
 
 
 def test_ablate_smoke():
