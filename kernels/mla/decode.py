@@ -93,6 +93,13 @@ DECODE_VARIANTS = {
                       programs_per_sm=2),
     "ls n64 w4 p16": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                           programs_per_sm=2, part16=True),
+    # the default with cheaper tile addresses (fa), the lazy softmax rescale (lz8: threshold 2^8), both
+    "ls n64 w4 fa": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
+                         programs_per_sm=2, fastaddr=True),
+    "ls n64 w4 lz8": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
+                          programs_per_sm=2, lazy=8),
+    "ls n64 w4 fa lz8": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
+                             programs_per_sm=2, fastaddr=True, lazy=8),
 }
 GPU_BLOCK_H = 32  # heads per program cap (the default split heuristic assumes it)
 # Every tl.dot operand dim (M, N, K) is padded to >= MIN_DOT: Triton's GPU lowering asserts K >= 16 (M, N >= 16 keeps
@@ -165,6 +172,25 @@ def _tile_rows(cache_ptr, page, t, seq_len, offs_n, s_cp, s_cr, BS: tl.constexpr
 
 
 @triton.jit
+def _tile_base(cache_ptr, page, t, seq_len, offs_n, s_cp, s_cr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_tile_rows as (page base pointer, int32 row offsets [BLOCK_N]) for PAGE_TILE tiles (the tile lies in one page):
+    one 64-bit product per tile instead of one per row, and 32-bit element offsets (FASTADDR: the host checks that
+    BS * s_cr fits). Rows past seq_len repeat the tile's first row, as in _tile_rows."""
+    tok = t * BLOCK_N + offs_n
+    tok = tl.where(tok < seq_len, tok, t * BLOCK_N)
+    return cache_ptr + page.to(tl.int64) * s_cp, (tok % BS) * s_cr
+
+
+@triton.jit
+def _load_cols_at(base, roff, offs, cmask, FULL: tl.constexpr):
+    """_load_cols from a base pointer and int32 row offsets."""
+    if FULL:
+        return tl.load(base + (roff[:, None] + offs[None, :]))
+    else:
+        return tl.load(base + (roff[:, None] + offs[None, :]), mask=cmask[None, :], other=0.0)
+
+
+@triton.jit
 def _load_cols(row, offs, cmask, FULL: tl.constexpr):
     """[BLOCK_N, len(offs)] columns ``offs`` of rows ``row``. FULL: every column is real (no mask)."""
     if FULL:
@@ -225,7 +251,7 @@ def _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, IEEE: tl.conste
 
 @triton.jit
 def _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scale, IEEE: tl.constexpr,
-                  UPCAST: tl.constexpr):
+                  UPCAST: tl.constexpr, LAZY: tl.constexpr = 0):
     """_tile_update (heads as M) with the latent columns in halves (LSPLIT): S = q0 c0^T + q1 c1^T + qpe kpe^T as three
     dots from zero, each scaled before the sum (a dot + add would be folded back into one accumulator chain), so each
     MMA tile has three independent chains of K/32, K/32 and R/16 steps instead of one of (L + R)/16; acc0 / acc1
@@ -234,6 +260,22 @@ def _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scal
          + _dot(qpe, tl.trans(kpe), IEEE, UPCAST) * qk_scale)
     s = tl.where(tmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if LAZY > 0:
+        # the reference max moves only when some head's max grew by more than LAZY (log2 units): until then
+        # p = exp2(s - m_i) <= 2^LAZY and acc / l keep their scale, so the 2 x [BLOCK_H, BLOCK_L / 2] rescale is
+        # skipped (o = acc / l is the same for any reference; the first tile always moves it from -inf)
+        if tl.max(m_new - m_i, 0) > LAZY:
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(s - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        p = p.to(c0.dtype)
+        acc0 = acc0 + _dot(p, c0, IEEE, UPCAST)
+        acc1 = acc1 + _dot(p, c1, IEEE, UPCAST)
+        return m_i, l_i, acc0, acc1
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -248,9 +290,12 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
                  qk_scale, s_qn, s_qh, s_pn, s_ph, s_cp, s_cr, s_on, s_oh, s_wu, s_wh, s_lu,
                  L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
-                 UPCAST: tl.constexpr, PAGE_TILE: tl.constexpr):
+                 UPCAST: tl.constexpr, PAGE_TILE: tl.constexpr, FASTADDR: tl.constexpr = False,
+                 LAZY: tl.constexpr = 0):
     """Stage 1 of one work unit with q, the latent tile and acc in two column halves (LSPLIT, heads as M): the same
-    loads (Triton's pipeliner) and math as the main path, more independent MMA chains, fewer registers."""
+    loads (Triton's pipeliner) and math as the main path, more independent MMA chains, fewer registers.
+    FASTADDR (PAGE_TILE only): the tile's addresses from one page base and int32 offsets (_tile_base). LAZY: the
+    online softmax rescales only when a head's max grew by more than LAZY (log2 units; _tile_update2)."""
     HALF: tl.constexpr = BLOCK_L // 2
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -273,11 +318,17 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
     acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
     for t in range(t_begin, t_end):
         page = _tile_page(bt_row, t, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
-        c0, c1, kpe = _load_rows2(cache_ptr, page, t, seq_len, offs_n, offs_l0, offs_l1, offs_r, lmask0, lmask1,
-                                  rmask, s_cp, s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N)
+        if FASTADDR:
+            base, roff = _tile_base(cache_ptr, page, t, seq_len, offs_n, s_cp, s_cr, BS, BLOCK_N)
+            c0 = _load_cols_at(base, roff, offs_l0, lmask0, BLOCK_L == L)
+            c1 = _load_cols_at(base, roff, offs_l1, lmask1, BLOCK_L == L)
+            kpe = _load_cols_at(base, roff + L, offs_r, rmask, BLOCK_R == R)
+        else:
+            c0, c1, kpe = _load_rows2(cache_ptr, page, t, seq_len, offs_n, offs_l0, offs_l1, offs_r, lmask0, lmask1,
+                                      rmask, s_cp, s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N)
         tmask = t * BLOCK_N + offs_n < seq_len
         m_i, l_i, acc0, acc1 = _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scale,
-                                             IEEE, UPCAST)
+                                             IEEE, UPCAST, LAZY)
     has = l_i > 0
     inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     if DIRECT:
@@ -347,6 +398,8 @@ def _mla_decode_stage1(
     UPCAST: tl.constexpr,
     PAGE_TILE: tl.constexpr = False,  # one scalar block-table load per tile (needs BS % BLOCK_N == 0)
     LSPLIT: tl.constexpr = False,  # latent columns in two halves (_unit_lsplit)
+    FASTADDR: tl.constexpr = False,  # LSPLIT + PAGE_TILE: page base + int32 offsets (_tile_base)
+    LAZY: tl.constexpr = 0,  # LSPLIT: rescale only when a head's max grew by more than LAZY (_tile_update2)
     GDC: tl.constexpr = False,  # PDL launch (w_uv path): nothing is read before the wait, except (EARLY_TILES)
     EARLY_TILES: tl.constexpr = 0,  # with GDC: the schedule and L2 hints of the unit's first tiles before the wait
     EARLY_UNITS: tl.constexpr = 0,
@@ -382,7 +435,7 @@ def _mla_decode_stage1(
             _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_ptr + n.to(tl.int64) * s_btn, out_ptr, opart_ptr, lse_ptr, n, u,
                          hb, H, seq_len, t_begin, t_end, qk_scale, s_qn, s_qh, s_pn, s_ph, s_cp, s_cr, s_on, s_oh,
                          s_wu, s_wh, s_lu, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, BLOCK_H, DIRECT, IEEE, UPCAST,
-                         PAGE_TILE)
+                         PAGE_TILE, FASTADDR, LAZY)
     elif active:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
@@ -684,6 +737,9 @@ def mla_decode_triton(
                         LP=next_pow2(cdiv(D, epl)))
     variant = dict(PAGE_TILE=bool(cfg.get("page_tile", False)) and BS % BLOCK_N == 0,
                    LSPLIT=bool(cfg.get("lsplit", False)))
+    # int32 element offsets inside a page (FASTADDR) need BS x the row stride to fit
+    variant.update(FASTADDR=bool(cfg.get("fastaddr", False)) and variant["PAGE_TILE"] and variant["LSPLIT"]
+                   and BS * cache.stride(1) < 2 ** 31, LAZY=int(cfg.get("lazy", 0)) if variant["LSPLIT"] else 0)
     _mla_decode_stage1[(n_units, cdiv(H, BLOCK_H))](
         q_lat,
         q_pe,

@@ -81,6 +81,32 @@ def test_decode_default_gpu_tiles(num_splits):
     assert (out[-1] == 0).all()
 
 
+@pytest.mark.parametrize("variant", ["ls n64 w4 lz8", "ls n64 w4 fa lz8"])
+@pytest.mark.parametrize("spike", [0.0, 10.0, 250.0, 700.0])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_lazy_rescale(variant, spike, num_splits):
+    """The lazy online-softmax rescale (LAZY: the reference max moves only when a head's max grew by more than 8 in
+    log2 units) against the reference. With scale 0.05 the scores stay within a few log2 units, and key 230 (tile 14
+    of 16-key tiles) gets head 0's query direction times `spike`: a late tile raises that head's max by about 0 (no
+    spike), by ~4 (10: under the threshold, p up to 2^4 on a stale reference), by ~100 (250: the rescale branch
+    runs mid-unit, the other heads' maxima unchanged) or by ~280 (700: p would overflow fp32 on a stale reference).
+    fp32 (IEEE dots), so the stale reference's p (up to 2^8) is held to the fp32 tolerance."""
+    lens = [300, 17, 0]
+    cache, bt, sl = make_paged(lens, torch.float32, bs=16, l=L, r=R)
+    N = len(lens)
+    q = torch.randn(N, H, L, device=DEV)
+    qp = torch.randn(N, H, R, device=DEV)
+    if spike:
+        page, row = int(bt[0, 230 // 16]), 230 % 16
+        cache[page, row, :L] = q[0, 0] / q[0, 0].norm() * spike
+        cache[page, row, L:] = 0.0
+    out = torch.full((N, H, L), float("nan"), device=DEV)
+    mla_decode_triton(q, qp, cache, bt, sl, 0.05, num_splits=num_splits, out=out, min_split_tokens=16,
+                      config=DECODE_VARIANTS[variant])
+    check_close(out, mla_decode_ref(q, qp, cache, bt, sl, 0.05), torch.float32)
+    assert (out[-1] == 0).all()
+
+
 LONG = [4097, 1, 65, 0, 64]
 
 
