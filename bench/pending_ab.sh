@@ -28,7 +28,12 @@
 #            candidates come from the top-k set and top-p's S is exact): the sampler's GPU tests, bench/sampling.py
 #            on the top-k cases (with min-p; LocalAI's generic T0.9 top-k 40 top-p 0.95), then the nucleus e2e A/B
 #            with --sampled-generic, one pair (env pairs=).
-# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|short|h200|all] [total seconds]
+#   mla:     the MLA decode's instruction-count variants (kernels/mla/decode.py, from the H200 counters of session
+#            29: ours issues 1.29x FlashInfer's warp instructions at B=64 S=8k, both at ~1 IPC): 'fa' (tile addresses
+#            from one page base + int32 offsets), 'lz8' (lazy softmax rescale), both. Their GPU tests (Kimi shapes),
+#            then bench/mla.py --sweep-decode beside the default and FlashInfer at issue 5's shapes. Adopt a variant
+#            as DECODE_CFG["16bit"] only if it gains at B = 64 / 128 S = 8k and B = 1 S = 128k on the H200.
+# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|short|h200|all] [total seconds]
 set -u
 what=${1:-all}
 total=${2:-560}
@@ -59,6 +64,7 @@ case $what in
   nucleus) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=150 ;;
   topk) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=${samp_s:-200}
         samp_cases=${samp_cases:-top_k,generic}; e2e_extra=${e2e_extra:---sampled-generic}; pairs=${pairs:-1} ;;
+  mla) parts="tests mla"; tests="tests/kernels/test_mla_decode.py -k variant_kimi" ;;
   h200) parts="tests sampling e2e ncu"; tests=${tests:-tests/kernels/test_sampling.py}; samp_s=${samp_s:-100}
         samp_cases=${samp_cases:-generic,top_k}; e2e_extra=${e2e_extra:---sampled-generic} ;;
   *) parts=$what ;;
@@ -94,6 +100,11 @@ if has splits && [ "$(left)" -gt 90 ]; then
   timeout "$(( $(left) < 150 ? $(left) : 150 ))" python3 bench/mla.py --decode-only --sweep-decode --split-sweep \
     --shapes 64x8192,128x8192,1x131072 --variants "ls+n64+w4" > "$OUT/mla_splits.log" 2>&1; step "mla splits" $?
 fi
+if has mla && [ "$(left)" -gt 90 ]; then
+  timeout "$(left)" python3 bench/mla.py --decode-only --sweep-decode \
+    --shapes 64x8192,1x131072,128x8192,8x131072,1x8192 --variants "ls+n64+w4,ls+n64+w4+fa,ls+n64+w4+lz8,ls+n64+w4+fa+lz8" > "$OUT/mla_variants.log" 2>&1
+  step "mla variants" $?
+fi
 if has ncu && [ "$(left)" -gt 120 ]; then
   # shellcheck disable=SC2086
   OUT="$OUT" timeout "$(left)" bash bench/ncu.sh $b1 mla64x8k mla64x8k-fi mla1x128k mla1x128k-fi > "$OUT/ncu.log" 2>&1
@@ -102,6 +113,7 @@ fi
 [ -f "$OUT/gpu_tests.log" ] && { echo "=== gpu tests"; tail -n 5 "$OUT/gpu_tests.log"; }
 [ -f "$OUT/sampling.log" ] && { echo "=== sampling"; tail -c 2500 "$OUT/sampling.log"; }
 for f in "$OUT"/e2e*.log; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| (decode|prefill)|warm-up|Error|error" "$f"; }; done
+[ -f "$OUT/mla_variants.log" ] && { echo "=== mla variants"; grep -E "^B=|WRONG|rror" "$OUT/mla_variants.log" | tail -40; }
 [ -f "$OUT/mla_splits.log" ] && { echo "=== mla splits"; grep -E "^B=|^ls|^\\|" "$OUT/mla_splits.log" | tail -30; }
 [ -f "$OUT/ncu_summary.txt" ] && { echo "=== ncu"; grep -E "^===|rc |Duration|DRAM Throughput" "$OUT/ncu_summary.txt" | head -60; }
 cat "$OUT/steps.txt"
