@@ -72,7 +72,9 @@ EARLY_UNITS = 32          # at most this many units hint (x 74 KB per 64-key til
 # tile, BS % BLOCK_N == 0), lsplit (_unit_lsplit), programs_per_sm (resident stage-1 programs per SM the split
 # heuristic aims at), part16 (bf16 split partials: the stage-1 write and stage-2 read halve, the LSE merge stays
 # fp32; lost at B >= 32, won at B=1 by 1-2 us), maxnreg (ptxas register cap), min_split_tokens (smallest unit),
-# merge (explicit stage-2 tiles, tests), early_tiles / early_units (EARLY_TILES / EARLY_UNITS overrides).
+# merge (explicit stage-2 tiles, tests), early_tiles / early_units (EARLY_TILES / EARLY_UNITS overrides), fastaddr
+# (lsplit + page_tile: the tile's row pointers from one page base, _tile_base), lazy (lsplit: the online softmax
+# rescales only when a head's max grew by more than this many log2 units, _tile_update2).
 DECODE_CFG = {
     "16bit": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True, programs_per_sm=2),
     "16bit-small-smem": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2),
