@@ -430,6 +430,11 @@ QUICK_VARIANTS = [
     # (prep 0.507 vs 0.470, hpass 0.433 vs 0.361), at prep 96 regs 2.027; the branched akk capped at 128 regs
     # ('akk-b-r128', still below) 2.044 (akk 0.821 vs 0.653, 32 B of spills). The late norms were removed.
     ("akk-b-r128", dict(AKK_UNCOND=0, AKK_MAXNREG=128)),
+    # session 29 (untimed): akk's off-diagonal blocks j < i in a loop, one K pass each (AKK_JOUTER): offline sm_90 no
+    # spill (the default: 24 B) and ~6% fewer instructions per chunk (the row side is recomputed per block); capped
+    # at 168 as the default (12 one-warp CTAs / SM), and at 128 (16 / SM, 160 B of spills)
+    ("akk-jouter", dict(AKK_JOUTER=1)),
+    ("akk-jouter-r128", dict(AKK_JOUTER=1, AKK_MAXNREG=128)),
 ]
 
 

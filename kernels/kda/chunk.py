@@ -156,6 +156,15 @@ AKK_LV_SPLITK = 1        # 1 = two passes over K (off-diagonal blocks, then the 
 # K tile); unconditional they become a cp.async ring (LDGSTS), and the loop body shrinks 549 -> 429 instructions.
 # 0: the branched pass (variant akk-branched, 162 regs uncapped).
 AKK_UNCOND = 1
+# AKK_JOUTER = 1 (A/B, untimed; with AKK_LV_SPLITK): the off-diagonal pass as a loop over the earlier column blocks
+# j < i, each with its own pass over K, instead of one K pass updating all three blocks (UNCOND: those with j >= i
+# on masked rows). Per chunk the four programs then run 6 block passes instead of 12 (half of UNCOND's are zero
+# work), at the price of the row side (q, k, G of R and their anchor factors) once per block instead of once: 48
+# row-side + 48 block tile updates per chunk against 32 + 96. No branch inside the K loop (its loads pipeline as
+# UNCOND's), and two accumulators live instead of six. The s = r terms of Aqk move to the levels' pass. Offline sm_90
+# (Triton 3.9) at AKK_MAXNREG 168: no spill (the default keeps 24 B), 1,848 SASS instructions against 2,088, about 6%
+# fewer executed per chunk. `python bench/kda_prefill.py --quick --variants default,akk-jouter,akk-jouter-r128`.
+AKK_JOUTER = 0
 # (AKK_PARTS = 2, akk as two one-warp launches, the off-diagonal pass and the levels + inverse, each with half the
 # accumulators: slower on the H200 in session 19, T=16k 2.107 vs 2.062 ms, and on the H100 in session 22, akk 0.808 vs
 # 0.754 ms; removed in session 25, last present in cb00f87.)
@@ -404,7 +413,7 @@ def _kda_akk_lv_kernel(
     q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out,
     stride_q, stride_k,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, SPLITK: tl.constexpr = 0, UNCOND: tl.constexpr = 0,
+    PREC: tl.constexpr, SPLITK: tl.constexpr = 0, UNCOND: tl.constexpr = 0, JOUTER: tl.constexpr = 0,
 ):
     """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head), meant for num_warps=1: the rows
     R = [i BC, (i+1) BC) of
@@ -418,6 +427,8 @@ def _kda_akk_lv_kernel(
     SPLITK=1: the off-diagonal blocks and the levels in two passes over K (fewer live accumulators).
     UNCOND=1 (AKK_UNCOND): every program runs all three off-diagonal block updates, those with j >= i on masked
     (zero) rows, so the off-diagonal pass has no branches and its loads can be pipelined.
+    JOUTER=1 (AKK_JOUTER, needs SPLITK): a loop over the blocks j < i, each with its own pass over K (no masked
+    blocks, no branch in the K loop; the row side is recomputed per block).
     Then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted (fp32). x_out [rows, BT] fp32: columns
     < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di (columns above are not written).
     (Offline sm_90, Triton 3.6: at 2 or 4 warps these [16, x] tiles are replicated in every warp (the dot-operand
@@ -444,6 +455,28 @@ def _kda_akk_lv_kernel(
     rq = tl.load(prs + rr * 4)
     rk = tl.load(prs + rr * 4 + 1)
     beta = tl.load(prs + rr * 4 + 2)
+    if JOUTER:
+        tl.static_assert(SPLITK == 1)
+        for j in range(0, i_b):                          # the earlier column blocks, one K pass each
+            ok = tl.zeros([BC, BC], dtype=tl.float32)
+            oq = tl.zeros([BC, BC], dtype=tl.float32)
+            for kb in range(0, K, BK):
+                c = kb + tl.arange(0, BK)
+                cm = c < K
+                qr, kr, Gr = _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K)
+                Gn = tl.load(pg + i_b * BC * K + c, mask=cm, other=0.0)    # anchor n = i BC
+                ef = tl.exp2(tl.minimum(Gr - Gn[None, :], 0.0))
+                ok, oq = _akk_off_block(pk, pg, prs, nv, j, c, cm, Gn, qr * ef, kr * ef, ok, oq, stride_k, K, BC,
+                                        PREC)
+            o = rr[:, None] * BT + (j * BC + r16)[None, :]
+            tl.store(pa + o, oq.to(pa.dtype.element_ty))
+            tl.store(px + o, ok * beta[:, None])
+        zero = tl.zeros([BC, BC], dtype=pa.dtype.element_ty)
+        for j in range(i_b + 1, BT // BC):               # Aqk is zero above the diagonal block
+            tl.store(pa + rr[:, None] * BT + (j * BC + r16)[None, :], zero)
+        _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k,
+                            tl.zeros([BC], dtype=tl.float32), K, BT, BC, BK, PREC, DQ0=1)
+        return
     o0k = tl.zeros([BC, BC], dtype=tl.float32)          # off-diagonal column blocks 0..2
     o0q = tl.zeros([BC, BC], dtype=tl.float32)
     o1k = tl.zeros([BC, BC], dtype=tl.float32)
@@ -495,14 +528,17 @@ def _kda_akk_lv_kernel(
 
 @triton.jit
 def _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K: tl.constexpr,
-                        BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                        BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                        DQ0: tl.constexpr = 0):
     """akk (SPLITK): the levels' own pass over K, then the diagonal blocks and the inverse (_akk_diag_inverse).
-    dq0: the s = r terms of Aqk from the off-diagonal pass."""
+    dq0: the s = r terms of Aqk from the off-diagonal pass (DQ0=1: summed here instead, onto the given dq0)."""
     l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)
     for kb in range(0, K, BK):
         c = kb + tl.arange(0, BK)
         cm = c < K
         qr, kr, Gr = _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K)
+        if DQ0:
+            dq0 += tl.sum(qr * kr, 1)
         l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_four_levels(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, l4k, l4q, l2k,
                                                                   l2q, l1k, l1q, K, BC, PREC)
     _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC)
@@ -878,7 +914,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                     UNCOND=int(AKK_UNCOND)),
+                     UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK)),
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
@@ -981,7 +1017,8 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_akk_lv_kernel[(BT // BC * NT, H)](
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                UNCOND=int(AKK_UNCOND), num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
+                UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
+                num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
             )
 
         def wu():

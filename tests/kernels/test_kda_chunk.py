@@ -306,7 +306,10 @@ def test_sm90_offline_compile_no_spills():
             "c.compile_report(which=('prep',)))[-1], "
             "'akk_branched': (setattr(c, 'AKK_UNCOND', 0), setattr(c, 'AKK_MAXNREG', None), "
             "c.compile_report(which=('akk',)))[-1], "
-            "'akk_lv_1k': (setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1], "
+            "'akk_jouter': (setattr(c, 'AKK_UNCOND', 1), setattr(c, 'AKK_MAXNREG', 168), "
+            "setattr(c, 'AKK_JOUTER', 1), c.compile_report(which=('akk',)))[-1], "
+            "'akk_lv_1k': (setattr(c, 'AKK_JOUTER', 0), setattr(c, 'AKK_UNCOND', 0), setattr(c, 'AKK_MAXNREG', None), "
+            "setattr(c, 'AKK_LV_SPLITK', 0), c.compile_report(which=('akk',)))[-1], "
             "'wu_two_loops': (setattr(c, 'WU_LOOP', 0), setattr(c, 'WU_MAXNREG', None), "
             "c.compile_report(which=('wu',)))[-1], "
             "'hpass_out_bv32': (setattr(c, 'HPASS_OUT', 1), c.compile_report(hpass_bv=32, which=('hpass',)))[-1], "
@@ -356,6 +359,8 @@ VARIANTS = {
     "prep-norm-loop": dict(PREP_NORM1=0),
     # akk's off-diagonal blocks with per-block branches (the default runs blocks j >= i on masked rows)
     "akk-branched": dict(AKK_UNCOND=0, AKK_MAXNREG=None),
+    # akk's off-diagonal blocks j < i in a loop, one K pass each (AKK_JOUTER)
+    "akk-jouter": dict(AKK_JOUTER=1),
     # wu's w tiles in a K loop, then its u tiles in a V loop (the default: one loop, loads one tile ahead)
     "wu-two-loops": dict(WU_LOOP=0, WU_MAXNREG=None),
     # the output computed in the state pass (no h_c / vn round trip, no output launch; the default since 12-05 where
