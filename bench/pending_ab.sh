@@ -33,7 +33,10 @@
 #            from one page base + int32 offsets), 'lz8' (lazy softmax rescale), both. Their GPU tests (Kimi shapes),
 #            then bench/mla.py --sweep-decode beside the default and FlashInfer at issue 5's shapes. Adopt a variant
 #            as DECODE_CFG["16bit"] only if it gains at B = 64 / 128 S = 8k and B = 1 S = 128k on the H200.
-# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|short|h200|all] [total seconds]
+#   instr:   the mla mode plus KDA akk's AKK_JOUTER (kernels/kda/chunk.py: the off-diagonal blocks j < i in a
+#            loop, one K pass each): its GPU test, then bench/kda_prefill.py --quick --variants
+#            default,akk-jouter,akk-jouter-r128 (fla-core in the same process).
+# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|short|h200|all] [total seconds]
 set -u
 what=${1:-all}
 total=${2:-560}
@@ -64,7 +67,10 @@ case $what in
   nucleus) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=150 ;;
   topk) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=${samp_s:-200}
         samp_cases=${samp_cases:-top_k,generic}; e2e_extra=${e2e_extra:---sampled-generic}; pairs=${pairs:-1} ;;
-  mla) parts="tests mla"; tests="tests/kernels/test_mla_decode.py -k variant_kimi" ;;
+  mla) parts="tests mla"; tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi" ;;
+  instr) parts="tests mla kda"
+         tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
+         tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
   h200) parts="tests sampling e2e ncu"; tests=${tests:-tests/kernels/test_sampling.py}; samp_s=${samp_s:-100}
         samp_cases=${samp_cases:-generic,top_k}; e2e_extra=${e2e_extra:---sampled-generic} ;;
   *) parts=$what ;;
@@ -101,9 +107,14 @@ if has splits && [ "$(left)" -gt 90 ]; then
     --shapes 64x8192,128x8192,1x131072 --variants "ls+n64+w4" > "$OUT/mla_splits.log" 2>&1; step "mla splits" $?
 fi
 if has mla && [ "$(left)" -gt 90 ]; then
-  timeout "$(left)" python3 bench/mla.py --decode-only --sweep-decode \
-    --shapes 64x8192,1x131072,128x8192,8x131072,1x8192 --variants "ls+n64+w4,ls+n64+w4+fa,ls+n64+w4+lz8,ls+n64+w4+fa+lz8" > "$OUT/mla_variants.log" 2>&1
+  timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 bench/mla.py --decode-only --sweep-decode \
+    --shapes 64x8192,1x131072,128x8192,8x131072,1x8192 \
+    --variants "ls+n64+w4,ls+n64+w4+fa,ls+n64+w4+lz8,ls+n64+w4+fa+lz8" > "$OUT/mla_variants.log" 2>&1
   step "mla variants" $?
+fi
+if has kda && [ "$(left)" -gt 90 ]; then
+  timeout "$(left)" python3 bench/kda_prefill.py --quick --variants default,akk-jouter,akk-jouter-r128 \
+    > "$OUT/kda_variants.log" 2>&1; step "kda variants" $?
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then
   # shellcheck disable=SC2086
@@ -114,6 +125,7 @@ fi
 [ -f "$OUT/sampling.log" ] && { echo "=== sampling"; tail -c 2500 "$OUT/sampling.log"; }
 for f in "$OUT"/e2e*.log; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| (decode|prefill)|warm-up|Error|error" "$f"; }; done
 [ -f "$OUT/mla_variants.log" ] && { echo "=== mla variants"; grep -E "^B=|WRONG|rror" "$OUT/mla_variants.log" | tail -40; }
+[ -f "$OUT/kda_variants.log" ] && { echo "=== kda variants"; tail -n 25 "$OUT/kda_variants.log"; }
 [ -f "$OUT/mla_splits.log" ] && { echo "=== mla splits"; grep -E "^B=|^ls|^\\|" "$OUT/mla_splits.log" | tail -30; }
 [ -f "$OUT/ncu_summary.txt" ] && { echo "=== ncu"; grep -E "^===|rc |Duration|DRAM Throughput" "$OUT/ncu_summary.txt" | head -60; }
 cat "$OUT/steps.txt"
