@@ -370,9 +370,10 @@ def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _akk_store_off(pa, px, rr, i_b, j: tl.constexpr, ok, oq, beta, BT: tl.constexpr, BC: tl.constexpr):
+def _akk_store_off(pa, px, rr, i_b, j, ok, oq, beta, BT: tl.constexpr, BC: tl.constexpr):
     """akk: column block j != i of the rows R: Aqk (oq for j < i, zeros for j > i) and X = beta Dkk for j < i
-    (the diagonal block i of both is stored separately). pa / px: the chunk's row-0 bases of Aqk and X."""
+    (the diagonal block i of both is stored separately). pa / px: the chunk's row-0 bases of Aqk and X; j a
+    literal (the three-block pass) or the JOUTER loop's index."""
     r16 = tl.arange(0, BC)
     jj = tl.zeros([BC, BC], dtype=tl.int32) + j
     o = rr[:, None] * BT + (j * BC + r16)[None, :]
@@ -388,6 +389,19 @@ def _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K: tl.co
     kr = tl.load(pk + rr[:, None] * stride_k + c[None, :], mask=m2, other=0.0).to(tl.float32)
     Gr = tl.load(pg + rr[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
     return qr * rq[:, None], kr * rk[:, None], Gr
+
+
+@triton.jit
+def _akk_row_side(pq, pk, pg, rr, rmask, rq, rk, i_b, kb, stride_q, stride_k, K: tl.constexpr, BC: tl.constexpr,
+                  BK: tl.constexpr):
+    """akk: K tile kb of the rows R (_akk_rows) and their off-diagonal factors against the anchor n = i BC ->
+    (c, cm, qr, kr, Gr, Gn, qe, ke) with qe / ke = qr / kr * exp2(min(G_r - G_n, 0))."""
+    c = kb + tl.arange(0, BK)
+    cm = c < K
+    qr, kr, Gr = _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K)
+    Gn = tl.load(pg + i_b * BC * K + c, mask=cm, other=0.0)
+    ef = tl.exp2(tl.minimum(Gr - Gn[None, :], 0.0))
+    return c, cm, qr, kr, Gr, Gn, qr * ef, kr * ef
 
 
 @triton.jit
@@ -461,19 +475,13 @@ def _kda_akk_lv_kernel(
             ok = tl.zeros([BC, BC], dtype=tl.float32)
             oq = tl.zeros([BC, BC], dtype=tl.float32)
             for kb in range(0, K, BK):
-                c = kb + tl.arange(0, BK)
-                cm = c < K
-                qr, kr, Gr = _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K)
-                Gn = tl.load(pg + i_b * BC * K + c, mask=cm, other=0.0)    # anchor n = i BC
-                ef = tl.exp2(tl.minimum(Gr - Gn[None, :], 0.0))
-                ok, oq = _akk_off_block(pk, pg, prs, nv, j, c, cm, Gn, qr * ef, kr * ef, ok, oq, stride_k, K, BC,
-                                        PREC)
-            o = rr[:, None] * BT + (j * BC + r16)[None, :]
-            tl.store(pa + o, oq.to(pa.dtype.element_ty))
-            tl.store(px + o, ok * beta[:, None])
-        zero = tl.zeros([BC, BC], dtype=pa.dtype.element_ty)
+                c, cm, qr, kr, Gr, Gn, qe, ke = _akk_row_side(pq, pk, pg, rr, rmask, rq, rk, i_b, kb, stride_q,
+                                                              stride_k, K, BC, BK)
+                ok, oq = _akk_off_block(pk, pg, prs, nv, j, c, cm, Gn, qe, ke, ok, oq, stride_k, K, BC, PREC)
+            _akk_store_off(pa, px, rr, i_b, j, ok, oq, beta, BT, BC)
+        zero = tl.zeros([BC, BC], dtype=tl.float32)
         for j in range(i_b + 1, BT // BC):               # Aqk is zero above the diagonal block
-            tl.store(pa + rr[:, None] * BT + (j * BC + r16)[None, :], zero)
+            _akk_store_off(pa, px, rr, i_b, j, zero, zero, beta, BT, BC)
         _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k,
                             tl.zeros([BC], dtype=tl.float32), K, BT, BC, BK, PREC, DQ0=1)
         return
@@ -487,13 +495,8 @@ def _kda_akk_lv_kernel(
     dq0 = tl.zeros([BC], dtype=tl.float32)               # diagonal s = r of Aqk
     # SPLITK=1: two passes over K (off-diagonal blocks, then the levels): fewer live accumulators (registers)
     for kb in range(0, K, BK):
-        c = kb + tl.arange(0, BK)
-        cm = c < K
-        qr, kr, Gr = _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K)
-        Gn = tl.load(pg + i_b * BC * K + c, mask=cm, other=0.0)            # anchor n = i BC
-        ef = tl.exp2(tl.minimum(Gr - Gn[None, :], 0.0))
-        qe = qr * ef
-        ke = kr * ef
+        c, cm, qr, kr, Gr, Gn, qe, ke = _akk_row_side(pq, pk, pg, rr, rmask, rq, rk, i_b, kb, stride_q, stride_k, K,
+                                                      BC, BK)
         if UNCOND:  # no branches: blocks j >= i_b load nothing (rows masked by nv_j = 0) and add zero products
             o0k, o0q = _akk_off_block(pk, pg, prs, tl.where(i_b > 0, nv, 0), 0, c, cm, Gn, qe, ke, o0k, o0q,
                                       stride_k, K, BC, PREC)
