@@ -622,6 +622,17 @@ def graph_forward_us(runner: ModelRunner, batch: int, n: int = 20) -> float:
 
 
 PROFILE_MAX_TOKENS = 128  # > the ~62 steps profile_decode runs
+# the decode rows' sampling: kind -> (SamplingParams fields, label); generic = LocalAI's defaults for a model not
+# named *kimi* (top-k with top-p, no min-p)
+SAMPLING_CASES = {"greedy": (dict(temperature=0.0), "greedy"),
+                  "sampled": (dict(temperature=0.6, top_p=0.95, min_p=0.01), "T0.6 top_p0.95 min_p0.01"),
+                  "generic": (dict(temperature=0.9, top_k=40, top_p=0.95), "T0.9 top_k40 top_p0.95")}
+
+
+def sampling_case(kind: str, **kw) -> tuple:
+    """-> (SamplingParams with ignore_eos and kw, label) of SAMPLING_CASES[kind]."""
+    fields, label = SAMPLING_CASES[kind]
+    return SamplingParams(**fields, ignore_eos=True, **kw), label
 
 
 def profile_decode(engine: LLMEngine, batch: int, args, params: SamplingParams, name: str, roof, peak,
@@ -685,14 +696,13 @@ def profile_prefill(engine: LLMEngine, args):
 
 
 def run_profile(engine: LLMEngine, args, roof, peak):
-    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
-    sampled = SamplingParams(temperature=0.6, top_p=0.95, min_p=0.01, ignore_eos=True)
+    (greedy, g), (sampled, s) = sampling_case("greedy"), sampling_case("sampled")
     lo, hi = min(args.decode_batches, default=0), max(args.decode_batches, default=0)
-    cases = ((lo, greedy, f"b{lo} greedy"), (hi, greedy, f"b{hi} greedy"),
-             (hi, sampled, f"b{hi} T0.6 top_p0.95 min_p0.01")) if args.decode_batches and args.profile_decode else ()
+    cases = ((lo, greedy, f"b{lo} {g}"), (hi, greedy, f"b{hi} {g}"),
+             (hi, sampled, f"b{hi} {s}")) if args.decode_batches and args.profile_decode else ()
     if cases and args.sampled_generic:  # LocalAI's generic rows at the smallest batch (where their sampler shows most)
-        cases += ((lo, SamplingParams(temperature=0.9, top_k=40, top_p=0.95, ignore_eos=True),
-                   f"b{lo} T0.9 top_k40 top_p0.95"),)
+        generic, label = sampling_case("generic")
+        cases += ((lo, generic, f"b{lo} {label}"),)
     for batch, params, name in cases:
         try:
             profile_decode(engine, batch, args, params, name, roof, peak, top=25 if params is greedy else 12)
@@ -885,16 +895,12 @@ def main():
 
     rows = []  # (name, measured, unit, speed of light)
     ctx = args.decode_context + args.decode_steps // 2  # mean keys per sequence over the measured steps
-    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_steps + 32)
-    sampled = SamplingParams(temperature=0.6, top_p=0.95, min_p=0.01, ignore_eos=True,
-                             max_tokens=args.decode_steps + 32)
-    runs = [(b, greedy, f"decode b{b} ctx{args.decode_context} greedy") for b in args.decode_batches]
-    runs += [(b, sampled, f"decode b{b} ctx{args.decode_context} T0.6 top_p0.95 min_p0.01")
-             for b in (args.sampled_batches or [max_bs])]
-    if args.sampled_generic:   # LocalAI's generic defaults (a model not named *kimi*): top-k with top-p, no min-p
-        generic = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, ignore_eos=True,
-                                 max_tokens=args.decode_steps + 32)
-        runs += [(b, generic, f"decode b{b} ctx{args.decode_context} T0.9 top_k40 top_p0.95")
+    kinds = ["sampled", "generic"] if args.sampled_generic else ["sampled"]
+    greedy, g = sampling_case("greedy", max_tokens=args.decode_steps + 32)
+    runs = [(b, greedy, f"decode b{b} ctx{args.decode_context} {g}") for b in args.decode_batches]
+    for kind in kinds:
+        params, label = sampling_case(kind, max_tokens=args.decode_steps + 32)
+        runs += [(b, params, f"decode b{b} ctx{args.decode_context} {label}")
                  for b in (args.sampled_batches or [max_bs])]
     for b, params, name in runs:
         sps, unique = bench_decode(engine, b, args.decode_context, args.decode_steps, params, args.tap)
