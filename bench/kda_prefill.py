@@ -363,18 +363,18 @@ QUICK_VARIANTS = [
     ("prep-norm1-s4", dict(PREP_NORM1=1, PREP_STAGES=4)),
     # register caps for occupancy: akk 162 -> 128 regs (12 -> 16 CTAs / SM, 144 B stack, +5% instructions);
     # wu 150 -> 128 (3 -> 4 CTAs / SM, 16 B stack)
-    ("akk-r128", dict(AKK_UNCOND=0, AKK_MAXNREG=128)),
+    ("akk-r128", dict(AKK_JOUTER=0, AKK_UNCOND=0, AKK_MAXNREG=128)),
     ("wu-r128", dict(WU_LOOP=0, WU_MAXNREG=128)),
-    ("intra-r128-norm1", dict(PREP_NORM1=1, AKK_UNCOND=0, AKK_MAXNREG=128, WU_LOOP=0, WU_MAXNREG=128)),
+    ("intra-r128-norm1", dict(PREP_NORM1=1, AKK_JOUTER=0, AKK_UNCOND=0, AKK_MAXNREG=128, WU_LOOP=0, WU_MAXNREG=128)),
     # akk-unc: the off-diagonal K pass without its per-block branches, which kept its loads out of the pipeliner
     # (plain LDG waited for per K tile -> a cp.async ring; loop body 549 -> 429 instructions; 230 regs, 8 CTAs / SM;
     # r168: 24 B stack, 12 / SM as now; r128: 144 B stack, 16 / SM)
     # (akk-unc-r168 and prep-norm1 became the defaults in session 12; the old paths are the two after it)
-    ("akk-unc", dict(AKK_UNCOND=1, AKK_MAXNREG=None)),
-    ("akk-unc-r168", dict(AKK_UNCOND=1, AKK_MAXNREG=168)),
-    ("akk-unc-r128", dict(AKK_UNCOND=1, AKK_MAXNREG=128)),
+    ("akk-unc", dict(AKK_JOUTER=0, AKK_UNCOND=1, AKK_MAXNREG=None)),
+    ("akk-unc-r168", dict(AKK_JOUTER=0, AKK_UNCOND=1, AKK_MAXNREG=168)),
+    ("akk-unc-r128", dict(AKK_JOUTER=0, AKK_UNCOND=1, AKK_MAXNREG=128)),
     ("prep-norm-loop", dict(PREP_NORM1=0)),
-    ("akk-branched", dict(AKK_UNCOND=0, AKK_MAXNREG=None)),
+    ("akk-branched", dict(AKK_JOUTER=0, AKK_UNCOND=0, AKK_MAXNREG=None)),
     # session 12 (offline sm_90, Triton 3.9): wu runs x load -> 4-dot inverse chain -> K loop -> V loop, each loop's
     # first cp.async waited for after the chain / the previous loop (three exposed load latencies per program, 20
     # waves of 3 CTAs / SM). wu-loop: one loop, loads one tile ahead in registers, tile 0's before the chain (197
@@ -429,11 +429,12 @@ QUICK_VARIANTS = [
     # its output loop, qg / kg unnormalised, folded back in by wu / akk / the state pass) 1.995 ms against 1.880
     # (prep 0.507 vs 0.470, hpass 0.433 vs 0.361), at prep 96 regs 2.027; the branched akk capped at 128 regs
     # ('akk-b-r128', still below) 2.044 (akk 0.821 vs 0.653, 32 B of spills). The late norms were removed.
-    ("akk-b-r128", dict(AKK_UNCOND=0, AKK_MAXNREG=128)),
-    # session 29 (untimed): akk's off-diagonal blocks j < i in a loop, one K pass each (AKK_JOUTER): offline sm_90 no
-    # spill (the default: 24 B) and ~6% fewer instructions per chunk (the row side is recomputed per block); capped
-    # at 168 as the default (12 one-warp CTAs / SM), and at 128 (16 / SM, 160 B of spills)
-    ("akk-jouter", dict(AKK_JOUTER=1)),
+    ("akk-b-r128", dict(AKK_JOUTER=0, AKK_UNCOND=0, AKK_MAXNREG=128)),
+    # session 29: akk's off-diagonal blocks j < i in a loop, one K pass each (AKK_JOUTER): offline sm_90 no spill (the
+    # three-block pass: 24 B) and ~6% fewer instructions per chunk (the row side is recomputed per block); capped at
+    # 168 (12 one-warp CTAs / SM), and at 128 (16 / SM, 160 B of spills). H100 12-06 (session 30) at T=16k: akk
+    # 0.718 ms against 0.755 (three-block), 0.846 at 128 regs -> the default since; akk-threeblock: the pass before
+    ("akk-threeblock", dict(AKK_JOUTER=0)),
     ("akk-jouter-r128", dict(AKK_JOUTER=1, AKK_MAXNREG=128)),
 ]
 

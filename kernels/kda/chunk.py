@@ -156,15 +156,17 @@ AKK_LV_SPLITK = 1        # 1 = two passes over K (off-diagonal blocks, then the 
 # K tile); unconditional they become a cp.async ring (LDGSTS), and the loop body shrinks 549 -> 429 instructions.
 # 0: the branched pass (variant akk-branched, 162 regs uncapped).
 AKK_UNCOND = 1
-# AKK_JOUTER = 1 (A/B, untimed; with AKK_LV_SPLITK): the off-diagonal pass as a loop over the earlier column blocks
-# j < i, each with its own pass over K, instead of one K pass updating all three blocks (UNCOND: those with j >= i
-# on masked rows). Per chunk the four programs then run 6 block passes instead of 12 (half of UNCOND's are zero
-# work), at the price of the row side (q, k, G of R and their anchor factors) once per block instead of once: 48
-# row-side + 48 block tile updates per chunk against 32 + 96. No branch inside the K loop (its loads pipeline as
-# UNCOND's), and two accumulators live instead of six. The s = r terms of Aqk move to the levels' pass. Offline sm_90
-# (Triton 3.9) at AKK_MAXNREG 168: no spill (the default keeps 24 B), 1,848 SASS instructions against 2,088, about 6%
-# fewer executed per chunk. `python bench/kda_prefill.py --quick --variants default,akk-jouter,akk-jouter-r128`.
-AKK_JOUTER = 0
+# AKK_JOUTER = 1 (default since H100 12-06, session 30: akk 0.755 -> 0.718 ms at T=16k, varlen 16 x 1k the same;
+# with AKK_LV_SPLITK): the off-diagonal pass as a loop over the earlier column blocks j < i, each with its own pass
+# over K, instead of one K pass updating all three blocks (AKK_JOUTER=0 with UNCOND: those with j >= i on masked
+# rows). Per chunk the four programs then run 6 block passes instead of 12 (half of UNCOND's are zero work), at the
+# price of the row side (q, k, G of R and their anchor factors) once per block instead of once: 48 row-side + 48
+# block tile updates per chunk against 32 + 96. No branch inside the K loop (its loads pipeline as UNCOND's), and
+# two accumulators live instead of six. The s = r terms of Aqk move to the levels' pass. Offline sm_90 (Triton 3.9)
+# at AKK_MAXNREG 168: no spill (the three-block pass keeps 24 B; Triton 3.6 on the H100: 2 B), 1,848 SASS
+# instructions against 2,088. AKK_UNCOND applies to the three-block pass only. A/B: `python bench/kda_prefill.py
+# --quick --variants default,akk-threeblock`.
+AKK_JOUTER = 1
 # (AKK_PARTS = 2, akk as two one-warp launches, the off-diagonal pass and the levels + inverse, each with half the
 # accumulators: slower on the H200 in session 19, T=16k 2.107 vs 2.062 ms, and on the H100 in session 22, akk 0.808 vs
 # 0.754 ms; removed in session 25, last present in cb00f87.)
