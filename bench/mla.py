@@ -402,7 +402,7 @@ def split_sweep_shape(pool, nsm, variants, names, B, S):
     qp = torch.randn(B, H, R, device="cuda").to(DT)
     out = torch.empty(B, H, L, dtype=DT, device="cuda")
     print(f"\n== B={B} S={S}: split count x variant (graph µs / TB/s) ==", flush=True)
-    for name in [n for n in ("base", "ls n64 w4", "ls n64 w4 p16") if n in variants] or names[:1]:
+    for name in [n for n in ("base", "ls n64 w4", "ls n64 w4 lz8", "ls n64 w4 p16") if n in variants] or names[:1]:
         cfg = variants[name]
         default = default_num_splits(B, bt.shape[1], BS, H, nsm, cfg.get("programs_per_sm", 1))
         line = f"{name:<16}"

@@ -33,9 +33,9 @@
 #            from one page base + int32 offsets), 'lz8' (lazy softmax rescale), both. Their GPU tests (Kimi shapes),
 #            then bench/mla.py --sweep-decode beside the default and FlashInfer at issue 5's shapes. Adopt a variant
 #            as DECODE_CFG["16bit"] only if it gains at B = 64 / 128 S = 8k and B = 1 S = 128k on the H200.
-#   instr:   the mla mode plus KDA akk's AKK_JOUTER (kernels/kda/chunk.py: the off-diagonal blocks j < i in a
-#            loop, one K pass each): its GPU test, then bench/kda_prefill.py --quick --variants
-#            default,akk-jouter,akk-jouter-r128 (fla-core in the same process).
+#   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30: the off-diagonal blocks j < i in a
+#            loop, one K pass each): its GPU test, then bench/kda_prefill.py --quick --variants default,akk-threeblock
+#            (the pass before it; fla-core in the same process).
 # Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|short|h200|all] [total seconds]
 set -u
 what=${1:-all}
@@ -104,7 +104,7 @@ if has e2e; then
 fi
 if has splits && [ "$(left)" -gt 90 ]; then
   timeout "$(( $(left) < 150 ? $(left) : 150 ))" python3 bench/mla.py --decode-only --sweep-decode --split-sweep \
-    --shapes 64x8192,128x8192,1x131072 --variants "ls+n64+w4" > "$OUT/mla_splits.log" 2>&1; step "mla splits" $?
+    --shapes 64x8192,128x8192,1x131072 --variants "ls+n64+w4+lz8" > "$OUT/mla_splits.log" 2>&1; step "mla splits" $?
 fi
 if has mla && [ "$(left)" -gt 90 ]; then
   timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 bench/mla.py --decode-only --sweep-decode \
@@ -113,7 +113,7 @@ if has mla && [ "$(left)" -gt 90 ]; then
   step "mla variants" $?
 fi
 if has kda && [ "$(left)" -gt 90 ]; then
-  timeout "$(left)" python3 bench/kda_prefill.py --quick --variants default,akk-jouter,akk-jouter-r128 \
+  timeout "$(left)" python3 bench/kda_prefill.py --quick --variants default,akk-threeblock \
     > "$OUT/kda_variants.log" 2>&1; step "kda variants" $?
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then

@@ -76,7 +76,10 @@ EARLY_UNITS = 32          # at most this many units hint (x 74 KB per 64-key til
 # (lsplit + page_tile: the tile's row pointers from one page base, _tile_base), lazy (lsplit: the online softmax
 # rescales only when a head's max grew by more than this many log2 units, _tile_update2).
 DECODE_CFG = {
-    "16bit": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True, programs_per_sm=2),
+    # lazy 8: default since session 30 (H100 12-06, graph us, same process: B=64 8k 228.8 -> 225.2, B=128 8k 431.1 ->
+    # 423.6, B=8 128k 432.5 -> 424.6, B=1 128k 80.4 -> 78.9; the variant 'ls n64 w4' is the config before it)
+    "16bit": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True, programs_per_sm=2,
+                  lazy=8),
     "16bit-small-smem": dict(block_h=32, block_n=32, num_warps=4, num_stages=2, page_tile=True, programs_per_sm=2),
     "fp32": dict(block_h=32, block_n=32, num_warps=8, num_stages=1),
 }
@@ -95,7 +98,9 @@ DECODE_VARIANTS = {
                       programs_per_sm=2),
     "ls n64 w4 p16": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                           programs_per_sm=2, part16=True),
-    # the default with cheaper tile addresses (fa: FASTADDR), the lazy softmax rescale (lz8: LAZY 8), both; untimed
+    # cheaper tile addresses (fa: FASTADDR), the lazy softmax rescale (lz8: LAZY 8, the default since session 30),
+    # both. H100 12-06: fa loses at B >= 8 (B=64 8k graph 232.6 us, B=128 8k 439.4 against 'ls n64 w4' 228.8 /
+    # 431.1), gains 0.7 us at B=1 128k; fa lz8 sits between lz8 and 'ls n64 w4'
     "ls n64 w4 fa": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                          programs_per_sm=2, fastaddr=True),
     "ls n64 w4 lz8": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
@@ -109,6 +114,7 @@ GPU_BLOCK_H = 32  # heads per program cap (the default split heuristic assumes i
 # masked (loads give 0, stores skip it), so it contributes nothing: e.g. the tiny test model, L=32, R=8, H=4, runs
 # with BLOCK_R=16 and 16-row head blocks. Kimi shapes (L=512, R=64, H=32) are unaffected.
 MIN_DOT = 16
+LSUM_N = tl.constexpr(MIN_DOT)  # columns of the lazy update's row-sum dot (a jit global must be a constexpr)
 
 
 @triton.jit
@@ -257,26 +263,29 @@ def _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scal
     if LAZY > 0:
         # the reference max moves only when some head's max grew by more than LAZY (log2 units): until then
         # p = exp2(s - m_i) <= 2^LAZY and acc / l keep their scale, so the 2 x [BLOCK_H, BLOCK_L / 2] rescale is
-        # skipped (o = acc / l is the same for any reference; the first tile always moves it from -inf)
+        # skipped (o = acc / l is the same for any reference; the first tile always moves it from -inf).
+        # l_i is [BLOCK_H, LSUM_N] here (every column the row sum): the sum of the rounded p that acc sums, as a dot
+        # with ones (no shuffles). Summing the unrounded p would leave the largest p's rounding (no longer p = 1)
+        # in acc but not in l: 10% more error than the eager update; the rounded sums leave less than it.
         if tl.max(m_new - m_i, 0) > LAZY:
             alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
+            l_i = l_i * alpha[:, None]
             acc0 = acc0 * alpha[:, None]
             acc1 = acc1 * alpha[:, None]
             m_i = m_new
-        p = tl.exp2(s - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
-        p = p.to(c0.dtype)
+        p = tl.exp2(s - m_i[:, None]).to(c0.dtype)
+        l_i = l_i + _dot(p, tl.full([p.shape[1], LSUM_N], 1.0, p.dtype), IEEE, UPCAST)
         acc0 = acc0 + _dot(p, c0, IEEE, UPCAST)
         acc1 = acc1 + _dot(p, c1, IEEE, UPCAST)
-        return m_i, l_i, acc0, acc1
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    p = p.to(c0.dtype)
-    acc0 = acc0 * alpha[:, None] + _dot(p, c0, IEEE, UPCAST)
-    acc1 = acc1 * alpha[:, None] + _dot(p, c1, IEEE, UPCAST)
-    return m_new, l_i, acc0, acc1
+    else:  # (not after an early return: Triton would still type the code below with the lazy l_i)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(c0.dtype)
+        acc0 = acc0 * alpha[:, None] + _dot(p, c0, IEEE, UPCAST)
+        acc1 = acc1 * alpha[:, None] + _dot(p, c1, IEEE, UPCAST)
+        m_i = m_new
+    return m_i, l_i, acc0, acc1
 
 
 @triton.jit
@@ -307,7 +316,10 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
     qpe = tl.load(qpe_ptr + n.to(tl.int64) * s_pn + heads[:, None] * s_ph + offs_r[None, :],
                   mask=hmask[:, None] & rmask[None, :], other=0.0).to(dt)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if LAZY > 0:  # the row sums as a dot's [BLOCK_H, LSUM_N] accumulator (_tile_update2)
+        l_i = tl.zeros([BLOCK_H, LSUM_N], tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, HALF], tl.float32)
     acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
     for t in range(t_begin, t_end):
@@ -324,6 +336,8 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
         tmask = t * BLOCK_N + offs_n < seq_len
         m_i, l_i, acc0, acc1 = _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scale,
                                              IEEE, UPCAST, LAZY)
+    if LAZY > 0:
+        l_i = tl.max(l_i, 1)
     has = l_i > 0
     inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     if DIRECT:
@@ -638,8 +652,8 @@ def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: 
                        programs_per_sm: int = 1) -> int:
     """Host heuristic from shapes only (graph-capturable): the work-unit budget per sequence of the balanced schedule.
     * 1 (direct: no partials, no merge) when batch x head_blocks programs already fill >= 7/8 of the SM slots
-      (``programs_per_sm`` resident stage-1 programs per SM: 1 for the 112-216 KB smem configs, 2 for the default
-      'ls n64 w4' and the small-smem 'w4 n32') -- e.g. B=128 on 132 SMs at one per SM. Costs balance on mixed-length
+      (``programs_per_sm`` resident stage-1 programs per SM: 1 for the 112-216 KB smem configs, 2 for the 16-bit
+      default's 'ls n64 w4' tiles and the small-smem 'w4 n32') -- e.g. B=128 on 132 SMs at one per SM. Costs balance on mixed-length
       batches (one long sequence is one program).
     * else about one wave, G = batch x splits ~ slots / head_blocks, at least 2 so mixed-length batches stay balanced;
       capped by the key tiles of the longest possible sequence (units may be one BLOCK_N tile: few tiles per SM, e.g.
