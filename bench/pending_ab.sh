@@ -36,6 +36,9 @@
 #   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30: the off-diagonal blocks j < i in a
 #            loop, one K pass each): its GPU test, then bench/kda_prefill.py --quick --variants default,akk-threeblock
 #            (the pass before it; fla-core in the same process).
+#   adopt:   after adopting lz8 (MLA) and AKK_JOUTER (KDA) as defaults in session 30: their GPU tests, the MLA sweep
+#            (the default against the tiles before it and fa lz8), issue 5's table (bench/mla.py --no-sweep
+#            --decode-only), bench/kda_prefill.py --quick default,akk-threeblock, and issue 6's table (bench/e2e.py).
 # Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|short|h200|all] [total seconds]
 set -u
 what=${1:-all}
@@ -70,6 +73,10 @@ case $what in
   mla) parts="tests mla"; tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi" ;;
   instr) parts="tests mla kda"
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
+         tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
+  adopt) parts="tests mla mla5 kda e2e"; mla_variants=${mla_variants:-ls+n64+w4,ls+n64+w4+lz8,ls+n64+w4+fa+lz8}
+         mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}
+         tests="tests/kernels/test_mla_decode.py tests/kernels/test_mla_fused_decode.py"
          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
   h200) parts="tests sampling e2e ncu"; tests=${tests:-tests/kernels/test_sampling.py}; samp_s=${samp_s:-100}
         samp_cases=${samp_cases:-generic,top_k}; e2e_extra=${e2e_extra:---sampled-generic} ;;
@@ -108,9 +115,13 @@ if has splits && [ "$(left)" -gt 90 ]; then
 fi
 if has mla && [ "$(left)" -gt 90 ]; then
   timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 bench/mla.py --decode-only --sweep-decode \
-    --shapes 64x8192,1x131072,128x8192,8x131072,1x8192 \
-    --variants "ls+n64+w4,ls+n64+w4+fa,ls+n64+w4+lz8,ls+n64+w4+fa+lz8" > "$OUT/mla_variants.log" 2>&1
+    --shapes "${mla_shapes:-64x8192,1x131072,128x8192,8x131072,1x8192}" \
+    --variants "${mla_variants:-ls+n64+w4,ls+n64+w4+fa,ls+n64+w4+lz8,ls+n64+w4+fa+lz8}" > "$OUT/mla_variants.log" 2>&1
   step "mla variants" $?
+fi
+if has mla5 && [ "$(left)" -gt 90 ]; then
+  timeout "$(( $(left) < 120 ? $(left) : 120 ))" python3 bench/mla.py --no-sweep --decode-only > "$OUT/mla5.log" 2>&1
+  step "mla issue 5" $?
 fi
 if has kda && [ "$(left)" -gt 90 ]; then
   timeout "$(left)" python3 bench/kda_prefill.py --quick --variants default,akk-threeblock \
@@ -125,6 +136,7 @@ fi
 [ -f "$OUT/sampling.log" ] && { echo "=== sampling"; tail -c 2500 "$OUT/sampling.log"; }
 for f in "$OUT"/e2e*.log; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| (decode|prefill)|warm-up|Error|error" "$f"; }; done
 [ -f "$OUT/mla_variants.log" ] && { echo "=== mla variants"; grep -E "^B=|WRONG|rror" "$OUT/mla_variants.log" | tail -40; }
+[ -f "$OUT/mla5.log" ] && { echo "=== mla issue 5"; grep -E "^\\||^B=|copy|rror" "$OUT/mla5.log" | tail -20; }
 [ -f "$OUT/kda_variants.log" ] && { echo "=== kda variants"; tail -n 25 "$OUT/kda_variants.log"; }
 [ -f "$OUT/mla_splits.log" ] && { echo "=== mla splits"; grep -E "^B=|^ls|^\\|" "$OUT/mla_splits.log" | tail -30; }
 [ -f "$OUT/ncu_summary.txt" ] && { echo "=== ncu"; grep -E "^===|rc |Duration|DRAM Throughput" "$OUT/ncu_summary.txt" | head -60; }
