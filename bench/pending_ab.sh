@@ -37,7 +37,7 @@
 #            loop, one K pass each): its GPU test, then bench/kda_prefill.py --quick --variants default,akk-threeblock
 #            (the pass before it; fla-core in the same process).
 #   adopt:   after adopting lz8 (MLA) and AKK_JOUTER (KDA) as defaults in session 30: their GPU tests, the MLA sweep
-#            (the default against the tiles before it and fa lz8), issue 5's table (bench/mla.py --no-sweep
+#            (the default against the tiles before it and the unclamped-row variants ri1 / ri2), issue 5's table (bench/mla.py --no-sweep
 #            --decode-only), bench/kda_prefill.py --quick default,akk-threeblock, and issue 6's table (bench/e2e.py).
 # Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|short|h200|all] [total seconds]
 set -u
@@ -74,10 +74,12 @@ case $what in
   instr) parts="tests mla kda"
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
-  adopt) parts="tests mla mla5 kda e2e"; mla_variants=${mla_variants:-ls+n64+w4,ls+n64+w4+lz8,ls+n64+w4+fa+lz8}
+  adopt) parts="tests mla mla5 kda e2e"
+         mla_variants=${mla_variants:-ls+n64+w4,ls+n64+w4+lz8,ls+n64+w4+lz8+ri1,ls+n64+w4+lz8+ri2}
          mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}
-         tests="tests/kernels/test_mla_decode.py tests/kernels/test_mla_fused_decode.py"
-         tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
+         tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
+         tests+=" tests/kernels/test_mla_decode.py::test_gpu_decode_default_schedule_kimi"
+         tests+=" tests/kernels/test_mla_fused_decode.py tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
   h200) parts="tests sampling e2e ncu"; tests=${tests:-tests/kernels/test_sampling.py}; samp_s=${samp_s:-100}
         samp_cases=${samp_cases:-generic,top_k}; e2e_extra=${e2e_extra:---sampled-generic} ;;
   *) parts=$what ;;

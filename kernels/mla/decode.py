@@ -107,6 +107,14 @@ DECODE_VARIANTS = {
                           programs_per_sm=2, lazy=8),
     "ls n64 w4 fa lz8": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                              programs_per_sm=2, fastaddr=True, lazy=8),
+    # tile rows from the page base and a constexpr row stride, unclamped (ROWIMM, _tile_row_ptrs; untimed): ri1 the
+    # full tiles in one loop, the partial last tile after it with masked rows (offline sm_90: 912 instructions per
+    # tile, 264 B of stack); ri2 one loop reading every row of the last tile (887, 40 B; rows past seq_len must be
+    # finite: the engine's cache is zero-initialised and written only by store_latent)
+    "ls n64 w4 lz8 ri1": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
+                              programs_per_sm=2, lazy=8, rowimm=1),
+    "ls n64 w4 lz8 ri2": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
+                              programs_per_sm=2, lazy=8, rowimm=2),
 }
 GPU_BLOCK_H = 32  # heads per program cap (the default split heuristic assumes it)
 # Every tl.dot operand dim (M, N, K) is padded to >= MIN_DOT: Triton's GPU lowering asserts K >= 16 (M, N >= 16 keeps
@@ -191,6 +199,15 @@ def _tile_base(cache_ptr, page, t, seq_len, offs_n, s_cp, s_cr, BS: tl.constexpr
 
 
 @triton.jit
+def _tile_row_ptrs(cache_ptr, bt_row, t, offs_n, s_cp, S_CR: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] row pointers of key tile t inside its page (PAGE_TILE), unclamped (ROWIMM): with the row stride a
+    constexpr the rows are the page base plus constants per thread. Offline sm_90 (Triton 3.9, LAZY 8): the loop
+    without the partial tile's 1,155 -> 866 SASS instructions (the clamp's ~290 integer instructions per tile)."""
+    page = tl.load(bt_row + (t * BLOCK_N) // BS).to(tl.int64)
+    return cache_ptr + page * s_cp + ((t * BLOCK_N) % BS) * S_CR + offs_n.to(tl.int64) * S_CR
+
+
+@triton.jit
 def _load_cols(row, offs, cmask, FULL: tl.constexpr):
     """[BLOCK_N, len(offs)] columns ``offs`` of rows ``row``. FULL: every column is real (no mask)."""
     if FULL:
@@ -240,7 +257,8 @@ def _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, IEEE: tl.conste
     s = _dot(q, tl.trans(c), IEEE, UPCAST)
     s += _dot(qpe, tl.trans(kpe), IEEE, UPCAST)
     s = s * qk_scale
-    s = tl.where(tmask[None, :], s, float("-inf"))
+    if tmask is not None:  # (None: a full tile)
+        s = tl.where(tmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -258,7 +276,8 @@ def _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scal
     [BLOCK_H, BLOCK_L / 2] += P c0 / P c1."""
     s = (_dot(q0, tl.trans(c0), IEEE, UPCAST) * qk_scale + _dot(q1, tl.trans(c1), IEEE, UPCAST) * qk_scale
          + _dot(qpe, tl.trans(kpe), IEEE, UPCAST) * qk_scale)
-    s = tl.where(tmask[None, :], s, float("-inf"))
+    if tmask is not None:  # (None: a full tile)
+        s = tl.where(tmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if LAZY > 0:
         # the reference max moves only when some head's max grew by more than LAZY (log2 units): until then
@@ -294,7 +313,7 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
                  L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
                  UPCAST: tl.constexpr, PAGE_TILE: tl.constexpr, FASTADDR: tl.constexpr = False,
-                 LAZY: tl.constexpr = 0):
+                 LAZY: tl.constexpr = 0, ROWIMM: tl.constexpr = False, S_CR: tl.constexpr = 0):
     """Stage 1 of one work unit with q, the latent tile and acc in two column halves (LSPLIT, heads as M): the same
     loads (Triton's pipeliner) and math as the main path, more independent MMA chains, fewer registers.
     FASTADDR (PAGE_TILE only): the tile's row pointers from one page base and int32 offsets (_tile_base). LAZY: the
@@ -322,20 +341,46 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
         l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, HALF], tl.float32)
     acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
-    for t in range(t_begin, t_end):
-        page = _tile_page(bt_row, t, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
-        if FASTADDR:   # row pointers from the page base: one 64-bit add per row, the columns as offsets from it
-            base, roff = _tile_base(cache_ptr, page, t, seq_len, offs_n, s_cp, s_cr, BS, BLOCK_N)
-            row = base + roff
+    if ROWIMM:  # rows from the page base and the constexpr row stride S_CR: no per-row clamp (_tile_rows)
+        # ROWIMM 1: full tiles in one loop (immediate row offsets), then the partial last tile (if the unit holds it)
+        # with rows past seq_len masked; 2: one loop, every row of the last tile read (rows past seq_len must be
+        # finite: the cache is zero-initialised and written only by store_latent)
+        t_full = t_end
+        if ROWIMM == 1:
+            t_full = tl.maximum(tl.minimum(t_end, seq_len // BLOCK_N), t_begin)
+        for t in range(t_begin, t_full):
+            row = _tile_row_ptrs(cache_ptr, bt_row, t, offs_n, s_cp, S_CR, BS, BLOCK_N)
             c0 = _load_cols(row, offs_l0, lmask0, BLOCK_L == L)
             c1 = _load_cols(row, offs_l1, lmask1, BLOCK_L == L)
             kpe = _load_cols(row + L, offs_r, rmask, BLOCK_R == R)
-        else:
-            c0, c1, kpe = _load_rows2(cache_ptr, page, t, seq_len, offs_n, offs_l0, offs_l1, offs_r, lmask0, lmask1,
-                                      rmask, s_cp, s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N)
-        tmask = t * BLOCK_N + offs_n < seq_len
-        m_i, l_i, acc0, acc1 = _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scale,
-                                             IEEE, UPCAST, LAZY)
+            tmask = None
+            if ROWIMM == 2:
+                tmask = t * BLOCK_N + offs_n < seq_len
+            m_i, l_i, acc0, acc1 = _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scale,
+                                                 IEEE, UPCAST, LAZY)
+        for t in range(t_full, t_end):  # (ROWIMM 1) the partial last tile: rows past seq_len read as 0
+            row = _tile_row_ptrs(cache_ptr, bt_row, t, offs_n, s_cp, S_CR, BS, BLOCK_N)
+            live = t * BLOCK_N + offs_n < seq_len
+            c0 = tl.load(row[:, None] + offs_l0[None, :], mask=live[:, None] & lmask0[None, :], other=0.0)
+            c1 = tl.load(row[:, None] + offs_l1[None, :], mask=live[:, None] & lmask1[None, :], other=0.0)
+            kpe = tl.load(row[:, None] + L + offs_r[None, :], mask=live[:, None] & rmask[None, :], other=0.0)
+            m_i, l_i, acc0, acc1 = _tile_update2(q0, q1, qpe, c0, c1, kpe, live, m_i, l_i, acc0, acc1, qk_scale,
+                                                 IEEE, UPCAST, LAZY)
+    else:
+        for t in range(t_begin, t_end):
+            page = _tile_page(bt_row, t, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
+            if FASTADDR:   # row pointers from the page base: one 64-bit add per row, the columns as offsets from it
+                base, roff = _tile_base(cache_ptr, page, t, seq_len, offs_n, s_cp, s_cr, BS, BLOCK_N)
+                row = base + roff
+                c0 = _load_cols(row, offs_l0, lmask0, BLOCK_L == L)
+                c1 = _load_cols(row, offs_l1, lmask1, BLOCK_L == L)
+                kpe = _load_cols(row + L, offs_r, rmask, BLOCK_R == R)
+            else:
+                c0, c1, kpe = _load_rows2(cache_ptr, page, t, seq_len, offs_n, offs_l0, offs_l1, offs_r, lmask0,
+                                          lmask1, rmask, s_cp, s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N)
+            tmask = t * BLOCK_N + offs_n < seq_len
+            m_i, l_i, acc0, acc1 = _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scale,
+                                                 IEEE, UPCAST, LAZY)
     if LAZY > 0:
         l_i = tl.max(l_i, 1)
     has = l_i > 0
@@ -409,6 +454,8 @@ def _mla_decode_stage1(
     LSPLIT: tl.constexpr = False,  # latent columns in two halves (_unit_lsplit)
     FASTADDR: tl.constexpr = False,  # LSPLIT + PAGE_TILE: row pointers from the page base (_tile_base)
     LAZY: tl.constexpr = 0,  # LSPLIT: rescale only when a head's max grew by more than LAZY (_tile_update2)
+    ROWIMM: tl.constexpr = False,  # LSPLIT + PAGE_TILE: full tiles' rows from the constexpr row stride S_CR
+    S_CR: tl.constexpr = 0,
     GDC: tl.constexpr = False,  # PDL launch (w_uv path): nothing is read before the wait, except (EARLY_TILES)
     EARLY_TILES: tl.constexpr = 0,  # with GDC: the schedule and L2 hints of the unit's first tiles before the wait
     EARLY_UNITS: tl.constexpr = 0,
@@ -444,7 +491,7 @@ def _mla_decode_stage1(
             _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_ptr + n.to(tl.int64) * s_btn, out_ptr, opart_ptr, lse_ptr, n, u,
                          hb, H, seq_len, t_begin, t_end, qk_scale, s_qn, s_qh, s_pn, s_ph, s_cp, s_cr, s_on, s_oh,
                          s_wu, s_wh, s_lu, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, BLOCK_H, DIRECT, IEEE, UPCAST,
-                         PAGE_TILE, FASTADDR, LAZY)
+                         PAGE_TILE, FASTADDR, LAZY, ROWIMM, S_CR)
     elif active:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
@@ -749,6 +796,10 @@ def mla_decode_triton(
     # int32 row offsets inside a page (FASTADDR) need BS x the row stride to fit
     variant.update(FASTADDR=bool(cfg.get("fastaddr", False)) and variant["PAGE_TILE"] and variant["LSPLIT"]
                    and BS * cache.stride(1) < 2 ** 31, LAZY=int(cfg.get("lazy", 0)) if variant["LSPLIT"] else 0)
+    # ROWIMM (page_tile + lsplit): the row stride as a constexpr (one compile per cache layout)
+    rowimm = int(cfg.get("rowimm", 0))
+    if rowimm and variant["PAGE_TILE"] and variant["LSPLIT"] and BS * cache.stride(1) < 2 ** 31:
+        variant.update(ROWIMM=rowimm, S_CR=cache.stride(1))
     _mla_decode_stage1[(n_units, cdiv(H, BLOCK_H))](
         q_lat,
         q_pe,
