@@ -87,6 +87,8 @@ esac
 tests=${tests:-tests/kernels/test_sampling.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_fused_decode.py \
   tests/engine/test_warmup.py}
 samp_s=${samp_s:-90}
+# adopt on a card too small for the 27 layers (an H100): issue 6's table is the H200's, so e2e is left out
+if [ "$what" = adopt ] && [ "$layers" != 27 ]; then parts=${parts/ e2e/}; fi
 has() { case " $parts " in *" $1 "*) true ;; *) false ;; esac; }
 if has tests; then
   # shellcheck disable=SC2086
