@@ -39,7 +39,7 @@
 #   adopt:   after adopting lz8 (MLA) and AKK_JOUTER (KDA) as defaults in session 30: their GPU tests, the MLA sweep
 #            (the default against the tiles before it and the unclamped-row variants ri1 / ri2), issue 5's table (bench/mla.py --no-sweep
 #            --decode-only), bench/kda_prefill.py --quick default,akk-threeblock, and issue 6's table (bench/e2e.py).
-# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|short|h200|all] [total seconds]
+# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|adopt|final|short|h200|all] [total seconds]
 set -u
 what=${1:-all}
 total=${2:-560}
@@ -80,6 +80,10 @@ case $what in
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_mla_decode.py::test_gpu_decode_default_schedule_kimi"
          tests+=" tests/kernels/test_mla_fused_decode.py tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
+  final) parts="tests mla mla5 e2eb1"        # little device time left: adopt's checks, decode rows only
+         mla_variants=${mla_variants:-ls+n64+w4,ls+n64+w4+lz8,ls+n64+w4+lz8+ri1,ls+n64+w4+lz8+ri2}
+         mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}
+         tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi tests/kernels/test_mla_fused_decode.py" ;;
   h200) parts="tests sampling e2e ncu"; tests=${tests:-tests/kernels/test_sampling.py}; samp_s=${samp_s:-100}
         samp_cases=${samp_cases:-generic,top_k}; e2e_extra=${e2e_extra:---sampled-generic} ;;
   *) parts=$what ;;
@@ -89,6 +93,7 @@ tests=${tests:-tests/kernels/test_sampling.py tests/kernels/test_mla_decode.py t
 samp_s=${samp_s:-90}
 # adopt on a card too small for the 27 layers (an H100): issue 6's table is the H200's, so e2e is left out
 if [ "$what" = adopt ] && [ "$layers" != 27 ]; then parts=${parts/ e2e/}; fi
+if [ "$what" = final ] && [ "$layers" != 27 ]; then parts=${parts/ mla5 e2eb1/}; fi
 has() { case " $parts " in *" $1 "*) true ;; *) false ;; esac; }
 if has tests; then
   # shellcheck disable=SC2086
@@ -112,6 +117,10 @@ fi
 if has e2e; then
   timeout "$(left)" python3 bench/e2e.py --layers "$layers" --decode-batches 1,8,64 --sampled-batches 1,64 \
     --prefill 8192 --hf-batches "" --warmup ${e2e_extra:-} > "$OUT/e2e.log" 2>&1; step e2e $?
+fi
+if has e2eb1 && [ "$(left)" -gt 100 ]; then
+  timeout "$(left)" python3 bench/e2e.py --layers "$layers" --decode-batches 1,64 --sampled-batches "" --prefill "" \
+    --hf-batches "" --warmup > "$OUT/e2e_b1.log" 2>&1; step "e2e b1" $?
 fi
 if has splits && [ "$(left)" -gt 90 ]; then
   timeout "$(( $(left) < 150 ? $(left) : 150 ))" python3 bench/mla.py --decode-only --sweep-decode --split-sweep \
