@@ -107,10 +107,12 @@ DECODE_VARIANTS = {
                           programs_per_sm=2, lazy=8),
     "ls n64 w4 fa lz8": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                              programs_per_sm=2, fastaddr=True, lazy=8),
-    # tile rows from the page base and a constexpr row stride, unclamped (ROWIMM, _tile_row_ptrs; untimed): ri1 the
-    # full tiles in one loop, the partial last tile after it with masked rows (offline sm_90: 912 instructions per
-    # tile, 264 B of stack); ri2 one loop reading every row of the last tile (887, 40 B; rows past seq_len must be
-    # finite: the engine's cache is zero-initialised and written only by store_latent)
+    # tile rows from the page base and a constexpr row stride, unclamped (ROWIMM, _tile_row_ptrs): ri1 the full
+    # tiles in one loop, the partial last tile after it with masked rows (offline sm_90: 912 instructions per tile,
+    # 264 B of stack; H100 12-06: no gain over lz8, B=64 8k graph 235.6 vs 232.9 us, B=1 128k 83.8 vs 81.7); ri2
+    # one loop reading every row of the last tile (887, 40 B of stack; untimed). ri2 needs the rows past seq_len
+    # finite: the engine zero-initialises the cache, but a non-finite latent of a page's earlier owner would stay in
+    # its tail, so ri2 is for A/B only (tests and bench/mla.py give it finite tails)
     "ls n64 w4 lz8 ri1": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                               programs_per_sm=2, lazy=8, rowimm=1),
     "ls n64 w4 lz8 ri2": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
@@ -257,8 +259,7 @@ def _tile_update(q, qpe, c, kpe, tmask, m_i, l_i, acc, qk_scale, IEEE: tl.conste
     s = _dot(q, tl.trans(c), IEEE, UPCAST)
     s += _dot(qpe, tl.trans(kpe), IEEE, UPCAST)
     s = s * qk_scale
-    if tmask is not None:  # (None: a full tile)
-        s = tl.where(tmask[None, :], s, float("-inf"))
+    s = tl.where(tmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -285,7 +286,8 @@ def _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scal
         # skipped (o = acc / l is the same for any reference; the first tile always moves it from -inf).
         # l_i is [BLOCK_H, LSUM_N] here (every column the row sum): the sum of the rounded p that acc sums, as a dot
         # with ones (no shuffles). Summing the unrounded p would leave the largest p's rounding (no longer p = 1)
-        # in acc but not in l: 10% more error than the eager update; the rounded sums leave less than it.
+        # in acc but not in l: 1.23x the eager update's rms error; the rounded sums give 0.74x
+        # (test_decode_lazy_bf16_error).
         if tl.max(m_new - m_i, 0) > LAZY:
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha[:, None]
@@ -344,7 +346,7 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
     if ROWIMM:  # rows from the page base and the constexpr row stride S_CR: no per-row clamp (_tile_rows)
         # ROWIMM 1: full tiles in one loop (immediate row offsets), then the partial last tile (if the unit holds it)
         # with rows past seq_len masked; 2: one loop, every row of the last tile read (rows past seq_len must be
-        # finite: the cache is zero-initialised and written only by store_latent)
+        # finite: DECODE_VARIANTS 'ls n64 w4 lz8 ri2')
         t_full = t_end
         if ROWIMM == 1:
             t_full = tl.maximum(tl.minimum(t_end, seq_len // BLOCK_N), t_begin)
@@ -700,8 +702,8 @@ def default_num_splits(batch: int, max_blocks: int, block_size: int, num_heads: 
     """Host heuristic from shapes only (graph-capturable): the work-unit budget per sequence of the balanced schedule.
     * 1 (direct: no partials, no merge) when batch x head_blocks programs already fill >= 7/8 of the SM slots
       (``programs_per_sm`` resident stage-1 programs per SM: 1 for the 112-216 KB smem configs, 2 for the 16-bit
-      default's 'ls n64 w4' tiles and the small-smem 'w4 n32') -- e.g. B=128 on 132 SMs at one per SM. Costs balance on mixed-length
-      batches (one long sequence is one program).
+      default's 'ls n64 w4' tiles and the small-smem 'w4 n32') -- e.g. B=128 on 132 SMs at one per SM. Costs
+      balance on mixed-length batches (one long sequence is one program).
     * else about one wave, G = batch x splits ~ slots / head_blocks, at least 2 so mixed-length batches stay balanced;
       capped by the key tiles of the longest possible sequence (units may be one BLOCK_N tile: few tiles per SM, e.g.
       B=1 S=1k, then run as up to 16 one-tile units instead of 4 four-tile ones) and MAX_SPLITS."""
