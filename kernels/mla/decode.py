@@ -65,16 +65,19 @@ EARLY_UNITS = 32          # at most this many units hint (x 74 KB per 64-key til
 # one-launch split decode whose last unit merges ('fm*', an acq_rel arrival counter per sequence), a phase offset
 # of the two programs an SM holds (one sleeps 0.5-4 us before its first tile, picked by pid or by arrival on its
 # %smid; H100 12-06, session 29: B = 64 / 128 at 8k unchanged to 0.5%, B = 1 128k graph 79.5-80.4 us against 81.3:
-# no gain worth a variant; code in bfde557). What bounds these kernels on the H200 is the shared-memory traffic of
+# no gain worth a variant; code in bfde557), the tile's row pointers from one page base and int32 offsets ('fa',
+# FASTADDR: loop 1,191 -> 1,112 SASS instructions; H100 12-06, session 30: B = 64 / 128 8k +1.7-1.9%, B = 1 128k
+# -0.7 us; code in 85952cb), and ROWIMM's partial last tile in a second loop with masked rows ('ri1': 912
+# instructions, 264 B of stack; no gain over lz8 on the H100; code in 85952cb). What bounds these kernels on the H200 is the shared-memory traffic of
 # the dots (ldmatrix re-reads of q and the tile), not the load/MMA overlap.
 #
 # Keys of a config: block_h, block_n, num_warps, num_stages; optional page_tile (one scalar block-table load per
 # tile, BS % BLOCK_N == 0), lsplit (_unit_lsplit), programs_per_sm (resident stage-1 programs per SM the split
 # heuristic aims at), part16 (bf16 split partials: the stage-1 write and stage-2 read halve, the LSE merge stays
 # fp32; lost at B >= 32, won at B=1 by 1-2 us), maxnreg (ptxas register cap), min_split_tokens (smallest unit),
-# merge (explicit stage-2 tiles, tests), early_tiles / early_units (EARLY_TILES / EARLY_UNITS overrides), fastaddr
-# (lsplit + page_tile: the tile's row pointers from one page base, _tile_base), lazy (lsplit: the online softmax
-# rescales only when a head's max grew by more than this many log2 units, _tile_update2).
+# merge (explicit stage-2 tiles, tests), early_tiles / early_units (EARLY_TILES / EARLY_UNITS overrides), lazy
+# (lsplit: the online softmax rescales only when a head's max grew by more than this many log2 units,
+# _tile_update2), rowimm (lsplit + page_tile: unclamped tile rows from a constexpr row stride, _tile_row_ptrs).
 DECODE_CFG = {
     # lazy 8: default since session 30 (H100 12-06, graph us, same process: B=64 8k 228.8 -> 225.2, B=128 8k 431.1 ->
     # 423.6, B=8 128k 432.5 -> 424.6, B=1 128k 80.4 -> 78.9; the variant 'ls n64 w4' is the config before it)
@@ -98,25 +101,16 @@ DECODE_VARIANTS = {
                       programs_per_sm=2),
     "ls n64 w4 p16": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                           programs_per_sm=2, part16=True),
-    # cheaper tile addresses (fa: FASTADDR), the lazy softmax rescale (lz8: LAZY 8, the default since session 30),
-    # both. H100 12-06: fa loses at B >= 8 (B=64 8k graph 232.6 us, B=128 8k 439.4 against 'ls n64 w4' 228.8 /
-    # 431.1), gains 0.7 us at B=1 128k; fa lz8 sits between lz8 and 'ls n64 w4'
-    "ls n64 w4 fa": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
-                         programs_per_sm=2, fastaddr=True),
+    # the lazy softmax rescale (lz8: LAZY 8, the default since session 30)
     "ls n64 w4 lz8": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                           programs_per_sm=2, lazy=8),
-    "ls n64 w4 fa lz8": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
-                             programs_per_sm=2, fastaddr=True, lazy=8),
-    # tile rows from the page base and a constexpr row stride, unclamped (ROWIMM, _tile_row_ptrs): ri1 the full
-    # tiles in one loop, the partial last tile after it with masked rows (offline sm_90: 912 instructions per tile,
-    # 264 B of stack; H100 12-06: no gain over lz8, B=64 8k graph 235.6 vs 232.9 us, B=1 128k 83.8 vs 81.7); ri2
-    # one loop reading every row of the last tile (887, 40 B of stack; untimed). ri2 needs the rows past seq_len
-    # finite: the engine zero-initialises the cache, but a non-finite latent of a page's earlier owner would stay in
-    # its tail, so ri2 is for A/B only (tests and bench/mla.py give it finite tails)
-    "ls n64 w4 lz8 ri1": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
-                              programs_per_sm=2, lazy=8, rowimm=1),
+    # tile rows from the page base and a constexpr row stride, unclamped (ROWIMM, _tile_row_ptrs; untimed): one
+    # loop that also reads the rows past seq_len of the last tile (offline sm_90: 887 SASS instructions per tile
+    # against lz8's 1,155, 40 B of stack). It needs those rows finite: the engine zero-initialises the cache, but a
+    # non-finite latent of a page's earlier owner would stay in its tail, so it is for A/B only (the tests and
+    # bench/mla.py give it finite tails)
     "ls n64 w4 lz8 ri2": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
-                              programs_per_sm=2, lazy=8, rowimm=2),
+                              programs_per_sm=2, lazy=8, rowimm=True),
 }
 GPU_BLOCK_H = 32  # heads per program cap (the default split heuristic assumes it)
 # Every tl.dot operand dim (M, N, K) is padded to >= MIN_DOT: Triton's GPU lowering asserts K >= 16 (M, N >= 16 keeps
@@ -190,21 +184,10 @@ def _tile_rows(cache_ptr, page, t, seq_len, offs_n, s_cp, s_cr, BS: tl.constexpr
 
 
 @triton.jit
-def _tile_base(cache_ptr, page, t, seq_len, offs_n, s_cp, s_cr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """_tile_rows as (page base pointer, int32 row offsets [BLOCK_N]) for PAGE_TILE tiles (the tile lies in one page):
-    one 64-bit product per tile instead of one per row (FASTADDR: the host checks that BS * s_cr fits in int32). Rows
-    past seq_len repeat the tile's first row, as in _tile_rows. Offline sm_90 (Triton 3.9), the default's loop body:
-    1,191 -> 1,112 SASS instructions per tile (1,115 with LAZY, whose ~150-instruction rescale is a branch)."""
-    tok = t * BLOCK_N + offs_n
-    tok = tl.where(tok < seq_len, tok, t * BLOCK_N)
-    return cache_ptr + page.to(tl.int64) * s_cp, (tok % BS) * s_cr
-
-
-@triton.jit
 def _tile_row_ptrs(cache_ptr, bt_row, t, offs_n, s_cp, S_CR: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_N] row pointers of key tile t inside its page (PAGE_TILE), unclamped (ROWIMM): with the row stride a
-    constexpr the rows are the page base plus constants per thread. Offline sm_90 (Triton 3.9, LAZY 8): the loop
-    without the partial tile's 1,155 -> 866 SASS instructions (the clamp's ~290 integer instructions per tile)."""
+    constexpr the rows are the page base plus constants per thread, instead of _tile_rows' clamp of the rows past
+    seq_len (about 290 integer instructions per tile, offline sm_90)."""
     page = tl.load(bt_row + (t * BLOCK_N) // BS).to(tl.int64)
     return cache_ptr + page * s_cp + ((t * BLOCK_N) % BS) * S_CR + offs_n.to(tl.int64) * S_CR
 
@@ -277,8 +260,7 @@ def _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scal
     [BLOCK_H, BLOCK_L / 2] += P c0 / P c1."""
     s = (_dot(q0, tl.trans(c0), IEEE, UPCAST) * qk_scale + _dot(q1, tl.trans(c1), IEEE, UPCAST) * qk_scale
          + _dot(qpe, tl.trans(kpe), IEEE, UPCAST) * qk_scale)
-    if tmask is not None:  # (None: a full tile)
-        s = tl.where(tmask[None, :], s, float("-inf"))
+    s = tl.where(tmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if LAZY > 0:
         # the reference max moves only when some head's max grew by more than LAZY (log2 units): until then
@@ -314,12 +296,13 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
                  qk_scale, s_qn, s_qh, s_pn, s_ph, s_cp, s_cr, s_on, s_oh, s_wu, s_wh, s_lu,
                  L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
-                 UPCAST: tl.constexpr, PAGE_TILE: tl.constexpr, FASTADDR: tl.constexpr = False,
-                 LAZY: tl.constexpr = 0, ROWIMM: tl.constexpr = False, S_CR: tl.constexpr = 0):
+                 UPCAST: tl.constexpr, PAGE_TILE: tl.constexpr, LAZY: tl.constexpr = 0,
+                 ROWIMM: tl.constexpr = False, S_CR: tl.constexpr = 0):
     """Stage 1 of one work unit with q, the latent tile and acc in two column halves (LSPLIT, heads as M): the same
     loads (Triton's pipeliner) and math as the main path, more independent MMA chains, fewer registers.
-    FASTADDR (PAGE_TILE only): the tile's row pointers from one page base and int32 offsets (_tile_base). LAZY: the
-    online softmax rescales only when a head's max grew by more than LAZY (log2 units; _tile_update2)."""
+    LAZY: the online softmax rescales only when a head's max grew by more than LAZY (log2 units; _tile_update2).
+    ROWIMM (PAGE_TILE only): unclamped tile rows from the constexpr row stride S_CR (_tile_row_ptrs); the rows past
+    seq_len of the last tile are read and must be finite (their logits are masked)."""
     HALF: tl.constexpr = BLOCK_L // 2
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -343,46 +326,19 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
         l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, HALF], tl.float32)
     acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
-    if ROWIMM:  # rows from the page base and the constexpr row stride S_CR: no per-row clamp (_tile_rows)
-        # ROWIMM 1: full tiles in one loop (immediate row offsets), then the partial last tile (if the unit holds it)
-        # with rows past seq_len masked; 2: one loop, every row of the last tile read (rows past seq_len must be
-        # finite: DECODE_VARIANTS 'ls n64 w4 lz8 ri2')
-        t_full = t_end
-        if ROWIMM == 1:
-            t_full = tl.maximum(tl.minimum(t_end, seq_len // BLOCK_N), t_begin)
-        for t in range(t_begin, t_full):
+    for t in range(t_begin, t_end):
+        if ROWIMM:  # rows from the page base and the constexpr row stride S_CR, the rows past seq_len read too
             row = _tile_row_ptrs(cache_ptr, bt_row, t, offs_n, s_cp, S_CR, BS, BLOCK_N)
             c0 = _load_cols(row, offs_l0, lmask0, BLOCK_L == L)
             c1 = _load_cols(row, offs_l1, lmask1, BLOCK_L == L)
             kpe = _load_cols(row + L, offs_r, rmask, BLOCK_R == R)
-            tmask = None
-            if ROWIMM == 2:
-                tmask = t * BLOCK_N + offs_n < seq_len
-            m_i, l_i, acc0, acc1 = _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scale,
-                                                 IEEE, UPCAST, LAZY)
-        for t in range(t_full, t_end):  # (ROWIMM 1) the partial last tile: rows past seq_len read as 0
-            row = _tile_row_ptrs(cache_ptr, bt_row, t, offs_n, s_cp, S_CR, BS, BLOCK_N)
-            live = t * BLOCK_N + offs_n < seq_len
-            c0 = tl.load(row[:, None] + offs_l0[None, :], mask=live[:, None] & lmask0[None, :], other=0.0)
-            c1 = tl.load(row[:, None] + offs_l1[None, :], mask=live[:, None] & lmask1[None, :], other=0.0)
-            kpe = tl.load(row[:, None] + L + offs_r[None, :], mask=live[:, None] & rmask[None, :], other=0.0)
-            m_i, l_i, acc0, acc1 = _tile_update2(q0, q1, qpe, c0, c1, kpe, live, m_i, l_i, acc0, acc1, qk_scale,
-                                                 IEEE, UPCAST, LAZY)
-    else:
-        for t in range(t_begin, t_end):
+        else:
             page = _tile_page(bt_row, t, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
-            if FASTADDR:   # row pointers from the page base: one 64-bit add per row, the columns as offsets from it
-                base, roff = _tile_base(cache_ptr, page, t, seq_len, offs_n, s_cp, s_cr, BS, BLOCK_N)
-                row = base + roff
-                c0 = _load_cols(row, offs_l0, lmask0, BLOCK_L == L)
-                c1 = _load_cols(row, offs_l1, lmask1, BLOCK_L == L)
-                kpe = _load_cols(row + L, offs_r, rmask, BLOCK_R == R)
-            else:
-                c0, c1, kpe = _load_rows2(cache_ptr, page, t, seq_len, offs_n, offs_l0, offs_l1, offs_r, lmask0,
-                                          lmask1, rmask, s_cp, s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N)
-            tmask = t * BLOCK_N + offs_n < seq_len
-            m_i, l_i, acc0, acc1 = _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scale,
-                                                 IEEE, UPCAST, LAZY)
+            c0, c1, kpe = _load_rows2(cache_ptr, page, t, seq_len, offs_n, offs_l0, offs_l1, offs_r, lmask0, lmask1,
+                                      rmask, s_cp, s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N)
+        tmask = t * BLOCK_N + offs_n < seq_len
+        m_i, l_i, acc0, acc1 = _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scale,
+                                             IEEE, UPCAST, LAZY)
     if LAZY > 0:
         l_i = tl.max(l_i, 1)
     has = l_i > 0
@@ -454,9 +410,8 @@ def _mla_decode_stage1(
     UPCAST: tl.constexpr,
     PAGE_TILE: tl.constexpr = False,  # one scalar block-table load per tile (needs BS % BLOCK_N == 0)
     LSPLIT: tl.constexpr = False,  # latent columns in two halves (_unit_lsplit)
-    FASTADDR: tl.constexpr = False,  # LSPLIT + PAGE_TILE: row pointers from the page base (_tile_base)
     LAZY: tl.constexpr = 0,  # LSPLIT: rescale only when a head's max grew by more than LAZY (_tile_update2)
-    ROWIMM: tl.constexpr = False,  # LSPLIT + PAGE_TILE: full tiles' rows from the constexpr row stride S_CR
+    ROWIMM: tl.constexpr = False,  # LSPLIT + PAGE_TILE: unclamped rows from the constexpr row stride S_CR
     S_CR: tl.constexpr = 0,
     GDC: tl.constexpr = False,  # PDL launch (w_uv path): nothing is read before the wait, except (EARLY_TILES)
     EARLY_TILES: tl.constexpr = 0,  # with GDC: the schedule and L2 hints of the unit's first tiles before the wait
@@ -493,7 +448,7 @@ def _mla_decode_stage1(
             _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_ptr + n.to(tl.int64) * s_btn, out_ptr, opart_ptr, lse_ptr, n, u,
                          hb, H, seq_len, t_begin, t_end, qk_scale, s_qn, s_qh, s_pn, s_ph, s_cp, s_cr, s_on, s_oh,
                          s_wu, s_wh, s_lu, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, BLOCK_H, DIRECT, IEEE, UPCAST,
-                         PAGE_TILE, FASTADDR, LAZY, ROWIMM, S_CR)
+                         PAGE_TILE, LAZY, ROWIMM, S_CR)
     elif active:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
@@ -795,13 +750,10 @@ def mla_decode_triton(
                         LP=next_pow2(cdiv(D, epl)))
     variant = dict(PAGE_TILE=bool(cfg.get("page_tile", False)) and BS % BLOCK_N == 0,
                    LSPLIT=bool(cfg.get("lsplit", False)))
-    # int32 row offsets inside a page (FASTADDR) need BS x the row stride to fit
-    variant.update(FASTADDR=bool(cfg.get("fastaddr", False)) and variant["PAGE_TILE"] and variant["LSPLIT"]
-                   and BS * cache.stride(1) < 2 ** 31, LAZY=int(cfg.get("lazy", 0)) if variant["LSPLIT"] else 0)
-    # ROWIMM (page_tile + lsplit): the row stride as a constexpr (one compile per cache layout)
-    rowimm = int(cfg.get("rowimm", 0))
-    if rowimm and variant["PAGE_TILE"] and variant["LSPLIT"] and BS * cache.stride(1) < 2 ** 31:
-        variant.update(ROWIMM=rowimm, S_CR=cache.stride(1))
+    variant.update(LAZY=int(cfg.get("lazy", 0)) if variant["LSPLIT"] else 0)
+    # ROWIMM (page_tile + lsplit): the row stride as a constexpr (one compile per cache layout); int32 row offsets
+    if cfg.get("rowimm") and variant["PAGE_TILE"] and variant["LSPLIT"] and BS * cache.stride(1) < 2 ** 31:
+        variant.update(ROWIMM=True, S_CR=cache.stride(1))
     _mla_decode_stage1[(n_units, cdiv(H, BLOCK_H))](
         q_lat,
         q_pe,
