@@ -147,7 +147,8 @@ AKK_NUM_WARPS = 1
 # ptxas register cap for akk. 168 (default since H200 12-04, with AKK_UNCOND): the unconditional K pass takes 230 regs
 # uncapped (8 one-warp CTAs / SM); at 168, 12 / SM with 24 B of stack. The branched pass (AKK_UNCOND=0) takes 162
 # uncapped; 128 -> 16 CTAs / SM, 144 B stack spill, +5% instructions (akk is ~45% of the H200's issue rate:
-# latency-bound). None: uncapped.
+# latency-bound). None: uncapped. The AKK_JOUTER loop (the default since session 30) fits 168 without a spill on
+# Triton 3.9 (2 B on 3.6); at 128 it spills 46 B and loses (H100 12-06: akk 0.846 vs 0.718 ms).
 AKK_MAXNREG = 168
 AKK_LV_SPLITK = 1        # 1 = two passes over K (off-diagonal blocks, then the levels; fewer registers)
 # AKK_UNCOND = 1 (default since H200 12-04, session 11, with AKK_MAXNREG=168: akk 0.695 -> 0.673 ms at T=16k): the
@@ -163,8 +164,9 @@ AKK_UNCOND = 1
 # price of the row side (q, k, G of R and their anchor factors) once per block instead of once: 48 row-side + 48
 # block tile updates per chunk against 32 + 96. No branch inside the K loop (its loads pipeline as UNCOND's), and
 # two accumulators live instead of six. The s = r terms of Aqk move to the levels' pass. Offline sm_90 (Triton 3.9)
-# at AKK_MAXNREG 168: no spill (the three-block pass keeps 24 B; Triton 3.6 on the H100: 2 B), 1,848 SASS
-# instructions against 2,088. AKK_UNCOND applies to the three-block pass only. A/B: `python bench/kda_prefill.py
+# at AKK_MAXNREG 168: no spill (the three-block pass keeps 24 B; on Triton 3.6 the loop keeps 2 B), 1,936 SASS
+# instructions against 2,088 (1,848 before the shared row-side helper, 1e898af). AKK_UNCOND applies to the
+# three-block pass only. A/B: `python bench/kda_prefill.py
 # --quick --variants default,akk-threeblock`.
 AKK_JOUTER = 1
 # (AKK_PARTS = 2, akk as two one-warp launches, the off-diagonal pass and the levels + inverse, each with half the
