@@ -33,11 +33,11 @@
 #            lz8), 'lz8' (lazy softmax rescale, the default since session 30), 'lz8 ri2' (unclamped tile rows). Their
 #            GPU tests (Kimi shapes), then bench/mla.py --sweep-decode beside FlashInfer at issue 5's shapes.
 #   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30: the off-diagonal blocks j < i in a
-#            loop, one K pass each): its GPU test, then bench/kda_prefill.py --quick --variants default,akk-threeblock
-#            (the pass before it; fla-core in the same process).
+#            loop, one K pass each): its GPU test, then bench/kda_prefill.py --quick --variants default,akk-pair,
+#            akk-pair-r192,akk-pair-nocap (AKK_PAIR: two row blocks per program; fla-core in the same process).
 #   adopt:   after adopting lz8 (MLA) and AKK_JOUTER (KDA) as defaults in session 30: their GPU tests, the MLA sweep
 #            (the default against the tiles before it and the unclamped-row variant ri2), issue 5's table
-#            (bench/mla.py --no-sweep --decode-only), bench/kda_prefill.py --quick default,akk-threeblock, and issue
+#            (bench/mla.py --no-sweep --decode-only), bench/kda_prefill.py --quick (default, akk-pair*), and issue
 #            6's table (bench/e2e.py).
 # Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|adopt|final|short|h200|all]
 #        [total seconds]
@@ -84,7 +84,8 @@ case $what in
   final) parts="tests mla mla5 e2eb1"        # little device time left: adopt's checks, decode rows only
          mla_variants=${mla_variants:-ls+n64+w4,ls+n64+w4+lz8,ls+n64+w4+lz8+ri2}
          mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}
-         tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi tests/kernels/test_mla_fused_decode.py" ;;
+         tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
+         tests+=" tests/kernels/test_mla_fused_decode.py" ;;
   h200) parts="tests sampling e2e ncu"; tests=${tests:-tests/kernels/test_sampling.py}; samp_s=${samp_s:-100}
         samp_cases=${samp_cases:-generic,top_k}; e2e_extra=${e2e_extra:---sampled-generic} ;;
   *) parts=$what ;;
@@ -138,7 +139,7 @@ if has mla5 && [ "$(left)" -gt 90 ]; then
   step "mla issue 5" $?
 fi
 if has kda && [ "$(left)" -gt 90 ]; then
-  timeout "$(left)" python3 bench/kda_prefill.py --quick --variants default,akk-threeblock \
+  timeout "$(left)" python3 bench/kda_prefill.py --quick --variants default,akk-pair,akk-pair-r192,akk-pair-nocap \
     > "$OUT/kda_variants.log" 2>&1; step "kda variants" $?
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then
