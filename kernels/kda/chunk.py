@@ -166,8 +166,7 @@ AKK_UNCOND = 1
 # two accumulators live instead of six. The s = r terms of Aqk move to the levels' pass. Offline sm_90 (Triton 3.9)
 # at AKK_MAXNREG 168: no spill (the three-block pass keeps 24 B; on Triton 3.6 the loop keeps 2 B), 1,936 SASS
 # instructions against 2,088 (1,848 before the shared row-side helper, 1e898af). AKK_UNCOND applies to the
-# three-block pass only. A/B: `python bench/kda_prefill.py
-# --quick --variants default,akk-threeblock`.
+# three-block pass only. A/B: `python bench/kda_prefill.py --quick --variants default,akk-threeblock`.
 AKK_JOUTER = 1
 # AKK_PAIR = 1 (A/B, untimed; with AKK_LV_SPLITK): two programs per chunk-head instead of four, each with two row
 # blocks, (3, 0) and (2, 1), so each runs three off-diagonal block updates (the loop gives 0, 1, 2, 3). Block 3's
@@ -417,6 +416,13 @@ def _akk_row_side(pq, pk, pg, rr, rmask, rq, rk, i_b, kb, stride_q, stride_k, K:
 
 
 @triton.jit
+def _akk_off_accs(BC: tl.constexpr):
+    """akk: zeroed accumulators of three off-diagonal column blocks (k and q for each)."""
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    return z, z, z, z, z, z
+
+
+@triton.jit
 def _akk_level_accs(BC: tl.constexpr):
     """akk: zeroed accumulators of the four diagonal-block levels hb = 8, 4, 2, 1 (k and q for each)."""
     z = tl.zeros([BC, BC], dtype=tl.float32)
@@ -448,12 +454,7 @@ def _akk_pair_outer(pq, pk, pg, prs, pa, px, nv, stride_q, stride_k, K: tl.const
     K pass with its row side computed once per K tile, then its levels; block 0 has none (zeros above the
     diagonal), only its levels."""
     rr, rmask, rq, rk, beta = _akk_block_rows(prs, 3, nv, BC)
-    o0k = tl.zeros([BC, BC], dtype=tl.float32)
-    o0q = tl.zeros([BC, BC], dtype=tl.float32)
-    o1k = tl.zeros([BC, BC], dtype=tl.float32)
-    o1q = tl.zeros([BC, BC], dtype=tl.float32)
-    o2k = tl.zeros([BC, BC], dtype=tl.float32)
-    o2q = tl.zeros([BC, BC], dtype=tl.float32)
+    o0k, o0q, o1k, o1q, o2k, o2q = _akk_off_accs(BC)
     for kb in range(0, K, BK):
         c, cm, qr, kr, Gr, Gn, qe, ke = _akk_row_side(pq, pk, pg, rr, rmask, rq, rk, 3, kb, stride_q, stride_k, K,
                                                       BC, BK)
@@ -481,12 +482,7 @@ def _akk_pair_inner(pq, pk, pg, prs, pa, px, nv, stride_q, stride_k, K: tl.const
     blocks 0 and 1, block 1's against column block 0; then both blocks' levels."""
     r2, m2, q2, k2, b2 = _akk_block_rows(prs, 2, nv, BC)
     r1, m1, q1, k1, b1 = _akk_block_rows(prs, 1, nv, BC)
-    o0k = tl.zeros([BC, BC], dtype=tl.float32)
-    o0q = tl.zeros([BC, BC], dtype=tl.float32)
-    o1k = tl.zeros([BC, BC], dtype=tl.float32)
-    o1q = tl.zeros([BC, BC], dtype=tl.float32)
-    p0k = tl.zeros([BC, BC], dtype=tl.float32)
-    p0q = tl.zeros([BC, BC], dtype=tl.float32)
+    o0k, o0q, o1k, o1q, p0k, p0q = _akk_off_accs(BC)    # blocks (2, 0), (2, 1), (1, 0)
     for kb in range(0, K, BK):
         c, cm, qr, kr, Gr, Gn, qe, ke = _akk_row_side(pq, pk, pg, r2, m2, q2, k2, 2, kb, stride_q, stride_k, K,
                                                       BC, BK)
@@ -581,12 +577,7 @@ def _kda_akk_lv_kernel(
         _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k,
                             tl.zeros([BC], dtype=tl.float32), K, BT, BC, BK, PREC, DQ0=1)
         return
-    o0k = tl.zeros([BC, BC], dtype=tl.float32)          # off-diagonal column blocks 0..2
-    o0q = tl.zeros([BC, BC], dtype=tl.float32)
-    o1k = tl.zeros([BC, BC], dtype=tl.float32)
-    o1q = tl.zeros([BC, BC], dtype=tl.float32)
-    o2k = tl.zeros([BC, BC], dtype=tl.float32)
-    o2q = tl.zeros([BC, BC], dtype=tl.float32)
+    o0k, o0q, o1k, o1q, o2k, o2q = _akk_off_accs(BC)   # off-diagonal column blocks 0..2
     l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)    # diagonal-block levels hb = 8, 4, 2, 1
     dq0 = tl.zeros([BC], dtype=tl.float32)               # diagonal s = r of Aqk
     # SPLITK=1: two passes over K (off-diagonal blocks, then the levels): fewer live accumulators (registers)
