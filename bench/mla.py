@@ -229,8 +229,8 @@ def check_small(variants=None, decode_only=False):
     q = torch.randn(len(lens), H, L, device="cuda").to(DT)
     qp = torch.randn(len(lens), H, R, device="cuda").to(DT)
     ref = mla_decode_ref(q.float(), qp.float(), cache.float(), bt, sl, SCALE)
-    # ROWIMM reads the rows past seq_len of a last tile and needs them finite (see DECODE_VARIANTS 'ls n64 w4 lz8 ri2'): large
-    # finite values there instead of NaN (page 0 stays NaN: no tile reads it)
+    # ROWIMM reads the rows past seq_len of a last tile and needs them finite (see DECODE_VARIANTS
+    # 'ls n64 w4 lz8 ri2'): large finite values there instead of NaN (page 0 stays NaN: no tile reads it)
     fin = cache.clone()
     tails = fin.isnan()
     tails[0] = False

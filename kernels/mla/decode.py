@@ -68,8 +68,8 @@ EARLY_UNITS = 32          # at most this many units hint (x 74 KB per 64-key til
 # no gain worth a variant; code in bfde557), the tile's row pointers from one page base and int32 offsets ('fa',
 # FASTADDR: loop 1,191 -> 1,112 SASS instructions; H100 12-06, session 30: B = 64 / 128 8k +1.7-1.9%, B = 1 128k
 # -0.7 us; code in 85952cb), and ROWIMM's partial last tile in a second loop with masked rows ('ri1': 912
-# instructions, 264 B of stack; no gain over lz8 on the H100; code in 85952cb). What bounds these kernels on the H200 is the shared-memory traffic of
-# the dots (ldmatrix re-reads of q and the tile), not the load/MMA overlap.
+# instructions, 264 B of stack; no gain over lz8 on the H100; code in 85952cb). What bounds these kernels on the
+# H200 is the shared-memory traffic of the dots (ldmatrix re-reads of q and the tile), not the load/MMA overlap.
 #
 # Keys of a config: block_h, block_n, num_warps, num_stages; optional page_tile (one scalar block-table load per
 # tile, BS % BLOCK_N == 0), lsplit (_unit_lsplit), programs_per_sm (resident stage-1 programs per SM the split
@@ -218,6 +218,13 @@ def _load_rows2(cache_ptr, page, t, seq_len, offs_n, offs_l0, offs_l1, offs_r, l
                 BLOCK_N: tl.constexpr):
     """_load_rows with the latent in two column halves (LSPLIT): c0, c1 [BLOCK_N, BLOCK_L / 2], kpe."""
     row = _tile_rows(cache_ptr, page, t, seq_len, offs_n, s_cp, s_cr, BS, BLOCK_N)
+    return _load_halves(row, offs_l0, offs_l1, offs_r, lmask0, lmask1, rmask, L, R, BLOCK_L, BLOCK_R)
+
+
+@triton.jit
+def _load_halves(row, offs_l0, offs_l1, offs_r, lmask0, lmask1, rmask, L: tl.constexpr, R: tl.constexpr,
+                 BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rows ``row`` [BLOCK_N] of the cache -> c0, c1 (the latent's column halves), kpe."""
     c0 = _load_cols(row, offs_l0, lmask0, BLOCK_L == L)
     c1 = _load_cols(row, offs_l1, lmask1, BLOCK_L == L)
     kpe = _load_cols(row + L, offs_r, rmask, BLOCK_R == R)
@@ -329,9 +336,7 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
     for t in range(t_begin, t_end):
         if ROWIMM:  # rows from the page base and the constexpr row stride S_CR, the rows past seq_len read too
             row = _tile_row_ptrs(cache_ptr, bt_row, t, offs_n, s_cp, S_CR, BS, BLOCK_N)
-            c0 = _load_cols(row, offs_l0, lmask0, BLOCK_L == L)
-            c1 = _load_cols(row, offs_l1, lmask1, BLOCK_L == L)
-            kpe = _load_cols(row + L, offs_r, rmask, BLOCK_R == R)
+            c0, c1, kpe = _load_halves(row, offs_l0, offs_l1, offs_r, lmask0, lmask1, rmask, L, R, BLOCK_L, BLOCK_R)
         else:
             page = _tile_page(bt_row, t, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
             c0, c1, kpe = _load_rows2(cache_ptr, page, t, seq_len, offs_n, offs_l0, offs_l1, offs_r, lmask0, lmask1,

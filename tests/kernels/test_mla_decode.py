@@ -25,7 +25,7 @@ LENS = [1, 63, 64, 65, 150, 0]  # last: padded lane (block-table row = page 0)
 
 def poison_for(variant):
     """make_paged's poison for a variant: NaN outside the owned rows, large finite values for ROWIMM (it reads the
-    rows past seq_len of a sequence's last tile, which the engine keeps finite)."""
+    rows past seq_len of a sequence's last tile and needs them finite; an A/B variant for that reason)."""
     return "finite" if DECODE_VARIANTS[variant].get("rowimm") else True
 
 
