@@ -436,14 +436,8 @@ QUICK_VARIANTS = [
     # 0.718 ms against 0.755 (three-block), 0.846 at 128 regs -> the default since; akk-threeblock: the pass before
     ("akk-threeblock", dict(AKK_JOUTER=0)),
     ("akk-jouter-r128", dict(AKK_JOUTER=1, AKK_MAXNREG=128)),
-    # session 30 (untimed): two row blocks per program, (3, 0) and (2, 1), three off-diagonal blocks each, block 3's
-    # row side once per K tile (AKK_PAIR): 3 row sides + 6 block updates per chunk against the loop's 6 + 6.
-    # Offline sm_90 (Triton 3.9), executed per chunk-head from the K-loop bodies: the off-diagonal pass 8 x (389 +
-    # 450) = 6.7k instructions against the loop's ~12k, the levels the same (~13k). At 168 regs 88 B of stack
-    # (outside the loops), uncapped 246 regs (8 one-warp CTAs / SM), 192: 10 / SM
-    ("akk-pair", dict(AKK_PAIR=1)),
-    ("akk-pair-r192", dict(AKK_PAIR=1, AKK_MAXNREG=192)),
-    ("akk-pair-nocap", dict(AKK_PAIR=1, AKK_MAXNREG=None)),
+    # (session 30: AKK_PAIR, two row blocks per program: 'akk-pair' / '-r192' / '-nocap'; H100 12-06, session 31,
+    # T=16k: akk 0.943 / 0.841 / 0.846 ms against 0.718 for the default. Removed.)
 ]
 
 

@@ -168,14 +168,10 @@ AKK_UNCOND = 1
 # instructions against 2,088 (1,848 before the shared row-side helper, 1e898af). AKK_UNCOND applies to the
 # three-block pass only. A/B: `python bench/kda_prefill.py --quick --variants default,akk-threeblock`.
 AKK_JOUTER = 1
-# AKK_PAIR = 1 (A/B, untimed; with AKK_LV_SPLITK): two programs per chunk-head instead of four, each with two row
-# blocks, (3, 0) and (2, 1), so each runs three off-diagonal block updates (the loop gives 0, 1, 2, 3). Block 3's
-# row side is computed once per K tile for its three blocks (the loop: three times), blocks 2 and 1 each once:
-# 3 row sides + 6 block updates per chunk and K tile against AKK_JOUTER's 6 + 6 and the three-block pass's 4 + 12.
-# Offline sm_90 (Triton 3.9): the K-loop bodies are 389 (block 3) and 450 (blocks 2 + 1) instructions, so the
-# off-diagonal pass executes ~6.7k per chunk-head against the loop's ~12k (231 per row side + block, 6 x 8 of them,
-# plus the j loop); the levels are unchanged (~13k). 168 regs with 88 B of stack outside the loops; 246 uncapped.
-AKK_PAIR = 0
+# (AKK_PAIR, two programs per chunk-head with row blocks (3, 0) and (2, 1), block 3's row side once per K tile:
+# offline ~6.7k instructions per chunk-head in the off-diagonal pass against the loop's ~12k, but 88 B of stack at
+# 168 regs; H100 12-06, session 31: akk 0.943 ms (168 regs), 0.841 (192), 0.846 (uncapped, 238) against 0.718 for
+# the loop. Removed; code in e327ff8.)
 # (AKK_PARTS = 2, akk as two one-warp launches, the off-diagonal pass and the levels + inverse, each with half the
 # accumulators: slower on the H200 in session 19, T=16k 2.107 vs 2.062 ms, and on the H100 in session 22, akk 0.808 vs
 # 0.754 ms; removed in session 25, last present in cb00f87.)
@@ -441,77 +437,11 @@ def _akk_four_levels(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, l4k, l4q, l2k, l2q, l
 
 
 @triton.jit
-def _akk_block_rows(prs, i, nv, BC: tl.constexpr):
-    """akk: row block i of the chunk -> rows rr [BC], their mask (rows < nv) and their q / k scales and beta."""
-    rr = i * BC + tl.arange(0, BC)
-    return rr, rr < nv, tl.load(prs + rr * 4), tl.load(prs + rr * 4 + 1), tl.load(prs + rr * 4 + 2)
-
-
-@triton.jit
-def _akk_pair_outer(pq, pk, pg, prs, pa, px, nv, stride_q, stride_k, K: tl.constexpr, BT: tl.constexpr,
-                    BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    """akk (PAIR, program 0 of a chunk-head): row blocks 3 and 0. Block 3's off-diagonal blocks j = 0, 1, 2 in one
-    K pass with its row side computed once per K tile, then its levels; block 0 has none (zeros above the
-    diagonal), only its levels."""
-    rr, rmask, rq, rk, beta = _akk_block_rows(prs, 3, nv, BC)
-    o0k, o0q, o1k, o1q, o2k, o2q = _akk_off_accs(BC)
-    for kb in range(0, K, BK):
-        c, cm, qr, kr, Gr, Gn, qe, ke = _akk_row_side(pq, pk, pg, rr, rmask, rq, rk, 3, kb, stride_q, stride_k, K,
-                                                      BC, BK)
-        o0k, o0q = _akk_off_block(pk, pg, prs, nv, 0, c, cm, Gn, qe, ke, o0k, o0q, stride_k, K, BC, PREC)
-        o1k, o1q = _akk_off_block(pk, pg, prs, nv, 1, c, cm, Gn, qe, ke, o1k, o1q, stride_k, K, BC, PREC)
-        o2k, o2q = _akk_off_block(pk, pg, prs, nv, 2, c, cm, Gn, qe, ke, o2k, o2q, stride_k, K, BC, PREC)
-    _akk_store_off(pa, px, rr, 3, 0, o0k, o0q, beta, BT, BC)
-    _akk_store_off(pa, px, rr, 3, 1, o1k, o1q, beta, BT, BC)
-    _akk_store_off(pa, px, rr, 3, 2, o2k, o2q, beta, BT, BC)
-    zero = tl.zeros([BC], dtype=tl.float32)
-    _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, 3, stride_q, stride_k, zero, K, BT, BC, BK,
-                        PREC, DQ0=1)
-    rr, rmask, rq, rk, beta = _akk_block_rows(prs, 0, nv, BC)
-    z2 = tl.zeros([BC, BC], dtype=tl.float32)
-    for j in tl.static_range(1, BT // BC):
-        _akk_store_off(pa, px, rr, 0, j, z2, z2, beta, BT, BC)
-    _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, 0, stride_q, stride_k, zero, K, BT, BC, BK,
-                        PREC, DQ0=1)
-
-
-@triton.jit
-def _akk_pair_inner(pq, pk, pg, prs, pa, px, nv, stride_q, stride_k, K: tl.constexpr, BT: tl.constexpr,
-                    BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    """akk (PAIR, program 1 of a chunk-head): row blocks 2 and 1. One K pass: block 2's row side against column
-    blocks 0 and 1, block 1's against column block 0; then both blocks' levels."""
-    r2, m2, q2, k2, b2 = _akk_block_rows(prs, 2, nv, BC)
-    r1, m1, q1, k1, b1 = _akk_block_rows(prs, 1, nv, BC)
-    o0k, o0q, o1k, o1q, p0k, p0q = _akk_off_accs(BC)    # blocks (2, 0), (2, 1), (1, 0)
-    for kb in range(0, K, BK):
-        c, cm, qr, kr, Gr, Gn, qe, ke = _akk_row_side(pq, pk, pg, r2, m2, q2, k2, 2, kb, stride_q, stride_k, K,
-                                                      BC, BK)
-        o0k, o0q = _akk_off_block(pk, pg, prs, nv, 0, c, cm, Gn, qe, ke, o0k, o0q, stride_k, K, BC, PREC)
-        o1k, o1q = _akk_off_block(pk, pg, prs, nv, 1, c, cm, Gn, qe, ke, o1k, o1q, stride_k, K, BC, PREC)
-        c, cm, qr, kr, Gr, Gn, qe, ke = _akk_row_side(pq, pk, pg, r1, m1, q1, k1, 1, kb, stride_q, stride_k, K,
-                                                      BC, BK)
-        p0k, p0q = _akk_off_block(pk, pg, prs, nv, 0, c, cm, Gn, qe, ke, p0k, p0q, stride_k, K, BC, PREC)
-    _akk_store_off(pa, px, r2, 2, 0, o0k, o0q, b2, BT, BC)
-    _akk_store_off(pa, px, r2, 2, 1, o1k, o1q, b2, BT, BC)
-    _akk_store_off(pa, px, r1, 1, 0, p0k, p0q, b1, BT, BC)
-    z2 = tl.zeros([BC, BC], dtype=tl.float32)
-    _akk_store_off(pa, px, r2, 2, 3, z2, z2, b2, BT, BC)
-    _akk_store_off(pa, px, r1, 1, 2, z2, z2, b1, BT, BC)
-    _akk_store_off(pa, px, r1, 1, 3, z2, z2, b1, BT, BC)
-    zero = tl.zeros([BC], dtype=tl.float32)
-    _akk_levels_inverse(pq, pk, pg, pa, px, r2, m2, q2, k2, b2, 2, stride_q, stride_k, zero, K, BT, BC, BK, PREC,
-                        DQ0=1)
-    _akk_levels_inverse(pq, pk, pg, pa, px, r1, m1, q1, k1, b1, 1, stride_q, stride_k, zero, K, BT, BC, BK, PREC,
-                        DQ0=1)
-
-
-@triton.jit
 def _kda_akk_lv_kernel(
     q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out,
     stride_q, stride_k,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, SPLITK: tl.constexpr = 0, UNCOND: tl.constexpr = 0, JOUTER: tl.constexpr = 0,
-    PAIR: tl.constexpr = 0,
 ):
     """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head), meant for num_warps=1: the rows
     R = [i BC, (i+1) BC) of
@@ -532,9 +462,8 @@ def _kda_akk_lv_kernel(
     (Offline sm_90, Triton 3.6: at 2 or 4 warps these [16, x] tiles are replicated in every warp (the dot-operand
     layouts), so 1 warp does the same work with a quarter of the issue slots.)"""
     tl.static_assert((BT == 64) & (BC == 16))           # 3 off-diagonal column blocks, 4 levels
-    NPROG: tl.constexpr = 2 if PAIR else BT // BC        # programs per chunk-head
-    i_b = tl.program_id(0) % NPROG
-    i_c = tl.program_id(0) // NPROG
+    i_b = tl.program_id(0) % (BT // BC)
+    i_c = tl.program_id(0) // (BT // BC)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
         return
@@ -551,13 +480,6 @@ def _kda_akk_lv_kernel(
     prs = rs_in + cblk * 4
     pa = a_out + cblk * BT
     px = x_out + cblk * BT
-    if PAIR:  # two row blocks per program, (3, 0) and (2, 1): three off-diagonal blocks each
-        tl.static_assert(SPLITK == 1)
-        if i_b == 0:
-            _akk_pair_outer(pq, pk, pg, prs, pa, px, nv, stride_q, stride_k, K, BT, BC, BK, PREC)
-        else:
-            _akk_pair_inner(pq, pk, pg, prs, pa, px, nv, stride_q, stride_k, K, BT, BC, BK, PREC)
-        return
     rq = tl.load(prs + rr * 4)
     rk = tl.load(prs + rr * 4 + 1)
     beta = tl.load(prs + rr * 4 + 2)
@@ -1004,8 +926,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                     UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
-                     PAIR=int(AKK_PAIR and AKK_LV_SPLITK)),
+                     UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK)),
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
@@ -1105,11 +1026,10 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             )
 
         def akk():
-            pair = int(AKK_PAIR and AKK_LV_SPLITK)
-            return _kda_akk_lv_kernel[((2 if pair else BT // BC) * NT, H)](
+            return _kda_akk_lv_kernel[(BT // BC * NT, H)](
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK), PAIR=pair,
+                UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
                 num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
             )
 
