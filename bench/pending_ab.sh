@@ -28,17 +28,16 @@
 #            candidates come from the top-k set and top-p's S is exact): the sampler's GPU tests, bench/sampling.py
 #            on the top-k cases (with min-p; LocalAI's generic T0.9 top-k 40 top-p 0.95), then the nucleus e2e A/B
 #            with --sampled-generic, one pair (env pairs=).
-#   mla:     the MLA decode's instruction-count variants (kernels/mla/decode.py, from the H200 counters of session
-#            29: ours issues 1.29x FlashInfer's warp instructions at B=64 S=8k, both at ~1 IPC): 'ls n64 w4' (before
-#            lz8), 'lz8' (lazy softmax rescale, the default since session 30), 'lz8 ri2' (unclamped tile rows). Their
-#            GPU tests (Kimi shapes), then bench/mla.py --sweep-decode beside FlashInfer at issue 5's shapes.
+#   mla:     the MLA decode's variants (kernels/mla/decode.py): 'ls n64 w4' (the tiles before lz8) and 'ls n64 w4
+#            lz8' (lazy softmax rescale, the default since session 30). Their GPU tests (Kimi shapes), then
+#            bench/mla.py --sweep-decode beside FlashInfer at issue 5's shapes.
 #   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30: the off-diagonal blocks j < i in a
-#            loop, one K pass each): its GPU test, then bench/kda_prefill.py --quick --variants default,akk-pair,
-#            akk-pair-r192,akk-pair-nocap (AKK_PAIR: two row blocks per program; fla-core in the same process).
-#   adopt:   after adopting lz8 (MLA) and AKK_JOUTER (KDA) as defaults in session 30: their GPU tests, the MLA sweep
-#            (the default against the tiles before it and the unclamped-row variant ri2), issue 5's table
-#            (bench/mla.py --no-sweep --decode-only), bench/kda_prefill.py --quick (default, akk-pair*), and issue
-#            6's table (bench/e2e.py).
+#            loop, one K pass each): its GPU test, then bench/kda_prefill.py --quick --variants default,akk-threeblock
+#            (the pass before it; fla-core in the same process).
+#   adopt:   after adopting lz8 (MLA) and AKK_JOUTER (KDA) as defaults in session 30 (both timed on H100s only): their
+#            GPU tests, the MLA sweep (the default against the tiles before it), issue 5's table (bench/mla.py
+#            --no-sweep --decode-only), bench/kda_prefill.py --quick (default, akk-threeblock), and issue 6's table
+#            (bench/e2e.py).
 # Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|adopt|final|short|h200|all]
 #        [total seconds]
 set -u
@@ -76,13 +75,13 @@ case $what in
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
   adopt) parts="tests mla mla5 kda e2e"
-         mla_variants=${mla_variants:-ls+n64+w4,ls+n64+w4+lz8,ls+n64+w4+lz8+ri2}
+         mla_variants=${mla_variants:-ls+n64+w4,ls+n64+w4+lz8}
          mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_mla_decode.py::test_gpu_decode_default_schedule_kimi"
          tests+=" tests/kernels/test_mla_fused_decode.py tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
   final) parts="tests mla mla5 e2eb1"        # little device time left: adopt's checks, decode rows only
-         mla_variants=${mla_variants:-ls+n64+w4,ls+n64+w4+lz8,ls+n64+w4+lz8+ri2}
+         mla_variants=${mla_variants:-ls+n64+w4,ls+n64+w4+lz8}
          mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_mla_fused_decode.py" ;;
@@ -131,7 +130,7 @@ fi
 if has mla && [ "$(left)" -gt 90 ]; then
   timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 bench/mla.py --decode-only --sweep-decode \
     --shapes "${mla_shapes:-64x8192,1x131072,128x8192,8x131072,1x8192}" \
-    --variants "${mla_variants:-ls+n64+w4,ls+n64+w4+lz8,ls+n64+w4+lz8+ri2}" > "$OUT/mla_variants.log" 2>&1
+    --variants "${mla_variants:-ls+n64+w4,ls+n64+w4+lz8}" > "$OUT/mla_variants.log" 2>&1
   step "mla variants" $?
 fi
 if has mla5 && [ "$(left)" -gt 90 ]; then
@@ -139,7 +138,7 @@ if has mla5 && [ "$(left)" -gt 90 ]; then
   step "mla issue 5" $?
 fi
 if has kda && [ "$(left)" -gt 90 ]; then
-  timeout "$(left)" python3 bench/kda_prefill.py --quick --variants default,akk-pair,akk-pair-r192,akk-pair-nocap \
+  timeout "$(left)" python3 bench/kda_prefill.py --quick --variants ${kda_variants:-default,akk-threeblock} \
     > "$OUT/kda_variants.log" 2>&1; step "kda variants" $?
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then
