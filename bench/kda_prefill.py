@@ -436,6 +436,10 @@ QUICK_VARIANTS = [
     # 0.718 ms against 0.755 (three-block), 0.846 at 128 regs -> the default since; akk-threeblock: the pass before
     ("akk-threeblock", dict(AKK_JOUTER=0)),
     ("akk-jouter-r128", dict(AKK_JOUTER=1, AKK_MAXNREG=128)),
+    # session 31 (untimed): L2 eviction hints in prep (PREP_EVICT; its loop's second read of q / k missed L2 on the
+    # H100 in session 24): 1 = norm-pass loads evict_last, loop loads evict_first; 2 = also the stores evict_first
+    ("prep-evict1", dict(PREP_EVICT=1)),
+    ("prep-evict2", dict(PREP_EVICT=2)),
     # (session 30: AKK_PAIR, two row blocks per program: 'akk-pair' / '-r192' / '-nocap'; H100 12-06, session 31,
     # T=16k: akk 0.943 / 0.841 / 0.846 ms against 0.718 for the default. Removed.)
 ]

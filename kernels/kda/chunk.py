@@ -136,6 +136,11 @@ PREP_NORM1 = 1
 # q, k, z -- the loop's re-read of q / k mostly misses L2 -- at 25% occupancy, 2.07 TB/s. H200, bench/kda_prefill.py
 # --quick: prep 0.507 ms against 0.470 (capped at 128 regs; 0.538 at 96), the state pass 0.433 against 0.361 (its
 # per-chunk rq load sits in the loop), T=16k 1.995 against 1.880 ms. Not kept; BENCHMARKS.md twenty-fourth round.)
+# PREP_EVICT (A/B, untimed): L2 eviction hints in prep. Nsight Compute on an H100 (session 24) had prep reading
+# ~600 MB from DRAM for its 403 MB of q, k, z: the K loop's second read of q / k mostly missed L2 while ~536 MB of
+# outputs streamed through it. 1: the norm pass's q / k loads evict_last, the loop's loads evict_first; 2: also the
+# stores evict_first (G, qg, kg are read back by later launches, after far more than L2 has passed). 0: no hints.
+PREP_EVICT = 0
 PREP_STAGES = None       # pipeline depth of prep's output K loop (None: the launch's num_stages, Triton's default 3)
 # akk = _kda_akk_lv_kernel (level-anchored tensor-core dots for the diagonal blocks; its [16, x] tiles are
 # replicated in every warp at 2 or 4 warps, so 1 warp). H200 12-03: akk 1.583 -> 0.691 ms at T=16k vs the removed
@@ -244,16 +249,24 @@ def _cumsum0(g, BT: tl.constexpr, CS: tl.constexpr = 0):
 
 @triton.jit
 def _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K: tl.constexpr, FAST: tl.constexpr = 0,
-                      CS: tl.constexpr = 0):
+                      CS: tl.constexpr = 0, EV: tl.constexpr = ""):
     """Chunk-local inclusive cumsum (log2 units) of g = -exp(A_log) softplus(z + dt_bias); padded rows -> 0.
-    CS: see _cumsum0 (CS=1 needs >= 16 rows: the tensor-core path)."""
-    zz = tl.load(z + tok[:, None] * stride_z + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+    CS: see _cumsum0 (CS=1 needs >= 16 rows: the tensor-core path). EV: z's L2 eviction policy."""
+    zz = tl.load(z + tok[:, None] * stride_z + i_h * K + c[None, :], mask=m2, other=0.0,
+                 eviction_policy=EV).to(tl.float32)
     zz = zz + tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)[None, :]
     g = tl.where(m2, neg_a * _softplus(zz, FAST), 0.0)
     return _cumsum0(g, tok.shape[0], CS)
 
 
 # ---------------------------------------------------------------------------------------------- intra (3 kernels)
+def _prep_evict() -> dict:
+    """prep's eviction-policy constexprs for PREP_EVICT (EV_NORM, EV_LOOP, EV_ST)."""
+    ev = int(PREP_EVICT)
+    return dict(EV_NORM="evict_last" if ev else "", EV_LOOP="evict_first" if ev else "",
+                EV_ST="evict_first" if ev >= 2 else "")
+
+
 @triton.jit
 def _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB: tl.constexpr, BT: tl.constexpr):
     """Global chunk index -> (first token t0, sequence end eos), both int64 (device-side search of chunk_offsets)."""
@@ -273,13 +286,15 @@ def _kda_prep_kernel(
     stride_q, stride_k, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr = 0,
     CS: tl.constexpr = 0, NORM1: tl.constexpr = 0, KP: tl.constexpr = 0, STAGES: tl.constexpr = None,
+    EV_NORM: tl.constexpr = "", EV_LOOP: tl.constexpr = "", EV_ST: tl.constexpr = "",
 ):
     """Intra launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
     contract outputs qg, kg, gl and the scratch G [rows, K] fp32 and rs [rows, 4] fp32 = (rq, rk, beta, -)
     (rq = scale / |q|, rk = 1 / |k|; padded rows: G = G of the last valid row, beta = 0).
     NORM1 (PREP_NORM1): the row norms from one [BT, KP] load of q and of k (KP = K rounded up to a power of two)
     instead of a loop of K / BK dependent round trips; STAGES (PREP_STAGES): software-pipeline depth of the K loop
-    that writes G / qg / kg (its q / k / z tiles of later iterations in flight)."""
+    that writes G / qg / kg (its q / k / z tiles of later iterations in flight). EV_NORM / EV_LOOP / EV_ST: L2
+    eviction policies of the norm pass's q / k loads, the K loop's loads and the stores (PREP_EVICT)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -292,8 +307,10 @@ def _kda_prep_kernel(
     if NORM1:
         cf = tl.arange(0, KP)
         mf = rmask[:, None] & (cf < K)[None, :]
-        qf = tl.load(q + tok[:, None] * stride_q + i_h * K + cf[None, :], mask=mf, other=0.0).to(tl.float32)
-        kf = tl.load(k + tok[:, None] * stride_k + i_h * K + cf[None, :], mask=mf, other=0.0).to(tl.float32)
+        qf = tl.load(q + tok[:, None] * stride_q + i_h * K + cf[None, :], mask=mf, other=0.0,
+                     eviction_policy=EV_NORM).to(tl.float32)
+        kf = tl.load(k + tok[:, None] * stride_k + i_h * K + cf[None, :], mask=mf, other=0.0,
+                     eviction_policy=EV_NORM).to(tl.float32)
         sq = tl.sum(qf * qf, 1)
         sk = tl.sum(kf * kf, 1)
     else:
@@ -318,16 +335,19 @@ def _kda_prep_kernel(
         c = kb + tl.arange(0, BK)
         cm = c < K
         m2 = rmask[:, None] & cm[None, :]
-        bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K, FAST, CS)  # [BT, BK], <= 0
+        bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0,
+                     eviction_policy=EV_LOOP).to(tl.float32)
+        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0,
+                     eviction_policy=EV_LOOP).to(tl.float32)
+        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K, FAST, CS, EV_LOOP)  # [BT, BK]
         gl = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), 0)                    # G of the last row
         tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
         o_k = (cblk + rows)[:, None] * K + c[None, :]
-        tl.store(g_out + o_k, G, mask=cm[None, :])
-        tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :])
+        tl.store(g_out + o_k, G, mask=cm[None, :], eviction_policy=EV_ST)
+        tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :],
+                 eviction_policy=EV_ST)
         tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - G, 0.0)))
-                 .to(kg_out.dtype.element_ty), mask=cm[None, :])
+                 .to(kg_out.dtype.element_ty), mask=cm[None, :], eviction_policy=EV_ST)
 
 
 @triton.jit
@@ -921,7 +941,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", g_out="*fp32",
                       rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
                  dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT),
-                      NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES),
+                      NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES, **_prep_evict()),
                  dict(num_warps=PREP_NUM_WARPS, **_maxnreg(PREP_MAXNREG))),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
@@ -1021,7 +1041,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
                 q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
                 PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), CS=int(CUMSUM_DOT),
-                NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES,
+                NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES, **_prep_evict(),
                 num_warps=PREP_NUM_WARPS, **_maxnreg(PREP_MAXNREG),
             )
 

@@ -360,6 +360,8 @@ VARIANTS = {
     "akk-branched": dict(AKK_JOUTER=0, AKK_UNCOND=0, AKK_MAXNREG=None),
     # akk's off-diagonal blocks in one K pass over all three (the default before AKK_JOUTER, session 30)
     "akk-threeblock": dict(AKK_JOUTER=0),
+    # prep's L2 eviction hints (PREP_EVICT 2: loads and stores)
+    "prep-evict2": dict(PREP_EVICT=2),
     # wu's w tiles in a K loop, then its u tiles in a V loop (the default: one loop, loads one tile ahead)
     "wu-two-loops": dict(WU_LOOP=0, WU_MAXNREG=None),
     # the output computed in the state pass (no h_c / vn round trip, no output launch; the default since 12-05 where
