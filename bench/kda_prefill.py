@@ -440,6 +440,9 @@ QUICK_VARIANTS = [
     # H100 in session 24): 1 = norm-pass loads evict_last, loop loads evict_first; 2 = also the stores evict_first
     ("prep-evict1", dict(PREP_EVICT=1)),
     ("prep-evict2", dict(PREP_EVICT=2)),
+    # prep at 8 warps (offline sm_90: 96 regs, no spill; 2 CTAs / SM = 16 warps as the default's 4 x 4 at 127)
+    ("prep-w8", dict(PREP_NUM_WARPS=8)),
+    ("prep-w8-evict1", dict(PREP_NUM_WARPS=8, PREP_EVICT=1)),
     # (session 30: AKK_PAIR, two row blocks per program: 'akk-pair' / '-r192' / '-nocap'; H100 12-06, session 31,
     # T=16k: akk 0.943 / 0.841 / 0.846 ms against 0.718 for the default. Removed.)
 ]
