@@ -440,6 +440,10 @@ QUICK_VARIANTS = [
     # H100 in session 24): 1 = norm-pass loads evict_last, loop loads evict_first; 2 = also the stores evict_first
     ("prep-evict1", dict(PREP_EVICT=1)),
     ("prep-evict2", dict(PREP_EVICT=2)),
+    # prep's L2 prefetch of its z rows' whole lines before the norm pass (PREP_PREFZ: the loop's z reads are 32-byte
+    # pieces of lines 8 KB apart)
+    ("prep-prefz", dict(PREP_PREFZ=1)),
+    ("prep-prefz-evict1", dict(PREP_PREFZ=1, PREP_EVICT=1)),
     # prep at 8 warps (offline sm_90: 96 regs, no spill; 2 CTAs / SM = 16 warps as the default's 4 x 4 at 127)
     ("prep-w8", dict(PREP_NUM_WARPS=8)),
     ("prep-w8-evict1", dict(PREP_NUM_WARPS=8, PREP_EVICT=1)),

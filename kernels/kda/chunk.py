@@ -73,6 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._pdl import prefetch_l2
 from kernels._tensors import cdiv, max_shared_mem, next_pow2, num_sms
 
 BT = 64          # chunk size
@@ -141,6 +142,10 @@ PREP_NORM1 = 1
 # outputs streamed through it. 1: the norm pass's q / k loads evict_last, the loop's loads evict_first; 2: also the
 # stores evict_first (G, qg, kg are read back by later launches, after far more than L2 has passed). 0: no hints.
 PREP_EVICT = 0
+# PREP_PREFZ = 1 (A/B, untimed; GPU only): prep hints every 128-byte line of its chunk-head's z rows into L2 before
+# the norm pass. Its K loop reads z 2 * PREP_BK = 32 bytes per row and tile, 8 KB apart (rows of [T, H, K]), so each
+# tile's reads are single sectors of different lines; whole lines up front let the later tiles hit L2.
+PREP_PREFZ = 0
 PREP_STAGES = None       # pipeline depth of prep's output K loop (None: the launch's num_stages, Triton's default 3)
 # akk = _kda_akk_lv_kernel (level-anchored tensor-core dots for the diagonal blocks; its [16, x] tiles are
 # replicated in every warp at 2 or 4 warps, so 1 warp). H200 12-03: akk 1.583 -> 0.691 ms at T=16k vs the removed
@@ -267,6 +272,14 @@ def _prep_evict() -> dict:
                 EV_ST="evict_first" if ev >= 2 else "")
 
 
+def _prep_prefz(K: int, esize: int) -> dict:
+    """prep's PREFZ / ZLINE constexprs: lines per z row (a power of two) and elements per 128-byte line."""
+    if not PREP_PREFZ:
+        return {}
+    line = 128 // esize
+    return dict(PREFZ=next_pow2(cdiv(K, line)), ZLINE=line)
+
+
 @triton.jit
 def _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB: tl.constexpr, BT: tl.constexpr):
     """Global chunk index -> (first token t0, sequence end eos), both int64 (device-side search of chunk_offsets)."""
@@ -287,6 +300,7 @@ def _kda_prep_kernel(
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr = 0,
     CS: tl.constexpr = 0, NORM1: tl.constexpr = 0, KP: tl.constexpr = 0, STAGES: tl.constexpr = None,
     EV_NORM: tl.constexpr = "", EV_LOOP: tl.constexpr = "", EV_ST: tl.constexpr = "",
+    PREFZ: tl.constexpr = 0, ZLINE: tl.constexpr = 64,
 ):
     """Intra launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
     contract outputs qg, kg, gl and the scratch G [rows, K] fp32 and rs [rows, 4] fp32 = (rq, rk, beta, -)
@@ -294,7 +308,9 @@ def _kda_prep_kernel(
     NORM1 (PREP_NORM1): the row norms from one [BT, KP] load of q and of k (KP = K rounded up to a power of two)
     instead of a loop of K / BK dependent round trips; STAGES (PREP_STAGES): software-pipeline depth of the K loop
     that writes G / qg / kg (its q / k / z tiles of later iterations in flight). EV_NORM / EV_LOOP / EV_ST: L2
-    eviction policies of the norm pass's q / k loads, the K loop's loads and the stores (PREP_EVICT)."""
+    eviction policies of the norm pass's q / k loads, the K loop's loads and the stores (PREP_EVICT). PREFZ
+    (PREP_PREFZ, GPU only: inline PTX): L2 prefetch of every line of the chunk-head's z rows (PREFZ lines of ZLINE
+    elements per row) before the norm pass."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -304,6 +320,9 @@ def _kda_prep_kernel(
     rmask = rows < (eos - t0)
     tok = t0 + rows
     cblk = (i_c.to(tl.int64) * H + i_h) * BT
+    if PREFZ > 0:  # the K loop reads z 2 * BK bytes per row at a time: whole lines in L2 first
+        zl = tl.arange(0, PREFZ) * ZLINE
+        prefetch_l2(z + tok[:, None] * stride_z + i_h * K + zl[None, :], rmask[:, None] & (zl < K)[None, :])
     if NORM1:
         cf = tl.arange(0, KP)
         mf = rmask[:, None] & (cf < K)[None, :]
@@ -941,7 +960,8 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", g_out="*fp32",
                       rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
                  dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT),
-                      NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES, **_prep_evict()),
+                      NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES, **_prep_evict(),
+                      **_prep_prefz(K, 2)),
                  dict(num_warps=PREP_NUM_WARPS, **_maxnreg(PREP_MAXNREG))),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
@@ -1042,6 +1062,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
                 PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), CS=int(CUMSUM_DOT),
                 NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES, **_prep_evict(),
+                **_prep_prefz(K, z.element_size()),
                 num_warps=PREP_NUM_WARPS, **_maxnreg(PREP_MAXNREG),
             )
 

@@ -434,6 +434,9 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "wu-r128": dict(WU_LOOP=0, WU_MAXNREG=128),
     "wu-uncapped": dict(WU_MAXNREG=None),
     "prep-r96": dict(PREP_MAXNREG=96),
+    # L2 hints only (inline PTX: GPU only)
+    "prep-prefz-evict1": dict(PREP_PREFZ=1, PREP_EVICT=1),
+    "prep-w8": dict(PREP_NUM_WARPS=8),
 })
 
 
