@@ -444,6 +444,10 @@ QUICK_VARIANTS = [
     # pieces of lines 8 KB apart)
     ("prep-prefz", dict(PREP_PREFZ=1)),
     ("prep-prefz-evict1", dict(PREP_PREFZ=1, PREP_EVICT=1)),
+    # the same whole-line L2 prefetch in akk (its 16 rows of q, k, G) and in wu (the chunk's k and v rows)
+    ("akk-pref", dict(AKK_PREF=1)),
+    ("wu-pref", dict(WU_PREF=1)),
+    ("pref-all", dict(PREP_PREFZ=1, PREP_EVICT=1, AKK_PREF=1, WU_PREF=1)),
     # prep at 8 warps (offline sm_90: 96 regs, no spill; 2 CTAs / SM = 16 warps as the default's 4 x 4 at 127)
     ("prep-w8", dict(PREP_NUM_WARPS=8)),
     ("prep-w8-evict1", dict(PREP_NUM_WARPS=8, PREP_EVICT=1)),

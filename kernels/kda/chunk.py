@@ -146,6 +146,11 @@ PREP_EVICT = 0
 # the norm pass. Its K loop reads z 2 * PREP_BK = 32 bytes per row and tile, 8 KB apart (rows of [T, H, K]), so each
 # tile's reads are single sectors of different lines; whole lines up front let the later tiles hit L2.
 PREP_PREFZ = 0
+# AKK_PREF / WU_PREF = 1 (A/B, untimed; GPU only): the same whole-line L2 prefetch in akk (each program's 16 rows of
+# q, k and G; its K loop reads 32-byte pieces of q / k and 64-byte pieces of G) and in wu (the chunk's k and v rows;
+# 64-byte pieces).
+AKK_PREF = 0
+WU_PREF = 0
 PREP_STAGES = None       # pipeline depth of prep's output K loop (None: the launch's num_stages, Triton's default 3)
 # akk = _kda_akk_lv_kernel (level-anchored tensor-core dots for the diagonal blocks; its [16, x] tiles are
 # replicated in every warp at 2 or 4 warps, so 1 warp). H200 12-03: akk 1.583 -> 0.691 ms at T=16k vs the removed
@@ -272,12 +277,35 @@ def _prep_evict() -> dict:
                 EV_ST="evict_first" if ev >= 2 else "")
 
 
+def _row_lines(n: int, esize: int) -> tuple:
+    """(lines per row as a power of two, elements per 128-byte line) of an n-element row (the L2 row prefetches)."""
+    line = 128 // esize
+    return next_pow2(cdiv(n, line)), line
+
+
 def _prep_prefz(K: int, esize: int) -> dict:
-    """prep's PREFZ / ZLINE constexprs: lines per z row (a power of two) and elements per 128-byte line."""
+    """prep's PREFZ / ZLINE constexprs (PREP_PREFZ): lines per z row and elements per 128-byte line."""
     if not PREP_PREFZ:
         return {}
-    line = 128 // esize
-    return dict(PREFZ=next_pow2(cdiv(K, line)), ZLINE=line)
+    nl, line = _row_lines(K, esize)
+    return dict(PREFZ=nl, ZLINE=line)
+
+
+def _intra_pref(flag, K: int, esize: int) -> dict:
+    """akk's / wu's PREF constexprs (AKK_PREF / WU_PREF): lines per bf16|fp16 row (PL, PLINE) and per fp32 G row
+    (GL, GLINE)."""
+    if not flag:
+        return {}
+    pl, pline = _row_lines(K, esize)
+    gl, gline = _row_lines(K, 4)
+    return dict(PREF=1, PL=pl, PLINE=pline, GL=gl, GLINE=gline)
+
+
+@triton.jit
+def _pref_rows(base, rows, stride, rmask, N: tl.constexpr, NL: tl.constexpr, LINE: tl.constexpr):
+    """L2 prefetch of every 128-byte line of rows ``rows`` (NL lines of LINE elements, N elements per row)."""
+    o = tl.arange(0, NL) * LINE
+    prefetch_l2(base + rows[:, None] * stride + o[None, :], rmask[:, None] & (o < N)[None, :])
 
 
 @triton.jit
@@ -481,6 +509,8 @@ def _kda_akk_lv_kernel(
     stride_q, stride_k,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, SPLITK: tl.constexpr = 0, UNCOND: tl.constexpr = 0, JOUTER: tl.constexpr = 0,
+    PREF: tl.constexpr = 0, PL: tl.constexpr = 2, PLINE: tl.constexpr = 64, GL: tl.constexpr = 4,
+    GLINE: tl.constexpr = 32,
 ):
     """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head), meant for num_warps=1: the rows
     R = [i BC, (i+1) BC) of
@@ -496,6 +526,7 @@ def _kda_akk_lv_kernel(
     (zero) rows, so the off-diagonal pass has no branches and its loads can be pipelined.
     JOUTER=1 (AKK_JOUTER, needs SPLITK): a loop over the blocks j < i, each with its own pass over K (no masked
     blocks, no branch in the K loop; the row side is recomputed per block).
+    PREF (AKK_PREF, GPU only: inline PTX): L2 prefetch of R's q, k and G rows, whole lines, before the first pass.
     Then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted (fp32). x_out [rows, BT] fp32: columns
     < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di (columns above are not written).
     (Offline sm_90, Triton 3.6: at 2 or 4 warps these [16, x] tiles are replicated in every warp (the dot-operand
@@ -519,6 +550,10 @@ def _kda_akk_lv_kernel(
     prs = rs_in + cblk * 4
     pa = a_out + cblk * BT
     px = x_out + cblk * BT
+    if PREF:  # AKK_PREF: whole lines of R's q, k and G rows into L2 (the K loops read 32 / 64-byte pieces)
+        _pref_rows(pq, rr, stride_q, rmask, K, PL, PLINE)
+        _pref_rows(pk, rr, stride_k, rmask, K, PL, PLINE)
+        _pref_rows(pg, rr, K, rr < BT, K, GL, GLINE)
     rq = tl.load(prs + rr * 4)
     rk = tl.load(prs + rr * 4 + 1)
     beta = tl.load(prs + rr * 4 + 2)
@@ -653,6 +688,8 @@ def _kda_wu_kernel(
     stride_k, stride_v,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0,
+    PREF: tl.constexpr = 0, PL: tl.constexpr = 2, PLINE: tl.constexpr = 64, GL: tl.constexpr = 4,
+    GLINE: tl.constexpr = 32,
 ):
     """Intra launch 3, grid (chunk, head): M = (I + L)^-1 = sum_j (-N)^j Di with N = Di L_off (strictly block-lower,
     N^(BT/BC) = 0), from x_in (Di on the diagonal blocks, L_off below); then w = M (beta kn exp2(G)), u = M (beta v)
@@ -662,7 +699,8 @@ def _kda_wu_kernel(
     loads issued (into registers) before this tile's dots and tile 0's before the inverse, so no load waits on the
     inverse chain or on a loop boundary. (bf16 dot operands there, fla's precision, were faster on the H200 -- wu
     0.325 ms -- but wrong with M converted once before the loop and an illegal address with M converted per tile,
-    Triton 3.6, 12-04: removed.)"""
+    Triton 3.6, 12-04: removed.) PREF (WU_PREF, GPU only: inline PTX): L2 prefetch of the chunk's k and v rows,
+    whole lines, first (the loop reads 2 * BK-byte pieces of lines 8 KB apart)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -673,6 +711,9 @@ def _kda_wu_kernel(
     tok = t0 + rows
     cblk = (i_c.to(tl.int64) * H + i_h) * BT
     rb = rows // BC
+    if PREF:
+        _pref_rows(k + t0 * stride_k + i_h * K, rows, stride_k, rmask, K, PL, PLINE)
+        _pref_rows(v + t0 * stride_v + i_h * V, rows, stride_v, rmask, V, PL, PLINE)
     if LOOP == 1:
         nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, 0, stride_k, stride_v, i_h, K, V, BK, BV)
     x = tl.load(x_in + (cblk + rows)[:, None] * BT + rows[None, :])
@@ -966,12 +1007,12 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                     UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK)),
+                     UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK), **_intra_pref(AKK_PREF, K, 2)),
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                    LOOP=int(WU_LOOP)),
+                    LOOP=int(WU_LOOP), **_intra_pref(WU_PREF, max(K, V), 2)),
                dict(num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG))),
     })
     specs = {n: specs[n] for n in which}
@@ -1071,6 +1112,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
                 UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
+                **_intra_pref(AKK_PREF, K, q.element_size()),
                 num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
             )
 
@@ -1078,7 +1120,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_wu_kernel[(NT, H)](
                 k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                LOOP=int(WU_LOOP),
+                LOOP=int(WU_LOOP), **_intra_pref(WU_PREF, max(K, V), k.element_size()),
                 num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG),
             )
 

@@ -436,6 +436,7 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "prep-r96": dict(PREP_MAXNREG=96),
     # L2 hints only (inline PTX: GPU only)
     "prep-prefz-evict1": dict(PREP_PREFZ=1, PREP_EVICT=1),
+    "pref-all": dict(PREP_PREFZ=1, PREP_EVICT=1, AKK_PREF=1, WU_PREF=1),
     "prep-w8": dict(PREP_NUM_WARPS=8),
 })
 
