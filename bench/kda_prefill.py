@@ -436,21 +436,10 @@ QUICK_VARIANTS = [
     # 0.718 ms against 0.755 (three-block), 0.846 at 128 regs -> the default since; akk-threeblock: the pass before
     ("akk-threeblock", dict(AKK_JOUTER=0)),
     ("akk-jouter-r128", dict(AKK_JOUTER=1, AKK_MAXNREG=128)),
-    # session 31 (untimed): L2 eviction hints in prep (PREP_EVICT; its loop's second read of q / k missed L2 on the
-    # H100 in session 24): 1 = norm-pass loads evict_last, loop loads evict_first; 2 = also the stores evict_first
-    ("prep-evict1", dict(PREP_EVICT=1)),
-    ("prep-evict2", dict(PREP_EVICT=2)),
-    # prep's L2 prefetch of its z rows' whole lines before the norm pass (PREP_PREFZ: the loop's z reads are 32-byte
-    # pieces of lines 8 KB apart)
-    ("prep-prefz", dict(PREP_PREFZ=1)),
-    ("prep-prefz-evict1", dict(PREP_PREFZ=1, PREP_EVICT=1)),
-    # the same whole-line L2 prefetch in akk (its 16 rows of q, k, G) and in wu (the chunk's k and v rows)
-    ("akk-pref", dict(AKK_PREF=1)),
-    ("wu-pref", dict(WU_PREF=1)),
-    ("pref-all", dict(PREP_PREFZ=1, PREP_EVICT=1, AKK_PREF=1, WU_PREF=1)),
+    # (session 31: L2 hints, 'prep-evict1' / '-evict2', 'prep-prefz', 'prep-prefz-evict1', 'akk-pref', 'wu-pref',
+    # 'pref-all': H100 12-06 at T=16k prep 0.549 -> 0.569 ms (prefz), 0.598 (pref-all), akk / wu unchanged. Removed.)
     # prep at 8 warps (offline sm_90: 96 regs, no spill; 2 CTAs / SM = 16 warps as the default's 4 x 4 at 127)
     ("prep-w8", dict(PREP_NUM_WARPS=8)),
-    ("prep-w8-evict1", dict(PREP_NUM_WARPS=8, PREP_EVICT=1)),
     # (session 30: AKK_PAIR, two row blocks per program: 'akk-pair' / '-r192' / '-nocap'; H100 12-06, session 31,
     # T=16k: akk 0.943 / 0.841 / 0.846 ms against 0.718 for the default. Removed.)
 ]

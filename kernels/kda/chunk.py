@@ -73,7 +73,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._pdl import prefetch_l2
 from kernels._tensors import cdiv, max_shared_mem, next_pow2, num_sms
 
 BT = 64          # chunk size
@@ -137,20 +136,10 @@ PREP_NORM1 = 1
 # q, k, z -- the loop's re-read of q / k mostly misses L2 -- at 25% occupancy, 2.07 TB/s. H200, bench/kda_prefill.py
 # --quick: prep 0.507 ms against 0.470 (capped at 128 regs; 0.538 at 96), the state pass 0.433 against 0.361 (its
 # per-chunk rq load sits in the loop), T=16k 1.995 against 1.880 ms. Not kept; BENCHMARKS.md twenty-fourth round.)
-# PREP_EVICT (A/B, untimed): L2 eviction hints in prep. Nsight Compute on an H100 (session 24) had prep reading
-# ~600 MB from DRAM for its 403 MB of q, k, z: the K loop's second read of q / k mostly missed L2 while ~536 MB of
-# outputs streamed through it. 1: the norm pass's q / k loads evict_last, the loop's loads evict_first; 2: also the
-# stores evict_first (G, qg, kg are read back by later launches, after far more than L2 has passed). 0: no hints.
-PREP_EVICT = 0
-# PREP_PREFZ = 1 (A/B, untimed; GPU only): prep hints every 128-byte line of its chunk-head's z rows into L2 before
-# the norm pass. Its K loop reads z 2 * PREP_BK = 32 bytes per row and tile, 8 KB apart (rows of [T, H, K]), so each
-# tile's reads are single sectors of different lines; whole lines up front let the later tiles hit L2.
-PREP_PREFZ = 0
-# AKK_PREF / WU_PREF = 1 (A/B, untimed; GPU only): the same whole-line L2 prefetch in akk (each program's 16 rows of
-# q, k and G; its K loop reads 32-byte pieces of q / k and 64-byte pieces of G) and in wu (the chunk's k and v rows;
-# 64-byte pieces).
-AKK_PREF = 0
-WU_PREF = 0
+# (PREP_PREFZ / AKK_PREF / WU_PREF: an L2 prefetch of whole 128-byte lines of the rows the K loops read in 32 / 64-byte
+# pieces (prep's z; akk's q, k, G; wu's k, v) before the loops; PREP_EVICT 1: prep's norm-pass q / k loads evict_last,
+# its loop's loads evict_first (2: the stores too). H100 12-06, session 31, T=16k: prep 0.549 -> 0.569 ms with z's
+# prefetch, 0.598 with it and PREP_EVICT 1 (alone untimed), akk and wu unchanged by theirs. Removed; code in 2a92ace.)
 PREP_STAGES = None       # pipeline depth of prep's output K loop (None: the launch's num_stages, Triton's default 3)
 # akk = _kda_akk_lv_kernel (level-anchored tensor-core dots for the diagonal blocks; its [16, x] tiles are
 # replicated in every warp at 2 or 4 warps, so 1 warp). H200 12-03: akk 1.583 -> 0.691 ms at T=16k vs the removed
@@ -259,55 +248,16 @@ def _cumsum0(g, BT: tl.constexpr, CS: tl.constexpr = 0):
 
 @triton.jit
 def _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K: tl.constexpr, FAST: tl.constexpr = 0,
-                      CS: tl.constexpr = 0, EV: tl.constexpr = ""):
+                      CS: tl.constexpr = 0):
     """Chunk-local inclusive cumsum (log2 units) of g = -exp(A_log) softplus(z + dt_bias); padded rows -> 0.
-    CS: see _cumsum0 (CS=1 needs >= 16 rows: the tensor-core path). EV: z's L2 eviction policy."""
-    zz = tl.load(z + tok[:, None] * stride_z + i_h * K + c[None, :], mask=m2, other=0.0,
-                 eviction_policy=EV).to(tl.float32)
+    CS: see _cumsum0 (CS=1 needs >= 16 rows: the tensor-core path)."""
+    zz = tl.load(z + tok[:, None] * stride_z + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
     zz = zz + tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)[None, :]
     g = tl.where(m2, neg_a * _softplus(zz, FAST), 0.0)
     return _cumsum0(g, tok.shape[0], CS)
 
 
 # ---------------------------------------------------------------------------------------------- intra (3 kernels)
-def _prep_evict() -> dict:
-    """prep's eviction-policy constexprs for PREP_EVICT (EV_NORM, EV_LOOP, EV_ST)."""
-    ev = int(PREP_EVICT)
-    return dict(EV_NORM="evict_last" if ev else "", EV_LOOP="evict_first" if ev else "",
-                EV_ST="evict_first" if ev >= 2 else "")
-
-
-def _row_lines(n: int, esize: int) -> tuple:
-    """(lines per row as a power of two, elements per 128-byte line) of an n-element row (the L2 row prefetches)."""
-    line = 128 // esize
-    return next_pow2(cdiv(n, line)), line
-
-
-def _prep_prefz(K: int, esize: int) -> dict:
-    """prep's PREFZ / ZLINE constexprs (PREP_PREFZ): lines per z row and elements per 128-byte line."""
-    if not PREP_PREFZ:
-        return {}
-    nl, line = _row_lines(K, esize)
-    return dict(PREFZ=nl, ZLINE=line)
-
-
-def _intra_pref(flag, K: int, esize: int) -> dict:
-    """akk's / wu's PREF constexprs (AKK_PREF / WU_PREF): lines per bf16|fp16 row (PL, PLINE) and per fp32 G row
-    (GL, GLINE)."""
-    if not flag:
-        return {}
-    pl, pline = _row_lines(K, esize)
-    gl, gline = _row_lines(K, 4)
-    return dict(PREF=1, PL=pl, PLINE=pline, GL=gl, GLINE=gline)
-
-
-@triton.jit
-def _pref_rows(base, rows, stride, rmask, N: tl.constexpr, NL: tl.constexpr, LINE: tl.constexpr):
-    """L2 prefetch of every 128-byte line of rows ``rows`` (NL lines of LINE elements, N elements per row)."""
-    o = tl.arange(0, NL) * LINE
-    prefetch_l2(base + rows[:, None] * stride + o[None, :], rmask[:, None] & (o < N)[None, :])
-
-
 @triton.jit
 def _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB: tl.constexpr, BT: tl.constexpr):
     """Global chunk index -> (first token t0, sequence end eos), both int64 (device-side search of chunk_offsets)."""
@@ -327,18 +277,13 @@ def _kda_prep_kernel(
     stride_q, stride_k, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr = 0,
     CS: tl.constexpr = 0, NORM1: tl.constexpr = 0, KP: tl.constexpr = 0, STAGES: tl.constexpr = None,
-    EV_NORM: tl.constexpr = "", EV_LOOP: tl.constexpr = "", EV_ST: tl.constexpr = "",
-    PREFZ: tl.constexpr = 0, ZLINE: tl.constexpr = 64,
 ):
     """Intra launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
     contract outputs qg, kg, gl and the scratch G [rows, K] fp32 and rs [rows, 4] fp32 = (rq, rk, beta, -)
     (rq = scale / |q|, rk = 1 / |k|; padded rows: G = G of the last valid row, beta = 0).
     NORM1 (PREP_NORM1): the row norms from one [BT, KP] load of q and of k (KP = K rounded up to a power of two)
     instead of a loop of K / BK dependent round trips; STAGES (PREP_STAGES): software-pipeline depth of the K loop
-    that writes G / qg / kg (its q / k / z tiles of later iterations in flight). EV_NORM / EV_LOOP / EV_ST: L2
-    eviction policies of the norm pass's q / k loads, the K loop's loads and the stores (PREP_EVICT). PREFZ
-    (PREP_PREFZ, GPU only: inline PTX): L2 prefetch of every line of the chunk-head's z rows (PREFZ lines of ZLINE
-    elements per row) before the norm pass."""
+    that writes G / qg / kg (its q / k / z tiles of later iterations in flight)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -348,16 +293,11 @@ def _kda_prep_kernel(
     rmask = rows < (eos - t0)
     tok = t0 + rows
     cblk = (i_c.to(tl.int64) * H + i_h) * BT
-    if PREFZ > 0:  # the K loop reads z 2 * BK bytes per row at a time: whole lines in L2 first
-        zl = tl.arange(0, PREFZ) * ZLINE
-        prefetch_l2(z + tok[:, None] * stride_z + i_h * K + zl[None, :], rmask[:, None] & (zl < K)[None, :])
     if NORM1:
         cf = tl.arange(0, KP)
         mf = rmask[:, None] & (cf < K)[None, :]
-        qf = tl.load(q + tok[:, None] * stride_q + i_h * K + cf[None, :], mask=mf, other=0.0,
-                     eviction_policy=EV_NORM).to(tl.float32)
-        kf = tl.load(k + tok[:, None] * stride_k + i_h * K + cf[None, :], mask=mf, other=0.0,
-                     eviction_policy=EV_NORM).to(tl.float32)
+        qf = tl.load(q + tok[:, None] * stride_q + i_h * K + cf[None, :], mask=mf, other=0.0).to(tl.float32)
+        kf = tl.load(k + tok[:, None] * stride_k + i_h * K + cf[None, :], mask=mf, other=0.0).to(tl.float32)
         sq = tl.sum(qf * qf, 1)
         sk = tl.sum(kf * kf, 1)
     else:
@@ -382,19 +322,16 @@ def _kda_prep_kernel(
         c = kb + tl.arange(0, BK)
         cm = c < K
         m2 = rmask[:, None] & cm[None, :]
-        bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0,
-                     eviction_policy=EV_LOOP).to(tl.float32)
-        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0,
-                     eviction_policy=EV_LOOP).to(tl.float32)
-        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K, FAST, CS, EV_LOOP)  # [BT, BK]
+        bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        G = _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K, FAST, CS)  # [BT, BK], <= 0
         gl = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), 0)                    # G of the last row
         tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
         o_k = (cblk + rows)[:, None] * K + c[None, :]
-        tl.store(g_out + o_k, G, mask=cm[None, :], eviction_policy=EV_ST)
-        tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :],
-                 eviction_policy=EV_ST)
+        tl.store(g_out + o_k, G, mask=cm[None, :])
+        tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :])
         tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - G, 0.0)))
-                 .to(kg_out.dtype.element_ty), mask=cm[None, :], eviction_policy=EV_ST)
+                 .to(kg_out.dtype.element_ty), mask=cm[None, :])
 
 
 @triton.jit
@@ -509,8 +446,6 @@ def _kda_akk_lv_kernel(
     stride_q, stride_k,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, SPLITK: tl.constexpr = 0, UNCOND: tl.constexpr = 0, JOUTER: tl.constexpr = 0,
-    PREF: tl.constexpr = 0, PL: tl.constexpr = 2, PLINE: tl.constexpr = 64, GL: tl.constexpr = 4,
-    GLINE: tl.constexpr = 32,
 ):
     """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head), meant for num_warps=1: the rows
     R = [i BC, (i+1) BC) of
@@ -526,7 +461,6 @@ def _kda_akk_lv_kernel(
     (zero) rows, so the off-diagonal pass has no branches and its loads can be pipelined.
     JOUTER=1 (AKK_JOUTER, needs SPLITK): a loop over the blocks j < i, each with its own pass over K (no masked
     blocks, no branch in the K loop; the row side is recomputed per block).
-    PREF (AKK_PREF, GPU only: inline PTX): L2 prefetch of R's q, k and G rows, whole lines, before the first pass.
     Then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted (fp32). x_out [rows, BT] fp32: columns
     < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di (columns above are not written).
     (Offline sm_90, Triton 3.6: at 2 or 4 warps these [16, x] tiles are replicated in every warp (the dot-operand
@@ -550,10 +484,6 @@ def _kda_akk_lv_kernel(
     prs = rs_in + cblk * 4
     pa = a_out + cblk * BT
     px = x_out + cblk * BT
-    if PREF:  # AKK_PREF: whole lines of R's q, k and G rows into L2 (the K loops read 32 / 64-byte pieces)
-        _pref_rows(pq, rr, stride_q, rmask, K, PL, PLINE)
-        _pref_rows(pk, rr, stride_k, rmask, K, PL, PLINE)
-        _pref_rows(pg, rr, K, rr < BT, K, GL, GLINE)
     rq = tl.load(prs + rr * 4)
     rk = tl.load(prs + rr * 4 + 1)
     beta = tl.load(prs + rr * 4 + 2)
@@ -688,8 +618,6 @@ def _kda_wu_kernel(
     stride_k, stride_v,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0,
-    PREF: tl.constexpr = 0, PL: tl.constexpr = 2, PLINE: tl.constexpr = 64, GL: tl.constexpr = 4,
-    GLINE: tl.constexpr = 32,
 ):
     """Intra launch 3, grid (chunk, head): M = (I + L)^-1 = sum_j (-N)^j Di with N = Di L_off (strictly block-lower,
     N^(BT/BC) = 0), from x_in (Di on the diagonal blocks, L_off below); then w = M (beta kn exp2(G)), u = M (beta v)
@@ -699,8 +627,7 @@ def _kda_wu_kernel(
     loads issued (into registers) before this tile's dots and tile 0's before the inverse, so no load waits on the
     inverse chain or on a loop boundary. (bf16 dot operands there, fla's precision, were faster on the H200 -- wu
     0.325 ms -- but wrong with M converted once before the loop and an illegal address with M converted per tile,
-    Triton 3.6, 12-04: removed.) PREF (WU_PREF, GPU only: inline PTX): L2 prefetch of the chunk's k and v rows,
-    whole lines, first (the loop reads 2 * BK-byte pieces of lines 8 KB apart)."""
+    Triton 3.6, 12-04: removed.)"""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -711,9 +638,6 @@ def _kda_wu_kernel(
     tok = t0 + rows
     cblk = (i_c.to(tl.int64) * H + i_h) * BT
     rb = rows // BC
-    if PREF:
-        _pref_rows(k + t0 * stride_k + i_h * K, rows, stride_k, rmask, K, PL, PLINE)
-        _pref_rows(v + t0 * stride_v + i_h * V, rows, stride_v, rmask, V, PL, PLINE)
     if LOOP == 1:
         nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, 0, stride_k, stride_v, i_h, K, V, BK, BV)
     x = tl.load(x_in + (cblk + rows)[:, None] * BT + rows[None, :])
@@ -1001,18 +925,17 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", g_out="*fp32",
                       rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
                  dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT),
-                      NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES, **_prep_evict(),
-                      **_prep_prefz(K, 2)),
+                      NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES),
                  dict(num_warps=PREP_NUM_WARPS, **_maxnreg(PREP_MAXNREG))),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                     UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK), **_intra_pref(AKK_PREF, K, 2)),
+                     UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK)),
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                    LOOP=int(WU_LOOP), **_intra_pref(WU_PREF, max(K, V), 2)),
+                    LOOP=int(WU_LOOP)),
                dict(num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG))),
     })
     specs = {n: specs[n] for n in which}
@@ -1102,8 +1025,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
                 q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
                 PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), CS=int(CUMSUM_DOT),
-                NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES, **_prep_evict(),
-                **_prep_prefz(K, z.element_size()),
+                NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES,
                 num_warps=PREP_NUM_WARPS, **_maxnreg(PREP_MAXNREG),
             )
 
@@ -1112,7 +1034,6 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
                 UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
-                **_intra_pref(AKK_PREF, K, q.element_size()),
                 num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
             )
 
@@ -1120,7 +1041,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_wu_kernel[(NT, H)](
                 k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                LOOP=int(WU_LOOP), **_intra_pref(WU_PREF, max(K, V), k.element_size()),
+                LOOP=int(WU_LOOP),
                 num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG),
             )
 

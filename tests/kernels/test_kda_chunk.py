@@ -360,8 +360,6 @@ VARIANTS = {
     "akk-branched": dict(AKK_JOUTER=0, AKK_UNCOND=0, AKK_MAXNREG=None),
     # akk's off-diagonal blocks in one K pass over all three (the default before AKK_JOUTER, session 30)
     "akk-threeblock": dict(AKK_JOUTER=0),
-    # prep's L2 eviction hints (PREP_EVICT 2: loads and stores)
-    "prep-evict2": dict(PREP_EVICT=2),
     # wu's w tiles in a K loop, then its u tiles in a V loop (the default: one loop, loads one tile ahead)
     "wu-two-loops": dict(WU_LOOP=0, WU_MAXNREG=None),
     # the output computed in the state pass (no h_c / vn round trip, no output launch; the default since 12-05 where
@@ -434,9 +432,6 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "wu-r128": dict(WU_LOOP=0, WU_MAXNREG=128),
     "wu-uncapped": dict(WU_MAXNREG=None),
     "prep-r96": dict(PREP_MAXNREG=96),
-    # L2 hints only (inline PTX: GPU only)
-    "prep-prefz-evict1": dict(PREP_PREFZ=1, PREP_EVICT=1),
-    "pref-all": dict(PREP_PREFZ=1, PREP_EVICT=1, AKK_PREF=1, WU_PREF=1),
     "prep-w8": dict(PREP_NUM_WARPS=8),
 })
 
