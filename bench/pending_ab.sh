@@ -32,12 +32,12 @@
 #            lz8' (lazy softmax rescale, the default since session 30). Their GPU tests (Kimi shapes), then
 #            bench/mla.py --sweep-decode beside FlashInfer at issue 5's shapes.
 #   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30: the off-diagonal blocks j < i in a
-#            loop, one K pass each): its GPU test, then bench/kda_prefill.py --quick --variants default,akk-threeblock
-#            (the pass before it; fla-core in the same process).
+#            loop, one K pass each): its GPU test, then bench/kda_prefill.py --quick --variants default,akk-threeblock,
+#            prep-w8 (the pass before it; prep at 8 warps, untimed; fla-core in the same process).
 #   adopt:   after adopting lz8 (MLA) and AKK_JOUTER (KDA) as defaults in session 30 (both timed on H100s only): their
 #            GPU tests, the MLA sweep (the default against the tiles before it), issue 5's table (bench/mla.py
-#            --no-sweep --decode-only), bench/kda_prefill.py --quick (default, akk-threeblock), and issue 6's table
-#            (bench/e2e.py).
+#            --no-sweep --decode-only), bench/kda_prefill.py --quick (default, akk-threeblock, prep-w8), and issue 6's
+#            table (bench/e2e.py). Env kda_variants: the --variants list.
 # Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|adopt|final|short|h200|all]
 #        [total seconds]
 set -u
@@ -138,7 +138,7 @@ if has mla5 && [ "$(left)" -gt 90 ]; then
   step "mla issue 5" $?
 fi
 if has kda && [ "$(left)" -gt 90 ]; then
-  timeout "$(left)" python3 bench/kda_prefill.py --quick --variants ${kda_variants:-default,akk-threeblock} \
+  timeout "$(left)" python3 bench/kda_prefill.py --quick --variants ${kda_variants:-default,akk-threeblock,prep-w8} \
     > "$OUT/kda_variants.log" 2>&1; step "kda variants" $?
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then
