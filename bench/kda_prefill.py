@@ -438,6 +438,12 @@ QUICK_VARIANTS = [
     ("akk-jouter-r128", dict(AKK_JOUTER=1, AKK_MAXNREG=128)),
     # (session 31: L2 hints, 'prep-evict1' / '-evict2', 'prep-prefz', 'prep-prefz-evict1', 'akk-pref', 'wu-pref',
     # 'pref-all': H100 12-06 at T=16k prep 0.549 -> 0.569 ms (prefz), 0.598 (pref-all), akk / wu unchanged. Removed.)
+    # session 31 (untimed): prep as the norms launch + one-warp programs per (chunk, head, 16 columns) (PREP_COLS; the
+    # 4-warp loop has 10-12 BAR.SYNC per tile). Offline sm_90: tl.cumsum 185 regs, 1,704 SASS per program (8 per
+    # chunk-head); the tensor-core cumsum 249 regs; 2 warps x 32 columns 193 regs, 2,176 per program (4 per chunk-head)
+    ("prep-cols", dict(PREP_COLS=1, CUMSUM_DOT=0)),
+    ("prep-cols-dot", dict(PREP_COLS=1)),
+    ("prep-cols-w2", dict(PREP_COLS=1, PREP_COLS_BK=32, PREP_COLS_WARPS=2)),
     # prep at 8 warps (offline sm_90: 96 regs, no spill; 2 CTAs / SM = 16 warps as the default's 4 x 4 at 127)
     ("prep-w8", dict(PREP_NUM_WARPS=8)),
     # (session 30: AKK_PAIR, two row blocks per program: 'akk-pair' / '-r192' / '-nocap'; H100 12-06, session 31,

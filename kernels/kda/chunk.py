@@ -140,6 +140,14 @@ PREP_NORM1 = 1
 # pieces (prep's z; akk's q, k, G; wu's k, v) before the loops; PREP_EVICT 1: prep's norm-pass q / k loads evict_last,
 # its loop's loads evict_first (2: the stores too). H100 12-06, session 31, T=16k: prep 0.549 -> 0.569 ms with z's
 # prefetch, 0.598 with it and PREP_EVICT 1 (alone untimed), akk and wu unchanged by theirs. Removed; code in 2a92ace.)
+# PREP_COLS = 1 (A/B, untimed): prep as two launches, the norms and beta (grid (chunk, head)), then the gate, G, qg,
+# kg of one PREP_COLS_BK-column block per program (grid (chunk, head, K / PREP_COLS_BK), PREP_COLS_WARPS warps).
+# Offline sm_90, prep's K loop has 10-12 BAR.SYNC per 16-column tile (96 per program): the rows of a column are
+# spread over the four warps, so the cumsum, G's last row and the layout conversions go through shared memory.
+# With one warp per program they stay inside the warp; q / k are read twice either way (norms, then the tiles).
+PREP_COLS = 0
+PREP_COLS_BK = 16
+PREP_COLS_WARPS = 1
 PREP_STAGES = None       # pipeline depth of prep's output K loop (None: the launch's num_stages, Triton's default 3)
 # akk = _kda_akk_lv_kernel (level-anchored tensor-core dots for the diagonal blocks; its [16, x] tiles are
 # replicated in every warp at 2 or 4 warps, so 1 warp). H200 12-03: akk 1.583 -> 0.691 ms at T=16k vs the removed
@@ -277,13 +285,17 @@ def _kda_prep_kernel(
     stride_q, stride_k, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr = 0,
     CS: tl.constexpr = 0, NORM1: tl.constexpr = 0, KP: tl.constexpr = 0, STAGES: tl.constexpr = None,
+    COLS: tl.constexpr = 0,
 ):
     """Intra launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
     contract outputs qg, kg, gl and the scratch G [rows, K] fp32 and rs [rows, 4] fp32 = (rq, rk, beta, -)
     (rq = scale / |q|, rk = 1 / |k|; padded rows: G = G of the last valid row, beta = 0).
     NORM1 (PREP_NORM1): the row norms from one [BT, KP] load of q and of k (KP = K rounded up to a power of two)
     instead of a loop of K / BK dependent round trips; STAGES (PREP_STAGES): software-pipeline depth of the K loop
-    that writes G / qg / kg (its q / k / z tiles of later iterations in flight)."""
+    that writes G / qg / kg (its q / k / z tiles of later iterations in flight).
+    COLS (PREP_COLS, two launches): 1 = only the norms and beta (rs), grid (chunk, head); 2 = only the gate /
+    qg / kg / G of the BK columns program_id(2) (grid (chunk, head, K / BK), one warp each: every cross-row step of a
+    column stays inside a warp), rq / rk read back from rs."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -293,32 +305,42 @@ def _kda_prep_kernel(
     rmask = rows < (eos - t0)
     tok = t0 + rows
     cblk = (i_c.to(tl.int64) * H + i_h) * BT
-    if NORM1:
-        cf = tl.arange(0, KP)
-        mf = rmask[:, None] & (cf < K)[None, :]
-        qf = tl.load(q + tok[:, None] * stride_q + i_h * K + cf[None, :], mask=mf, other=0.0).to(tl.float32)
-        kf = tl.load(k + tok[:, None] * stride_k + i_h * K + cf[None, :], mask=mf, other=0.0).to(tl.float32)
-        sq = tl.sum(qf * qf, 1)
-        sk = tl.sum(kf * kf, 1)
+    if COLS == 2:  # the norms come from the COLS=1 launch
+        rq = tl.load(rs_out + (cblk + rows) * 4)
+        rk = tl.load(rs_out + (cblk + rows) * 4 + 1)
+        k_lo = tl.program_id(2) * BK
+        k_hi = k_lo + BK
     else:
-        sq = tl.zeros([BT], dtype=tl.float32)
-        sk = tl.zeros([BT], dtype=tl.float32)
-        for kb in range(0, K, BK):
-            c = kb + tl.arange(0, BK)
-            m2 = rmask[:, None] & (c < K)[None, :]
-            bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            sq += tl.sum(bq * bq, 1)
-            sk += tl.sum(bk * bk, 1)
-    rq = scale / tl.sqrt(sq + 1e-6)
-    rk = 1.0 / tl.sqrt(sk + 1e-6)
-    bb = tl.load(b + tok * stride_b + i_h, mask=rmask, other=0.0).to(tl.float32)
-    beta = tl.where(rmask, tl.sigmoid(bb), 0.0)
-    tl.store(rs_out + (cblk + rows) * 4, rq)
-    tl.store(rs_out + (cblk + rows) * 4 + 1, rk)
-    tl.store(rs_out + (cblk + rows) * 4 + 2, beta)
+        if NORM1:
+            cf = tl.arange(0, KP)
+            mf = rmask[:, None] & (cf < K)[None, :]
+            qf = tl.load(q + tok[:, None] * stride_q + i_h * K + cf[None, :], mask=mf, other=0.0).to(tl.float32)
+            kf = tl.load(k + tok[:, None] * stride_k + i_h * K + cf[None, :], mask=mf, other=0.0).to(tl.float32)
+            sq = tl.sum(qf * qf, 1)
+            sk = tl.sum(kf * kf, 1)
+        else:
+            sq = tl.zeros([BT], dtype=tl.float32)
+            sk = tl.zeros([BT], dtype=tl.float32)
+            for kb in range(0, K, BK):
+                c = kb + tl.arange(0, BK)
+                m2 = rmask[:, None] & (c < K)[None, :]
+                bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+                bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+                sq += tl.sum(bq * bq, 1)
+                sk += tl.sum(bk * bk, 1)
+        rq = scale / tl.sqrt(sq + 1e-6)
+        rk = 1.0 / tl.sqrt(sk + 1e-6)
+        bb = tl.load(b + tok * stride_b + i_h, mask=rmask, other=0.0).to(tl.float32)
+        beta = tl.where(rmask, tl.sigmoid(bb), 0.0)
+        tl.store(rs_out + (cblk + rows) * 4, rq)
+        tl.store(rs_out + (cblk + rows) * 4 + 1, rk)
+        tl.store(rs_out + (cblk + rows) * 4 + 2, beta)
+        if COLS == 1:
+            return
+        k_lo = 0
+        k_hi = K
     neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
-    for kb in tl.range(0, K, BK, num_stages=STAGES):
+    for kb in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
         c = kb + tl.arange(0, BK)
         cm = c < K
         m2 = rmask[:, None] & cm[None, :]
@@ -1021,13 +1043,18 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         xs = torch.empty(n_rows, BT, dtype=torch.float32, device=dev)
 
         def prep():
-            return _kda_prep_kernel[(NT, H)](
-                q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
-                q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale),
-                PB=PB, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=_fast_softplus(), CS=int(CUMSUM_DOT),
-                NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES,
-                num_warps=PREP_NUM_WARPS, **_maxnreg(PREP_MAXNREG),
-            )
+            args = (q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
+                    q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale))
+            kw = dict(PB=PB, H=H, K=K, BT=BT, FAST=_fast_softplus(), CS=int(CUMSUM_DOT), NORM1=int(PREP_NORM1),
+                      KP=next_pow2(K), STAGES=PREP_STAGES)
+            if not PREP_COLS:
+                return _kda_prep_kernel[(NT, H)](*args, BK=min(K, PREP_BK), **kw, num_warps=PREP_NUM_WARPS,
+                                                 **_maxnreg(PREP_MAXNREG))
+            # PREP_COLS: the norms, then one-warp programs per (chunk, head, column block)
+            _kda_prep_kernel[(NT, H)](*args, BK=min(K, PREP_BK), COLS=1, **kw, num_warps=PREP_NUM_WARPS)
+            bkc = min(next_pow2(K), PREP_COLS_BK)
+            return _kda_prep_kernel[(NT, H, cdiv(K, bkc))](*args, BK=bkc, COLS=2, **kw,
+                                                           num_warps=PREP_COLS_WARPS)
 
         def akk():
             return _kda_akk_lv_kernel[(BT // BC * NT, H)](

@@ -360,6 +360,9 @@ VARIANTS = {
     "akk-branched": dict(AKK_JOUTER=0, AKK_UNCOND=0, AKK_MAXNREG=None),
     # akk's off-diagonal blocks in one K pass over all three (the default before AKK_JOUTER, session 30)
     "akk-threeblock": dict(AKK_JOUTER=0),
+    # prep as two launches: the norms, then one program per (chunk, head, column block) (PREP_COLS; 8 columns, so
+    # the test's K = 16 takes two blocks)
+    "prep-cols": dict(PREP_COLS=1, CUMSUM_DOT=0, PREP_COLS_BK=8),
     # wu's w tiles in a K loop, then its u tiles in a V loop (the default: one loop, loads one tile ahead)
     "wu-two-loops": dict(WU_LOOP=0, WU_MAXNREG=None),
     # the output computed in the state pass (no h_c / vn round trip, no output launch; the default since 12-05 where
@@ -433,6 +436,9 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "wu-uncapped": dict(WU_MAXNREG=None),
     "prep-r96": dict(PREP_MAXNREG=96),
     "prep-w8": dict(PREP_NUM_WARPS=8),
+    # PREP_COLS as benchmarked (bench/kda_prefill.py): the tensor-core cumsum on 16 columns, 2 warps on 32
+    "prep-cols-dot": dict(PREP_COLS=1),
+    "prep-cols-w2": dict(PREP_COLS=1, PREP_COLS_BK=32, PREP_COLS_WARPS=2),
 })
 
 
