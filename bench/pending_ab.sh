@@ -37,8 +37,8 @@
 #            one-warp / two-warp column-block programs, PREP_COLS; fla-core in the same process).
 #   adopt:   after adopting lz8 (MLA) and AKK_JOUTER (KDA) as defaults in session 30 (both timed on H100s only): their
 #            GPU tests, the MLA sweep (the default against the tiles before it), issue 5's table (bench/mla.py
-#            --no-sweep --decode-only), bench/kda_prefill.py --quick (default, akk-threeblock, the prep variants), and issue 6's
-#            table (bench/e2e.py). Env kda_variants: the --variants list.
+#            --no-sweep --decode-only), bench/kda_prefill.py --quick (default, akk-threeblock, the prep variants),
+#            and issue 6's table (bench/e2e.py). Env kda_variants: the --variants list.
 # Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|adopt|final|short|h200|all]
 #        [total seconds]
 set -u
