@@ -76,13 +76,11 @@ case $what in
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
   adopt) parts="tests mla mla5 kda e2e"
-         mla_variants=${mla_variants:-ls+n64+w4,ls+n64+w4+lz8}
          mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_mla_decode.py::test_gpu_decode_default_schedule_kimi"
          tests+=" tests/kernels/test_mla_fused_decode.py tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
   final) parts="tests mla mla5 e2eb1"        # little device time left: adopt's checks, decode rows only
-         mla_variants=${mla_variants:-ls+n64+w4,ls+n64+w4+lz8}
          mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_mla_fused_decode.py" ;;
@@ -139,7 +137,8 @@ if has mla5 && [ "$(left)" -gt 90 ]; then
   step "mla issue 5" $?
 fi
 if has kda && [ "$(left)" -gt 90 ]; then
-  timeout "$(left)" python3 bench/kda_prefill.py --quick --variants ${kda_variants:-default,akk-threeblock,prep-w8,prep-cols,prep-cols-w2} \
+  timeout "$(left)" python3 bench/kda_prefill.py --quick \
+    --variants "${kda_variants:-default,akk-threeblock,prep-w8,prep-cols,prep-cols-w2}" \
     > "$OUT/kda_variants.log" 2>&1; step "kda variants" $?
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then
