@@ -446,6 +446,14 @@ QUICK_VARIANTS = [
     ("prep-cols-w2", dict(PREP_COLS=1, PREP_COLS_BK=32, PREP_COLS_WARPS=2)),
     # prep at 8 warps (offline sm_90: 96 regs, no spill; 2 CTAs / SM = 16 warps as the default's 4 x 4 at 127)
     ("prep-w8", dict(PREP_NUM_WARPS=8)),
+    # session 32 (untimed): prep as one warp per (chunk, head) walking the rows (PREP_ROWS: a running gate sum per
+    # lane, warp-shuffle norms, no shared memory or barrier; z read twice, softplus twice). Offline sm_90 (Triton
+    # 3.9): 71 regs (32 one-warp CTAs / SM), 1,457 SASS per 8 rows, loads of row r + 1 ahead of row r's stores;
+    # -now: each row's loads in its own step (64 regs); -s3: Triton's cp.async ring, 3 stages, unroll 2 (3 KB smem)
+    ("prep-rows", dict(PREP_ROWS=1)),
+    ("prep-rows-now", dict(PREP_ROWS=1, PREP_ROWS_AHEAD=0)),
+    ("prep-rows-s3", dict(PREP_ROWS=1, PREP_ROWS_STAGES=3, PREP_ROWS_UNROLL=2, PREP_ROWS_AHEAD=0)),
+    ("prep-rows-w2", dict(PREP_ROWS=1, PREP_ROWS_WARPS=2)),
     # (session 30: AKK_PAIR, two row blocks per program: 'akk-pair' / '-r192' / '-nocap'; H100 12-06, session 31,
     # T=16k: akk 0.943 / 0.841 / 0.846 ms against 0.718 for the default. Removed.)
 ]

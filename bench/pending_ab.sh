@@ -33,8 +33,9 @@
 #            bench/mla.py --sweep-decode beside FlashInfer at issue 5's shapes.
 #   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30: the off-diagonal blocks j < i in a
 #            loop, one K pass each): its GPU test, then bench/kda_prefill.py --quick --variants default,akk-threeblock,
-#            prep-w8,prep-cols,prep-cols-w2 (the pass before it; untimed: prep at 8 warps, prep as a norms launch +
-#            one-warp / two-warp column-block programs, PREP_COLS; fla-core in the same process).
+#            prep-rows,prep-rows-now,prep-rows-s3,prep-cols (the pass before it; untimed: prep as one warp per chunk
+#            walking its rows, PREP_ROWS, with row r + 1's loads ahead / without / Triton's cp.async ring; prep as a
+#            norms launch + one-warp column-block programs, PREP_COLS; fla-core in the same process).
 #   adopt:   after adopting lz8 (MLA) and AKK_JOUTER (KDA) as defaults in session 30 (both timed on H100s only): their
 #            GPU tests, the MLA sweep (the default against the tiles before it), issue 5's table (bench/mla.py
 #            --no-sweep --decode-only), bench/kda_prefill.py --quick (default, akk-threeblock, the prep variants),
@@ -138,7 +139,7 @@ if has mla5 && [ "$(left)" -gt 90 ]; then
 fi
 if has kda && [ "$(left)" -gt 90 ]; then
   timeout "$(left)" python3 bench/kda_prefill.py --quick \
-    --variants "${kda_variants:-default,akk-threeblock,prep-w8,prep-cols,prep-cols-w2}" \
+    --variants "${kda_variants:-default,akk-threeblock,prep-rows,prep-rows-now,prep-rows-s3,prep-cols}" \
     > "$OUT/kda_variants.log" 2>&1; step "kda variants" $?
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then

@@ -148,6 +148,16 @@ PREP_NORM1 = 1
 PREP_COLS = 0
 PREP_COLS_BK = 16
 PREP_COLS_WARPS = 1
+# PREP_ROWS = 1 (A/B, untimed): prep as _kda_prep_rows_kernel, one PREP_ROWS_WARPS-warp program per (chunk, head)
+# walking the 64 rows one [K] row at a time: the cumsum is a running sum in each lane's registers, the row norms are
+# warp shuffles, nothing goes through shared memory. Costs: z read twice (a first walk for G of the last row, which
+# kg needs; the second read from L2) and softplus twice. PREP_ROWS_UNROLL / PREP_ROWS_STAGES: the walks' unroll
+# factor and pipeline depth (None: Triton's choice).
+PREP_ROWS = 0
+PREP_ROWS_WARPS = 1
+PREP_ROWS_UNROLL = 8
+PREP_ROWS_STAGES = None
+PREP_ROWS_AHEAD = 1
 PREP_STAGES = None       # pipeline depth of prep's output K loop (None: the launch's num_stages, Triton's default 3)
 # akk = _kda_akk_lv_kernel (level-anchored tensor-core dots for the diagonal blocks; its [16, x] tiles are
 # replicated in every warp at 2 or 4 warps, so 1 warp). H200 12-03: akk 1.583 -> 0.691 ms at T=16k vs the removed
@@ -354,6 +364,77 @@ def _kda_prep_kernel(
         tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :])
         tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - G, 0.0)))
                  .to(kg_out.dtype.element_ty), mask=cm[None, :])
+
+
+@triton.jit
+def _kda_prep_rows_kernel(
+    q, k, z, A_log, dt_bias, b, chunk_offsets, cu_seqlens, n_seq,
+    qg_out, kg_out, gl_out, g_out, rs_out,
+    stride_q, stride_k, stride_z, stride_b, scale,
+    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+    FAST: tl.constexpr = 0, UNROLL: tl.constexpr = None, STAGES: tl.constexpr = None, AHEAD: tl.constexpr = 0,
+):
+    """PREP_ROWS: prep's outputs (as _kda_prep_kernel's) from a walk down the chunk's rows, one [KP] row of q, k,
+    z per step, grid (chunk, head), meant for one warp: the running gate sum stays in each lane's registers and the
+    row norms are warp reductions, so no step crosses a warp (no shared memory, no barrier). kg needs G of the last
+    row first, so a first walk sums the gate only (z read twice, the second time from L2; softplus twice).
+    AHEAD=1: the second walk loads row r + 1 before row r's stores (the compiler keeps loads behind earlier stores:
+    without it each row waits a full round trip)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    if i_c >= tl.load(chunk_offsets + n_seq):
+        return
+    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
+    nv = tl.minimum(eos - t0, BT).to(tl.int32)                                # valid rows of this chunk
+    rows = tl.arange(0, BT)
+    cblk = (i_c.to(tl.int64) * H + i_h) * BT
+    c = tl.arange(0, KP)
+    cm = c < K
+    dtb = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
+    neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
+    pz = z + t0 * stride_z + i_h * K + c                                      # [KP] pointers of row 0
+    gl = tl.zeros([KP], dtype=tl.float32)
+    for r in tl.range(0, nv, loop_unroll_factor=UNROLL):                    # G of the last row (padded rows: g = 0)
+        zz = tl.load(pz + r * stride_z, mask=cm, other=0.0).to(tl.float32) + dtb
+        gl += tl.where(cm, neg_a * _softplus(zz, FAST), 0.0)
+    tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
+    G = tl.zeros([KP], dtype=tl.float32)
+    rqv = tl.zeros([BT], dtype=tl.float32)
+    rkv = tl.zeros([BT], dtype=tl.float32)
+    pq = q + t0 * stride_q + i_h * K + c
+    pk = k + t0 * stride_k + i_h * K + c
+    m = cm & (nv > tl.zeros([KP], dtype=tl.int32))                           # (vector form: the interpreter)
+    zn = tl.load(pz, mask=m & (AHEAD == 1), other=0.0)                      # AHEAD: row r + 1 in flight during r
+    qn = tl.load(pq, mask=m & (AHEAD == 1), other=0.0)
+    kn = tl.load(pk, mask=m & (AHEAD == 1), other=0.0)
+    for r in tl.range(0, BT, loop_unroll_factor=UNROLL, num_stages=STAGES):
+        m = cm & (tl.zeros([KP], dtype=tl.int32) + r < nv)
+        if AHEAD:
+            zr, qr, kr = zn, qn, kn
+            mn = cm & (tl.zeros([KP], dtype=tl.int32) + r + 1 < nv)
+            zn = tl.load(pz + (r + 1) * stride_z, mask=mn, other=0.0)
+            qn = tl.load(pq + (r + 1) * stride_q, mask=mn, other=0.0)
+            kn = tl.load(pk + (r + 1) * stride_k, mask=mn, other=0.0)
+        else:
+            zr = tl.load(pz + r * stride_z, mask=m, other=0.0)
+            qr = tl.load(pq + r * stride_q, mask=m, other=0.0)
+            kr = tl.load(pk + r * stride_k, mask=m, other=0.0)
+        G += tl.where(m, neg_a * _softplus(zr.to(tl.float32) + dtb, FAST), 0.0)  # [KP], <= 0
+        bq = qr.to(tl.float32)
+        bk = kr.to(tl.float32)
+        rq = scale / tl.sqrt(tl.sum(bq * bq, 0) + 1e-6)
+        rk = 1.0 / tl.sqrt(tl.sum(bk * bk, 0) + 1e-6)
+        rqv = tl.where(rows == r, rq, rqv)
+        rkv = tl.where(rows == r, rk, rkv)
+        o_k = (cblk + r) * K + c
+        tl.store(g_out + o_k, G, mask=cm)
+        tl.store(qg_out + o_k, (bq * rq * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm)
+        tl.store(kg_out + o_k, (bk * rk * tl.exp2(tl.minimum(gl - G, 0.0))).to(kg_out.dtype.element_ty), mask=cm)
+    rmask = rows < nv
+    bb = tl.load(b + (t0 + rows) * stride_b + i_h, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(rs_out + (cblk + rows) * 4, rqv)
+    tl.store(rs_out + (cblk + rows) * 4 + 1, rkv)
+    tl.store(rs_out + (cblk + rows) * 4 + 2, tl.where(rmask, tl.sigmoid(bb), 0.0))
 
 
 @triton.jit
@@ -949,6 +1030,14 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                  dict(PB=16, H=H, K=K, BT=BT, BK=min(K, PREP_BK), FAST=int(FAST_SOFTPLUS), CS=int(CUMSUM_DOT),
                       NORM1=int(PREP_NORM1), KP=next_pow2(K), STAGES=PREP_STAGES),
                  dict(num_warps=PREP_NUM_WARPS, **_maxnreg(PREP_MAXNREG))),
+        "prep_rows": (_kda_prep_rows_kernel,
+                      dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
+                           cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", g_out="*fp32",
+                           rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32",
+                           scale="fp32"),
+                      dict(PB=16, H=H, K=K, KP=next_pow2(K), BT=BT, FAST=int(FAST_SOFTPLUS), UNROLL=PREP_ROWS_UNROLL,
+                           STAGES=PREP_ROWS_STAGES, AHEAD=PREP_ROWS_AHEAD),
+                      dict(num_warps=PREP_ROWS_WARPS)),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
@@ -1047,6 +1136,11 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                     q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale))
             kw = dict(PB=PB, H=H, K=K, BT=BT, FAST=_fast_softplus(), CS=int(CUMSUM_DOT), NORM1=int(PREP_NORM1),
                       KP=next_pow2(K), STAGES=PREP_STAGES)
+            if PREP_ROWS:  # one warp per (chunk, head) walking the rows
+                return _kda_prep_rows_kernel[(NT, H)](*args, PB=PB, H=H, K=K, KP=next_pow2(K), BT=BT,
+                                                      FAST=_fast_softplus(), UNROLL=PREP_ROWS_UNROLL,
+                                                      STAGES=PREP_ROWS_STAGES, AHEAD=PREP_ROWS_AHEAD,
+                                                      num_warps=PREP_ROWS_WARPS)
             if not PREP_COLS:
                 return _kda_prep_kernel[(NT, H)](*args, BK=min(K, PREP_BK), **kw, num_warps=PREP_NUM_WARPS,
                                                  **_maxnreg(PREP_MAXNREG))

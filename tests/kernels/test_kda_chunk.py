@@ -363,6 +363,9 @@ VARIANTS = {
     # prep as two launches: the norms, then one program per (chunk, head, column block) (PREP_COLS; 8 columns, so
     # the test's K = 16 takes two blocks)
     "prep-cols": dict(PREP_COLS=1, CUMSUM_DOT=0, PREP_COLS_BK=8),
+    # prep as one warp per (chunk, head) walking the rows (PREP_ROWS: a running gate sum per lane, warp-sum norms)
+    "prep-rows": dict(PREP_ROWS=1),
+    "prep-rows-now": dict(PREP_ROWS=1, PREP_ROWS_AHEAD=0),       # each row's loads in its own step
     # wu's w tiles in a K loop, then its u tiles in a V loop (the default: one loop, loads one tile ahead)
     "wu-two-loops": dict(WU_LOOP=0, WU_MAXNREG=None),
     # the output computed in the state pass (no h_c / vn round trip, no output launch; the default since 12-05 where
@@ -439,6 +442,9 @@ GPU_VARIANTS = dict(VARIANTS, **{
     # PREP_COLS as benchmarked (bench/kda_prefill.py): the tensor-core cumsum on 16 columns, 2 warps on 32
     "prep-cols-dot": dict(PREP_COLS=1),
     "prep-cols-w2": dict(PREP_COLS=1, PREP_COLS_BK=32, PREP_COLS_WARPS=2),
+    # PREP_ROWS pipelined, and at two warps (the norms then cross warps)
+    "prep-rows-s3": dict(PREP_ROWS=1, PREP_ROWS_STAGES=3, PREP_ROWS_UNROLL=2, PREP_ROWS_AHEAD=0),
+    "prep-rows-w2": dict(PREP_ROWS=1, PREP_ROWS_WARPS=2),
 })
 
 
