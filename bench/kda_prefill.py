@@ -291,11 +291,11 @@ def sweep_intra(T=16384, warmup=5, rep=25):
     """Launch-config sweep of the intra kernels at one T (each stage timed alone)."""
     import kernels.kda.chunk as ck
 
-    names = ("PREP_BK", "PREP_NUM_WARPS", "AKK_BK", "AKK_NUM_WARPS", "AKK_LV_SPLITK", "WU_BK", "WU_BV",
+    names = ("PREP_ROWS", "PREP_BK", "PREP_NUM_WARPS", "AKK_BK", "AKK_NUM_WARPS", "AKK_LV_SPLITK", "WU_BK", "WU_BV",
              "WU_NUM_WARPS")
     saved = {n: getattr(ck, n) for n in names}
     grid = [
-        *[("prep", dict(PREP_BK=bk, PREP_NUM_WARPS=w)) for bk, w in ((32, 4), (64, 8))],
+        *[("prep", dict(PREP_ROWS=0, PREP_BK=bk, PREP_NUM_WARPS=w)) for bk, w in ((32, 4), (64, 8))],
         *[("akk", dict(AKK_BK=bk, AKK_NUM_WARPS=w, AKK_LV_SPLITK=sk))
           for bk, w, sk in ((16, 1, 1), (16, 1, 0), (32, 1, 1), (16, 2, 1))],
         *[("wu", dict(WU_BK=bk, WU_BV=bk, WU_NUM_WARPS=w)) for bk, w in ((64, 4), (64, 8), (32, 4))],
@@ -389,7 +389,6 @@ QUICK_VARIANTS = [
     # BK 32 168 regs, 3 CTAs / SM; BK 32 at 8 warps 120 regs; BK 16 at 8 warps 96 regs; the default 127, 4 / SM)
     ("prep-bk32", dict(PREP_BK=32)),
     ("prep-bk32-w8", dict(PREP_BK=32, PREP_NUM_WARPS=8)),
-    ("prep-w8", dict(PREP_NUM_WARPS=8)),
     # the state pass at BV 32: half the programs (128 at T=16k, H=32), half the L2 re-reads of w / kg per step.
     # H200 12-04 (T=16k: BV 16 0.377, bv32 0.364, bv32-w8 0.370 ms; varlen 16x1k, where the rule picks BV 64:
     # 0.293 / 0.308 / 0.401): the rule now takes 32 over 16 while it gives ~one program per SM
@@ -438,22 +437,18 @@ QUICK_VARIANTS = [
     ("akk-jouter-r128", dict(AKK_JOUTER=1, AKK_MAXNREG=128)),
     # (session 31: L2 hints, 'prep-evict1' / '-evict2', 'prep-prefz', 'prep-prefz-evict1', 'akk-pref', 'wu-pref',
     # 'pref-all': H100 12-06 at T=16k prep 0.549 -> 0.569 ms (prefz), 0.598 (pref-all), akk / wu unchanged. Removed.)
-    # session 31 (untimed): prep as the norms launch + one-warp programs per (chunk, head, 16 columns) (PREP_COLS; the
-    # 4-warp loop has 10-12 BAR.SYNC per tile). Offline sm_90: tl.cumsum 185 regs, 1,704 SASS per program (8 per
-    # chunk-head); the tensor-core cumsum 249 regs; 2 warps x 32 columns 193 regs, 2,176 per program (4 per chunk-head)
-    ("prep-cols", dict(PREP_COLS=1, CUMSUM_DOT=0)),
-    ("prep-cols-dot", dict(PREP_COLS=1)),
-    ("prep-cols-w2", dict(PREP_COLS=1, PREP_COLS_BK=32, PREP_COLS_WARPS=2)),
-    # prep at 8 warps (offline sm_90: 96 regs, no spill; 2 CTAs / SM = 16 warps as the default's 4 x 4 at 127)
-    ("prep-w8", dict(PREP_NUM_WARPS=8)),
-    # session 32 (untimed): prep as one warp per (chunk, head) walking the rows (PREP_ROWS: a running gate sum per
-    # lane, warp-shuffle norms, no shared memory or barrier; z read twice, softplus twice). Offline sm_90 (Triton
-    # 3.9): 71 regs (32 one-warp CTAs / SM), 1,457 SASS per 8 rows, loads of row r + 1 ahead of row r's stores;
-    # -now: each row's loads in its own step (64 regs); -s3: Triton's cp.async ring, 3 stages, unroll 2 (3 KB smem)
-    ("prep-rows", dict(PREP_ROWS=1)),
-    ("prep-rows-now", dict(PREP_ROWS=1, PREP_ROWS_AHEAD=0)),
-    ("prep-rows-s3", dict(PREP_ROWS=1, PREP_ROWS_STAGES=3, PREP_ROWS_UNROLL=2, PREP_ROWS_AHEAD=0)),
-    ("prep-rows-w2", dict(PREP_ROWS=1, PREP_ROWS_WARPS=2)),
+    # (session 31-32: PREP_COLS, prep as a norms launch + one-warp programs per (chunk, head, 16 columns), 'prep-cols'
+    # / '-dot' / '-w2', and the tile kernel at 8 warps, 'prep-w8': H100 12-06, T=16k prep 1.124 / 0.718 ms against
+    # 0.547. Removed.)
+    # session 32: prep as one warp per (chunk, head) walking the rows (PREP_ROWS: a running gate sum per lane,
+    # warp-shuffle norms, no shared memory or barrier; z read twice, softplus twice; offline sm_90 64 regs). H100
+    # 12-06, T=16k: prep 0.547 -> 0.393 ms (rows ahead in registers 0.408, two warps 0.431: removed) -> the default
+    # since; prep-tiles: the tile kernel before it. -s3: Triton's cp.async ring, 3 stages, unroll 2 (0.397 on the
+    # H100); -u4 / -u16: the walks unrolled by 4 / 16 (the default 8)
+    ("prep-tiles", dict(PREP_ROWS=0)),
+    ("prep-rows-s3", dict(PREP_ROWS_STAGES=3, PREP_ROWS_UNROLL=2)),
+    ("prep-rows-u4", dict(PREP_ROWS_UNROLL=4)),
+    ("prep-rows-u16", dict(PREP_ROWS_UNROLL=16)),
     # (session 30: AKK_PAIR, two row blocks per program: 'akk-pair' / '-r192' / '-nocap'; H100 12-06, session 31,
     # T=16k: akk 0.943 / 0.841 / 0.846 ms against 0.718 for the default. Removed.)
 ]
@@ -467,7 +462,7 @@ def quick(warmup=5, rep=20, only=None):
     variants took ~320 s (each akk variant recompiles), so name the variants wanted (--variants a,b,...)."""
     import kernels.kda.chunk as ck
 
-    names = sorted({n for _, cfg in QUICK_VARIANTS for n in cfg})
+    names = sorted({n for _, cfg in QUICK_VARIANTS for n in cfg} | {"PREP_ROWS"})
     saved = {n: getattr(ck, n) for n in names}
     print(f"--quick: H={H} K={K} V={V} bf16, do_bench median (ms)", flush=True)
     try:
@@ -487,7 +482,7 @@ def quick(warmup=5, rep=20, only=None):
                 if name not in table:
                     print(f"{case} {name:20s} unknown variant (QUICK_VARIANTS)", flush=True)
                     continue
-                cfg = table[name]
+                cfg = ck.prep_variant(table[name])    # the tile prep's constants imply PREP_ROWS = 0
                 for n, val in saved.items():
                     setattr(ck, n, cfg.get(n, val))
                 try:

@@ -32,14 +32,14 @@
 #            lz8' (lazy softmax rescale, the default since session 30). Their GPU tests (Kimi shapes), then
 #            bench/mla.py --sweep-decode beside FlashInfer at issue 5's shapes.
 #   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30: the off-diagonal blocks j < i in a
-#            loop, one K pass each): its GPU test, then bench/kda_prefill.py --quick --variants default,akk-threeblock,
-#            prep-rows,prep-rows-now,prep-rows-s3,prep-cols (the pass before it; untimed: prep as one warp per chunk
-#            walking its rows, PREP_ROWS, with row r + 1's loads ahead / without / Triton's cp.async ring; prep as a
-#            norms launch + one-warp column-block programs, PREP_COLS; fla-core in the same process).
-#   adopt:   after adopting lz8 (MLA) and AKK_JOUTER (KDA) as defaults in session 30 (both timed on H100s only): their
-#            GPU tests, the MLA sweep (the default against the tiles before it), issue 5's table (bench/mla.py
-#            --no-sweep --decode-only), bench/kda_prefill.py --quick (default, akk-threeblock, the prep variants),
-#            and issue 6's table (bench/e2e.py). Env kda_variants: the --variants list.
+#            loop, one K pass each): its GPU test, then the kda part below.
+#   kda:     bench/kda_prefill.py --quick --variants default,prep-tiles,akk-threeblock,prep-rows-s3,prep-rows-u4,
+#            prep-rows-u16 (prep-tiles / akk-threeblock: the kernels before PREP_ROWS (session 32, H100 only) and
+#            AKK_JOUTER (session 30, H100 only); the row walk through a cp.async ring, and unrolled by 4 / 16;
+#            fla-core in the same process). Env kda_variants: the --variants list.
+#   adopt:   after adopting lz8 (MLA), AKK_JOUTER and PREP_ROWS (KDA) as defaults in sessions 30 and 32 (timed on
+#            H100s only): their GPU tests, the MLA sweep (the default against the tiles before it), issue 5's table
+#            (bench/mla.py --no-sweep --decode-only), the kda part, and issue 6's table (bench/e2e.py).
 # Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|adopt|final|short|h200|all]
 #        [total seconds]
 set -u
@@ -139,7 +139,7 @@ if has mla5 && [ "$(left)" -gt 90 ]; then
 fi
 if has kda && [ "$(left)" -gt 90 ]; then
   timeout "$(left)" python3 bench/kda_prefill.py --quick \
-    --variants "${kda_variants:-default,akk-threeblock,prep-rows,prep-rows-now,prep-rows-s3,prep-cols}" \
+    --variants "${kda_variants:-default,prep-tiles,akk-threeblock,prep-rows-s3,prep-rows-u4,prep-rows-u16}" \
     > "$OUT/kda_variants.log" 2>&1; step "kda variants" $?
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then

@@ -5,7 +5,8 @@ Entry point: ``chunk_kda_fwd`` (called by kernels/kda/__init__.py ``kda_prefill`
 Launches:
 
 1. Intra-chunk work, three fully parallel launches with few live tiles each (every exponent <= 0):
-   1a. ``_kda_prep_kernel``, grid (chunk, head): L2 norms, beta = sigmoid(b), the gate
+   1a. ``_kda_prep_rows_kernel`` (PREP_ROWS; the tile kernel ``_kda_prep_kernel`` otherwise), grid (chunk, head),
+       one warp walking the chunk's rows: L2 norms, beta = sigmoid(b), the gate
        g = -exp(A_log) softplus(z + dt_bias) and its chunk-local cumsum G2 = G / ln 2 (log2 units, so every
        exponential is exp2); writes qg, kg, gl and the scratch G2 [rows, K] fp32, rs [rows, 4] fp32 =
        (scale/|q|, 1/|k|, beta).
@@ -140,24 +141,30 @@ PREP_NORM1 = 1
 # pieces (prep's z; akk's q, k, G; wu's k, v) before the loops; PREP_EVICT 1: prep's norm-pass q / k loads evict_last,
 # its loop's loads evict_first (2: the stores too). H100 12-06, session 31, T=16k: prep 0.549 -> 0.569 ms with z's
 # prefetch, 0.598 with it and PREP_EVICT 1 (alone untimed), akk and wu unchanged by theirs. Removed; code in 2a92ace.)
-# PREP_COLS = 1 (A/B, untimed): prep as two launches, the norms and beta (grid (chunk, head)), then the gate, G, qg,
-# kg of one PREP_COLS_BK-column block per program (grid (chunk, head, K / PREP_COLS_BK), PREP_COLS_WARPS warps).
-# Offline sm_90, prep's K loop has 10-12 BAR.SYNC per 16-column tile (96 per program): the rows of a column are
-# spread over the four warps, so the cumsum, G's last row and the layout conversions go through shared memory.
-# With one warp per program they stay inside the warp; q / k are read twice either way (norms, then the tiles).
-PREP_COLS = 0
-PREP_COLS_BK = 16
-PREP_COLS_WARPS = 1
-# PREP_ROWS = 1 (A/B, untimed): prep as _kda_prep_rows_kernel, one PREP_ROWS_WARPS-warp program per (chunk, head)
-# walking the 64 rows one [K] row at a time: the cumsum is a running sum in each lane's registers, the row norms are
-# warp shuffles, nothing goes through shared memory. Costs: z read twice (a first walk for G of the last row, which
-# kg needs; the second read from L2) and softplus twice. PREP_ROWS_UNROLL / PREP_ROWS_STAGES: the walks' unroll
-# factor and pipeline depth (None: Triton's choice).
-PREP_ROWS = 0
-PREP_ROWS_WARPS = 1
+# (PREP_COLS, prep as a norms launch + one-warp programs per (chunk, head, 16 columns) so that a column's cumsum
+# stays in a warp, and prep-w8 (the tile kernel at 8 warps): H100 12-06, session 32, T=16k prep 1.124 / 0.718 ms
+# against 0.547. Removed; code in 9e31fa5.)
+# PREP_ROWS = 1 (default since H100 12-06, session 32: prep 0.547 -> 0.393 ms, T=16k 2.090 -> 1.937 ms, varlen 16 x 1k
+# 2.014 -> 1.860): prep as _kda_prep_rows_kernel, one one-warp program per (chunk, head) walking the 64 rows one [K]
+# row at a time: the cumsum is a running sum in each lane's registers, the row norms are warp shuffles, nothing goes
+# through shared memory (the tile kernel, PREP_ROWS=0 / variant prep-tiles, has 10-12 BAR.SYNC per 16-column tile:
+# a column's rows span its four warps). Costs: z read twice (a first walk for G of the last row, which kg needs) and
+# softplus twice. 64 regs: 32 one-warp CTAs / SM (the per-SM CTA limit). PREP_ROWS_UNROLL / PREP_ROWS_STAGES: the
+# walks' unroll factor and pipeline depth (None: Triton's choice; 3 stages at unroll 2, a 3 KB cp.async ring: 0.397
+# ms). (Removed, code in 9e31fa5: row r + 1's loads ahead of row r's stores in registers, 72 regs, 28 CTAs / SM: 0.408
+# ms; two warps per walk, the norms crossing warps: 0.431 ms.)
+PREP_ROWS = 1
 PREP_ROWS_UNROLL = 8
 PREP_ROWS_STAGES = None
-PREP_ROWS_AHEAD = 1
+# the constants only the tile kernel reads: an A/B setting any of them means PREP_ROWS = 0 (bench and tests)
+TILE_PREP_CONSTANTS = ("PREP_BK", "PREP_NUM_WARPS", "PREP_MAXNREG", "PREP_NORM1", "PREP_STAGES", "CUMSUM_DOT")
+
+
+def prep_variant(cfg: dict) -> dict:
+    """An A/B variant's constants with PREP_ROWS = 0 added where they set the tile kernel's (unless they say)."""
+    if "PREP_ROWS" not in cfg and any(n in cfg for n in TILE_PREP_CONSTANTS):
+        return dict(cfg, PREP_ROWS=0)
+    return cfg
 PREP_STAGES = None       # pipeline depth of prep's output K loop (None: the launch's num_stages, Triton's default 3)
 # akk = _kda_akk_lv_kernel (level-anchored tensor-core dots for the diagonal blocks; its [16, x] tiles are
 # replicated in every warp at 2 or 4 warps, so 1 warp). H200 12-03: akk 1.583 -> 0.691 ms at T=16k vs the removed
@@ -295,17 +302,13 @@ def _kda_prep_kernel(
     stride_q, stride_k, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr = 0,
     CS: tl.constexpr = 0, NORM1: tl.constexpr = 0, KP: tl.constexpr = 0, STAGES: tl.constexpr = None,
-    COLS: tl.constexpr = 0,
 ):
     """Intra launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
     contract outputs qg, kg, gl and the scratch G [rows, K] fp32 and rs [rows, 4] fp32 = (rq, rk, beta, -)
     (rq = scale / |q|, rk = 1 / |k|; padded rows: G = G of the last valid row, beta = 0).
     NORM1 (PREP_NORM1): the row norms from one [BT, KP] load of q and of k (KP = K rounded up to a power of two)
     instead of a loop of K / BK dependent round trips; STAGES (PREP_STAGES): software-pipeline depth of the K loop
-    that writes G / qg / kg (its q / k / z tiles of later iterations in flight).
-    COLS (PREP_COLS, two launches): 1 = only the norms and beta (rs), grid (chunk, head); 2 = only the gate /
-    qg / kg / G of the BK columns program_id(2) (grid (chunk, head, K / BK), one warp each: every cross-row step of a
-    column stays inside a warp), rq / rk read back from rs."""
+    that writes G / qg / kg (its q / k / z tiles of later iterations in flight)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -315,42 +318,32 @@ def _kda_prep_kernel(
     rmask = rows < (eos - t0)
     tok = t0 + rows
     cblk = (i_c.to(tl.int64) * H + i_h) * BT
-    if COLS == 2:  # the norms come from the COLS=1 launch
-        rq = tl.load(rs_out + (cblk + rows) * 4)
-        rk = tl.load(rs_out + (cblk + rows) * 4 + 1)
-        k_lo = tl.program_id(2) * BK
-        k_hi = k_lo + BK
+    if NORM1:
+        cf = tl.arange(0, KP)
+        mf = rmask[:, None] & (cf < K)[None, :]
+        qf = tl.load(q + tok[:, None] * stride_q + i_h * K + cf[None, :], mask=mf, other=0.0).to(tl.float32)
+        kf = tl.load(k + tok[:, None] * stride_k + i_h * K + cf[None, :], mask=mf, other=0.0).to(tl.float32)
+        sq = tl.sum(qf * qf, 1)
+        sk = tl.sum(kf * kf, 1)
     else:
-        if NORM1:
-            cf = tl.arange(0, KP)
-            mf = rmask[:, None] & (cf < K)[None, :]
-            qf = tl.load(q + tok[:, None] * stride_q + i_h * K + cf[None, :], mask=mf, other=0.0).to(tl.float32)
-            kf = tl.load(k + tok[:, None] * stride_k + i_h * K + cf[None, :], mask=mf, other=0.0).to(tl.float32)
-            sq = tl.sum(qf * qf, 1)
-            sk = tl.sum(kf * kf, 1)
-        else:
-            sq = tl.zeros([BT], dtype=tl.float32)
-            sk = tl.zeros([BT], dtype=tl.float32)
-            for kb in range(0, K, BK):
-                c = kb + tl.arange(0, BK)
-                m2 = rmask[:, None] & (c < K)[None, :]
-                bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-                bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-                sq += tl.sum(bq * bq, 1)
-                sk += tl.sum(bk * bk, 1)
-        rq = scale / tl.sqrt(sq + 1e-6)
-        rk = 1.0 / tl.sqrt(sk + 1e-6)
-        bb = tl.load(b + tok * stride_b + i_h, mask=rmask, other=0.0).to(tl.float32)
-        beta = tl.where(rmask, tl.sigmoid(bb), 0.0)
-        tl.store(rs_out + (cblk + rows) * 4, rq)
-        tl.store(rs_out + (cblk + rows) * 4 + 1, rk)
-        tl.store(rs_out + (cblk + rows) * 4 + 2, beta)
-        if COLS == 1:
-            return
-        k_lo = 0
-        k_hi = K
+        sq = tl.zeros([BT], dtype=tl.float32)
+        sk = tl.zeros([BT], dtype=tl.float32)
+        for kb in range(0, K, BK):
+            c = kb + tl.arange(0, BK)
+            m2 = rmask[:, None] & (c < K)[None, :]
+            bq = tl.load(q + tok[:, None] * stride_q + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            bk = tl.load(k + tok[:, None] * stride_k + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            sq += tl.sum(bq * bq, 1)
+            sk += tl.sum(bk * bk, 1)
+    rq = scale / tl.sqrt(sq + 1e-6)
+    rk = 1.0 / tl.sqrt(sk + 1e-6)
+    bb = tl.load(b + tok * stride_b + i_h, mask=rmask, other=0.0).to(tl.float32)
+    beta = tl.where(rmask, tl.sigmoid(bb), 0.0)
+    tl.store(rs_out + (cblk + rows) * 4, rq)
+    tl.store(rs_out + (cblk + rows) * 4 + 1, rk)
+    tl.store(rs_out + (cblk + rows) * 4 + 2, beta)
     neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
-    for kb in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+    for kb in tl.range(0, K, BK, num_stages=STAGES):
         c = kb + tl.arange(0, BK)
         cm = c < K
         m2 = rmask[:, None] & cm[None, :]
@@ -372,14 +365,12 @@ def _kda_prep_rows_kernel(
     qg_out, kg_out, gl_out, g_out, rs_out,
     stride_q, stride_k, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
-    FAST: tl.constexpr = 0, UNROLL: tl.constexpr = None, STAGES: tl.constexpr = None, AHEAD: tl.constexpr = 0,
+    FAST: tl.constexpr = 0, UNROLL: tl.constexpr = None, STAGES: tl.constexpr = None,
 ):
     """PREP_ROWS: prep's outputs (as _kda_prep_kernel's) from a walk down the chunk's rows, one [KP] row of q, k,
     z per step, grid (chunk, head), meant for one warp: the running gate sum stays in each lane's registers and the
     row norms are warp reductions, so no step crosses a warp (no shared memory, no barrier). kg needs G of the last
-    row first, so a first walk sums the gate only (z read twice, the second time from L2; softplus twice).
-    AHEAD=1: the second walk loads row r + 1 before row r's stores (the compiler keeps loads behind earlier stores:
-    without it each row waits a full round trip)."""
+    row first, so a first walk sums the gate only (z read twice, the second time from L2; softplus twice)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -403,22 +394,11 @@ def _kda_prep_rows_kernel(
     rkv = tl.zeros([BT], dtype=tl.float32)
     pq = q + t0 * stride_q + i_h * K + c
     pk = k + t0 * stride_k + i_h * K + c
-    m = cm & (nv > tl.zeros([KP], dtype=tl.int32))                           # (vector form: the interpreter)
-    zn = tl.load(pz, mask=m & (AHEAD == 1), other=0.0)                      # AHEAD: row r + 1 in flight during r
-    qn = tl.load(pq, mask=m & (AHEAD == 1), other=0.0)
-    kn = tl.load(pk, mask=m & (AHEAD == 1), other=0.0)
     for r in tl.range(0, BT, loop_unroll_factor=UNROLL, num_stages=STAGES):
-        m = cm & (tl.zeros([KP], dtype=tl.int32) + r < nv)
-        if AHEAD:
-            zr, qr, kr = zn, qn, kn
-            mn = cm & (tl.zeros([KP], dtype=tl.int32) + r + 1 < nv)
-            zn = tl.load(pz + (r + 1) * stride_z, mask=mn, other=0.0)
-            qn = tl.load(pq + (r + 1) * stride_q, mask=mn, other=0.0)
-            kn = tl.load(pk + (r + 1) * stride_k, mask=mn, other=0.0)
-        else:
-            zr = tl.load(pz + r * stride_z, mask=m, other=0.0)
-            qr = tl.load(pq + r * stride_q, mask=m, other=0.0)
-            kr = tl.load(pk + r * stride_k, mask=m, other=0.0)
+        m = cm & (tl.zeros([KP], dtype=tl.int32) + r < nv)                  # (vector form: the interpreter)
+        zr = tl.load(pz + r * stride_z, mask=m, other=0.0)
+        qr = tl.load(pq + r * stride_q, mask=m, other=0.0)
+        kr = tl.load(pk + r * stride_k, mask=m, other=0.0)
         G += tl.where(m, neg_a * _softplus(zr.to(tl.float32) + dtb, FAST), 0.0)  # [KP], <= 0
         bq = qr.to(tl.float32)
         bk = kr.to(tl.float32)
@@ -993,7 +973,8 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
     """Compile the kernels offline for sm_<arch> (kernels/_offline.py; no GPU needed, Triton's bundled ptxas) at
     Kimi shapes and return {name: (registers, spill stack bytes, shared bytes)}. Run without TRITON_INTERPRET.
     hpass / out = the state pass and output kernels at (hpass_bv or 16, HPASS_NUM_WARPS) / (out_bv or OUT_BV,
-    OUT_NUM_WARPS); prep / akk / wu = the intra kernels at the module constants."""
+    OUT_NUM_WARPS); prep / akk / wu = the intra kernels at the module constants (prep: the row walk when PREP_ROWS,
+    else the tile kernel; prep_rows / prep_tiles: either)."""
     from kernels._offline import compile_offline
 
     lp, sd = ("*bf16", "*bf16") if bf16 else ("*fp32", "*fp32")
@@ -1023,7 +1004,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
     }
     intra_common = dict(chunk_offsets="*i32", cu_seqlens="*i32", n_seq="i32", g_in="*fp32", rs_in="*fp32")
     specs.update({
-        "prep": (_kda_prep_kernel,
+        "prep_tiles": (_kda_prep_kernel,
                  dict(q=lp, k=lp, z=lp, A_log="*fp32", dt_bias="*fp32", b=lp, chunk_offsets="*i32",
                       cu_seqlens="*i32", n_seq="i32", qg_out=sd, kg_out=sd, gl_out="*fp32", g_out="*fp32",
                       rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32", scale="fp32"),
@@ -1036,8 +1017,8 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                            rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32",
                            scale="fp32"),
                       dict(PB=16, H=H, K=K, KP=next_pow2(K), BT=BT, FAST=int(FAST_SOFTPLUS), UNROLL=PREP_ROWS_UNROLL,
-                           STAGES=PREP_ROWS_STAGES, AHEAD=PREP_ROWS_AHEAD),
-                      dict(num_warps=PREP_ROWS_WARPS)),
+                           STAGES=PREP_ROWS_STAGES),
+                      dict(num_warps=1)),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
@@ -1049,6 +1030,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                     LOOP=int(WU_LOOP)),
                dict(num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG))),
     })
+    specs["prep"] = specs["prep_rows" if PREP_ROWS else "prep_tiles"]
     specs = {n: specs[n] for n in which}
     out = {}
     for name, (fn, types, consts, opts) in specs.items():
@@ -1134,21 +1116,13 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         def prep():
             args = (q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
                     q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale))
-            kw = dict(PB=PB, H=H, K=K, BT=BT, FAST=_fast_softplus(), CS=int(CUMSUM_DOT), NORM1=int(PREP_NORM1),
-                      KP=next_pow2(K), STAGES=PREP_STAGES)
+            kw = dict(PB=PB, H=H, K=K, KP=next_pow2(K), BT=BT, FAST=_fast_softplus())
             if PREP_ROWS:  # one warp per (chunk, head) walking the rows
-                return _kda_prep_rows_kernel[(NT, H)](*args, PB=PB, H=H, K=K, KP=next_pow2(K), BT=BT,
-                                                      FAST=_fast_softplus(), UNROLL=PREP_ROWS_UNROLL,
-                                                      STAGES=PREP_ROWS_STAGES, AHEAD=PREP_ROWS_AHEAD,
-                                                      num_warps=PREP_ROWS_WARPS)
-            if not PREP_COLS:
-                return _kda_prep_kernel[(NT, H)](*args, BK=min(K, PREP_BK), **kw, num_warps=PREP_NUM_WARPS,
-                                                 **_maxnreg(PREP_MAXNREG))
-            # PREP_COLS: the norms, then one-warp programs per (chunk, head, column block)
-            _kda_prep_kernel[(NT, H)](*args, BK=min(K, PREP_BK), COLS=1, **kw, num_warps=PREP_NUM_WARPS)
-            bkc = min(next_pow2(K), PREP_COLS_BK)
-            return _kda_prep_kernel[(NT, H, cdiv(K, bkc))](*args, BK=bkc, COLS=2, **kw,
-                                                           num_warps=PREP_COLS_WARPS)
+                return _kda_prep_rows_kernel[(NT, H)](*args, **kw, UNROLL=PREP_ROWS_UNROLL, STAGES=PREP_ROWS_STAGES,
+                                                      num_warps=1)
+            return _kda_prep_kernel[(NT, H)](*args, **kw, BK=min(K, PREP_BK), CS=int(CUMSUM_DOT),
+                                             NORM1=int(PREP_NORM1), STAGES=PREP_STAGES, num_warps=PREP_NUM_WARPS,
+                                             **_maxnreg(PREP_MAXNREG))
 
         def akk():
             return _kda_akk_lv_kernel[(BT // BC * NT, H)](

@@ -299,11 +299,12 @@ def test_sm90_offline_compile_no_spills():
             "print(json.dumps({'bv64': c.compile_report(hpass_bv=64, out_bv=128), "
             "'bv32': c.compile_report(hpass_bv=32, which=('hpass',)), "
             "'bv16': c.compile_report(hpass_bv=16, which=('hpass',)), "
-            "'exact_softplus': (setattr(c, 'FAST_SOFTPLUS', 0), c.compile_report(which=('prep',)))[1], "
-            "'prep_norm_loop': (setattr(c, 'FAST_SOFTPLUS', 1), setattr(c, 'PREP_NORM1', 0), "
-            "c.compile_report(which=('prep',)))[-1], "
+            "'exact_softplus': (setattr(c, 'FAST_SOFTPLUS', 0), "
+            "c.compile_report(which=('prep_rows', 'prep_tiles')))[1], "
+            "'prep_tiles': (setattr(c, 'FAST_SOFTPLUS', 1), c.compile_report(which=('prep_tiles',)))[-1], "
+            "'prep_norm_loop': (setattr(c, 'PREP_NORM1', 0), c.compile_report(which=('prep_tiles',)))[-1], "
             "'cumsum_scan': (setattr(c, 'PREP_NORM1', 1), setattr(c, 'CUMSUM_DOT', 0), setattr(c, 'PREP_BK', 32), "
-            "c.compile_report(which=('prep',)))[-1], "
+            "c.compile_report(which=('prep_tiles',)))[-1], "
             "'akk_threeblock': (setattr(c, 'AKK_JOUTER', 0), c.compile_report(which=('akk',)))[-1], "
             "'akk_branched': (setattr(c, 'AKK_UNCOND', 0), setattr(c, 'AKK_MAXNREG', None), "
             "c.compile_report(which=('akk',)))[-1], "
@@ -360,12 +361,10 @@ VARIANTS = {
     "akk-branched": dict(AKK_JOUTER=0, AKK_UNCOND=0, AKK_MAXNREG=None),
     # akk's off-diagonal blocks in one K pass over all three (the default before AKK_JOUTER, session 30)
     "akk-threeblock": dict(AKK_JOUTER=0),
-    # prep as two launches: the norms, then one program per (chunk, head, column block) (PREP_COLS; 8 columns, so
-    # the test's K = 16 takes two blocks)
-    "prep-cols": dict(PREP_COLS=1, CUMSUM_DOT=0, PREP_COLS_BK=8),
-    # prep as one warp per (chunk, head) walking the rows (PREP_ROWS: a running gate sum per lane, warp-sum norms)
-    "prep-rows": dict(PREP_ROWS=1),
-    "prep-rows-now": dict(PREP_ROWS=1, PREP_ROWS_AHEAD=0),       # each row's loads in its own step
+    # prep as the tile kernel (the default before PREP_ROWS, session 32; the prep variants above imply it too)
+    "prep-tiles": dict(PREP_ROWS=0),
+    # the row walk unrolled by 2, not 8 (the 64 rows: loop tails none; the test's partial chunks: masked rows)
+    "prep-rows-u2": dict(PREP_ROWS_UNROLL=2),
     # wu's w tiles in a K loop, then its u tiles in a V loop (the default: one loop, loads one tile ahead)
     "wu-two-loops": dict(WU_LOOP=0, WU_MAXNREG=None),
     # the output computed in the state pass (no h_c / vn round trip, no output launch; the default since 12-05 where
@@ -402,7 +401,7 @@ def test_variants_match_default_fp32(variant, strong_gate, monkeypatch):
     res = {}
     for name in ("default", variant):
         with monkeypatch.context() as m:
-            for const, val in VARIANTS.get(name, {}).items():
+            for const, val in chunk_mod.prep_variant(VARIANTS.get(name, {})).items():
                 m.setattr(chunk_mod, const, val)
             pool = torch.full((P + 2, 2, 16, 32), float("nan"), device=DEV)
             pool[1:P + 1] = 0.5
@@ -421,7 +420,7 @@ def test_variants_match_default_fp32(variant, strong_gate, monkeypatch):
     assert rel_rms(o1, o0) <= 1e-5 and rel_rms(p1[1:P + 1], p0[1:P + 1]) <= 1e-5
     assert torch.isnan(p1[0]).all() and torch.isnan(p1[P + 1]).all()
     with monkeypatch.context() as m:
-        for const, val in VARIANTS[variant].items():
+        for const, val in chunk_mod.prep_variant(VARIANTS[variant]).items():
             m.setattr(chunk_mod, const, val)
         r = run_pair(inp, cu, slots, [bool(i % 2) for i in range(P)], S=P + 3)
     check(*r, slots, FP32_TOL)
@@ -438,13 +437,9 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "wu-r128": dict(WU_LOOP=0, WU_MAXNREG=128),
     "wu-uncapped": dict(WU_MAXNREG=None),
     "prep-r96": dict(PREP_MAXNREG=96),
-    "prep-w8": dict(PREP_NUM_WARPS=8),
-    # PREP_COLS as benchmarked (bench/kda_prefill.py): the tensor-core cumsum on 16 columns, 2 warps on 32
-    "prep-cols-dot": dict(PREP_COLS=1),
-    "prep-cols-w2": dict(PREP_COLS=1, PREP_COLS_BK=32, PREP_COLS_WARPS=2),
-    # PREP_ROWS pipelined, and at two warps (the norms then cross warps)
-    "prep-rows-s3": dict(PREP_ROWS=1, PREP_ROWS_STAGES=3, PREP_ROWS_UNROLL=2, PREP_ROWS_AHEAD=0),
-    "prep-rows-w2": dict(PREP_ROWS=1, PREP_ROWS_WARPS=2),
+    # the row walk through Triton's cp.async ring (3 stages, unroll 2), and unrolled by 16
+    "prep-rows-s3": dict(PREP_ROWS_STAGES=3, PREP_ROWS_UNROLL=2),
+    "prep-rows-u16": dict(PREP_ROWS_UNROLL=16),
 })
 
 
@@ -455,7 +450,7 @@ def test_gpu_variants_bf16(variant, monkeypatch):
     the fp64 recurrence: compiles and is correct on the device's Triton."""
     import kernels.kda.chunk as chunk_mod
 
-    for const, val in GPU_VARIANTS[variant].items():
+    for const, val in chunk_mod.prep_variant(GPU_VARIANTS[variant]).items():
         monkeypatch.setattr(chunk_mod, const, val)
     lens = [1, 1000, 0, 65, 300]
     cu = [0]
