@@ -214,6 +214,9 @@ WU_NUM_WARPS = 4
 # (LOOP 0, the variant wu-two-loops: a K loop, then a V loop, each starting with a load waited for after the chain
 # / the previous loop). Uncapped 189 regs (2 CTAs / SM on the H200: 0.408 ms); capped at 168: 3 / SM, 8 B stack.
 WU_LOOP = 1
+# WU_KG = 1 (A/B, untimed): wu writes kg = kn exp2(gl - G) from the k and G tiles it loads anyway, so prep needs no
+# G of the last row before its walk: one walk over the rows (z read once, softplus once) and no kg store there.
+WU_KG = 0
 # (WU_KBG = 1, prep also writing wu's operand kb = beta kn exp2(G) so that wu reads neither k nor the fp32 G: prep's
 # extra write cost more than wu saved, H200 session 19 T=16k 2.179 vs 2.062 ms, H100 session 22 2.239 vs 2.147;
 # removed in session 25, last present in cb00f87.)
@@ -302,6 +305,7 @@ def _kda_prep_kernel(
     stride_q, stride_k, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr = 0,
     CS: tl.constexpr = 0, NORM1: tl.constexpr = 0, KP: tl.constexpr = 0, STAGES: tl.constexpr = None,
+    KG: tl.constexpr = 1,
 ):
     """Intra launch 1, grid (chunk, head): L2 norms, beta, gate + chunk-local cumsum (log2 units). Writes the
     contract outputs qg, kg, gl and the scratch G [rows, K] fp32 and rs [rows, 4] fp32 = (rq, rk, beta, -)
@@ -355,8 +359,9 @@ def _kda_prep_kernel(
         o_k = (cblk + rows)[:, None] * K + c[None, :]
         tl.store(g_out + o_k, G, mask=cm[None, :])
         tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :])
-        tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - G, 0.0)))
-                 .to(kg_out.dtype.element_ty), mask=cm[None, :])
+        if KG:  # (KG=0, WU_KG: wu writes kg)
+            tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - G, 0.0)))
+                     .to(kg_out.dtype.element_ty), mask=cm[None, :])
 
 
 @triton.jit
@@ -365,12 +370,13 @@ def _kda_prep_rows_kernel(
     qg_out, kg_out, gl_out, g_out, rs_out,
     stride_q, stride_k, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
-    FAST: tl.constexpr = 0, UNROLL: tl.constexpr = None, STAGES: tl.constexpr = None,
+    FAST: tl.constexpr = 0, UNROLL: tl.constexpr = None, STAGES: tl.constexpr = None, KG: tl.constexpr = 1,
 ):
     """PREP_ROWS: prep's outputs (as _kda_prep_kernel's) from a walk down the chunk's rows, one [KP] row of q, k,
     z per step, grid (chunk, head), meant for one warp: the running gate sum stays in each lane's registers and the
     row norms are warp reductions, so no step crosses a warp (no shared memory, no barrier). kg needs G of the last
-    row first, so a first walk sums the gate only (z read twice, the second time from L2; softplus twice)."""
+    row first, so a first walk sums the gate only (z read twice; softplus twice). KG=0 (WU_KG: wu writes kg): one
+    walk, no kg."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -385,10 +391,10 @@ def _kda_prep_rows_kernel(
     neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
     pz = z + t0 * stride_z + i_h * K + c                                      # [KP] pointers of row 0
     gl = tl.zeros([KP], dtype=tl.float32)
-    for r in tl.range(0, nv, loop_unroll_factor=UNROLL):                    # G of the last row (padded rows: g = 0)
-        zz = tl.load(pz + r * stride_z, mask=cm, other=0.0).to(tl.float32) + dtb
-        gl += tl.where(cm, neg_a * _softplus(zz, FAST), 0.0)
-    tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
+    if KG:
+        for r in tl.range(0, nv, loop_unroll_factor=UNROLL):                # G of the last row (padded rows: g = 0)
+            zz = tl.load(pz + r * stride_z, mask=cm, other=0.0).to(tl.float32) + dtb
+            gl += tl.where(cm, neg_a * _softplus(zz, FAST), 0.0)
     G = tl.zeros([KP], dtype=tl.float32)
     rqv = tl.zeros([BT], dtype=tl.float32)
     rkv = tl.zeros([BT], dtype=tl.float32)
@@ -409,7 +415,12 @@ def _kda_prep_rows_kernel(
         o_k = (cblk + r) * K + c
         tl.store(g_out + o_k, G, mask=cm)
         tl.store(qg_out + o_k, (bq * rq * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm)
-        tl.store(kg_out + o_k, (bk * rk * tl.exp2(tl.minimum(gl - G, 0.0))).to(kg_out.dtype.element_ty), mask=cm)
+        if KG:
+            tl.store(kg_out + o_k, (bk * rk * tl.exp2(tl.minimum(gl - G, 0.0))).to(kg_out.dtype.element_ty),
+                     mask=cm)
+    if KG == 0:
+        gl = G
+    tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
     rmask = rows < nv
     bb = tl.load(b + (t0 + rows) * stride_b + i_h, mask=rmask, other=0.0).to(tl.float32)
     tl.store(rs_out + (cblk + rows) * 4, rqv)
@@ -696,11 +707,21 @@ def _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i, stride_k, stride_v, i_h, K: 
 
 
 @triton.jit
+def _wu_store_kg(kg_out, pgl, bk, G, rk, cblk, rows, ck, K: tl.constexpr):
+    """WU_KG: kg [BT, BK] = k rk exp2(gl - G) of the columns ck (gl: the chunk's last-row G, from prep)."""
+    gl = tl.load(pgl + ck, mask=ck < K, other=0.0)
+    kg = bk.to(tl.float32) * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - G, 0.0))
+    tl.store(kg_out + (cblk + rows)[:, None] * K + ck[None, :], kg.to(kg_out.dtype.element_ty),
+             mask=(ck < K)[None, :])
+
+
+@triton.jit
 def _kda_wu_kernel(
     k, v, g_in, rs_in, x_in, chunk_offsets, cu_seqlens, n_seq, w_out, u_out,
     stride_k, stride_v,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0,
+    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0, KG: tl.constexpr = 0,
+    gl_in=None, kg_out=None,
 ):
     """Intra launch 3, grid (chunk, head): M = (I + L)^-1 = sum_j (-N)^j Di with N = Di L_off (strictly block-lower,
     N^(BT/BC) = 0), from x_in (Di on the diagonal blocks, L_off below); then w = M (beta kn exp2(G)), u = M (beta v)
@@ -710,7 +731,9 @@ def _kda_wu_kernel(
     loads issued (into registers) before this tile's dots and tile 0's before the inverse, so no load waits on the
     inverse chain or on a loop boundary. (bf16 dot operands there, fla's precision, were faster on the H200 -- wu
     0.325 ms -- but wrong with M converted once before the loop and an illegal address with M converted per tile,
-    Triton 3.6, 12-04: removed.)"""
+    Triton 3.6, 12-04: removed.)
+    KG=1 (WU_KG): also kg = kn exp2(gl - G) from the k and G tiles it loads anyway (gl_in [chunks x H, K] from
+    prep), so that prep walks its rows once."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -741,6 +764,8 @@ def _kda_wu_kernel(
             cv = i * BV + tl.arange(0, BV)
             wv = tl.dot(m, bk.to(tl.float32) * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
             uv = tl.dot(m, bv.to(tl.float32) * beta[:, None], input_precision=PREC)
+            if KG:
+                _wu_store_kg(kg_out, gl_in + (i_c.to(tl.int64) * H + i_h) * K, bk, G, rk, cblk, rows, ck, K)
             tl.store(w_out + (cblk + rows)[:, None] * K + ck[None, :], wv.to(w_out.dtype.element_ty),
                      mask=(ck < K)[None, :])
             tl.store(u_out + (cblk + rows)[:, None] * V + cv[None, :], uv.to(u_out.dtype.element_ty),
@@ -755,6 +780,8 @@ def _kda_wu_kernel(
             wv = tl.dot(m, bk * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
             tl.store(w_out + (cblk + rows)[:, None] * K + c[None, :], wv.to(w_out.dtype.element_ty),
                      mask=cm[None, :])
+            if KG:
+                _wu_store_kg(kg_out, gl_in + (i_c.to(tl.int64) * H + i_h) * K, bk, G, rk, cblk, rows, c, K)
         for vb in range(0, V, BV):
             c = vb + tl.arange(0, BV)
             cm = c < V
@@ -1017,7 +1044,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                            rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32",
                            scale="fp32"),
                       dict(PB=16, H=H, K=K, KP=next_pow2(K), BT=BT, FAST=int(FAST_SOFTPLUS), UNROLL=PREP_ROWS_UNROLL,
-                           STAGES=PREP_ROWS_STAGES),
+                           STAGES=PREP_ROWS_STAGES, KG=int(not WU_KG)),
                       dict(num_warps=1)),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32"),
@@ -1025,9 +1052,10 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                      UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK)),
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
-               dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
+               dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32",
+                    **(dict(gl_in="*fp32", kg_out=sd) if WU_KG else {})),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                    LOOP=int(WU_LOOP)),
+                    LOOP=int(WU_LOOP), **(dict(KG=1) if WU_KG else {})),
                dict(num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG))),
     })
     specs["prep"] = specs["prep_rows" if PREP_ROWS else "prep_tiles"]
@@ -1116,7 +1144,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         def prep():
             args = (q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
                     q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale))
-            kw = dict(PB=PB, H=H, K=K, KP=next_pow2(K), BT=BT, FAST=_fast_softplus())
+            kw = dict(PB=PB, H=H, K=K, KP=next_pow2(K), BT=BT, FAST=_fast_softplus(), KG=int(not WU_KG))
             if PREP_ROWS:  # one warp per (chunk, head) walking the rows
                 return _kda_prep_rows_kernel[(NT, H)](*args, **kw, UNROLL=PREP_ROWS_UNROLL, STAGES=PREP_ROWS_STAGES,
                                                       num_warps=1)
@@ -1136,7 +1164,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_wu_kernel[(NT, H)](
                 k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                LOOP=int(WU_LOOP),
+                LOOP=int(WU_LOOP), **(dict(KG=1, gl_in=gl, kg_out=kg) if WU_KG else {}),
                 num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG),
             )
 
