@@ -449,13 +449,13 @@ QUICK_VARIANTS = [
     ("prep-rows-s3", dict(PREP_ROWS_STAGES=3, PREP_ROWS_UNROLL=2)),
     ("prep-rows-u4", dict(PREP_ROWS_UNROLL=4)),
     ("prep-rows-u16", dict(PREP_ROWS_UNROLL=16)),
-    # session 32 (untimed): wu writes kg from the k and G tiles it loads anyway (WU_KG), so prep walks its rows once
-    # (no first walk over z for G of the last row, softplus once, no kg store). Offline sm_90 (Triton 3.9): prep 64
-    # regs, 1,504 SASS against 2,128; wu's one loop at 168 regs spills 176 B (uncapped 235; 200: 24 B), wu's two
-    # loops 164 regs, no spill
-    ("wu-kg", dict(WU_KG=1)),
-    ("wu-kg-r200", dict(WU_KG=1, WU_MAXNREG=200)),
-    ("wu-kg-two-loops", dict(WU_KG=1, WU_LOOP=0, WU_MAXNREG=None)),
+    # (session 32: WU_KG, wu writing kg so that prep walks its rows once, 'wu-kg' / '-r200' / '-two-loops': H100
+    # 12-06, T=16k prep 0.398 -> 0.302 ms, wu 0.425 -> 0.666 / 0.541 / 0.517, total 1.948 against 1.957 at best.
+    # Removed.) session 32 (untimed): akk's levels pass writes kg (AKK_KG; it loads kn and G of its rows on every K
+    # tile anyway). Offline sm_90 (Triton 3.9): akk 167 regs uncapped, no spill (the cap of 168 makes ptxas keep 24 B
+    # of stack); prep 64 regs, one walk
+    ("akk-kg", dict(AKK_KG=1)),
+    ("akk-kg-uncapped", dict(AKK_KG=1, AKK_MAXNREG=None)),
     # (session 30: AKK_PAIR, two row blocks per program: 'akk-pair' / '-r192' / '-nocap'; H100 12-06, session 31,
     # T=16k: akk 0.943 / 0.841 / 0.846 ms against 0.718 for the default. Removed.)
 ]

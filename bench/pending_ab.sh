@@ -33,11 +33,11 @@
 #            bench/mla.py --sweep-decode beside FlashInfer at issue 5's shapes.
 #   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30: the off-diagonal blocks j < i in a
 #            loop, one K pass each): its GPU test, then the kda part below.
-#   kda:     bench/kda_prefill.py --quick --variants default,prep-tiles,akk-threeblock,prep-rows-s3,wu-kg,
-#            wu-kg-two-loops (prep-tiles / akk-threeblock: the kernels before PREP_ROWS (session 32, H100 only) and
-#            AKK_JOUTER (session 30, H100 only); the row walk through a cp.async ring; untimed: wu writing kg so that
-#            prep walks its rows once, WU_KG, in wu's one loop and its two loops; fla-core in the same process).
-#            Env kda_variants: the --variants list.
+#   kda:     bench/kda_prefill.py --quick --variants default,prep-tiles,akk-threeblock,prep-rows-s3,akk-kg,
+#            akk-kg-uncapped (prep-tiles / akk-threeblock: the kernels before PREP_ROWS (session 32, H100 only) and
+#            AKK_JOUTER (session 30, H100 only); the row walk through a cp.async ring; untimed: akk's levels pass
+#            writing kg so that prep walks its rows once, AKK_KG, capped at 168 regs and uncapped; fla-core in the
+#            same process). Env kda_variants: the --variants list.
 #   adopt:   after adopting lz8 (MLA), AKK_JOUTER and PREP_ROWS (KDA) as defaults in sessions 30 and 32 (timed on
 #            H100s only): their GPU tests, the MLA sweep (the default against the tiles before it), issue 5's table
 #            (bench/mla.py --no-sweep --decode-only), the kda part, and issue 6's table (bench/e2e.py).
@@ -140,7 +140,7 @@ if has mla5 && [ "$(left)" -gt 90 ]; then
 fi
 if has kda && [ "$(left)" -gt 90 ]; then
   timeout "$(left)" python3 bench/kda_prefill.py --quick \
-    --variants "${kda_variants:-default,prep-tiles,akk-threeblock,prep-rows-s3,wu-kg,wu-kg-two-loops}" \
+    --variants "${kda_variants:-default,prep-tiles,akk-threeblock,prep-rows-s3,akk-kg,akk-kg-uncapped}" \
     > "$OUT/kda_variants.log" 2>&1; step "kda variants" $?
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then

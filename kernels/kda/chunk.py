@@ -214,9 +214,13 @@ WU_NUM_WARPS = 4
 # (LOOP 0, the variant wu-two-loops: a K loop, then a V loop, each starting with a load waited for after the chain
 # / the previous loop). Uncapped 189 regs (2 CTAs / SM on the H200: 0.408 ms); capped at 168: 3 / SM, 8 B stack.
 WU_LOOP = 1
-# WU_KG = 1 (A/B, untimed): wu writes kg = kn exp2(gl - G) from the k and G tiles it loads anyway, so prep needs no
-# G of the last row before its walk: one walk over the rows (z read once, softplus once) and no kg store there.
-WU_KG = 0
+# AKK_KG = 1 (A/B, untimed; needs AKK_LV_SPLITK): akk's levels pass, which loads kn and G of its 16 rows on every K
+# tile anyway, also writes kg = kn exp2(G_last - G), so prep walks its rows once (no first walk over z for G of the
+# last row, softplus once, no kg store: H100 12-06, prep 0.398 -> 0.302 ms with kg written elsewhere).
+AKK_KG = 0
+# (WU_KG, wu writing kg from the k and G tiles it loads anyway so that prep walks its rows once: H100 12-06,
+# session 32, T=16k prep 0.398 -> 0.302 ms but wu 0.425 -> 0.666 (one loop, 168 regs, 54 B spilled), 0.541 (200
+# regs), 0.517 (two loops, no spill): 1.948 ms against 1.957 at best. Removed; code in f04496e. AKK_KG below.)
 # (WU_KBG = 1, prep also writing wu's operand kb = beta kn exp2(G) so that wu reads neither k nor the fp32 G: prep's
 # extra write cost more than wu saved, H200 session 19 T=16k 2.179 vs 2.062 ms, H100 session 22 2.239 vs 2.147;
 # removed in session 25, last present in cb00f87.)
@@ -359,7 +363,7 @@ def _kda_prep_kernel(
         o_k = (cblk + rows)[:, None] * K + c[None, :]
         tl.store(g_out + o_k, G, mask=cm[None, :])
         tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm[None, :])
-        if KG:  # (KG=0, WU_KG: wu writes kg)
+        if KG:  # (KG=0, AKK_KG: akk writes kg)
             tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - G, 0.0)))
                      .to(kg_out.dtype.element_ty), mask=cm[None, :])
 
@@ -375,7 +379,7 @@ def _kda_prep_rows_kernel(
     """PREP_ROWS: prep's outputs (as _kda_prep_kernel's) from a walk down the chunk's rows, one [KP] row of q, k,
     z per step, grid (chunk, head), meant for one warp: the running gate sum stays in each lane's registers and the
     row norms are warp reductions, so no step crosses a warp (no shared memory, no barrier). kg needs G of the last
-    row first, so a first walk sums the gate only (z read twice; softplus twice). KG=0 (WU_KG: wu writes kg): one
+    row first, so a first walk sums the gate only (z read twice; softplus twice). KG=0 (AKK_KG: akk writes kg): one
     walk, no kg."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -540,6 +544,7 @@ def _kda_akk_lv_kernel(
     stride_q, stride_k,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, SPLITK: tl.constexpr = 0, UNCOND: tl.constexpr = 0, JOUTER: tl.constexpr = 0,
+    KG: tl.constexpr = 0, kg_out=None,
 ):
     """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head), meant for num_warps=1: the rows
     R = [i BC, (i+1) BC) of
@@ -558,8 +563,11 @@ def _kda_akk_lv_kernel(
     Then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted (fp32). x_out [rows, BT] fp32: columns
     < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di (columns above are not written).
     (Offline sm_90, Triton 3.6: at 2 or 4 warps these [16, x] tiles are replicated in every warp (the dot-operand
-    layouts), so 1 warp does the same work with a quarter of the issue slots.)"""
+    layouts), so 1 warp does the same work with a quarter of the issue slots.)
+    KG=1 (AKK_KG, needs SPLITK): the levels' pass also writes kg = kn exp2(G_last - G) of the rows R (prep then
+    walks its rows once)."""
     tl.static_assert((BT == 64) & (BC == 16))           # 3 off-diagonal column blocks, 4 levels
+    tl.static_assert((KG == 0) | (SPLITK == 1))
     i_b = tl.program_id(0) % (BT // BC)
     i_c = tl.program_id(0) // (BT // BC)
     i_h = tl.program_id(1)
@@ -595,7 +603,8 @@ def _kda_akk_lv_kernel(
         for j in range(i_b + 1, BT // BC):               # Aqk is zero above the diagonal block
             _akk_store_off(pa, px, rr, i_b, j, zero, zero, beta, BT, BC)
         _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k,
-                            tl.zeros([BC], dtype=tl.float32), K, BT, BC, BK, PREC, DQ0=1)
+                            tl.zeros([BC], dtype=tl.float32), K, BT, BC, BK, PREC, DQ0=1, KG=KG,
+                            pkg=kg_out + cblk * K if KG else kg_out)
         return
     o0k, o0q, o1k, o1q, o2k, o2q = _akk_off_accs(BC)   # off-diagonal column blocks 0..2
     l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)    # diagonal-block levels hb = 8, 4, 2, 1
@@ -631,7 +640,7 @@ def _kda_akk_lv_kernel(
     _akk_store_off(pa, px, rr, i_b, 3, o2k, o2q, beta, BT, BC)     # (block 3 is never < i: zeros)
     if SPLITK:
         _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K, BT, BC,
-                            BK, PREC)
+                            BK, PREC, KG=KG, pkg=kg_out + cblk * K if KG else kg_out)
     else:
         _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC)
 
@@ -639,14 +648,20 @@ def _kda_akk_lv_kernel(
 @triton.jit
 def _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K: tl.constexpr,
                         BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                        DQ0: tl.constexpr = 0):
+                        DQ0: tl.constexpr = 0, KG: tl.constexpr = 0, pkg=None):
     """akk (SPLITK): the levels' own pass over K, then the diagonal blocks and the inverse (_akk_diag_inverse).
-    dq0: the s = r terms of Aqk from the off-diagonal pass (DQ0=1: summed here instead, onto the given dq0)."""
+    dq0: the s = r terms of Aqk from the off-diagonal pass (DQ0=1: summed here instead, onto the given dq0).
+    KG=1: also kg [R, K] = kn exp2(G_last - G) to pkg (this chunk-head's row 0; G_last: G's row BT - 1, which for
+    a partial chunk holds the last valid row's G)."""
     l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)
     for kb in range(0, K, BK):
         c = kb + tl.arange(0, BK)
         cm = c < K
         qr, kr, Gr = _akk_rows(pq, pk, pg, rr, rmask, rq, rk, c, cm, stride_q, stride_k, K)
+        if KG:
+            gl = tl.load(pg + (BT - 1) * K + c, mask=cm, other=0.0)
+            tl.store(pkg + rr[:, None] * K + c[None, :],
+                     (kr * tl.exp2(tl.minimum(gl[None, :] - Gr, 0.0))).to(pkg.dtype.element_ty), mask=cm[None, :])
         if DQ0:
             dq0 += tl.sum(qr * kr, 1)
         l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_four_levels(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, l4k, l4q, l2k,
@@ -707,21 +722,11 @@ def _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i, stride_k, stride_v, i_h, K: 
 
 
 @triton.jit
-def _wu_store_kg(kg_out, pgl, bk, G, rk, cblk, rows, ck, K: tl.constexpr):
-    """WU_KG: kg [BT, BK] = k rk exp2(gl - G) of the columns ck (gl: the chunk's last-row G, from prep)."""
-    gl = tl.load(pgl + ck, mask=ck < K, other=0.0)
-    kg = bk.to(tl.float32) * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - G, 0.0))
-    tl.store(kg_out + (cblk + rows)[:, None] * K + ck[None, :], kg.to(kg_out.dtype.element_ty),
-             mask=(ck < K)[None, :])
-
-
-@triton.jit
 def _kda_wu_kernel(
     k, v, g_in, rs_in, x_in, chunk_offsets, cu_seqlens, n_seq, w_out, u_out,
     stride_k, stride_v,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0, KG: tl.constexpr = 0,
-    gl_in=None, kg_out=None,
+    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0,
 ):
     """Intra launch 3, grid (chunk, head): M = (I + L)^-1 = sum_j (-N)^j Di with N = Di L_off (strictly block-lower,
     N^(BT/BC) = 0), from x_in (Di on the diagonal blocks, L_off below); then w = M (beta kn exp2(G)), u = M (beta v)
@@ -731,9 +736,7 @@ def _kda_wu_kernel(
     loads issued (into registers) before this tile's dots and tile 0's before the inverse, so no load waits on the
     inverse chain or on a loop boundary. (bf16 dot operands there, fla's precision, were faster on the H200 -- wu
     0.325 ms -- but wrong with M converted once before the loop and an illegal address with M converted per tile,
-    Triton 3.6, 12-04: removed.)
-    KG=1 (WU_KG): also kg = kn exp2(gl - G) from the k and G tiles it loads anyway (gl_in [chunks x H, K] from
-    prep), so that prep walks its rows once."""
+    Triton 3.6, 12-04: removed.)"""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -764,8 +767,6 @@ def _kda_wu_kernel(
             cv = i * BV + tl.arange(0, BV)
             wv = tl.dot(m, bk.to(tl.float32) * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
             uv = tl.dot(m, bv.to(tl.float32) * beta[:, None], input_precision=PREC)
-            if KG:
-                _wu_store_kg(kg_out, gl_in + (i_c.to(tl.int64) * H + i_h) * K, bk, G, rk, cblk, rows, ck, K)
             tl.store(w_out + (cblk + rows)[:, None] * K + ck[None, :], wv.to(w_out.dtype.element_ty),
                      mask=(ck < K)[None, :])
             tl.store(u_out + (cblk + rows)[:, None] * V + cv[None, :], uv.to(u_out.dtype.element_ty),
@@ -780,8 +781,6 @@ def _kda_wu_kernel(
             wv = tl.dot(m, bk * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
             tl.store(w_out + (cblk + rows)[:, None] * K + c[None, :], wv.to(w_out.dtype.element_ty),
                      mask=cm[None, :])
-            if KG:
-                _wu_store_kg(kg_out, gl_in + (i_c.to(tl.int64) * H + i_h) * K, bk, G, rk, cblk, rows, c, K)
         for vb in range(0, V, BV):
             c = vb + tl.arange(0, BV)
             cm = c < V
@@ -1044,18 +1043,18 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                            rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32",
                            scale="fp32"),
                       dict(PB=16, H=H, K=K, KP=next_pow2(K), BT=BT, FAST=int(FAST_SOFTPLUS), UNROLL=PREP_ROWS_UNROLL,
-                           STAGES=PREP_ROWS_STAGES, KG=int(not WU_KG)),
+                           STAGES=PREP_ROWS_STAGES, KG=int(not AKK_KG)),
                       dict(num_warps=1)),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
-                                         stride_k="i32"),
+                                         stride_k="i32", **(dict(kg_out=sd) if AKK_KG else {})),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                     UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK)),
+                     UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
+                     **(dict(KG=1) if AKK_KG else {})),
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
-               dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32",
-                    **(dict(gl_in="*fp32", kg_out=sd) if WU_KG else {})),
+               dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                    LOOP=int(WU_LOOP), **(dict(KG=1) if WU_KG else {})),
+                    LOOP=int(WU_LOOP)),
                dict(num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG))),
     })
     specs["prep"] = specs["prep_rows" if PREP_ROWS else "prep_tiles"]
@@ -1144,7 +1143,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         def prep():
             args = (q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
                     q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale))
-            kw = dict(PB=PB, H=H, K=K, KP=next_pow2(K), BT=BT, FAST=_fast_softplus(), KG=int(not WU_KG))
+            kw = dict(PB=PB, H=H, K=K, KP=next_pow2(K), BT=BT, FAST=_fast_softplus(), KG=int(not AKK_KG))
             if PREP_ROWS:  # one warp per (chunk, head) walking the rows
                 return _kda_prep_rows_kernel[(NT, H)](*args, **kw, UNROLL=PREP_ROWS_UNROLL, STAGES=PREP_ROWS_STAGES,
                                                       num_warps=1)
@@ -1157,6 +1156,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
                 UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
+                **(dict(KG=1, kg_out=kg) if AKK_KG else {}),
                 num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
             )
 
@@ -1164,7 +1164,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_wu_kernel[(NT, H)](
                 k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                LOOP=int(WU_LOOP), **(dict(KG=1, gl_in=gl, kg_out=kg) if WU_KG else {}),
+                LOOP=int(WU_LOOP),
                 num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG),
             )
 

@@ -365,11 +365,11 @@ VARIANTS = {
     "prep-tiles": dict(PREP_ROWS=0),
     # the row walk unrolled by 2, not 8 (the 64 rows: loop tails none; the test's partial chunks: masked rows)
     "prep-rows-u2": dict(PREP_ROWS_UNROLL=2),
-    # wu writing kg (prep then walks its rows once), after the row walk and after the tile prep; and with wu's two
-    # loops (its K loop writes kg there)
-    "wu-kg": dict(WU_KG=1),
-    "wu-kg-tiles": dict(WU_KG=1, PREP_ROWS=0),
-    "wu-kg-two-loops": dict(WU_KG=1, WU_LOOP=0, WU_MAXNREG=None),
+    # akk's levels pass writing kg (prep then walks its rows once), after the row walk and after the tile prep, and
+    # with the three-block off-diagonal pass
+    "akk-kg": dict(AKK_KG=1),
+    "akk-kg-tiles": dict(AKK_KG=1, PREP_ROWS=0),
+    "akk-kg-threeblock": dict(AKK_KG=1, AKK_JOUTER=0),
     # wu's w tiles in a K loop, then its u tiles in a V loop (the default: one loop, loads one tile ahead)
     "wu-two-loops": dict(WU_LOOP=0, WU_MAXNREG=None),
     # the output computed in the state pass (no h_c / vn round trip, no output launch; the default since 12-05 where
@@ -445,7 +445,7 @@ GPU_VARIANTS = dict(VARIANTS, **{
     # the row walk through Triton's cp.async ring (3 stages, unroll 2), and unrolled by 16
     "prep-rows-s3": dict(PREP_ROWS_STAGES=3, PREP_ROWS_UNROLL=2),
     "prep-rows-u16": dict(PREP_ROWS_UNROLL=16),
-    "wu-kg-r200": dict(WU_KG=1, WU_MAXNREG=200),
+    "akk-kg-uncapped": dict(AKK_KG=1, AKK_MAXNREG=None),
 })
 
 
