@@ -27,8 +27,8 @@ EXPECTED = {
     "kda decode N=1": {"_kda_decode_kernel"},
     "kda decode N=64": {"_kda_decode_kernel"},            # the wide config (BV 64, maxnreg 128)
     "kda decode BV32 post": {"_kda_decode_kernel", "_kda_decode_post_kernel"},
-    "kda prefill T=4096": {"_conv_prefill_stream_kernel", "_kda_prep_kernel", "_kda_akk_lv_kernel", "_kda_wu_kernel",
-                           "_kda_hpass_kernel", "_kda_out_kernel", "_gated_rmsnorm_kernel"},
+    "kda prefill T=4096": {"_conv_prefill_stream_kernel", "_kda_prep_rows_kernel", "_kda_akk_lv_kernel",
+                           "_kda_wu_kernel", "_kda_hpass_kernel", "_kda_out_kernel", "_gated_rmsnorm_kernel"},
     "kda gate": {"_kda_gate_kernel"},
     "mla decode N=1 S=128k": {"_mla_decode_stage1", "_mla_decode_stage2"},
     "mla decode N=64 S=8k": {"_mla_decode_stage1", "_mla_decode_stage2"},
