@@ -443,19 +443,20 @@ QUICK_VARIANTS = [
     # session 32: prep as one warp per (chunk, head) walking the rows (PREP_ROWS: a running gate sum per lane,
     # warp-shuffle norms, no shared memory or barrier; z read twice, softplus twice; offline sm_90 64 regs). H100
     # 12-06, T=16k: prep 0.547 -> 0.393 ms (rows ahead in registers 0.408, two warps 0.431: removed) -> the default
-    # since; prep-tiles: the tile kernel before it. -s3: Triton's cp.async ring, 3 stages, unroll 2 (0.397 on the
-    # H100); -u4 / -u16: the walks unrolled by 4 / 16 (the default 8)
+    # since; prep-tiles: the tile kernel (with AKK_KG, not writing kg). -s3: Triton's cp.async ring, 3 stages,
+    # unroll 2 (0.397 on the H100); -u4 / -u16: the walks unrolled by 4 / 16 (the default 8; even on the H100)
     ("prep-tiles", dict(PREP_ROWS=0)),
     ("prep-rows-s3", dict(PREP_ROWS_STAGES=3, PREP_ROWS_UNROLL=2)),
     ("prep-rows-u4", dict(PREP_ROWS_UNROLL=4)),
     ("prep-rows-u16", dict(PREP_ROWS_UNROLL=16)),
     # (session 32: WU_KG, wu writing kg so that prep walks its rows once, 'wu-kg' / '-r200' / '-two-loops': H100
     # 12-06, T=16k prep 0.398 -> 0.302 ms, wu 0.425 -> 0.666 / 0.541 / 0.517, total 1.948 against 1.957 at best.
-    # Removed.) session 32 (untimed): akk's levels pass writes kg (AKK_KG; it loads kn and G of its rows on every K
-    # tile anyway). Offline sm_90 (Triton 3.9): akk 167 regs uncapped, no spill (the cap of 168 makes ptxas keep 24 B
-    # of stack); prep 64 regs, one walk
-    ("akk-kg", dict(AKK_KG=1)),
-    ("akk-kg-uncapped", dict(AKK_KG=1, AKK_MAXNREG=None)),
+    # Removed.) session 32: akk's levels pass writes kg (AKK_KG; it loads kn and G of its rows on every K tile
+    # anyway), prep walks its rows once. H100 12-06, T=16k: prep 0.392 -> 0.297 ms, akk 0.717 -> 0.740 (168 regs;
+    # uncapped, 218 regs: 0.760), total 1.941 -> 1.865 (1.31x fla-core) -> the default since; prep-kg: the row walk
+    # writing kg (two walks), prep-tiles-kg: the tile prep writing kg (the defaults before)
+    ("prep-kg", dict(AKK_KG=0)),
+    ("prep-tiles-kg", dict(PREP_ROWS=0, AKK_KG=0)),
     # (session 30: AKK_PAIR, two row blocks per program: 'akk-pair' / '-r192' / '-nocap'; H100 12-06, session 31,
     # T=16k: akk 0.943 / 0.841 / 0.846 ms against 0.718 for the default. Removed.)
 ]

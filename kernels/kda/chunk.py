@@ -214,13 +214,15 @@ WU_NUM_WARPS = 4
 # (LOOP 0, the variant wu-two-loops: a K loop, then a V loop, each starting with a load waited for after the chain
 # / the previous loop). Uncapped 189 regs (2 CTAs / SM on the H200: 0.408 ms); capped at 168: 3 / SM, 8 B stack.
 WU_LOOP = 1
-# AKK_KG = 1 (A/B, untimed; needs AKK_LV_SPLITK): akk's levels pass, which loads kn and G of its 16 rows on every K
-# tile anyway, also writes kg = kn exp2(G_last - G), so prep walks its rows once (no first walk over z for G of the
-# last row, softplus once, no kg store: H100 12-06, prep 0.398 -> 0.302 ms with kg written elsewhere).
-AKK_KG = 0
+# AKK_KG = 1 (default since H100 12-06, session 32: T=16k 1.941 -> 1.865 ms, 1.31x fla-core; varlen 16 x 1k 1.862 ->
+# 1.786; needs AKK_LV_SPLITK): akk's levels pass, which loads kn and G of its 16 rows on every K tile anyway, also
+# writes kg = kn exp2(G_last - G), so prep walks its rows once (no first walk over z for G of the last row, softplus
+# once, no kg store): prep 0.392 -> 0.297 ms, akk 0.717 -> 0.740 (168 regs; Triton 3.6 spills 12 B there, 3.9 keeps
+# 24 B of stack; uncapped, 218 regs on 3.6: 0.760). 0 (or AKK_LV_SPLITK 0): prep writes kg (two walks).
+AKK_KG = 1
 # (WU_KG, wu writing kg from the k and G tiles it loads anyway so that prep walks its rows once: H100 12-06,
 # session 32, T=16k prep 0.398 -> 0.302 ms but wu 0.425 -> 0.666 (one loop, 168 regs, 54 B spilled), 0.541 (200
-# regs), 0.517 (two loops, no spill): 1.948 ms against 1.957 at best. Removed; code in f04496e. AKK_KG below.)
+# regs), 0.517 (two loops, no spill): 1.948 ms against 1.957 at best. Removed; code in f04496e. AKK_KG above.)
 # (WU_KBG = 1, prep also writing wu's operand kb = beta kn exp2(G) so that wu reads neither k nor the fp32 G: prep's
 # extra write cost more than wu saved, H200 session 19 T=16k 2.179 vs 2.062 ms, H100 session 22 2.239 vs 2.147;
 # removed in session 25, last present in cb00f87.)
@@ -1043,13 +1045,13 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                            rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32",
                            scale="fp32"),
                       dict(PB=16, H=H, K=K, KP=next_pow2(K), BT=BT, FAST=int(FAST_SOFTPLUS), UNROLL=PREP_ROWS_UNROLL,
-                           STAGES=PREP_ROWS_STAGES, KG=int(not AKK_KG)),
+                           STAGES=PREP_ROWS_STAGES, KG=int(not _akk_kg())),
                       dict(num_warps=1)),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
-                                         stride_k="i32", **(dict(kg_out=sd) if AKK_KG else {})),
+                                         stride_k="i32", **(dict(kg_out=sd) if _akk_kg() else {})),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
                      UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
-                     **(dict(KG=1) if AKK_KG else {})),
+                     **(dict(KG=1) if _akk_kg() else {})),
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
@@ -1079,6 +1081,11 @@ def hpass_bv(V: int, P: int, H: int, nsm: int) -> int:
 
 def _fast_softplus() -> int:
     return int(bool(FAST_SOFTPLUS) and not _interpreting())
+
+
+def _akk_kg() -> bool:
+    """Whether akk writes kg (AKK_KG, on the two-pass akk only); prep writes it otherwise."""
+    return bool(AKK_KG and AKK_LV_SPLITK)
 
 
 def _maxnreg(n) -> dict:
@@ -1143,7 +1150,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         def prep():
             args = (q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
                     q.stride(0), k.stride(0), z.stride(0), b.stride(0), float(scale))
-            kw = dict(PB=PB, H=H, K=K, KP=next_pow2(K), BT=BT, FAST=_fast_softplus(), KG=int(not AKK_KG))
+            kw = dict(PB=PB, H=H, K=K, KP=next_pow2(K), BT=BT, FAST=_fast_softplus(), KG=int(not _akk_kg()))
             if PREP_ROWS:  # one warp per (chunk, head) walking the rows
                 return _kda_prep_rows_kernel[(NT, H)](*args, **kw, UNROLL=PREP_ROWS_UNROLL, STAGES=PREP_ROWS_STAGES,
                                                       num_warps=1)
@@ -1156,7 +1163,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
                 UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
-                **(dict(KG=1, kg_out=kg) if AKK_KG else {}),
+                **(dict(KG=1, kg_out=kg) if _akk_kg() else {}),
                 num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
             )
 
