@@ -457,6 +457,12 @@ QUICK_VARIANTS = [
     # writing kg (two walks), prep-tiles-kg: the tile prep writing kg (the defaults before)
     ("prep-kg", dict(AKK_KG=0)),
     ("prep-tiles-kg", dict(PREP_ROWS=0, AKK_KG=0)),
+    # session 32 (untimed): the row walk RB rows per step as [RB, K] tiles (PREP_ROWS_RB), their loads issued
+    # together. Offline sm_90 (Triton 3.9), SASS per row ~160 at RB 1 / 2 / 4, 153 at 8; regs 64 / 64 / 96 / 167
+    # (32 / 32 / 21 / 12 one-warp CTAs / SM)
+    ("prep-rb2", dict(PREP_ROWS_RB=2)),
+    ("prep-rb4", dict(PREP_ROWS_RB=4)),
+    ("prep-rb8", dict(PREP_ROWS_RB=8)),
     # (session 30: AKK_PAIR, two row blocks per program: 'akk-pair' / '-r192' / '-nocap'; H100 12-06, session 31,
     # T=16k: akk 0.943 / 0.841 / 0.846 ms against 0.718 for the default. Removed.)
 ]

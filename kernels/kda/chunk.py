@@ -156,6 +156,9 @@ PREP_NORM1 = 1
 PREP_ROWS = 1
 PREP_ROWS_UNROLL = 8
 PREP_ROWS_STAGES = None
+# PREP_ROWS_RB (A/B, untimed): rows per step of the walk (1: one [K] row; 4 / 8: [RB, K] tiles whose loads go out
+# together, the step's cumsum by tl.cumsum inside the warp; fewer interpreted steps too)
+PREP_ROWS_RB = 1
 # the constants only the tile kernel reads: an A/B setting any of them means PREP_ROWS = 0 (bench and tests)
 TILE_PREP_CONSTANTS = ("PREP_BK", "PREP_NUM_WARPS", "PREP_MAXNREG", "PREP_NORM1", "PREP_STAGES", "CUMSUM_DOT")
 
@@ -377,12 +380,14 @@ def _kda_prep_rows_kernel(
     stride_q, stride_k, stride_z, stride_b, scale,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
     FAST: tl.constexpr = 0, UNROLL: tl.constexpr = None, STAGES: tl.constexpr = None, KG: tl.constexpr = 1,
+    RB: tl.constexpr = 1,
 ):
     """PREP_ROWS: prep's outputs (as _kda_prep_kernel's) from a walk down the chunk's rows, one [KP] row of q, k,
     z per step, grid (chunk, head), meant for one warp: the running gate sum stays in each lane's registers and the
     row norms are warp reductions, so no step crosses a warp (no shared memory, no barrier). kg needs G of the last
     row first, so a first walk sums the gate only (z read twice; softplus twice). KG=0 (AKK_KG: akk writes kg): one
-    walk, no kg."""
+    walk, no kg. RB > 1 (PREP_ROWS_RB): the (second) walk takes RB rows per step as [RB, KP] tiles (their loads
+    issued together; the cumsum over the RB rows and the norms stay inside the warp)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -397,7 +402,10 @@ def _kda_prep_rows_kernel(
     neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
     pz = z + t0 * stride_z + i_h * K + c                                      # [KP] pointers of row 0
     gl = tl.zeros([KP], dtype=tl.float32)
-    if KG:
+    if KG and RB > 1:  # G of the last row by the blocked walk's own sums (kg's exponents <= 0 and exact at it)
+        gl = _prep_rows_blocks(pz, pz, pz, dtb, neg_a, nv, cblk, c, cm, gl, gl, stride_z, 0, 0, scale, qg_out,
+                               kg_out, g_out, rs_out, K, BT, RB, FAST, STAGES, 0, GATE_ONLY=1)
+    if KG and RB == 1:
         for r in tl.range(0, nv, loop_unroll_factor=UNROLL):                # G of the last row (padded rows: g = 0)
             zz = tl.load(pz + r * stride_z, mask=cm, other=0.0).to(tl.float32) + dtb
             gl += tl.where(cm, neg_a * _softplus(zz, FAST), 0.0)
@@ -406,7 +414,10 @@ def _kda_prep_rows_kernel(
     rkv = tl.zeros([BT], dtype=tl.float32)
     pq = q + t0 * stride_q + i_h * K + c
     pk = k + t0 * stride_k + i_h * K + c
-    for r in tl.range(0, BT, loop_unroll_factor=UNROLL, num_stages=STAGES):
+    if RB > 1:
+        G = _prep_rows_blocks(pz, pq, pk, dtb, neg_a, nv, cblk, c, cm, G, gl, stride_z, stride_q, stride_k, scale,
+                              qg_out, kg_out, g_out, rs_out, K, BT, RB, FAST, STAGES, KG)
+    for r in tl.range(0, BT if RB == 1 else 0, loop_unroll_factor=UNROLL, num_stages=STAGES):
         m = cm & (tl.zeros([KP], dtype=tl.int32) + r < nv)                  # (vector form: the interpreter)
         zr = tl.load(pz + r * stride_z, mask=m, other=0.0)
         qr = tl.load(pq + r * stride_q, mask=m, other=0.0)
@@ -429,9 +440,41 @@ def _kda_prep_rows_kernel(
     tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
     rmask = rows < nv
     bb = tl.load(b + (t0 + rows) * stride_b + i_h, mask=rmask, other=0.0).to(tl.float32)
-    tl.store(rs_out + (cblk + rows) * 4, rqv)
-    tl.store(rs_out + (cblk + rows) * 4 + 1, rkv)
+    if RB == 1:
+        tl.store(rs_out + (cblk + rows) * 4, rqv)
+        tl.store(rs_out + (cblk + rows) * 4 + 1, rkv)
     tl.store(rs_out + (cblk + rows) * 4 + 2, tl.where(rmask, tl.sigmoid(bb), 0.0))
+
+
+@triton.jit
+def _prep_rows_blocks(pz, pq, pk, dtb, neg_a, nv, cblk, c, cm, G, gl, stride_z, stride_q, stride_k, scale,
+                      qg_out, kg_out, g_out, rs_out, K: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr,
+                      FAST: tl.constexpr, STAGES: tl.constexpr, KG: tl.constexpr, GATE_ONLY: tl.constexpr = 0):
+    """PREP_ROWS_RB: the row walk RB rows per step ([RB, KP] tiles; pz / pq / pk: the [KP] row-0 pointers, G: the
+    running gate sum [KP]); stores G, qg, kg (KG) and rs's rq / rk of every row; returns G after the last row.
+    GATE_ONLY=1: only that sum (z alone is read, nothing stored; the same arithmetic as the full walk's G)."""
+    rb = tl.arange(0, RB)
+    for r0 in tl.range(0, BT, RB, num_stages=STAGES):
+        rr = r0 + rb
+        m = (rr < nv)[:, None] & cm[None, :]
+        zr = tl.load(pz[None, :] + (rr * stride_z)[:, None], mask=m, other=0.0)
+        g = tl.where(m, neg_a * _softplus(zr.to(tl.float32) + dtb[None, :], FAST), 0.0)
+        Gb = G[None, :] + tl.cumsum(g, 0)                                    # [RB, KP], <= 0
+        G = tl.sum(tl.where((rb == RB - 1)[:, None], Gb, 0.0), 0)            # the step's last row (exact)
+        if not GATE_ONLY:
+            bq = tl.load(pq[None, :] + (rr * stride_q)[:, None], mask=m, other=0.0).to(tl.float32)
+            bk = tl.load(pk[None, :] + (rr * stride_k)[:, None], mask=m, other=0.0).to(tl.float32)
+            rq = scale / tl.sqrt(tl.sum(bq * bq, 1) + 1e-6)
+            rk = 1.0 / tl.sqrt(tl.sum(bk * bk, 1) + 1e-6)
+            tl.store(rs_out + (cblk + rr) * 4, rq)
+            tl.store(rs_out + (cblk + rr) * 4 + 1, rk)
+            o_k = (cblk + rr)[:, None] * K + c[None, :]
+            tl.store(g_out + o_k, Gb, mask=cm[None, :])
+            tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(Gb)).to(qg_out.dtype.element_ty), mask=cm[None, :])
+            if KG:
+                tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - Gb, 0.0)))
+                         .to(kg_out.dtype.element_ty), mask=cm[None, :])
+    return G
 
 
 @triton.jit
@@ -1045,7 +1088,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                            rs_out="*fp32", stride_q="i32", stride_k="i32", stride_z="i32", stride_b="i32",
                            scale="fp32"),
                       dict(PB=16, H=H, K=K, KP=next_pow2(K), BT=BT, FAST=int(FAST_SOFTPLUS), UNROLL=PREP_ROWS_UNROLL,
-                           STAGES=PREP_ROWS_STAGES, KG=int(not _akk_kg())),
+                           STAGES=PREP_ROWS_STAGES, KG=int(not _akk_kg()), RB=PREP_ROWS_RB),
                       dict(num_warps=1)),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32", **(dict(kg_out=sd) if _akk_kg() else {})),
@@ -1153,7 +1196,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             kw = dict(PB=PB, H=H, K=K, KP=next_pow2(K), BT=BT, FAST=_fast_softplus(), KG=int(not _akk_kg()))
             if PREP_ROWS:  # one warp per (chunk, head) walking the rows
                 return _kda_prep_rows_kernel[(NT, H)](*args, **kw, UNROLL=PREP_ROWS_UNROLL, STAGES=PREP_ROWS_STAGES,
-                                                      num_warps=1)
+                                                      RB=PREP_ROWS_RB, num_warps=1)
             return _kda_prep_kernel[(NT, H)](*args, **kw, BK=min(K, PREP_BK), CS=int(CUMSUM_DOT),
                                              NORM1=int(PREP_NORM1), STAGES=PREP_STAGES, num_warps=PREP_NUM_WARPS,
                                              **_maxnreg(PREP_MAXNREG))

@@ -368,6 +368,10 @@ VARIANTS = {
     "prep-tiles": dict(PREP_ROWS=0),
     "prep-tiles-kg": dict(PREP_ROWS=0, AKK_KG=0),
     "prep-kg": dict(AKK_KG=0),
+    # the row walk 4 rows per step ([4, K] tiles, tl.cumsum over the step's rows), and writing kg (its first walk
+    # per row)
+    "prep-rb4": dict(PREP_ROWS_RB=4),
+    "prep-rb4-kg": dict(PREP_ROWS_RB=4, AKK_KG=0),
     # the row walk unrolled by 2, not 8 (the 64 rows: loop tails none; the test's partial chunks: masked rows)
     "prep-rows-u2": dict(PREP_ROWS_UNROLL=2),
     # wu's w tiles in a K loop, then its u tiles in a V loop (the default: one loop, loads one tile ahead)
@@ -445,6 +449,8 @@ GPU_VARIANTS = dict(VARIANTS, **{
     # the row walk through Triton's cp.async ring (3 stages, unroll 2), and unrolled by 16
     "prep-rows-s3": dict(PREP_ROWS_STAGES=3, PREP_ROWS_UNROLL=2),
     "prep-rows-u16": dict(PREP_ROWS_UNROLL=16),
+    "prep-rb2": dict(PREP_ROWS_RB=2),
+    "prep-rb8": dict(PREP_ROWS_RB=8),
 })
 
 
