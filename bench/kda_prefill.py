@@ -295,7 +295,7 @@ def sweep_intra(T=16384, warmup=5, rep=25):
              "WU_NUM_WARPS")
     saved = {n: getattr(ck, n) for n in names}
     grid = [
-        *[("prep", dict(PREP_ROWS=0, PREP_BK=bk, PREP_NUM_WARPS=w)) for bk, w in ((32, 4), (64, 8))],
+        *[("prep", dict(PREP_BK=bk, PREP_NUM_WARPS=w)) for bk, w in ((32, 4), (64, 8))],
         *[("akk", dict(AKK_BK=bk, AKK_NUM_WARPS=w, AKK_LV_SPLITK=sk))
           for bk, w, sk in ((16, 1, 1), (16, 1, 0), (32, 1, 1), (16, 2, 1))],
         *[("wu", dict(WU_BK=bk, WU_BV=bk, WU_NUM_WARPS=w)) for bk, w in ((64, 4), (64, 8), (32, 4))],
@@ -305,7 +305,7 @@ def sweep_intra(T=16384, warmup=5, rep=25):
         for stage, cfg in grid:
             for n, val in saved.items():
                 setattr(ck, n, val)
-            for n, val in cfg.items():
+            for n, val in ck.prep_variant(cfg).items():     # the tile prep's constants imply PREP_ROWS = 0
                 setattr(ck, n, val)
             desc = " ".join(f"{n}={val}" for n, val in cfg.items())
             try:

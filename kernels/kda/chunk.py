@@ -284,13 +284,18 @@ def _cumsum0(g, BT: tl.constexpr, CS: tl.constexpr = 0):
 
 
 @triton.jit
+def _gate(zr, dtb, neg_a, m, FAST: tl.constexpr = 0):
+    """The gate g = neg_a softplus(z + dt_bias) (log2 units, <= 0) of raw z values zr, 0 where m is off."""
+    return tl.where(m, neg_a * _softplus(zr.to(tl.float32) + dtb, FAST), 0.0)
+
+
+@triton.jit
 def _load_gate_cumsum(z, dt_bias, tok, stride_z, i_h, c, cm, m2, neg_a, K: tl.constexpr, FAST: tl.constexpr = 0,
                       CS: tl.constexpr = 0):
     """Chunk-local inclusive cumsum (log2 units) of g = -exp(A_log) softplus(z + dt_bias); padded rows -> 0.
     CS: see _cumsum0 (CS=1 needs >= 16 rows: the tensor-core path)."""
     zz = tl.load(z + tok[:, None] * stride_z + i_h * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-    zz = zz + tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)[None, :]
-    g = tl.where(m2, neg_a * _softplus(zz, FAST), 0.0)
+    g = _gate(zz, tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)[None, :], neg_a, m2, FAST)
     return _cumsum0(g, tok.shape[0], CS)
 
 
@@ -402,39 +407,41 @@ def _kda_prep_rows_kernel(
     neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * 1.4426950408889634
     pz = z + t0 * stride_z + i_h * K + c                                      # [KP] pointers of row 0
     gl = tl.zeros([KP], dtype=tl.float32)
-    if KG and RB > 1:  # G of the last row by the blocked walk's own sums (kg's exponents <= 0 and exact at it)
-        gl = _prep_rows_blocks(pz, pz, pz, dtb, neg_a, nv, cblk, c, cm, gl, gl, stride_z, 0, 0, scale, qg_out,
-                               kg_out, g_out, rs_out, K, BT, RB, FAST, STAGES, 0, GATE_ONLY=1)
-    if KG and RB == 1:
-        for r in tl.range(0, nv, loop_unroll_factor=UNROLL):                # G of the last row (padded rows: g = 0)
-            zz = tl.load(pz + r * stride_z, mask=cm, other=0.0).to(tl.float32) + dtb
-            gl += tl.where(cm, neg_a * _softplus(zz, FAST), 0.0)
     G = tl.zeros([KP], dtype=tl.float32)
-    rqv = tl.zeros([BT], dtype=tl.float32)
-    rkv = tl.zeros([BT], dtype=tl.float32)
-    pq = q + t0 * stride_q + i_h * K + c
-    pk = k + t0 * stride_k + i_h * K + c
     if RB > 1:
+        pq = q + t0 * stride_q + i_h * K + c
+        pk = k + t0 * stride_k + i_h * K + c
+        if KG:  # G of the last row by the blocked walk's own sums (kg's exponents <= 0 and exact at it)
+            for r0 in tl.range(0, BT, RB, num_stages=STAGES):
+                _, gl = _gate_rows_step(pz, r0, nv, cm, dtb, neg_a, gl, stride_z, RB, FAST)
         G = _prep_rows_blocks(pz, pq, pk, dtb, neg_a, nv, cblk, c, cm, G, gl, stride_z, stride_q, stride_k, scale,
                               qg_out, kg_out, g_out, rs_out, K, BT, RB, FAST, STAGES, KG)
-    for r in tl.range(0, BT if RB == 1 else 0, loop_unroll_factor=UNROLL, num_stages=STAGES):
-        m = cm & (tl.zeros([KP], dtype=tl.int32) + r < nv)                  # (vector form: the interpreter)
-        zr = tl.load(pz + r * stride_z, mask=m, other=0.0)
-        qr = tl.load(pq + r * stride_q, mask=m, other=0.0)
-        kr = tl.load(pk + r * stride_k, mask=m, other=0.0)
-        G += tl.where(m, neg_a * _softplus(zr.to(tl.float32) + dtb, FAST), 0.0)  # [KP], <= 0
-        bq = qr.to(tl.float32)
-        bk = kr.to(tl.float32)
-        rq = scale / tl.sqrt(tl.sum(bq * bq, 0) + 1e-6)
-        rk = 1.0 / tl.sqrt(tl.sum(bk * bk, 0) + 1e-6)
-        rqv = tl.where(rows == r, rq, rqv)
-        rkv = tl.where(rows == r, rk, rkv)
-        o_k = (cblk + r) * K + c
-        tl.store(g_out + o_k, G, mask=cm)
-        tl.store(qg_out + o_k, (bq * rq * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm)
+    else:
         if KG:
-            tl.store(kg_out + o_k, (bk * rk * tl.exp2(tl.minimum(gl - G, 0.0))).to(kg_out.dtype.element_ty),
-                     mask=cm)
+            for r in tl.range(0, nv, loop_unroll_factor=UNROLL):            # G of the last row (padded rows: g = 0)
+                gl += _gate(tl.load(pz + r * stride_z, mask=cm, other=0.0), dtb, neg_a, cm, FAST)
+        rqv = tl.zeros([BT], dtype=tl.float32)
+        rkv = tl.zeros([BT], dtype=tl.float32)
+        pq = q + t0 * stride_q + i_h * K + c
+        pk = k + t0 * stride_k + i_h * K + c
+        for r in tl.range(0, BT, loop_unroll_factor=UNROLL, num_stages=STAGES):
+            m = cm & (tl.zeros([KP], dtype=tl.int32) + r < nv)              # (vector form: the interpreter)
+            zr = tl.load(pz + r * stride_z, mask=m, other=0.0)
+            qr = tl.load(pq + r * stride_q, mask=m, other=0.0)
+            kr = tl.load(pk + r * stride_k, mask=m, other=0.0)
+            G += _gate(zr, dtb, neg_a, m, FAST)                              # [KP], <= 0
+            bq = qr.to(tl.float32)
+            bk = kr.to(tl.float32)
+            rq = scale / tl.sqrt(tl.sum(bq * bq, 0) + 1e-6)
+            rk = 1.0 / tl.sqrt(tl.sum(bk * bk, 0) + 1e-6)
+            rqv = tl.where(rows == r, rq, rqv)
+            rkv = tl.where(rows == r, rk, rkv)
+            o_k = (cblk + r) * K + c
+            tl.store(g_out + o_k, G, mask=cm)
+            tl.store(qg_out + o_k, (bq * rq * tl.exp2(G)).to(qg_out.dtype.element_ty), mask=cm)
+            if KG:
+                tl.store(kg_out + o_k, (bk * rk * tl.exp2(tl.minimum(gl - G, 0.0))).to(kg_out.dtype.element_ty),
+                         mask=cm)
     if KG == 0:
         gl = G
     tl.store(gl_out + (i_c.to(tl.int64) * H + i_h) * K + c, gl, mask=cm)
@@ -447,33 +454,38 @@ def _kda_prep_rows_kernel(
 
 
 @triton.jit
+def _gate_rows_step(pz, r0, nv, cm, dtb, neg_a, G, stride_z, RB: tl.constexpr, FAST: tl.constexpr):
+    """PREP_ROWS_RB: one step of RB rows from row r0 -> (Gb [RB, KP]: G of each row, the running sum G [KP] after
+    the step's last row, taken exactly from Gb); pz: the [KP] row-0 pointers of z."""
+    rr = r0 + tl.arange(0, RB)
+    m = (rr < nv)[:, None] & cm[None, :]
+    g = _gate(tl.load(pz[None, :] + (rr * stride_z)[:, None], mask=m, other=0.0), dtb[None, :], neg_a, m, FAST)
+    Gb = G[None, :] + tl.cumsum(g, 0)                                        # [RB, KP], <= 0
+    return Gb, tl.sum(tl.where((tl.arange(0, RB) == RB - 1)[:, None], Gb, 0.0), 0)
+
+
+@triton.jit
 def _prep_rows_blocks(pz, pq, pk, dtb, neg_a, nv, cblk, c, cm, G, gl, stride_z, stride_q, stride_k, scale,
                       qg_out, kg_out, g_out, rs_out, K: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr,
-                      FAST: tl.constexpr, STAGES: tl.constexpr, KG: tl.constexpr, GATE_ONLY: tl.constexpr = 0):
+                      FAST: tl.constexpr, STAGES: tl.constexpr, KG: tl.constexpr):
     """PREP_ROWS_RB: the row walk RB rows per step ([RB, KP] tiles; pz / pq / pk: the [KP] row-0 pointers, G: the
-    running gate sum [KP]); stores G, qg, kg (KG) and rs's rq / rk of every row; returns G after the last row.
-    GATE_ONLY=1: only that sum (z alone is read, nothing stored; the same arithmetic as the full walk's G)."""
-    rb = tl.arange(0, RB)
+    running gate sum [KP]); stores G, qg, kg (KG) and rs's rq / rk of every row; returns G after the last row."""
     for r0 in tl.range(0, BT, RB, num_stages=STAGES):
-        rr = r0 + rb
+        Gb, G = _gate_rows_step(pz, r0, nv, cm, dtb, neg_a, G, stride_z, RB, FAST)
+        rr = r0 + tl.arange(0, RB)
         m = (rr < nv)[:, None] & cm[None, :]
-        zr = tl.load(pz[None, :] + (rr * stride_z)[:, None], mask=m, other=0.0)
-        g = tl.where(m, neg_a * _softplus(zr.to(tl.float32) + dtb[None, :], FAST), 0.0)
-        Gb = G[None, :] + tl.cumsum(g, 0)                                    # [RB, KP], <= 0
-        G = tl.sum(tl.where((rb == RB - 1)[:, None], Gb, 0.0), 0)            # the step's last row (exact)
-        if not GATE_ONLY:
-            bq = tl.load(pq[None, :] + (rr * stride_q)[:, None], mask=m, other=0.0).to(tl.float32)
-            bk = tl.load(pk[None, :] + (rr * stride_k)[:, None], mask=m, other=0.0).to(tl.float32)
-            rq = scale / tl.sqrt(tl.sum(bq * bq, 1) + 1e-6)
-            rk = 1.0 / tl.sqrt(tl.sum(bk * bk, 1) + 1e-6)
-            tl.store(rs_out + (cblk + rr) * 4, rq)
-            tl.store(rs_out + (cblk + rr) * 4 + 1, rk)
-            o_k = (cblk + rr)[:, None] * K + c[None, :]
-            tl.store(g_out + o_k, Gb, mask=cm[None, :])
-            tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(Gb)).to(qg_out.dtype.element_ty), mask=cm[None, :])
-            if KG:
-                tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - Gb, 0.0)))
-                         .to(kg_out.dtype.element_ty), mask=cm[None, :])
+        bq = tl.load(pq[None, :] + (rr * stride_q)[:, None], mask=m, other=0.0).to(tl.float32)
+        bk = tl.load(pk[None, :] + (rr * stride_k)[:, None], mask=m, other=0.0).to(tl.float32)
+        rq = scale / tl.sqrt(tl.sum(bq * bq, 1) + 1e-6)
+        rk = 1.0 / tl.sqrt(tl.sum(bk * bk, 1) + 1e-6)
+        tl.store(rs_out + (cblk + rr) * 4, rq)
+        tl.store(rs_out + (cblk + rr) * 4 + 1, rk)
+        o_k = (cblk + rr)[:, None] * K + c[None, :]
+        tl.store(g_out + o_k, Gb, mask=cm[None, :])
+        tl.store(qg_out + o_k, (bq * rq[:, None] * tl.exp2(Gb)).to(qg_out.dtype.element_ty), mask=cm[None, :])
+        if KG:
+            tl.store(kg_out + o_k, (bk * rk[:, None] * tl.exp2(tl.minimum(gl[None, :] - Gb, 0.0)))
+                     .to(kg_out.dtype.element_ty), mask=cm[None, :])
     return G
 
 
@@ -631,6 +643,7 @@ def _kda_akk_lv_kernel(
     prs = rs_in + cblk * 4
     pa = a_out + cblk * BT
     px = x_out + cblk * BT
+    pkg = kg_out + cblk * K if KG else kg_out            # (KG: akk's levels pass writes kg)
     rq = tl.load(prs + rr * 4)
     rk = tl.load(prs + rr * 4 + 1)
     beta = tl.load(prs + rr * 4 + 2)
@@ -648,8 +661,7 @@ def _kda_akk_lv_kernel(
         for j in range(i_b + 1, BT // BC):               # Aqk is zero above the diagonal block
             _akk_store_off(pa, px, rr, i_b, j, zero, zero, beta, BT, BC)
         _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k,
-                            tl.zeros([BC], dtype=tl.float32), K, BT, BC, BK, PREC, DQ0=1, KG=KG,
-                            pkg=kg_out + cblk * K if KG else kg_out)
+                            tl.zeros([BC], dtype=tl.float32), K, BT, BC, BK, PREC, DQ0=1, KG=KG, pkg=pkg)
         return
     o0k, o0q, o1k, o1q, o2k, o2q = _akk_off_accs(BC)   # off-diagonal column blocks 0..2
     l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)    # diagonal-block levels hb = 8, 4, 2, 1
@@ -685,7 +697,7 @@ def _kda_akk_lv_kernel(
     _akk_store_off(pa, px, rr, i_b, 3, o2k, o2q, beta, BT, BC)     # (block 3 is never < i: zeros)
     if SPLITK:
         _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K, BT, BC,
-                            BK, PREC, KG=KG, pkg=kg_out + cblk * K if KG else kg_out)
+                            BK, PREC, KG=KG, pkg=pkg)
     else:
         _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC)
 
