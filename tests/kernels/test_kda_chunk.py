@@ -388,6 +388,19 @@ VARIANTS = {
 }
 
 
+def test_prep_variant_rule():
+    """A variant setting a constant only the tile prep reads runs the tile prep (PREP_ROWS = 0) unless it names
+    PREP_ROWS; other variants are left as they are."""
+    from kernels.kda.chunk import TILE_PREP_CONSTANTS, prep_variant
+
+    for name in TILE_PREP_CONSTANTS:
+        assert prep_variant({name: 1}) == {name: 1, "PREP_ROWS": 0}
+        assert prep_variant({name: 1, "PREP_ROWS": 1}) == {name: 1, "PREP_ROWS": 1}
+    assert prep_variant({"AKK_KG": 0}) == {"AKK_KG": 0}
+    assert prep_variant({}) == {}
+    assert prep_variant(VARIANTS["cumsum-scan"])["PREP_ROWS"] == 0
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("strong_gate", [False, True])
 def test_variants_match_default_fp32(variant, strong_gate, monkeypatch):
