@@ -463,6 +463,9 @@ QUICK_VARIANTS = [
     ("prep-rb2", dict(PREP_ROWS_RB=2)),
     ("prep-rb4", dict(PREP_ROWS_RB=4)),
     ("prep-rb8", dict(PREP_ROWS_RB=8)),
+    # session 33 (untimed): akk's diagonal-block inverse with each 8-row half as (I - L)(I + L^2)(I + L^4), tf32x3
+    # dots, instead of the forward substitution (AKK_INV_POW); offline sm_90 ~690 fewer SASS per program (~8%)
+    ("akk-inv-pow", dict(AKK_INV_POW=1)),
     # (session 30: AKK_PAIR, two row blocks per program: 'akk-pair' / '-r192' / '-nocap'; H100 12-06, session 31,
     # T=16k: akk 0.943 / 0.841 / 0.846 ms against 0.718 for the default. Removed.)
 ]

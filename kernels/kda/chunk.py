@@ -223,6 +223,13 @@ WU_LOOP = 1
 # once, no kg store): prep 0.392 -> 0.297 ms, akk 0.717 -> 0.740 (168 regs; Triton 3.6 spills 12 B there, 3.9 keeps
 # 24 B of stack; uncapped, 218 regs on 3.6: 0.760). 0 (or AKK_LV_SPLITK 0): prep writes kg (two walks).
 AKK_KG = 1
+# AKK_INV_POW = 1 (A/B): akk's diagonal-block inverse with each 8-row half as (I - L)(I + L^2)(I + L^4), four
+# [16, 16] tensor-core dots at tf32x3 (bf16 inputs; ieee with fp32), instead of the halves' forward substitution (7
+# steps of cross-lane reductions, 178 SASS each); the merge of the halves stays. Offline sm_90 (Triton 3.9): ~690 fewer
+# instructions per program (~8% of akk's ~8.5k), 168 regs, the same 24 B of stack. Accuracy (torch emulation, 16-row
+# blocks of correlated keys, beta near 1): the inverse within 3e-4 relative RMS of fp64 either way (the tf32 merge
+# dominates); plain tf32 for the powers: 8e-4-1e-3 (not used); the whole block as (I-L)...(I+L^8) in plain tf32: 2-3%.
+AKK_INV_POW = 0
 # (WU_KG, wu writing kg from the k and G tiles it loads anyway so that prep walks its rows once: H100 12-06,
 # session 32, T=16k prep 0.398 -> 0.302 ms but wu 0.425 -> 0.666 (one loop, 168 regs, 54 B spilled), 0.541 (200
 # regs), 0.517 (two loops, no spill): 1.948 ms against 1.957 at best. Removed; code in f04496e. AKK_KG above.)
@@ -601,7 +608,7 @@ def _kda_akk_lv_kernel(
     stride_q, stride_k,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, SPLITK: tl.constexpr = 0, UNCOND: tl.constexpr = 0, JOUTER: tl.constexpr = 0,
-    KG: tl.constexpr = 0, kg_out=None,
+    KG: tl.constexpr = 0, kg_out=None, INV_POW: tl.constexpr = 0, INV_PREC: tl.constexpr = "ieee",
 ):
     """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head), meant for num_warps=1: the rows
     R = [i BC, (i+1) BC) of
@@ -661,7 +668,8 @@ def _kda_akk_lv_kernel(
         for j in range(i_b + 1, BT // BC):               # Aqk is zero above the diagonal block
             _akk_store_off(pa, px, rr, i_b, j, zero, zero, beta, BT, BC)
         _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k,
-                            tl.zeros([BC], dtype=tl.float32), K, BT, BC, BK, PREC, DQ0=1, KG=KG, pkg=pkg)
+                            tl.zeros([BC], dtype=tl.float32), K, BT, BC, BK, PREC, DQ0=1, KG=KG, pkg=pkg,
+                            INV_POW=INV_POW, INV_PREC=INV_PREC)
         return
     o0k, o0q, o1k, o1q, o2k, o2q = _akk_off_accs(BC)   # off-diagonal column blocks 0..2
     l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)    # diagonal-block levels hb = 8, 4, 2, 1
@@ -697,15 +705,17 @@ def _kda_akk_lv_kernel(
     _akk_store_off(pa, px, rr, i_b, 3, o2k, o2q, beta, BT, BC)     # (block 3 is never < i: zeros)
     if SPLITK:
         _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K, BT, BC,
-                            BK, PREC, KG=KG, pkg=pkg)
+                            BK, PREC, KG=KG, pkg=pkg, INV_POW=INV_POW, INV_PREC=INV_PREC)
     else:
-        _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC)
+        _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC, INV_POW,
+                          INV_PREC)
 
 
 @triton.jit
 def _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K: tl.constexpr,
                         BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                        DQ0: tl.constexpr = 0, KG: tl.constexpr = 0, pkg=None):
+                        DQ0: tl.constexpr = 0, KG: tl.constexpr = 0, pkg=None, INV_POW: tl.constexpr = 0,
+                        INV_PREC: tl.constexpr = "ieee"):
     """akk (SPLITK): the levels' own pass over K, then the diagonal blocks and the inverse (_akk_diag_inverse).
     dq0: the s = r terms of Aqk from the off-diagonal pass (DQ0=1: summed here instead, onto the given dq0).
     KG=1: also kg [R, K] = kn exp2(G_last - G) to pkg (this chunk-head's row 0; G_last: G's row BT - 1, which for
@@ -723,12 +733,13 @@ def _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride
             dq0 += tl.sum(qr * kr, 1)
         l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_four_levels(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, l4k, l4q, l2k,
                                                                   l2q, l1k, l1q, K, BC, PREC)
-    _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC)
+    _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC, INV_POW,
+                      INV_PREC)
 
 
 @triton.jit
 def _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT: tl.constexpr,
-                      BC: tl.constexpr, PREC: tl.constexpr):
+                      BC: tl.constexpr, PREC: tl.constexpr, INV_POW: tl.constexpr = 0, INV_PREC: tl.constexpr = "ieee"):
     """akk: the diagonal blocks of Aqk / Dkk from the levels (+ dq0, the s = r terms of Aqk), Aqk's stored, then the
     inverse of (I + diag(beta) StrictTril(Dkk)) on the block stored to X."""
     r16 = tl.arange(0, BC)
@@ -740,7 +751,29 @@ def _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, 
     d_kk, d_qk = _akk_level_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
     tl.store(pa + rr[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(pa.dtype.element_ty))
     lmat = tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0)        # L_ii = diag(beta) StrictTril(Dkk)
-    tl.store(px + rr[:, None] * BT + (i_b * BC + r16)[None, :], _block_diag_inverse(lmat, r16, BC, PREC))
+    if INV_POW:
+        inv = _block_inverse_pow(lmat, r16, BC, INV_PREC, PREC)
+    else:
+        inv = _block_diag_inverse(lmat, r16, BC, PREC)
+    tl.store(px + rr[:, None] * BT + (i_b * BC + r16)[None, :], inv)
+
+
+@triton.jit
+def _block_inverse_pow(lmat, r, BC: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr):
+    """AKK_INV_POW: _block_diag_inverse with each BC/2-row half's inverse as the product (I - L)(I + L^2)(I + L^4)
+    (L^(BC/2) = 0 in a half): four tensor-core dots at PREC (tf32x3 with bf16 inputs: the substitution's fp32
+    accuracy) instead of BC/2 - 1 steps of cross-lane reductions; then the same merge (dots at MPREC)."""
+    tl.static_assert(BC == 16)
+    HB: tl.constexpr = BC // 2
+    hr = (r // HB)[:, None] == (r // HB)[None, :]                                     # same half
+    lh = tl.where(hr, lmat, 0.0)
+    l2 = tl.dot(lh, lh, input_precision=PREC)
+    l4 = tl.dot(l2, l2, input_precision=PREC)
+    x = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - lh
+    x = tl.dot(x, l2, x, input_precision=PREC)
+    di = tl.dot(x, l4, x, input_precision=PREC)
+    l21 = tl.where(((r % BC) >= HB)[:, None] & ((r % BC) < HB)[None, :], lmat, 0.0)
+    return di - tl.dot(di, tl.dot(l21, di, input_precision=MPREC), input_precision=MPREC)
 
 
 @triton.jit
@@ -1106,7 +1139,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                                          stride_k="i32", **(dict(kg_out=sd) if _akk_kg() else {})),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
                      UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
-                     **(dict(KG=1) if _akk_kg() else {})),
+                     **(dict(KG=1) if _akk_kg() else {}), **_akk_inv(prec)),
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
@@ -1141,6 +1174,13 @@ def _fast_softplus() -> int:
 def _akk_kg() -> bool:
     """Whether akk writes kg (AKK_KG, on the two-pass akk only); prep writes it otherwise."""
     return bool(AKK_KG and AKK_LV_SPLITK)
+
+
+def _akk_inv(prec: str) -> dict:
+    """akk's constexprs for its diagonal-block inverse (AKK_INV_POW; tf32x3 where the dots are tf32)."""
+    if not AKK_INV_POW:
+        return {}
+    return dict(INV_POW=1, INV_PREC="tf32x3" if prec == "tf32" else prec)
 
 
 def _maxnreg(n) -> dict:
@@ -1218,7 +1258,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
                 UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
-                **(dict(KG=1, kg_out=kg) if _akk_kg() else {}),
+                **(dict(KG=1, kg_out=kg) if _akk_kg() else {}), **_akk_inv(prec),
                 num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
             )
 

@@ -372,6 +372,8 @@ VARIANTS = {
     # per row)
     "prep-rb4": dict(PREP_ROWS_RB=4),
     "prep-rb4-kg": dict(PREP_ROWS_RB=4, AKK_KG=0),
+    # akk's diagonal-block inverse with each 8-row half as (I - L)(I + L^2)(I + L^4) (the default: substitution)
+    "akk-inv-pow": dict(AKK_INV_POW=1),
     # the row walk unrolled by 2, not 8 (the 64 rows: loop tails none; the test's partial chunks: masked rows)
     "prep-rows-u2": dict(PREP_ROWS_UNROLL=2),
     # wu's w tiles in a K loop, then its u tiles in a V loop (the default: one loop, loads one tile ahead)
