@@ -33,7 +33,7 @@
 #            bench/mla.py --sweep-decode beside FlashInfer at issue 5's shapes.
 #   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30: the off-diagonal blocks j < i in a
 #            loop, one K pass each): its GPU test, then the kda part below.
-#   kda:     bench/kda_prefill.py --quick --variants default,akk-inv-pow,prep-rb2,prep-rb4,prep-kg,akk-threeblock
+#   kda:     bench/kda_prefill.py --quick --variants default,akk-inv-pow,akk-lvsel-s2,akk-lvsel-pow-s2,prep-rb2,prep-rb4,prep-kg
 #            (untimed: akk's diagonal inverse by products, AKK_INV_POW (session 33), and the row walk 2 / 4 rows per
 #            step, PREP_ROWS_RB; the defaults before AKK_KG (the row walk writing kg) and before AKK_JOUTER (session
 #            30), both timed on H100s only; fla-core in the same process). Env kda_variants: the --variants list.
@@ -139,7 +139,7 @@ if has mla5 && [ "$(left)" -gt 90 ]; then
 fi
 if has kda && [ "$(left)" -gt 90 ]; then
   timeout "$(left)" python3 bench/kda_prefill.py --quick \
-    --variants "${kda_variants:-default,akk-inv-pow,prep-rb2,prep-rb4,prep-kg,akk-threeblock}" \
+    --variants "${kda_variants:-default,akk-inv-pow,akk-lvsel-s2,akk-lvsel-pow-s2,prep-rb2,prep-rb4,prep-kg}" \
     > "$OUT/kda_variants.log" 2>&1; step "kda variants" $?
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then

@@ -230,6 +230,12 @@ AKK_KG = 1
 # blocks of correlated keys, beta near 1): the inverse within 3e-4 relative RMS of fp64 either way (the tf32 merge
 # dominates); plain tf32 for the powers: 8e-4-1e-3 (not used); the whole block as (I-L)...(I+L^8) in plain tf32: 2-3%.
 AKK_INV_POW = 0
+# AKK_LV_SEL = 1 (A/B, with AKK_LV_SPLITK): akk's levels accumulated onto the diagonal block itself, each level's dot
+# taking the running block as its accumulator and kept at the level's pairs only (a select after each dot), instead
+# of eight per-level accumulators selected after the K loop: 48 fewer live registers per lane for ~64 more selects per
+# K tile, and the four levels' dots then chain through the block.
+AKK_LV_SEL = 0
+AKK_STAGES = None        # akk's num_stages (None: Triton's default, 3)
 # (WU_KG, wu writing kg from the k and G tiles it loads anyway so that prep walks its rows once: H100 12-06,
 # session 32, T=16k prep 0.398 -> 0.302 ms but wu 0.425 -> 0.666 (one loop, 168 regs, 54 B spilled), 0.541 (200
 # regs), 0.517 (two loops, no spill): 1.948 ms against 1.957 at best. Removed; code in f04496e. AKK_KG above.)
@@ -543,6 +549,24 @@ def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _akk_level_into(pg, i_b, c, cm, qr, kr, Gr, d_kk, d_qk, hb: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+                    PREC: tl.constexpr):
+    """AKK_LV_SEL: level hb on one K tile (_akk_level's dots) accumulated onto the diagonal block's running
+    d_kk / d_qk and kept only at the level's pairs (_akk_level_sel's), so no per-level accumulators live."""
+    r16 = tl.arange(0, BC)
+    a = i_b * BC + ((r16 & ~(2 * hb - 1)) | hb)                                        # anchor row of each row
+    Ga = tl.load(pg + a[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
+    e = tl.exp2(-tl.abs(Gr - Ga))
+    ke = kr * e
+    ct = tl.trans(ke)
+    up = (r16 & hb) != 0
+    sel = (((r16[:, None] ^ r16[None, :]) < 2 * hb) & up[:, None]) & (~up)[None, :]
+    d_kk = tl.where(sel, tl.dot(ke, ct, d_kk, input_precision=PREC), d_kk)
+    d_qk = tl.where(sel, tl.dot(qr * e, ct, d_qk, input_precision=PREC), d_qk)
+    return d_kk, d_qk
+
+
+@triton.jit
 def _akk_store_off(pa, px, rr, i_b, j, ok, oq, beta, BT: tl.constexpr, BC: tl.constexpr):
     """akk: column block j != i of the rows R: Aqk (oq for j < i, zeros for j > i) and X = beta Dkk for j < i
     (the diagonal block i of both is stored separately). pa / px: the chunk's row-0 bases of Aqk and X; j a
@@ -609,6 +633,7 @@ def _kda_akk_lv_kernel(
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, SPLITK: tl.constexpr = 0, UNCOND: tl.constexpr = 0, JOUTER: tl.constexpr = 0,
     KG: tl.constexpr = 0, kg_out=None, INV_POW: tl.constexpr = 0, INV_PREC: tl.constexpr = "ieee",
+    LV_SEL: tl.constexpr = 0,
 ):
     """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head), meant for num_warps=1: the rows
     R = [i BC, (i+1) BC) of
@@ -669,7 +694,7 @@ def _kda_akk_lv_kernel(
             _akk_store_off(pa, px, rr, i_b, j, zero, zero, beta, BT, BC)
         _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k,
                             tl.zeros([BC], dtype=tl.float32), K, BT, BC, BK, PREC, DQ0=1, KG=KG, pkg=pkg,
-                            INV_POW=INV_POW, INV_PREC=INV_PREC)
+                            INV_POW=INV_POW, INV_PREC=INV_PREC, LV_SEL=LV_SEL)
         return
     o0k, o0q, o1k, o1q, o2k, o2q = _akk_off_accs(BC)   # off-diagonal column blocks 0..2
     l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)    # diagonal-block levels hb = 8, 4, 2, 1
@@ -705,7 +730,7 @@ def _kda_akk_lv_kernel(
     _akk_store_off(pa, px, rr, i_b, 3, o2k, o2q, beta, BT, BC)     # (block 3 is never < i: zeros)
     if SPLITK:
         _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K, BT, BC,
-                            BK, PREC, KG=KG, pkg=pkg, INV_POW=INV_POW, INV_PREC=INV_PREC)
+                            BK, PREC, KG=KG, pkg=pkg, INV_POW=INV_POW, INV_PREC=INV_PREC, LV_SEL=LV_SEL)
     else:
         _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC, INV_POW,
                           INV_PREC)
@@ -715,12 +740,14 @@ def _kda_akk_lv_kernel(
 def _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K: tl.constexpr,
                         BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
                         DQ0: tl.constexpr = 0, KG: tl.constexpr = 0, pkg=None, INV_POW: tl.constexpr = 0,
-                        INV_PREC: tl.constexpr = "ieee"):
+                        INV_PREC: tl.constexpr = "ieee", LV_SEL: tl.constexpr = 0):
     """akk (SPLITK): the levels' own pass over K, then the diagonal blocks and the inverse (_akk_diag_inverse).
     dq0: the s = r terms of Aqk from the off-diagonal pass (DQ0=1: summed here instead, onto the given dq0).
     KG=1: also kg [R, K] = kn exp2(G_last - G) to pkg (this chunk-head's row 0; G_last: G's row BT - 1, which for
     a partial chunk holds the last valid row's G)."""
     l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)
+    d_kk = tl.zeros([BC, BC], dtype=tl.float32)                                         # (LV_SEL)
+    d_qk = tl.zeros([BC, BC], dtype=tl.float32)
     for kb in range(0, K, BK):
         c = kb + tl.arange(0, BK)
         cm = c < K
@@ -731,10 +758,19 @@ def _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride
                      (kr * tl.exp2(tl.minimum(gl[None, :] - Gr, 0.0))).to(pkg.dtype.element_ty), mask=cm[None, :])
         if DQ0:
             dq0 += tl.sum(qr * kr, 1)
-        l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_four_levels(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, l4k, l4q, l2k,
-                                                                  l2q, l1k, l1q, K, BC, PREC)
-    _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC, INV_POW,
-                      INV_PREC)
+        if LV_SEL:
+            for h in tl.static_range(4):
+                d_kk, d_qk = _akk_level_into(pg, i_b, c, cm, qr, kr, Gr, d_kk, d_qk, BC // (2 << h), K, BC, PREC)
+        else:
+            l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_four_levels(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, l4k, l4q,
+                                                                      l2k, l2q, l1k, l1q, K, BC, PREC)
+    if LV_SEL:
+        r16 = tl.arange(0, BC)
+        d_qk += tl.where(r16[:, None] == r16[None, :], dq0[:, None], 0.0)
+        _akk_diag_store_inverse(pa, px, rr, beta, i_b, d_kk, d_qk, BT, BC, PREC, INV_POW, INV_PREC)
+    else:
+        _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC, INV_POW,
+                          INV_PREC)
 
 
 @triton.jit
@@ -749,6 +785,14 @@ def _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, 
     d_kk, d_qk = _akk_level_sel(l4k, l4q, d_kk, d_qk, BC // 4, BC)
     d_kk, d_qk = _akk_level_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
     d_kk, d_qk = _akk_level_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
+    _akk_diag_store_inverse(pa, px, rr, beta, i_b, d_kk, d_qk, BT, BC, PREC, INV_POW, INV_PREC)
+
+
+@triton.jit
+def _akk_diag_store_inverse(pa, px, rr, beta, i_b, d_kk, d_qk, BT: tl.constexpr, BC: tl.constexpr,
+                            PREC: tl.constexpr, INV_POW: tl.constexpr, INV_PREC: tl.constexpr):
+    """akk: store the diagonal block of Aqk (d_qk), then the inverse of (I + diag(beta) StrictTril(d_kk)) to X."""
+    r16 = tl.arange(0, BC)
     tl.store(pa + rr[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(pa.dtype.element_ty))
     lmat = tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0)        # L_ii = diag(beta) StrictTril(Dkk)
     if INV_POW:
@@ -1140,7 +1184,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
                      UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
                      **(dict(KG=1) if _akk_kg() else {}), **_akk_inv(prec)),
-                dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
+                dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG), **_stages(AKK_STAGES))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
@@ -1178,9 +1222,15 @@ def _akk_kg() -> bool:
 
 def _akk_inv(prec: str) -> dict:
     """akk's constexprs for its diagonal-block inverse (AKK_INV_POW; tf32x3 where the dots are tf32)."""
+    lv = dict(LV_SEL=1) if AKK_LV_SEL else {}
     if not AKK_INV_POW:
-        return {}
-    return dict(INV_POW=1, INV_PREC="tf32x3" if prec == "tf32" else prec)
+        return lv
+    return dict(lv, INV_POW=1, INV_PREC="tf32x3" if prec == "tf32" else prec)
+
+
+def _stages(n) -> dict:
+    """num_stages launch option (None: Triton's default)."""
+    return {} if n is None else dict(num_stages=n)
 
 
 def _maxnreg(n) -> dict:
@@ -1259,7 +1309,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
                 UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
                 **(dict(KG=1, kg_out=kg) if _akk_kg() else {}), **_akk_inv(prec),
-                num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
+                num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG), **_stages(AKK_STAGES),
             )
 
         def wu():
