@@ -33,10 +33,11 @@
 #            bench/mla.py --sweep-decode beside FlashInfer at issue 5's shapes.
 #   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30: the off-diagonal blocks j < i in a
 #            loop, one K pass each): its GPU test, then the kda part below.
-#   kda:     bench/kda_prefill.py --quick --variants default,akk-inv-pow,akk-lvsel-s2,akk-lvsel-pow-s2,prep-rb2,prep-rb4,prep-kg
-#            (untimed: akk's diagonal inverse by products, AKK_INV_POW (session 33), and the row walk 2 / 4 rows per
-#            step, PREP_ROWS_RB; the defaults before AKK_KG (the row walk writing kg) and before AKK_JOUTER (session
-#            30), both timed on H100s only; fla-core in the same process). Env kda_variants: the --variants list.
+#   kda:     bench/kda_prefill.py --quick --variants default,akk-inv-pow,akk-lvsel-s2,akk-lvsel-pow-s2,prep-rb2,
+#            prep-rb4,prep-kg (untimed, session 33: akk's diagonal inverse by products, AKK_INV_POW; its levels
+#            accumulated onto the block, AKK_LV_SEL, 2 stages (135 regs: 15 one-warp CTAs / SM, against 12); the row
+#            walk 2 / 4 rows per step, PREP_ROWS_RB (session 32); the default before AKK_KG (the row walk writing kg),
+#            timed on H100s only; fla-core in the same process). Env kda_variants: the --variants list.
 #   adopt:   after adopting lz8 (MLA), AKK_JOUTER, PREP_ROWS and AKK_KG (KDA) as defaults in sessions 30 and 32
 #            (timed on H100s only): their GPU tests, the MLA sweep (the default against the tiles before it), issue
 #            5's table (bench/mla.py --no-sweep --decode-only), the kda part, and issue 6's table (bench/e2e.py).
