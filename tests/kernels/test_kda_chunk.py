@@ -469,7 +469,8 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "prep-rows-u16": dict(PREP_ROWS_UNROLL=16),
     "prep-rb2": dict(PREP_ROWS_RB=2),
     "prep-rb8": dict(PREP_ROWS_RB=8),
-    "akk-lvsel-pow-s2": dict(AKK_LV_SEL=1, AKK_INV_POW=1, AKK_MAXNREG=None, AKK_STAGES=2),
+    "akk-lvsel-s2-r144": dict(AKK_LV_SEL=1, AKK_MAXNREG=144, AKK_STAGES=2),
+    "akk-lvsel-pow-s2-r144": dict(AKK_LV_SEL=1, AKK_INV_POW=1, AKK_MAXNREG=144, AKK_STAGES=2),
 })
 
 
