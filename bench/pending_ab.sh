@@ -45,6 +45,7 @@
 # Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|adopt|final|short|h200|all]
 #        [total seconds]
 set -u
+kda_default=default,akk-inv-pow,akk-lvsel-s2-r144,akk-lvsel-pow-s2-r144,akk-lvsel-s2,prep-rb2,prep-kg
 what=${1:-all}
 total=${2:-560}
 OUT=${OUT:-$PWD/.out}; mkdir -p "$OUT"
@@ -141,7 +142,7 @@ if has mla5 && [ "$(left)" -gt 90 ]; then
 fi
 if has kda && [ "$(left)" -gt 90 ]; then
   timeout "$(left)" python3 bench/kda_prefill.py --quick \
-    --variants "${kda_variants:-default,akk-inv-pow,akk-lvsel-s2-r144,akk-lvsel-pow-s2-r144,akk-lvsel-s2,prep-rb2,prep-kg}" \
+    --variants "${kda_variants:-$kda_default}" \
     > "$OUT/kda_variants.log" 2>&1; step "kda variants" $?
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then
