@@ -463,17 +463,9 @@ QUICK_VARIANTS = [
     ("prep-rb2", dict(PREP_ROWS_RB=2)),
     ("prep-rb4", dict(PREP_ROWS_RB=4)),
     ("prep-rb8", dict(PREP_ROWS_RB=8)),
-    # session 33 (untimed): akk's diagonal-block inverse with each 8-row half as (I - L)(I + L^2)(I + L^4), tf32x3
-    # dots, instead of the forward substitution (AKK_INV_POW); offline sm_90 ~690 fewer SASS per program (~8%)
-    ("akk-inv-pow", dict(AKK_INV_POW=1)),
-    # session 33 (untimed): akk's levels accumulated onto the diagonal block (AKK_LV_SEL, no per-level accumulators).
-    # Offline sm_90 regs / stack bytes, Triton 3.6 (the H200's) | 3.9: the default (cap 168) 168 / 48 | 168 / 24;
-    # lvsel uncapped 220 / 0 | 140 / 0; lvsel-s2 (2 pipeline stages) uncapped 168 / 0 | 135 / 0, at cap 144 144 / 0 |
-    # 144 / 24 (14 one-warp CTAs / SM against 12); lvsel-pow-s2-r144 (with AKK_INV_POW) 144 / 16 | 144 / 16
-    ("akk-lvsel", dict(AKK_LV_SEL=1, AKK_MAXNREG=None)),
-    ("akk-lvsel-s2", dict(AKK_LV_SEL=1, AKK_MAXNREG=None, AKK_STAGES=2)),
-    ("akk-lvsel-s2-r144", dict(AKK_LV_SEL=1, AKK_MAXNREG=144, AKK_STAGES=2)),
-    ("akk-lvsel-pow-s2-r144", dict(AKK_LV_SEL=1, AKK_INV_POW=1, AKK_MAXNREG=144, AKK_STAGES=2)),
+    # (session 33: akk's diagonal inverse by tf32x3 products, 'akk-inv-pow', and its levels accumulated onto the
+    # block, 'akk-lvsel' / '-s2' / '-s2-r144' / 'akk-lvsel-pow-s2-r144': H100 12-06, T=16k akk 0.742 / 0.751 / 0.771
+    # / 0.780 ms against 0.740. Removed; code in abd9f75.)
     # (session 30: AKK_PAIR, two row blocks per program: 'akk-pair' / '-r192' / '-nocap'; H100 12-06, session 31,
     # T=16k: akk 0.943 / 0.841 / 0.846 ms against 0.718 for the default. Removed.)
 ]

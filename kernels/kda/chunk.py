@@ -223,25 +223,18 @@ WU_LOOP = 1
 # once, no kg store): prep 0.392 -> 0.297 ms, akk 0.717 -> 0.740 (168 regs; Triton 3.6 spills 12 B there, 3.9 keeps
 # 24 B of stack; uncapped, 218 regs on 3.6: 0.760). 0 (or AKK_LV_SPLITK 0): prep writes kg (two walks).
 AKK_KG = 1
-# AKK_INV_POW = 1 (A/B): akk's diagonal-block inverse with each 8-row half as (I - L)(I + L^2)(I + L^4), four
-# [16, 16] tensor-core dots at tf32x3 (bf16 inputs; ieee with fp32), instead of the halves' forward substitution (7
-# steps of cross-lane reductions, 178 SASS each); the merge of the halves stays. Offline sm_90 (Triton 3.9): ~690 fewer
-# instructions per program (~8% of akk's ~8.5k), 168 regs, the same 24 B of stack. Accuracy (torch emulation, 16-row
-# blocks of correlated keys, beta near 1): the inverse within 3e-4 relative RMS of fp64 either way (the tf32 merge
-# dominates); plain tf32 for the powers: 8e-4-1e-3 (not used); the whole block as (I-L)...(I+L^8) in plain tf32: 2-3%.
-AKK_INV_POW = 0
-# AKK_LV_SEL = 1 (A/B, with AKK_LV_SPLITK): akk's levels accumulated onto the diagonal block itself, each level's dot
-# taking the running block as its accumulator and kept at the level's pairs only (a select after each dot), instead
-# of eight per-level accumulators selected after the K loop: 48 fewer live registers per lane for ~64 more selects per
-# K tile, and the four levels' dots then chain through the block.
-AKK_LV_SEL = 0
-AKK_STAGES = None        # akk's num_stages (None: Triton's default, 3)
 # (WU_KG, wu writing kg from the k and G tiles it loads anyway so that prep walks its rows once: H100 12-06,
 # session 32, T=16k prep 0.398 -> 0.302 ms but wu 0.425 -> 0.666 (one loop, 168 regs, 54 B spilled), 0.541 (200
 # regs), 0.517 (two loops, no spill): 1.948 ms against 1.957 at best. Removed; code in f04496e. AKK_KG above.)
 # (WU_KBG = 1, prep also writing wu's operand kb = beta kn exp2(G) so that wu reads neither k nor the fp32 G: prep's
 # extra write cost more than wu saved, H200 session 19 T=16k 2.179 vs 2.062 ms, H100 session 22 2.239 vs 2.147;
 # removed in session 25, last present in cb00f87.)
+# (session 33: AKK_INV_POW, akk's diagonal 8-row halves inverted as (I - L)(I + L^2)(I + L^4) by tf32x3 dots instead
+# of the 7-step forward substitution (offline ~690 fewer SASS per program), and AKK_LV_SEL, the four levels accumulated
+# onto the diagonal block with a select after each dot instead of eight per-level accumulators (Triton 3.6: 144 regs,
+# no stack at 2 stages; 14 one-warp CTAs / SM against 12). H100 12-06 at T=16k: akk 0.742 (inv-pow), 0.771 (lvsel,
+# 144 regs), 0.751 (lvsel uncapped, 168, no stack), 0.780 (both) against 0.740 ms: neither fewer instructions on the
+# inverse chain nor more resident warps shortens akk. Removed; code in abd9f75.)
 WU_MAXNREG = 168         # register cap for wu (LOOP 0: 150 regs uncapped, 3 CTAs / SM; 128: 4, 16 B spill offline)
 # FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep (fla's choice) instead of libdevice's
 # accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop body 2134 -> see --quick). No
@@ -549,24 +542,6 @@ def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _akk_level_into(pg, i_b, c, cm, qr, kr, Gr, d_kk, d_qk, hb: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
-                    PREC: tl.constexpr):
-    """AKK_LV_SEL: level hb on one K tile (_akk_level's dots) accumulated onto the diagonal block's running
-    d_kk / d_qk and kept only at the level's pairs (_akk_level_sel's), so no per-level accumulators live."""
-    r16 = tl.arange(0, BC)
-    a = i_b * BC + ((r16 & ~(2 * hb - 1)) | hb)                                        # anchor row of each row
-    Ga = tl.load(pg + a[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
-    e = tl.exp2(-tl.abs(Gr - Ga))
-    ke = kr * e
-    ct = tl.trans(ke)
-    up = (r16 & hb) != 0
-    sel = (((r16[:, None] ^ r16[None, :]) < 2 * hb) & up[:, None]) & (~up)[None, :]
-    d_kk = tl.where(sel, tl.dot(ke, ct, d_kk, input_precision=PREC), d_kk)
-    d_qk = tl.where(sel, tl.dot(qr * e, ct, d_qk, input_precision=PREC), d_qk)
-    return d_kk, d_qk
-
-
-@triton.jit
 def _akk_store_off(pa, px, rr, i_b, j, ok, oq, beta, BT: tl.constexpr, BC: tl.constexpr):
     """akk: column block j != i of the rows R: Aqk (oq for j < i, zeros for j > i) and X = beta Dkk for j < i
     (the diagonal block i of both is stored separately). pa / px: the chunk's row-0 bases of Aqk and X; j a
@@ -632,8 +607,7 @@ def _kda_akk_lv_kernel(
     stride_q, stride_k,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, SPLITK: tl.constexpr = 0, UNCOND: tl.constexpr = 0, JOUTER: tl.constexpr = 0,
-    KG: tl.constexpr = 0, kg_out=None, INV_POW: tl.constexpr = 0, INV_PREC: tl.constexpr = "ieee",
-    LV_SEL: tl.constexpr = 0,
+    KG: tl.constexpr = 0, kg_out=None,
 ):
     """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head), meant for num_warps=1: the rows
     R = [i BC, (i+1) BC) of
@@ -693,8 +667,7 @@ def _kda_akk_lv_kernel(
         for j in range(i_b + 1, BT // BC):               # Aqk is zero above the diagonal block
             _akk_store_off(pa, px, rr, i_b, j, zero, zero, beta, BT, BC)
         _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k,
-                            tl.zeros([BC], dtype=tl.float32), K, BT, BC, BK, PREC, DQ0=1, KG=KG, pkg=pkg,
-                            INV_POW=INV_POW, INV_PREC=INV_PREC, LV_SEL=LV_SEL)
+                            tl.zeros([BC], dtype=tl.float32), K, BT, BC, BK, PREC, DQ0=1, KG=KG, pkg=pkg)
         return
     o0k, o0q, o1k, o1q, o2k, o2q = _akk_off_accs(BC)   # off-diagonal column blocks 0..2
     l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)    # diagonal-block levels hb = 8, 4, 2, 1
@@ -730,24 +703,20 @@ def _kda_akk_lv_kernel(
     _akk_store_off(pa, px, rr, i_b, 3, o2k, o2q, beta, BT, BC)     # (block 3 is never < i: zeros)
     if SPLITK:
         _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K, BT, BC,
-                            BK, PREC, KG=KG, pkg=pkg, INV_POW=INV_POW, INV_PREC=INV_PREC, LV_SEL=LV_SEL)
+                            BK, PREC, KG=KG, pkg=pkg)
     else:
-        _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC, INV_POW,
-                          INV_PREC)
+        _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC)
 
 
 @triton.jit
 def _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K: tl.constexpr,
                         BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                        DQ0: tl.constexpr = 0, KG: tl.constexpr = 0, pkg=None, INV_POW: tl.constexpr = 0,
-                        INV_PREC: tl.constexpr = "ieee", LV_SEL: tl.constexpr = 0):
+                        DQ0: tl.constexpr = 0, KG: tl.constexpr = 0, pkg=None):
     """akk (SPLITK): the levels' own pass over K, then the diagonal blocks and the inverse (_akk_diag_inverse).
     dq0: the s = r terms of Aqk from the off-diagonal pass (DQ0=1: summed here instead, onto the given dq0).
     KG=1: also kg [R, K] = kn exp2(G_last - G) to pkg (this chunk-head's row 0; G_last: G's row BT - 1, which for
     a partial chunk holds the last valid row's G)."""
     l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)
-    d_kk = tl.zeros([BC, BC], dtype=tl.float32)                                         # (LV_SEL)
-    d_qk = tl.zeros([BC, BC], dtype=tl.float32)
     for kb in range(0, K, BK):
         c = kb + tl.arange(0, BK)
         cm = c < K
@@ -758,24 +727,14 @@ def _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride
                      (kr * tl.exp2(tl.minimum(gl[None, :] - Gr, 0.0))).to(pkg.dtype.element_ty), mask=cm[None, :])
         if DQ0:
             dq0 += tl.sum(qr * kr, 1)
-        if LV_SEL:
-            for h in tl.static_range(4):
-                d_kk, d_qk = _akk_level_into(pg, i_b, c, cm, qr, kr, Gr, d_kk, d_qk, BC // (2 << h), K, BC, PREC)
-        else:
-            l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_four_levels(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, l4k, l4q,
-                                                                      l2k, l2q, l1k, l1q, K, BC, PREC)
-    if LV_SEL:
-        r16 = tl.arange(0, BC)
-        d_qk += tl.where(r16[:, None] == r16[None, :], dq0[:, None], 0.0)
-        _akk_diag_store_inverse(pa, px, rr, beta, i_b, d_kk, d_qk, BT, BC, PREC, INV_POW, INV_PREC)
-    else:
-        _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC, INV_POW,
-                          INV_PREC)
+        l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_four_levels(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, l4k, l4q, l2k,
+                                                                  l2q, l1k, l1q, K, BC, PREC)
+    _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC)
 
 
 @triton.jit
 def _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT: tl.constexpr,
-                      BC: tl.constexpr, PREC: tl.constexpr, INV_POW: tl.constexpr = 0, INV_PREC: tl.constexpr = "ieee"):
+                      BC: tl.constexpr, PREC: tl.constexpr):
     """akk: the diagonal blocks of Aqk / Dkk from the levels (+ dq0, the s = r terms of Aqk), Aqk's stored, then the
     inverse of (I + diag(beta) StrictTril(Dkk)) on the block stored to X."""
     r16 = tl.arange(0, BC)
@@ -785,39 +744,9 @@ def _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, 
     d_kk, d_qk = _akk_level_sel(l4k, l4q, d_kk, d_qk, BC // 4, BC)
     d_kk, d_qk = _akk_level_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
     d_kk, d_qk = _akk_level_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
-    _akk_diag_store_inverse(pa, px, rr, beta, i_b, d_kk, d_qk, BT, BC, PREC, INV_POW, INV_PREC)
-
-
-@triton.jit
-def _akk_diag_store_inverse(pa, px, rr, beta, i_b, d_kk, d_qk, BT: tl.constexpr, BC: tl.constexpr,
-                            PREC: tl.constexpr, INV_POW: tl.constexpr, INV_PREC: tl.constexpr):
-    """akk: store the diagonal block of Aqk (d_qk), then the inverse of (I + diag(beta) StrictTril(d_kk)) to X."""
-    r16 = tl.arange(0, BC)
     tl.store(pa + rr[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(pa.dtype.element_ty))
     lmat = tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0)        # L_ii = diag(beta) StrictTril(Dkk)
-    if INV_POW:
-        inv = _block_inverse_pow(lmat, r16, BC, INV_PREC, PREC)
-    else:
-        inv = _block_diag_inverse(lmat, r16, BC, PREC)
-    tl.store(px + rr[:, None] * BT + (i_b * BC + r16)[None, :], inv)
-
-
-@triton.jit
-def _block_inverse_pow(lmat, r, BC: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr):
-    """AKK_INV_POW: _block_diag_inverse with each BC/2-row half's inverse as the product (I - L)(I + L^2)(I + L^4)
-    (L^(BC/2) = 0 in a half): four tensor-core dots at PREC (tf32x3 with bf16 inputs: the substitution's fp32
-    accuracy) instead of BC/2 - 1 steps of cross-lane reductions; then the same merge (dots at MPREC)."""
-    tl.static_assert(BC == 16)
-    HB: tl.constexpr = BC // 2
-    hr = (r // HB)[:, None] == (r // HB)[None, :]                                     # same half
-    lh = tl.where(hr, lmat, 0.0)
-    l2 = tl.dot(lh, lh, input_precision=PREC)
-    l4 = tl.dot(l2, l2, input_precision=PREC)
-    x = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - lh
-    x = tl.dot(x, l2, x, input_precision=PREC)
-    di = tl.dot(x, l4, x, input_precision=PREC)
-    l21 = tl.where(((r % BC) >= HB)[:, None] & ((r % BC) < HB)[None, :], lmat, 0.0)
-    return di - tl.dot(di, tl.dot(l21, di, input_precision=MPREC), input_precision=MPREC)
+    tl.store(px + rr[:, None] * BT + (i_b * BC + r16)[None, :], _block_diag_inverse(lmat, r16, BC, PREC))
 
 
 @triton.jit
@@ -1183,8 +1112,8 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                                          stride_k="i32", **(dict(kg_out=sd) if _akk_kg() else {})),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
                      UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
-                     **(dict(KG=1) if _akk_kg() else {}), **_akk_inv(prec)),
-                dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG), **_stages(AKK_STAGES))),
+                     **(dict(KG=1) if _akk_kg() else {})),
+                dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
@@ -1218,19 +1147,6 @@ def _fast_softplus() -> int:
 def _akk_kg() -> bool:
     """Whether akk writes kg (AKK_KG, on the two-pass akk only); prep writes it otherwise."""
     return bool(AKK_KG and AKK_LV_SPLITK)
-
-
-def _akk_inv(prec: str) -> dict:
-    """akk's constexprs for its diagonal-block inverse (AKK_INV_POW; tf32x3 where the dots are tf32)."""
-    lv = dict(LV_SEL=1) if AKK_LV_SEL else {}
-    if not AKK_INV_POW:
-        return lv
-    return dict(lv, INV_POW=1, INV_PREC="tf32x3" if prec == "tf32" else prec)
-
-
-def _stages(n) -> dict:
-    """num_stages launch option (None: Triton's default)."""
-    return {} if n is None else dict(num_stages=n)
 
 
 def _maxnreg(n) -> dict:
@@ -1308,8 +1224,8 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
                 UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
-                **(dict(KG=1, kg_out=kg) if _akk_kg() else {}), **_akk_inv(prec),
-                num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG), **_stages(AKK_STAGES),
+                **(dict(KG=1, kg_out=kg) if _akk_kg() else {}),
+                num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
             )
 
         def wu():

@@ -372,11 +372,6 @@ VARIANTS = {
     # per row)
     "prep-rb4": dict(PREP_ROWS_RB=4),
     "prep-rb4-kg": dict(PREP_ROWS_RB=4, AKK_KG=0),
-    # akk's diagonal-block inverse with each 8-row half as (I - L)(I + L^2)(I + L^4) (the default: substitution)
-    "akk-inv-pow": dict(AKK_INV_POW=1),
-    # akk's levels accumulated onto the diagonal block, a select after each level's dot (the default: eight per-level
-    # accumulators selected after the K loop)
-    "akk-lvsel": dict(AKK_LV_SEL=1, AKK_MAXNREG=None),
     # the row walk unrolled by 2, not 8 (the 64 rows: loop tails none; the test's partial chunks: masked rows)
     "prep-rows-u2": dict(PREP_ROWS_UNROLL=2),
     # wu's w tiles in a K loop, then its u tiles in a V loop (the default: one loop, loads one tile ahead)
@@ -469,8 +464,6 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "prep-rows-u16": dict(PREP_ROWS_UNROLL=16),
     "prep-rb2": dict(PREP_ROWS_RB=2),
     "prep-rb8": dict(PREP_ROWS_RB=8),
-    "akk-lvsel-s2-r144": dict(AKK_LV_SEL=1, AKK_MAXNREG=144, AKK_STAGES=2),
-    "akk-lvsel-pow-s2-r144": dict(AKK_LV_SEL=1, AKK_INV_POW=1, AKK_MAXNREG=144, AKK_STAGES=2),
 })
 
 
