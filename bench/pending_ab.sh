@@ -33,10 +33,10 @@
 #            bench/mla.py --sweep-decode beside FlashInfer at issue 5's shapes.
 #   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30: the off-diagonal blocks j < i in a
 #            loop, one K pass each): its GPU test, then the kda part below.
-#   kda:     bench/kda_prefill.py --quick --variants default,prep-rb2,prep-rb4,prep-tiles-kg,prep-kg,akk-threeblock
-#            (untimed: the row walk 2 / 4 rows per step, PREP_ROWS_RB; the defaults before session 32 (the tile prep
-#            writing kg), before AKK_KG (the row walk writing kg) and before AKK_JOUTER (session 30), all timed on
-#            H100s only; fla-core in the same process). Env kda_variants: the --variants list.
+#   kda:     bench/kda_prefill.py --quick --variants default,akk-cta,akk-cta-w8,akk-cta-uncapped,prep-rb2,prep-kg
+#            (untimed: akk as one 4- or 8-warp program per (chunk, head) with batched dots, AKK_CTA (session 33); the
+#            row walk 2 rows per step, PREP_ROWS_RB (session 32); the default before AKK_KG (the row walk writing kg),
+#            timed on H100s only; fla-core in the same process). Env kda_variants: the --variants list.
 #   adopt:   after adopting lz8 (MLA), AKK_JOUTER, PREP_ROWS and AKK_KG (KDA) as defaults in sessions 30 and 32
 #            (timed on H100s only): their GPU tests, the MLA sweep (the default against the tiles before it), issue
 #            5's table (bench/mla.py --no-sweep --decode-only), the kda part, and issue 6's table (bench/e2e.py).
@@ -139,7 +139,7 @@ if has mla5 && [ "$(left)" -gt 90 ]; then
 fi
 if has kda && [ "$(left)" -gt 90 ]; then
   timeout "$(left)" python3 bench/kda_prefill.py --quick \
-    --variants "${kda_variants:-default,prep-rb2,prep-rb4,prep-tiles-kg,prep-kg,akk-threeblock}" \
+    --variants "${kda_variants:-default,akk-cta,akk-cta-w8,akk-cta-uncapped,prep-rb2,prep-kg}" \
     > "$OUT/kda_variants.log" 2>&1; step "kda variants" $?
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then

@@ -176,6 +176,16 @@ PREP_STAGES = None       # pipeline depth of prep's output K loop (None: the lau
 # one anchored 8x8 dot, never timed to the end; before them the exact 8x8-split "HALF" diagonal, 4.63 ms).
 AKK_BK = 16              # 1 warp, BK 16 with AKK_LV_SPLITK
 AKK_NUM_WARPS = 1
+# AKK_CTA = 1 (A/B, untimed): akk as one program per (chunk, head) of AKK_CTA_WARPS warps, the four row blocks'
+# work as batched 3-D dots (_kda_akk_cta_kernel), so a chunk's q, k and G are read from L2 once per CTA and its
+# re-reads (each off-diagonal pair's row and column blocks, the level anchors) hit that CTA's L1; the one-warp
+# programs read them from L2 each (Nsight Compute, H100, session 24: akk at 68% of L2 throughput, 31% of DRAM).
+# Offline sm_90: per warp the same loop bodies as the one-warp kernel (each warp takes two of the eight pairs, one
+# diagonal block); Triton 3.6: 226 regs uncapped, 168 at the cap without stack (3 CTAs = 12 warps / SM, as the
+# one-warp kernel); 8 warps (one pair each): 206 uncapped, 168 capped (one CTA / SM).
+AKK_CTA = 0
+AKK_CTA_WARPS = 4
+AKK_CTA_MAXNREG = 168
 # ptxas register cap for akk. 168 (default since H200 12-04, with AKK_UNCOND): the unconditional K pass takes 230 regs
 # uncapped (8 one-warp CTAs / SM); at 168, 12 / SM with 24 B of stack. The branched pass (AKK_UNCOND=0) takes 162
 # uncapped; 128 -> 16 CTAs / SM, 144 B stack spill, +5% instructions (akk is ~45% of the H200's issue rate:
@@ -770,6 +780,163 @@ def _block_diag_inverse(lmat, r, BC: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _akk_pairs(BC: tl.constexpr):
+    """AKK_CTA: the six off-diagonal block pairs (i, j), j < i, of a 64-row chunk as a batch of 8 (two dummies):
+    -> (row indices of block i [8, BC], of block j [8, BC], i BC [8] (the anchor row), j [8], valid [8])."""
+    p = tl.arange(0, 8)
+    ip = tl.where(p < 1, 1, tl.where(p < 3, 2, tl.where(p < 6, 3, 0)))
+    jp = tl.where(p < 1, 0, tl.where(p < 3, p - 1, tl.where(p < 6, p - 3, 0)))
+    r16 = tl.arange(0, BC)
+    return ip[:, None] * BC + r16[None, :], jp[:, None] * BC + r16[None, :], ip * BC, jp, p < 6
+
+
+@triton.jit
+def _akk_cta_off(pq, pk, pg, prs, pa, px, nv, stride_q, stride_k, K: tl.constexpr, BT: tl.constexpr,
+                 BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """AKK_CTA pass 1: the six off-diagonal blocks as one batch of [BC, BK] x [BK, BC] dots per K tile (the anchor
+    of pair (i, j) is row i BC: both factors <= 1), then Aqk (and zeros above the diagonal blocks) and X = beta Dkk."""
+    ri, rj, n0, jp, pv = _akk_pairs(BC)
+    mi = pv[:, None] & (ri < nv)
+    mj = pv[:, None] & (rj < nv)
+    rq = tl.load(prs + ri * 4, mask=mi, other=0.0)
+    rk = tl.load(prs + ri * 4 + 1, mask=mi, other=0.0)
+    rkj = tl.load(prs + rj * 4 + 1, mask=mj, other=0.0)
+    ok = tl.zeros([8, BC, BC], dtype=tl.float32)
+    oq = tl.zeros([8, BC, BC], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        c = (kb + tl.arange(0, BK))[None, None, :]
+        cm = c < K
+        qr = tl.load(pq + ri[:, :, None] * stride_q + c, mask=mi[:, :, None] & cm, other=0.0).to(tl.float32)
+        kr = tl.load(pk + ri[:, :, None] * stride_k + c, mask=mi[:, :, None] & cm, other=0.0).to(tl.float32)
+        Gr = tl.load(pg + ri[:, :, None] * K + c, mask=cm, other=0.0)
+        Gn = tl.load(pg + n0[:, None, None] * K + c, mask=cm, other=0.0)                       # [8, 1, BK]
+        kc = tl.load(pk + rj[:, :, None] * stride_k + c, mask=mj[:, :, None] & cm, other=0.0).to(tl.float32)
+        Gc = tl.load(pg + rj[:, :, None] * K + c, mask=cm, other=0.0)
+        ef = tl.exp2(tl.minimum(Gr - Gn, 0.0))
+        kct = tl.permute(kc * rkj[:, :, None] * tl.exp2(tl.minimum(Gn - Gc, 0.0)), (0, 2, 1))   # [8, BK, BC]
+        ok = tl.dot(kr * (rk[:, :, None] * ef), kct, ok, input_precision=PREC)
+        oq = tl.dot(qr * (rq[:, :, None] * ef), kct, oq, input_precision=PREC)
+    beta = tl.load(prs + ri * 4 + 2, mask=mi, other=0.0)
+    r16 = tl.arange(0, BC)
+    o = ri[:, :, None] * BT + (jp[:, None, None] * BC + r16[None, None, :])
+    tl.store(pa + o, oq.to(pa.dtype.element_ty), mask=pv[:, None, None])
+    tl.store(px + o, ok * beta[:, :, None], mask=pv[:, None, None])
+    rows = tl.arange(0, BT)
+    tl.store(pa + rows[:, None] * BT + rows[None, :], tl.zeros([BT, BT], dtype=tl.float32).to(pa.dtype.element_ty),
+             mask=(rows // BC)[None, :] > (rows // BC)[:, None])
+
+
+@triton.jit
+def _akk_cta_level(pg, rb, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+                   PREC: tl.constexpr):
+    """AKK_CTA: _akk_level on the four diagonal blocks at once (rb [4, BC, 1]: the rows; operands [4, BC, BK])."""
+    r16 = tl.arange(0, BC)[None, :, None]
+    a = (rb - r16) + ((r16 & ~(2 * hb - 1)) | hb)                                      # anchor row of each row
+    e = tl.exp2(-tl.abs(Gr - tl.load(pg + a * K + c, mask=cm, other=0.0)))
+    ke = kr * e
+    ct = tl.permute(ke, (0, 2, 1))
+    return tl.dot(ke, ct, lk, input_precision=PREC), tl.dot(qr * e, ct, lq, input_precision=PREC)
+
+
+@triton.jit
+def _akk_cta_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
+    """AKK_CTA: _akk_level_sel on [4, BC, BC] blocks."""
+    r16 = tl.arange(0, BC)
+    up = (r16 & hb) != 0
+    sel = ((((r16[:, None] ^ r16[None, :]) < 2 * hb) & up[:, None]) & (~up)[None, :])[None, :, :]
+    return d_kk + tl.where(sel, lk, 0.0), d_qk + tl.where(sel, lq, 0.0)
+
+
+@triton.jit
+def _block_inverse3(lmat, BC: tl.constexpr, PREC: tl.constexpr):
+    """_block_diag_inverse on a batch of BC-row blocks (lmat [NB, BC, BC] fp32, strictly lower): each block's two
+    halves by forward substitution side by side, then the merge X = D - D L_21 D."""
+    HB: tl.constexpr = BC // 2
+    r = tl.arange(0, BC)
+    hr = ((r // HB)[:, None] == (r // HB)[None, :])[None, :, :]                        # same half
+    lt = tl.permute(tl.where(hr, lmat, 0.0), (0, 2, 1))                                # lt[b, c, r] = L[b, r, c]
+    di = tl.where((r[:, None] == r[None, :])[None, :, :], 1.0, 0.0) + tl.zeros_like(lmat)
+    for j in range(1, HB):
+        sel = (r % HB) == j
+        a_r = tl.sum(tl.where(sel[None, None, :], lt, 0.0), 2)                          # [NB, BC] over c
+        nr = tl.sum(a_r[:, :, None] * di, 1)                                           # [NB, BC] over columns
+        di = tl.where(sel[None, :, None] & hr, di - nr[:, None, :], di)
+    l21 = tl.where((((r >= HB)[:, None]) & ((r < HB)[None, :]))[None, :, :], lmat, 0.0)
+    return di - tl.dot(di, tl.dot(l21, di, input_precision=PREC), input_precision=PREC)
+
+
+@triton.jit
+def _kda_akk_cta_kernel(
+    q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out, kg_out,
+    stride_q, stride_k,
+    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    PREC: tl.constexpr, KG: tl.constexpr = 1,
+):
+    """AKK_CTA: akk's outputs (as _kda_akk_lv_kernel's) from one program per (chunk, head), grid (chunk, head),
+    meant for 4 warps: the four 16-row blocks' work as batched [B, 16, BK] x [B, BK, 16] dots, so that a chunk's q,
+    k and G tiles are read by one CTA (its re-reads hit its L1) instead of by four one-warp programs, each from L2.
+    Pass 1: the six off-diagonal blocks (a batch of 8 with two dummies); pass 2: the diagonal blocks' levels (a
+    batch of 4, kg stored on the way when KG), then their inverses."""
+    tl.static_assert((BT == 64) & (BC == 16))
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    if i_c >= tl.load(chunk_offsets + n_seq):
+        return
+    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
+    nv = eos - t0
+    cblk = (i_c.to(tl.int64) * H + i_h) * BT
+    pq = q + t0 * stride_q + i_h * K
+    pk = k + t0 * stride_k + i_h * K
+    pg = g_in + cblk * K
+    prs = rs_in + cblk * 4
+    pa = a_out + cblk * BT
+    px = x_out + cblk * BT
+    _akk_cta_off(pq, pk, pg, prs, pa, px, nv, stride_q, stride_k, K, BT, BC, BK, PREC)
+    NB: tl.constexpr = BT // BC
+    rb = (tl.arange(0, NB)[:, None] * BC + tl.arange(0, BC)[None, :])[:, :, None]       # [NB, BC, 1] rows
+    rm = rb < nv
+    rq = tl.load(prs + rb * 4)
+    rk = tl.load(prs + rb * 4 + 1)
+    l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_cta_accs(NB, BC)
+    dq0 = tl.zeros([NB, BC], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        c = (kb + tl.arange(0, BK))[None, None, :]
+        cm = c < K
+        qr = tl.load(pq + rb * stride_q + c, mask=rm & cm, other=0.0).to(tl.float32) * rq
+        kr = tl.load(pk + rb * stride_k + c, mask=rm & cm, other=0.0).to(tl.float32) * rk
+        Gr = tl.load(pg + rb * K + c, mask=cm, other=0.0)
+        if KG:
+            gl = tl.load(pg + (BT - 1) * K + c, mask=cm, other=0.0)
+            kgv = kr * tl.exp2(tl.minimum(gl - Gr, 0.0))
+            tl.store(kg_out + cblk * K + rb * K + c, kgv.to(kg_out.dtype.element_ty), mask=cm)
+        dq0 += tl.sum(qr * kr, 2)
+        l8k, l8q = _akk_cta_level(pg, rb, c, cm, qr, kr, Gr, l8k, l8q, BC // 2, K, BC, PREC)
+        l4k, l4q = _akk_cta_level(pg, rb, c, cm, qr, kr, Gr, l4k, l4q, BC // 4, K, BC, PREC)
+        l2k, l2q = _akk_cta_level(pg, rb, c, cm, qr, kr, Gr, l2k, l2q, BC // 8, K, BC, PREC)
+        l1k, l1q = _akk_cta_level(pg, rb, c, cm, qr, kr, Gr, l1k, l1q, BC // 16, K, BC, PREC)
+    r16 = tl.arange(0, BC)
+    eye = (r16[:, None] == r16[None, :])[None, :, :]
+    d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    d_qk = tl.where(eye, dq0[:, :, None], 0.0)
+    d_kk, d_qk = _akk_cta_sel(l8k, l8q, d_kk, d_qk, BC // 2, BC)
+    d_kk, d_qk = _akk_cta_sel(l4k, l4q, d_kk, d_qk, BC // 4, BC)
+    d_kk, d_qk = _akk_cta_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
+    d_kk, d_qk = _akk_cta_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
+    od = rb * BT + (rb - r16[None, :, None]) + r16[None, None, :]                      # [NB, BC, BC] diagonal blocks
+    tl.store(pa + od, d_qk.to(pa.dtype.element_ty))
+    beta = tl.load(prs + rb * 4 + 2)
+    lmat = tl.where((r16[:, None] > r16[None, :])[None, :, :], d_kk * beta, 0.0)
+    tl.store(px + od, _block_inverse3(lmat, BC, PREC))
+
+
+@triton.jit
+def _akk_cta_accs(NB: tl.constexpr, BC: tl.constexpr):
+    """AKK_CTA: zeroed [NB, BC, BC] accumulators of the four levels (k and q for each)."""
+    z = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    return z, z, z, z, z, z, z, z
+
+
+@triton.jit
 def _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i, stride_k, stride_v, i_h, K: tl.constexpr, V: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr):
     """Tile i of wu's one loop: k [BT, BK] (columns i*BK..), its gate G [BT, BK] fp32 and v [BT, BV] (columns
@@ -1114,6 +1281,10 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                      UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
                      **(dict(KG=1) if _akk_kg() else {})),
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
+        "akk_cta": (_kda_akk_cta_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", kg_out=sd,
+                                              stride_q="i32", stride_k="i32"),
+                    dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, KG=int(_akk_kg())),
+                    dict(num_warps=AKK_CTA_WARPS, **_maxnreg(AKK_CTA_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
@@ -1145,8 +1316,8 @@ def _fast_softplus() -> int:
 
 
 def _akk_kg() -> bool:
-    """Whether akk writes kg (AKK_KG, on the two-pass akk only); prep writes it otherwise."""
-    return bool(AKK_KG and AKK_LV_SPLITK)
+    """Whether akk writes kg (AKK_KG, on the two-pass or the CTA akk); prep writes it otherwise."""
+    return bool(AKK_KG and (AKK_LV_SPLITK or AKK_CTA))
 
 
 def _maxnreg(n) -> dict:
@@ -1220,6 +1391,11 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                                              **_maxnreg(PREP_MAXNREG))
 
         def akk():
+            if AKK_CTA:  # one 4-warp program per (chunk, head), batched dots
+                return _kda_akk_cta_kernel[(NT, H)](
+                    q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, kg, q.stride(0), k.stride(0),
+                    PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, KG=int(_akk_kg()),
+                    num_warps=AKK_CTA_WARPS, **_maxnreg(AKK_CTA_MAXNREG))
             return _kda_akk_lv_kernel[(BT // BC * NT, H)](
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
