@@ -894,6 +894,22 @@ def _kda_akk_cta_kernel(
     _akk_cta_off(pq, pk, pg, prs, pa, px, nv, stride_q, stride_k, K, BT, BC, BK, PREC)
     NB: tl.constexpr = BT // BC
     rb = (tl.arange(0, NB)[:, None] * BC + tl.arange(0, BC)[None, :])[:, :, None]       # [NB, BC, 1] rows
+    d_kk, d_qk = _akk_cta_levels(pq, pk, pg, prs, kg_out + cblk * K if KG else kg_out, rb, nv, stride_q, stride_k, K,
+                                 BT, BC, BK, PREC, KG)
+    r16 = tl.arange(0, BC)
+    od = rb * BT + (rb - r16[None, :, None]) + r16[None, None, :]                      # [NB, BC, BC] diagonal blocks
+    tl.store(pa + od, d_qk.to(pa.dtype.element_ty))
+    beta = tl.load(prs + rb * 4 + 2)
+    lmat = tl.where((r16[:, None] > r16[None, :])[None, :, :], d_kk * beta, 0.0)
+    tl.store(px + od, _block_inverse3(lmat, BC, PREC))
+
+
+@triton.jit
+def _akk_cta_levels(pq, pk, pg, prs, pkg, rb, nv, stride_q, stride_k, K: tl.constexpr, BT: tl.constexpr,
+                    BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, KG: tl.constexpr):
+    """AKK_CTA pass 2: the four diagonal blocks (rows rb [NB, BC, 1]) by levels over K -> (Dkk, Aqk) [NB, BC, BC]
+    (Aqk with its s = r terms); KG: kg of the rows stored to pkg (this chunk-head's row 0) on the way."""
+    NB: tl.constexpr = BT // BC
     rm = rb < nv
     rq = tl.load(prs + rb * 4)
     rk = tl.load(prs + rb * 4 + 1)
@@ -908,25 +924,19 @@ def _kda_akk_cta_kernel(
         if KG:
             gl = tl.load(pg + (BT - 1) * K + c, mask=cm, other=0.0)
             kgv = kr * tl.exp2(tl.minimum(gl - Gr, 0.0))
-            tl.store(kg_out + cblk * K + rb * K + c, kgv.to(kg_out.dtype.element_ty), mask=cm)
+            tl.store(pkg + rb * K + c, kgv.to(pkg.dtype.element_ty), mask=cm)
         dq0 += tl.sum(qr * kr, 2)
         l8k, l8q = _akk_cta_level(pg, rb, c, cm, qr, kr, Gr, l8k, l8q, BC // 2, K, BC, PREC)
         l4k, l4q = _akk_cta_level(pg, rb, c, cm, qr, kr, Gr, l4k, l4q, BC // 4, K, BC, PREC)
         l2k, l2q = _akk_cta_level(pg, rb, c, cm, qr, kr, Gr, l2k, l2q, BC // 8, K, BC, PREC)
         l1k, l1q = _akk_cta_level(pg, rb, c, cm, qr, kr, Gr, l1k, l1q, BC // 16, K, BC, PREC)
     r16 = tl.arange(0, BC)
-    eye = (r16[:, None] == r16[None, :])[None, :, :]
     d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)
-    d_qk = tl.where(eye, dq0[:, :, None], 0.0)
+    d_qk = tl.where((r16[:, None] == r16[None, :])[None, :, :], dq0[:, :, None], 0.0)
     d_kk, d_qk = _akk_cta_sel(l8k, l8q, d_kk, d_qk, BC // 2, BC)
     d_kk, d_qk = _akk_cta_sel(l4k, l4q, d_kk, d_qk, BC // 4, BC)
     d_kk, d_qk = _akk_cta_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
-    d_kk, d_qk = _akk_cta_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
-    od = rb * BT + (rb - r16[None, :, None]) + r16[None, None, :]                      # [NB, BC, BC] diagonal blocks
-    tl.store(pa + od, d_qk.to(pa.dtype.element_ty))
-    beta = tl.load(prs + rb * 4 + 2)
-    lmat = tl.where((r16[:, None] > r16[None, :])[None, :, :], d_kk * beta, 0.0)
-    tl.store(px + od, _block_inverse3(lmat, BC, PREC))
+    return _akk_cta_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
 
 
 @triton.jit
