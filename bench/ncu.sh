@@ -39,7 +39,7 @@ for c in $cases; do
   fi
   echo "rc $rc" | tee -a "$OUT/ncu_summary.txt"
   # the lines that matter, per kernel: name, time, throughputs, issue, pipes, occupancy, top stalls
-  grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|L1/TEX Cache Thr|L2 Cache Thr|Issue Slots Busy|Executed Ipc A|Achieved Occupancy|Registers Per|Shared Memory Config|Dynamic Shared|Block Limit|Warp Cycles Per Issued|No Eligible|sm__inst_executed.sum|ldsm.sum|wavefronts_mem_shared|bank_conflicts|dram__bytes|lts__t_bytes|Grid Size|Block Size" \
+  grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|L1/TEX Cache Thr|L2 Cache Thr|L1/TEX Hit Rate|L2 Hit Rate|Issue Slots Busy|Executed Ipc A|Achieved Occupancy|Registers Per|Shared Memory Config|Dynamic Shared|Block Limit|Warp Cycles Per Issued|No Eligible|sm__inst_executed.sum|ldsm.sum|wavefronts_mem_shared|bank_conflicts|dram__bytes|lts__t_bytes|Grid Size|Block Size" \
     "$OUT/ncu_$c.txt" | tee -a "$OUT/ncu_summary.txt" | head -400 > /dev/null
   # stall reasons above 0.5 cycles per issued instruction
   awk '/stalled_.*per_issue_active/ { if ($NF+0 > 0.5) print }' "$OUT/ncu_$c.txt" >> "$OUT/ncu_summary.txt"

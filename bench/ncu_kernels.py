@@ -4,6 +4,7 @@ Each case warms up (compiles) outside the profiled range, then runs ONE call bet
 `ncu --profile-from-start off` sees exactly that call's kernels:
   kda16k       kernels.kda.chunk.chunk_kda_fwd, T = 16k, H = 32, K = V = 128 (issue 4: prep, akk, wu, hpass)
   kda16k-fla   fla-core chunk_kda on the same inputs
+  kda16k+NAME  kda16k with bench/kda_prefill.py's QUICK_VARIANTS entry NAME applied (e.g. kda16k+akk-cta)
   mla64x8k     kernels.mla.decode.mla_decode_triton, B = 64, S = 8k (issue 5: stage 1 + merge)
   mla1x128k    the same at B = 1, S = 128k
   mla*-fi      FlashInfer's fa3 MLA decode on the same pages (needs flashinfer; bench/wheels.sh)
@@ -24,9 +25,14 @@ for p in (ROOT, os.path.join(ROOT, "bench")):
         sys.path.insert(0, p)
 
 
-def _kda(fla: bool):
+def _kda(fla: bool, variant: str = ""):
     import kda_prefill as kp
+    import kernels.kda.chunk as ck
 
+    if variant:
+        cfg = ck.prep_variant(dict(kp.QUICK_VARIANTS)[variant])
+        for n, val in cfg.items():
+            setattr(ck, n, val)
     x = kp._inputs([16384])
     fn = kp._fla(x)[0] if fla else kp._ours(x)[0]
     return fn
@@ -83,8 +89,11 @@ CASES = {
 
 def main():
     case = sys.argv[1]
-    assert case in CASES, f"unknown case {case}; known: {list(CASES)}"
-    fn = CASES[case]()
+    if case.startswith("kda16k+"):
+        fn = _kda(False, case.split("+", 1)[1])
+    else:
+        assert case in CASES, f"unknown case {case}; known: {list(CASES)} or kda16k+VARIANT"
+        fn = CASES[case]()
     for _ in range(3):                      # compile + autotune outside the profiled range
         fn()
     torch.cuda.synchronize()

@@ -37,10 +37,15 @@
 #            (untimed: akk as one 4- or 8-warp program per (chunk, head) with batched dots, AKK_CTA (session 33); the
 #            row walk 2 rows per step, PREP_ROWS_RB (session 32); the default before AKK_KG (the row walk writing kg),
 #            timed on H100s only; fla-core in the same process). Env kda_variants: the --variants list.
+#   akkcta:  AKK_CTA (session 33, untimed): its GPU tests, the kda part with default,akk-cta,akk-cta-w8,
+#            akk-cta-uncapped, then Nsight Compute over kda16k and kda16k+akk-cta (akk's L2 / DRAM throughput and
+#            L1 hit rate, one-warp programs against one CTA per chunk). ~5 min; on an H100 too.
+#            Env ncu_cases: bench/ncu.sh's cases (every mode with ncu).
 #   adopt:   after adopting lz8 (MLA), AKK_JOUTER, PREP_ROWS and AKK_KG (KDA) as defaults in sessions 30 and 32
 #            (timed on H100s only): their GPU tests, the MLA sweep (the default against the tiles before it), issue
 #            5's table (bench/mla.py --no-sweep --decode-only), the kda part, and issue 6's table (bench/e2e.py).
-# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|adopt|final|short|h200|all]
+# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|akkcta|adopt|final|short|
+#        h200|all]
 #        [total seconds]
 set -u
 what=${1:-all}
@@ -76,6 +81,12 @@ case $what in
   instr) parts="tests mla kda"
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
+  akkcta) parts="tests kda ncu"; kda_variants=${kda_variants:-default,akk-cta,akk-cta-w8,akk-cta-uncapped}
+          ncu_cases=${ncu_cases:-kda16k kda16k+akk-cta}
+          tests="tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-cta]"
+          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-cta-w8]"
+          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-cta-uncapped]"
+          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-cta-prep-kg]" ;;
   adopt) parts="tests mla mla5 kda e2e"
          mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
@@ -144,7 +155,8 @@ if has kda && [ "$(left)" -gt 90 ]; then
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then
   # shellcheck disable=SC2086
-  OUT="$OUT" timeout "$(left)" bash bench/ncu.sh $b1 mla64x8k mla64x8k-fi mla1x128k mla1x128k-fi > "$OUT/ncu.log" 2>&1
+  OUT="$OUT" timeout "$(left)" bash bench/ncu.sh ${ncu_cases:-$b1 mla64x8k mla64x8k-fi mla1x128k mla1x128k-fi} \
+    > "$OUT/ncu.log" 2>&1
   step ncu $?
 fi
 [ -f "$OUT/gpu_tests.log" ] && { echo "=== gpu tests"; tail -n 5 "$OUT/gpu_tests.log"; }
