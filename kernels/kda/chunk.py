@@ -506,6 +506,13 @@ def _prep_rows_blocks(pz, pq, pk, dtb, neg_a, nv, cblk, c, cm, G, gl, stride_z, 
 
 
 @triton.jit
+def _akk_bases(q, k, g_in, rs_in, a_out, x_out, t0, cblk, i_h, stride_q, stride_k, K: tl.constexpr, BT: tl.constexpr):
+    """akk: the row-0 pointers of a chunk-head (first token t0, scratch row cblk) in q, k, G, rs, Aqk and X."""
+    return (q + t0 * stride_q + i_h * K, k + t0 * stride_k + i_h * K, g_in + cblk * K, rs_in + cblk * 4,
+            a_out + cblk * BT, x_out + cblk * BT)
+
+
+@triton.jit
 def _akk_off_block(pk, pg, prs, nv, j, c, cm, Gn, qe, ke, ok, oq, stride_k, K: tl.constexpr, BC: tl.constexpr,
                    PREC: tl.constexpr):
     """akk, off-diagonal column block j (chunk rows [j BC, (j+1) BC), all before the anchor n) on one K tile:
@@ -653,12 +660,7 @@ def _kda_akk_lv_kernel(
     rr = i_b * BC + r16                                  # rows of R within the chunk
     rmask = rr < nv
     # scalar 64-bit row-0 bases of this chunk-head + 32-bit in-tile offsets (small address tensors)
-    pq = q + t0 * stride_q + i_h * K
-    pk = k + t0 * stride_k + i_h * K
-    pg = g_in + cblk * K
-    prs = rs_in + cblk * 4
-    pa = a_out + cblk * BT
-    px = x_out + cblk * BT
+    pq, pk, pg, prs, pa, px = _akk_bases(q, k, g_in, rs_in, a_out, x_out, t0, cblk, i_h, stride_q, stride_k, K, BT)
     pkg = kg_out + cblk * K if KG else kg_out            # (KG: akk's levels pass writes kg)
     rq = tl.load(prs + rr * 4)
     rk = tl.load(prs + rr * 4 + 1)
@@ -885,12 +887,7 @@ def _kda_akk_cta_kernel(
     t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
     nv = eos - t0
     cblk = (i_c.to(tl.int64) * H + i_h) * BT
-    pq = q + t0 * stride_q + i_h * K
-    pk = k + t0 * stride_k + i_h * K
-    pg = g_in + cblk * K
-    prs = rs_in + cblk * 4
-    pa = a_out + cblk * BT
-    px = x_out + cblk * BT
+    pq, pk, pg, prs, pa, px = _akk_bases(q, k, g_in, rs_in, a_out, x_out, t0, cblk, i_h, stride_q, stride_k, K, BT)
     _akk_cta_off(pq, pk, pg, prs, pa, px, nv, stride_q, stride_k, K, BT, BC, BK, PREC)
     NB: tl.constexpr = BT // BC
     rb = (tl.arange(0, NB)[:, None] * BC + tl.arange(0, BC)[None, :])[:, :, None]       # [NB, BC, 1] rows
