@@ -472,6 +472,9 @@ QUICK_VARIANTS = [
     ("akk-cta", dict(AKK_CTA=1)),
     ("akk-cta-w8", dict(AKK_CTA=1, AKK_CTA_WARPS=8)),
     ("akk-cta-uncapped", dict(AKK_CTA=1, AKK_CTA_MAXNREG=None)),
+    # the off-diagonal pass as 4 slots (one row block against two column blocks: its row side formed once for both;
+    # the pairs form it once per pair): AKK_CTA=2
+    ("akk-cta-slots", dict(AKK_CTA=2)),
     # (session 30: AKK_PAIR, two row blocks per program: 'akk-pair' / '-r192' / '-nocap'; H100 12-06, session 31,
     # T=16k: akk 0.943 / 0.841 / 0.846 ms against 0.718 for the default. Removed.)
 ]

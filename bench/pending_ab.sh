@@ -33,12 +33,12 @@
 #            bench/mla.py --sweep-decode beside FlashInfer at issue 5's shapes.
 #   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30: the off-diagonal blocks j < i in a
 #            loop, one K pass each): its GPU test, then the kda part below.
-#   kda:     bench/kda_prefill.py --quick --variants default,akk-cta,akk-cta-w8,akk-cta-uncapped,prep-rb2,prep-kg
+#   kda:     bench/kda_prefill.py --quick --variants default,akk-cta,akk-cta-slots,akk-cta-w8,prep-rb2,prep-kg
 #            (untimed: akk as one 4- or 8-warp program per (chunk, head) with batched dots, AKK_CTA (session 33); the
 #            row walk 2 rows per step, PREP_ROWS_RB (session 32); the default before AKK_KG (the row walk writing kg),
 #            timed on H100s only; fla-core in the same process). Env kda_variants: the --variants list.
-#   akkcta:  AKK_CTA (session 33, untimed): its GPU tests, the kda part with default,akk-cta,akk-cta-w8,
-#            akk-cta-uncapped, then Nsight Compute over kda16k and kda16k+akk-cta (akk's L2 / DRAM throughput and
+#   akkcta:  AKK_CTA (session 33, untimed): its GPU tests, the kda part with default,akk-cta,akk-cta-slots,
+#            akk-cta-w8, then Nsight Compute over kda16k and kda16k+akk-cta-slots (akk's L2 / DRAM throughput and
 #            L1 hit rate, one-warp programs against one CTA per chunk). ~5 min; on an H100 too.
 #            Env ncu_cases: bench/ncu.sh's cases (every mode with ncu).
 #   adopt:   after adopting lz8 (MLA), AKK_JOUTER, PREP_ROWS and AKK_KG (KDA) as defaults in sessions 30 and 32
@@ -48,6 +48,7 @@
 #        h200|all]
 #        [total seconds]
 set -u
+kda_default=default,akk-cta,akk-cta-slots,akk-cta-w8,prep-rb2,prep-kg
 what=${1:-all}
 total=${2:-560}
 OUT=${OUT:-$PWD/.out}; mkdir -p "$OUT"
@@ -81,11 +82,11 @@ case $what in
   instr) parts="tests mla kda"
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
-  akkcta) parts="tests kda ncu"; kda_variants=${kda_variants:-default,akk-cta,akk-cta-w8,akk-cta-uncapped}
-          ncu_cases=${ncu_cases:-kda16k kda16k+akk-cta}
+  akkcta) parts="tests kda ncu"; kda_variants=${kda_variants:-default,akk-cta,akk-cta-slots,akk-cta-w8}
+          ncu_cases=${ncu_cases:-kda16k kda16k+akk-cta-slots}
           tests="tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-cta]"
           tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-cta-w8]"
-          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-cta-uncapped]"
+          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-cta-slots]"
           tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-cta-prep-kg]" ;;
   adopt) parts="tests mla mla5 kda e2e"
          mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}
@@ -150,7 +151,7 @@ if has mla5 && [ "$(left)" -gt 90 ]; then
 fi
 if has kda && [ "$(left)" -gt 90 ]; then
   timeout "$(left)" python3 bench/kda_prefill.py --quick \
-    --variants "${kda_variants:-default,akk-cta,akk-cta-w8,akk-cta-uncapped,prep-rb2,prep-kg}" \
+    --variants "${kda_variants:-$kda_default}" \
     > "$OUT/kda_variants.log" 2>&1; step "kda variants" $?
 fi
 if has ncu && [ "$(left)" -gt 120 ]; then

@@ -183,6 +183,7 @@ AKK_NUM_WARPS = 1
 # Offline sm_90: per warp the same loop bodies as the one-warp kernel (each warp takes two of the eight pairs, one
 # diagonal block); Triton 3.6: 226 regs uncapped, 168 at the cap without stack (3 CTAs = 12 warps / SM, as the
 # one-warp kernel); 8 warps (one pair each): 206 uncapped, 168 capped (one CTA / SM).
+# AKK_CTA = 2: the off-diagonal pass as 4 slots of one row block against two column blocks (_akk_cta_layout).
 AKK_CTA = 0
 AKK_CTA_WARPS = 4
 AKK_CTA_MAXNREG = 168
@@ -782,47 +783,58 @@ def _block_diag_inverse(lmat, r, BC: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _akk_pairs(BC: tl.constexpr):
-    """AKK_CTA: the six off-diagonal block pairs (i, j), j < i, of a 64-row chunk as a batch of 8 (two dummies):
-    -> (row indices of block i [8, BC], of block j [8, BC], i BC [8] (the anchor row), j [8], valid [8])."""
-    p = tl.arange(0, 8)
-    ip = tl.where(p < 1, 1, tl.where(p < 3, 2, tl.where(p < 6, 3, 0)))
-    jp = tl.where(p < 1, 0, tl.where(p < 3, p - 1, tl.where(p < 6, p - 3, 0)))
+def _akk_cta_layout(BC: tl.constexpr, SLOTS: tl.constexpr):
+    """AKK_CTA: the off-diagonal blocks (i, j), j < i, of a 64-row chunk as a batch of S slots, each one row block i
+    against W columns -> (rows of block i [S, BC], column rows [S, W], i BC [S] (the anchor row), slot valid [S],
+    column valid [S, W]). SLOTS 0: the six pairs as 8 slots of W = BC (two dummies); 1: 4 slots of W = 2 BC, each
+    row block's side formed once for two column blocks: (3; 0, 1), (3; 2, -), (2; 0, 1), (1; 0, -)."""
     r16 = tl.arange(0, BC)
-    return ip[:, None] * BC + r16[None, :], jp[:, None] * BC + r16[None, :], ip * BC, jp, p < 6
+    if SLOTS == 1:
+        p = tl.arange(0, 4)
+        ip = tl.where(p < 2, 3, 3 - p + 1)
+        cols = tl.where(p == 1, 2, 0)[:, None] * BC + tl.arange(0, 2 * BC)[None, :]
+        sv = p >= 0
+        cv = (cols // BC) < ip[:, None]
+    else:
+        p = tl.arange(0, 8)
+        ip = tl.where(p < 1, 1, tl.where(p < 3, 2, tl.where(p < 6, 3, 0)))
+        cols = tl.where(p < 1, 0, tl.where(p < 3, p - 1, tl.where(p < 6, p - 3, 0)))[:, None] * BC + r16[None, :]
+        sv = p < 6
+        cv = sv[:, None] & (cols >= 0)
+    return ip[:, None] * BC + r16[None, :], cols, ip * BC, sv, cv
 
 
 @triton.jit
 def _akk_cta_off(pq, pk, pg, prs, pa, px, nv, stride_q, stride_k, K: tl.constexpr, BT: tl.constexpr,
-                 BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    """AKK_CTA pass 1: the six off-diagonal blocks as one batch of [BC, BK] x [BK, BC] dots per K tile (the anchor
-    of pair (i, j) is row i BC: both factors <= 1), then Aqk (and zeros above the diagonal blocks) and X = beta Dkk."""
-    ri, rj, n0, jp, pv = _akk_pairs(BC)
-    mi = pv[:, None] & (ri < nv)
-    mj = pv[:, None] & (rj < nv)
+                 BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, SLOTS: tl.constexpr):
+    """AKK_CTA pass 1: the six off-diagonal blocks as one batch of [BC, BK] x [BK, W] dots per K tile
+    (_akk_cta_layout; the anchor of block (i, j) is row i BC: both factors <= 1), then Aqk (and zeros above the
+    diagonal blocks) and X = beta Dkk."""
+    ri, cj, n0, sv, cv = _akk_cta_layout(BC, SLOTS)
+    mi = sv[:, None] & (ri < nv)
+    mj = cv & (cj < nv)
     rq = tl.load(prs + ri * 4, mask=mi, other=0.0)
     rk = tl.load(prs + ri * 4 + 1, mask=mi, other=0.0)
-    rkj = tl.load(prs + rj * 4 + 1, mask=mj, other=0.0)
-    ok = tl.zeros([8, BC, BC], dtype=tl.float32)
-    oq = tl.zeros([8, BC, BC], dtype=tl.float32)
+    rkj = tl.load(prs + cj * 4 + 1, mask=mj, other=0.0)
+    ok = tl.zeros([ri.shape[0], BC, cj.shape[1]], dtype=tl.float32)
+    oq = tl.zeros([ri.shape[0], BC, cj.shape[1]], dtype=tl.float32)
     for kb in range(0, K, BK):
         c = (kb + tl.arange(0, BK))[None, None, :]
         cm = c < K
         qr = tl.load(pq + ri[:, :, None] * stride_q + c, mask=mi[:, :, None] & cm, other=0.0).to(tl.float32)
         kr = tl.load(pk + ri[:, :, None] * stride_k + c, mask=mi[:, :, None] & cm, other=0.0).to(tl.float32)
         Gr = tl.load(pg + ri[:, :, None] * K + c, mask=cm, other=0.0)
-        Gn = tl.load(pg + n0[:, None, None] * K + c, mask=cm, other=0.0)                       # [8, 1, BK]
-        kc = tl.load(pk + rj[:, :, None] * stride_k + c, mask=mj[:, :, None] & cm, other=0.0).to(tl.float32)
-        Gc = tl.load(pg + rj[:, :, None] * K + c, mask=cm, other=0.0)
+        Gn = tl.load(pg + n0[:, None, None] * K + c, mask=cm, other=0.0)                       # [S, 1, BK]
+        kc = tl.load(pk + cj[:, :, None] * stride_k + c, mask=mj[:, :, None] & cm, other=0.0).to(tl.float32)
+        Gc = tl.load(pg + cj[:, :, None] * K + c, mask=cm, other=0.0)
         ef = tl.exp2(tl.minimum(Gr - Gn, 0.0))
-        kct = tl.permute(kc * rkj[:, :, None] * tl.exp2(tl.minimum(Gn - Gc, 0.0)), (0, 2, 1))   # [8, BK, BC]
+        kct = tl.permute(kc * rkj[:, :, None] * tl.exp2(tl.minimum(Gn - Gc, 0.0)), (0, 2, 1))   # [S, BK, W]
         ok = tl.dot(kr * (rk[:, :, None] * ef), kct, ok, input_precision=PREC)
         oq = tl.dot(qr * (rq[:, :, None] * ef), kct, oq, input_precision=PREC)
     beta = tl.load(prs + ri * 4 + 2, mask=mi, other=0.0)
-    r16 = tl.arange(0, BC)
-    o = ri[:, :, None] * BT + (jp[:, None, None] * BC + r16[None, None, :])
-    tl.store(pa + o, oq.to(pa.dtype.element_ty), mask=pv[:, None, None])
-    tl.store(px + o, ok * beta[:, :, None], mask=pv[:, None, None])
+    o = ri[:, :, None] * BT + cj[:, None, :]
+    tl.store(pa + o, oq.to(pa.dtype.element_ty), mask=cv[:, None, :])
+    tl.store(px + o, ok * beta[:, :, None], mask=cv[:, None, :])
     rows = tl.arange(0, BT)
     tl.store(pa + rows[:, None] * BT + rows[None, :], tl.zeros([BT, BT], dtype=tl.float32).to(pa.dtype.element_ty),
              mask=(rows // BC)[None, :] > (rows // BC)[:, None])
@@ -872,7 +884,7 @@ def _kda_akk_cta_kernel(
     q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out, kg_out,
     stride_q, stride_k,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, KG: tl.constexpr = 1,
+    PREC: tl.constexpr, KG: tl.constexpr = 1, SLOTS: tl.constexpr = 0,
 ):
     """AKK_CTA: akk's outputs (as _kda_akk_lv_kernel's) from one program per (chunk, head), grid (chunk, head),
     meant for 4 warps: the four 16-row blocks' work as batched [B, 16, BK] x [B, BK, 16] dots, so that a chunk's q,
@@ -888,7 +900,7 @@ def _kda_akk_cta_kernel(
     nv = eos - t0
     cblk = (i_c.to(tl.int64) * H + i_h) * BT
     pq, pk, pg, prs, pa, px = _akk_bases(q, k, g_in, rs_in, a_out, x_out, t0, cblk, i_h, stride_q, stride_k, K, BT)
-    _akk_cta_off(pq, pk, pg, prs, pa, px, nv, stride_q, stride_k, K, BT, BC, BK, PREC)
+    _akk_cta_off(pq, pk, pg, prs, pa, px, nv, stride_q, stride_k, K, BT, BC, BK, PREC, SLOTS)
     NB: tl.constexpr = BT // BC
     rb = (tl.arange(0, NB)[:, None] * BC + tl.arange(0, BC)[None, :])[:, :, None]       # [NB, BC, 1] rows
     d_kk, d_qk = _akk_cta_levels(pq, pk, pg, prs, kg_out + cblk * K if KG else kg_out, rb, nv, stride_q, stride_k, K,
@@ -1290,7 +1302,8 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "akk_cta": (_kda_akk_cta_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", kg_out=sd,
                                               stride_q="i32", stride_k="i32"),
-                    dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, KG=int(_akk_kg())),
+                    dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, KG=int(_akk_kg()),
+                         SLOTS=int(AKK_CTA == 2)),
                     dict(num_warps=AKK_CTA_WARPS, **_maxnreg(AKK_CTA_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
@@ -1402,7 +1415,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 return _kda_akk_cta_kernel[(NT, H)](
                     q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, kg, q.stride(0), k.stride(0),
                     PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, KG=int(_akk_kg()),
-                    num_warps=AKK_CTA_WARPS, **_maxnreg(AKK_CTA_MAXNREG))
+                    SLOTS=int(AKK_CTA == 2), num_warps=AKK_CTA_WARPS, **_maxnreg(AKK_CTA_MAXNREG))
             return _kda_akk_lv_kernel[(BT // BC * NT, H)](
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
