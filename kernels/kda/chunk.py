@@ -541,22 +541,36 @@ def _akk_level(pg, i_b, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.const
     r16 = tl.arange(0, BC)
     a = i_b * BC + ((r16 & ~(2 * hb - 1)) | hb)                                        # anchor row of each row
     Ga = tl.load(pg + a[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
-    d = Gr - Ga
-    e = tl.exp2(-tl.abs(d))
+    return _akk_level_dots(qr, kr, Gr, Ga, lk, lq, PREC)
+
+
+@triton.jit
+def _akk_level_dots(qr, kr, Gr, Ga, lk, lq, PREC: tl.constexpr):
+    """akk: one level's dots on one K tile from the rows' and their anchors' G: e = exp2(-|G - G_a|), then
+    lk += (kr e) (kr e)^T, lq += (qr e) (kr e)^T ([BC, BK] operands, or batches [NB, BC, BK]: AKK_CTA)."""
+    e = tl.exp2(-tl.abs(Gr - Ga))
     ke = kr * e
-    ct = tl.trans(ke)                                                                  # [BK, BC]
-    lk = tl.dot(ke, ct, lk, input_precision=PREC)
-    lq = tl.dot(qr * e, ct, lq, input_precision=PREC)
-    return lk, lq
+    ct = _trans_last2(ke)                                                              # [.., BK, BC]
+    return tl.dot(ke, ct, lk, input_precision=PREC), tl.dot(qr * e, ct, lq, input_precision=PREC)
 
 
 @triton.jit
 def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
-    """akk: add level hb's pairs (r with bit hb set, s without, same aligned 2 hb-block) to the diagonal block."""
+    """akk: add level hb's pairs (r with bit hb set, s without, same aligned 2 hb-block) to the diagonal block
+    ([BC, BC], or a batch [NB, BC, BC] of them: AKK_CTA)."""
     r16 = tl.arange(0, BC)
     up = (r16 & hb) != 0
     sel = (((r16[:, None] ^ r16[None, :]) < 2 * hb) & up[:, None]) & (~up)[None, :]
     return d_kk + tl.where(sel, lk, 0.0), d_qk + tl.where(sel, lq, 0.0)
+
+
+@triton.jit
+def _akk_four_sel(l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, d_kk, d_qk, BC: tl.constexpr):
+    """akk: the four levels' pairs (hb = BC/2 .. 1, _akk_level_sel) added to the diagonal block(s)."""
+    d_kk, d_qk = _akk_level_sel(l8k, l8q, d_kk, d_qk, BC // 2, BC)
+    d_kk, d_qk = _akk_level_sel(l4k, l4q, d_kk, d_qk, BC // 4, BC)
+    d_kk, d_qk = _akk_level_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
+    return _akk_level_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
 
 
 @triton.jit
@@ -602,9 +616,13 @@ def _akk_off_accs(BC: tl.constexpr):
 
 
 @triton.jit
-def _akk_level_accs(BC: tl.constexpr):
-    """akk: zeroed accumulators of the four diagonal-block levels hb = 8, 4, 2, 1 (k and q for each)."""
-    z = tl.zeros([BC, BC], dtype=tl.float32)
+def _akk_level_accs(BC: tl.constexpr, NB: tl.constexpr = 0):
+    """akk: zeroed accumulators of the four diagonal-block levels hb = 8, 4, 2, 1 (k and q for each): [BC, BC], or
+    [NB, BC, BC] for a batch of NB blocks (AKK_CTA)."""
+    if NB == 0:
+        z = tl.zeros([BC, BC], dtype=tl.float32)
+    else:
+        z = tl.zeros([NB, BC, BC], dtype=tl.float32)
     return z, z, z, z, z, z, z, z
 
 
@@ -753,10 +771,7 @@ def _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, 
     r16 = tl.arange(0, BC)
     d_kk = tl.zeros([BC, BC], dtype=tl.float32)
     d_qk = tl.where(r16[:, None] == r16[None, :], dq0[:, None], 0.0)
-    d_kk, d_qk = _akk_level_sel(l8k, l8q, d_kk, d_qk, BC // 2, BC)
-    d_kk, d_qk = _akk_level_sel(l4k, l4q, d_kk, d_qk, BC // 4, BC)
-    d_kk, d_qk = _akk_level_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
-    d_kk, d_qk = _akk_level_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
+    d_kk, d_qk = _akk_four_sel(l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, d_kk, d_qk, BC)
     tl.store(pa + rr[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(pa.dtype.element_ty))
     lmat = tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0)        # L_ii = diag(beta) StrictTril(Dkk)
     tl.store(px + rr[:, None] * BT + (i_b * BC + r16)[None, :], _block_diag_inverse(lmat, r16, BC, PREC))
@@ -765,21 +780,32 @@ def _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, 
 @triton.jit
 def _block_diag_inverse(lmat, r, BC: tl.constexpr, PREC: tl.constexpr):
     """(I + L)^-1 on every BC-row diagonal block of lmat ([N, N] fp32, strictly lower in each block; r = arange(N);
-    entries outside the blocks are ignored; zeros outside the blocks). Each block's two BC/2-row halves by forward
-    substitution, all halves side by side (row j of every half per step: BC/2 - 1 steps instead of BC - 1), then each
-    block's lower-left quarter by the merge X = D - D L_21 D (D = the two half inverses; (D L_21)^2 = 0)."""
+    entries outside the blocks are ignored; zeros outside the blocks), or on each of a batch [NB, BC, BC] of blocks
+    (r = arange(BC); AKK_CTA). Each block's two BC/2-row halves by forward substitution, all halves side by side (row
+    j of every half per step: BC/2 - 1 steps instead of BC - 1), then each block's lower-left quarter by the merge
+    X = D - D L_21 D (D = the two half inverses; (D L_21)^2 = 0)."""
     HB: tl.constexpr = BC // 2
     hr = (r // HB)[:, None] == (r // HB)[None, :]                                     # same half
-    lt = tl.trans(tl.where(hr, lmat, 0.0))                                             # lt[c, r] = L[r, c]
-    di = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    lt = _trans_last2(tl.where(hr, lmat, 0.0))                                         # lt[.., c, r] = L[.., r, c]
+    di = tl.where(r[:, None] == r[None, :], 1.0, 0.0) + tl.zeros_like(lmat)
     for j in range(1, HB):
         sel = (r % HB) == j
-        a_r = tl.sum(tl.where(sel[None, :], lt, 0.0), 1)    # [N] over c: L[the selected row of c's half, c]
-        nr = tl.sum(a_r[:, None] * di, 0)                   # [N]: each selected row's update in its half
-        di = tl.where(sel[:, None] & hr, di - nr[None, :], di)
+        a_r = tl.sum(tl.where(sel[None, :], lt, 0.0), -1)  # [.., N] over c: L[the selected row of c's half, c]
+        nr = tl.sum(tl.expand_dims(a_r, -1) * di, -2)       # [.., N]: each selected row's update in its half
+        di = tl.where(sel[:, None] & hr, di - tl.expand_dims(nr, -2), di)
     blk = (r // BC)[:, None] == (r // BC)[None, :]
     l21 = tl.where(blk & ((r % BC) >= HB)[:, None] & ((r % BC) < HB)[None, :], lmat, 0.0)
     return di - tl.dot(di, tl.dot(l21, di, input_precision=PREC), input_precision=PREC)
+
+
+@triton.jit
+def _trans_last2(x):
+    """x with its last two dimensions swapped ([M, N] or a batch [B, M, N])."""
+    if len(x.shape) == 3:
+        y = tl.permute(x, (0, 2, 1))
+    else:
+        y = tl.trans(x)
+    return y
 
 
 @triton.jit
@@ -846,37 +872,7 @@ def _akk_cta_level(pg, rb, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.co
     """AKK_CTA: _akk_level on the four diagonal blocks at once (rb [4, BC, 1]: the rows; operands [4, BC, BK])."""
     r16 = tl.arange(0, BC)[None, :, None]
     a = (rb - r16) + ((r16 & ~(2 * hb - 1)) | hb)                                      # anchor row of each row
-    e = tl.exp2(-tl.abs(Gr - tl.load(pg + a * K + c, mask=cm, other=0.0)))
-    ke = kr * e
-    ct = tl.permute(ke, (0, 2, 1))
-    return tl.dot(ke, ct, lk, input_precision=PREC), tl.dot(qr * e, ct, lq, input_precision=PREC)
-
-
-@triton.jit
-def _akk_cta_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
-    """AKK_CTA: _akk_level_sel on [4, BC, BC] blocks."""
-    r16 = tl.arange(0, BC)
-    up = (r16 & hb) != 0
-    sel = ((((r16[:, None] ^ r16[None, :]) < 2 * hb) & up[:, None]) & (~up)[None, :])[None, :, :]
-    return d_kk + tl.where(sel, lk, 0.0), d_qk + tl.where(sel, lq, 0.0)
-
-
-@triton.jit
-def _block_inverse3(lmat, BC: tl.constexpr, PREC: tl.constexpr):
-    """_block_diag_inverse on a batch of BC-row blocks (lmat [NB, BC, BC] fp32, strictly lower): each block's two
-    halves by forward substitution side by side, then the merge X = D - D L_21 D."""
-    HB: tl.constexpr = BC // 2
-    r = tl.arange(0, BC)
-    hr = ((r // HB)[:, None] == (r // HB)[None, :])[None, :, :]                        # same half
-    lt = tl.permute(tl.where(hr, lmat, 0.0), (0, 2, 1))                                # lt[b, c, r] = L[b, r, c]
-    di = tl.where((r[:, None] == r[None, :])[None, :, :], 1.0, 0.0) + tl.zeros_like(lmat)
-    for j in range(1, HB):
-        sel = (r % HB) == j
-        a_r = tl.sum(tl.where(sel[None, None, :], lt, 0.0), 2)                          # [NB, BC] over c
-        nr = tl.sum(a_r[:, :, None] * di, 1)                                           # [NB, BC] over columns
-        di = tl.where(sel[None, :, None] & hr, di - nr[:, None, :], di)
-    l21 = tl.where((((r >= HB)[:, None]) & ((r < HB)[None, :]))[None, :, :], lmat, 0.0)
-    return di - tl.dot(di, tl.dot(l21, di, input_precision=PREC), input_precision=PREC)
+    return _akk_level_dots(qr, kr, Gr, tl.load(pg + a * K + c, mask=cm, other=0.0), lk, lq, PREC)
 
 
 @triton.jit
@@ -910,7 +906,7 @@ def _kda_akk_cta_kernel(
     tl.store(pa + od, d_qk.to(pa.dtype.element_ty))
     beta = tl.load(prs + rb * 4 + 2)
     lmat = tl.where((r16[:, None] > r16[None, :])[None, :, :], d_kk * beta, 0.0)
-    tl.store(px + od, _block_inverse3(lmat, BC, PREC))
+    tl.store(px + od, _block_diag_inverse(lmat, r16, BC, PREC))
 
 
 @triton.jit
@@ -922,7 +918,7 @@ def _akk_cta_levels(pq, pk, pg, prs, pkg, rb, nv, stride_q, stride_k, K: tl.cons
     rm = rb < nv
     rq = tl.load(prs + rb * 4)
     rk = tl.load(prs + rb * 4 + 1)
-    l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_cta_accs(NB, BC)
+    l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC, NB)
     dq0 = tl.zeros([NB, BC], dtype=tl.float32)
     for kb in range(0, K, BK):
         c = (kb + tl.arange(0, BK))[None, None, :]
@@ -942,17 +938,7 @@ def _akk_cta_levels(pq, pk, pg, prs, pkg, rb, nv, stride_q, stride_k, K: tl.cons
     r16 = tl.arange(0, BC)
     d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)
     d_qk = tl.where((r16[:, None] == r16[None, :])[None, :, :], dq0[:, :, None], 0.0)
-    d_kk, d_qk = _akk_cta_sel(l8k, l8q, d_kk, d_qk, BC // 2, BC)
-    d_kk, d_qk = _akk_cta_sel(l4k, l4q, d_kk, d_qk, BC // 4, BC)
-    d_kk, d_qk = _akk_cta_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
-    return _akk_cta_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
-
-
-@triton.jit
-def _akk_cta_accs(NB: tl.constexpr, BC: tl.constexpr):
-    """AKK_CTA: zeroed [NB, BC, BC] accumulators of the four levels (k and q for each)."""
-    z = tl.zeros([NB, BC, BC], dtype=tl.float32)
-    return z, z, z, z, z, z, z, z
+    return _akk_four_sel(l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, d_kk, d_qk, BC)
 
 
 @triton.jit
