@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute over bench/ncu_kernels.py's cases (one process per case; the device tool's H200, carry [".whl"]).
 # Per kernel: duration, DRAM / SM / L1 / L2 throughput, issue activity, pipe utilisation, occupancy, registers and
-# shared memory, and the stall reasons (cycles per issued instruction). Full reports: $OUT/ncu_<case>.txt.
+# shared memory, and the stall reasons (cycles per issued instruction). Full reports: $OUT/ncu_<case>.txt (a + in
+# the case name as _, which the device tool brings back).
 # Usage: bash bench/ncu.sh [case ...]   (default: kda16k kda16k-fla mla64x8k mla64x8k-fi mla1x128k mla1x128k-fi;
 #        decode-b1, the full-size batch-1 decode step, needs an H200)
 set -u
@@ -28,19 +29,19 @@ for c in $cases; do
   fi
   # shellcheck disable=SC2086
   timeout 300 "$NCU" --profile-from-start off --clock-control none $secs --metrics "$metrics" \
-    python3 bench/ncu_kernels.py "$c" > "$OUT/ncu_$c.txt" 2>&1
+    python3 bench/ncu_kernels.py "$c" > "$OUT/ncu_${c//+/_}.txt" 2>&1
   rc=$?
   if [ $rc -ne 0 ]; then   # an unknown metric name fails the whole run: the sections alone
-    mv "$OUT/ncu_$c.txt" "$OUT/ncu_$c.failed.txt"
+    mv "$OUT/ncu_${c//+/_}.txt" "$OUT/ncu_${c//+/_}.failed.txt"
     # shellcheck disable=SC2086
     timeout 300 "$NCU" --profile-from-start off --clock-control none $secs \
-      python3 bench/ncu_kernels.py "$c" > "$OUT/ncu_$c.txt" 2>&1
+      python3 bench/ncu_kernels.py "$c" > "$OUT/ncu_${c//+/_}.txt" 2>&1
     rc="$rc, sections only: $?"
   fi
   echo "rc $rc" | tee -a "$OUT/ncu_summary.txt"
   # the lines that matter, per kernel: name, time, throughputs, issue, pipes, occupancy, top stalls
   grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|L1/TEX Cache Thr|L2 Cache Thr|L1/TEX Hit Rate|L2 Hit Rate|Issue Slots Busy|Executed Ipc A|Achieved Occupancy|Registers Per|Shared Memory Config|Dynamic Shared|Block Limit|Warp Cycles Per Issued|No Eligible|sm__inst_executed.sum|ldsm.sum|wavefronts_mem_shared|bank_conflicts|dram__bytes|lts__t_bytes|Grid Size|Block Size" \
-    "$OUT/ncu_$c.txt" | tee -a "$OUT/ncu_summary.txt" | head -400 > /dev/null
+    "$OUT/ncu_${c//+/_}.txt" | tee -a "$OUT/ncu_summary.txt" | head -400 > /dev/null
   # stall reasons above 0.5 cycles per issued instruction
-  awk '/stalled_.*per_issue_active/ { if ($NF+0 > 0.5) print }' "$OUT/ncu_$c.txt" >> "$OUT/ncu_summary.txt"
+  awk '/stalled_.*per_issue_active/ { if ($NF+0 > 0.5) print }' "$OUT/ncu_${c//+/_}.txt" >> "$OUT/ncu_summary.txt"
 done
