@@ -466,15 +466,8 @@ QUICK_VARIANTS = [
     # (session 33: akk's diagonal inverse by tf32x3 products, 'akk-inv-pow', and its levels accumulated onto the
     # block, 'akk-lvsel' / '-s2' / '-s2-r144' / 'akk-lvsel-pow-s2-r144': H100 12-06, T=16k akk 0.742 / 0.751 / 0.771
     # / 0.780 ms against 0.740. Removed; code in abd9f75.)
-    # session 33 (untimed): akk as one 4-warp program per (chunk, head) with batched dots (AKK_CTA): a chunk's q, k, G
-    # read from L2 once per CTA, the re-reads from its L1 (akk ran at 68% of L2 throughput, 31% of DRAM, under Nsight
-    # Compute in session 24). Offline sm_90 (Triton 3.6) 168 regs without stack at the cap (226 uncapped); 8 warps 168
-    ("akk-cta", dict(AKK_CTA=1)),
-    ("akk-cta-w8", dict(AKK_CTA=1, AKK_CTA_WARPS=8)),
-    ("akk-cta-uncapped", dict(AKK_CTA=1, AKK_CTA_MAXNREG=None)),
-    # the off-diagonal pass as 4 slots (one row block against two column blocks: its row side formed once for both;
-    # the pairs form it once per pair): AKK_CTA=2
-    ("akk-cta-slots", dict(AKK_CTA=2)),
+    # (session 34: akk as one 4-warp program per (chunk, head) with batched dots, 'akk-cta' / '-w8' / '-slots' (AKK_CTA
+    # 1 / 2): H100 12-06, T=16k akk 0.923 / 1.325 / 0.806 ms against 0.744. Removed; code in 735d3a9.)
     # (session 30: AKK_PAIR, two row blocks per program: 'akk-pair' / '-r192' / '-nocap'; H100 12-06, session 31,
     # T=16k: akk 0.943 / 0.841 / 0.846 ms against 0.718 for the default. Removed.)
 ]

@@ -3,6 +3,8 @@
 # Per kernel: duration, DRAM / SM / L1 / L2 throughput, issue activity, pipe utilisation, occupancy, registers and
 # shared memory, and the stall reasons (cycles per issued instruction). Full reports: $OUT/ncu_<case>.txt (a + in
 # the case name as _, which the device tool brings back).
+# NCU_SOURCE=REGEX: also the warp-stall samples per SASS instruction of the kernels whose name matches (one more
+# profiled pass per case: $OUT/src_<case>.csv.xz, summarised by bench/ncu_source.py into $OUT/src_<case>.txt).
 # Usage: bash bench/ncu.sh [case ...]   (default: kda16k kda16k-fla mla64x8k mla64x8k-fi mla1x128k mla1x128k-fi;
 #        decode-b1, the full-size batch-1 decode step, needs an H200)
 set -u
@@ -44,4 +46,14 @@ for c in $cases; do
     "$OUT/ncu_${c//+/_}.txt" | tee -a "$OUT/ncu_summary.txt" | head -400 > /dev/null
   # stall reasons above 0.5 cycles per issued instruction
   awk '/stalled_.*per_issue_active/ { if ($NF+0 > 0.5) print }' "$OUT/ncu_${c//+/_}.txt" >> "$OUT/ncu_summary.txt"
+  if [ -n "${NCU_SOURCE:-}" ]; then
+    src="$OUT/src_${c//+/_}"
+    timeout 300 "$NCU" --profile-from-start off --clock-control none -k "regex:$NCU_SOURCE" --section SourceCounters \
+      --section WarpStateStats -f -o "$src" python3 bench/ncu_kernels.py "$c" > "$src.log" 2>&1 \
+      && "$NCU" --import "$src.ncu-rep" --page source --csv --print-source sass > "$src.csv" 2>> "$src.log" \
+      && python3 bench/ncu_source.py "$src.csv" > "$src.txt" 2>&1
+    echo "source $c rc $?" | tee -a "$OUT/ncu_summary.txt"
+    [ -f "$src.csv" ] && xz -f "$src.csv"
+    rm -f "$src.ncu-rep"
+  fi
 done

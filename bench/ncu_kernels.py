@@ -4,7 +4,7 @@ Each case warms up (compiles) outside the profiled range, then runs ONE call bet
 `ncu --profile-from-start off` sees exactly that call's kernels:
   kda16k       kernels.kda.chunk.chunk_kda_fwd, T = 16k, H = 32, K = V = 128 (issue 4: prep, akk, wu, hpass)
   kda16k-fla   fla-core chunk_kda on the same inputs
-  kda16k+NAME  kda16k with bench/kda_prefill.py's QUICK_VARIANTS entry NAME applied (e.g. kda16k+akk-cta)
+  kda16k+NAME  kda16k with bench/kda_prefill.py's QUICK_VARIANTS entry NAME applied (e.g. kda16k+prep-kg)
   mla64x8k     kernels.mla.decode.mla_decode_triton, B = 64, S = 8k (issue 5: stage 1 + merge)
   mla1x128k    the same at B = 1, S = 128k
   mla*-fi      FlashInfer's fa3 MLA decode on the same pages (needs flashinfer; bench/wheels.sh)

@@ -17,7 +17,7 @@
 #            issue 5's 0.82x there?).
 #   ncu:     bash bench/ncu.sh decode-b1 mla64x8k mla64x8k-fi mla1x128k mla1x128k-fi on the H200 (the b1 step's
 #            kernels' DRAM efficiency; MLA at B=64 S=8k where it matters, issue 5: 0.82x FlashInfer there against 0.915x
-#            on the H100; B=1 S=128k, the other target).
+#            on the H100; B=1 S=128k, the other target). Env ncu_cases: bench/ncu.sh's cases (every mode with ncu).
 #   e2e:     bench/e2e.py at batch 1 / 8 / 64 (greedy; T0.6 top_p 0.95 min_p 0.01 at 1 and 64) and an 8k prefill, the
 #            defaults as they are (issue 6's table). `h200` mode: the sampler's GPU tests, bench/sampling.py on the
 #            top-k cases (LocalAI's generic top-k 40 + top-p 0.95; top-k 50 with min-p: H100 figures only so far),
@@ -33,22 +33,22 @@
 #            bench/mla.py --sweep-decode beside FlashInfer at issue 5's shapes.
 #   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30: the off-diagonal blocks j < i in a
 #            loop, one K pass each): its GPU test, then the kda part below.
-#   kda:     bench/kda_prefill.py --quick --variants default,akk-cta,akk-cta-slots,akk-cta-w8,prep-rb2,prep-kg
-#            (untimed: akk as one 4- or 8-warp program per (chunk, head) with batched dots, AKK_CTA (session 33); the
-#            row walk 2 rows per step, PREP_ROWS_RB (session 32); the default before AKK_KG (the row walk writing kg),
-#            timed on H100s only; fla-core in the same process). Env kda_variants: the --variants list.
-#   akkcta:  AKK_CTA (session 33, untimed): its GPU tests, the kda part with default,akk-cta,akk-cta-slots,
-#            akk-cta-w8, then Nsight Compute over kda16k and kda16k+akk-cta-slots (akk's L2 / DRAM throughput and
-#            L1 hit rate, one-warp programs against one CTA per chunk). ~5 min; on an H100 too.
-#            Env ncu_cases: bench/ncu.sh's cases (every mode with ncu).
+#   kda:     bench/kda_prefill.py --quick --variants default,prep-rb2,prep-kg (untimed: the row walk 2 rows per
+#            step, PREP_ROWS_RB (session 32); the default before AKK_KG (the row walk writing kg), timed on H100s only;
+#            fla-core in the same process). Env kda_variants: the --variants list.
+#   record:  the figures of record on an H200 when little device time is left (~6 min): the defaults' GPU tests
+#            (KDA prefill at Kimi shapes, the MLA decode's default schedule, the fused W_UV decode), issue 5's table
+#            (bench/mla.py --no-sweep --decode-only), the kda part with the default only, issue 6's table, then
+#            with the time left Nsight Compute over kda16k and mla64x8k with the stall samples per SASS instruction of
+#            akk and MLA stage 1 (NCU_SOURCE, bench/ncu_source.py).
 #   adopt:   after adopting lz8 (MLA), AKK_JOUTER, PREP_ROWS and AKK_KG (KDA) as defaults in sessions 30 and 32
 #            (timed on H100s only): their GPU tests, the MLA sweep (the default against the tiles before it), issue
 #            5's table (bench/mla.py --no-sweep --decode-only), the kda part, and issue 6's table (bench/e2e.py).
-# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|akkcta|adopt|final|short|
+# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|record|adopt|final|short|
 #        h200|all]
 #        [total seconds]
 set -u
-kda_default=default,akk-cta,akk-cta-slots,akk-cta-w8,prep-rb2,prep-kg
+kda_default=default,prep-rb2,prep-kg
 what=${1:-all}
 total=${2:-560}
 OUT=${OUT:-$PWD/.out}; mkdir -p "$OUT"
@@ -82,12 +82,11 @@ case $what in
   instr) parts="tests mla kda"
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
-  akkcta) parts="tests kda ncu"; kda_variants=${kda_variants:-default,akk-cta,akk-cta-slots,akk-cta-w8}
-          ncu_cases=${ncu_cases:-kda16k kda16k+akk-cta-slots}
-          tests="tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-cta]"
-          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-cta-w8]"
-          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-cta-slots]"
-          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-cta-prep-kg]" ;;
+  record) parts="tests mla5 kda e2e ncu"; kda_variants=${kda_variants:-default}
+          ncu_cases=${ncu_cases:-kda16k mla64x8k}; export NCU_SOURCE=${NCU_SOURCE:-_kda_akk_lv_kernel|_mla_decode_stage1}
+          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_default_schedule_kimi"
+          tests+=" tests/kernels/test_mla_fused_decode.py tests/kernels/test_kda_chunk.py::test_gpu_single_bf16"
+          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_varlen_bf16_packed" ;;
   adopt) parts="tests mla mla5 kda e2e"
          mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
@@ -104,8 +103,8 @@ esac
 tests=${tests:-tests/kernels/test_sampling.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_fused_decode.py \
   tests/engine/test_warmup.py}
 samp_s=${samp_s:-90}
-# adopt on a card too small for the 27 layers (an H100): issue 6's table is the H200's, so e2e is left out
-if [ "$what" = adopt ] && [ "$layers" != 27 ]; then parts=${parts/ e2e/}; fi
+# adopt / record on a card too small for the 27 layers (an H100): issue 6's table is the H200's, so e2e is left out
+if { [ "$what" = adopt ] || [ "$what" = record ]; } && [ "$layers" != 27 ]; then parts=${parts/ e2e/}; fi
 if [ "$what" = final ] && [ "$layers" != 27 ]; then parts=${parts/ mla5 e2eb1/}; fi
 has() { case " $parts " in *" $1 "*) true ;; *) false ;; esac; }
 if has tests; then
@@ -168,4 +167,5 @@ for f in "$OUT"/e2e*.log; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| (decod
 [ -f "$OUT/kda_variants.log" ] && { echo "=== kda variants"; tail -n 25 "$OUT/kda_variants.log"; }
 [ -f "$OUT/mla_splits.log" ] && { echo "=== mla splits"; grep -E "^B=|^ls|^\\|" "$OUT/mla_splits.log" | tail -30; }
 [ -f "$OUT/ncu_summary.txt" ] && { echo "=== ncu"; grep -E "^===|rc |Duration|DRAM Throughput" "$OUT/ncu_summary.txt" | head -60; }
+for f in "$OUT"/src_*.txt; do [ -f "$f" ] && { echo "=== $f"; head -n 30 "$f"; }; done
 cat "$OUT/steps.txt"

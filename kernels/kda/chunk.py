@@ -176,17 +176,6 @@ PREP_STAGES = None       # pipeline depth of prep's output K loop (None: the lau
 # one anchored 8x8 dot, never timed to the end; before them the exact 8x8-split "HALF" diagonal, 4.63 ms).
 AKK_BK = 16              # 1 warp, BK 16 with AKK_LV_SPLITK
 AKK_NUM_WARPS = 1
-# AKK_CTA = 1 (A/B, untimed): akk as one program per (chunk, head) of AKK_CTA_WARPS warps, the four row blocks'
-# work as batched 3-D dots (_kda_akk_cta_kernel), so a chunk's q, k and G are read from L2 once per CTA and its
-# re-reads (each off-diagonal pair's row and column blocks, the level anchors) hit that CTA's L1; the one-warp
-# programs read them from L2 each (Nsight Compute, H100, session 24: akk at 68% of L2 throughput, 31% of DRAM).
-# Offline sm_90: per warp the same loop bodies as the one-warp kernel (each warp takes two of the eight pairs, one
-# diagonal block); Triton 3.6: 226 regs uncapped, 168 at the cap without stack (3 CTAs = 12 warps / SM, as the
-# one-warp kernel); 8 warps (one pair each): 206 uncapped, 168 capped (one CTA / SM).
-# AKK_CTA = 2: the off-diagonal pass as 4 slots of one row block against two column blocks (_akk_cta_layout).
-AKK_CTA = 0
-AKK_CTA_WARPS = 4
-AKK_CTA_MAXNREG = 168
 # ptxas register cap for akk. 168 (default since H200 12-04, with AKK_UNCOND): the unconditional K pass takes 230 regs
 # uncapped (8 one-warp CTAs / SM); at 168, 12 / SM with 24 B of stack. The branched pass (AKK_UNCOND=0) takes 162
 # uncapped; 128 -> 16 CTAs / SM, 144 B stack spill, +5% instructions (akk is ~45% of the H200's issue rate:
@@ -246,6 +235,12 @@ AKK_KG = 1
 # no stack at 2 stages; 14 one-warp CTAs / SM against 12). H100 12-06 at T=16k: akk 0.742 (inv-pow), 0.771 (lvsel,
 # 144 regs), 0.751 (lvsel uncapped, 168, no stack), 0.780 (both) against 0.740 ms: neither fewer instructions on the
 # inverse chain nor more resident warps shortens akk. Removed; code in abd9f75.)
+# (session 34: AKK_CTA, akk as one 4-warp program per (chunk, head), the four row blocks' work as batched 3-D dots
+# (the six off-diagonal pairs as a batch of 8, or as 4 slots of one row block against two column blocks; the four
+# diagonal blocks' levels as a batch of 4), so that a chunk's q, k and G would be read from L2 once per CTA. H100
+# 12-06 at T=16k: akk 0.923 (8 pairs), 0.806 (4 slots), 1.325 (8 warps) against 0.744 ms. Nsight Compute: L2
+# bytes 3.58 -> 2.85 GB, but the re-reads miss L1 (hit rate 3.7%: the pipelined loads are cp.async into shared
+# memory, which bypasses L1), and barrier / MIO stalls appear. Removed; code in 735d3a9.)
 WU_MAXNREG = 168         # register cap for wu (LOOP 0: 150 regs uncapped, 3 CTAs / SM; 128: 4, 16 B spill offline)
 # FAST_SOFTPLUS = 1 (A/B): the gate's softplus with ex2 / lg2.approx in prep (fla's choice) instead of libdevice's
 # accurate logf polynomial (~25 instructions per element; offline sm_90 prep loop body 2134 -> see --quick). No
@@ -547,17 +542,16 @@ def _akk_level(pg, i_b, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.const
 @triton.jit
 def _akk_level_dots(qr, kr, Gr, Ga, lk, lq, PREC: tl.constexpr):
     """akk: one level's dots on one K tile from the rows' and their anchors' G: e = exp2(-|G - G_a|), then
-    lk += (kr e) (kr e)^T, lq += (qr e) (kr e)^T ([BC, BK] operands, or batches [NB, BC, BK]: AKK_CTA)."""
+    lk += (kr e) (kr e)^T, lq += (qr e) (kr e)^T ([BC, BK] operands)."""
     e = tl.exp2(-tl.abs(Gr - Ga))
     ke = kr * e
-    ct = _trans_last2(ke)                                                              # [.., BK, BC]
+    ct = tl.trans(ke)                                                                  # [BK, BC]
     return tl.dot(ke, ct, lk, input_precision=PREC), tl.dot(qr * e, ct, lq, input_precision=PREC)
 
 
 @triton.jit
 def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
-    """akk: add level hb's pairs (r with bit hb set, s without, same aligned 2 hb-block) to the diagonal block
-    ([BC, BC], or a batch [NB, BC, BC] of them: AKK_CTA)."""
+    """akk: add level hb's pairs (r with bit hb set, s without, same aligned 2 hb-block) to the diagonal block."""
     r16 = tl.arange(0, BC)
     up = (r16 & hb) != 0
     sel = (((r16[:, None] ^ r16[None, :]) < 2 * hb) & up[:, None]) & (~up)[None, :]
@@ -566,7 +560,7 @@ def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def _akk_four_sel(l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, d_kk, d_qk, BC: tl.constexpr):
-    """akk: the four levels' pairs (hb = BC/2 .. 1, _akk_level_sel) added to the diagonal block(s)."""
+    """akk: the four levels' pairs (hb = BC/2 .. 1, _akk_level_sel) added to the diagonal block."""
     d_kk, d_qk = _akk_level_sel(l8k, l8q, d_kk, d_qk, BC // 2, BC)
     d_kk, d_qk = _akk_level_sel(l4k, l4q, d_kk, d_qk, BC // 4, BC)
     d_kk, d_qk = _akk_level_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
@@ -616,13 +610,9 @@ def _akk_off_accs(BC: tl.constexpr):
 
 
 @triton.jit
-def _akk_level_accs(BC: tl.constexpr, NB: tl.constexpr = 0):
-    """akk: zeroed accumulators of the four diagonal-block levels hb = 8, 4, 2, 1 (k and q for each): [BC, BC], or
-    [NB, BC, BC] for a batch of NB blocks (AKK_CTA)."""
-    if NB == 0:
-        z = tl.zeros([BC, BC], dtype=tl.float32)
-    else:
-        z = tl.zeros([NB, BC, BC], dtype=tl.float32)
+def _akk_level_accs(BC: tl.constexpr):
+    """akk: zeroed accumulators of the four diagonal-block levels hb = 8, 4, 2, 1 (k and q for each)."""
+    z = tl.zeros([BC, BC], dtype=tl.float32)
     return z, z, z, z, z, z, z, z
 
 
@@ -780,165 +770,21 @@ def _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, 
 @triton.jit
 def _block_diag_inverse(lmat, r, BC: tl.constexpr, PREC: tl.constexpr):
     """(I + L)^-1 on every BC-row diagonal block of lmat ([N, N] fp32, strictly lower in each block; r = arange(N);
-    entries outside the blocks are ignored; zeros outside the blocks), or on each of a batch [NB, BC, BC] of blocks
-    (r = arange(BC); AKK_CTA). Each block's two BC/2-row halves by forward substitution, all halves side by side (row
-    j of every half per step: BC/2 - 1 steps instead of BC - 1), then each block's lower-left quarter by the merge
-    X = D - D L_21 D (D = the two half inverses; (D L_21)^2 = 0)."""
+    entries outside the blocks are ignored; zeros outside the blocks). Each block's two BC/2-row halves by forward
+    substitution, all halves side by side (row j of every half per step: BC/2 - 1 steps instead of BC - 1), then each
+    block's lower-left quarter by the merge X = D - D L_21 D (D = the two half inverses; (D L_21)^2 = 0)."""
     HB: tl.constexpr = BC // 2
     hr = (r // HB)[:, None] == (r // HB)[None, :]                                     # same half
-    lt = _trans_last2(tl.where(hr, lmat, 0.0))                                         # lt[.., c, r] = L[.., r, c]
-    di = tl.where(r[:, None] == r[None, :], 1.0, 0.0) + tl.zeros_like(lmat)
+    lt = tl.trans(tl.where(hr, lmat, 0.0))                                             # lt[c, r] = L[r, c]
+    di = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     for j in range(1, HB):
         sel = (r % HB) == j
-        a_r = tl.sum(tl.where(sel[None, :], lt, 0.0), -1)  # [.., N] over c: L[the selected row of c's half, c]
-        nr = tl.sum(tl.expand_dims(a_r, -1) * di, -2)       # [.., N]: each selected row's update in its half
-        di = tl.where(sel[:, None] & hr, di - tl.expand_dims(nr, -2), di)
+        a_r = tl.sum(tl.where(sel[None, :], lt, 0.0), 1)    # [N] over c: L[the selected row of c's half, c]
+        nr = tl.sum(a_r[:, None] * di, 0)                   # [N]: each selected row's update in its half
+        di = tl.where(sel[:, None] & hr, di - nr[None, :], di)
     blk = (r // BC)[:, None] == (r // BC)[None, :]
     l21 = tl.where(blk & ((r % BC) >= HB)[:, None] & ((r % BC) < HB)[None, :], lmat, 0.0)
     return di - tl.dot(di, tl.dot(l21, di, input_precision=PREC), input_precision=PREC)
-
-
-@triton.jit
-def _trans_last2(x):
-    """x with its last two dimensions swapped ([M, N] or a batch [B, M, N])."""
-    if len(x.shape) == 3:
-        y = tl.permute(x, (0, 2, 1))
-    else:
-        y = tl.trans(x)
-    return y
-
-
-@triton.jit
-def _akk_cta_layout(BC: tl.constexpr, SLOTS: tl.constexpr):
-    """AKK_CTA: the off-diagonal blocks (i, j), j < i, of a 64-row chunk as a batch of S slots, each one row block i
-    against W columns -> (rows of block i [S, BC], column rows [S, W], i BC [S] (the anchor row), slot valid [S],
-    column valid [S, W]). SLOTS 0: the six pairs as 8 slots of W = BC (two dummies); 1: 4 slots of W = 2 BC, each
-    row block's side formed once for two column blocks: (3; 0, 1), (3; 2, -), (2; 0, 1), (1; 0, -)."""
-    r16 = tl.arange(0, BC)
-    if SLOTS == 1:
-        p = tl.arange(0, 4)
-        ip = tl.where(p < 2, 3, 3 - p + 1)
-        cols = tl.where(p == 1, 2, 0)[:, None] * BC + tl.arange(0, 2 * BC)[None, :]
-        sv = p >= 0
-        cv = (cols // BC) < ip[:, None]
-    else:
-        p = tl.arange(0, 8)
-        ip = tl.where(p < 1, 1, tl.where(p < 3, 2, tl.where(p < 6, 3, 0)))
-        cols = tl.where(p < 1, 0, tl.where(p < 3, p - 1, tl.where(p < 6, p - 3, 0)))[:, None] * BC + r16[None, :]
-        sv = p < 6
-        cv = sv[:, None] & (cols >= 0)
-    return ip[:, None] * BC + r16[None, :], cols, ip * BC, sv, cv
-
-
-@triton.jit
-def _akk_cta_off(pq, pk, pg, prs, pa, px, nv, stride_q, stride_k, K: tl.constexpr, BT: tl.constexpr,
-                 BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, SLOTS: tl.constexpr):
-    """AKK_CTA pass 1: the six off-diagonal blocks as one batch of [BC, BK] x [BK, W] dots per K tile
-    (_akk_cta_layout; the anchor of block (i, j) is row i BC: both factors <= 1), then Aqk (and zeros above the
-    diagonal blocks) and X = beta Dkk."""
-    ri, cj, n0, sv, cv = _akk_cta_layout(BC, SLOTS)
-    mi = sv[:, None] & (ri < nv)
-    mj = cv & (cj < nv)
-    rq = tl.load(prs + ri * 4, mask=mi, other=0.0)
-    rk = tl.load(prs + ri * 4 + 1, mask=mi, other=0.0)
-    rkj = tl.load(prs + cj * 4 + 1, mask=mj, other=0.0)
-    ok = tl.zeros([ri.shape[0], BC, cj.shape[1]], dtype=tl.float32)
-    oq = tl.zeros([ri.shape[0], BC, cj.shape[1]], dtype=tl.float32)
-    for kb in range(0, K, BK):
-        c = (kb + tl.arange(0, BK))[None, None, :]
-        cm = c < K
-        qr = tl.load(pq + ri[:, :, None] * stride_q + c, mask=mi[:, :, None] & cm, other=0.0).to(tl.float32)
-        kr = tl.load(pk + ri[:, :, None] * stride_k + c, mask=mi[:, :, None] & cm, other=0.0).to(tl.float32)
-        Gr = tl.load(pg + ri[:, :, None] * K + c, mask=cm, other=0.0)
-        Gn = tl.load(pg + n0[:, None, None] * K + c, mask=cm, other=0.0)                       # [S, 1, BK]
-        kc = tl.load(pk + cj[:, :, None] * stride_k + c, mask=mj[:, :, None] & cm, other=0.0).to(tl.float32)
-        Gc = tl.load(pg + cj[:, :, None] * K + c, mask=cm, other=0.0)
-        ef = tl.exp2(tl.minimum(Gr - Gn, 0.0))
-        kct = tl.permute(kc * rkj[:, :, None] * tl.exp2(tl.minimum(Gn - Gc, 0.0)), (0, 2, 1))   # [S, BK, W]
-        ok = tl.dot(kr * (rk[:, :, None] * ef), kct, ok, input_precision=PREC)
-        oq = tl.dot(qr * (rq[:, :, None] * ef), kct, oq, input_precision=PREC)
-    beta = tl.load(prs + ri * 4 + 2, mask=mi, other=0.0)
-    o = ri[:, :, None] * BT + cj[:, None, :]
-    tl.store(pa + o, oq.to(pa.dtype.element_ty), mask=cv[:, None, :])
-    tl.store(px + o, ok * beta[:, :, None], mask=cv[:, None, :])
-    rows = tl.arange(0, BT)
-    tl.store(pa + rows[:, None] * BT + rows[None, :], tl.zeros([BT, BT], dtype=tl.float32).to(pa.dtype.element_ty),
-             mask=(rows // BC)[None, :] > (rows // BC)[:, None])
-
-
-@triton.jit
-def _akk_cta_level(pg, rb, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
-                   PREC: tl.constexpr):
-    """AKK_CTA: _akk_level on the four diagonal blocks at once (rb [4, BC, 1]: the rows; operands [4, BC, BK])."""
-    r16 = tl.arange(0, BC)[None, :, None]
-    a = (rb - r16) + ((r16 & ~(2 * hb - 1)) | hb)                                      # anchor row of each row
-    return _akk_level_dots(qr, kr, Gr, tl.load(pg + a * K + c, mask=cm, other=0.0), lk, lq, PREC)
-
-
-@triton.jit
-def _kda_akk_cta_kernel(
-    q, k, g_in, rs_in, chunk_offsets, cu_seqlens, n_seq, a_out, x_out, kg_out,
-    stride_q, stride_k,
-    PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, KG: tl.constexpr = 1, SLOTS: tl.constexpr = 0,
-):
-    """AKK_CTA: akk's outputs (as _kda_akk_lv_kernel's) from one program per (chunk, head), grid (chunk, head),
-    meant for 4 warps: the four 16-row blocks' work as batched [B, 16, BK] x [B, BK, 16] dots, so that a chunk's q,
-    k and G tiles are read by one CTA (its re-reads hit its L1) instead of by four one-warp programs, each from L2.
-    Pass 1: the six off-diagonal blocks (a batch of 8 with two dummies); pass 2: the diagonal blocks' levels (a
-    batch of 4, kg stored on the way when KG), then their inverses."""
-    tl.static_assert((BT == 64) & (BC == 16))
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    if i_c >= tl.load(chunk_offsets + n_seq):
-        return
-    t0, eos = _chunk_rows(i_c, chunk_offsets, cu_seqlens, n_seq, PB, BT)
-    nv = eos - t0
-    cblk = (i_c.to(tl.int64) * H + i_h) * BT
-    pq, pk, pg, prs, pa, px = _akk_bases(q, k, g_in, rs_in, a_out, x_out, t0, cblk, i_h, stride_q, stride_k, K, BT)
-    _akk_cta_off(pq, pk, pg, prs, pa, px, nv, stride_q, stride_k, K, BT, BC, BK, PREC, SLOTS)
-    NB: tl.constexpr = BT // BC
-    rb = (tl.arange(0, NB)[:, None] * BC + tl.arange(0, BC)[None, :])[:, :, None]       # [NB, BC, 1] rows
-    d_kk, d_qk = _akk_cta_levels(pq, pk, pg, prs, kg_out + cblk * K if KG else kg_out, rb, nv, stride_q, stride_k, K,
-                                 BT, BC, BK, PREC, KG)
-    r16 = tl.arange(0, BC)
-    od = rb * BT + (rb - r16[None, :, None]) + r16[None, None, :]                      # [NB, BC, BC] diagonal blocks
-    tl.store(pa + od, d_qk.to(pa.dtype.element_ty))
-    beta = tl.load(prs + rb * 4 + 2)
-    lmat = tl.where((r16[:, None] > r16[None, :])[None, :, :], d_kk * beta, 0.0)
-    tl.store(px + od, _block_diag_inverse(lmat, r16, BC, PREC))
-
-
-@triton.jit
-def _akk_cta_levels(pq, pk, pg, prs, pkg, rb, nv, stride_q, stride_k, K: tl.constexpr, BT: tl.constexpr,
-                    BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, KG: tl.constexpr):
-    """AKK_CTA pass 2: the four diagonal blocks (rows rb [NB, BC, 1]) by levels over K -> (Dkk, Aqk) [NB, BC, BC]
-    (Aqk with its s = r terms); KG: kg of the rows stored to pkg (this chunk-head's row 0) on the way."""
-    NB: tl.constexpr = BT // BC
-    rm = rb < nv
-    rq = tl.load(prs + rb * 4)
-    rk = tl.load(prs + rb * 4 + 1)
-    l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC, NB)
-    dq0 = tl.zeros([NB, BC], dtype=tl.float32)
-    for kb in range(0, K, BK):
-        c = (kb + tl.arange(0, BK))[None, None, :]
-        cm = c < K
-        qr = tl.load(pq + rb * stride_q + c, mask=rm & cm, other=0.0).to(tl.float32) * rq
-        kr = tl.load(pk + rb * stride_k + c, mask=rm & cm, other=0.0).to(tl.float32) * rk
-        Gr = tl.load(pg + rb * K + c, mask=cm, other=0.0)
-        if KG:
-            gl = tl.load(pg + (BT - 1) * K + c, mask=cm, other=0.0)
-            kgv = kr * tl.exp2(tl.minimum(gl - Gr, 0.0))
-            tl.store(pkg + rb * K + c, kgv.to(pkg.dtype.element_ty), mask=cm)
-        dq0 += tl.sum(qr * kr, 2)
-        l8k, l8q = _akk_cta_level(pg, rb, c, cm, qr, kr, Gr, l8k, l8q, BC // 2, K, BC, PREC)
-        l4k, l4q = _akk_cta_level(pg, rb, c, cm, qr, kr, Gr, l4k, l4q, BC // 4, K, BC, PREC)
-        l2k, l2q = _akk_cta_level(pg, rb, c, cm, qr, kr, Gr, l2k, l2q, BC // 8, K, BC, PREC)
-        l1k, l1q = _akk_cta_level(pg, rb, c, cm, qr, kr, Gr, l1k, l1q, BC // 16, K, BC, PREC)
-    r16 = tl.arange(0, BC)
-    d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)
-    d_qk = tl.where((r16[:, None] == r16[None, :])[None, :, :], dq0[:, :, None], 0.0)
-    return _akk_four_sel(l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, d_kk, d_qk, BC)
 
 
 @triton.jit
@@ -1286,11 +1132,6 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                      UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
                      **(dict(KG=1) if _akk_kg() else {})),
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
-        "akk_cta": (_kda_akk_cta_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", kg_out=sd,
-                                              stride_q="i32", stride_k="i32"),
-                    dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, KG=int(_akk_kg()),
-                         SLOTS=int(AKK_CTA == 2)),
-                    dict(num_warps=AKK_CTA_WARPS, **_maxnreg(AKK_CTA_MAXNREG))),
         "wu": (_kda_wu_kernel,
                dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
@@ -1322,8 +1163,8 @@ def _fast_softplus() -> int:
 
 
 def _akk_kg() -> bool:
-    """Whether akk writes kg (AKK_KG, on the two-pass or the CTA akk); prep writes it otherwise."""
-    return bool(AKK_KG and (AKK_LV_SPLITK or AKK_CTA))
+    """Whether akk writes kg (AKK_KG, on the two-pass akk only); prep writes it otherwise."""
+    return bool(AKK_KG and AKK_LV_SPLITK)
 
 
 def _maxnreg(n) -> dict:
@@ -1397,11 +1238,6 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                                              **_maxnreg(PREP_MAXNREG))
 
         def akk():
-            if AKK_CTA:  # one 4-warp program per (chunk, head), batched dots
-                return _kda_akk_cta_kernel[(NT, H)](
-                    q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, kg, q.stride(0), k.stride(0),
-                    PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, KG=int(_akk_kg()),
-                    SLOTS=int(AKK_CTA == 2), num_warps=AKK_CTA_WARPS, **_maxnreg(AKK_CTA_MAXNREG))
             return _kda_akk_lv_kernel[(BT // BC * NT, H)](
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),

@@ -372,11 +372,6 @@ VARIANTS = {
     # per row)
     "prep-rb4": dict(PREP_ROWS_RB=4),
     "prep-rb4-kg": dict(PREP_ROWS_RB=4, AKK_KG=0),
-    # akk as one 4-warp program per (chunk, head) with batched dots (the default: four one-warp programs)
-    "akk-cta": dict(AKK_CTA=1),
-    "akk-cta-prep-kg": dict(AKK_CTA=1, AKK_KG=0),
-    # its off-diagonal pass as 4 slots of one row block against two column blocks (the row side formed once for both)
-    "akk-cta-slots": dict(AKK_CTA=2),
     # the row walk unrolled by 2, not 8 (the 64 rows: loop tails none; the test's partial chunks: masked rows)
     "prep-rows-u2": dict(PREP_ROWS_UNROLL=2),
     # wu's w tiles in a K loop, then its u tiles in a V loop (the default: one loop, loads one tile ahead)
@@ -469,8 +464,6 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "prep-rows-u16": dict(PREP_ROWS_UNROLL=16),
     "prep-rb2": dict(PREP_ROWS_RB=2),
     "prep-rb8": dict(PREP_ROWS_RB=8),
-    "akk-cta-w8": dict(AKK_CTA=1, AKK_CTA_WARPS=8),
-    "akk-cta-uncapped": dict(AKK_CTA=1, AKK_CTA_MAXNREG=None),
 })
 
 
