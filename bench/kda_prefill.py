@@ -435,6 +435,9 @@ QUICK_VARIANTS = [
     # 0.718 ms against 0.755 (three-block), 0.846 at 128 regs -> the default since; akk-threeblock: the pass before
     ("akk-threeblock", dict(AKK_JOUTER=0)),
     ("akk-jouter-r128", dict(AKK_JOUTER=1, AKK_MAXNREG=128)),
+    # session 34 (untimed): the block passes as one loop over (block, K tile), one cp.async ring through the block
+    # boundaries instead of a ramp per block (offline sm_90, Triton 3.6: 168 regs, no stack against 48 B)
+    ("akk-jflat", dict(AKK_JOUTER=2)),
     # (session 31: L2 hints, 'prep-evict1' / '-evict2', 'prep-prefz', 'prep-prefz-evict1', 'akk-pref', 'wu-pref',
     # 'pref-all': H100 12-06 at T=16k prep 0.549 -> 0.569 ms (prefz), 0.598 (pref-all), akk / wu unchanged. Removed.)
     # (session 31-32: PREP_COLS, prep as a norms launch + one-warp programs per (chunk, head, 16 columns), 'prep-cols'

@@ -38,7 +38,8 @@
 #            fla-core in the same process). Env kda_variants: the --variants list.
 #   record:  the figures of record on an H200 when little device time is left (~6 min): the defaults' GPU tests
 #            (KDA prefill at Kimi shapes, the MLA decode's default schedule, the fused W_UV decode), issue 5's table
-#            (bench/mla.py --no-sweep --decode-only), the kda part with the default only, issue 6's table, then
+#            (bench/mla.py --no-sweep --decode-only), the kda part (the default and akk-jflat: AKK_JOUTER = 2, akk's
+#            block passes as one pipelined loop, session 34, untimed; its GPU test first), issue 6's table, then
 #            with the time left Nsight Compute over kda16k and mla64x8k with the stall samples per SASS instruction of
 #            akk and MLA stage 1 (NCU_SOURCE, bench/ncu_source.py).
 #   adopt:   after adopting lz8 (MLA), AKK_JOUTER, PREP_ROWS and AKK_KG (KDA) as defaults in sessions 30 and 32
@@ -82,11 +83,12 @@ case $what in
   instr) parts="tests mla kda"
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
-  record) parts="tests mla5 kda e2e ncu"; kda_variants=${kda_variants:-default}
+  record) parts="tests mla5 kda e2e ncu"; kda_variants=${kda_variants:-default,akk-jflat}
           ncu_cases=${ncu_cases:-kda16k mla64x8k}; export NCU_SOURCE=${NCU_SOURCE:-_kda_akk_lv_kernel|_mla_decode_stage1}
           tests="tests/kernels/test_mla_decode.py::test_gpu_decode_default_schedule_kimi"
           tests+=" tests/kernels/test_mla_fused_decode.py tests/kernels/test_kda_chunk.py::test_gpu_single_bf16"
-          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_varlen_bf16_packed" ;;
+          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_varlen_bf16_packed"
+          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-jflat]" ;;
   adopt) parts="tests mla mla5 kda e2e"
          mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"

@@ -199,6 +199,9 @@ AKK_UNCOND = 1
 # at AKK_MAXNREG 168: no spill (the three-block pass keeps 24 B; on Triton 3.6 the loop keeps 2 B), 1,936 SASS
 # instructions against 2,088 (1,848 before the shared row-side helper, 1e898af). AKK_UNCOND applies to the
 # three-block pass only. A/B: `python bench/kda_prefill.py --quick --variants default,akk-threeblock`.
+# AKK_JOUTER = 2 (A/B, untimed): the same block passes as one loop over (j, K tile), so Triton's cp.async ring runs
+# through the block boundaries (each block's pass ramps its own pipeline otherwise: the prologue loads, the first
+# tile's latency exposed, the drain); block j's Aqk / X are stored and its accumulators zeroed at its last K tile.
 AKK_JOUTER = 1
 # (AKK_PAIR, two programs per chunk-head with row blocks (3, 0) and (2, 1), block 3's row side once per K tile:
 # offline ~6.7k instructions per chunk-head in the off-diagonal pass against the loop's ~12k, but 88 B of stack at
@@ -674,7 +677,22 @@ def _kda_akk_lv_kernel(
     rq = tl.load(prs + rr * 4)
     rk = tl.load(prs + rr * 4 + 1)
     beta = tl.load(prs + rr * 4 + 2)
-    if JOUTER:
+    if JOUTER == 2:                                      # the blocks' K passes as one pipelined loop
+        tl.static_assert((SPLITK == 1) & (K % BK == 0))
+        KT: tl.constexpr = K // BK
+        ok = tl.zeros([BC, BC], dtype=tl.float32)
+        oq = tl.zeros([BC, BC], dtype=tl.float32)
+        for t in range(0, i_b * KT):
+            j = t // KT
+            kb = (t % KT) * BK
+            c, cm, qr, kr, Gr, Gn, qe, ke = _akk_row_side(pq, pk, pg, rr, rmask, rq, rk, i_b, kb, stride_q, stride_k,
+                                                          K, BC, BK)
+            ok, oq = _akk_off_block(pk, pg, prs, nv, j, c, cm, Gn, qe, ke, ok, oq, stride_k, K, BC, PREC)
+            if kb == K - BK:                             # block j complete
+                _akk_store_off(pa, px, rr, i_b, j, ok, oq, beta, BT, BC)
+                ok = tl.zeros([BC, BC], dtype=tl.float32)
+                oq = tl.zeros([BC, BC], dtype=tl.float32)
+    elif JOUTER:
         tl.static_assert(SPLITK == 1)
         for j in range(0, i_b):                          # the earlier column blocks, one K pass each
             ok = tl.zeros([BC, BC], dtype=tl.float32)
@@ -684,6 +702,7 @@ def _kda_akk_lv_kernel(
                                                               stride_k, K, BC, BK)
                 ok, oq = _akk_off_block(pk, pg, prs, nv, j, c, cm, Gn, qe, ke, ok, oq, stride_k, K, BC, PREC)
             _akk_store_off(pa, px, rr, i_b, j, ok, oq, beta, BT, BC)
+    if JOUTER:
         zero = tl.zeros([BC, BC], dtype=tl.float32)
         for j in range(i_b + 1, BT // BC):               # Aqk is zero above the diagonal block
             _akk_store_off(pa, px, rr, i_b, j, zero, zero, beta, BT, BC)
@@ -1129,7 +1148,7 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
                                          stride_k="i32", **(dict(kg_out=sd) if _akk_kg() else {})),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                     UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
+                     UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER if AKK_LV_SPLITK else 0),
                      **(dict(KG=1) if _akk_kg() else {})),
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
@@ -1241,7 +1260,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_akk_lv_kernel[(BT // BC * NT, H)](
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
-                UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER and AKK_LV_SPLITK),
+                UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER if AKK_LV_SPLITK else 0),
                 **(dict(KG=1, kg_out=kg) if _akk_kg() else {}),
                 num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
             )

@@ -363,6 +363,8 @@ VARIANTS = {
     "akk-branched": dict(AKK_JOUTER=0, AKK_UNCOND=0, AKK_MAXNREG=None),
     # akk's off-diagonal blocks in one K pass over all three (the default before AKK_JOUTER, session 30)
     "akk-threeblock": dict(AKK_JOUTER=0),
+    # the block passes as one loop over (block, K tile): stores and zeroed accumulators at each block's last tile
+    "akk-jflat": dict(AKK_JOUTER=2),
     # prep as the tile kernel (the default before PREP_ROWS, session 32; the prep variants above imply it too), and
     # writing kg itself (the default before AKK_KG, session 32), and the row walk writing kg (two walks)
     "prep-tiles": dict(PREP_ROWS=0),
