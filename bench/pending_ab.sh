@@ -42,11 +42,14 @@
 #            block passes as one pipelined loop, session 34, untimed; its GPU test first), issue 6's table, then
 #            with the time left Nsight Compute over kda16k and mla64x8k with the stall samples per SASS instruction of
 #            akk and MLA stage 1 (NCU_SOURCE, bench/ncu_source.py).
+#   issue4:  the H200 record of issue 4 in ~6 min: bench/kda.py --batch 1,8,64,256 (decode beside fla-core's
+#            fused_recurrent, then prefill at T = 4k / 16k / 64k and varlen 16 x 1k beside chunk_kda), the kda part
+#            (default,akk-jflat), then issue 5's table with the time left.
 #   adopt:   after adopting lz8 (MLA), AKK_JOUTER, PREP_ROWS and AKK_KG (KDA) as defaults in sessions 30 and 32
 #            (timed on H100s only): their GPU tests, the MLA sweep (the default against the tiles before it), issue
 #            5's table (bench/mla.py --no-sweep --decode-only), the kda part, and issue 6's table (bench/e2e.py).
-# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|record|adopt|final|short|
-#        h200|all]
+# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|record|issue4|adopt|final|
+#        short|h200|all]
 #        [total seconds]
 set -u
 kda_default=default,prep-rb2,prep-kg
@@ -89,6 +92,7 @@ case $what in
           tests+=" tests/kernels/test_mla_fused_decode.py tests/kernels/test_kda_chunk.py::test_gpu_single_bf16"
           tests+=" tests/kernels/test_kda_chunk.py::test_gpu_varlen_bf16_packed"
           tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-jflat]" ;;
+  issue4) parts="kdafull kda mla5"; kda_variants=${kda_variants:-default,akk-jflat} ;;
   adopt) parts="tests mla mla5 kda e2e"
          mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
@@ -150,6 +154,10 @@ if has mla5 && [ "$(left)" -gt 90 ]; then
   timeout "$(( $(left) < 120 ? $(left) : 120 ))" python3 bench/mla.py --no-sweep --decode-only > "$OUT/mla5.log" 2>&1
   step "mla issue 5" $?
 fi
+if has kdafull && [ "$(left)" -gt 90 ]; then
+  timeout "$(( $(left) < 220 ? $(left) : 220 ))" python3 bench/kda.py --batch 1,8,64,256 > "$OUT/kda_full.log" 2>&1
+  step "kda full" $?
+fi
 if has kda && [ "$(left)" -gt 90 ]; then
   timeout "$(left)" python3 bench/kda_prefill.py --quick \
     --variants "${kda_variants:-$kda_default}" \
@@ -166,6 +174,7 @@ fi
 for f in "$OUT"/e2e*.log; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| (decode|prefill)|warm-up|Error|error" "$f"; }; done
 [ -f "$OUT/mla_variants.log" ] && { echo "=== mla variants"; grep -E "^B=|WRONG|rror" "$OUT/mla_variants.log" | tail -40; }
 [ -f "$OUT/mla5.log" ] && { echo "=== mla issue 5"; grep -E "^\\||^B=|copy|rror" "$OUT/mla5.log" | tail -20; }
+[ -f "$OUT/kda_full.log" ] && { echo "=== kda full"; grep -E "^\||ms|rror" "$OUT/kda_full.log" | tail -40; }
 [ -f "$OUT/kda_variants.log" ] && { echo "=== kda variants"; tail -n 25 "$OUT/kda_variants.log"; }
 [ -f "$OUT/mla_splits.log" ] && { echo "=== mla splits"; grep -E "^B=|^ls|^\\|" "$OUT/mla_splits.log" | tail -30; }
 [ -f "$OUT/ncu_summary.txt" ] && { echo "=== ncu"; grep -E "^===|rc |Duration|DRAM Throughput" "$OUT/ncu_summary.txt" | head -60; }
