@@ -438,6 +438,10 @@ QUICK_VARIANTS = [
     # session 34 (untimed): the block passes as one loop over (block, K tile), one cp.async ring through the block
     # boundaries instead of a ramp per block (offline sm_90, Triton 3.6: 168 regs, no stack against 48 B)
     ("akk-jflat", dict(AKK_JOUTER=2)),
+    # session 34 (untimed): akk's levels pass writes wu's w operand kb = beta kn exp2(G) (AKK_KB), so wu reads kb
+    # instead of k and the fp32 G (512 B fewer per row read, 256 B more written); WU_KBG (prep writing it) lost
+    ("akk-kb", dict(AKK_KB=1)),
+    ("akk-kb-jflat", dict(AKK_KB=1, AKK_JOUTER=2)),
     # (session 31: L2 hints, 'prep-evict1' / '-evict2', 'prep-prefz', 'prep-prefz-evict1', 'akk-pref', 'wu-pref',
     # 'pref-all': H100 12-06 at T=16k prep 0.549 -> 0.569 ms (prefz), 0.598 (pref-all), akk / wu unchanged. Removed.)
     # (session 31-32: PREP_COLS, prep as a norms launch + one-warp programs per (chunk, head, 16 columns), 'prep-cols'

@@ -226,6 +226,11 @@ WU_LOOP = 1
 # once, no kg store): prep 0.392 -> 0.297 ms, akk 0.717 -> 0.740 (168 regs; Triton 3.6 spills 12 B there, 3.9 keeps
 # 24 B of stack; uncapped, 218 regs on 3.6: 0.760). 0 (or AKK_LV_SPLITK 0): prep writes kg (two walks).
 AKK_KG = 1
+# AKK_KB = 1 (A/B, untimed; needs AKK_KG's path): akk's levels pass also writes wu's w operand kb = beta kn exp2(G)
+# (the operand dtype, a scratch [rows, K] of its own), so wu reads kb instead of k and the fp32 G: 512 fewer bytes per
+# row read, 256 more written. (The same kb written by prep, WU_KBG below, cost prep more than
+# wu saved; akk has kn, G and beta in registers on that pass: one exp2 and one store per element more.)
+AKK_KB = 0
 # (WU_KG, wu writing kg from the k and G tiles it loads anyway so that prep walks its rows once: H100 12-06,
 # session 32, T=16k prep 0.398 -> 0.302 ms but wu 0.425 -> 0.666 (one loop, 168 regs, 54 B spilled), 0.541 (200
 # regs), 0.517 (two loops, no spill): 1.948 ms against 1.957 at best. Removed; code in f04496e. AKK_KG above.)
@@ -636,7 +641,7 @@ def _kda_akk_lv_kernel(
     stride_q, stride_k,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, SPLITK: tl.constexpr = 0, UNCOND: tl.constexpr = 0, JOUTER: tl.constexpr = 0,
-    KG: tl.constexpr = 0, kg_out=None,
+    KG: tl.constexpr = 0, kg_out=None, KB: tl.constexpr = 0, kb_out=None,
 ):
     """Intra launch 2, grid (chunk x row sub-chunk i (fastest), head), meant for num_warps=1: the rows
     R = [i BC, (i+1) BC) of
@@ -674,6 +679,7 @@ def _kda_akk_lv_kernel(
     # scalar 64-bit row-0 bases of this chunk-head + 32-bit in-tile offsets (small address tensors)
     pq, pk, pg, prs, pa, px = _akk_bases(q, k, g_in, rs_in, a_out, x_out, t0, cblk, i_h, stride_q, stride_k, K, BT)
     pkg = kg_out + cblk * K if KG else kg_out            # (KG: akk's levels pass writes kg)
+    pkb = kb_out + cblk * K if KB else kb_out            # (KB: and wu's operand kb)
     rq = tl.load(prs + rr * 4)
     rk = tl.load(prs + rr * 4 + 1)
     beta = tl.load(prs + rr * 4 + 2)
@@ -707,7 +713,8 @@ def _kda_akk_lv_kernel(
         for j in range(i_b + 1, BT // BC):               # Aqk is zero above the diagonal block
             _akk_store_off(pa, px, rr, i_b, j, zero, zero, beta, BT, BC)
         _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k,
-                            tl.zeros([BC], dtype=tl.float32), K, BT, BC, BK, PREC, DQ0=1, KG=KG, pkg=pkg)
+                            tl.zeros([BC], dtype=tl.float32), K, BT, BC, BK, PREC, DQ0=1, KG=KG, pkg=pkg, KB=KB,
+                            pkb=pkb)
         return
     o0k, o0q, o1k, o1q, o2k, o2q = _akk_off_accs(BC)   # off-diagonal column blocks 0..2
     l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)    # diagonal-block levels hb = 8, 4, 2, 1
@@ -743,7 +750,7 @@ def _kda_akk_lv_kernel(
     _akk_store_off(pa, px, rr, i_b, 3, o2k, o2q, beta, BT, BC)     # (block 3 is never < i: zeros)
     if SPLITK:
         _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K, BT, BC,
-                            BK, PREC, KG=KG, pkg=pkg)
+                            BK, PREC, KG=KG, pkg=pkg, KB=KB, pkb=pkb)
     else:
         _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC)
 
@@ -751,11 +758,11 @@ def _kda_akk_lv_kernel(
 @triton.jit
 def _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride_q, stride_k, dq0, K: tl.constexpr,
                         BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                        DQ0: tl.constexpr = 0, KG: tl.constexpr = 0, pkg=None):
+                        DQ0: tl.constexpr = 0, KG: tl.constexpr = 0, pkg=None, KB: tl.constexpr = 0, pkb=None):
     """akk (SPLITK): the levels' own pass over K, then the diagonal blocks and the inverse (_akk_diag_inverse).
     dq0: the s = r terms of Aqk from the off-diagonal pass (DQ0=1: summed here instead, onto the given dq0).
     KG=1: also kg [R, K] = kn exp2(G_last - G) to pkg (this chunk-head's row 0; G_last: G's row BT - 1, which for
-    a partial chunk holds the last valid row's G)."""
+    a partial chunk holds the last valid row's G). KB=1: also kb [R, K] = beta kn exp2(G) to pkb (wu's w operand)."""
     l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_level_accs(BC)
     for kb in range(0, K, BK):
         c = kb + tl.arange(0, BK)
@@ -765,6 +772,9 @@ def _akk_levels_inverse(pq, pk, pg, pa, px, rr, rmask, rq, rk, beta, i_b, stride
             gl = tl.load(pg + (BT - 1) * K + c, mask=cm, other=0.0)
             tl.store(pkg + rr[:, None] * K + c[None, :],
                      (kr * tl.exp2(tl.minimum(gl[None, :] - Gr, 0.0))).to(pkg.dtype.element_ty), mask=cm[None, :])
+        if KB:
+            tl.store(pkb + rr[:, None] * K + c[None, :],
+                     (kr * beta[:, None] * tl.exp2(tl.minimum(Gr, 0.0))).to(pkb.dtype.element_ty), mask=cm[None, :])
         if DQ0:
             dq0 += tl.sum(qr * kr, 1)
         l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q = _akk_four_levels(pg, i_b, c, cm, qr, kr, Gr, l8k, l8q, l4k, l4q, l2k,
@@ -822,11 +832,24 @@ def _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i, stride_k, stride_v, i_h, K: 
 
 
 @triton.jit
+def _wu_tile_kb(kb_in, v, tok, cblk, rows, rmask, i, stride_v, i_h, K: tl.constexpr, V: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr):
+    """AKK_KB: tile i of wu's one loop from akk's kb [BT, BK] (beta kn exp2(G), columns i*BK..) and v [BT, BV]."""
+    ck = i * BK + tl.arange(0, BK)
+    cv = i * BV + tl.arange(0, BV)
+    bk = tl.load(kb_in + (cblk + rows)[:, None] * K + ck[None, :], mask=(ck < K)[None, :], other=0.0)
+    bv = tl.load(v + tok[:, None] * stride_v + i_h * V + cv[None, :], mask=rmask[:, None] & (cv < V)[None, :],
+                 other=0.0)
+    return bk, bv
+
+
+@triton.jit
 def _kda_wu_kernel(
     k, v, g_in, rs_in, x_in, chunk_offsets, cu_seqlens, n_seq, w_out, u_out,
     stride_k, stride_v,
     PB: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0,
+    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOOP: tl.constexpr = 0, KB: tl.constexpr = 0,
+    kb_in=None,
 ):
     """Intra launch 3, grid (chunk, head): M = (I + L)^-1 = sum_j (-N)^j Di with N = Di L_off (strictly block-lower,
     N^(BT/BC) = 0), from x_in (Di on the diagonal blocks, L_off below); then w = M (beta kn exp2(G)), u = M (beta v)
@@ -836,7 +859,9 @@ def _kda_wu_kernel(
     loads issued (into registers) before this tile's dots and tile 0's before the inverse, so no load waits on the
     inverse chain or on a loop boundary. (bf16 dot operands there, fla's precision, were faster on the H200 -- wu
     0.325 ms -- but wrong with M converted once before the loop and an illegal address with M converted per tile,
-    Triton 3.6, 12-04: removed.)"""
+    Triton 3.6, 12-04: removed.)
+    KB=1 (AKK_KB, LOOP 1): w's operand comes ready from kb_in (akk's beta kn exp2(G)); k and g_in are not read."""
+    tl.static_assert((KB == 0) | (LOOP == 1))
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     if i_c >= tl.load(chunk_offsets + n_seq):
@@ -848,7 +873,10 @@ def _kda_wu_kernel(
     cblk = (i_c.to(tl.int64) * H + i_h) * BT
     rb = rows // BC
     if LOOP == 1:
-        nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, 0, stride_k, stride_v, i_h, K, V, BK, BV)
+        if KB:
+            nk, nv = _wu_tile_kb(kb_in, v, tok, cblk, rows, rmask, 0, stride_v, i_h, K, V, BK, BV)
+        else:
+            nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, 0, stride_k, stride_v, i_h, K, V, BK, BV)
     x = tl.load(x_in + (cblk + rows)[:, None] * BT + rows[None, :])
     di = tl.where(rb[:, None] == rb[None, :], x, 0.0)          # block-diagonal inverse (the 'where' drops the
     lo = tl.where(rb[:, None] > rb[None, :], x, 0.0)           # never-written entries above the diagonal blocks)
@@ -861,11 +889,18 @@ def _kda_wu_kernel(
     if LOOP == 1:
         NI: tl.constexpr = max((K + BK - 1) // BK, (V + BV - 1) // BV)
         for i in range(NI):
-            bk, G, bv = nk, ng, nv
-            nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i + 1, stride_k, stride_v, i_h, K, V, BK, BV)
+            if KB:
+                bk, bv = nk, nv
+                nk, nv = _wu_tile_kb(kb_in, v, tok, cblk, rows, rmask, i + 1, stride_v, i_h, K, V, BK, BV)
+                wop = bk.to(tl.float32)
+            else:
+                bk, G, bv = nk, ng, nv
+                nk, ng, nv = _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i + 1, stride_k, stride_v, i_h, K, V, BK,
+                                      BV)
+                wop = bk.to(tl.float32) * (rk * beta)[:, None] * tl.exp2(G)
             ck = i * BK + tl.arange(0, BK)
             cv = i * BV + tl.arange(0, BV)
-            wv = tl.dot(m, bk.to(tl.float32) * (rk * beta)[:, None] * tl.exp2(G), input_precision=PREC)
+            wv = tl.dot(m, wop, input_precision=PREC)
             uv = tl.dot(m, bv.to(tl.float32) * beta[:, None], input_precision=PREC)
             tl.store(w_out + (cblk + rows)[:, None] * K + ck[None, :], wv.to(w_out.dtype.element_ty),
                      mask=(ck < K)[None, :])
@@ -1146,15 +1181,17 @@ def compile_report(arch: int = 90, H: int = 32, K: int = 128, V: int = 128, bf16
                            STAGES=PREP_ROWS_STAGES, KG=int(not _akk_kg()), RB=PREP_ROWS_RB),
                       dict(num_warps=1)),
         "akk": (_kda_akk_lv_kernel, dict(intra_common, q=lp, k=lp, a_out=sd, x_out="*fp32", stride_q="i32",
-                                         stride_k="i32", **(dict(kg_out=sd) if _akk_kg() else {})),
+                                         stride_k="i32", **(dict(kg_out=sd) if _akk_kg() else {}),
+                                         **(dict(kb_out=sd) if _akk_kb() else {})),
                 dict(PB=16, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
                      UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER if AKK_LV_SPLITK else 0),
-                     **(dict(KG=1) if _akk_kg() else {})),
+                     **(dict(KG=1) if _akk_kg() else {}), **(dict(KB=1) if _akk_kb() else {})),
                 dict(num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG))),
         "wu": (_kda_wu_kernel,
-               dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32"),
+               dict(intra_common, k=lp, v=lp, x_in="*fp32", w_out=sd, u_out=sd, stride_k="i32", stride_v="i32",
+                    **(dict(kb_in=sd) if _akk_kb() else {})),
                dict(PB=16, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                    LOOP=int(WU_LOOP)),
+                    LOOP=int(WU_LOOP), KB=int(_akk_kb())),
                dict(num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG))),
     })
     specs["prep"] = specs["prep_rows" if PREP_ROWS else "prep_tiles"]
@@ -1184,6 +1221,11 @@ def _fast_softplus() -> int:
 def _akk_kg() -> bool:
     """Whether akk writes kg (AKK_KG, on the two-pass akk only); prep writes it otherwise."""
     return bool(AKK_KG and AKK_LV_SPLITK)
+
+
+def _akk_kb() -> bool:
+    """Whether akk writes wu's operand kb (AKK_KB, on AKK_KG's path, with wu's one loop)."""
+    return bool(AKK_KB and _akk_kg() and WU_LOOP == 1)
 
 
 def _maxnreg(n) -> dict:
@@ -1244,6 +1286,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
         g2 = torch.empty(n_rows, K, dtype=torch.float32, device=dev)
         rs = torch.empty(n_rows, 4, dtype=torch.float32, device=dev)
         xs = torch.empty(n_rows, BT, dtype=torch.float32, device=dev)
+        kbs = torch.empty(n_rows, K, dtype=sdt, device=dev) if _akk_kb() else None   # AKK_KB: wu's w operand
 
         def prep():
             args = (q, k, z, A_log, dt_bias, b, chunk_offsets, cu_dev, P, qg, kg, gl, g2, rs,
@@ -1261,7 +1304,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
                 q, k, g2, rs, chunk_offsets, cu_dev, P, a, xs, q.stride(0), k.stride(0),
                 PB=PB, H=H, K=K, BT=BT, BC=BC, BK=min(K, AKK_BK), PREC=prec, SPLITK=int(AKK_LV_SPLITK),
                 UNCOND=int(AKK_UNCOND), JOUTER=int(AKK_JOUTER if AKK_LV_SPLITK else 0),
-                **(dict(KG=1, kg_out=kg) if _akk_kg() else {}),
+                **(dict(KG=1, kg_out=kg) if _akk_kg() else {}), **(dict(KB=1, kb_out=kbs) if _akk_kb() else {}),
                 num_warps=AKK_NUM_WARPS, **_maxnreg(AKK_MAXNREG),
             )
 
@@ -1269,7 +1312,7 @@ def _plan(q, k, v, z, A_log, dt_bias, b, scale, rec_state, cu_dev, slots, hi, o,
             return _kda_wu_kernel[(NT, H)](
                 k, v, g2, rs, xs, chunk_offsets, cu_dev, P, w, u, k.stride(0), v.stride(0),
                 PB=PB, H=H, K=K, V=V, BT=BT, BC=BC, BK=min(K, WU_BK), BV=min(V, WU_BV), PREC=prec,
-                LOOP=int(WU_LOOP),
+                LOOP=int(WU_LOOP), **(dict(KB=1, kb_in=kbs) if _akk_kb() else {}),
                 num_warps=WU_NUM_WARPS, **_maxnreg(WU_MAXNREG),
             )
 

@@ -365,6 +365,9 @@ VARIANTS = {
     "akk-threeblock": dict(AKK_JOUTER=0),
     # the block passes as one loop over (block, K tile): stores and zeroed accumulators at each block's last tile
     "akk-jflat": dict(AKK_JOUTER=2),
+    # akk's levels pass writes wu's w operand kb = beta kn exp2(G); wu reads it instead of k and G
+    "akk-kb": dict(AKK_KB=1),
+    "akk-kb-jflat": dict(AKK_KB=1, AKK_JOUTER=2),
     # prep as the tile kernel (the default before PREP_ROWS, session 32; the prep variants above imply it too), and
     # writing kg itself (the default before AKK_KG, session 32), and the row walk writing kg (two walks)
     "prep-tiles": dict(PREP_ROWS=0),
