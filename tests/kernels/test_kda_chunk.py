@@ -367,7 +367,6 @@ VARIANTS = {
     "akk-jflat": dict(AKK_JOUTER=2),
     # akk's levels pass writes wu's w operand kb = beta kn exp2(G); wu reads it instead of k and G
     "akk-kb": dict(AKK_KB=1),
-    "akk-kb-jflat": dict(AKK_KB=1, AKK_JOUTER=2),
     # prep as the tile kernel (the default before PREP_ROWS, session 32; the prep variants above imply it too), and
     # writing kg itself (the default before AKK_KG, session 32), and the row walk writing kg (two walks)
     "prep-tiles": dict(PREP_ROWS=0),
@@ -469,6 +468,7 @@ GPU_VARIANTS = dict(VARIANTS, **{
     "prep-rows-u16": dict(PREP_ROWS_UNROLL=16),
     "prep-rb2": dict(PREP_ROWS_RB=2),
     "prep-rb8": dict(PREP_ROWS_RB=8),
+    "akk-kb-jflat": dict(AKK_KB=1, AKK_JOUTER=2),   # (each alone is in the interpreter set)
 })
 
 
