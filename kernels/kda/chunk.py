@@ -510,13 +510,6 @@ def _prep_rows_blocks(pz, pq, pk, dtb, neg_a, nv, cblk, c, cm, G, gl, stride_z, 
 
 
 @triton.jit
-def _akk_bases(q, k, g_in, rs_in, a_out, x_out, t0, cblk, i_h, stride_q, stride_k, K: tl.constexpr, BT: tl.constexpr):
-    """akk: the row-0 pointers of a chunk-head (first token t0, scratch row cblk) in q, k, G, rs, Aqk and X."""
-    return (q + t0 * stride_q + i_h * K, k + t0 * stride_k + i_h * K, g_in + cblk * K, rs_in + cblk * 4,
-            a_out + cblk * BT, x_out + cblk * BT)
-
-
-@triton.jit
 def _akk_off_block(pk, pg, prs, nv, j, c, cm, Gn, qe, ke, ok, oq, stride_k, K: tl.constexpr, BC: tl.constexpr,
                    PREC: tl.constexpr):
     """akk, off-diagonal column block j (chunk rows [j BC, (j+1) BC), all before the anchor n) on one K tile:
@@ -544,17 +537,13 @@ def _akk_level(pg, i_b, c, cm, qr, kr, Gr, lk, lq, hb: tl.constexpr, K: tl.const
     r16 = tl.arange(0, BC)
     a = i_b * BC + ((r16 & ~(2 * hb - 1)) | hb)                                        # anchor row of each row
     Ga = tl.load(pg + a[:, None] * K + c[None, :], mask=cm[None, :], other=0.0)
-    return _akk_level_dots(qr, kr, Gr, Ga, lk, lq, PREC)
-
-
-@triton.jit
-def _akk_level_dots(qr, kr, Gr, Ga, lk, lq, PREC: tl.constexpr):
-    """akk: one level's dots on one K tile from the rows' and their anchors' G: e = exp2(-|G - G_a|), then
-    lk += (kr e) (kr e)^T, lq += (qr e) (kr e)^T ([BC, BK] operands)."""
-    e = tl.exp2(-tl.abs(Gr - Ga))
+    d = Gr - Ga
+    e = tl.exp2(-tl.abs(d))
     ke = kr * e
     ct = tl.trans(ke)                                                                  # [BK, BC]
-    return tl.dot(ke, ct, lk, input_precision=PREC), tl.dot(qr * e, ct, lq, input_precision=PREC)
+    lk = tl.dot(ke, ct, lk, input_precision=PREC)
+    lq = tl.dot(qr * e, ct, lq, input_precision=PREC)
+    return lk, lq
 
 
 @triton.jit
@@ -564,15 +553,6 @@ def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
     up = (r16 & hb) != 0
     sel = (((r16[:, None] ^ r16[None, :]) < 2 * hb) & up[:, None]) & (~up)[None, :]
     return d_kk + tl.where(sel, lk, 0.0), d_qk + tl.where(sel, lq, 0.0)
-
-
-@triton.jit
-def _akk_four_sel(l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, d_kk, d_qk, BC: tl.constexpr):
-    """akk: the four levels' pairs (hb = BC/2 .. 1, _akk_level_sel) added to the diagonal block."""
-    d_kk, d_qk = _akk_level_sel(l8k, l8q, d_kk, d_qk, BC // 2, BC)
-    d_kk, d_qk = _akk_level_sel(l4k, l4q, d_kk, d_qk, BC // 4, BC)
-    d_kk, d_qk = _akk_level_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
-    return _akk_level_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
 
 
 @triton.jit
@@ -677,7 +657,12 @@ def _kda_akk_lv_kernel(
     rr = i_b * BC + r16                                  # rows of R within the chunk
     rmask = rr < nv
     # scalar 64-bit row-0 bases of this chunk-head + 32-bit in-tile offsets (small address tensors)
-    pq, pk, pg, prs, pa, px = _akk_bases(q, k, g_in, rs_in, a_out, x_out, t0, cblk, i_h, stride_q, stride_k, K, BT)
+    pq = q + t0 * stride_q + i_h * K
+    pk = k + t0 * stride_k + i_h * K
+    pg = g_in + cblk * K
+    prs = rs_in + cblk * 4
+    pa = a_out + cblk * BT
+    px = x_out + cblk * BT
     pkg = kg_out + cblk * K if KG else kg_out            # (KG: akk's levels pass writes kg)
     pkb = kb_out + cblk * K if KB else kb_out            # (KB: and wu's operand kb)
     rq = tl.load(prs + rr * 4)
@@ -790,7 +775,10 @@ def _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, 
     r16 = tl.arange(0, BC)
     d_kk = tl.zeros([BC, BC], dtype=tl.float32)
     d_qk = tl.where(r16[:, None] == r16[None, :], dq0[:, None], 0.0)
-    d_kk, d_qk = _akk_four_sel(l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, d_kk, d_qk, BC)
+    d_kk, d_qk = _akk_level_sel(l8k, l8q, d_kk, d_qk, BC // 2, BC)
+    d_kk, d_qk = _akk_level_sel(l4k, l4q, d_kk, d_qk, BC // 4, BC)
+    d_kk, d_qk = _akk_level_sel(l2k, l2q, d_kk, d_qk, BC // 8, BC)
+    d_kk, d_qk = _akk_level_sel(l1k, l1q, d_kk, d_qk, BC // 16, BC)
     tl.store(pa + rr[:, None] * BT + (i_b * BC + r16)[None, :], d_qk.to(pa.dtype.element_ty))
     lmat = tl.where(r16[:, None] > r16[None, :], d_kk * beta[:, None], 0.0)        # L_ii = diag(beta) StrictTril(Dkk)
     tl.store(px + rr[:, None] * BT + (i_b * BC + r16)[None, :], _block_diag_inverse(lmat, r16, BC, PREC))
@@ -822,13 +810,18 @@ def _wu_tile(k, g_in, v, tok, cblk, rows, rmask, i, stride_k, stride_v, i_h, K: 
     """Tile i of wu's one loop: k [BT, BK] (columns i*BK..), its gate G [BT, BK] fp32 and v [BT, BV] (columns
     i*BV..); zeros past K / V (a tile index past both loads nothing)."""
     ck = i * BK + tl.arange(0, BK)
-    cv = i * BV + tl.arange(0, BV)
     bk = tl.load(k + tok[:, None] * stride_k + i_h * K + ck[None, :], mask=rmask[:, None] & (ck < K)[None, :],
                  other=0.0)
     G = tl.load(g_in + (cblk + rows)[:, None] * K + ck[None, :], mask=(ck < K)[None, :], other=0.0)
-    bv = tl.load(v + tok[:, None] * stride_v + i_h * V + cv[None, :], mask=rmask[:, None] & (cv < V)[None, :],
-                 other=0.0)
-    return bk, G, bv
+    return bk, G, _wu_v_tile(v, tok, rmask, i, stride_v, i_h, V, BV)
+
+
+@triton.jit
+def _wu_v_tile(v, tok, rmask, i, stride_v, i_h, V: tl.constexpr, BV: tl.constexpr):
+    """v [BT, BV] of wu's tile i (columns i*BV..; zeros past V)."""
+    cv = i * BV + tl.arange(0, BV)
+    return tl.load(v + tok[:, None] * stride_v + i_h * V + cv[None, :], mask=rmask[:, None] & (cv < V)[None, :],
+                   other=0.0)
 
 
 @triton.jit
@@ -836,11 +829,8 @@ def _wu_tile_kb(kb_in, v, tok, cblk, rows, rmask, i, stride_v, i_h, K: tl.conste
                 BK: tl.constexpr, BV: tl.constexpr):
     """AKK_KB: tile i of wu's one loop from akk's kb [BT, BK] (beta kn exp2(G), columns i*BK..) and v [BT, BV]."""
     ck = i * BK + tl.arange(0, BK)
-    cv = i * BV + tl.arange(0, BV)
     bk = tl.load(kb_in + (cblk + rows)[:, None] * K + ck[None, :], mask=(ck < K)[None, :], other=0.0)
-    bv = tl.load(v + tok[:, None] * stride_v + i_h * V + cv[None, :], mask=rmask[:, None] & (cv < V)[None, :],
-                 other=0.0)
-    return bk, bv
+    return bk, _wu_v_tile(v, tok, rmask, i, stride_v, i_h, V, BV)
 
 
 @triton.jit
