@@ -53,7 +53,8 @@
 #        short|h200|all]
 #        [total seconds]
 set -u
-kda_default=default,akk-jflat,akk-kb,akk-kb-jflat,prep-rb2
+kda_new=default,akk-jflat,akk-kb,akk-kb-jflat    # the default and session 34's untimed variants
+kda_default=$kda_new,prep-rb2
 what=${1:-all}
 total=${2:-560}
 OUT=${OUT:-$PWD/.out}; mkdir -p "$OUT"
@@ -88,7 +89,7 @@ case $what in
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
   record) parts="tests mla5 kda e2e ncu"
-          kda_variants=${kda_variants:-default,akk-jflat,akk-kb,akk-kb-jflat}
+          kda_variants=${kda_variants:-$kda_new}
           ncu_cases=${ncu_cases:-kda16k mla64x8k}
           export NCU_SOURCE=${NCU_SOURCE:-_kda_akk_lv_kernel|_mla_decode_stage1}
           tests="tests/kernels/test_mla_decode.py::test_gpu_decode_default_schedule_kimi"
@@ -97,7 +98,7 @@ case $what in
           tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-jflat]"
           tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-kb]"
           tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-kb-jflat]" ;;
-  issue4) parts="kdafull kda mla5"; kda_variants=${kda_variants:-default,akk-jflat,akk-kb,akk-kb-jflat} ;;
+  issue4) parts="kdafull kda mla5"; kda_variants=${kda_variants:-$kda_new} ;;
   adopt) parts="tests mla mla5 kda e2e"
          mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
