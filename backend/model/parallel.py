@@ -289,7 +289,6 @@ def start(model_dir: str, cfg) -> Group:
     publish the load spec that every follower builds its runner from."""
     from dataclasses import asdict
 
-    global _ENV_GROUP
     if launched():
         if _ENV_GROUP is None:
             raise RuntimeError("torch.distributed is initialized but not by backend.model.parallel.init_from_env")
