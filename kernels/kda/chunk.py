@@ -228,8 +228,8 @@ WU_LOOP = 1
 AKK_KG = 1
 # AKK_KB = 1 (A/B, untimed; needs AKK_KG's path): akk's levels pass also writes wu's w operand kb = beta kn exp2(G)
 # (the operand dtype, a scratch [rows, K] of its own), so wu reads kb instead of k and the fp32 G: 512 fewer bytes per
-# row read, 256 more written. (The same kb written by prep, WU_KBG below, cost prep more than
-# wu saved; akk has kn, G and beta in registers on that pass: one exp2 and one store per element more.)
+# row read, 256 more written. (The same kb written by prep, WU_KBG below, cost prep more than wu saved; akk has kn, G
+# and beta in registers on that pass: one exp2 and one store per element more.)
 AKK_KB = 0
 # (WU_KG, wu writing kg from the k and G tiles it loads anyway so that prep walks its rows once: H100 12-06,
 # session 32, T=16k prep 0.398 -> 0.302 ms but wu 0.425 -> 0.666 (one loop, 168 regs, 54 B spilled), 0.541 (200
