@@ -434,14 +434,14 @@ QUICK_VARIANTS = [
     # 168 (12 one-warp CTAs / SM), and at 128 (16 / SM, 160 B of spills). H100 12-06 (session 30) at T=16k: akk
     # 0.718 ms against 0.755 (three-block), 0.846 at 128 regs -> the default since; akk-threeblock: the pass before
     ("akk-threeblock", dict(AKK_JOUTER=0)),
-    ("akk-jouter-r128", dict(AKK_JOUTER=1, AKK_MAXNREG=128)),
-    # session 34 (untimed): the block passes as one loop over (block, K tile), one cp.async ring through the block
-    # boundaries instead of a ramp per block (offline sm_90, Triton 3.6: 168 regs, no stack against 48 B)
-    ("akk-jflat", dict(AKK_JOUTER=2)),
-    # session 34 (untimed): akk's levels pass writes wu's w operand kb = beta kn exp2(G) (AKK_KB), so wu reads kb
-    # instead of k and the fp32 G (512 B fewer per row read, 256 B more written); WU_KBG (prep writing it) lost
-    ("akk-kb", dict(AKK_KB=1)),
-    ("akk-kb-jflat", dict(AKK_KB=1, AKK_JOUTER=2)),
+    ("akk-jouter-r128", dict(AKK_MAXNREG=128)),     # (the block passes at 128 regs: 16 one-warp CTAs / SM)
+    # session 34: the block passes as one loop over (block, K tile), one cp.async ring through the block boundaries
+    # instead of a ramp per block (AKK_JOUTER = 2; offline sm_90, Triton 3.6: 168 regs, no stack against 48 B), and
+    # akk's levels pass writing wu's w operand kb = beta kn exp2(G) (AKK_KB), so wu reads kb instead of k and the
+    # fp32 G (512 B fewer per row read, 256 B more written). H100 12-07 (session 37), T=16k: 1.873 ms (the nested
+    # loop, wu reading k and G) -> 1.852 (jflat), 1.817 (kb), 1.802 (both; 1.35x fla-core) -> both the default since;
+    # the nested loop (AKK_JOUTER = 1) was removed (code in 689a5dd); akk-no-kb: wu reading k and G
+    ("akk-no-kb", dict(AKK_KB=0)),
     # (session 31: L2 hints, 'prep-evict1' / '-evict2', 'prep-prefz', 'prep-prefz-evict1', 'akk-pref', 'wu-pref',
     # 'pref-all': H100 12-06 at T=16k prep 0.549 -> 0.569 ms (prefz), 0.598 (pref-all), akk / wu unchanged. Removed.)
     # (session 31-32: PREP_COLS, prep as a norms launch + one-warp programs per (chunk, head, 16 columns), 'prep-cols'

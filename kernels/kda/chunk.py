@@ -179,8 +179,8 @@ AKK_NUM_WARPS = 1
 # ptxas register cap for akk. 168 (default since H200 12-04, with AKK_UNCOND): the unconditional K pass takes 230 regs
 # uncapped (8 one-warp CTAs / SM); at 168, 12 / SM with 24 B of stack. The branched pass (AKK_UNCOND=0) takes 162
 # uncapped; 128 -> 16 CTAs / SM, 144 B stack spill, +5% instructions (akk is ~45% of the H200's issue rate:
-# latency-bound). None: uncapped. The AKK_JOUTER loop (the default since session 30) fits 168 without a spill on
-# Triton 3.9 (2 B on 3.6); at 128 it spills 46 B and loses (H100 12-06: akk 0.846 vs 0.718 ms).
+# latency-bound). None: uncapped. The AKK_JOUTER passes fit 168 without a spill (the nested loop of sessions 30-36
+# kept 2 B on Triton 3.6; at 128 it spilled 46 B and lost, H100 12-06: akk 0.846 vs 0.718 ms).
 AKK_MAXNREG = 168
 AKK_LV_SPLITK = 1        # 1 = two passes over K (off-diagonal blocks, then the levels; fewer registers)
 # AKK_UNCOND = 1 (default since H200 12-04, session 11, with AKK_MAXNREG=168: akk 0.695 -> 0.673 ms at T=16k): the
@@ -189,20 +189,20 @@ AKK_LV_SPLITK = 1        # 1 = two passes over K (off-diagonal blocks, then the 
 # K tile); unconditional they become a cp.async ring (LDGSTS), and the loop body shrinks 549 -> 429 instructions.
 # 0: the branched pass (variant akk-branched, 162 regs uncapped).
 AKK_UNCOND = 1
-# AKK_JOUTER = 1 (default since H100 12-06, session 30: akk 0.755 -> 0.718 ms at T=16k, varlen 16 x 1k the same;
-# with AKK_LV_SPLITK): the off-diagonal pass as a loop over the earlier column blocks j < i, each with its own pass
-# over K, instead of one K pass updating all three blocks (AKK_JOUTER=0 with UNCOND: those with j >= i on masked
-# rows). Per chunk the four programs then run 6 block passes instead of 12 (half of UNCOND's are zero work), at the
-# price of the row side (q, k, G of R and their anchor factors) once per block instead of once: 48 row-side + 48
-# block tile updates per chunk against 32 + 96. No branch inside the K loop (its loads pipeline as UNCOND's), and
-# two accumulators live instead of six. The s = r terms of Aqk move to the levels' pass. Offline sm_90 (Triton 3.9)
-# at AKK_MAXNREG 168: no spill (the three-block pass keeps 24 B; on Triton 3.6 the loop keeps 2 B), 1,936 SASS
-# instructions against 2,088 (1,848 before the shared row-side helper, 1e898af). AKK_UNCOND applies to the
-# three-block pass only. A/B: `python bench/kda_prefill.py --quick --variants default,akk-threeblock`.
-# AKK_JOUTER = 2 (A/B, untimed): the same block passes as one loop over (j, K tile), so Triton's cp.async ring runs
-# through the block boundaries (each block's pass ramps its own pipeline otherwise: the prologue loads, the first
-# tile's latency exposed, the drain); block j's Aqk / X are stored and its accumulators zeroed at its last K tile.
-AKK_JOUTER = 1
+# AKK_JOUTER (with AKK_LV_SPLITK): the off-diagonal pass as passes over the earlier column blocks j < i only,
+# instead of one K pass updating all three blocks (AKK_JOUTER=0 with UNCOND: those with j >= i on masked rows). Per
+# chunk the four programs then run 6 block passes instead of 12 (half of UNCOND's are zero work), at the price of the
+# row side (q, k, G of R and their anchor factors) once per block instead of once: 48 row-side + 48 block tile updates
+# per chunk against 32 + 96. No branch inside the K loop, and two accumulators live instead of six. The s = r terms of
+# Aqk move to the levels' pass. AKK_UNCOND applies to the three-block pass only.
+# AKK_JOUTER = 2 (default since H100 12-07, session 37, with AKK_KB: T=16k 1.873 -> 1.802 ms, 1.30x -> 1.35x
+# fla-core; alone akk 0.740 -> 0.726 ms, with AKK_KB 0.761 -> 0.743): the block passes as one loop over (j, K tile),
+# so Triton's cp.async ring runs through the block boundaries (one prologue and drain per program, not per block);
+# block j's Aqk / X are stored and its accumulators zeroed at its last K tile. Offline (Triton 3.6, 168 regs): no
+# stack (the nested loop kept 48 B), 1,856 SASS against 2,032. 0: the three-block pass (variant akk-threeblock).
+# (AKK_JOUTER = 1, the same passes as a nested loop, one K pass per block: the default from session 30 (H100 12-06:
+# akk 0.755 -> 0.718 ms against the three-block pass) to session 36. Removed in session 37; code in 689a5dd.)
+AKK_JOUTER = 2
 # (AKK_PAIR, two programs per chunk-head with row blocks (3, 0) and (2, 1), block 3's row side once per K tile:
 # offline ~6.7k instructions per chunk-head in the off-diagonal pass against the loop's ~12k, but 88 B of stack at
 # 168 regs; H100 12-06, session 31: akk 0.943 ms (168 regs), 0.841 (192), 0.846 (uncapped, 238) against 0.718 for
@@ -226,11 +226,12 @@ WU_LOOP = 1
 # once, no kg store): prep 0.392 -> 0.297 ms, akk 0.717 -> 0.740 (168 regs; Triton 3.6 spills 12 B there, 3.9 keeps
 # 24 B of stack; uncapped, 218 regs on 3.6: 0.760). 0 (or AKK_LV_SPLITK 0): prep writes kg (two walks).
 AKK_KG = 1
-# AKK_KB = 1 (A/B, untimed; needs AKK_KG's path): akk's levels pass also writes wu's w operand kb = beta kn exp2(G)
-# (the operand dtype, a scratch [rows, K] of its own), so wu reads kb instead of k and the fp32 G: 512 fewer bytes per
-# row read, 256 more written. (The same kb written by prep, WU_KBG below, cost prep more than wu saved; akk has kn, G
-# and beta in registers on that pass: one exp2 and one store per element more.)
-AKK_KB = 0
+# AKK_KB = 1 (default since H100 12-07, session 37, with AKK_JOUTER = 2; alone T=16k 1.873 -> 1.817 ms: wu 0.421 ->
+# 0.353, akk 0.740 -> 0.761; needs AKK_LV_SPLITK and WU_LOOP 1): akk's levels pass also writes wu's w operand
+# kb = beta kn exp2(G) (the operand dtype, a scratch [rows, K] of its own), so wu reads kb instead of k and the fp32 G:
+# 512 fewer bytes per row read, 256 more written. (The same kb written by prep, WU_KBG below, cost prep more than wu
+# saved; akk has kn, G and beta in registers on that pass: one exp2 and one store per element more.) 0: wu reads k, G.
+AKK_KB = 1
 # (WU_KG, wu writing kg from the k and G tiles it loads anyway so that prep walks its rows once: H100 12-06,
 # session 32, T=16k prep 0.398 -> 0.302 ms but wu 0.425 -> 0.666 (one loop, 168 regs, 54 B spilled), 0.541 (200
 # regs), 0.517 (two loops, no spill): 1.948 ms against 1.957 at best. Removed; code in f04496e. AKK_KG above.)
@@ -635,16 +636,16 @@ def _kda_akk_lv_kernel(
     SPLITK=1: the off-diagonal blocks and the levels in two passes over K (fewer live accumulators).
     UNCOND=1 (AKK_UNCOND): every program runs all three off-diagonal block updates, those with j >= i on masked
     (zero) rows, so the off-diagonal pass has no branches and its loads can be pipelined.
-    JOUTER=1 (AKK_JOUTER, needs SPLITK): a loop over the blocks j < i, each with its own pass over K (no masked
-    blocks, no branch in the K loop; the row side is recomputed per block).
+    JOUTER=2 (AKK_JOUTER, needs SPLITK): one loop over (block j < i, K tile), block j stored at its last tile (no
+    masked blocks, no branch on data in the K loop; the row side is recomputed per block).
     Then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted (fp32). x_out [rows, BT] fp32: columns
     < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di (columns above are not written).
     (Offline sm_90, Triton 3.6: at 2 or 4 warps these [16, x] tiles are replicated in every warp (the dot-operand
     layouts), so 1 warp does the same work with a quarter of the issue slots.)
     KG=1 (AKK_KG, needs SPLITK): the levels' pass also writes kg = kn exp2(G_last - G) of the rows R (prep then
-    walks its rows once)."""
+    walks its rows once). KB=1 (AKK_KB, needs SPLITK): and wu's w operand kb = beta kn exp2(G)."""
     tl.static_assert((BT == 64) & (BC == 16))           # 3 off-diagonal column blocks, 4 levels
-    tl.static_assert((KG == 0) | (SPLITK == 1))
+    tl.static_assert(((KG == 0) & (KB == 0)) | (SPLITK == 1))
     i_b = tl.program_id(0) % (BT // BC)
     i_c = tl.program_id(0) // (BT // BC)
     i_h = tl.program_id(1)
@@ -668,6 +669,7 @@ def _kda_akk_lv_kernel(
     rq = tl.load(prs + rr * 4)
     rk = tl.load(prs + rr * 4 + 1)
     beta = tl.load(prs + rr * 4 + 2)
+    tl.static_assert((JOUTER == 0) | (JOUTER == 2), "AKK_JOUTER: 0 or 2 (1, the nested loop, removed in session 37)")
     if JOUTER == 2:                                      # the blocks' K passes as one pipelined loop
         tl.static_assert((SPLITK == 1) & (K % BK == 0))
         KT: tl.constexpr = K // BK
@@ -683,16 +685,6 @@ def _kda_akk_lv_kernel(
                 _akk_store_off(pa, px, rr, i_b, j, ok, oq, beta, BT, BC)
                 ok = tl.zeros([BC, BC], dtype=tl.float32)
                 oq = tl.zeros([BC, BC], dtype=tl.float32)
-    elif JOUTER:
-        tl.static_assert(SPLITK == 1)
-        for j in range(0, i_b):                          # the earlier column blocks, one K pass each
-            ok = tl.zeros([BC, BC], dtype=tl.float32)
-            oq = tl.zeros([BC, BC], dtype=tl.float32)
-            for kb in range(0, K, BK):
-                c, cm, qr, kr, Gr, Gn, qe, ke = _akk_row_side(pq, pk, pg, rr, rmask, rq, rk, i_b, kb, stride_q,
-                                                              stride_k, K, BC, BK)
-                ok, oq = _akk_off_block(pk, pg, prs, nv, j, c, cm, Gn, qe, ke, ok, oq, stride_k, K, BC, PREC)
-            _akk_store_off(pa, px, rr, i_b, j, ok, oq, beta, BT, BC)
     if JOUTER:
         zero = tl.zeros([BC, BC], dtype=tl.float32)
         for j in range(i_b + 1, BT // BC):               # Aqk is zero above the diagonal block
@@ -1214,8 +1206,8 @@ def _akk_kg() -> bool:
 
 
 def _akk_kb() -> bool:
-    """Whether akk writes wu's operand kb (AKK_KB, on AKK_KG's path, with wu's one loop)."""
-    return bool(AKK_KB and _akk_kg() and WU_LOOP == 1)
+    """Whether akk writes wu's operand kb (AKK_KB, on the two-pass akk, with wu's one loop)."""
+    return bool(AKK_KB and AKK_LV_SPLITK and WU_LOOP == 1)
 
 
 def _maxnreg(n) -> dict:
