@@ -442,6 +442,10 @@ QUICK_VARIANTS = [
     # loop, wu reading k and G) -> 1.852 (jflat), 1.817 (kb), 1.802 (both; 1.35x fla-core) -> both the default since;
     # the nested loop (AKK_JOUTER = 1) was removed (code in 689a5dd); akk-no-kb: wu reading k and G
     ("akk-no-kb", dict(AKK_KB=0)),
+    # session 37 (untimed): AKK_JOUTER = 3, one K pass per program over its i blocks with the row side once per K
+    # tile (specialised per i outside the loop): offline sm_90 7,680 SASS per chunk in the off-diagonal loops against
+    # 16,224 for the flat loop, 168 regs, no stack on Triton 3.6; three loop bodies (3,344 instructions in all)
+    ("akk-jrow", dict(AKK_JOUTER=3)),
     # (session 31: L2 hints, 'prep-evict1' / '-evict2', 'prep-prefz', 'prep-prefz-evict1', 'akk-pref', 'wu-pref',
     # 'pref-all': H100 12-06 at T=16k prep 0.549 -> 0.569 ms (prefz), 0.598 (pref-all), akk / wu unchanged. Removed.)
     # (session 31-32: PREP_COLS, prep as a norms launch + one-warp programs per (chunk, head, 16 columns), 'prep-cols'

@@ -200,6 +200,10 @@ AKK_UNCOND = 1
 # so Triton's cp.async ring runs through the block boundaries (one prologue and drain per program, not per block);
 # block j's Aqk / X are stored and its accumulators zeroed at its last K tile. Offline (Triton 3.6, 168 regs): no
 # stack (the nested loop kept 48 B), 1,856 SASS against 2,032. 0: the three-block pass (variant akk-threeblock).
+# AKK_JOUTER = 3 (A/B, untimed, session 37): one K pass per program over its i blocks with the row side once per K
+# tile, specialised per i by a warp-uniform branch outside the loop (_akk_off_pass): offline sm_90 per chunk 8 x
+# (235 + 319 + 406) = 7,680 SASS in the off-diagonal loops against 6 x 8 x 338 = 16,224 for the flat loop (Triton
+# 3.6; the kernel's code 3,344 instructions against 1,904: three loop bodies); 168 regs, no stack (8 B on 3.9).
 # (AKK_JOUTER = 1, the same passes as a nested loop, one K pass per block: the default from session 30 (H100 12-06:
 # akk 0.755 -> 0.718 ms against the three-block pass) to session 36. Removed in session 37; code in 689a5dd.)
 AKK_JOUTER = 2
@@ -638,6 +642,8 @@ def _kda_akk_lv_kernel(
     (zero) rows, so the off-diagonal pass has no branches and its loads can be pipelined.
     JOUTER=2 (AKK_JOUTER, needs SPLITK): one loop over (block j < i, K tile), block j stored at its last tile (no
     masked blocks, no branch on data in the K loop; the row side is recomputed per block).
+    JOUTER=3 (needs SPLITK): one K pass per program updating its i blocks, the row side once per K tile (a
+    warp-uniform branch on i outside the loop picks the pass specialised for i = 1, 2 or 3: _akk_off_pass).
     Then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted (fp32). x_out [rows, BT] fp32: columns
     < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di (columns above are not written).
     (Offline sm_90, Triton 3.6: at 2 or 4 warps these [16, x] tiles are replicated in every warp (the dot-operand
@@ -669,7 +675,7 @@ def _kda_akk_lv_kernel(
     rq = tl.load(prs + rr * 4)
     rk = tl.load(prs + rr * 4 + 1)
     beta = tl.load(prs + rr * 4 + 2)
-    tl.static_assert((JOUTER == 0) | (JOUTER == 2), "AKK_JOUTER: 0 or 2 (1, the nested loop, removed in session 37)")
+    tl.static_assert((JOUTER == 0) | (JOUTER >= 2), "AKK_JOUTER: 0, 2 or 3 (1, the nested loop, removed in session 37)")
     if JOUTER == 2:                                      # the blocks' K passes as one pipelined loop
         tl.static_assert((SPLITK == 1) & (K % BK == 0))
         KT: tl.constexpr = K // BK
@@ -685,6 +691,17 @@ def _kda_akk_lv_kernel(
                 _akk_store_off(pa, px, rr, i_b, j, ok, oq, beta, BT, BC)
                 ok = tl.zeros([BC, BC], dtype=tl.float32)
                 oq = tl.zeros([BC, BC], dtype=tl.float32)
+    elif JOUTER == 3:                                    # one K pass per program, its i_b blocks specialised
+        tl.static_assert(SPLITK == 1)
+        if i_b == 1:
+            _akk_off_pass(pq, pk, pg, prs, pa, px, rr, rmask, rq, rk, beta, nv, i_b, stride_q, stride_k, 1, K, BT,
+                          BC, BK, PREC)
+        elif i_b == 2:
+            _akk_off_pass(pq, pk, pg, prs, pa, px, rr, rmask, rq, rk, beta, nv, i_b, stride_q, stride_k, 2, K, BT,
+                          BC, BK, PREC)
+        elif i_b == 3:
+            _akk_off_pass(pq, pk, pg, prs, pa, px, rr, rmask, rq, rk, beta, nv, i_b, stride_q, stride_k, 3, K, BT,
+                          BC, BK, PREC)
     if JOUTER:
         zero = tl.zeros([BC, BC], dtype=tl.float32)
         for j in range(i_b + 1, BT // BC):               # Aqk is zero above the diagonal block
@@ -730,6 +747,27 @@ def _kda_akk_lv_kernel(
                             BK, PREC, KG=KG, pkg=pkg, KB=KB, pkb=pkb)
     else:
         _akk_diag_inverse(pa, px, rr, beta, i_b, dq0, l8k, l8q, l4k, l4q, l2k, l2q, l1k, l1q, BT, BC, PREC)
+
+
+@triton.jit
+def _akk_off_pass(pq, pk, pg, prs, pa, px, rr, rmask, rq, rk, beta, nv, i_b, stride_q, stride_k, NB: tl.constexpr,
+                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """akk, JOUTER=3: the off-diagonal blocks j < NB (= i_b, a literal in each of the kernel's warp-uniform branches)
+    in one pass over K, the row side (_akk_row_side) once per K tile for all NB blocks; then their stores."""
+    o0k, o0q, o1k, o1q, o2k, o2q = _akk_off_accs(BC)
+    for kb in range(0, K, BK):
+        c, cm, qr, kr, Gr, Gn, qe, ke = _akk_row_side(pq, pk, pg, rr, rmask, rq, rk, i_b, kb, stride_q, stride_k, K,
+                                                      BC, BK)
+        o0k, o0q = _akk_off_block(pk, pg, prs, nv, 0, c, cm, Gn, qe, ke, o0k, o0q, stride_k, K, BC, PREC)
+        if NB > 1:
+            o1k, o1q = _akk_off_block(pk, pg, prs, nv, 1, c, cm, Gn, qe, ke, o1k, o1q, stride_k, K, BC, PREC)
+        if NB > 2:
+            o2k, o2q = _akk_off_block(pk, pg, prs, nv, 2, c, cm, Gn, qe, ke, o2k, o2q, stride_k, K, BC, PREC)
+    _akk_store_off(pa, px, rr, i_b, 0, o0k, o0q, beta, BT, BC)
+    if NB > 1:
+        _akk_store_off(pa, px, rr, i_b, 1, o1k, o1q, beta, BT, BC)
+    if NB > 2:
+        _akk_store_off(pa, px, rr, i_b, 2, o2k, o2q, beta, BT, BC)
 
 
 @triton.jit
