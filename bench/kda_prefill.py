@@ -439,13 +439,13 @@ QUICK_VARIANTS = [
     # instead of a ramp per block (AKK_JOUTER = 2; offline sm_90, Triton 3.6: 168 regs, no stack against 48 B), and
     # akk's levels pass writing wu's w operand kb = beta kn exp2(G) (AKK_KB), so wu reads kb instead of k and the
     # fp32 G (512 B fewer per row read, 256 B more written). H100 12-07 (session 37), T=16k: 1.873 ms (the nested
-    # loop, wu reading k and G) -> 1.852 (jflat), 1.817 (kb), 1.802 (both; 1.35x fla-core) -> both the default since;
-    # the nested loop (AKK_JOUTER = 1) was removed (code in 689a5dd); akk-no-kb: wu reading k and G
+    # loop, wu reading k and G) -> 1.852 (jflat), 1.817 (kb), 1.802 (both; 1.35x fla-core) -> both the default for a
+    # few hours; the nested loop (AKK_JOUTER = 1) was removed (code in 689a5dd); akk-no-kb: wu reading k and G
     ("akk-no-kb", dict(AKK_KB=0)),
-    # session 37 (untimed): AKK_JOUTER = 3, one K pass per program over its i blocks with the row side once per K
-    # tile (specialised per i outside the loop): offline sm_90 7,680 SASS per chunk in the off-diagonal loops against
-    # 16,224 for the flat loop, 168 regs, no stack on Triton 3.6; three loop bodies (3,344 instructions in all)
-    ("akk-jrow", dict(AKK_JOUTER=3)),
+    # session 37: AKK_JOUTER = 3, one K pass per program over its i blocks with the row side once per K tile
+    # (specialised per i outside the loop): offline sm_90 7,680 SASS per chunk in the off-diagonal loops against
+    # 16,224 for the flat loop. H100 12-07, T=16k: akk 0.740 -> 0.684 ms, 1.797 -> 1.737 ms end to end (1.40x
+    # fla-core) -> the default since; the flat loop (AKK_JOUTER = 2) was removed (code in a58ddc5)
     # (session 31: L2 hints, 'prep-evict1' / '-evict2', 'prep-prefz', 'prep-prefz-evict1', 'akk-pref', 'wu-pref',
     # 'pref-all': H100 12-06 at T=16k prep 0.549 -> 0.569 ms (prefz), 0.598 (pref-all), akk / wu unchanged. Removed.)
     # (session 31-32: PREP_COLS, prep as a norms launch + one-warp programs per (chunk, head, 16 columns), 'prep-cols'

@@ -33,20 +33,20 @@
 #            bench/mla.py --sweep-decode beside FlashInfer at issue 5's shapes.
 #   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30: the off-diagonal blocks j < i in a
 #            loop, one K pass each): its GPU test, then the kda part below.
-#   kda:     bench/kda_prefill.py --quick --variants default,akk-no-kb,akk-jrow,prep-rb2 (the default since
-#            session 37, AKK_JOUTER = 2 and AKK_KB, timed on an H100 only; wu reading k and G itself; AKK_JOUTER = 3,
-#            untimed; the row walk 2 rows per step, PREP_ROWS_RB, untimed since session 32; fla-core in the same
-#            process). Env kda_variants: the --variants list.
+#   kda:     bench/kda_prefill.py --quick --variants default,akk-no-kb,prep-rb2 (the default since session 37,
+#            AKK_JOUTER = 3 and AKK_KB, timed on an H100 only; wu reading k and G itself; the row walk 2 rows per
+#            step, PREP_ROWS_RB, untimed since session 32; fla-core in the same process). Env kda_variants: the
+#            --variants list.
 #   record:  the figures of record on an H200 when little device time is left (~6 min): the defaults' GPU tests
 #            (KDA prefill at Kimi shapes, the MLA decode's default schedule, the fused W_UV decode), issue 5's table
 #            (bench/mla.py --no-sweep --decode-only), the kda part (the default, whose AKK_JOUTER = 2 and AKK_KB were
-#            timed on an H100 only, session 37; akk-no-kb: wu reading k and G; akk-jrow: AKK_JOUTER = 3, the row
-#            side once per K tile, untimed; their GPU tests first), issue 6's table, then
+#            timed on an H100 only, session 37; akk-no-kb: wu reading k and G; its GPU test first), issue 6's table,
+#            then
 #            with the time left Nsight Compute over kda16k and mla64x8k with the stall samples per SASS instruction of
 #            akk and MLA stage 1 (NCU_SOURCE, bench/ncu_source.py).
 #   issue4:  the H200 record of issue 4 in ~6 min: bench/kda.py --batch 1,8,64,256 (decode beside fla-core's
 #            fused_recurrent, then prefill at T = 4k / 16k / 64k and varlen 16 x 1k beside chunk_kda), the kda part
-#            (default,akk-no-kb,akk-jrow), then issue 5's table with the time left.
+#            (default,akk-no-kb), then issue 5's table with the time left.
 #   adopt:   after adopting lz8 (MLA), AKK_JOUTER, PREP_ROWS and AKK_KG (KDA) as defaults in sessions 30 and 32
 #            (timed on H100s only): their GPU tests, the MLA sweep (the default against the tiles before it), issue
 #            5's table (bench/mla.py --no-sweep --decode-only), the kda part, and issue 6's table (bench/e2e.py).
@@ -54,8 +54,7 @@
 #        short|h200|all]
 #        [total seconds]
 set -u
-kda_new=default,akk-no-kb,akk-jrow   # the default (AKK_JOUTER = 2, AKK_KB since session 37), wu reading k and G,
-                                     # AKK_JOUTER = 3 (untimed)
+kda_new=default,akk-no-kb   # the default (AKK_JOUTER = 3, AKK_KB since session 37) and wu reading k and G
 kda_default=$kda_new,prep-rb2
 what=${1:-all}
 total=${2:-560}
@@ -97,8 +96,7 @@ case $what in
           tests="tests/kernels/test_mla_decode.py::test_gpu_decode_default_schedule_kimi"
           tests+=" tests/kernels/test_mla_fused_decode.py tests/kernels/test_kda_chunk.py::test_gpu_single_bf16"
           tests+=" tests/kernels/test_kda_chunk.py::test_gpu_varlen_bf16_packed"
-          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-no-kb]"
-          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-jrow]" ;;
+          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16[akk-no-kb]" ;;
   issue4) parts="kdafull kda mla5"; kda_variants=${kda_variants:-$kda_new} ;;
   adopt) parts="tests mla mla5 kda e2e"
          mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}

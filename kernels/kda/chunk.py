@@ -195,18 +195,19 @@ AKK_UNCOND = 1
 # row side (q, k, G of R and their anchor factors) once per block instead of once: 48 row-side + 48 block tile updates
 # per chunk against 32 + 96. No branch inside the K loop, and two accumulators live instead of six. The s = r terms of
 # Aqk move to the levels' pass. AKK_UNCOND applies to the three-block pass only.
-# AKK_JOUTER = 2 (default since H100 12-07, session 37, with AKK_KB: T=16k 1.873 -> 1.802 ms, 1.30x -> 1.35x
-# fla-core; alone akk 0.740 -> 0.726 ms, with AKK_KB 0.761 -> 0.743): the block passes as one loop over (j, K tile),
-# so Triton's cp.async ring runs through the block boundaries (one prologue and drain per program, not per block);
-# block j's Aqk / X are stored and its accumulators zeroed at its last K tile. Offline (Triton 3.6, 168 regs): no
-# stack (the nested loop kept 48 B), 1,856 SASS against 2,032. 0: the three-block pass (variant akk-threeblock).
-# AKK_JOUTER = 3 (A/B, untimed, session 37): one K pass per program over its i blocks with the row side once per K
-# tile, specialised per i by a warp-uniform branch outside the loop (_akk_off_pass): offline sm_90 per chunk 8 x
-# (235 + 319 + 406) = 7,680 SASS in the off-diagonal loops against 6 x 8 x 338 = 16,224 for the flat loop (Triton
-# 3.6; the kernel's code 3,344 instructions against 1,904: three loop bodies); 168 regs, no stack (8 B on 3.9).
+# AKK_JOUTER = 3 (default since H100 12-07, session 37: akk 0.740 -> 0.684 ms at T=16k, end to end 1.797 -> 1.737 ms,
+# 1.36x -> 1.40x fla-core; varlen not timed): one K pass per program over its i blocks with the row side once per K
+# tile, specialised per i by a warp-uniform branch outside the loop (_akk_off_pass): offline sm_90 (Triton 3.6) per
+# chunk 8 x (235 + 319 + 406) = 7,680 SASS in the off-diagonal loops against 6 x 8 x 338 = 16,224 for the flat loop
+# (AKK_JOUTER = 2; the kernel's code 3,344 instructions against 1,904: three loop bodies); 168 regs, no stack (8 B on
+# Triton 3.9).
+# 0: the three-block pass (variant akk-threeblock).
+# (AKK_JOUTER = 2, the block passes as one loop over (j, K tile), so that Triton's cp.async ring ran through the block
+# boundaries: the default for the first hours of session 37 (H100 12-07, with AKK_KB: T=16k 1.873 -> 1.802 ms against
+# the nested loop; alone akk 0.740 -> 0.726). Removed in session 37; code in a58ddc5.)
 # (AKK_JOUTER = 1, the same passes as a nested loop, one K pass per block: the default from session 30 (H100 12-06:
 # akk 0.755 -> 0.718 ms against the three-block pass) to session 36. Removed in session 37; code in 689a5dd.)
-AKK_JOUTER = 2
+AKK_JOUTER = 3
 # (AKK_PAIR, two programs per chunk-head with row blocks (3, 0) and (2, 1), block 3's row side once per K tile:
 # offline ~6.7k instructions per chunk-head in the off-diagonal pass against the loop's ~12k, but 88 B of stack at
 # 168 regs; H100 12-06, session 31: akk 0.943 ms (168 regs), 0.841 (192), 0.846 (uncapped, 238) against 0.718 for
@@ -564,7 +565,7 @@ def _akk_level_sel(lk, lq, d_kk, d_qk, hb: tl.constexpr, BC: tl.constexpr):
 def _akk_store_off(pa, px, rr, i_b, j, ok, oq, beta, BT: tl.constexpr, BC: tl.constexpr):
     """akk: column block j != i of the rows R: Aqk (oq for j < i, zeros for j > i) and X = beta Dkk for j < i
     (the diagonal block i of both is stored separately). pa / px: the chunk's row-0 bases of Aqk and X; j a
-    literal (the three-block pass) or the JOUTER loop's index."""
+    literal (the block passes) or a loop index (the zero blocks above the diagonal)."""
     r16 = tl.arange(0, BC)
     jj = tl.zeros([BC, BC], dtype=tl.int32) + j
     o = rr[:, None] * BT + (j * BC + r16)[None, :]
@@ -640,10 +641,9 @@ def _kda_akk_lv_kernel(
     SPLITK=1: the off-diagonal blocks and the levels in two passes over K (fewer live accumulators).
     UNCOND=1 (AKK_UNCOND): every program runs all three off-diagonal block updates, those with j >= i on masked
     (zero) rows, so the off-diagonal pass has no branches and its loads can be pipelined.
-    JOUTER=2 (AKK_JOUTER, needs SPLITK): one loop over (block j < i, K tile), block j stored at its last tile (no
-    masked blocks, no branch on data in the K loop; the row side is recomputed per block).
-    JOUTER=3 (needs SPLITK): one K pass per program updating its i blocks, the row side once per K tile (a
-    warp-uniform branch on i outside the loop picks the pass specialised for i = 1, 2 or 3: _akk_off_pass).
+    JOUTER=3 (AKK_JOUTER, needs SPLITK): one K pass per program updating its i blocks, the row side once per K tile
+    (a warp-uniform branch on i outside the loop picks the pass specialised for i = 1, 2 or 3: _akk_off_pass; no
+    masked blocks, no branch in the K loop).
     Then the diagonal block of (I + diag(beta) StrictTril(Dkk)) is inverted (fp32). x_out [rows, BT] fp32: columns
     < i BC hold beta_r Dkk[r, s], columns [i BC, (i+1) BC) the block inverse Di (columns above are not written).
     (Offline sm_90, Triton 3.6: at 2 or 4 warps these [16, x] tiles are replicated in every warp (the dot-operand
@@ -675,23 +675,8 @@ def _kda_akk_lv_kernel(
     rq = tl.load(prs + rr * 4)
     rk = tl.load(prs + rr * 4 + 1)
     beta = tl.load(prs + rr * 4 + 2)
-    tl.static_assert((JOUTER == 0) | (JOUTER >= 2), "AKK_JOUTER: 0, 2 or 3 (1, the nested loop, removed in session 37)")
-    if JOUTER == 2:                                      # the blocks' K passes as one pipelined loop
-        tl.static_assert((SPLITK == 1) & (K % BK == 0))
-        KT: tl.constexpr = K // BK
-        ok = tl.zeros([BC, BC], dtype=tl.float32)
-        oq = tl.zeros([BC, BC], dtype=tl.float32)
-        for t in range(0, i_b * KT):
-            j = t // KT
-            kb = (t % KT) * BK
-            c, cm, qr, kr, Gr, Gn, qe, ke = _akk_row_side(pq, pk, pg, rr, rmask, rq, rk, i_b, kb, stride_q, stride_k,
-                                                          K, BC, BK)
-            ok, oq = _akk_off_block(pk, pg, prs, nv, j, c, cm, Gn, qe, ke, ok, oq, stride_k, K, BC, PREC)
-            if kb == K - BK:                             # block j complete
-                _akk_store_off(pa, px, rr, i_b, j, ok, oq, beta, BT, BC)
-                ok = tl.zeros([BC, BC], dtype=tl.float32)
-                oq = tl.zeros([BC, BC], dtype=tl.float32)
-    elif JOUTER == 3:                                    # one K pass per program, its i_b blocks specialised
+    tl.static_assert((JOUTER == 0) | (JOUTER == 3), "AKK_JOUTER: 0 or 3 (1 and 2 were removed in session 37)")
+    if JOUTER == 3:                                      # one K pass per program, its i_b blocks specialised
         tl.static_assert(SPLITK == 1)
         if i_b == 1:
             _akk_off_pass(pq, pk, pg, prs, pa, px, rr, rmask, rq, rk, beta, nv, i_b, stride_q, stride_k, 1, K, BT,
@@ -702,7 +687,6 @@ def _kda_akk_lv_kernel(
         elif i_b == 3:
             _akk_off_pass(pq, pk, pg, prs, pa, px, rr, rmask, rq, rk, beta, nv, i_b, stride_q, stride_k, 3, K, BT,
                           BC, BK, PREC)
-    if JOUTER:
         zero = tl.zeros([BC, BC], dtype=tl.float32)
         for j in range(i_b + 1, BT // BC):               # Aqk is zero above the diagonal block
             _akk_store_off(pa, px, rr, i_b, j, zero, zero, beta, BT, BC)

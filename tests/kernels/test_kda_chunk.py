@@ -306,9 +306,7 @@ def test_sm90_offline_compile_no_spills():
             "'cumsum_scan': (setattr(c, 'PREP_NORM1', 1), setattr(c, 'CUMSUM_DOT', 0), setattr(c, 'PREP_BK', 32), "
             "c.compile_report(which=('prep_tiles',)))[-1], "
             "'kg_in_prep': (setattr(c, 'AKK_KG', 0), c.compile_report(which=('akk', 'prep_rows', 'prep_tiles')))[-1], "
-            "'akk_jrow': (setattr(c, 'AKK_KG', 1), setattr(c, 'AKK_JOUTER', 3), "
-            "c.compile_report(which=('akk',)))[-1], "
-            "'akk_threeblock': (setattr(c, 'AKK_JOUTER', 0), "
+            "'akk_threeblock': (setattr(c, 'AKK_KG', 1), setattr(c, 'AKK_JOUTER', 0), "
             "c.compile_report(which=('akk',)))[-1], "
             "'akk_branched': (setattr(c, 'AKK_UNCOND', 0), setattr(c, 'AKK_MAXNREG', None), "
             "c.compile_report(which=('akk',)))[-1], "
@@ -324,11 +322,11 @@ def test_sm90_offline_compile_no_spills():
     for cfg, kernels in rep.items():
         for name, (regs, stack, smem) in kernels.items():
             # capped at 168 regs (akk: 12 one-warp CTAs / SM; wu: 3 four-warp CTAs / SM), the default akk (writing
-            # kg and kb, AKK_KG / AKK_KB; the flat block loop, AKK_JOUTER = 2) keeps 8 B of stack on Triton 3.9
-            # (none on 3.6; AKK_JOUTER = 3 the same); the three-block akk up to 24 B (0 with AKK_KG on Triton 3.9);
+            # kg and kb, AKK_KG / AKK_KB; its blocks' pass specialised per row block, AKK_JOUTER = 3) keeps 8 B of
+            # stack on Triton 3.9 (none on 3.6); the three-block akk up to 24 B (0 with AKK_KG on Triton 3.9);
             # every other kernel and configuration spills nothing (wu with AKK_KB: 153 regs on 3.9; reading k and G
             # it kept 32 B on 3.6)
-            allowed = {("akk_threeblock", "akk"): 24, ("bv64", "akk"): 8, ("akk_jrow", "akk"): 8}.get((cfg, name), 0)
+            allowed = {("akk_threeblock", "akk"): 24, ("bv64", "akk"): 8}.get((cfg, name), 0)
             assert stack <= allowed, (cfg, name, regs, stack)
             assert smem <= 227 * 1024, (cfg, name, smem)
 
@@ -366,10 +364,8 @@ VARIANTS = {
     # akk's off-diagonal blocks with per-block branches (the default runs blocks j >= i on masked rows)
     "akk-branched": dict(AKK_JOUTER=0, AKK_UNCOND=0, AKK_MAXNREG=None),
     # akk's off-diagonal blocks in one K pass over all three (the default before AKK_JOUTER, session 30); the default
-    # since session 37 (AKK_JOUTER = 2) runs the blocks j < i as one loop over (block, K tile)
+    # since session 37 (AKK_JOUTER = 3) runs one K pass over the blocks j < i only, specialised per i
     "akk-threeblock": dict(AKK_JOUTER=0),
-    # one K pass per program over its i off-diagonal blocks, the row side once per K tile (AKK_JOUTER = 3)
-    "akk-jrow": dict(AKK_JOUTER=3),
     # wu reading k and the fp32 G itself (the default since session 37: akk's levels pass writes wu's w operand
     # kb = beta kn exp2(G), AKK_KB)
     "akk-no-kb": dict(AKK_KB=0),
