@@ -189,12 +189,12 @@ AKK_LV_SPLITK = 1        # 1 = two passes over K (off-diagonal blocks, then the 
 # K tile); unconditional they become a cp.async ring (LDGSTS), and the loop body shrinks 549 -> 429 instructions.
 # 0: the branched pass (variant akk-branched, 162 regs uncapped).
 AKK_UNCOND = 1
-# AKK_JOUTER (with AKK_LV_SPLITK): the off-diagonal pass as passes over the earlier column blocks j < i only,
-# instead of one K pass updating all three blocks (AKK_JOUTER=0 with UNCOND: those with j >= i on masked rows). Per
-# chunk the four programs then run 6 block passes instead of 12 (half of UNCOND's are zero work), at the price of the
-# row side (q, k, G of R and their anchor factors) once per block instead of once: 48 row-side + 48 block tile updates
-# per chunk against 32 + 96. No branch inside the K loop, and two accumulators live instead of six. The s = r terms of
-# Aqk move to the levels' pass. AKK_UNCOND applies to the three-block pass only.
+# AKK_JOUTER (with AKK_LV_SPLITK): the off-diagonal pass over the earlier column blocks j < i only, instead of one K
+# pass updating all three blocks (AKK_JOUTER=0 with UNCOND: those with j >= i on masked rows, half of its 12 block
+# passes per chunk zero work). Per chunk, in K tiles: 24 row-side (q, k, G of R and their anchor factors) + 48 block
+# updates, against 32 + 96 for the three-block pass and 48 + 48 for the per-block passes of sessions 30-37 (1, 2).
+# No branch inside the K loop. The s = r terms of Aqk move to the levels' pass. AKK_UNCOND applies to the three-block
+# pass only.
 # AKK_JOUTER = 3 (default since H100 12-07, session 37: akk 0.740 -> 0.684 ms at T=16k, end to end 1.797 -> 1.737 ms,
 # 1.36x -> 1.40x fla-core; varlen not timed): one K pass per program over its i blocks with the row side once per K
 # tile, specialised per i by a warp-uniform branch outside the loop (_akk_off_pass): offline sm_90 (Triton 3.6) per
@@ -231,11 +231,12 @@ WU_LOOP = 1
 # once, no kg store): prep 0.392 -> 0.297 ms, akk 0.717 -> 0.740 (168 regs; Triton 3.6 spills 12 B there, 3.9 keeps
 # 24 B of stack; uncapped, 218 regs on 3.6: 0.760). 0 (or AKK_LV_SPLITK 0): prep writes kg (two walks).
 AKK_KG = 1
-# AKK_KB = 1 (default since H100 12-07, session 37, with AKK_JOUTER = 2; alone T=16k 1.873 -> 1.817 ms: wu 0.421 ->
-# 0.353, akk 0.740 -> 0.761; needs AKK_LV_SPLITK and WU_LOOP 1): akk's levels pass also writes wu's w operand
-# kb = beta kn exp2(G) (the operand dtype, a scratch [rows, K] of its own), so wu reads kb instead of k and the fp32 G:
-# 512 fewer bytes per row read, 256 more written. (The same kb written by prep, WU_KBG below, cost prep more than wu
-# saved; akk has kn, G and beta in registers on that pass: one exp2 and one store per element more.) 0: wu reads k, G.
+# AKK_KB = 1 (default since H100 12-07, session 37, timed beside AKK_JOUTER 1 / 2; with 1, T=16k 1.873 -> 1.817
+# ms: wu 0.421 -> 0.353, akk 0.740 -> 0.761; needs AKK_LV_SPLITK and WU_LOOP 1): akk's levels pass also writes wu's
+# w operand kb = beta kn exp2(G) (the operand dtype, a scratch [rows, K] of its own), so wu reads kb instead of k and
+# the fp32 G: 512 fewer bytes per row read, 256 more written. (The same kb written by prep, WU_KBG below, cost prep
+# more than wu saved; akk has kn, G and beta in registers on that pass: one exp2 and one store per element more.)
+# 0: wu reads k and G.
 AKK_KB = 1
 # (WU_KG, wu writing kg from the k and G tiles it loads anyway so that prep walks its rows once: H100 12-06,
 # session 32, T=16k prep 0.398 -> 0.302 ms but wu 0.425 -> 0.666 (one loop, 168 regs, 54 B spilled), 0.541 (200
