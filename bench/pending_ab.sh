@@ -31,15 +31,15 @@
 #   mla:     the MLA decode's variants (kernels/mla/decode.py): 'ls n64 w4' (the tiles before lz8) and 'ls n64 w4
 #            lz8' (lazy softmax rescale, the default since session 30). Their GPU tests (Kimi shapes), then
 #            bench/mla.py --sweep-decode beside FlashInfer at issue 5's shapes.
-#   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30: the off-diagonal blocks j < i in a
-#            loop, one K pass each): its GPU test, then the kda part below.
+#   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30; since session 37 one K pass per
+#            program over its off-diagonal blocks j < i): the KDA variants' GPU tests, then the kda part below.
 #   kda:     bench/kda_prefill.py --quick --variants default,akk-no-kb,prep-rb2 (the default since session 37,
 #            AKK_JOUTER = 3 and AKK_KB, timed on an H100 only; wu reading k and G itself; the row walk 2 rows per
 #            step, PREP_ROWS_RB, untimed since session 32; fla-core in the same process). Env kda_variants: the
 #            --variants list.
 #   record:  the figures of record on an H200 when little device time is left (~6 min): the defaults' GPU tests
 #            (KDA prefill at Kimi shapes, the MLA decode's default schedule, the fused W_UV decode), issue 5's table
-#            (bench/mla.py --no-sweep --decode-only), the kda part (the default, whose AKK_JOUTER = 2 and AKK_KB were
+#            (bench/mla.py --no-sweep --decode-only), the kda part (the default, whose AKK_JOUTER = 3 and AKK_KB were
 #            timed on an H100 only, session 37; akk-no-kb: wu reading k and G; its GPU test first), issue 6's table,
 #            then
 #            with the time left Nsight Compute over kda16k and mla64x8k with the stall samples per SASS instruction of

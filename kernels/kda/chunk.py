@@ -679,15 +679,10 @@ def _kda_akk_lv_kernel(
     tl.static_assert((JOUTER == 0) | (JOUTER == 3), "AKK_JOUTER: 0 or 3 (1 and 2 were removed in session 37)")
     if JOUTER == 3:                                      # one K pass per program, its i_b blocks specialised
         tl.static_assert(SPLITK == 1)
-        if i_b == 1:
-            _akk_off_pass(pq, pk, pg, prs, pa, px, rr, rmask, rq, rk, beta, nv, i_b, stride_q, stride_k, 1, K, BT,
-                          BC, BK, PREC)
-        elif i_b == 2:
-            _akk_off_pass(pq, pk, pg, prs, pa, px, rr, rmask, rq, rk, beta, nv, i_b, stride_q, stride_k, 2, K, BT,
-                          BC, BK, PREC)
-        elif i_b == 3:
-            _akk_off_pass(pq, pk, pg, prs, pa, px, rr, rmask, rq, rk, beta, nv, i_b, stride_q, stride_k, 3, K, BT,
-                          BC, BK, PREC)
+        for nb in tl.static_range(1, BT // BC):         # the pass compiled for each i_b = nb > 0
+            if i_b == nb:
+                _akk_off_pass(pq, pk, pg, prs, pa, px, rr, rmask, rq, rk, beta, nv, i_b, stride_q, stride_k, nb, K,
+                              BT, BC, BK, PREC)
         zero = tl.zeros([BC, BC], dtype=tl.float32)
         for j in range(i_b + 1, BT // BC):               # Aqk is zero above the diagonal block
             _akk_store_off(pa, px, rr, i_b, j, zero, zero, beta, BT, BC)
