@@ -183,6 +183,14 @@ def test_syntax_error_is_a_template_error():
 
 
 def test_limits_do_not_leak_between_renders(tok):
+    """Each render gets a fresh step budget: three renders of 600 steps pass under a 1,000-step limit that one
+    render of 1,200 steps exceeds (a budget kept across renders would fail the second)."""
+    limits = TemplateLimits(max_iterations=1000)
+    t = compile_chat_template("{% for i in range(600) %}{{ i }},{% endfor %}", limits)
+    for _ in range(3):
+        assert render_chat_template(t, {}, limits).count(",") == 600
+    with pytest.raises(TemplateError, match="exceeded 1000 steps"):
+        render("{% for i in range(1200) %}{{ i }},{% endfor %}", limits)
     msgs = [{"role": "user", "content": "x" * 1000}] * 200
     for _ in range(3):
         assert tok.apply_chat_template(msgs).count("<|im_end|>") == 200

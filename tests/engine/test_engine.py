@@ -310,7 +310,11 @@ def test_shutdown_aborts_pending(tiny_dir):
     streams = [eng.add_request(list(range(1, 40)), SamplingParams(max_tokens=80, **GREEDY)) for _ in range(8)]
     time.sleep(0.05)
     eng.shutdown()
-    assert all(collect(s)[1].finish_reason in ("abort", "length") for s in streams)
+    ends = [collect(s) for s in streams]
+    reasons = [last.finish_reason for _, last in ends]
+    # 8 x 80 tokens take far longer than 0.05 s: shutdown aborts what is left (not drains it)
+    assert set(reasons) <= {"abort", "length"} and "abort" in reasons, reasons
+    assert all(len(toks) < 80 for toks, last in ends if last.finish_reason == "abort")
     with pytest.raises(RuntimeError):
         eng.add_request([1], SamplingParams())
 

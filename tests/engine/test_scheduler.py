@@ -264,14 +264,17 @@ def test_preemption_newest_first_and_recompute():
     rs = [req(4, max_tokens=8) for _ in range(3)]
     for r in rs:
         s.add(r)
-    first_preempted = None
+    first_preempted, known, chunks = None, 0, []
     for _ in range(200):
         if not s.has_unfinished:
             break
         out = s.schedule()
         check_invariants(s)
+        if first_preempted is not None and (not chunks or not chunks[-1].sample):
+            chunks += [x for x in out.seqs if x.request is first_preempted]
         if out.preempted and first_preempted is None:
             first_preempted = out.preempted[0]
+            known = first_preempted.num_prompt_tokens + len(first_preempted.output_token_ids)
             running_before = [r for r in rs if r not in out.preempted and not r.is_finished]
             # the newest running request is the one preempted; it waits at the head of the queue
             assert first_preempted is rs[2] and s.waiting[0] is rs[2]
@@ -280,7 +283,11 @@ def test_preemption_newest_first_and_recompute():
         s.update(out, [7] * sum(x.sample for x in out.seqs))
     assert first_preempted is not None and s.num_preemptions >= 1
     assert all(r.finish_reason == "length" and r.output_token_ids == [7] * 8 for r in rs)
-    # the recompute prefilled prompt + the outputs kept so far
+    # the recompute prefilled prompt + the outputs kept so far, from position 0, in contiguous chunks, and sampled
+    # only at their end
+    assert chunks and chunks[0].start == 0 and [x.sample for x in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert all(a.start + a.num_new_tokens == b.start for a, b in zip(chunks, chunks[1:]))
+    assert chunks[-1].start + chunks[-1].num_new_tokens == known, (known, chunks)
     assert s.blocks.num_free == s.blocks.capacity and s.states.num_free == s.states.capacity
 
 

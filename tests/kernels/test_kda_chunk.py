@@ -113,20 +113,21 @@ def test_strong_gates_fp32(has_init):
 
 
 def test_varlen_fp32_poison():
-    lens = [1, 70, 0, 64, 5, 63]
+    lens = [1, 70, 0, 64, 5, 63, 0]
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
     T = cu[-1]
-    slots = [5, 2, 7, 1, 4, 6]
-    has_init = [True, False, True, True, False, True]
+    slots = [5, 2, 7, 1, 4, 6, 8]
+    has_init = [True, False, True, True, False, True, False]
     inp = make_inputs(T, qkv_packed=True)
     out = torch.full((T, 2, 32), float("nan"), dtype=torch.float32, device=DEV)
     res = run_pair(inp, cu, slots, has_init, S=10, out=out)
     assert res[0].data_ptr() == out.data_ptr()
     check(*res, slots, FP32_TOL)
-    # zero-length sequence with an initial state keeps it; without one it gets zeros
+    # zero-length sequence with an initial state keeps it; without one (slot 8, NaN-poisoned) it gets zeros
     assert torch.equal(res[2][7], res[4][7])
+    assert torch.isnan(res[4][8]).all() and torch.equal(res[2][8], torch.zeros_like(res[2][8]))
 
 
 def test_many_sequences_device_metadata():
@@ -382,15 +383,12 @@ VARIANTS = {
     "prep-rows-u2": dict(PREP_ROWS_UNROLL=2),
     # wu's w tiles in a K loop, then its u tiles in a V loop (the default: one loop, loads one tile ahead)
     "wu-two-loops": dict(WU_LOOP=0, WU_MAXNREG=None),
-    # the output computed in the state pass (no h_c / vn round trip, no output launch; the default since 12-05 where
-    # it fits) and the split it replaced (state pass, then the output launch)
-    "hpass-out": dict(HPASS_OUT=1),
+    # the split that the output in the state pass (HPASS_OUT, the default since 12-05 where it fits) replaced: the
+    # state pass writes h_c / vn, then the output launch
     "hpass-split": dict(HPASS_OUT=0),
-    "hpass-out-no-prefetch": dict(HPASS_OUT=1, HPASS_PREFETCH=0),
-    # the state pass with the output on the transposed state (vn and h_c as the dots' left operands): always, and
-    # never (the default takes it only at a V tile of 64: V >= 64 here, many sequences on the GPU)
-    "hpass-t": dict(HPASS_OUT=1, HPASS_T=1),
-    "hpass-nt": dict(HPASS_OUT=1, HPASS_T=0),
+    # the state pass with the output on the transposed state (vn and h_c as the dots' left operands) always (the
+    # default takes it only at a V tile of 64: V >= 64, many sequences on the GPU; never: GPU_VARIANTS' hpass-nt)
+    "hpass-t": dict(HPASS_T=1),
 }
 
 
@@ -417,6 +415,7 @@ def test_variants_match_default_fp32(variant, strong_gate, monkeypatch):
     import kernels.kda.chunk as chunk_mod
     from kernels.kda.chunk import chunk_kda_plan
 
+    assert any(getattr(chunk_mod, c) != v for c, v in VARIANTS[variant].items()), "the variant is the default"
     lens = [1, 70, 0, 64, 1, 63]
     cu = [0]
     for n in lens:
@@ -457,6 +456,8 @@ def test_variants_match_default_fp32(variant, strong_gate, monkeypatch):
 # variants whose difference exists only on the GPU (FAST_SOFTPLUS: inline PTX lg2.approx, the interpreter keeps logf)
 GPU_VARIANTS = dict(VARIANTS, **{
     "exact-softplus": dict(FAST_SOFTPLUS=0),
+    # the state pass never on the transposed state (at the interpreter tests' V = 32 the default does not take it)
+    "hpass-nt": dict(HPASS_T=0),
     # pipeline depth / register caps only (no effect in the interpreter)
     "hpass-s2": dict(HPASS_NUM_STAGES=2),
     "prep-s4": dict(PREP_NORM1=1, PREP_STAGES=4),

@@ -344,6 +344,9 @@ def test_concurrent_streams_match_solo(loaded):
 
 
 def test_cancel_frees_engine_request(loaded):
+    """A client cancelling its stream after the first chunk aborts the engine request: it is counted as aborted,
+    not finished, and far fewer than its 200 tokens are made (a server that let it run would make all 200)."""
+    before = json.loads(loaded.stub.GetMetrics(pb.MetricsRequest()).prompt_json_for_slot)
     it = loaded.stub.PredictStream(pb.PredictOptions(Prompt="Tell me a long story", Tokens=200, IgnoreEOS=True))
     next(it)
     it.cancel()
@@ -356,6 +359,8 @@ def test_cancel_frees_engine_request(loaded):
         time.sleep(0.1)
     assert stats.get("running") == 0 and stats.get("active_requests") == 0, stats
     assert stats.get("free_slots") == stats.get("num_slots") - 1 or stats.get("free_slots") == stats.get("num_slots")
+    assert stats["aborted"] == before["aborted"] + 1 and stats["finished"] == before["finished"], (before, stats)
+    assert stats["output_tokens"] - before["output_tokens"] < 150, (before, stats)
     assert loaded.stub.Predict(pb.PredictOptions(Prompt="hi", Tokens=2)).tokens >= 1
 
 

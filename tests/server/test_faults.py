@@ -97,11 +97,17 @@ def test_random_disconnects_under_load(srv):
 
 
 def test_cancel_before_first_token(srv):
-    """Streams cancelled right away (often while still queued or before prefill) leave nothing behind."""
+    """Streams cancelled right away (often while still queued or before prefill) leave nothing behind, and the
+    engine runs none of them to the end: only the streams the client read to the end count as finished (a
+    cancellation that reached the engine counts as aborted; one before admission never reaches it)."""
+    before = wait_idle(srv)
     with ThreadPoolExecutor(16) as ex:
         results = list(ex.map(lambda i: stream(srv, "x " * 200, 100, cancel_after=0.001 * i), range(16)))
     assert all(r[0] in ("ok", "cancelled") for r in results), results
-    wait_idle(srv)
+    after = wait_idle(srv)
+    ok = sum(r[0] == "ok" for r in results)
+    assert after["finished"] - before["finished"] == ok, (results, before, after)
+    assert after["aborted"] - before["aborted"] <= len(results) - ok, (results, before, after)
 
 
 def run_in_background(fn, n):
