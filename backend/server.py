@@ -195,6 +195,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         self._active = 0
         self._draining = False  # a LoadModel waits for running requests before replacing the model
         self._throughput = _Throughput()
+        self._background = set()  # LoadModel / Free tasks whose client went away (kept referenced until done)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -236,7 +237,26 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         stats.setdefault("tokens_per_s", self._throughput.rate())
         return stats
 
+    async def _uncancelled(self, coro, what):
+        """Runs coro (holding the load lock) as a task that a client's cancel (disconnect, deadline) does not stop.
+        The load or release it runs in a worker thread cannot be interrupted, so the state it sets afterwards (the
+        model installed or released, Status, the lock) must be set anyway: a LoadModel cancelled halfway otherwise
+        left Status BUSY for good and the loaded model in memory with nothing referring to it."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            log.warning("%s: the client went away; it runs to its end in the background", what)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
+                                   or log.error("%s (client gone) failed: %r", what, t.exception()))
+            raise
+
     async def LoadModel(self, request, context):
+        return await self._uncancelled(self._load_model(request), "LoadModel")
+
+    async def _load_model(self, request):
         async with self._load_lock:
             try:
                 spec = build_load_spec(request, os.environ.get("KIMI_LAUNCH_CWD"))
@@ -331,6 +351,9 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
                 torch.cuda.empty_cache()
 
     async def Free(self, request, context):
+        return await self._uncancelled(self._free(), "Free")
+
+    async def _free(self):
         async with self._load_lock:
             if self._loaded is None:
                 self._state = UNINITIALIZED

@@ -316,3 +316,66 @@ def test_concurrent_streams_all_complete(aio, tok):
     for t in threads:
         t.join(30)
     assert results == texts
+
+
+def slow_load(aio, tok, seconds, engines):
+    """servicer._load_sync -> a FakeEngine after `seconds` (a load the client's deadline cuts short)."""
+    from backend.server import _Loaded
+
+    def load(spec):
+        time.sleep(seconds)
+        eng = FakeEngine(script_text(tok, RESPONSE))
+        engines.append(eng)
+        return _Loaded(eng, tok, spec, 256, tok.vocab_size, "cpu", "float32")
+    aio.servicer._load_sync = load
+    aio.servicer._precheck = lambda spec: None
+
+
+def wait_state(aio, state, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while aio.stub.Status(pb.HealthMessage()).state != state:
+        assert time.monotonic() < deadline, aio.stub.Status(pb.HealthMessage()).state
+        time.sleep(0.02)
+
+
+def test_load_model_cancelled_by_client_still_finishes(aio, tok, tmp_path):
+    """A LoadModel whose client goes away (deadline, disconnect) mid-load: the load runs to its end and installs
+    the model (Status READY, requests served, the same LoadModel again keeps it), never Status BUSY for good with
+    the loaded model left in memory. The same for a reload cut short while it drains the old model's requests."""
+    engines = []
+    slow_load(aio, tok, 0.5, engines)
+    opts = pb.ModelOptions(Model=str(tmp_path))
+    code, _ = code_of(lambda: aio.stub.LoadModel(opts, timeout=0.1))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_state(aio, pb.StatusResponse.READY)
+    assert len(engines) == 1 and aio.servicer._loaded.engine is engines[0]
+    assert aio.stub.Predict(pb.PredictOptions(Prompt="x")).message.decode() == RESPONSE
+    r = aio.stub.LoadModel(opts, timeout=10)
+    assert r.success and "kept" in r.message and len(engines) == 1
+    # a reload with other settings, cut short while a stream of the old model still runs (the drain)
+    engines[0].delay = 0.05
+    it = aio.stub.PredictStream(pb.PredictOptions(Prompt="x"), timeout=30)
+    next(it)
+    other = pb.ModelOptions(Model=str(tmp_path), ContextSize=128)
+    code, _ = code_of(lambda: aio.stub.LoadModel(other, timeout=0.1))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    list(it)
+    wait_state(aio, pb.StatusResponse.READY)
+    assert len(engines) == 2 and engines[0].shut and aio.servicer._loaded.engine is engines[1]
+    assert aio.servicer._loaded.spec.engine.get("max_model_len") == 128
+
+
+def test_free_cancelled_by_client_still_releases(aio, tok, tmp_path):
+    """A Free whose client goes away mid-release keeps the load lock until the old model is released: a LoadModel
+    right after it loads only then (on a GPU the new model's KV cache is sized from the memory left free)."""
+    eng = FakeEngine(script_text(tok, RESPONSE))
+    aio.install(eng, tok)
+    release = aio.servicer._release
+    aio.servicer._release = lambda loaded: (time.sleep(0.5), release(loaded))
+    code, _ = code_of(lambda: aio.stub.Free(pb.HealthMessage(), timeout=0.1))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert aio.stub.Status(pb.HealthMessage()).state == pb.StatusResponse.UNINITIALIZED
+    engines = []
+    slow_load(aio, tok, 0.0, engines)
+    assert aio.stub.LoadModel(pb.ModelOptions(Model=str(tmp_path)), timeout=10).success
+    assert eng.shut and len(engines) == 1
