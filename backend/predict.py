@@ -21,6 +21,16 @@ class BadRequest(ValueError):
     """The request is malformed; answered with INVALID_ARGUMENT and this message."""
 
 
+def _loads(raw: str, what: str):
+    """json.loads naming the field on failure; nesting too deep for the parser (RecursionError) is bad input too."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"{what} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest(f"{what} is nested too deeply") from None
+
+
 def messages_to_dicts(messages) -> list:
     """proto Message -> chat-template dicts (tool_calls JSON decoded, function.arguments decoded to objects)."""
     out = []
@@ -33,10 +43,7 @@ def messages_to_dicts(messages) -> list:
         if m.reasoning_content:
             d["reasoning_content"] = m.reasoning_content
         if m.tool_calls:
-            try:
-                calls = json.loads(m.tool_calls)
-            except json.JSONDecodeError as e:
-                raise BadRequest(f"Messages[{i}].tool_calls is not valid JSON: {e}") from None
+            calls = _loads(m.tool_calls, f"Messages[{i}].tool_calls")
             if not isinstance(calls, list):
                 raise BadRequest(f"Messages[{i}].tool_calls must be a JSON array")
             for c in calls:
@@ -44,7 +51,7 @@ def messages_to_dicts(messages) -> list:
                 if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
                     try:
                         fn["arguments"] = json.loads(fn["arguments"])
-                    except json.JSONDecodeError:
+                    except (json.JSONDecodeError, RecursionError):
                         pass
             d["tool_calls"] = calls
         out.append(d)
@@ -54,10 +61,7 @@ def messages_to_dicts(messages) -> list:
 def _tools(request):
     if not request.Tools.strip():
         return None
-    try:
-        tools = json.loads(request.Tools)
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"Tools is not valid JSON: {e}") from None
+    tools = _loads(request.Tools, "Tools")
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -76,6 +80,8 @@ def _tool_choice(request):
         return json.loads(choice)
     except json.JSONDecodeError:
         return choice  # LocalAI may send a bare string
+    except RecursionError:
+        raise BadRequest("ToolChoice is nested too deeply") from None
 
 
 # Kimi-K2 tool-call markup (backend/toolcalls.py); in a grammar these are the special tokens, by name
@@ -136,10 +142,7 @@ def _template_kwargs(request) -> dict:
     if "reasoning_effort" in meta and meta["reasoning_effort"]:
         kw["reasoning_effort"] = meta["reasoning_effort"]
     if raw.strip():
-        try:
-            extra = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise BadRequest(f"Metadata['chat_template_kwargs'] is not valid JSON: {e}") from None
+        extra = _loads(raw, "Metadata['chat_template_kwargs']")
         if not isinstance(extra, dict):
             raise BadRequest("Metadata['chat_template_kwargs'] must be a JSON object")
         kw.update(extra)
@@ -188,10 +191,7 @@ def _finite(name, v):
 def logit_bias(raw: str) -> dict:
     if not raw.strip():
         return {}
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"LogitBias is not valid JSON: {e}") from None
+    obj = _loads(raw, "LogitBias")
     if not isinstance(obj, dict):
         raise BadRequest('LogitBias must be a JSON object {"token_id": bias}')
     out = {}

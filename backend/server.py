@@ -404,6 +404,8 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             built = await asyncio.to_thread(build, loaded)
         except (BadRequest, TokenizerError, ValueError, TypeError) as e:
             error = str(e)
+        except RecursionError:  # a structure nested too deeply for the template, a schema or the grammar compiler
+            error = "the request is nested too deeply to process (Tools, Messages, Grammar or Metadata)"
         if error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         if self._draining or self._loaded is not loaded:
@@ -570,6 +572,8 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
             tokens = await asyncio.to_thread(lambda: loaded.tok.encode(prompt_text(request, loaded.tok)))
         except (BadRequest, TemplateError, TokenizerError, ValueError, TypeError) as e:
             error = (grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RecursionError:
+            error = (grpc.StatusCode.INVALID_ARGUMENT, "the request is nested too deeply to process")
         except Exception as e:  # noqa: BLE001
             error = (grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
         if error is not None:

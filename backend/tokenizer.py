@@ -531,7 +531,8 @@ def render_chat_template(template, context, limits=None):
 # streaming helpers
 
 class IncrementalDetokenizer:
-    """push(id) -> newly completed text; never splits a UTF-8 character. Concatenation == tok.decode(ids)."""
+    """push(id) -> newly completed text; never splits a UTF-8 character. Concatenation == tok.decode(ids). Ids the
+    model can sample but the tokenizer lacks (a checkpoint whose vocab_size pads the tokenizer's) have no text: ""."""
 
     def __init__(self, tok, skip_ids=()):
         self.tok = tok
@@ -541,7 +542,11 @@ class IncrementalDetokenizer:
     def push(self, token_id):
         if token_id in self.skip_ids:
             return ""
-        return self._dec.decode(self.tok.id_to_bytes(token_id))
+        try:
+            raw = self.tok.id_to_bytes(token_id)
+        except TokenizerError:
+            return ""
+        return self._dec.decode(raw)
 
     def flush(self):
         return self._dec.decode(b"", final=True)

@@ -194,6 +194,10 @@ def test_logprobs_openai_shape(aio, tok):
     assert r.logprobs == b""
 
 
+DEEP = "[" * 100_000 + "]" * 100_000
+DEEP_OBJ = {}
+for _ in range(900):
+    DEEP_OBJ = {"a": DEEP_OBJ}
 BAD = [
     (dict(Temperature=math.nan), "Temperature"),
     (dict(Temperature=-0.5), "Temperature"),
@@ -212,6 +216,16 @@ BAD = [
     (dict(Prompt="word " * 400), "context"),
     (dict(UseTokenizerTemplate=True, Messages=[pb.Message(role="user", content="x")],
           Metadata={"chat_template_kwargs": "{nope"}), "chat_template_kwargs"),
+    # nested deeper than the JSON parser recurses (RecursionError): named as bad input, never UNKNOWN
+    (dict(Tools=DEEP), "Tools"),
+    (dict(LogitBias=DEEP), "LogitBias"),
+    (dict(UseTokenizerTemplate=True, Messages=[pb.Message(role="assistant", content="x", tool_calls=DEEP)]),
+     "tool_calls"),
+    (dict(UseTokenizerTemplate=True, Messages=[pb.Message(role="user", content="x")],
+          Metadata={"chat_template_kwargs": DEEP}), "chat_template_kwargs"),
+    # parseable, but deeper than the template's tojson can render
+    (dict(UseTokenizerTemplate=True, Messages=[pb.Message(role="user", content="x")], Tools=json.dumps(
+        [{"type": "function", "function": {"name": "f", "parameters": DEEP_OBJ}}])), "nested too deeply"),
 ]
 
 
@@ -379,3 +393,13 @@ def test_free_cancelled_by_client_still_releases(aio, tok, tmp_path):
     slow_load(aio, tok, 0.0, engines)
     assert aio.stub.LoadModel(pb.ModelOptions(Model=str(tmp_path)), timeout=10).success
     assert eng.shut and len(engines) == 1
+
+
+def test_sampled_id_outside_the_tokenizer_has_no_text(aio, tok):
+    """A checkpoint whose vocab_size pads the tokenizer's lets the model sample ids the tokenizer lacks: they count
+    as tokens and add no text (the call does not fail), in Predict and PredictStream alike."""
+    a, b = tok.encode("Hello"), tok.encode(" world")
+    aio.install(FakeEngine(lambda prompt, params: a + [tok.vocab_size + 5] + b + [tok.eos_token_ids[0]]), tok)
+    r = aio.stub.Predict(pb.PredictOptions(Prompt="x"))
+    assert r.message.decode() == "Hello world" and r.tokens == len(a) + len(b) + 2   # + the EOS
+    assert "".join(c.message.decode() for c in stream_all(aio.stub, pb.PredictOptions(Prompt="x"))) == "Hello world"
