@@ -43,6 +43,7 @@ class PrefixCache:
         self._entries: OrderedDict = OrderedDict()  # id -> Entry, least recently used first
         self._by_last: dict = {}  # (length, last token) -> ids of the entries (a quick first filter)
         self._next_id = 0
+        self._reserved = 0  # snapshots reserved and not yet inserted or given back (they count against max_entries)
         self.hits = 0
         self.hit_tokens = 0
         self.evictions = 0
@@ -75,14 +76,18 @@ class PrefixCache:
 
     def reserve(self, partial: bool) -> Optional[tuple]:
         """A slot (and a page if `partial`) for a new snapshot, evicting old entries if needed -> (slot, page), or
-        None when they cannot be had."""
-        while len(self._entries) >= self.max_entries or not self.states.can_allocate() \
+        None when they cannot be had. Reservations not yet inserted count against max_entries (several prompts
+        ending in one step would otherwise each take a slot beyond it)."""
+        while len(self._entries) + self._reserved >= self.max_entries or not self.states.can_allocate() \
                 or (partial and not self.blocks.can_allocate(1)):
             if not self.evict():
                 return None
+        self._reserved += 1
         return self.states.allocate(), (self.blocks.allocate(1)[0] if partial else 0)
 
     def unreserve(self, slot: int, page: int) -> None:
+        assert self._reserved > 0
+        self._reserved -= 1
         self.states.free(slot)
         if page:
             self.blocks.free([page])
@@ -90,6 +95,8 @@ class PrefixCache:
     def insert(self, tokens: list, slot: int, page: int, pages: list) -> None:
         """Registers a snapshot (reserve()'s slot and page, filled by the runner) of `tokens`, whose full pages are
         pages[:len(tokens) // block_size] (one more reference taken on them)."""
+        assert self._reserved > 0
+        self._reserved -= 1
         full = list(pages[:len(tokens) // self.blocks.block_size])
         self.blocks.share(full)
         eid, self._next_id = self._next_id, self._next_id + 1

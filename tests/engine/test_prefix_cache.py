@@ -239,6 +239,12 @@ def test_cache_books_unit():
     blocks.free(pages_b)
     cache.clear()
     assert blocks.num_free == blocks.capacity and states.num_free == states.capacity
+    # reservations not yet inserted count against max_entries: three prompts ending in one step get two
+    got = [cache.reserve(partial=False) for _ in range(3)]
+    assert got[2] is None and None not in got[:2] and states.num_free == states.capacity - 2
+    for r in got[:2]:
+        cache.unreserve(*r)
+    assert states.num_free == states.capacity and cache.reserve(partial=False) is not None
 
 
 @pytest.mark.gpu
