@@ -180,7 +180,8 @@ class SamplingMetadata:
         g_rows = [m for m, r in enumerate(reqs) if r.matcher is not None and not r.is_finished]
         grammar = None
         if g_rows:  # host work (llguidance) while the step's forward runs on the device
-            words = masks([reqs[m].matcher for m in g_rows], vocab_size)
+            words = masks([reqs[m].matcher for m in g_rows], vocab_size,
+                          [ps[m].grammar.eos_ids if ps[m].ignore_eos else () for m in g_rows])
             grammar = (_to_device(g_rows, torch.int64, device), words.to(device, non_blocking=True))
         wants = [p.wants_logprobs for p in ps]
         return SamplingMetadata(

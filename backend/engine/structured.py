@@ -127,7 +127,7 @@ class Grammars:
         matcher = llg.LLMatcher(self.tokenizer(), spec, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid grammar: {matcher.get_error()}")
-        return Grammar(matcher, self.vocab_size)
+        return Grammar(matcher, self.vocab_size, self.eos_ids)
 
 
 def _to_lark(text: str) -> str:
@@ -227,9 +227,10 @@ def _json_object(text: str) -> Optional[dict]:
 class Grammar:
     """A compiled grammar; immutable (its matcher is only ever copied), so one may serve many requests."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, eos_ids: Sequence[int] = ()):
         self._template = matcher
         self.vocab_size = vocab_size
+        self.eos_ids = tuple(eos_ids)  # what masks(drop_eos=...) clears for a request that ignores EOS
 
     def matcher(self):
         """A fresh matcher at the grammar's start (llguidance LLMatcher), for one request."""
@@ -255,9 +256,10 @@ def finished(matcher) -> bool:
 PARALLEL_MASKS = 32
 
 
-def masks(matchers: list, vocab_size: int) -> torch.Tensor:
+def masks(matchers: list, vocab_size: int, drop_eos: Sequence[Sequence[int]] = ()) -> torch.Tensor:
     """The next token's allowed set of each matcher -> [R, cdiv(vocab_size, 32)] int32 bitmask on the host (pinned
-    when CUDA is there, for a non-blocking copy)."""
+    when CUDA is there, for a non-blocking copy). drop_eos[i] (optional, per row): EOS ids row i may not take while
+    its grammar allows anything else (a request with ignore_eos goes on where the grammar could end)."""
     import torch
 
     words = (vocab_size + 31) // 32
@@ -268,7 +270,20 @@ def masks(matchers: list, vocab_size: int) -> torch.Tensor:
     else:
         _executor().unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], out.data_ptr(), words * 4,
                                             len(matchers))
+    for i, ids in enumerate(drop_eos):
+        if ids:
+            _drop_bits(out[i].numpy().view("uint32"), ids)
     return out
+
+
+def _drop_bits(row, ids) -> None:
+    """Clears the bits of ids in one bitmask row (uint32 view), unless nothing else would be left allowed."""
+    kept = row.copy()
+    for t in ids:
+        if 0 <= t < 32 * len(row):
+            row[t >> 5] &= ~(1 << (t & 31)) & 0xFFFFFFFF
+    if not row.any():
+        row[:] = kept
 
 
 _EXEC = []

@@ -39,20 +39,22 @@ def text_of(ids):
     return bytes(t for t in ids if t < 250).decode("latin-1")
 
 
-def allowed_ref(text, words):
-    """Token ids that may follow `text` in the finite language `words` (EOS iff text is a word)."""
+def allowed_ref(text, words, ignore_eos=False):
+    """Token ids that may follow `text` in the finite language `words` (EOS iff text is a word; with ignore_eos
+    only where nothing else may follow)."""
     ok = [t for t in range(250) if any(w.startswith(text + chr(t)) for w in words)]
-    return ok + [EOS] * (text in words)
+    return ok + [EOS] * (text in words and not (ignore_eos and ok))
 
 
-def constrained_greedy_ref(model, prompt, words, max_tokens):
-    """Greedy decoding restricted to `words`, straight through the model (no engine, no llguidance)."""
+def constrained_greedy_ref(model, prompt, words, max_tokens, ignore_eos=True):
+    """Greedy decoding restricted to `words`, straight through the model (no engine, no llguidance). ignore_eos:
+    EOS is not taken while the word can go on (llama.cpp's ignore_eos: the grammar ends only where it must)."""
     blocks = list(range(1, 1 + -(-(len(prompt) + max_tokens) // 16)))
     cache = model.allocate_cache(num_slots=2, num_blocks=len(blocks) + 1, block_size=16)
     logits = _step(model, cache, prompt, 0, blocks, num_decodes=0)
     out = []
     while len(out) < max_tokens:
-        ok = allowed_ref(text_of(out), words)
+        ok = allowed_ref(text_of(out), words, ignore_eos)
         masked = torch.full_like(logits[0], float("-inf"))
         masked[ok] = logits[0, ok]
         token = int(masked.argmax())
@@ -168,6 +170,12 @@ def test_masks_against_the_reference_language(grammars, pool, monkeypatch):
         assert torch.equal(masks([m], VOCAB)[0], words[i])
         bits = [t for t in range(VOCAB) if (int(words[i, t // 32]) >> (t % 32)) & 1]
         assert bits == allowed_ref(text, WORDS)
+    # ignore_eos rows: EOS cleared where the word can go on ("no" -> "nope"), kept where it cannot ("nope")
+    assert ms[2].consume_token(ord("p")) and ms[2].consume_token(ord("e"))
+    for i, row in enumerate(masks(ms, VOCAB, [(EOS,), (), (EOS, 31)])):
+        text = ["", "y", "nope"][i]
+        bits = [t for t in range(VOCAB) if (int(row[t // 32]) >> (t % 32)) & 1]
+        assert bits == allowed_ref(text, WORDS, ignore_eos=i != 1), (text, bits)
 
 
 @pytest.mark.parametrize("V", [1, 31, 70, 256])
@@ -186,15 +194,21 @@ def test_apply_masks_against_naive(V):
     assert torch.equal(logits, want)
 
 
-def test_greedy_matches_independent_reference(engine, grammars):
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_greedy_matches_independent_reference(engine, grammars, ignore_eos):
+    """ignore_eos: "yes" and "no" go on to "yesterday" and "nope" (EOS is masked while the grammar allows more);
+    without it the model's EOS may end them."""
     g = grammars.compile(GBNF)
     work = workload(8, seed=11)
-    ref = [constrained_greedy_ref(engine.runner.model, p, WORDS, 16) for p, _ in work]
-    streams = [engine.add_request(p, SamplingParams(max_tokens=16, grammar=g, **GREEDY)) for p, _ in work]
+    ref = [constrained_greedy_ref(engine.runner.model, p, WORDS, 16, ignore_eos) for p, _ in work]
+    streams = [engine.add_request(p, SamplingParams(max_tokens=16, grammar=g, temperature=0.0,
+                                                    ignore_eos=ignore_eos)) for p, _ in work]
     for s, r in zip(streams, ref):
         toks, last = collect(s)
         assert toks == r
         assert last.finish_reason == "stop" and text_of(toks) in WORDS
+        if ignore_eos:
+            assert text_of(toks) not in ("yes", "no")
     assert_pools_full(engine)
 
 
@@ -280,7 +294,7 @@ def test_sampled_outputs_are_in_the_language(engine, grammars, kind):
             entries += out.logprobs
         assert [e["token_id"] for e in entries] == toks
         for i, e in enumerate(entries):
-            ok = allowed_ref(text_of(toks[:i]), WORDS)
+            ok = allowed_ref(text_of(toks[:i]), WORDS, ignore_eos=True)
             assert e["logprob"] > -1e4
             for tid, lp in e["top"]:  # tokens outside the grammar have probability 0 (the -9999 floor)
                 assert lp == -9999.0 or tid in ok, (i, tid, lp)
