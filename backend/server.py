@@ -626,11 +626,11 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
                 ids, sf, points = work[i]
                 try:
                     batch.append(engine.add_request(ids, SamplingParams(score_from=sf), cache_points=points))
+                    streams.append(batch[-1])  # the caller aborts what is in `streams` if this call ends early
                 except ValueError as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 except Exception as e:  # noqa: BLE001 - a shut-down or failed engine
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"{type(e).__name__}: {e}")
-            streams += batch
             for i, s in zip(group, batch):
                 last = None
                 async for out in s:

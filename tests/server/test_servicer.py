@@ -403,3 +403,23 @@ def test_sampled_id_outside_the_tokenizer_has_no_text(aio, tok):
     r = aio.stub.Predict(pb.PredictOptions(Prompt="x"))
     assert r.message.decode() == "Hello world" and r.tokens == len(a) + len(b) + 2   # + the EOS
     assert "".join(c.message.decode() for c in stream_all(aio.stub, pb.PredictOptions(Prompt="x"))) == "Hello world"
+
+
+def test_score_refused_mid_group_aborts_the_candidates_added(aio, tok):
+    """A Score whose second candidate the engine refuses: INVALID_ARGUMENT, and the first candidate's request, already
+    in the engine, is aborted (not left running for nobody)."""
+    from types import SimpleNamespace
+
+    eng = FakeEngine(script_text(tok, "x"), delay=0.05)
+    eng.cfg = SimpleNamespace(prefix_cache_slots=0)
+    add = eng.add_request
+
+    def add_then_refuse(*a, **kw):
+        if eng.requests:
+            raise ValueError("no room for the candidate")
+        return add(*a, **kw)
+    eng.add_request = add_then_refuse
+    aio.install(eng, tok)
+    code, details = code_of(lambda: aio.stub.Score(pb.ScoreRequest(prompt="Once upon a", candidates=[" time", " day"])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "no room" in details
+    assert len(eng.requests) == 1 and eng.aborted == {eng.requests[0][0]}
