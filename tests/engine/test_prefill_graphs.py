@@ -26,6 +26,15 @@ class EagerPrefillGraph:
         self.hidden.copy_(hidden)
 
 
+def with_logprobs(stream) -> tuple:
+    """A request's (token ids, logprob entries) over all its outputs."""
+    toks, entries = [], []
+    for out in stream:
+        toks += out.token_ids
+        entries += out.logprobs or []
+    return toks, entries
+
+
 def record_fills(pg) -> list:
     """(bucket, real tokens) of every step pg fills from now on."""
     fills, fill = [], pg._fill
@@ -76,10 +85,14 @@ def test_graphed_prefill_equals_eager_engine(engines):
     prompts = [list(range(3, 40)), [7] * 250, list(range(1, 250)) * 1 + [5] * 60, [9, 8, 7]]
     params = [SamplingParams(max_tokens=6, temperature=0.8, seed=i, logprobs=True, top_logprobs=2)
               for i in range(len(prompts))]
-    want = [collect(eager.add_request(p, sp)) for p, sp in zip(prompts, params)]
-    got = [collect(s) for s in [eng.add_request(p, sp) for p, sp in zip(prompts, params)]]
+    want = [with_logprobs(eager.add_request(p, sp)) for p, sp in zip(prompts, params)]
+    got = [with_logprobs(s) for s in [eng.add_request(p, sp) for p, sp in zip(prompts, params)]]
     for (gt, gl), (wt, wl) in zip(got, want):
-        assert gt == wt
+        assert gt == wt and len(gl) == len(wl) == len(gt)
+        for g, w in zip(gl, wl):  # the sampled token's log-probability and the top 2, ids equal and values close
+            assert g["token_id"] == w["token_id"] and abs(g["logprob"] - w["logprob"]) < 1e-4, (g, w)
+            assert [t for t, _ in g["top"]] == [t for t, _ in w["top"]], (g, w)
+            assert max(abs(a - b) for (_, a), (_, b) in zip(g["top"], w["top"])) < 1e-4, (g, w)
     score = SamplingParams(score_from=2)
     ws = list(eager.add_request(prompts[0], score))[-1].scores
     gs = list(eng.add_request(prompts[0], score))[-1].scores

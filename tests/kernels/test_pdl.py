@@ -291,17 +291,62 @@ def _clone(S):
     return {k: v.clone() for k, v in S.items()}
 
 
+def _close(a, b, key, tol=2e-2):
+    a, b = a.float(), b.float()
+    assert (a - b).abs().max() <= tol * max(1.0, b.abs().max().item()), (key, (a - b).abs().max())
+
+
+def _check_chain_refs(P, S0, got):
+    """Each launch of _chain against its torch reference, fed the kernels' own inputs (so errors do not compound):
+    S0 is the state pools before the chain ran."""
+    from kernels.kda import kda_decode_ref
+    from kernels.moe.ref import moe_router_ref
+
+    eps, C, HK, H, k = 1e-6, P["C"], P["HK"], P["H"], P["K"]
+    xn, h = norm_mod.add_rmsnorm_ref(P["x"], P["res"], P["w1"], eps)
+    _close(got["xn"], xn, "xn")
+    _close(got["h"], h, "h")
+    _close(got["y"], gemv_mod.gemv_ref(got["xn"], P["W_in"]), "y")
+    y, S = got["y"], _clone(S0)
+    o = kda_decode_ref(y[:, :C], S["conv_w"], y[:, C:C + HK], y[:, C + HK:C + HK + H], S["A_log"], S["dt_bias"],
+                       y[:, C + HK + H:], S["o_norm_w"], 1e-5, S["conv_state"], S["rec_state"], P["slots"])
+    _close(got["o"], o, "o")
+    _close(got["a"], gemv_mod.gemv_ref(got["o"], P["W_o"]), "a")
+    xn2, h2 = norm_mod.add_rmsnorm_ref(got["a"], got["h"], P["w2"], eps)
+    _close(got["xn2"], xn2, "xn2")
+    _close(got["h2"], h2, "h2")
+    tw, ids = moe_router_ref(got["xn2"], P["gate"], P["bias"], P["top_k"], 2.5, True, False,
+                             append_expert=P["E"])                                  # + the shared expert's id E
+    for w_key, id_key in (("tw", "ids"), ("tw3", "ids3")):
+        assert torch.equal(got[id_key].long().sort(-1).values, ids.long().sort(-1).values), id_key
+        order_got, order_ref = got[id_key].long().argsort(-1), ids.long().argsort(-1)
+        _close(got[w_key].gather(-1, order_got), tw.gather(-1, order_ref), w_key, 1e-3)
+    m, h3 = norm_mod.combine_add_rmsnorm_ref(P["Y"], got["tw"], got["h2"], P["w3"], eps)
+    _close(got["m"], m, "m")
+    _close(got["h3"], h3, "h3")
+    fg_a = got["m"][:, :2 * k].view(-1, 2, k).transpose(0, 1)
+    _close(got["fg"], gemv_mod.gemv_ref(fg_a, P["fg_b"]), "fg")
+    _close(got["r"], norm_mod.rmsnorm_ref(got["fg"][0], P["w4"], eps), "r")
+    _close(got["lat"], norm_mod.rmsnorm_head_ref(got["r"][:, :P["w5"].numel() + P["rope"]], P["w5"], eps), "lat")
+    return S
+
+
 @requires_triton
 def test_chain_small():
-    """The GPU test's chain at small shapes on any device (interpreter: PDL requested, forced off): runs, and pdl
-    on / off agree bit for bit; on a GPU this is a real PDL chain (eager)."""
+    """The GPU test's chain at small shapes on any device: every launch against its torch reference (state pools
+    included, two steps), and pdl on / off bit for bit (the interpreter forces PDL off, so that part only means
+    something on a GPU, where this is a real PDL chain, eager)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     P, S = _chain_inputs(2, dev, D=64, H=2, K=16, E=16, top_k=4)
     A, B = _clone(S), _clone(S)
     for _ in range(2):
+        before = _clone(B)
         ref, got = _chain(P, A, False), _chain(P, B, True)
         for key in ref:
             assert torch.equal(ref[key], got[key]), key
+        after = _check_chain_refs(P, before, got)
+        _close(B["rec_state"], after["rec_state"], "rec_state")
+        _close(B["conv_state"], after["conv_state"], "conv_state")
     assert torch.equal(A["rec_state"], B["rec_state"]) and torch.equal(A["conv_state"], B["conv_state"])
     assert not torch.equal(A["rec_state"], S["rec_state"])
 

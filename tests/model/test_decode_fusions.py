@@ -93,5 +93,6 @@ def test_router_l2_hint_same_bits(tiny_step, monkeypatch):
     assert len(half) == 1 and half[0].numel() == w13.numel() // 2 and half[0].data_ptr() == w13.data_ptr()
     both = moe.shared_l2_hint(mb(w13.numel() + w2.numel()) + 1)
     assert [t.numel() for t in both] == [w13.numel(), w2.numel()] and both[1].data_ptr() == w2.data_ptr()
-    monkeypatch.setattr(km, "ROUTER_L2_HINT_MB", 64.0)
+    assert km.ROUTER_L2_HINT_MB > 0 and moe.shared_l2_hint(km.ROUTER_L2_HINT_MB)  # `on` ran with the hint
+    monkeypatch.setattr(km, "ROUTER_L2_HINT_MB", 0.0)                                # and this step without it
     assert torch.equal(_decode_step(model, copy.deepcopy(cache)), on)
