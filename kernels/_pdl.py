@@ -84,13 +84,18 @@ def gdc_enter(GDC: tl.constexpr):
         gdc_launch_dependents()
 
 
+_INTERP = tl.constexpr(INTERPRET)  # a jit global must be a constexpr
+
+
 @triton.jit
 def prefetch_l2(ptrs, mask):
     """prefetch.global.L2 of the line of each pointer where mask (a hint: no registers, no fault path taken for
-    masked lanes; L2 stays coherent, so this may run before gdc_wait on any address)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } // $0", "=r,l,r",
-        [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    masked lanes; L2 stays coherent, so this may run before gdc_wait on any address). The interpreter (no PTX) skips
+    the hint itself; the addresses and masks leading to it are still computed there."""
+    if not _INTERP:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } // $0", "=r,l,r",
+            [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

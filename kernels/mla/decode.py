@@ -44,6 +44,7 @@ MAX_SPLITS = 256
 # kernels.mla.decode.EARLY_TILES=..., ten interleaved cases): 2 tiles 2.185-2.187 ms per step against 2.191-2.194 for
 # 0 (graph 2.166-2.170 vs 2.174-2.176), 1 tile in between. 0: nothing before the wait. KIMI_MLA_EARLY_TILES=N
 EARLY_TILES = int(os.environ.get("KIMI_MLA_EARLY_TILES", "2"))
+_EARLY_WITHOUT_GDC = False  # tests: the hints' code (addresses, block-table reads) without PDL, e.g. the interpreter
 EARLY_UNITS = 32          # at most this many units hint (x 74 KB per 64-key tile: <= 2.4 MB per layer)
 
 # GPU tile configuration (L=512/R=64), per cache dtype: BLOCK_H heads share each K tile of BLOCK_N keys.
@@ -342,7 +343,7 @@ def _prefetch_unit_tiles(cache_ptr, bt_row, u, t_begin, t_end, seq_len, s_cp, s_
     offs_c = tl.arange(0, LP) * EPL
     for i in tl.static_range(EARLY_TILES):
         key = (t_begin + i) * BLOCK_N + offs_n
-        ok = (key < seq_len) & ((t_begin + i) < t_end) & (u < EARLY_UNITS)
+        ok = (key < seq_len) & (key < t_end * BLOCK_N) & (offs_n * 0 + u < EARLY_UNITS)
         page = tl.load(bt_row + key // BS, mask=ok, other=0).to(tl.int64)
         rows = cache_ptr + page * s_cp + (key % BS).to(tl.int64) * s_cr
         prefetch_l2(rows[:, None] + offs_c[None, :], ok[:, None] & (offs_c < D)[None, :])
@@ -720,7 +721,7 @@ def mla_decode_triton(
         kw["maxnreg"] = cfg["maxnreg"]
     gdc = pdl_launch(pdl_on(pdl) if w_uv is not None else bool(pdl))
     early, early_kw = int(cfg.get("early_tiles", EARLY_TILES)), {}
-    if gdc and early > 0:   # L2 hints of each unit's first tiles before the wait (EARLY_TILES)
+    if (gdc or _EARLY_WITHOUT_GDC) and early > 0:  # L2 hints of each unit's first tiles before the wait (EARLY_TILES)
         epl = 128 // cache.element_size()
         early_kw = dict(EARLY_TILES=early, EARLY_UNITS=int(cfg.get("early_units", EARLY_UNITS)), EPL=epl,
                         LP=next_pow2(cdiv(D, epl)))

@@ -155,6 +155,29 @@ def test_decode_uv_matches_chain(num_splits, variant, uv):
     assert torch.equal(bits(cache), bits(before))
 
 
+@pytest.mark.parametrize("num_splits,units", [(1, 32), (3, 32), (16, 5)])
+def test_early_tiles_same_bits_any_device(num_splits, units, monkeypatch):
+    """decode.EARLY_TILES' code before the PDL wait (each unit's block-table reads and L2 hint addresses, for units
+    < EARLY_UNITS) run without PDL (the interpreter has none; it skips the hint instruction itself): in-bounds, and
+    the outputs the same bits as without it. Lengths 1, 63, 65 and a padded lane; one-tile units past EARLY_UNITS."""
+    import kernels.mla.decode as dec
+
+    monkeypatch.setattr(dec, "_EARLY_WITHOUT_GDC", True)
+    monkeypatch.setattr(dec, "EARLY_UNITS", units)
+    torch.manual_seed(num_splits)
+    H, L, R, scale = 3, 64, 16, 0.2
+    lens = [1, 63, 65, 0]
+    cache, bt, sl = make_paged(lens, BF, bs=16, l=L, r=R)
+    q = torch.randn(len(lens), H, L, device=DEV).to(BF)
+    qp = torch.randn(len(lens), H, R, device=DEV).to(BF)
+    outs = []
+    for early in (0, 2):
+        monkeypatch.setattr(dec, "EARLY_TILES", early)
+        outs.append(mla_decode_triton(q, qp, cache, bt, sl, scale, num_splits=num_splits, min_split_tokens=16))
+    assert torch.equal(bits(outs[0]), bits(outs[1]))
+    assert torch.isfinite(outs[0]).all()
+
+
 def test_decode_uv_gpu_default_tiles():
     """The GPU-default decode tiles (64-key page tiles, latent halves) and uv default picks, one long sequence
     split into many one-tile units, Kimi-like head dims at H=2; and the chunk loop of a wide V block (block_v 64 =
