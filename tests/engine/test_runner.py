@@ -92,3 +92,57 @@ def test_graph_inputs_after_replays(tiny_dir):
             r.num_computed_tokens += 1
             if r.num_computed_tokens >= len(r.block_ids) * B:
                 r.block_ids += [next(pages)]
+
+
+def test_decode_capture_code_runs(tiny_dir, monkeypatch):
+    """runner._capture_graphs itself (the engine tests replace the graphs by stand-ins) with torch.cuda's graph
+    primitives stood in on the CPU: for each padded batch size, largest first, one warm-up and one captured
+    decode forward of that many lanes (every lane sampled: no logits gather), the logits written into the static
+    buffer's first rows; the pool handed on from graph to graph; no host sync inside a capture (CUDA would fail),
+    through the Triton kernels as on CUDA."""
+    import contextlib
+
+    import kernels._dispatch as d
+    from tools.launches import LaunchCounter
+
+    monkeypatch.setattr(d, "_FORCE", "triton")  # the kernels CUDA captures (interpreter on CPU tensors)
+    calls = []
+
+    class FakeGraph:
+        def pool(self):
+            return ("pool", id(self))
+
+    @contextlib.contextmanager
+    def graph(g, pool):
+        calls.append(("capture", pool))
+        with LaunchCounter() as c:
+            yield
+        calls.append(("syncs", sum(c.syncs.values())))
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", 0))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    runner = ModelRunner(tiny_dir, EngineConfig(block_size=16, max_num_seqs=8, max_model_len=64, device="cpu"))
+    forward, logits_fn = runner.model.forward, runner.model.compute_logits
+
+    def fwd(batch, cache):
+        calls.append(("forward", batch.input_ids.shape[0], batch.num_decodes))
+        return forward(batch, cache)
+
+    def logits(hidden, index, out=None):
+        calls.append(("logits", index, out.shape[0], out.data_ptr()))
+        return logits_fn(hidden, index, out=out)
+    monkeypatch.setattr(runner.model, "forward", fwd)
+    monkeypatch.setattr(runner.model, "compute_logits", logits)
+    runner._capture_graphs(8)
+    sizes = [8, 4, 2, 1]
+    assert sorted(runner.graphs) == sorted(sizes) and sizes == list(reversed(graph_batch_sizes(8)))
+    buf = runner.graph_vars["logits"]
+    want = []
+    for i, bs in enumerate(sizes):
+        pool = ("pool", 0) if i == 0 else ("pool", id(runner.graphs[sizes[i - 1]]))
+        step = [("forward", bs, bs), ("logits", None, bs, buf.data_ptr())]
+        want += step + [("capture", pool)] + step + [("syncs", 0)]
+    assert calls == want
+    assert torch.isfinite(buf[:8]).all()
