@@ -92,6 +92,13 @@ fi
 
 if [ -n "${libbackend}" ] && [ "x${KIMI_STANDALONE:-}" != "xtrue" ]; then
     cd "${backend_dir}"
+    # LocalAI's runProtogen compiles with -I../../ -I./, and protoc refuses two backend.proto files on those paths
+    # ("Input is shadowed"): in its tree LocalAI's own proto (ours is a wire-identical copy) is compiled, as for
+    # every other backend, while ours steps aside.
+    if [ -f "${backend_dir}/../../backend.proto" ] && [ -f "${backend_dir}/backend.proto" ]; then
+        mv "${backend_dir}/backend.proto" "${backend_dir}/.backend.proto.vendored"
+        trap 'mv -f "${backend_dir}/.backend.proto.vendored" "${backend_dir}/backend.proto"' EXIT
+    fi
     # libbackend's default interpreter is 3.10; the backend is developed and tested on 3.11/3.12, and 3.12.12
     # (python-build-standalone 20251120) is the portable build LocalAI already uses for its l4t13 images.
     if [ -z "${PYTHON_VERSION:-}" ]; then
@@ -155,10 +162,13 @@ fi
 if [ ! -x "${VENV}/bin/python" ]; then
     PY=$(pickPython)
     echo "install.sh: creating ${VENV} with ${PY} ($(${PY} --version 2>&1)), profile ${PROFILE}"
+    # a failed creation leaves no half-made venv behind (a re-run would skip creation and fail later on it)
     if [ "${USE_UV}" == "true" ]; then
-        uv venv --python "$(command -v "${PY}")" "${VENV}"
-    else
-        "${PY}" -m venv "${VENV}"
+        uv venv --python "$(command -v "${PY}")" "${VENV}" || { rm -rf "${VENV}"; exit 1; }
+    elif ! "${PY}" -m venv "${VENV}"; then
+        rm -rf "${VENV}"
+        echo "install.sh: '${PY} -m venv' failed; on Debian / Ubuntu install python3-venv (or uv) first" >&2
+        exit 1
     fi
 fi
 export VIRTUAL_ENV="${VENV}"

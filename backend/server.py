@@ -818,7 +818,43 @@ def _interceptors():
     except ImportError:
         token = os.environ.get("LOCALAI_GRPC_AUTH_TOKEN", "")
         return [_TokenAuth(token)] if token else []
+    global _LOCALAI_COMMON
+    _LOCALAI_COMMON = True
     return list(get_auth_interceptors(aio=True))
+
+
+_LOCALAI_COMMON = False  # LocalAI's common/ was found: its interceptors arm its own parent watcher
+
+
+def _duration_s(raw: str, default: float) -> float:
+    """A Go-style duration ("500ms", "2s", "1m") or a bare number of seconds -> seconds (default if unreadable)."""
+    raw = raw.strip().lower()
+    for unit, scale in (("ms", 1e-3), ("s", 1.0), ("m", 60.0), ("", 1.0)):
+        if raw.endswith(unit):
+            try:
+                v = float(raw[:len(raw) - len(unit)]) * scale
+            except ValueError:
+                return default
+            return v if v > 0 else default
+    return default
+
+
+async def _watch_parent(stop: asyncio.Event):
+    """Outside LocalAI's tree (no common/ watcher): stop like on SIGTERM once the process that started this backend
+    is gone (this process reparented), so a LocalAI killed with SIGKILL leaves no backend holding GPU memory and its
+    port. LocalAI's variables: LOCALAI_BACKEND_PARENT_WATCH (false / 0 / no / off: off),
+    LOCALAI_BACKEND_PARENT_WATCH_INTERVAL (default 2s)."""
+    if os.environ.get("LOCALAI_BACKEND_PARENT_WATCH", "").strip().lower() in ("false", "0", "no", "off"):
+        return
+    ppid = os.getppid()
+    if ppid <= 1 or os.name == "nt":  # started under init: no parent to watch
+        return
+    interval = _duration_s(os.environ.get("LOCALAI_BACKEND_PARENT_WATCH_INTERVAL", ""), 2.0)
+    while not stop.is_set():
+        await asyncio.sleep(interval)
+        if os.getppid() != ppid:
+            log.error("the parent process (pid %d) exited without stopping this backend: stopping", ppid)
+            stop.set()
 
 
 class _TokenAuth(grpc.aio.ServerInterceptor):
@@ -865,6 +901,7 @@ async def serve(addr, model=None):
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
+    watcher = None if _LOCALAI_COMMON else asyncio.ensure_future(_watch_parent(stop))  # noqa: F841 (kept alive)
     waiter = asyncio.ensure_future(server.wait_for_termination())
     await asyncio.wait([waiter, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     log.info("kimi-linear backend stopping")

@@ -59,3 +59,77 @@ def test_stubs_are_generated_not_committed():
     if tracked:  # a git checkout
         assert "backend_pb2.py" not in tracked and "backend.proto" in tracked
     assert os.path.exists(os.path.join(ROOT, "backend_pb2.py"))
+
+
+def _exited(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"   # a zombie nobody reaped: exited
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+@pytest.mark.parametrize("watch", ["", "off"])
+def test_backend_stops_when_its_parent_dies(tmp_path, watch):
+    """Outside LocalAI's tree the backend watches its parent itself (LocalAI's LOCALAI_BACKEND_PARENT_WATCH /
+    _INTERVAL): run.sh under a shell that is then SIGKILLed (as a LocalAI killed without its teardown) -> the
+    orphaned backend stops within a few intervals; with the watch off it keeps serving."""
+    import signal
+    import sys
+    import time
+
+    from server_harness import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    addr = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, KIMI_STANDALONE="true", KIMI_VENV=os.path.dirname(os.path.dirname(sys.executable)),
+               LOCALAI_BACKEND_PARENT_WATCH_INTERVAL="200ms", LOCALAI_BACKEND_PARENT_WATCH=watch)
+    log = open(tmp_path / "backend.log", "wb")
+    parent = subprocess.Popen(["bash", "-c", f'bash "{root}/run.sh" --addr {addr} & echo $!; wait'], cwd=root,
+                              env=env, stdout=subprocess.PIPE, stderr=log)
+    pid = int(parent.stdout.readline())
+    deadline = time.monotonic() + 60
+    while b"Listening on" not in (tmp_path / "backend.log").read_bytes():
+        assert time.monotonic() < deadline and not _exited(pid), (tmp_path / "backend.log").read_text()
+        time.sleep(0.1)
+    parent.kill()
+    parent.wait()
+    try:
+        deadline = time.monotonic() + 15
+        while not _exited(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _exited(pid) == (watch != "off"), (tmp_path / "backend.log").read_text()
+        if watch != "off":
+            assert b"exited without stopping this backend" in (tmp_path / "backend.log").read_bytes()
+    finally:
+        if not _exited(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_protogen_in_localai_tree(tmp_path):
+    """In LocalAI's tree (backend/python/kimi-linear, ../common/libbackend.sh, LocalAI's backend/backend.proto)
+    libbackend's runProtogen compiles with -I../../ -I./, where two backend.proto files would be "shadowed":
+    install.sh steps ours aside for it (LocalAI's proto is compiled, as for its other backends), then puts it back."""
+    import shutil
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tree = tmp_path / "LocalAI" / "backend"
+    me, common = tree / "python" / "kimi-linear", tree / "python" / "common"
+    me.mkdir(parents=True)
+    common.mkdir()
+    for f in ("install.sh", "backend.proto"):
+        shutil.copy(os.path.join(root, f), me / f)
+    shutil.copy(os.path.join(root, "backend.proto"), tree / "backend.proto")
+    # libbackend.sh's protoc call as LocalAI makes it (its venv and toolchain set-up stood in by this Python)
+    (common / "libbackend.sh").write_text(
+        'BUILD_PROFILE=cpu\nEDIR="$(pwd)"\n'
+        f'runProtogen() {{ "{sys.executable}" -m grpc_tools.protoc -I../../ -I./ --python_out=. '
+        '--grpc_python_out=. backend.proto; }\n')
+    r = subprocess.run(["bash", str(me / "install.sh"), "--protogen"], cwd=me, capture_output=True, text=True,
+                       env={k: v for k, v in os.environ.items() if k != "KIMI_STANDALONE"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (me / "backend_pb2.py").is_file() and (me / "backend_pb2_grpc.py").is_file()
+    assert (me / "backend.proto").read_bytes() == (tree / "backend.proto").read_bytes()
+    assert not (me / ".backend.proto.vendored").exists()
