@@ -484,12 +484,14 @@ QUICK_VARIANTS = [
 ]
 
 
-def quick(warmup=5, rep=20, only=None):
+def quick(warmup=5, rep=20, only=None, cases=("T=16k", "varlen")):
     """One short H200 run: at T=16k every QUICK_VARIANTS entry (or those named in ``only``, in that order; total
     and per-stage ms, ratio to fla-core, rel-rms of o and the final state vs the default and vs fla), then varlen
     16 x 1k for the same variants (none named: the default only) and fla. A FAILED line
     (e.g. a compile error on this Triton) leaves the other lines intact. Compiles dominate: on 2026-12-02 fla + 3
-    variants took ~320 s (each akk variant recompiles), so name the variants wanted (--variants a,b,...)."""
+    variants took ~320 s (each akk variant recompiles), so name the variants wanted (--variants a,b,...). On a fresh
+    H100 the T=16k part (fla + the default) takes ~190 s and the varlen part's compiles (fla's varlen autotune, our
+    BV-64 state pass) did not finish in 190 more (12-07): --cases varlen runs that part alone."""
     import kernels.kda.chunk as ck
 
     names = sorted({n for _, cfg in QUICK_VARIANTS for n in cfg} | {"PREP_ROWS"})
@@ -498,6 +500,8 @@ def quick(warmup=5, rep=20, only=None):
     try:
         for case, lens, which in (("T=16k", [16384], only), ("varlen 16x1k", [1024] * 16,
                                                                   only or ("default",))):
+            if case.split()[0] not in cases:
+                continue
             x = _inputs(lens)
             try:
                 fms, fo, fst = _time_fla(x, warmup, rep)
@@ -543,7 +547,11 @@ if __name__ == "__main__":
             only = tuple(sys.argv[sys.argv.index("--variants") + 1].split(","))
             unknown = set(only) - {n for n, _ in QUICK_VARIANTS}
             assert not unknown, f"unknown variants {sorted(unknown)}"
-        quick(only=only)
+        cases = ("T=16k", "varlen")
+        if "--cases" in sys.argv:        # e.g. --cases varlen (T=16k, varlen)
+            cases = tuple(sys.argv[sys.argv.index("--cases") + 1].split(","))
+            assert set(cases) <= {"T=16k", "varlen"}, cases
+        quick(only=only, cases=cases)
     elif "--sweep" in sys.argv:            # ours vs fla at 4k/16k/64k, then the intra launch-config sweep
         intra_compare()
         sweep_intra()

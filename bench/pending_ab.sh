@@ -36,7 +36,8 @@
 #   kda:     bench/kda_prefill.py --quick --variants default,akk-no-kb,prep-rb2 (the default since session 37,
 #            AKK_JOUTER = 3 and AKK_KB, timed on an H100 only; wu reading k and G itself; the row walk 2 rows per
 #            step, PREP_ROWS_RB, untimed since session 32; fla-core in the same process). Env kda_variants: the
-#            --variants list.
+#            --variants list; kda_cases: --cases (T=16k,varlen; on a fresh H100 the varlen part did not finish in
+#            the 190 s after the T=16k part, 12-07: kda_cases=varlen alone).
 #   record:  the figures of record on an H200 when little device time is left (~6 min): the defaults' GPU tests
 #            (KDA prefill at Kimi shapes, the MLA decode's default schedule, the fused W_UV decode), issue 5's table
 #            (bench/mla.py --no-sweep --decode-only), the kda part (the default, whose AKK_JOUTER = 3 and AKK_KB were
@@ -164,7 +165,7 @@ if has kdafull && [ "$(left)" -gt 90 ]; then
   step "kda full" $?
 fi
 if has kda && [ "$(left)" -gt 90 ]; then
-  timeout "$(left)" python3 bench/kda_prefill.py --quick \
+  timeout "$(left)" python3 bench/kda_prefill.py --quick --cases "${kda_cases:-T=16k,varlen}" \
     --variants "${kda_variants:-$kda_default}" \
     > "$OUT/kda_variants.log" 2>&1; step "kda variants" $?
 fi
