@@ -422,4 +422,7 @@ def test_score_refused_mid_group_aborts_the_candidates_added(aio, tok):
     aio.install(eng, tok)
     code, details = code_of(lambda: aio.stub.Score(pb.ScoreRequest(prompt="Once upon a", candidates=[" time", " day"])))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "no room" in details
+    deadline = time.monotonic() + 10   # the handler's `finally` may run just after the client has its status
+    while not eng.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(eng.requests) == 1 and eng.aborted == {eng.requests[0][0]}
