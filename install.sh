@@ -108,6 +108,19 @@ if [ -n "${libbackend}" ] && [ "x${KIMI_STANDALONE:-}" != "xtrue" ]; then
     fi
     # shellcheck disable=SC1090
     source "${libbackend}"
+    case "${BUILD_PROFILE}" in
+        cpu|cublas12|cublas13|l4t13) ;;
+        intel)  # libbackend says intel whenever /opt/intel exists, even with BUILD_TYPE unset
+            if [ -n "${BUILD_TYPE:-}" ]; then
+                echo "install.sh: build profile 'intel' is not supported (cpu, cublas12, cublas13, l4t13)" >&2
+                exit 1
+            fi
+            echo "install.sh: libbackend picked 'intel' (/opt/intel exists) with no BUILD_TYPE; this backend has no" \
+                 "intel profile: installing the cpu profile"
+            BUILD_PROFILE=cpu ;;
+        *) echo "install.sh: build profile '${BUILD_PROFILE}' is not supported (cpu, cublas12, cublas13, l4t13)" >&2
+           exit 1 ;;
+    esac
     if [ "${1:-}" == "--protogen" ]; then
         runProtogen
         exit 0

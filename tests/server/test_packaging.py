@@ -133,3 +133,37 @@ def test_protogen_in_localai_tree(tmp_path):
     assert (me / "backend_pb2.py").is_file() and (me / "backend_pb2_grpc.py").is_file()
     assert (me / "backend.proto").read_bytes() == (tree / "backend.proto").read_bytes()
     assert not (me / ".backend.proto.vendored").exists()
+
+
+@pytest.mark.parametrize("build_type,ok", [("", True), ("intel", False), ("hipblas", False)])
+def test_localai_tree_profile_intel_falls_back_to_cpu(tmp_path, build_type, ok):
+    """libbackend's getBuildProfile says intel whenever /opt/intel exists, even with BUILD_TYPE unset: install.sh then
+    installs the cpu profile (CPU torch first, the CUDA-torch check after), instead of libbackend's requirement list
+    resolving torch==2.13.0 to PyPI's CUDA build. An explicit BUILD_TYPE it has no profile for is refused."""
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    me, common, bin_ = tmp_path / "python" / "kimi-linear", tmp_path / "python" / "common", tmp_path / "bin"
+    for d in (me / "venv" / "bin", common, bin_):
+        d.mkdir(parents=True)
+    (me / "install.sh").write_bytes(open(os.path.join(root, "install.sh"), "rb").read())
+    py = me / "venv" / "bin" / "python"                          # a venv with CPU torch (this test's)
+    py.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    py.chmod(0o755)
+    log = tmp_path / "calls.txt"
+    (common / "libbackend.sh").write_text(
+        f'BUILD_PROFILE={"intel" if not build_type else build_type}\nEDIR="$(pwd)"\n'
+        f'ensureVenv() {{ echo ensureVenv >> "{log}"; }}\n'
+        f'installRequirements() {{ echo "installRequirements $BUILD_PROFILE" >> "{log}"; }}\n')
+    (bin_ / "pip").write_text(f'#!/bin/sh\necho "pip $*" >> "{log}"\n')
+    (bin_ / "pip").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("KIMI_STANDALONE", "BUILD_TYPE")}
+    env.update(PATH=f"{bin_}:{env['PATH']}", USE_PIP="true", **({"BUILD_TYPE": build_type} if build_type else {}))
+    r = subprocess.run(["bash", str(me / "install.sh")], cwd=me, capture_output=True, text=True, env=env)
+    if not ok:
+        assert r.returncode == 1 and "is not supported" in r.stderr, r.stdout + r.stderr
+        return
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0] == "ensureVenv" and calls[1].startswith("pip install") and "torch==2.13.0+cpu" in calls[1]
+    assert calls[-1] == "installRequirements cpu", calls
