@@ -164,23 +164,10 @@ def test_capture_code_runs(tiny_dir, monkeypatch):
     """PrefillGraphs.capture itself (the stand-ins above replace it) with torch.cuda's graph primitives stood in on
     the CPU: one warm-up and one captured forward per (bucket, sequences) graph, largest first, each graph keeping
     the hidden states its forward returned; the pool is handed on from graph to graph."""
-    import contextlib
+    from tests.eager_graph import fake_cuda_graphs
 
     calls = []
-
-    class FakeGraph:
-        def pool(self):
-            return ("pool", id(self))
-
-    @contextlib.contextmanager
-    def graph(g, pool):
-        calls.append(("capture", pool))
-        yield
-
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", 0))
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    fake_cuda_graphs(monkeypatch, calls)
     eng = make_engine(tiny_dir, max_num_batched_tokens=300, max_model_len=600, num_blocks=200)
     try:
         r = eng.runner

@@ -100,29 +100,12 @@ def test_decode_capture_code_runs(tiny_dir, monkeypatch):
     decode forward of that many lanes (every lane sampled: no logits gather), the logits written into the static
     buffer's first rows; the pool handed on from graph to graph; no host sync inside a capture (CUDA would fail),
     through the Triton kernels as on CUDA."""
-    import contextlib
-
     import kernels._dispatch as d
-    from tools.launches import LaunchCounter
+    from tests.eager_graph import fake_cuda_graphs
 
     monkeypatch.setattr(d, "_FORCE", "triton")  # the kernels CUDA captures (interpreter on CPU tensors)
     calls = []
-
-    class FakeGraph:
-        def pool(self):
-            return ("pool", id(self))
-
-    @contextlib.contextmanager
-    def graph(g, pool):
-        calls.append(("capture", pool))
-        with LaunchCounter() as c:
-            yield
-        calls.append(("syncs", sum(c.syncs.values())))
-
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", 0))
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    fake_cuda_graphs(monkeypatch, calls, count_syncs=True)
     runner = ModelRunner(tiny_dir, EngineConfig(block_size=16, max_num_seqs=8, max_model_len=64, device="cpu"))
     forward, logits_fn = runner.model.forward, runner.model.compute_logits
 
