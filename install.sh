@@ -32,10 +32,13 @@ if [ "x${PROFILE}" == "xl4t13" ]; then
     PY_STANDALONE_TAG="20251120"
 fi
 
-case "${PROFILE}" in
-    cpu|cublas12|cublas13|l4t13) ;;
-    *) echo "install.sh: build profile '${PROFILE}' is not supported (cpu, cublas12, cublas13, l4t13)" >&2; exit 1 ;;
-esac
+requireSupportedProfile() {
+    case "$1" in
+        cpu|cublas12|cublas13|l4t13) ;;
+        *) echo "install.sh: build profile '$1' is not supported (cpu, cublas12, cublas13, l4t13)" >&2; exit 1 ;;
+    esac
+}
+requireSupportedProfile "${PROFILE}"
 
 # CPU torch first, so nothing can resolve torch==2.13.0 to PyPI's CUDA build. A local wheel house (pip's
 # find-links) is tried first, then PyTorch's CPU index (TORCH_CPU_INDEX; empty disables it).
@@ -108,19 +111,13 @@ if [ -n "${libbackend}" ] && [ "x${KIMI_STANDALONE:-}" != "xtrue" ]; then
     fi
     # shellcheck disable=SC1090
     source "${libbackend}"
-    case "${BUILD_PROFILE}" in
-        cpu|cublas12|cublas13|l4t13) ;;
-        intel)  # libbackend says intel whenever /opt/intel exists, even with BUILD_TYPE unset
-            if [ -n "${BUILD_TYPE:-}" ]; then
-                echo "install.sh: build profile 'intel' is not supported (cpu, cublas12, cublas13, l4t13)" >&2
-                exit 1
-            fi
-            echo "install.sh: libbackend picked 'intel' (/opt/intel exists) with no BUILD_TYPE; this backend has no" \
-                 "intel profile: installing the cpu profile"
-            BUILD_PROFILE=cpu ;;
-        *) echo "install.sh: build profile '${BUILD_PROFILE}' is not supported (cpu, cublas12, cublas13, l4t13)" >&2
-           exit 1 ;;
-    esac
+    # libbackend says intel whenever /opt/intel exists, even with BUILD_TYPE unset
+    if [ "x${BUILD_PROFILE}" == "xintel" ] && [ -z "${BUILD_TYPE:-}" ]; then
+        echo "install.sh: libbackend picked 'intel' (/opt/intel exists) with no BUILD_TYPE; this backend has no" \
+             "intel profile: installing the cpu profile"
+        BUILD_PROFILE=cpu
+    fi
+    requireSupportedProfile "${BUILD_PROFILE}"
     if [ "${1:-}" == "--protogen" ]; then
         runProtogen
         exit 0

@@ -34,6 +34,8 @@ from backend.options import OptionsError, build_load_spec, engine_config  # noqa
 log = logging.getLogger("kimi-linear")
 
 MAX_WORKERS = int(os.environ.get("PYTHON_GRPC_MAX_WORKERS", "1"))
+# RecursionError while building a request (template, schema, grammar compiler): bad input, INVALID_ARGUMENT
+TOO_DEEP = "the request is nested too deeply to process (Tools, Messages, Grammar or Metadata)"
 # LoadModel on a serving backend: running requests may finish for this long before they are aborted
 RELOAD_DRAIN_S = float(os.environ.get("KIMI_RELOAD_DRAIN_S", "60"))
 MAX_MESSAGE_BYTES = 50 * 1024 * 1024  # LocalAI's Python backends use 50 MB both ways
@@ -405,7 +407,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         except (BadRequest, TokenizerError, ValueError, TypeError) as e:
             error = str(e)
         except RecursionError:  # a structure nested too deeply for the template, a schema or the grammar compiler
-            error = "the request is nested too deeply to process (Tools, Messages, Grammar or Metadata)"
+            error = TOO_DEEP
         if error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         if self._draining or self._loaded is not loaded:
@@ -573,7 +575,7 @@ class BackendServicer(backend_pb2_grpc.BackendServicer):
         except (BadRequest, TemplateError, TokenizerError, ValueError, TypeError) as e:
             error = (grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RecursionError:
-            error = (grpc.StatusCode.INVALID_ARGUMENT, "the request is nested too deeply to process")
+            error = (grpc.StatusCode.INVALID_ARGUMENT, TOO_DEEP)
         except Exception as e:  # noqa: BLE001
             error = (grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
         if error is not None:
@@ -808,7 +810,8 @@ def add_servicer(servicer, server):
 
 
 def _interceptors():
-    """LocalAI's shared interceptors (bearer auth, model identity, parent watch) when run inside its tree."""
+    """LocalAI's shared interceptors (bearer auth, model identity, parent watch) when run inside its tree ->
+    (interceptors, whether they are LocalAI's: those arm its own parent watcher)."""
     here = os.path.dirname(ROOT)
     for p in (os.path.join(ROOT, "common"), os.path.join(here, "common")):
         if os.path.isfile(os.path.join(p, "grpc_auth.py")) and p not in sys.path:
@@ -817,13 +820,8 @@ def _interceptors():
         from grpc_auth import get_auth_interceptors  # type: ignore
     except ImportError:
         token = os.environ.get("LOCALAI_GRPC_AUTH_TOKEN", "")
-        return [_TokenAuth(token)] if token else []
-    global _LOCALAI_COMMON
-    _LOCALAI_COMMON = True
-    return list(get_auth_interceptors(aio=True))
-
-
-_LOCALAI_COMMON = False  # LocalAI's common/ was found: its interceptors arm its own parent watcher
+        return ([_TokenAuth(token)] if token else []), False
+    return list(get_auth_interceptors(aio=True)), True
 
 
 def _duration_s(raw: str, default: float) -> float:
@@ -882,8 +880,9 @@ async def _preload(servicer, model):
 
 
 async def serve(addr, model=None):
+    interceptors, localai_common = _interceptors()
     server = grpc.aio.server(migration_thread_pool=futures.ThreadPoolExecutor(max_workers=MAX_WORKERS),
-                             options=GRPC_OPTIONS, interceptors=_interceptors())
+                             options=GRPC_OPTIONS, interceptors=interceptors)
     servicer = BackendServicer()
     add_servicer(servicer, server)
     port = server.add_insecure_port(addr)
@@ -901,7 +900,7 @@ async def serve(addr, model=None):
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
-    watcher = None if _LOCALAI_COMMON else asyncio.ensure_future(_watch_parent(stop))  # noqa: F841 (kept alive)
+    watcher = None if localai_common else asyncio.ensure_future(_watch_parent(stop))  # noqa: F841 (kept alive)
     waiter = asyncio.ensure_future(server.wait_for_termination())
     await asyncio.wait([waiter, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     log.info("kimi-linear backend stopping")

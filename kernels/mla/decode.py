@@ -343,6 +343,7 @@ def _prefetch_unit_tiles(cache_ptr, bt_row, u, t_begin, t_end, seq_len, s_cp, s_
     offs_c = tl.arange(0, LP) * EPL
     for i in tl.static_range(EARLY_TILES):
         key = (t_begin + i) * BLOCK_N + offs_n
+        # (elementwise: under the interpreter the scalar compare u < EARLY_UNITS gave the load an int32 mask)
         ok = (key < seq_len) & (key < t_end * BLOCK_N) & (offs_n * 0 + u < EARLY_UNITS)
         page = tl.load(bt_row + key // BS, mask=ok, other=0).to(tl.int64)
         rows = cache_ptr + page * s_cp + (key % BS).to(tl.int64) * s_cr
