@@ -61,7 +61,8 @@ def install_sh_profile(build_type, cuda_major):
     """Run install.sh's profile selection (up to the supported-profile check) -> (profile, PYTHON_VERSION)."""
     src = read("install.sh")
     start = src.index("getBuildProfileStandalone() {")
-    end = src.index("esac", start) + len("esac")
+    call = 'requireSupportedProfile "${PROFILE}"'
+    end = src.index(call, start) + len(call)
     env = {k: v for k, v in os.environ.items() if k not in ("BUILD_TYPE", "CUDA_MAJOR_VERSION", "PYTHON_VERSION")}
     env.update(BUILD_TYPE=build_type, CUDA_MAJOR_VERSION=cuda_major)
     out = subprocess.run(["bash", "-c", src[start:end] + '\necho "${PROFILE} ${PYTHON_VERSION:-default}"'], env=env,
