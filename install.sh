@@ -10,6 +10,7 @@
 # ./common/libbackend.sh) the shared library does the work: installRequirements + runProtogen.
 # Standalone it does the same steps itself: venv (uv if present, else python -m venv + pip), requirements.txt,
 # requirements-${BUILD_PROFILE}.txt, requirements-${BUILD_PROFILE}-after.txt, protoc, import check.
+# `install.sh --test-deps` adds requirements-test.txt to the venv (test.sh does, when pytest & co. are missing).
 set -euo pipefail
 
 backend_dir=$(cd "$(dirname "$0")" && pwd)
@@ -122,6 +123,15 @@ if [ -n "${libbackend}" ] && [ "x${KIMI_STANDALONE:-}" != "xtrue" ]; then
         runProtogen
         exit 0
     fi
+    if [ "${1:-}" == "--test-deps" ]; then
+        ensureVenv
+        if [ "x${USE_PIP}" == "xtrue" ]; then
+            pip install ${EXTRA_PIP_INSTALL_FLAGS:-} --requirement "${backend_dir}/requirements-test.txt"
+        else
+            uv pip install ${EXTRA_PIP_INSTALL_FLAGS:-} --requirement "${backend_dir}/requirements-test.txt"
+        fi
+        exit 0
+    fi
     if [ "x${BUILD_PROFILE}" == "xcpu" ]; then
         ensureVenv
         if [ "x${USE_PIP}" == "xtrue" ]; then
@@ -189,6 +199,12 @@ if [ "${USE_UV}" == "true" ]; then
     PIP=(uv pip install ${EXTRA_PIP_INSTALL_FLAGS:-})
 else
     PIP=("${VENV}/bin/python" -m pip install ${EXTRA_PIP_INSTALL_FLAGS:-})
+fi
+
+if [ "${1:-}" == "--test-deps" ]; then
+    echo "install.sh: installing requirements-test.txt"
+    "${PIP[@]}" --requirement requirements-test.txt
+    exit 0
 fi
 
 if [ "x${PROFILE}" == "xcpu" ]; then

@@ -31,6 +31,12 @@ else
     export PATH="${VENV}/bin:${PATH}"
 fi
 
+# the test-only packages (requirements-test.txt) are not part of the install (`make`): added here on first use
+if ! "${PY}" -c 'import pytest, xdist, hypothesis, yaml' 2>/dev/null; then
+    echo "test.sh: installing the test requirements (requirements-test.txt)"
+    bash "${backend_dir}/install.sh" --test-deps
+fi
+
 if [ ! -f backend_pb2.py ] || [ ! -f backend_pb2_grpc.py ]; then
     echo "test.sh: gRPC stubs missing; generating them"
     bash "${backend_dir}/install.sh" --protogen

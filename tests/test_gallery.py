@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-yaml = pytest.importorskip("yaml")  # pyyaml, in requirements.txt (test-only)
+yaml = pytest.importorskip("yaml")  # pyyaml, in requirements-test.txt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND_NAME = "kimi-linear"

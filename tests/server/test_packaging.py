@@ -37,6 +37,35 @@ def test_requirement_profiles():
         assert re.search(r"^torch==2\.13\.0$", read(f"requirements-{profile}.txt"), re.M), profile
         assert re.search(r"^triton==3\.9\.0$", read(f"requirements-{profile}-after.txt"), re.M), profile
     assert "3.12" in read("install.sh")  # l4t13 (GB10) wheels are cp312
+    # test-only packages stay out of the install LocalAI's images run (`make`); test.sh adds them
+    test_only = ("pytest", "pytest-xdist", "hypothesis", "pyyaml")
+    listed = {ln.split("#")[0].split()[0].lower() for ln in read("requirements-test.txt").splitlines()
+              if ln.split("#")[0].strip()}
+    assert set(test_only) <= listed, listed
+    for name in test_only:
+        assert not re.search(rf"^{name}\b", base, re.M | re.I), name
+
+
+def test_test_sh_installs_test_requirements(tmp_path):
+    """A venv made by `make` lacks pytest & co.: test.sh installs requirements-test.txt (through install.sh
+    --test-deps, the venv's own installer) before running pytest; standalone that is the venv's pip."""
+    me = tmp_path / "kimi-linear"
+    (me / "venv" / "bin").mkdir(parents=True)
+    for name in ("test.sh", "install.sh", "requirements-test.txt"):
+        (me / name).write_bytes(open(os.path.join(ROOT, name), "rb").read())
+    for name in ("backend_pb2.py", "backend_pb2_grpc.py"):
+        (me / name).write_text("")
+    log = tmp_path / "calls.txt"
+    py = me / "venv" / "bin" / "python"   # no module imports (-c fails); logs pip and pytest calls
+    py.write_text(f'#!/bin/sh\n[ "$1" = -c ] && exit 1\necho "$*" >> "{log}"\n')
+    py.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("KIMI_VENV", "TRITON_INTERPRET", "BUILD_TYPE")}
+    env.update(USE_PIP="true", KIMI_STANDALONE="true")
+    r = subprocess.run(["bash", str(me / "test.sh"), "tests/x"], cwd=me, capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert log.read_text().splitlines() == ["-m pip install --requirement requirements-test.txt",
+                                            "-m pytest tests/x"], log.read_text()
 
 
 def test_install_rejects_unknown_profile():
@@ -135,30 +164,47 @@ def test_protogen_in_localai_tree(tmp_path):
     assert not (me / ".backend.proto.vendored").exists()
 
 
-@pytest.mark.parametrize("build_type,ok", [("", True), ("intel", False), ("hipblas", False)])
-def test_localai_tree_profile_intel_falls_back_to_cpu(tmp_path, build_type, ok):
-    """libbackend's getBuildProfile says intel whenever /opt/intel exists, even with BUILD_TYPE unset: install.sh then
-    installs the cpu profile (CPU torch first, the CUDA-torch check after), instead of libbackend's requirement list
-    resolving torch==2.13.0 to PyPI's CUDA build. An explicit BUILD_TYPE it has no profile for is refused."""
+def _stub_localai_tree(tmp_path, build_profile):
+    """backend/python/{kimi-linear (install.sh, a venv running this Python), common/libbackend.sh (a stub that logs
+    ensureVenv / installRequirements)} and a logging `pip` on PATH -> (our dir, the log, env with USE_PIP=true)."""
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     me, common, bin_ = tmp_path / "python" / "kimi-linear", tmp_path / "python" / "common", tmp_path / "bin"
     for d in (me / "venv" / "bin", common, bin_):
         d.mkdir(parents=True)
-    (me / "install.sh").write_bytes(open(os.path.join(root, "install.sh"), "rb").read())
+    (me / "install.sh").write_bytes(open(os.path.join(ROOT, "install.sh"), "rb").read())
     py = me / "venv" / "bin" / "python"                          # a venv with CPU torch (this test's)
     py.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     py.chmod(0o755)
     log = tmp_path / "calls.txt"
     (common / "libbackend.sh").write_text(
-        f'BUILD_PROFILE={"intel" if not build_type else build_type}\nEDIR="$(pwd)"\n'
+        f'BUILD_PROFILE={build_profile}\nEDIR="$(pwd)"\n'
         f'ensureVenv() {{ echo ensureVenv >> "{log}"; }}\n'
         f'installRequirements() {{ echo "installRequirements $BUILD_PROFILE" >> "{log}"; }}\n')
     (bin_ / "pip").write_text(f'#!/bin/sh\necho "pip $*" >> "{log}"\n')
     (bin_ / "pip").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("KIMI_STANDALONE", "BUILD_TYPE")}
-    env.update(PATH=f"{bin_}:{env['PATH']}", USE_PIP="true", **({"BUILD_TYPE": build_type} if build_type else {}))
+    env.update(PATH=f"{bin_}:{env['PATH']}", USE_PIP="true")
+    return me, log, env
+
+
+def test_localai_tree_test_deps(tmp_path):
+    """In LocalAI's tree `install.sh --test-deps` installs requirements-test.txt into libbackend's venv, nothing
+    else (no profile requirements, no protoc)."""
+    me, log, env = _stub_localai_tree(tmp_path, "cpu")
+    r = subprocess.run(["bash", str(me / "install.sh"), "--test-deps"], cwd=me, capture_output=True, text=True,
+                       env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert log.read_text().splitlines() == ["ensureVenv", f"pip install --requirement {me}/requirements-test.txt"]
+
+
+@pytest.mark.parametrize("build_type,ok", [("", True), ("intel", False), ("hipblas", False)])
+def test_localai_tree_profile_intel_falls_back_to_cpu(tmp_path, build_type, ok):
+    """libbackend's getBuildProfile says intel whenever /opt/intel exists, even with BUILD_TYPE unset: install.sh then
+    installs the cpu profile (CPU torch first, the CUDA-torch check after), instead of libbackend's requirement list
+    resolving torch==2.13.0 to PyPI's CUDA build. An explicit BUILD_TYPE it has no profile for is refused."""
+    me, log, env = _stub_localai_tree(tmp_path, "intel" if not build_type else build_type)
+    env.update({"BUILD_TYPE": build_type} if build_type else {})
     r = subprocess.run(["bash", str(me / "install.sh")], cwd=me, capture_output=True, text=True, env=env)
     if not ok:
         assert r.returncode == 1 and "is not supported" in r.stderr, r.stdout + r.stderr
