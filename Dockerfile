@@ -20,8 +20,9 @@
 # LocalAI's backend/Dockerfile.python with BACKEND=kimi-linear instead; both run the same `make`.
 #
 # CUDA: torch (PyPI / cu128 index) ships the CUDA runtime libraries and Triton ships ptxas, so no toolkit is
-# installed; the host provides the driver. Triton builds its small C launcher at first use, so the image's
-# consumer needs a C compiler (LocalAI's images for vLLM/SGLang have the same requirement).
+# installed; the host provides the driver. Triton builds a small C module (its CUDA driver glue) at first use with
+# the system's C compiler, which LocalAI's runtime image lacks: `make` prebuilds it here, in the builder stage
+# (prebuilt/, kernels/_prebuilt.py), and the kernels hand it to Triton when no compiler is found at run time.
 
 ARG BASE_IMAGE=ubuntu:24.04
 

@@ -67,6 +67,12 @@ checkCpuTorch() {
 
 # Generate backend_pb2.py / backend_pb2_grpc.py into the repo root with the venv's grpc_tools (pinned in
 # requirements.txt next to grpcio, so gencode <= protobuf runtime), then check that both import.
+prebuildTriton() {
+    # GPU profiles: Triton's C driver module built now, where a compiler is (an image's builder stage), for runtime
+    # images without one (kernels/_prebuilt.py). Not fatal: with a compiler at run time Triton builds it itself.
+    (cd "${backend_dir}" && "$1" -m kernels._prebuilt) || true
+}
+
 runProtogenStandalone() {
     local py="${backend_dir}/venv/bin/python"
     if [ ! -x "${py}" ]; then
@@ -143,6 +149,8 @@ if [ -n "${libbackend}" ] && [ "x${KIMI_STANDALONE:-}" != "xtrue" ]; then
     installRequirements
     if [ "x${BUILD_PROFILE}" == "xcpu" ]; then
         checkCpuTorch "${EDIR}/venv/bin/python"
+    else
+        prebuildTriton "${EDIR}/venv/bin/python"
     fi
     exit 0
 fi
@@ -220,6 +228,8 @@ done
 
 if [ "x${PROFILE}" == "xcpu" ]; then
     checkCpuTorch "${VENV}/bin/python"
+else
+    prebuildTriton "${VENV}/bin/python"
 fi
 
 runProtogenStandalone

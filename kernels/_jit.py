@@ -10,6 +10,10 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not INTERPRET:
+    from kernels import _prebuilt
+
+    _prebuilt.install()  # no C compiler here (LocalAI's runtime images): Triton loads install.sh's prebuilt module
 
 
 @triton.jit

@@ -213,3 +213,25 @@ def test_localai_tree_profile_intel_falls_back_to_cpu(tmp_path, build_type, ok):
     calls = log.read_text().splitlines()
     assert calls[0] == "ensureVenv" and calls[1].startswith("pip install") and "torch==2.13.0+cpu" in calls[1]
     assert calls[-1] == "installRequirements cpu", calls
+
+
+def test_gpu_profile_install_prebuilds_tritons_driver_module(tmp_path):
+    """A GPU profile's install (here libbackend's path, cublas12) leaves prebuilt/ with Triton's driver module for
+    runtime images without a C compiler (kernels/_prebuilt.py); the cpu profile does not build it."""
+    from kernels import _prebuilt
+
+    if _prebuilt.find_compiler() is None:
+        pytest.skip("no C compiler")
+    for profile in ("cublas12", "cpu"):
+        me, log, env = _stub_localai_tree(tmp_path / profile, profile)
+        (me / "kernels").mkdir()
+        (me / "kernels" / "__init__.py").write_text("")
+        (me / "kernels" / "_prebuilt.py").write_bytes(open(os.path.join(ROOT, "kernels", "_prebuilt.py"), "rb").read())
+        env.update(BUILD_TYPE="cublas" if profile != "cpu" else "", CUDA_MAJOR_VERSION="12")
+        r = subprocess.run(["bash", str(me / "install.sh")], cwd=me, capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        built = sorted(os.listdir(me / "prebuilt")) if (me / "prebuilt").exists() else []
+        if profile == "cpu":
+            assert built == [], built
+        else:
+            assert len(built) == 2 and built[0].startswith("triton-cuda_utils") and built[1].endswith(".json"), built
