@@ -4,8 +4,8 @@ Triton 3.9 builds one C extension at its first GPU use: triton/backends/nvidia/d
 with the system's cc. LocalAI's runtime images have no C compiler (the backend image is FROM scratch; the builder
 stage that runs `make` has one), so install.sh builds the module there (`python -m kernels._prebuilt`) into
 prebuilt/, next to a stamp of the driver source, Triton version and extension suffix it was built from. On import
-of the kernels, when no compiler is found the way Triton looks (CC, gcc, clang), triton.knobs.build.impl hands
-Triton that file instead; Triton then caches and loads it as if it had compiled it. Modules the prebuilt file does
+of the kernels, when Triton could not build it (no compiler found the way Triton looks: CC, gcc, clang; or no
+Python.h), triton.knobs.build.impl hands Triton that file instead; Triton then caches and loads it as if it had compiled it. Modules the prebuilt file does
 not cover (another source: a different Triton; Triton < 3.7 also compiles one launcher per kernel signature) fail
 with an error that says to install gcc.
 
@@ -48,6 +48,17 @@ def _stamp(src_path: str) -> dict:
     return {"triton": triton.__version__, "driver_sha256": digest, "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX")}
 
 
+def _python_include() -> str:
+    """The include directory Triton's build passes for Python.h (Debian's posix_local scheme mapped as Triton does)."""
+    scheme = sysconfig.get_default_scheme()
+    return sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
+
+
+def can_build() -> bool:
+    """Whether Triton could build its C modules here: a compiler and Python's headers."""
+    return find_compiler() is not None and os.path.exists(os.path.join(_python_include(), "Python.h"))
+
+
 def find_compiler() -> str | None:
     """The C compiler Triton would use (CC, else gcc, else clang), or None."""
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
@@ -61,8 +72,9 @@ def build(directory: str = PREBUILT_DIR, cc: str | None = None) -> str:
     src = _driver_source()
     so, stamp = _paths(directory)
     os.makedirs(directory, exist_ok=True)
-    py_include = sysconfig.get_paths(scheme="posix_prefix" if sysconfig.get_default_scheme() == "posix_local"
-                                     else sysconfig.get_default_scheme())["include"]
+    py_include = _python_include()
+    if not os.path.exists(os.path.join(py_include, "Python.h")):
+        raise RuntimeError(f"no Python.h in {py_include} (Debian / Ubuntu: apt install python3-dev)")
     with tempfile.TemporaryDirectory() as tmp:
         stub = os.path.join(tmp, "libcuda.so.1")   # an empty library with the driver's soname (see the docstring)
         empty = os.path.join(tmp, "empty.c")
@@ -85,16 +97,16 @@ def _make_impl(so: str, stamp: dict):
             out = os.path.join(srcdir, os.path.basename(so))
             shutil.copyfile(so, out)
             return out
-        raise RuntimeError(f"Triton needs to compile {name} and this machine has no C compiler (CC unset, no gcc or "
-                           f"clang on PATH); the prebuilt {os.path.basename(so)} covers only {NAME} of Triton "
-                           f"{stamp.get('triton')}. Install gcc (e.g. apt install gcc) or set CC.")
+        raise RuntimeError(f"Triton needs to compile {name} and cannot here (no C compiler: CC unset, no gcc or "
+                           f"clang on PATH; or no Python.h); the prebuilt {os.path.basename(so)} covers only {NAME} "
+                           f"of Triton {stamp.get('triton')}. Install gcc and python3-dev (apt) or set CC.")
     return impl
 
 
 def install(directory: str = PREBUILT_DIR) -> bool:
-    """Without a C compiler, let Triton use the prebuilt driver module (when one matches this Triton) -> whether
-    the build hook was set. A machine with a compiler keeps Triton's own build."""
-    if find_compiler() is not None:
+    """Where Triton cannot build (no C compiler, or no Python.h), let it use the prebuilt driver module (when one
+    matches this Triton) -> whether the build hook was set. A machine that can build keeps Triton's own build."""
+    if can_build():
         return False
     so, stamp_path = _paths(directory)
     if not (os.path.exists(so) and os.path.exists(stamp_path)):

@@ -16,7 +16,7 @@ from kernels import _prebuilt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-pytestmark = pytest.mark.skipif(_prebuilt.find_compiler() is None, reason="no C compiler to prebuild with")
+pytestmark = pytest.mark.skipif(not _prebuilt.can_build(), reason="no C compiler or Python.h to prebuild with")
 
 
 @pytest.fixture(scope="module")
@@ -38,21 +38,21 @@ def prebuilt(tmp_path_factory):
     return str(base / "prebuilt"), str(fake)
 
 
-def _run_without_compiler(tmp_path, prebuilt, body):
-    """Run body (Python) with no C compiler reachable (empty PATH, CC unset), the fake driver library, a fresh
-    Triton cache -> CompletedProcess."""
+def _run_without_compiler(tmp_path, prebuilt, body, compiler=False):
+    """Run body (Python) with no C compiler reachable (empty PATH, CC unset; compiler=True: PATH kept), the fake
+    driver library, a fresh Triton cache -> CompletedProcess."""
     directory, fake = prebuilt
     empty = tmp_path / "bin"
     empty.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("CC", "TRITON_INTERPRET", "PYTHONPATH")}
-    env.update(PATH=str(empty), LD_LIBRARY_PATH=fake, TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=ROOT,
-               PREBUILT=directory)
-    code = textwrap.dedent("""
+    env.update(LD_LIBRARY_PATH=fake, TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=ROOT,
+               PREBUILT=directory, **({} if compiler else {"PATH": str(empty)}))
+    code = textwrap.dedent(f"""
         import os
         import triton.backends.nvidia.driver as nv
         from triton.runtime.build import compile_module_from_file
         from kernels import _prebuilt
-        assert _prebuilt.find_compiler() is None
+        assert (_prebuilt.find_compiler() is not None) == {compiler}
         def load(name="cuda_utils"):
             return compile_module_from_file(os.path.join(nv.dirname, "driver.c"), name, library_dirs=[],
                                             include_dirs=nv.include_dirs, libraries=nv.libraries)
@@ -71,6 +71,21 @@ def test_triton_loads_the_prebuilt_module_without_a_compiler(tmp_path, prebuilt)
     assert "loaded " + str(tmp_path / "cache") in r.stdout, r.stdout
 
 
+def test_no_python_headers_uses_the_prebuilt_module(tmp_path, prebuilt):
+    """A compiler but no Python.h (a system Python without python3-dev): Triton's build would fail, so the hook is
+    set and the prebuilt module is what loads."""
+    (tmp_path / "include").mkdir()
+    r = _run_without_compiler(tmp_path, prebuilt, f"""
+        _prebuilt._python_include = lambda: {str(tmp_path / "include")!r}
+        assert not _prebuilt.can_build()
+        assert _prebuilt.install(os.environ["PREBUILT"])
+        mod = load()
+        print("loaded", mod.__file__)
+    """, compiler=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "loaded " + str(tmp_path / "cache") in r.stdout, r.stdout
+
+
 def test_without_the_hook_triton_needs_a_compiler(tmp_path, prebuilt):
     r = _run_without_compiler(tmp_path, prebuilt, """
         load()
@@ -84,7 +99,7 @@ def test_other_modules_name_gcc(tmp_path, prebuilt):
         assert _prebuilt.install(os.environ["PREBUILT"])
         load("__triton_launcher")
     """)
-    assert r.returncode != 0 and "Install gcc" in r.stderr, r.stderr[-2000:]
+    assert r.returncode != 0 and "Install gcc and python3-dev" in r.stderr, r.stderr[-2000:]
 
 
 def test_stale_or_missing_prebuilt_is_not_used(tmp_path, prebuilt):
