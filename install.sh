@@ -65,14 +65,14 @@ checkCpuTorch() {
     fi
 }
 
-# Generate backend_pb2.py / backend_pb2_grpc.py into the repo root with the venv's grpc_tools (pinned in
-# requirements.txt next to grpcio, so gencode <= protobuf runtime), then check that both import.
+# GPU profiles: Triton's C driver module built now, where a compiler is (an image's builder stage), for runtime
+# images without one (kernels/_prebuilt.py). Not fatal: with a compiler at run time Triton builds it itself.
 prebuildTriton() {
-    # GPU profiles: Triton's C driver module built now, where a compiler is (an image's builder stage), for runtime
-    # images without one (kernels/_prebuilt.py). Not fatal: with a compiler at run time Triton builds it itself.
     (cd "${backend_dir}" && "$1" -m kernels._prebuilt) || true
 }
 
+# Generate backend_pb2.py / backend_pb2_grpc.py into the repo root with the venv's grpc_tools (pinned in
+# requirements.txt next to grpcio, so gencode <= protobuf runtime), then check that both import.
 runProtogenStandalone() {
     local py="${backend_dir}/venv/bin/python"
     if [ ! -x "${py}" ]; then
@@ -129,22 +129,19 @@ if [ -n "${libbackend}" ] && [ "x${KIMI_STANDALONE:-}" != "xtrue" ]; then
         runProtogen
         exit 0
     fi
+    # libbackend's installer for the steps it has no function for (its installRequirements' choice)
+    LB_PIP=(uv pip install ${EXTRA_PIP_INSTALL_FLAGS:-})
+    if [ "x${USE_PIP}" == "xtrue" ]; then
+        LB_PIP=(pip install ${EXTRA_PIP_INSTALL_FLAGS:-})
+    fi
     if [ "${1:-}" == "--test-deps" ]; then
         ensureVenv
-        if [ "x${USE_PIP}" == "xtrue" ]; then
-            pip install ${EXTRA_PIP_INSTALL_FLAGS:-} --requirement "${backend_dir}/requirements-test.txt"
-        else
-            uv pip install ${EXTRA_PIP_INSTALL_FLAGS:-} --requirement "${backend_dir}/requirements-test.txt"
-        fi
+        "${LB_PIP[@]}" --requirement "${backend_dir}/requirements-test.txt"
         exit 0
     fi
     if [ "x${BUILD_PROFILE}" == "xcpu" ]; then
         ensureVenv
-        if [ "x${USE_PIP}" == "xtrue" ]; then
-            installCpuTorch pip install ${EXTRA_PIP_INSTALL_FLAGS:-}
-        else
-            installCpuTorch uv pip install ${EXTRA_PIP_INSTALL_FLAGS:-}
-        fi
+        installCpuTorch "${LB_PIP[@]}"
     fi
     installRequirements
     if [ "x${BUILD_PROFILE}" == "xcpu" ]; then

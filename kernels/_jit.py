@@ -13,7 +13,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if not INTERPRET:
     from kernels import _prebuilt
 
-    _prebuilt.install()  # no C compiler here (LocalAI's runtime images): Triton loads install.sh's prebuilt module
+    _prebuilt.install()  # where Triton cannot build (LocalAI's runtime images): it loads install.sh's prebuilt module
 
 
 @triton.jit

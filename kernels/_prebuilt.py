@@ -5,9 +5,9 @@ with the system's cc. LocalAI's runtime images have no C compiler (the backend i
 stage that runs `make` has one), so install.sh builds the module there (`python -m kernels._prebuilt`) into
 prebuilt/, next to a stamp of the driver source, Triton version and extension suffix it was built from. On import
 of the kernels, when Triton could not build it (no compiler found the way Triton looks: CC, gcc, clang; or no
-Python.h), triton.knobs.build.impl hands Triton that file instead; Triton then caches and loads it as if it had compiled it. Modules the prebuilt file does
-not cover (another source: a different Triton; Triton < 3.7 also compiles one launcher per kernel signature) fail
-with an error that says to install gcc.
+Python.h), triton.knobs.build.impl hands Triton that file instead; Triton then caches and loads it as if it had
+compiled it. Modules the prebuilt file does not cover (another source: a different Triton; Triton < 3.7 also compiles
+one launcher per kernel signature) fail with an error that says to install gcc and python3-dev.
 
 The module links libcuda.so.1 (its cu* calls are direct), which a builder stage without a driver does not have: the
 link goes against an empty stub with that soname, so the file records the dependency and the loader resolves the
@@ -45,7 +45,8 @@ def _stamp(src_path: str) -> dict:
 
     with open(src_path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
-    return {"triton": triton.__version__, "driver_sha256": digest, "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX")}
+    return {"triton": triton.__version__, "driver_sha256": digest,
+            "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX")}
 
 
 def _python_include() -> str:
@@ -54,9 +55,13 @@ def _python_include() -> str:
     return sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
 
 
+def _have_python_h() -> bool:
+    return os.path.exists(os.path.join(_python_include(), "Python.h"))
+
+
 def can_build() -> bool:
     """Whether Triton could build its C modules here: a compiler and Python's headers."""
-    return find_compiler() is not None and os.path.exists(os.path.join(_python_include(), "Python.h"))
+    return find_compiler() is not None and _have_python_h()
 
 
 def find_compiler() -> str | None:
@@ -72,18 +77,18 @@ def build(directory: str = PREBUILT_DIR, cc: str | None = None) -> str:
     src = _driver_source()
     so, stamp = _paths(directory)
     os.makedirs(directory, exist_ok=True)
-    py_include = _python_include()
-    if not os.path.exists(os.path.join(py_include, "Python.h")):
-        raise RuntimeError(f"no Python.h in {py_include} (Debian / Ubuntu: apt install python3-dev)")
+    if not _have_python_h():
+        raise RuntimeError(f"no Python.h in {_python_include()} (Debian / Ubuntu: apt install python3-dev)")
     with tempfile.TemporaryDirectory() as tmp:
         stub = os.path.join(tmp, "libcuda.so.1")   # an empty library with the driver's soname (see the docstring)
         empty = os.path.join(tmp, "empty.c")
         open(empty, "w").close()
         subprocess.check_call([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", stub, empty])
         out = os.path.join(tmp, os.path.basename(so))
-        subprocess.check_call([cc, src, "-O3", "-shared", "-fPIC", "-Wno-psabi", "-o", out, "-Wl,--no-as-needed", "-l:libcuda.so.1",
-                               f"-L{tmp}", f"-I{os.path.join(os.path.dirname(src), 'include')}",
-                               f"-I{os.path.dirname(src)}", f"-I{py_include}"])
+        subprocess.check_call([cc, src, "-O3", "-shared", "-fPIC", "-Wno-psabi", "-o", out,
+                               "-Wl,--no-as-needed", "-l:libcuda.so.1", f"-L{tmp}",
+                               f"-I{os.path.join(os.path.dirname(src), 'include')}", f"-I{os.path.dirname(src)}",
+                               f"-I{_python_include()}"])
         shutil.move(out, so)
     with open(stamp, "w") as f:
         json.dump(_stamp(src), f)

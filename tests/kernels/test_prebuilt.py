@@ -38,7 +38,7 @@ def prebuilt(tmp_path_factory):
     return str(base / "prebuilt"), str(fake)
 
 
-def _run_without_compiler(tmp_path, prebuilt, body, compiler=False):
+def _run_with_prebuilt(tmp_path, prebuilt, body, compiler=False):
     """Run body (Python) with no C compiler reachable (empty PATH, CC unset; compiler=True: PATH kept), the fake
     driver library, a fresh Triton cache -> CompletedProcess."""
     directory, fake = prebuilt
@@ -61,7 +61,7 @@ def _run_without_compiler(tmp_path, prebuilt, body, compiler=False):
 
 
 def test_triton_loads_the_prebuilt_module_without_a_compiler(tmp_path, prebuilt):
-    r = _run_without_compiler(tmp_path, prebuilt, """
+    r = _run_with_prebuilt(tmp_path, prebuilt, """
         assert _prebuilt.install(os.environ["PREBUILT"])
         mod = load()
         assert hasattr(mod, "launch") and hasattr(mod, "load_binary"), dir(mod)
@@ -75,7 +75,7 @@ def test_no_python_headers_uses_the_prebuilt_module(tmp_path, prebuilt):
     """A compiler but no Python.h (a system Python without python3-dev): Triton's build would fail, so the hook is
     set and the prebuilt module is what loads."""
     (tmp_path / "include").mkdir()
-    r = _run_without_compiler(tmp_path, prebuilt, f"""
+    r = _run_with_prebuilt(tmp_path, prebuilt, f"""
         _prebuilt._python_include = lambda: {str(tmp_path / "include")!r}
         assert not _prebuilt.can_build()
         assert _prebuilt.install(os.environ["PREBUILT"])
@@ -87,7 +87,7 @@ def test_no_python_headers_uses_the_prebuilt_module(tmp_path, prebuilt):
 
 
 def test_without_the_hook_triton_needs_a_compiler(tmp_path, prebuilt):
-    r = _run_without_compiler(tmp_path, prebuilt, """
+    r = _run_with_prebuilt(tmp_path, prebuilt, """
         load()
     """)
     assert r.returncode != 0 and "Failed to find C compiler" in r.stderr, r.stderr[-2000:]
@@ -95,7 +95,7 @@ def test_without_the_hook_triton_needs_a_compiler(tmp_path, prebuilt):
 
 def test_other_modules_name_gcc(tmp_path, prebuilt):
     """A module the prebuilt file does not cover (Triton < 3.7's per-kernel launchers) fails saying what to do."""
-    r = _run_without_compiler(tmp_path, prebuilt, """
+    r = _run_with_prebuilt(tmp_path, prebuilt, """
         assert _prebuilt.install(os.environ["PREBUILT"])
         load("__triton_launcher")
     """)
@@ -103,7 +103,7 @@ def test_other_modules_name_gcc(tmp_path, prebuilt):
 
 
 def test_stale_or_missing_prebuilt_is_not_used(tmp_path, prebuilt):
-    r = _run_without_compiler(tmp_path, prebuilt, """
+    r = _run_with_prebuilt(tmp_path, prebuilt, """
         import json, shutil
         src = os.environ["PREBUILT"]
         assert not _prebuilt.install(src + "-none")                     # nothing prebuilt
