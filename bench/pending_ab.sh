@@ -2,6 +2,8 @@
 # What is built and tested here but not yet run on a GPU, as one device-tool call (~8 min on an H200; carry [".whl"],
 # built by `bash bench/wheels.sh`; on an H100 bench/e2e.py runs 16 layers and ncu skips decode-b1). Logs: $OUT.
 # (Logs go to ./.out without $OUT.)
+#   suite:   every GPU test of tests/kernels, tests/model and tests/engine (env suite_paths), 8 pytest-xdist workers
+#            (suite_workers) on the one card; log gpu_suite.log.
 #   tests:   GPU tests: the sampler (tests/kernels/test_sampling.py, Kimi's vocabulary, with and without the nucleus
 #            check), the MLA decode (test_mla_decode.py, test_mla_fused_decode.py) and the load-time warm-up
 #            (tests/engine/test_warmup.py); `nucleus` mode runs test_sampling.py alone.
@@ -51,7 +53,7 @@
 #   adopt:   after adopting lz8 (MLA), AKK_JOUTER, PREP_ROWS and AKK_KG (KDA) as defaults in sessions 30 and 32
 #            (timed on H100s only): their GPU tests, the MLA sweep (the default against the tiles before it), issue
 #            5's table (bench/mla.py --no-sweep --decode-only), the kda part, and issue 6's table (bench/e2e.py).
-# Usage: bash bench/pending_ab.sh [tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|record|issue4|adopt|final|
+# Usage: bash bench/pending_ab.sh [suite|tests|sampling|nucleus|topk|e2e|splits|ncu|mla|instr|record|issue4|adopt|final|
 #        short|h200|all]
 #        [total seconds]
 set -u
@@ -124,6 +126,11 @@ if has tests; then
   timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=150 \
     $tests > "$OUT/gpu_tests.log" 2>&1; step "gpu tests" $?
 fi
+if has suite; then
+  # the whole GPU suite on one card: 8 xdist workers (pytest-xdist travels in .whl), Triton's compiles in parallel
+  timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=300 -n "${suite_workers:-8}" \
+    ${suite_paths:-tests/kernels tests/model tests/engine} > "$OUT/gpu_suite.log" 2>&1; step "gpu suite" $?
+fi
 if has sampling; then
   timeout "$(( $(left) < samp_s ? $(left) : samp_s ))" python3 bench/sampling.py --m 1,8,64 --sampled-only \
     --cases "${samp_cases:-}" > "$OUT/sampling.log" 2>&1; step sampling $?
@@ -179,6 +186,7 @@ fi
 [ -f "$OUT/sampling.log" ] && { echo "=== sampling"; tail -c 2500 "$OUT/sampling.log"; }
 for f in "$OUT"/e2e*.log; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| (decode|prefill)|warm-up|Error|error" "$f"; }; done
 [ -f "$OUT/mla_variants.log" ] && { echo "=== mla variants"; grep -E "^B=|WRONG|rror" "$OUT/mla_variants.log" | tail -40; }
+[ -f "$OUT/gpu_suite.log" ] && { echo "=== gpu suite"; grep -E "passed|failed|error|FAILED|ERROR" "$OUT/gpu_suite.log" | tail -25; }
 [ -f "$OUT/mla5.log" ] && { echo "=== mla issue 5"; grep -E "^\\||^B=|copy|rror" "$OUT/mla5.log" | tail -20; }
 [ -f "$OUT/kda_full.log" ] && { echo "=== kda full"; grep -E "^\||ms|rror" "$OUT/kda_full.log" | tail -40; }
 [ -f "$OUT/kda_variants.log" ] && { echo "=== kda variants"; tail -n 25 "$OUT/kda_variants.log"; }
