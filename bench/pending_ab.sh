@@ -3,7 +3,7 @@
 # built by `bash bench/wheels.sh`; on an H100 bench/e2e.py runs 16 layers and ncu skips decode-b1). Logs: $OUT.
 # (Logs go to ./.out without $OUT.)
 #   suite:   every GPU test of tests/kernels, tests/model and tests/engine (env suite_paths), 8 pytest-xdist workers
-#            (suite_workers) on the one card; log gpu_suite.log.
+#            (suite_workers) on the one card, the tests part with the whole time; log gpu_tests.log.
 #   tests:   GPU tests: the sampler (tests/kernels/test_sampling.py, Kimi's vocabulary, with and without the nucleus
 #            check), the MLA decode (test_mla_decode.py, test_mla_fused_decode.py) and the load-time warm-up
 #            (tests/engine/test_warmup.py); `nucleus` mode runs test_sampling.py alone.
@@ -110,6 +110,9 @@ case $what in
          mla_shapes=${mla_shapes:-64x8192,1x131072,128x8192}
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_mla_fused_decode.py" ;;
+  # the whole GPU suite on one card: xdist workers (pytest-xdist travels in .whl) run Triton's compiles in parallel
+  suite) parts="tests"; tests=${suite_paths:-tests/kernels tests/model tests/engine}; tests_s=$total
+         tests_args="-n ${suite_workers:-8}"; test_timeout=300 ;;
   h200) parts="tests sampling e2e ncu"; tests=${tests:-tests/kernels/test_sampling.py}; samp_s=${samp_s:-100}
         samp_cases=${samp_cases:-generic,top_k}; e2e_extra=${e2e_extra:---sampled-generic} ;;
   *) parts=$what ;;
@@ -117,19 +120,15 @@ esac
 tests=${tests:-tests/kernels/test_sampling.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_fused_decode.py \
   tests/engine/test_warmup.py}
 samp_s=${samp_s:-90}
+tests_s=${tests_s:-200}; tests_args=${tests_args:-}; test_timeout=${test_timeout:-150}
 # adopt / record on a card too small for the 27 layers (an H100): issue 6's table is the H200's, so e2e is left out
 if { [ "$what" = adopt ] || [ "$what" = record ]; } && [ "$layers" != 27 ]; then parts=${parts/ e2e/}; fi
 if [ "$what" = final ] && [ "$layers" != 27 ]; then parts=${parts/ mla5 e2eb1/}; fi
 has() { case " $parts " in *" $1 "*) true ;; *) false ;; esac; }
 if has tests; then
   # shellcheck disable=SC2086
-  timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=150 \
-    $tests > "$OUT/gpu_tests.log" 2>&1; step "gpu tests" $?
-fi
-if has suite; then
-  # the whole GPU suite on one card: 8 xdist workers (pytest-xdist travels in .whl), Triton's compiles in parallel
-  timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=300 -n "${suite_workers:-8}" \
-    ${suite_paths:-tests/kernels tests/model tests/engine} > "$OUT/gpu_suite.log" 2>&1; step "gpu suite" $?
+  timeout "$(( $(left) < tests_s ? $(left) : tests_s ))" python3 -m pytest -m gpu -q -p no:cacheprovider \
+    --timeout="$test_timeout" $tests_args $tests > "$OUT/gpu_tests.log" 2>&1; step "gpu tests" $?
 fi
 if has sampling; then
   timeout "$(( $(left) < samp_s ? $(left) : samp_s ))" python3 bench/sampling.py --m 1,8,64 --sampled-only \
@@ -182,11 +181,11 @@ if has ncu && [ "$(left)" -gt 120 ]; then
     > "$OUT/ncu.log" 2>&1
   step ncu $?
 fi
-[ -f "$OUT/gpu_tests.log" ] && { echo "=== gpu tests"; tail -n 5 "$OUT/gpu_tests.log"; }
+[ -f "$OUT/gpu_tests.log" ] && { echo "=== gpu tests"; grep -E "^(FAILED|ERROR) " "$OUT/gpu_tests.log" | head -30
+  tail -n 5 "$OUT/gpu_tests.log"; }
 [ -f "$OUT/sampling.log" ] && { echo "=== sampling"; tail -c 2500 "$OUT/sampling.log"; }
 for f in "$OUT"/e2e*.log; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| (decode|prefill)|warm-up|Error|error" "$f"; }; done
 [ -f "$OUT/mla_variants.log" ] && { echo "=== mla variants"; grep -E "^B=|WRONG|rror" "$OUT/mla_variants.log" | tail -40; }
-[ -f "$OUT/gpu_suite.log" ] && { echo "=== gpu suite"; grep -E "passed|failed|error|FAILED|ERROR" "$OUT/gpu_suite.log" | tail -25; }
 [ -f "$OUT/mla5.log" ] && { echo "=== mla issue 5"; grep -E "^\\||^B=|copy|rror" "$OUT/mla5.log" | tail -20; }
 [ -f "$OUT/kda_full.log" ] && { echo "=== kda full"; grep -E "^\||ms|rror" "$OUT/kda_full.log" | tail -40; }
 [ -f "$OUT/kda_variants.log" ] && { echo "=== kda variants"; tail -n 25 "$OUT/kda_variants.log"; }
