@@ -30,9 +30,11 @@
 #            candidates come from the top-k set and top-p's S is exact): the sampler's GPU tests, bench/sampling.py
 #            on the top-k cases (with min-p; LocalAI's generic T0.9 top-k 40 top-p 0.95), then the nucleus e2e A/B
 #            with --sampled-generic, one pair (env pairs=).
-#   mla:     the MLA decode's variants (kernels/mla/decode.py): 'ls n64 w4' (the tiles before lz8) and 'ls n64 w4
-#            lz8' (lazy softmax rescale, the default since session 30). Their GPU tests (Kimi shapes), then
-#            bench/mla.py --sweep-decode beside FlashInfer at issue 5's shapes.
+#   mla:     the MLA decode's variants (kernels/mla/decode.py): 'ls n64 w4' (the tiles before lz8), 'ls n64 w4
+#            lz8' (lazy softmax rescale, the default since session 30) and 'ls n64 w4 lz8 ri2' (unclamped tile rows:
+#            887 SASS instructions per tile against 1,155; a tie on the H100, back for the H200, where stage 1 is
+#            issue-bound; lz8 and ri2 have never run on an H200). Their GPU tests (Kimi shapes), then bench/mla.py
+#            --sweep-decode beside FlashInfer at issue 5's shapes (env mla_shapes, mla_variants).
 #   instr:   the mla mode plus KDA akk's AKK_JOUTER (the default since session 30; since session 37 one K pass per
 #            program over its off-diagonal blocks j < i): the KDA variants' GPU tests, then the kda part below.
 #   kda:     bench/kda_prefill.py --quick --variants default,akk-no-kb,prep-rb2 (the default since session 37,
@@ -88,7 +90,8 @@ case $what in
   nucleus) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=150 ;;
   topk) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=${samp_s:-200}
         samp_cases=${samp_cases:-top_k,generic}; e2e_extra=${e2e_extra:---sampled-generic}; pairs=${pairs:-1} ;;
-  mla) parts="tests mla"; tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi" ;;
+  mla) parts="tests mla"; mla_shapes=${mla_shapes:-64x8192,128x8192,1x131072,8x131072}
+       tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi" ;;
   instr) parts="tests mla kda"
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
@@ -159,7 +162,7 @@ fi
 if has mla && [ "$(left)" -gt 90 ]; then
   timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 bench/mla.py --decode-only --sweep-decode \
     --shapes "${mla_shapes:-64x8192,1x131072,128x8192,8x131072,1x8192}" \
-    --variants "${mla_variants:-ls+n64+w4,ls+n64+w4+lz8}" > "$OUT/mla_variants.log" 2>&1
+    --variants "${mla_variants:-ls+n64+w4,ls+n64+w4+lz8,ls+n64+w4+lz8+ri2}" > "$OUT/mla_variants.log" 2>&1
   step "mla variants" $?
 fi
 if has mla5 && [ "$(left)" -gt 90 ]; then

@@ -68,11 +68,8 @@ EARLY_UNITS = 32          # at most this many units hint (x 74 KB per 64-key til
 # %smid; H100 12-06, session 29: B = 64 / 128 at 8k unchanged to 0.5%, B = 1 128k graph 79.5-80.4 us against 81.3:
 # no gain worth a variant; code in bfde557), the tile's row pointers from one page base and int32 offsets ('fa',
 # FASTADDR: loop 1,191 -> 1,112 SASS instructions; H100 12-06, session 30: B = 64 / 128 8k +1.7-1.9%, B = 1 128k
-# -0.7 us; code in 85952cb), ROWIMM's partial last tile in a second loop with masked rows ('ri1': 912
-# instructions, 264 B of stack; no gain over lz8 on the H100; code in 85952cb) and ROWIMM's one loop that also reads
-# the rows past seq_len of a last tile ('ri2': 887 instructions, 40 B of stack; it needs those rows finite. H100
-# 12-06, session 31, graph us: B = 64 / 128 8k 234.3 / 439.0 against lz8's 233.9 / 438.6, B = 1 128k 79.8 against
-# 81.5; not worth keeping every page tail finite; code in e327ff8). What bounds these kernels on the
+# -0.7 us; code in 85952cb), and ROWIMM's partial last tile in a second loop with masked rows ('ri1': 912
+# instructions, 264 B of stack; no gain over lz8 on the H100; code in 85952cb). What bounds these kernels on the
 # H200 is the shared-memory traffic of the dots (ldmatrix re-reads of q and the tile), not the load/MMA overlap.
 #
 # Keys of a config: block_h, block_n, num_warps, num_stages; optional page_tile (one scalar block-table load per
@@ -81,7 +78,7 @@ EARLY_UNITS = 32          # at most this many units hint (x 74 KB per 64-key til
 # fp32; lost at B >= 32, won at B=1 by 1-2 us), maxnreg (ptxas register cap), min_split_tokens (smallest unit),
 # merge (explicit stage-2 tiles, tests), early_tiles / early_units (EARLY_TILES / EARLY_UNITS overrides), lazy
 # (lsplit: the online softmax rescales only when a head's max grew by more than this many log2 units,
-# _tile_update2).
+# _tile_update2), rowimm (lsplit + page_tile: unclamped tile rows from a constexpr row stride, _tile_row_ptrs).
 DECODE_CFG = {
     # lazy 8: default since session 30 (H100 12-06, graph us, same process: B=64 8k 228.8 -> 225.2, B=128 8k 431.1 ->
     # 423.6, B=8 128k 432.5 -> 424.6, B=1 128k 80.4 -> 78.9; the variant 'ls n64 w4' is the config before it)
@@ -108,6 +105,15 @@ DECODE_VARIANTS = {
     # the lazy softmax rescale (lz8: LAZY 8, the default since session 30)
     "ls n64 w4 lz8": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                           programs_per_sm=2, lazy=8),
+    # tile rows from the page base and a constexpr row stride, unclamped (ROWIMM, _tile_row_ptrs): one loop that
+    # also reads the rows past seq_len of the last tile (offline sm_90: 887 SASS instructions per tile against lz8's
+    # 1,155, 40 B of stack). H100 12-06 (session 31): a tie at B = 64 / 128 8k, -1.7 us at B = 1 128k; removed in
+    # 348a98b, back (session 41) for the H200, where stage 1 is issue-bound (session 29's counters: time follows
+    # warp instructions there) and neither it nor lz8 has run. It needs those rows finite: the engine
+    # zero-initialises the cache, but a non-finite latent of a page's earlier owner would stay in its tail, so it is
+    # for A/B only (the tests and bench/mla.py give it finite tails)
+    "ls n64 w4 lz8 ri2": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
+                              programs_per_sm=2, lazy=8, rowimm=True),
 }
 GPU_BLOCK_H = 32  # heads per program cap (the default split heuristic assumes it)
 # Every tl.dot operand dim (M, N, K) is padded to >= MIN_DOT: Triton's GPU lowering asserts K >= 16 (M, N >= 16 keeps
@@ -181,6 +187,15 @@ def _tile_rows(cache_ptr, page, t, seq_len, offs_n, s_cp, s_cr, BS: tl.constexpr
 
 
 @triton.jit
+def _tile_row_ptrs(cache_ptr, bt_row, t, offs_n, s_cp, S_CR: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] row pointers of key tile t inside its page (PAGE_TILE), unclamped (ROWIMM): with the row stride a
+    constexpr the rows are the page base plus constants per thread, instead of _tile_rows' clamp of the rows past
+    seq_len (about 290 integer instructions per tile, offline sm_90)."""
+    page = tl.load(bt_row + (t * BLOCK_N) // BS).to(tl.int64)
+    return cache_ptr + page * s_cp + ((t * BLOCK_N) % BS) * S_CR + offs_n.to(tl.int64) * S_CR
+
+
+@triton.jit
 def _load_cols(row, offs, cmask, FULL: tl.constexpr):
     """[BLOCK_N, len(offs)] columns ``offs`` of rows ``row``. FULL: every column is real (no mask)."""
     if FULL:
@@ -206,6 +221,13 @@ def _load_rows2(cache_ptr, page, t, seq_len, offs_n, offs_l0, offs_l1, offs_r, l
                 BLOCK_N: tl.constexpr):
     """_load_rows with the latent in two column halves (LSPLIT): c0, c1 [BLOCK_N, BLOCK_L / 2], kpe."""
     row = _tile_rows(cache_ptr, page, t, seq_len, offs_n, s_cp, s_cr, BS, BLOCK_N)
+    return _load_halves(row, offs_l0, offs_l1, offs_r, lmask0, lmask1, rmask, L, R, BLOCK_L, BLOCK_R)
+
+
+@triton.jit
+def _load_halves(row, offs_l0, offs_l1, offs_r, lmask0, lmask1, rmask, L: tl.constexpr, R: tl.constexpr,
+                 BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rows ``row`` [BLOCK_N] of the cache -> c0, c1 (the latent's column halves), kpe."""
     c0 = _load_cols(row, offs_l0, lmask0, BLOCK_L == L)
     c1 = _load_cols(row, offs_l1, lmask1, BLOCK_L == L)
     kpe = _load_cols(row + L, offs_r, rmask, BLOCK_R == R)
@@ -284,10 +306,13 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
                  qk_scale, s_qn, s_qh, s_pn, s_ph, s_cp, s_cr, s_on, s_oh, s_wu, s_wh, s_lu,
                  L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
-                 UPCAST: tl.constexpr, PAGE_TILE: tl.constexpr, LAZY: tl.constexpr = 0):
+                 UPCAST: tl.constexpr, PAGE_TILE: tl.constexpr, LAZY: tl.constexpr = 0,
+                 ROWIMM: tl.constexpr = False, S_CR: tl.constexpr = 0):
     """Stage 1 of one work unit with q, the latent tile and acc in two column halves (LSPLIT, heads as M): the same
     loads (Triton's pipeliner) and math as the main path, more independent MMA chains, fewer registers.
-    LAZY: the online softmax rescales only when a head's max grew by more than LAZY (log2 units; _tile_update2)."""
+    LAZY: the online softmax rescales only when a head's max grew by more than LAZY (log2 units; _tile_update2).
+    ROWIMM (PAGE_TILE only): unclamped tile rows from the constexpr row stride S_CR (_tile_row_ptrs); the rows past
+    seq_len of the last tile are read and must be finite (their logits are masked)."""
     HALF: tl.constexpr = BLOCK_L // 2
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -312,9 +337,13 @@ def _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_row, out_ptr, opart_ptr, lse_ptr,
     acc0 = tl.zeros([BLOCK_H, HALF], tl.float32)
     acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
     for t in range(t_begin, t_end):
-        page = _tile_page(bt_row, t, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
-        c0, c1, kpe = _load_rows2(cache_ptr, page, t, seq_len, offs_n, offs_l0, offs_l1, offs_r, lmask0, lmask1,
-                                  rmask, s_cp, s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N)
+        if ROWIMM:  # rows from the page base and the constexpr row stride S_CR, the rows past seq_len read too
+            row = _tile_row_ptrs(cache_ptr, bt_row, t, offs_n, s_cp, S_CR, BS, BLOCK_N)
+            c0, c1, kpe = _load_halves(row, offs_l0, offs_l1, offs_r, lmask0, lmask1, rmask, L, R, BLOCK_L, BLOCK_R)
+        else:
+            page = _tile_page(bt_row, t, seq_len, offs_n, BS, BLOCK_N, PAGE_TILE)
+            c0, c1, kpe = _load_rows2(cache_ptr, page, t, seq_len, offs_n, offs_l0, offs_l1, offs_r, lmask0, lmask1,
+                                      rmask, s_cp, s_cr, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N)
         tmask = t * BLOCK_N + offs_n < seq_len
         m_i, l_i, acc0, acc1 = _tile_update2(q0, q1, qpe, c0, c1, kpe, tmask, m_i, l_i, acc0, acc1, qk_scale,
                                              IEEE, UPCAST, LAZY)
@@ -391,6 +420,8 @@ def _mla_decode_stage1(
     PAGE_TILE: tl.constexpr = False,  # one scalar block-table load per tile (needs BS % BLOCK_N == 0)
     LSPLIT: tl.constexpr = False,  # latent columns in two halves (_unit_lsplit)
     LAZY: tl.constexpr = 0,  # LSPLIT: rescale only when a head's max grew by more than LAZY (_tile_update2)
+    ROWIMM: tl.constexpr = False,  # LSPLIT + PAGE_TILE: unclamped rows from the constexpr row stride S_CR
+    S_CR: tl.constexpr = 0,
     GDC: tl.constexpr = False,  # PDL launch (w_uv path): nothing is read before the wait, except (EARLY_TILES)
     EARLY_TILES: tl.constexpr = 0,  # with GDC: the schedule and L2 hints of the unit's first tiles before the wait
     EARLY_UNITS: tl.constexpr = 0,
@@ -426,7 +457,7 @@ def _mla_decode_stage1(
             _unit_lsplit(q_ptr, qpe_ptr, cache_ptr, bt_ptr + n.to(tl.int64) * s_btn, out_ptr, opart_ptr, lse_ptr, n, u,
                          hb, H, seq_len, t_begin, t_end, qk_scale, s_qn, s_qh, s_pn, s_ph, s_cp, s_cr, s_on, s_oh,
                          s_wu, s_wh, s_lu, L, R, BLOCK_L, BLOCK_R, BS, BLOCK_N, BLOCK_H, DIRECT, IEEE, UPCAST,
-                         PAGE_TILE, LAZY)
+                         PAGE_TILE, LAZY, ROWIMM, S_CR)
     elif active:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
@@ -729,6 +760,9 @@ def mla_decode_triton(
     variant = dict(PAGE_TILE=bool(cfg.get("page_tile", False)) and BS % BLOCK_N == 0,
                    LSPLIT=bool(cfg.get("lsplit", False)))
     variant.update(LAZY=int(cfg.get("lazy", 0)) if variant["LSPLIT"] else 0)
+    # ROWIMM (page_tile + lsplit): the row stride as a constexpr (one compile per cache layout); int32 row offsets
+    if cfg.get("rowimm") and variant["PAGE_TILE"] and variant["LSPLIT"] and BS * cache.stride(1) < 2 ** 31:
+        variant.update(ROWIMM=True, S_CR=cache.stride(1))
     _mla_decode_stage1[(n_units, cdiv(H, BLOCK_H))](
         q_lat,
         q_pe,

@@ -56,11 +56,16 @@ def check_close(out, ref, dtype):
 
 def make_paged(lens, dtype, nb=None, bs=BS, l=L, r=R, poison=True, max_blocks=None, device=DEV):
     """Cache with random latents in each sequence's first len rows on shuffled pages; everything else (page 0,
-    unused pages, the tail of each last page) NaN when poison, 0 when not. Returns cache, block_table, seq_lens."""
+    unused pages, the tail of each last page) NaN when poison, 0 when not, and large finite values (+-3e4) when
+    poison == "finite" (kernels that read the rows past seq_len of a last tile and need them finite).
+    Returns cache, block_table, seq_lens."""
     nblk = [(s + bs - 1) // bs for s in lens]
     mb = max_blocks or max(1, max(nblk))
     nb = nb or (sum(nblk) + 5)
-    cache = torch.full((nb, bs, l + r), float("nan") if poison else 0.0, dtype=dtype, device=device)
+    if poison == "finite":
+        cache = (torch.randn(nb, bs, l + r, device=device).sign() * 3e4).to(dtype)
+    else:
+        cache = torch.full((nb, bs, l + r), float("nan") if poison else 0.0, dtype=dtype, device=device)
     perm = (torch.randperm(nb - 1) + 1).tolist()
     bt = torch.zeros(len(lens), mb, dtype=torch.int32)
     slots = []

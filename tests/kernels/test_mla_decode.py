@@ -23,6 +23,12 @@ SCALE = 0.2
 LENS = [1, 63, 64, 65, 150, 0]  # last: padded lane (block-table row = page 0)
 
 
+def poison_for(variant):
+    """make_paged's poison for a variant: NaN outside the owned rows, large finite values for ROWIMM (it reads the
+    rows past seq_len of a sequence's last tile and needs them finite; an A/B variant for that reason)."""
+    return "finite" if DECODE_VARIANTS[variant].get("rowimm") else True
+
+
 @pytest.fixture(autouse=True)
 def _needs_triton():
     if not (HAS_CUDA or INTERPRET):
@@ -36,7 +42,7 @@ def _needs_triton():
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_decode_variant_matches_ref(variant, bs, block_n, num_splits):
     dtype = torch.bfloat16
-    cache, bt, sl = make_paged(LENS, dtype, bs=bs, l=L, r=R)
+    cache, bt, sl = make_paged(LENS, dtype, bs=bs, l=L, r=R, poison=poison_for(variant))
     N = len(LENS)
     q = torch.randn(N, H, L, device=DEV).to(dtype)
     qp = torch.randn(N, H, R, device=DEV).to(dtype)
@@ -81,7 +87,7 @@ def test_decode_default_gpu_tiles(num_splits):
     assert (out[-1] == 0).all()
 
 
-@pytest.mark.parametrize("variant", ["ls n64 w4 lz8"])
+@pytest.mark.parametrize("variant", ["ls n64 w4 lz8", "ls n64 w4 lz8 ri2"])
 @pytest.mark.parametrize("spike", [0.0, 10.0, 250.0, 700.0])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_lazy_rescale(variant, spike, num_splits):
@@ -92,7 +98,7 @@ def test_decode_lazy_rescale(variant, spike, num_splits):
     runs mid-unit, the other heads' maxima unchanged) or by ~280 (700: p would overflow fp32 on a stale reference).
     fp32 (IEEE dots), so the stale reference's p (up to 2^8) is held to the fp32 tolerance."""
     lens = [300, 17, 0]
-    cache, bt, sl = make_paged(lens, torch.float32, bs=16, l=L, r=R)
+    cache, bt, sl = make_paged(lens, torch.float32, bs=16, l=L, r=R, poison=poison_for(variant))
     N = len(lens)
     q = torch.randn(N, H, L, device=DEV)
     qp = torch.randn(N, H, R, device=DEV)
@@ -197,7 +203,8 @@ def test_merge_units_uniform(b, s, bs):
 @pytest.mark.parametrize("num_splits", [None, 1, 8])
 def test_gpu_decode_variant_kimi(variant, num_splits):
     lens = [1, 63, 64, 65, 4097, 0, 1000]
-    cache, bt, sl = make_paged(lens, torch.bfloat16, bs=64, l=512, r=64, device="cuda", max_blocks=80)
+    cache, bt, sl = make_paged(lens, torch.bfloat16, bs=64, l=512, r=64, device="cuda", max_blocks=80,
+                               poison=poison_for(variant))
     N = len(lens)
     q = torch.randn(N, 32, 512, device="cuda").bfloat16()
     qp = torch.randn(N, 32, 64, device="cuda").bfloat16()
@@ -210,7 +217,8 @@ def test_gpu_decode_variant_kimi(variant, num_splits):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("variant", ["base", "w4 n32", "ls n64 r128", "w4 n32 ls", "ls n64 w4", "ls n64 w4 lz8"])
+@pytest.mark.parametrize("variant", ["base", "w4 n32", "ls n64 r128", "w4 n32 ls", "ls n64 w4", "ls n64 w4 lz8",
+                                     "ls n64 w4 lz8 ri2"])
 @pytest.mark.parametrize("lens", [[1024], [8192], [300] * 128, [20000] + [700] * 63], ids=["b1_1k", "b1_8k", "b128",
                                                                                              "mixed64"])
 def test_gpu_decode_default_schedule_kimi(variant, lens):
