@@ -111,7 +111,11 @@ DECODE_VARIANTS = {
     # 348a98b, back (session 41) for the H200, where stage 1 is issue-bound (session 29's counters: time follows
     # warp instructions there) and neither it nor lz8 has run. It needs those rows finite: the engine
     # zero-initialises the cache, but a non-finite latent of a page's earlier owner would stay in its tail, so it is
-    # for A/B only (the tests and bench/mla.py give it finite tails)
+    # for A/B only (the tests and bench/mla.py give it finite tails). Its two forms without that requirement spill
+    # (offline sm_90, Triton 3.9, session 41; not run): the rows past seq_len masked out of the loads, 1,128
+    # instructions and 46 LDL per tile; their offsets selected to the tile's first row, 1,077 and 45 LDL. ri2 saves
+    # its instructions by the loads' loop-invariant offsets (immediates). To adopt it, the store paths (store_latent,
+    # absorb's prep) would write only finite rows, so that no page tail can hold a non-finite earlier latent.
     "ls n64 w4 lz8 ri2": dict(block_h=32, block_n=64, num_warps=4, num_stages=2, page_tile=True, lsplit=True,
                               programs_per_sm=2, lazy=8, rowimm=True),
 }
