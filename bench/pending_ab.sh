@@ -91,7 +91,7 @@ case $what in
   topk) parts="tests sampling nucleus"; tests=tests/kernels/test_sampling.py; samp_s=${samp_s:-200}
         samp_cases=${samp_cases:-top_k,generic}; e2e_extra=${e2e_extra:---sampled-generic}; pairs=${pairs:-1} ;;
   mla) parts="tests mla"; mla_shapes=${mla_shapes:-64x8192,128x8192,1x131072,8x131072}
-       tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi" ;;
+       tests=${tests:-tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi} ;;
   instr) parts="tests mla kda"
          tests="tests/kernels/test_mla_decode.py::test_gpu_decode_variant_kimi"
          tests+=" tests/kernels/test_kda_chunk.py::test_gpu_variants_bf16" ;;
