@@ -195,7 +195,7 @@ def _tile_row_ptrs(cache_ptr, bt_row, t, offs_n, s_cp, S_CR: tl.constexpr, BS: t
     """[BLOCK_N] row pointers of key tile t inside its page (PAGE_TILE), unclamped (ROWIMM): with the row stride a
     constexpr the rows are the page base plus constants per thread, instead of _tile_rows' clamp of the rows past
     seq_len (about 290 integer instructions per tile, offline sm_90)."""
-    page = tl.load(bt_row + (t * BLOCK_N) // BS).to(tl.int64)
+    page = _tile_page(bt_row, t, 0, offs_n, BS, BLOCK_N, True).to(tl.int64)
     return cache_ptr + page * s_cp + ((t * BLOCK_N) % BS) * S_CR + offs_n.to(tl.int64) * S_CR
 
 
