@@ -32,7 +32,7 @@ else
 fi
 
 # the test-only packages (requirements-test.txt) are not part of the install (`make`): added here on first use
-if ! "${PY}" -c 'import pytest, xdist, hypothesis, yaml' 2>/dev/null; then
+if ! "${PY}" -c 'import pytest, xdist, hypothesis, yaml, pyflakes' 2>/dev/null; then
     echo "test.sh: installing the test requirements (requirements-test.txt)"
     bash "${backend_dir}/install.sh" --test-deps
 fi

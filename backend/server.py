@@ -891,7 +891,9 @@ async def serve(addr, model=None):
     await server.start()
     log.info("kimi-linear backend listening on %s (pid %d)", addr, os.getpid())
     print(f"Server started. Listening on: {addr}", file=sys.stderr, flush=True)
-    preload = asyncio.ensure_future(_preload(servicer, model)) if model else None  # noqa: F841 (kept alive)
+    background = []  # strong references to the tasks below: the event loop keeps only weak ones
+    if model:
+        background.append(asyncio.ensure_future(_preload(servicer, model)))
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -900,7 +902,8 @@ async def serve(addr, model=None):
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
-    watcher = None if localai_common else asyncio.ensure_future(_watch_parent(stop))  # noqa: F841 (kept alive)
+    if not localai_common:
+        background.append(asyncio.ensure_future(_watch_parent(stop)))
     waiter = asyncio.ensure_future(server.wait_for_termination())
     await asyncio.wait([waiter, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     log.info("kimi-linear backend stopping")

@@ -59,7 +59,6 @@ def copy_bandwidth(nbytes=1 << 30):
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     ms = t_ms(lambda: b.copy_(a))
-    del a, b
     return 2 * nbytes / (ms * 1e-3)
 
 
@@ -324,7 +323,8 @@ def bench_early_state(batches=(1, 8), layers=N_KDA_LAYERS, D=2304):
             dec = (t - t_gemv) / layers
             rows.append(dict(N=N, es=es, us=t, dec=dec, ok=ok))
             print(f"{N:>5} {f'gemv+decode es{es}':<22} {t:>9.1f} {t / layers:>9.2f} {dec:>16.2f}  {ok}")
-        del Ws, fgbs, pristine, finals
+        for held in (Ws, fgbs, pristine, finals):  # the closures above still see these: empty them, not del
+            held.clear()
         torch.cuda.empty_cache()
     print(f"\n| KDA decode in the in_proj -> decode chain ({layers} layers, graph, PDL) | N | early_state "
           f"| decode us/layer |")

@@ -104,7 +104,6 @@ def copy_bandwidth():
     x = torch.empty(2 << 30, dtype=torch.int8, device="cuda")
     y = torch.empty_like(x)
     t = bench(lambda: y.copy_(x))
-    del x, y
     return 2 * (2 << 30) / t
 
 
@@ -151,7 +150,6 @@ def dense_decode(q_lat, q_pe, cache, bt, sl, scale):
 
 class FlashInferMLA:
     def __init__(self):
-        import flashinfer  # noqa: F401
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
         self.ws = torch.empty(256 << 20, dtype=torch.int8, device="cuda")

@@ -6,9 +6,9 @@ import torch
 
 from kernels._dispatch import use_triton
 from kernels.moe.ref import fused_moe_ref, moe_router_ref
-from kernels.moe.fused import fused_moe_add_norm  # noqa: F401,E402 (MoE + combine + add + next norm)
+from kernels.moe.fused import fused_moe_add_norm  # MoE + combine + add + next norm
 
-__all__ = ["moe_router", "moe_router_add_norm", "fused_moe", "moe_router_ref", "fused_moe_ref"]
+__all__ = ["moe_router", "moe_router_add_norm", "fused_moe", "fused_moe_add_norm", "moe_router_ref", "fused_moe_ref"]
 
 
 def moe_router(

@@ -10,6 +10,7 @@ for cap >= 90; sm_120a gives the same shared memory / registers for every kernel
 registers. Triton 3.9 lowers tl.dot to mma.sync on sm_12x (its cap >= 100 pipeline, no wgmma / tcgen05 there).
 Run as a script for the report: `python tests/kernels/test_gb10_offline.py [arch]` (no TRITON_INTERPRET); with `--h200`
 instead, one PTX fingerprint per launch at the H200's configs (fingerprints(): a refactor's "no kernel changed" check)."""
+import importlib
 import json
 import os
 import sys
@@ -236,7 +237,9 @@ def record(arch: int = ARCH, smem: int = GB10_SMEM, sms: int = GB10_SMS, scenari
 
     fake = {"max_shared_mem": lambda device, cpu=0: smem, "num_sms": lambda device, cpu=0: sms}
     real = {n: getattr(kt, n) for n in fake}
-    import kernels.gemv, kernels.kda.chunk, kernels.kda.recurrent, kernels.mla.decode, kernels.moe.fused  # noqa
+    for name in ("kernels.gemv", "kernels.kda.chunk", "kernels.kda.recurrent", "kernels.mla.decode",
+                 "kernels.moe.fused"):   # loaded before the patch below, so that it reaches them
+        importlib.import_module(name)
     for mod in [m for n, m in sys.modules.items() if n.startswith(("kernels", "backend"))]:
         for n, f in fake.items():
             if getattr(mod, n, None) is real[n]:

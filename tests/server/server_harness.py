@@ -10,7 +10,6 @@ import threading
 import time
 
 import grpc
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

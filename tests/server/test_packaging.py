@@ -38,7 +38,7 @@ def test_requirement_profiles():
         assert re.search(r"^triton==3\.9\.0$", read(f"requirements-{profile}-after.txt"), re.M), profile
     assert "3.12" in read("install.sh")  # l4t13 (GB10) wheels are cp312
     # test-only packages stay out of the install LocalAI's images run (`make`); test.sh adds them
-    test_only = ("pytest", "pytest-xdist", "hypothesis", "pyyaml")
+    test_only = ("pytest", "pytest-xdist", "hypothesis", "pyyaml", "pyflakes")
     listed = {ln.split("#")[0].split()[0].lower() for ln in read("requirements-test.txt").splitlines()
               if ln.split("#")[0].strip()}
     assert set(test_only) <= listed, listed
