@@ -11,6 +11,7 @@ Run: python bench/kda_prefill.py   (prints one line per case and, when fla is im
                                             (named) QUICK_VARIANTS entry (module constants) vs fla-core, per-stage
                                             ms and a check against the default; then varlen 16 x 1k. ~80 s per
                                             variant that recompiles akk on the H200)
+         [--cases T=16k,varlen]             (--quick's parts: T=16k, varlen 16 x 1k, or both, the default)
      python bench/kda_prefill.py --sweep-state   (the per-stage sweep of the state pass / output configs)
 Each case prints kernels/kda/chunk.py (intra -> state pass only -> parallel output), fla when importable, and our
 per-stage times.
