@@ -87,13 +87,19 @@ CASES = {
 }
 
 
+def known_case(case: str) -> bool:
+    """A CASES name, or kda16k+NAME with NAME a bench/kda_prefill.py QUICK_VARIANTS entry."""
+    if case.startswith("kda16k+"):
+        import kda_prefill as kp
+
+        return case.split("+", 1)[1] in dict(kp.QUICK_VARIANTS)
+    return case in CASES
+
+
 def main():
     case = sys.argv[1]
-    if case.startswith("kda16k+"):
-        fn = _kda(False, case.split("+", 1)[1])
-    else:
-        assert case in CASES, f"unknown case {case}; known: {list(CASES)} or kda16k+VARIANT"
-        fn = CASES[case]()
+    assert known_case(case), f"unknown case {case}; known: {list(CASES)} or kda16k+VARIANT"
+    fn = _kda(False, case.split("+", 1)[1]) if case.startswith("kda16k+") else CASES[case]()
     for _ in range(3):                      # compile + autotune outside the profiled range
         fn()
     torch.cuda.synchronize()

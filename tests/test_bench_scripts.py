@@ -78,12 +78,9 @@ def test_default_variant_and_case_names_exist():
     kda = {n for d in _defaults(text, "kda_variants") for n in d.split(",")}
     assert {"default", "akk-no-kb", "prep-rb2"} <= kda and kda <= quick, kda - quick
 
-    cases = set(load_bench("ncu_kernels").CASES)
+    known_case = load_bench("ncu_kernels").known_case
     named = {c for d in _defaults(text, "ncu_cases") for c in d.split()}
-    assert named and named <= cases, named - cases
-    for c in _defaults(text, "ncu_cases"):
-        for case in c.split():
-            assert case in cases or (case.startswith("kda16k+") and case.split("+", 1)[1] in quick), case
+    assert named and all(known_case(c) for c in named), [c for c in named if not known_case(c)]
 
 
 def test_ncu_source_kernels_exist():
@@ -110,6 +107,5 @@ def test_selected_tests_exist():
             assert re.search(rf"^def {func}\(", src, re.M), f"{path}::{func}"
         if param:
             assert f'"{param}"' in src, f"{path}::{func}[{param}]"
-    for d in _defaults(text, "suite_paths") + ["tests/kernels tests/model tests/engine"]:
-        for p in d.split():
-            assert os.path.exists(os.path.join(ROOT, p)), p
+    suite = [p for d in _defaults(text, "suite_paths") for p in d.split()]
+    assert suite and all(os.path.exists(os.path.join(ROOT, p)) for p in suite), suite
